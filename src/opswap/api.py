@@ -1,0 +1,87 @@
+"""The Python API: the same flow as the CLI, on a module and its example inputs.
+
+    import opswap
+    model, inputs = ...                      # any nn.Module and a tuple of inputs
+    result = opswap.optimize(model, inputs, target="cpu", budget="cosine>=0.9999")
+    result.save("out/")                      # plan.json, result.json, report.md/html, model
+    fast = result.candidate                  # the optimized module; `model` is untouched
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from opswap.graph.capture import capture
+from opswap.models import LoadedModel
+from opswap.models import load as _load
+from opswap.pipeline import OptimizeConfig, Result
+from opswap.pipeline import optimize as _optimize
+from opswap.search.plan import Plan, apply_plan, make_plan
+
+
+def load(spec: str, **overrides) -> LoadedModel:
+    """Load a model spec (zoo:NAME, hf:TYPE, file.py:fn, ...); overrides as keyword args."""
+    return _load(spec, {k: str(v) for k, v in overrides.items()})
+
+
+def analyze(model: nn.Module, example_inputs, target: str = "cpu"):
+    """Per-op FLOPs, bytes, intensity and bound of `model` on `target` (an Analysis)."""
+    from opswap.cost.analyze import analyze as _analyze
+    from opswap.targets import get_target
+
+    return _analyze(capture(model, example_inputs), get_target(target))
+
+
+def plan(model: nn.Module, example_inputs, *, target: str = "cpu",
+         rules: list[str] | str | None = None, exactness: str = "exact") -> Plan:
+    """Choose replacements for `model`; the Plan can be saved, edited and re-applied."""
+    return make_plan(capture(model, example_inputs), target=target, rules=rules,
+                     exactness=exactness, model_name=type(model).__name__)
+
+
+def apply(model: nn.Module, example_inputs, plan: Plan | str) -> nn.Module:
+    """Apply a Plan (or a path to plan.json) to a copy of `model`; returns the new module."""
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    return apply_plan(capture(model, example_inputs), plan).gm
+
+
+def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
+           exactness: str = "exact", budget: str | None = None, samples: int = 3):
+    """Compare candidate with reference on random samples shaped like `example_inputs`."""
+    from opswap.verify.outputs import verify as _verify
+    from opswap.verify.tolerance import Tolerance, parse_budget
+
+    tol = Tolerance.for_exactness(exactness)
+    if budget:
+        tol = parse_budget(budget, base=tol)
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    return _verify(reference, candidate, inputs, samples=samples, tolerance=tol)
+
+
+def bench(reference: nn.Module, candidate: nn.Module, example_inputs, *, device: str = "cpu"):
+    """Time reference and candidate side by side, interleaved, after warm-up."""
+    from opswap.bench.timing import bench_models
+
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    return bench_models(reference, candidate, inputs, device=device)
+
+
+def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
+             rules: list[str] | str | None = None, exactness: str = "exact",
+             budget: str | None = None, samples: int = 3, bench: bool = True,
+             device: str = "cpu", name: str | None = None) -> Result:
+    """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
+    bench. `model` is never mutated; `result.candidate` is the optimized module."""
+    if isinstance(rules, str):
+        rules = [r.strip() for r in rules.split(",") if r.strip()]
+    config = OptimizeConfig(target=target, rules=list(rules or []), exactness=exactness,
+                            budget=budget, samples=samples, bench=bench, device=device)
+    return _optimize(model, example_inputs, config, name=name)
+
+
+def rules() -> list[dict]:
+    """Every registered rule: name, family, chapter, exactness, targets, description."""
+    from opswap.rules.registry import all_rules
+
+    return [r.info() for r in all_rules()]

@@ -1,0 +1,31 @@
+"""Exceptions opswap raises. Each message is one sentence a user can act on."""
+
+from __future__ import annotations
+
+
+class OpswapError(Exception):
+    """Base class: anything opswap raises on purpose."""
+
+
+class SpecError(OpswapError, ValueError):
+    """A model spec (zoo:NAME, hf:..., file.py:fn) could not be understood or loaded."""
+
+
+class CaptureError(OpswapError):
+    """A model could not be turned into a graph by FX tracing nor by torch.export."""
+
+
+class TargetError(OpswapError, ValueError):
+    """An unknown hardware target was named."""
+
+
+class RuleError(OpswapError):
+    """A rule could not be found, matched or applied."""
+
+
+class PlanError(OpswapError, ValueError):
+    """A plan file is malformed or does not fit the model it is applied to."""
+
+
+class VerificationError(OpswapError):
+    """Reference and candidate could not be compared (not: they differ)."""

@@ -1,0 +1,217 @@
+"""The whole flow in one place: load -> capture -> analyze -> plan -> apply -> verify -> bench.
+
+Each stage is a plain function of the previous stage's value; `optimize` strings
+them together, rolls back sites that break the accuracy budget, and returns a
+`Result` that can write plan.json, result.json, the report and the model.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from opswap.graph.capture import Captured, capture
+from opswap.rules.base import EXACTNESS_ORDER, Site
+from opswap.search.plan import Plan, apply_plan, make_plan
+
+
+@dataclass
+class OptimizeConfig:
+    """Settings of one `optimize` run; the CLI flags map onto these fields."""
+
+    target: str = "cpu"
+    rules: list[str] = field(default_factory=list)  # glob patterns; empty = every rule
+    exactness: str = "exact"  # loosest rule class allowed: exact < approx < lossy
+    budget: str | None = None  # e.g. "cosine>=0.9999"; default follows exactness
+    samples: int = 3  # random input samples verification runs on
+    seed: int = 0
+    bench: bool = True
+    layers: bool = True  # layer-by-layer comparison in the report
+    rollback: bool = True  # bisect and drop sites that break the budget
+    device: str = "cpu"
+
+
+@dataclass
+class Result:
+    """Everything one optimize run found, decided, checked and measured."""
+
+    model: str
+    target: str
+    config: OptimizeConfig
+    reference: nn.Module
+    candidate: nn.Module
+    example_inputs: tuple
+    plan: Plan
+    applied: list[Site]
+    failed: list[Any]
+    rolled_back: list[Any]
+    verification: Any
+    analysis_before: Any
+    analysis_after: Any
+    layers: Any = None
+    benchmark: Any = None
+    notes: list[str] = field(default_factory=list)
+    created: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+
+    def to_json(self) -> dict[str, Any]:
+        est = {d.site.key: d.estimate.to_json() for d in self.plan.decisions}
+        return {
+            "model": self.model,
+            "target": self.target,
+            "created": self.created,
+            "versions": {"opswap": _version(), "torch": torch.__version__,
+                         "python": platform.python_version()},
+            "capture_method": self.plan.capture_method,
+            "settings": {"rules": self.config.rules, "exactness": self.config.exactness,
+                         "budget": self.config.budget, "samples": self.config.samples},
+            "applied": [
+                {"rule": s.rule, "site": s.key, "description": s.description,
+                 "estimate": est.get(s.key)}
+                for s in self.applied
+            ],
+            "misses": [m.to_json() for m in self.plan.misses],
+            "failed": [f.to_json() for f in self.failed],
+            "rolled_back": [r.to_json() if hasattr(r, "to_json") else r for r in self.rolled_back],
+            "skipped": self.plan.skipped,
+            "verification": self.verification.to_json(),
+            "benchmark": self.benchmark.to_json() if self.benchmark is not None else None,
+            "analysis": {
+                "before": _totals(self.analysis_before),
+                "after": _totals(self.analysis_after),
+            },
+            "notes": self.notes,
+        }
+
+    def save(self, out_dir: str | Path) -> dict[str, Path]:
+        """Write plan.json, result.json, report.md, report.html and the optimized model."""
+        from opswap.report import write_reports
+        from opswap.report.model_io import save_model
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"plan": self.plan.save(out / "plan.json")}
+        paths.update(save_model(self.candidate, self.example_inputs, self.plan, out))
+        data = self.to_json()
+        data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
+        paths["result"] = out / "result.json"
+        paths["result"].write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+        paths.update(write_reports(self, out))
+        return paths
+
+
+def _version() -> str:
+    from opswap import __version__
+
+    return __version__
+
+
+def _json_default(o):
+    if isinstance(o, float | int):
+        return o
+    if isinstance(o, torch.dtype):
+        return str(o)
+    if isinstance(o, Path):
+        return str(o)
+    return repr(o)
+
+
+def _totals(analysis) -> dict[str, Any] | None:
+    if analysis is None:
+        return None
+    return {"total_flops": analysis.total_flops, "total_bytes": analysis.total_bytes,
+            "est_time_s": analysis.est_time_s, "ops": len(analysis.rows)}
+
+
+def _tolerance(config: OptimizeConfig):
+    from opswap.verify.tolerance import Tolerance, parse_budget
+
+    tol = Tolerance.for_exactness(config.exactness)
+    if config.budget:
+        tol = parse_budget(config.budget, base=tol)
+    return tol
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs,
+    config: OptimizeConfig | None = None,
+    *,
+    name: str | None = None,
+    progress=None,
+) -> Result:
+    """Run the whole flow on `model` (never mutated) and return a Result.
+
+    `progress(stage: str)` is called as each stage starts, for progress bars.
+    """
+    from opswap.bench.timing import bench_models
+    from opswap.cost.analyze import analyze
+    from opswap.targets import get_target
+    from opswap.verify.bisect import rollback
+    from opswap.verify.layers import compare_layers
+    from opswap.verify.outputs import verify
+
+    config = config or OptimizeConfig()
+    if config.exactness not in EXACTNESS_ORDER:
+        from opswap.errors import RuleError
+
+        raise RuleError(f"exactness must be exact, approx or lossy; got {config.exactness!r}.")
+    step = progress or (lambda stage: None)
+    name = name or type(model).__name__
+    target = get_target(config.target)
+    tol = _tolerance(config)  # parse the budget before any long work
+
+    step("capture")
+    captured: Captured = capture(model, example_inputs)
+    step("analyze")
+    before = analyze(captured, target)
+    step("plan")
+    plan = make_plan(captured, target=target, rules=config.rules, exactness=config.exactness,
+                     model_name=name)
+    step("apply")
+    applied = apply_plan(captured, plan)
+    step("verify")
+    reference = captured.gm
+    verification = verify(reference, applied.gm, captured.example_inputs,
+                          samples=config.samples, tolerance=tol, seed=config.seed)
+    rolled_back: list[Any] = []
+    if not verification.passed and config.rollback and plan.decisions:
+        step("rollback")
+        plan, rolled_back = rollback(captured, plan, reference, tol,
+                                     samples=config.samples, seed=config.seed)
+        applied = apply_plan(captured, plan)
+        verification = verify(reference, applied.gm, captured.example_inputs,
+                              samples=config.samples, tolerance=tol, seed=config.seed)
+    layers = None
+    if config.layers:
+        step("layers")
+        layers = compare_layers(reference, applied.gm, captured.example_inputs)
+    after = analyze(applied.captured, target)
+    bench = None
+    if config.bench:
+        step("bench")
+        bench = bench_models(model, applied.gm, captured.example_inputs, device=config.device)
+    return Result(
+        model=name,
+        target=target.name,
+        config=config,
+        reference=model,
+        candidate=applied.gm,
+        example_inputs=captured.example_inputs,
+        plan=plan,
+        applied=applied.applied,
+        failed=plan.failed + applied.failed,
+        rolled_back=rolled_back,
+        verification=verification,
+        analysis_before=before,
+        analysis_after=after,
+        layers=layers,
+        benchmark=bench,
+        notes=list(captured.notes),
+    )

@@ -1,0 +1,47 @@
+"""Saving the optimized model in a form that loads without unpickling code.
+
+First choice: torch.export's `.pt2` (graph + weights, loaded with
+`torch.export.load`, no Python code executed). When the candidate does not
+export, the weights go to `model_state.pt` (a plain state_dict, loadable with
+`torch.load(..., weights_only=True)`) and plan.json re-creates the structure:
+`opswap apply SPEC plan.json`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from opswap.errors import OpswapError
+
+
+def save_model(model: nn.Module, example_inputs: tuple, plan, out: Path) -> dict[str, Path]:
+    out = Path(out)
+    try:
+        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        path = out / "model.pt2"
+        torch.export.save(ep, str(path))
+        return {"model": path}
+    except Exception as e:  # export can fail on any construct; the state_dict always works
+        path = out / "model_state.pt"
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.save(state, str(path))
+        (out / "model_state.txt").write_text(
+            "model.pt2 could not be written because torch.export failed on the optimized "
+            f"model: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
+            "model_state.pt holds its weights (torch.load(path, weights_only=True)); rebuild "
+            "the module with `opswap apply SPEC plan.json`.\n"
+        )
+        return {"model": path}
+
+
+def load_model(path: str | Path) -> nn.Module:
+    """Load a model saved by `save_model` (a .pt2 file, or a directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "model.pt2"
+    if not path.is_file():
+        raise OpswapError(f"No saved model at {path}; `opswap optimize ... --out DIR` writes DIR/model.pt2.")
+    return torch.export.load(str(path)).module()

@@ -1,0 +1,101 @@
+"""Plots for the report, as PNG bytes (matplotlib, headless Agg backend)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def latency_bars(labels: list[str], medians_ms: list[float], spreads_ms: list[float],
+                 title: str) -> bytes:
+    """Median latency per variant with its spread (IQR) as error bars."""
+    fig, ax = plt.subplots(figsize=(6, 1.2 + 0.6 * len(labels)))
+    colors = ["#8e8e93", "#0a84ff", "#30d158", "#ff9f0a"][: len(labels)]
+    ax.barh(labels, medians_ms, xerr=[s / 2 for s in spreads_ms], color=colors, capsize=4)
+    for i, v in enumerate(medians_ms):
+        ax.text(v, i, f"  {v:.3f} ms", va="center")
+    ax.set_xlabel("latency, ms (median; bar = IQR)")
+    ax.set_title(title)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(medians_ms) * 1.35 if medians_ms else 1)
+    return _png(fig)
+
+
+def layer_errors(names: list[str], rel_l2: list[float], limit: float | None,
+                 first_bad: int | None, title: str) -> bytes:
+    """Relative L2 error of each layer's output, in execution order, log scale."""
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    floor = 1e-12
+    ys = [max(v, floor) if math.isfinite(v) else 1e3 for v in rel_l2]
+    xs = list(range(len(ys)))
+    ax.plot(xs, ys, marker="o", ms=3, lw=1, color="#0a84ff")
+    if limit is not None:
+        ax.axhline(limit, color="#b00020", ls="--", lw=1, label=f"tolerance {limit:g}")
+        ax.legend(loc="upper left")
+    if first_bad is not None and 0 <= first_bad < len(xs):
+        ax.scatter([first_bad], [ys[first_bad]], s=80, facecolors="none", edgecolors="#b00020")
+        ax.annotate(f"first divergence: {names[first_bad]}", (first_bad, ys[first_bad]),
+                    textcoords="offset points", xytext=(6, 8), fontsize=8, color="#b00020")
+    ax.set_yscale("log")
+    ax.set_ylabel("relative L2 error")
+    ax.set_xlabel("layer (execution order)")
+    step = max(1, len(names) // 25)
+    ax.set_xticks(xs[::step])
+    ax.set_xticklabels([n[-24:] for n in names[::step]], rotation=70, fontsize=7)
+    ax.set_title(title)
+    return _png(fig)
+
+
+def category_time(categories: list[str], before: list[float], after: list[float],
+                  title: str) -> bytes:
+    """Estimated (roofline) time per op category, before and after."""
+    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.35 * len(categories)))
+    ys = list(range(len(categories)))
+    h = 0.4
+    ax.barh([y - h / 2 for y in ys], [b * 1e6 for b in before], h, label="before", color="#8e8e93")
+    ax.barh([y + h / 2 for y in ys], [a * 1e6 for a in after], h, label="after", color="#0a84ff")
+    ax.set_yticks(ys)
+    ax.set_yticklabels(categories)
+    ax.invert_yaxis()
+    ax.set_xlabel("estimated time, µs (roofline)")
+    ax.legend()
+    ax.set_title(title)
+    return _png(fig)
+
+
+def roofline(points: list[tuple[str, float, float]], peak_flops: float, bandwidth: float,
+             title: str) -> bytes:
+    """Ops as (label, intensity FLOP/byte, attainable FLOP/s) under the target's roofline."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ridge = peak_flops / bandwidth
+    lo = min([p[1] for p in points if p[1] > 0] + [ridge / 100]) / 2
+    hi = max([p[1] for p in points] + [ridge * 10]) * 2
+    xs = [lo, ridge, hi]
+    ax.plot(xs, [min(peak_flops, x * bandwidth) for x in xs], color="#1d1d1f", lw=1.5)
+    ax.axvline(ridge, color="#8e8e93", ls=":", lw=1)
+    for label, x, y in points:
+        if x > 0 and y > 0:
+            ax.scatter([x], [y], s=14, color="#0a84ff")
+    top = sorted(points, key=lambda p: -p[2])[:6]
+    for label, x, y in top:
+        if x > 0 and y > 0:
+            ax.annotate(label[-22:], (x, y), fontsize=7, textcoords="offset points", xytext=(4, 2))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity, FLOP/byte")
+    ax.set_ylabel("attainable FLOP/s")
+    ax.set_title(title)
+    return _png(fig)

@@ -1,0 +1,107 @@
+"""Apply rules to a captured graph, one site at a time, rolling back a site that raises.
+
+The captured graph module is already a private copy of the user's model
+(`graph.capture` deep-copies), and `apply_plan` works on a further copy, so
+neither the user's model nor the caller's capture is ever changed.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from opswap.graph.capture import Captured
+from opswap.graph.shapes import propagate
+from opswap.rules.base import Rule, Site, node_by_name, sites_of
+
+
+@dataclass
+class Failure:
+    """A decision that could not be carried out, and why."""
+
+    rule: str
+    key: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"rule": self.rule, "key": self.key, "reason": self.reason}
+
+
+@dataclass
+class Applied:
+    """The result of applying decisions: a new capture, and what happened to each one."""
+
+    captured: Captured
+    applied: list[Site] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.captured.gm
+
+
+def rewrite_site(gm: fx.GraphModule, rule: Rule, site: Site) -> tuple[fx.GraphModule, str | None]:
+    """Rewrite one site on gm. Returns (graph module, None) on success; on failure returns a
+    graph module equal to the one given and the reason. The returned module may be a
+    different object from `gm`: use it."""
+    snapshot = copy.deepcopy(gm)
+    try:
+        rule.rewrite(gm, site)
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+        gm.delete_all_unused_submodules()
+        return gm, None
+    except Exception as e:  # a rule bug must not take the user's run down with it
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return snapshot, f"{rule.name} raised {type(e).__name__}: {msg[:200]}".rstrip(": ")
+
+
+def find_site(gm: fx.GraphModule, rule: Rule, key: str) -> Site | None:
+    for s in sites_of(rule.match(gm)):
+        if s.key == key:
+            return s
+    return None
+
+
+def nodes_present(gm: fx.GraphModule, site: Site) -> bool:
+    return all(node_by_name(gm, n) is not None for n in site.nodes)
+
+
+def apply_sites(
+    captured: Captured, decisions: list[tuple[Rule, str]], *, progress=None
+) -> Applied:
+    """Carry out `(rule, site key)` decisions in order on a copy of `captured`.
+
+    Each rule is re-matched on the current graph and the key looked up, so a
+    decision whose site no longer exists (an earlier rewrite removed it, or the
+    model changed since the plan was written) is reported, not guessed at.
+    """
+    gm = copy.deepcopy(captured.gm)
+    out = Applied(Captured(gm, captured.method, captured.example_inputs, list(captured.notes)))
+    dirty = False
+    last_rule = None
+    for rule, key in decisions:
+        if dirty and rule is not last_rule:
+            # shapes of nodes created by the previous rule's rewrites, for this rule's checks
+            propagate(gm, captured.example_inputs)
+            dirty = False
+        last_rule = rule
+        site = find_site(gm, rule, key)
+        if site is None:
+            out.failed.append(Failure(rule.name, key, "site not found in this model"))
+        else:
+            gm, err = rewrite_site(gm, rule, site)
+            if err:
+                out.failed.append(Failure(rule.name, key, err))
+            else:
+                out.applied.append(site)
+                dirty = True
+        if progress is not None:
+            progress()
+    if dirty:
+        propagate(gm, captured.example_inputs)
+    out.captured.gm = gm
+    return out

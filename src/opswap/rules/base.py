@@ -1,0 +1,144 @@
+"""The Rule: pattern -> check -> rewrite, with a prediction of what it saves.
+
+A rule looks at an FX GraphModule (either capture flavour: FX leaves or ATen),
+returns the places where it applies (`Site`) and the places where it nearly
+applied with the reason it did not (`Miss`), rewrites one site at a time on a
+graph it owns, and predicts the FLOPs and bytes a site saves from the cost model.
+
+Sites are identified by a `key` built from node names. Node names are stable for
+a given model and capture, so a plan written today re-applies tomorrow: `apply`
+re-matches each rule on the current graph and looks the key up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch.fx as fx
+
+Exactness = Literal["exact", "approx", "lossy"]
+EXACTNESS_ORDER: dict[str, int] = {"exact": 0, "approx": 1, "lossy": 2}
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place a rule applies.
+
+    `nodes` are the names of the nodes the rewrite consumes or changes; two sites
+    that share a node cannot both be applied from the same match (the planner keeps
+    the first). `data` is rule-specific and JSON-serialisable.
+    """
+
+    rule: str
+    key: str
+    nodes: tuple[str, ...]
+    description: str
+    data: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "key": self.key,
+            "nodes": list(self.nodes),
+            "description": self.description,
+            "data": self.data,
+        }
+
+
+@dataclass(frozen=True)
+class Miss:
+    """A place where a rule nearly applied, and why it did not, in a user's words."""
+
+    rule: str
+    where: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"rule": self.rule, "where": self.where, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted saving of one site, from the cost model (positive = saved)."""
+
+    flops_saved: float = 0.0
+    bytes_saved: float = 0.0
+    time_saved_s: float | None = None
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "flops_saved": self.flops_saved,
+            "bytes_saved": self.bytes_saved,
+            "time_saved_s": self.time_saved_s,
+            "note": self.note,
+        }
+
+
+class Rule:
+    """Base class of every replacement. Subclasses set the class attributes and
+    implement `match` and `rewrite`; `predict` defaults to "no change".
+
+    Rules must be stateless: one instance serves every model.
+    """
+
+    name: ClassVar[str]
+    family: ClassVar[str]
+    chapter: ClassVar[int]
+    exactness: ClassVar[Exactness]
+    targets: ClassVar[tuple[str, ...]] = ("any",)
+    description: ClassVar[str] = ""
+    #: applied after other rules in a plan (e.g. a layout change of the whole model)
+    late: ClassVar[bool] = False
+
+    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
+        raise NotImplementedError
+
+    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
+        raise NotImplementedError
+
+    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
+        return Estimate(note="no prediction")
+
+    # helpers for subclasses -------------------------------------------------------
+
+    def site(self, key: str, nodes, description: str, **data) -> Site:
+        names = tuple(n.name if isinstance(n, fx.Node) else str(n) for n in nodes)
+        return Site(self.name, key, names, description, data)
+
+    def miss(self, where, reason: str) -> Miss:
+        w = where.name if isinstance(where, fx.Node) else str(where)
+        return Miss(self.name, w, reason)
+
+    def applies_to(self, target_name: str) -> bool:
+        return "any" in self.targets or target_name in self.targets
+
+    @classmethod
+    def info(cls) -> dict[str, Any]:
+        return {
+            "name": cls.name,
+            "family": cls.family,
+            "chapter": cls.chapter,
+            "exactness": cls.exactness,
+            "targets": list(cls.targets),
+            "description": cls.description,
+        }
+
+    def __repr__(self) -> str:
+        return f"<Rule {self.name} ({self.exactness})>"
+
+
+def sites_of(found: list[Site | Miss]) -> list[Site]:
+    return [f for f in found if isinstance(f, Site)]
+
+
+def misses_of(found: list[Site | Miss]) -> list[Miss]:
+    return [f for f in found if isinstance(f, Miss)]
+
+
+def node_by_name(gm: fx.GraphModule, name: str) -> fx.Node | None:
+    for n in gm.graph.nodes:
+        if n.name == name:
+            return n
+    return None

@@ -1,0 +1,188 @@
+"""Plans: which rule to apply where, chosen by running the rules on a scratch copy.
+
+`make_plan` simulates: rules run in order (chapter order, `late` rules last) on a
+private copy of the graph, each applying every site it matches that does not
+overlap a site already taken, so opportunities one rewrite creates (MatMul+Add
+becoming a Linear that then merges with its siblings) are found too. The plan
+records the decisions in that order; `apply_plan` replays them on any fresh
+capture of the same model. Plans serialise to JSON for review and editing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opswap.errors import PlanError
+from opswap.graph.capture import Captured
+from opswap.graph.shapes import propagate
+from opswap.rules import registry
+from opswap.rules.apply import Applied, Failure, apply_sites, rewrite_site
+from opswap.rules.base import Estimate, Miss, Rule, Site, misses_of, sites_of
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class PlanSettings:
+    """What a plan was made with; kept in plan.json so it can be reproduced."""
+
+    target: str = "cpu"
+    rules: list[str] = field(default_factory=list)  # glob patterns; empty = all
+    exactness: str = "exact"
+
+
+@dataclass
+class Decision:
+    """Apply `rule` at `site`; `estimate` is the cost model's prediction for it."""
+
+    rule: str
+    site: Site
+    estimate: Estimate = field(default_factory=Estimate)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "site": self.site.to_json(), "estimate": self.estimate.to_json()}
+
+
+@dataclass
+class Plan:
+    model: str
+    settings: PlanSettings
+    decisions: list[Decision] = field(default_factory=list)
+    misses: list[Miss] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # not worth it, with why
+    capture_method: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": PLAN_VERSION,
+            "model": self.model,
+            "capture_method": self.capture_method,
+            "settings": asdict(self.settings),
+            "decisions": [d.to_json() for d in self.decisions],
+            "misses": [m.to_json() for m in self.misses],
+            "failed": [f.to_json() for f in self.failed],
+            "skipped": self.skipped,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        try:
+            if data.get("version", PLAN_VERSION) > PLAN_VERSION:
+                raise PlanError(
+                    f"This plan has version {data['version']}; this opswap reads up to "
+                    f"{PLAN_VERSION}: upgrade opswap."
+                )
+            decisions = []
+            for d in data["decisions"]:
+                s = d["site"]
+                site = Site(d["rule"], s["key"], tuple(s.get("nodes", ())),
+                            s.get("description", ""), s.get("data", {}))
+                decisions.append(Decision(d["rule"], site, Estimate(**d.get("estimate", {}))))
+            return cls(
+                model=data.get("model", ""),
+                settings=PlanSettings(**data.get("settings", {})),
+                decisions=decisions,
+                misses=[Miss(**m) for m in data.get("misses", [])],
+                failed=[Failure(**f) for f in data.get("failed", [])],
+                skipped=list(data.get("skipped", [])),
+                capture_method=data.get("capture_method", ""),
+            )
+        except PlanError:
+            raise
+        except (KeyError, TypeError, AttributeError) as e:
+            raise PlanError(f"The plan is malformed ({type(e).__name__}: {e}); "
+                            "regenerate it with `opswap plan`.") from e
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"No plan file at {path}; write one with `opswap plan SPEC --out {path}`.")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path} is not valid JSON ({e}).") from e
+        return cls.from_json(data)
+
+    def without(self, index: int) -> Plan:
+        """A copy of the plan with decision `index` removed (used when rolling back)."""
+        p = copy.copy(self)
+        p.decisions = self.decisions[:index] + self.decisions[index + 1:]
+        return p
+
+
+def _ordered(rules: list[Rule]) -> list[Rule]:
+    return sorted(rules, key=lambda r: (r.late, r.chapter, r.name))
+
+
+def make_plan(
+    captured: Captured,
+    *,
+    target=None,
+    rules: list[str] | str | None = None,
+    exactness: str = "exact",
+    model_name: str = "model",
+    progress=None,
+) -> Plan:
+    """Choose (rule, site) decisions for `captured` by simulating the rules in order.
+
+    `target` is a Target (or its name); rules not expected to pay there are left out,
+    and a site whose predicted time saving is negative is skipped with the reason.
+    """
+    from opswap.targets import get_target
+
+    tgt = get_target(target or "cpu") if target is None or isinstance(target, str) else target
+    patterns = [p.strip() for p in rules.split(",")] if isinstance(rules, str) else list(rules or [])
+    chosen = _ordered(registry.select(patterns or None, exactness, None))
+    chosen = [r for r in chosen if r.applies_to(tgt.name) or r.applies_to(tgt.kind)]
+    plan = Plan(model_name, PlanSettings(tgt.name, patterns, exactness),
+                capture_method=captured.method)
+    gm = copy.deepcopy(captured.gm)
+    seen_misses: set[tuple[str, str, str]] = set()
+    for rule in chosen:
+        found = rule.match(gm)
+        for m in misses_of(found):
+            if (m.rule, m.where, m.reason) not in seen_misses:
+                seen_misses.add((m.rule, m.where, m.reason))
+                plan.misses.append(m)
+        taken: set[str] = set()
+        changed = False
+        for site in sites_of(found):
+            if taken.intersection(site.nodes):
+                continue  # overlaps a site of this rule already applied
+            est = rule.predict(gm, site, tgt)
+            if est.time_saved_s is not None and est.time_saved_s < 0:
+                plan.skipped.append({"rule": rule.name, "key": site.key,
+                                     "reason": f"predicted slower on {tgt.name}: {est.note}"})
+                continue
+            gm, err = rewrite_site(gm, rule, site)
+            if err:
+                plan.failed.append(Failure(rule.name, site.key, err))
+                continue
+            taken.update(site.nodes)
+            changed = True
+            plan.decisions.append(Decision(rule.name, site, est))
+        if changed:
+            propagate(gm, captured.example_inputs)
+        if progress is not None:
+            progress(rule.name)
+    return plan
+
+
+def apply_plan(captured: Captured, plan: Plan, *, progress=None) -> Applied:
+    """Replay `plan` on a copy of `captured`; the capture itself is left untouched."""
+    decisions = []
+    for d in plan.decisions:
+        decisions.append((registry.get(d.rule), d.site.key))
+    return apply_sites(captured, decisions, progress=progress)
