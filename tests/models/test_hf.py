@@ -1,0 +1,197 @@
+"""hf:MODEL_TYPE from small configs and hf:PATH from local checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from opswap.errors import SpecError
+from opswap.graph import capture, op_kind
+from opswap.models import list_hf_types, load
+
+pytestmark = pytest.mark.hf
+
+TEXT = {"bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2"}
+VISION = {"vit", "resnet", "mobilenet_v2", "convnext"}
+ATTENTION = TEXT | {"vit"}
+
+
+def test_supported_types_cover_the_required_ones():
+    assert {"bert", "gpt2", "llama", "vit", "resnet", "mobilenet_v2"} <= set(list_hf_types())
+    assert set(list_hf_types()) == TEXT | VISION
+
+
+@pytest.mark.parametrize("model_type", list_hf_types())
+def test_loads_runs_and_captures(model_type):
+    loaded = load(f"hf:{model_type}")
+    assert loaded.source == "hf" and loaded.name == model_type
+    assert not loaded.module.training
+    (x,) = loaded.example_inputs
+    if model_type in TEXT:
+        assert x.dtype == torch.int64 and tuple(x.shape) == (2, 32)
+        assert 0 <= int(x.min()) and int(x.max()) < loaded.module.config.vocab_size
+    else:
+        assert x.is_floating_point() and tuple(x.shape) == (2, 3, 32, 32)
+    with torch.no_grad():
+        out = loaded.module(x)
+    assert isinstance(out, tuple) and out
+    assert all(isinstance(o, torch.Tensor) and torch.isfinite(o).all() for o in out)
+    assert out[0].shape[0] == 2
+
+    start = time.perf_counter()
+    cap = capture(loaded.module, loaded.example_inputs)
+    assert time.perf_counter() - start < 10.0  # ~0.3-1.5 s measured; slack for shared CI cores
+    assert cap.method in ("fx", "export")
+    found = [op_kind(n) for n in cap.gm.graph.nodes]
+    if model_type in ATTENTION:
+        # eager attention: the softmax is in the graph, not hidden in an SDPA call
+        assert found.count("softmax") == 2, model_type
+        assert "attention" not in found
+    else:
+        assert "conv" in found
+    with torch.no_grad():
+        fresh = torch.randn_like(x) if x.is_floating_point() else torch.randint_like(x, 0, 1000)
+        torch.testing.assert_close(cap.gm(fresh)[0], loaded.module(fresh)[0])
+
+
+def test_sdpa_override_gives_fused_attention():
+    loaded = load("hf:bert", {"attn_implementation": "sdpa"})
+    found = [op_kind(n) for n in capture(loaded.module, loaded.example_inputs).gm.graph.nodes]
+    assert found.count("attention") == 2 and "softmax" not in found
+
+
+def test_deterministic_weights_and_inputs():
+    a, b = load("hf:llama"), load("hf:llama")
+    for (ka, va), (kb, vb) in zip(a.module.state_dict().items(), b.module.state_dict().items(),
+                                  strict=True):
+        assert ka == kb and torch.equal(va, vb), ka
+    assert torch.equal(a.example_inputs[0], b.example_inputs[0])
+    c = load("hf:llama", {"seed": "3"})
+    assert not torch.equal(a.module.model.lm_head.weight, c.module.model.lm_head.weight)
+
+
+def test_overrides_reach_config_and_inputs():
+    loaded = load("hf:bert", {"num_hidden_layers": "3", "batch": "3", "seq": "11",
+                              "hidden_dropout_prob": "0", "vocab_size": "500"})
+    config = loaded.module.config
+    assert config.num_hidden_layers == 3 and len(loaded.module.model.encoder.layer) == 3
+    assert config.hidden_dropout_prob == 0.0 and config.vocab_size == 500
+    assert tuple(loaded.example_inputs[0].shape) == (3, 11)
+    assert int(loaded.example_inputs[0].max()) < 500
+    with torch.no_grad():
+        assert tuple(loaded.module(*loaded.example_inputs)[0].shape) == (3, 11, 64)
+
+
+def test_config_aliases_are_accepted():
+    loaded = load("hf:gpt2", {"hidden_size": "32", "num_attention_heads": "2"})
+    assert (loaded.module.config.n_embd, loaded.module.config.n_head) == (32, 2)
+
+
+def test_image_size_and_list_overrides():
+    vit = load("hf:vit", {"image_size": "48", "batch": "1"})
+    assert vit.module.config.image_size == 48
+    assert tuple(vit.example_inputs[0].shape) == (1, 3, 48, 48)
+    with torch.no_grad():
+        assert tuple(vit.module(*vit.example_inputs)[0].shape) == (1, 10)
+    res = load("hf:resnet", {"hidden_sizes": "[8, 16, 24, 32]", "image_size": "40"})
+    assert res.module.config.hidden_sizes == [8, 16, 24, 32]
+    assert tuple(res.example_inputs[0].shape) == (2, 3, 40, 40)
+    with torch.no_grad():
+        res.module(*res.example_inputs)
+
+
+def test_bad_overrides():
+    with pytest.raises(SpecError, match=r"Unknown override 'layers' for hf:bert.*batch.*BertConfig.*hidden_size"):
+        load("hf:bert", {"layers": "3"})
+    with pytest.raises(SpecError, match="Unknown override 'to_dict'"):
+        load("hf:bert", {"to_dict": "1"})  # a config method, not a field
+    with pytest.raises(SpecError, match="num_hidden_layers for hf:bert must be an integer"):
+        load("hf:bert", {"num_hidden_layers": "many"})
+    with pytest.raises(SpecError, match="max_position_embeddings"):
+        load("hf:llama", {"seq": "4096"})
+    with pytest.raises(SpecError, match="seq for hf:gpt2 must be at least 1"):
+        load("hf:gpt2", {"seq": "0"})
+
+
+def test_unknown_type_lists_supported():
+    with pytest.raises(SpecError, match=r"Unknown Hugging Face model type 'bret'.*bert.*gpt2.*llama.*vit"):
+        load("hf:bret")
+
+
+def test_hub_ids_are_not_downloaded():
+    with pytest.raises(SpecError, match="does not download"):
+        load("hf:google-bert/bert-base-uncased")
+
+
+def test_missing_transformers_gives_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(SpecError, match=r"pip install 'opswap\[hf\]'"):
+        load("hf:bert")
+
+
+# --------------------------------------------------------------------------- hf:PATH
+
+
+def _check_round_trip(original, path):
+    loaded = load(f"hf:{path}")
+    assert loaded.source == "hf" and loaded.name == os.path.basename(path)
+    assert type(loaded.module.model) is type(original.module.model)
+    gen = torch.Generator().manual_seed(11)
+    x = original.example_inputs[0]
+    fresh = (torch.randint(0, 1000, x.shape, generator=gen) if not x.is_floating_point()
+             else torch.randn(x.shape, generator=gen))
+    with torch.no_grad():
+        for a, b in zip(loaded.module(fresh), original.module(fresh), strict=True):
+            torch.testing.assert_close(a, b)
+    return loaded
+
+
+def test_local_checkpoint_round_trip_safetensors(tmp_path):
+    original = load("hf:gpt2")
+    path = tmp_path / "tiny-gpt2"
+    original.module.model.save_pretrained(path)
+    assert (path / "model.safetensors").exists()
+    loaded = _check_round_trip(original, str(path))
+    assert loaded.module.config.n_layer == 2
+
+
+def test_local_checkpoint_vision_uses_saved_image_size(tmp_path):
+    original = load("hf:vit", {"image_size": "40", "patch_size": "10"})
+    path = tmp_path / "tiny-vit"
+    original.module.model.save_pretrained(path)
+    loaded = load(f"hf:{path}", {"batch": "1"})
+    assert tuple(loaded.example_inputs[0].shape) == (1, 3, 40, 40)
+
+
+def test_local_checkpoint_bin_loads_weights_only(tmp_path):
+    original = load("hf:bert")
+    path = tmp_path / "tiny-bert"
+    original.module.model.save_pretrained(path)
+    os.remove(path / "model.safetensors")
+    torch.save(original.module.model.state_dict(), path / "pytorch_model.bin")
+    _check_round_trip(original, str(path))
+
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    state = dict(original.module.model.state_dict(), payload=Payload())
+    torch.save(state, path / "pytorch_model.bin")
+    with pytest.raises(SpecError, match="pickled objects"):
+        load(f"hf:{path}")
+    assert not marker.exists()
+
+
+def test_local_directory_errors(tmp_path):
+    with pytest.raises(SpecError, match="no config.json"):
+        load(f"hf:{tmp_path}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(SpecError, match="no weights"):
+        load(f"hf:{tmp_path}")
