@@ -1,1 +1,19 @@
-"""bench"""
+"""Measuring the gain (chapter 24): interleaved timing, peak memory, per-op profiles."""
+
+from opswap.bench.memory import MemoryResult, peak_memory
+from opswap.bench.profile import OpTime, format_ops, profile_ops
+from opswap.bench.timing import BenchResult, ModelBench, Ratio, Stats, bench_models, benchmark
+
+__all__ = [
+    "BenchResult",
+    "MemoryResult",
+    "ModelBench",
+    "OpTime",
+    "Ratio",
+    "Stats",
+    "bench_models",
+    "benchmark",
+    "format_ops",
+    "peak_memory",
+    "profile_ops",
+]

@@ -1,0 +1,391 @@
+"""Timing that survives scrutiny: candidates side by side, interleaved, after warm-up.
+
+The usual ways a speed-up is misreported, and what this module does about each:
+
+- cold start (lazy init, allocator growth, oneDNN/cuDNN autotuning, first-call JIT):
+  `warmup` untimed rounds of every candidate, then a calibration pass;
+- drift (CPU frequency, thermal throttling, a neighbour process): candidates are
+  timed round-robin within one process, the order rotated every round so none is
+  always first after the others; the speed-up is the median of per-round ratios,
+  which cancels drift slower than one round;
+- clock resolution and per-call overhead: each sample repeats the call enough
+  times to last at least `target_sample_s` (1 ms by default);
+- asynchronous GPUs: on CUDA, samples are bracketed by CUDA events and the device
+  is synchronised before each sample and before reading the events, so the time
+  is GPU time of all queued work, not the time to enqueue it;
+- outliers (a page fault, a GC pause): medians and interquartile ranges, not
+  means; the Python GC is paused while timing.
+
+No function here asserts anything about speed: tests check structure, not clocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime as _dt
+import gc
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from opswap.errors import OpswapError
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+@dataclass
+class Stats:
+    """Seconds per call of one candidate: one sample per round."""
+
+    name: str
+    samples: list[float]
+    inner: int  # calls per sample
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def median_s(self) -> float:
+        return self.median
+
+    @property
+    def median_ms(self) -> float:
+        return self.median * 1e3
+
+    @property
+    def q1(self) -> float:
+        return _quartiles(self.samples)[0]
+
+    @property
+    def q3(self) -> float:
+        return _quartiles(self.samples)[1]
+
+    @property
+    def iqr(self) -> float:
+        q1, q3 = _quartiles(self.samples)
+        return q3 - q1
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.samples)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "median_ms": self.median * 1e3, "iqr_ms": self.iqr * 1e3,
+                "min_ms": self.min * 1e3, "mean_ms": self.mean * 1e3, "n": self.n,
+                "inner": self.inner}
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """time(a) / time(b): the median of per-round ratios, and the ratio of medians."""
+
+    paired: float
+    of_medians: float
+    q1: float  # quartiles of the per-round ratios
+    q3: float
+    n: int
+
+    @property
+    def spread(self) -> float:
+        return self.q3 - self.q1
+
+
+@dataclass
+class BenchResult:
+    stats: dict[str, Stats]
+    rounds: list[dict[str, float]]  # per round: seconds per call of each candidate
+    order: list[list[str]]  # per round: the order the candidates ran in
+    device: str
+    warmup: int
+
+    def __getitem__(self, name: str) -> Stats:
+        return self.stats[name]
+
+    def ratio(self, a: str, b: str) -> Ratio:
+        """How many times longer `a` takes than `b` (the speed-up of b over a)."""
+        per_round = [r[a] / r[b] for r in self.rounds if r[b] > 0]
+        if not per_round:
+            nan = math.nan
+            return Ratio(nan, nan, nan, nan, 0)
+        q1, q3 = _quartiles(per_round)
+        return Ratio(statistics.median(per_round), self.stats[a].median / self.stats[b].median,
+                     q1, q3, len(per_round))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device, "warmup": self.warmup, "rounds": len(self.rounds),
+                "stats": {k: s.to_json() for k, s in self.stats.items()}}
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def resolve_device(device) -> torch.device:
+    """A torch.device from 'cpu', 'cuda', 'cuda:1' or a device; errors in words."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise OpswapError(f"Unknown device {device!r}; use cpu or cuda.") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OpswapError("CUDA was asked for but torch sees no GPU; time on --device cpu.")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise OpswapError(f"Timing on {dev.type!r} is not supported; use cpu or cuda.")
+    return dev
+
+
+def describe_device(device) -> str:
+    """'cpu: <model>, N threads' or 'cuda: <GPU name>'."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(dev)}"
+    n = torch.get_num_threads()
+    return f"cpu: {_cpu_name()}, {n} thread{'s' if n != 1 else ''}"
+
+
+# --------------------------------------------------------------------------- the timer
+
+
+class _Timer:
+    def __init__(self, dev: torch.device):
+        self.dev = dev
+        self.cuda = dev.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+
+    def time(self, fn: Callable[[], Any], inner: int) -> float:
+        """Seconds for `inner` back-to-back calls."""
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.dev)  # nothing queued before us is counted
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter_ns()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter_ns() - t0) / 1e9
+
+
+def _calibrate(timer: _Timer, fn, target_s: float, max_inner: int) -> int:
+    """Calls per sample so that one sample lasts at least `target_s`."""
+    inner = 1
+    for _ in range(6):
+        t = timer.time(fn, inner)
+        if t >= target_s or inner >= max_inner:
+            break
+        inner = min(max_inner, max(inner + 1, math.ceil(inner * 1.2 * target_s / max(t, 1e-9))))
+    return inner
+
+
+def benchmark(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    warmup: int = 3,
+    repeats: int = 15,
+    min_time_s: float = 0.2,
+    max_time_s: float = 30.0,
+    target_sample_s: float = 1e-3,
+    max_inner: int = 10_000,
+    max_rounds: int = 10_000,
+    device="cpu",
+) -> BenchResult:
+    """Time every function in `fns` in one process, interleaved.
+
+    `warmup` untimed rounds, then at least `repeats` timed rounds, continuing until
+    `min_time_s` has passed (but adding no round once `max_time_s` has passed).
+    Each round times every candidate once, in an order rotated by one per round;
+    each sample repeats the call so that it lasts at least `target_sample_s`.
+    """
+    if not fns:
+        raise OpswapError("Nothing to time: pass at least one function.")
+    dev = resolve_device(device)
+    timer = _Timer(dev)
+    names = list(fns)
+    k = len(names)
+
+    def rotated(r: int) -> list[str]:
+        return names[r % k:] + names[:r % k]
+
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        for r in range(warmup):
+            for name in rotated(r):
+                fns[name]()
+        timer.sync()
+        inner = {name: _calibrate(timer, fns[name], target_sample_s, max_inner) for name in names}
+
+        rounds: list[dict[str, float]] = []
+        order: list[list[str]] = []
+        gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            t_start = time.perf_counter()
+            r = 0
+            while r < max_rounds:
+                elapsed = time.perf_counter() - t_start
+                if r >= repeats and elapsed >= min_time_s:
+                    break
+                if r >= min(repeats, 3) and elapsed >= max_time_s:
+                    break
+                this = rotated(r)
+                rounds.append({n: timer.time(fns[n], inner[n]) / inner[n] for n in this})
+                order.append(this)
+                r += 1
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    stats = {n: Stats(n, [rd[n] for rd in rounds], inner[n]) for n in names}
+    return BenchResult(stats, rounds, order, describe_device(dev), warmup)
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass
+class ModelBench:
+    """Reference and candidate model timed in the same run; `speedup` = ref / opt."""
+
+    ref_ms: float
+    opt_ms: float
+    speedup: float  # median of per-round ref/opt ratios
+    speedup_of_medians: float
+    spread: float  # interquartile range of the per-round speed-ups
+    ref_iqr_ms: float
+    opt_iqr_ms: float
+    rounds: int
+    device: str
+    torch: str = torch.__version__
+    ref_peak_bytes: int | None = None
+    opt_peak_bytes: int | None = None
+    date: str = field(
+        default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in (
+            "ref_ms", "opt_ms", "speedup", "speedup_of_medians", "spread", "ref_iqr_ms",
+            "opt_iqr_ms", "rounds", "device", "torch", "ref_peak_bytes", "opt_peak_bytes",
+            "date", "notes")}
+
+    def __str__(self) -> str:
+        return (f"{self.ref_ms:.3f} ms -> {self.opt_ms:.3f} ms, speedup {self.speedup:.2f}x "
+                f"(IQR {self.spread:.2f}, {self.rounds} rounds) on {self.device}")
+
+
+def _first_device(model) -> torch.device | None:
+    if isinstance(model, nn.Module):
+        for t in list(model.parameters()) + list(model.buffers()):
+            return t.device
+    return None
+
+
+def _on(model, dev: torch.device, notes: list[str], label: str):
+    """`model` on `dev`: itself if already there, else a moved copy (the user's model is
+    never touched)."""
+    where = _first_device(model)
+    if where is None or where == dev:
+        return model
+    try:
+        moved = copy.deepcopy(model).to(dev)
+    except Exception as e:
+        raise OpswapError(f"Could not move the {label} model to {dev} ({type(e).__name__}: "
+                          f"{str(e).strip()[:200]}); move it yourself before timing.") from e
+    notes.append(f"the {label} model was copied from {where} to {dev} for timing")
+    return moved
+
+
+def bench_models(
+    reference: Callable,
+    candidate: Callable,
+    inputs,
+    device=None,
+    *,
+    warmup: int = 5,
+    repeats: int = 20,
+    min_time_s: float = 0.5,
+    max_time_s: float = 60.0,
+    memory: bool = True,
+) -> ModelBench:
+    """Time `reference(*inputs)` against `candidate(*inputs)` in eval and inference mode.
+
+    `device` defaults to where the inputs are. Inputs are moved there; a model that is
+    elsewhere is timed as a moved copy. With `memory`, each model's peak memory over one
+    call is measured too (after the timing, so it does not disturb it).
+    """
+    from opswap.bench.memory import peak_memory
+    from opswap.verify.outputs import eval_mode
+
+    args = inputs if isinstance(inputs, tuple) else (
+        tuple(inputs) if isinstance(inputs, list) else (inputs,))
+    if device is None:
+        tensors = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
+        first = tensors[0] if tensors else None
+        device = first.device if first is not None else "cpu"
+    dev = resolve_device(device)
+    args = tuple(pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x,
+                                 list(args)))
+    notes: list[str] = []
+    ref, cand = _on(reference, dev, notes, "reference"), _on(candidate, dev, notes, "candidate")
+
+    with torch.inference_mode(), eval_mode(ref, cand):
+        res = benchmark({"reference": lambda: ref(*args), "candidate": lambda: cand(*args)},
+                        warmup=warmup, repeats=repeats, min_time_s=min_time_s,
+                        max_time_s=max_time_s, device=dev)
+        ref_peak = opt_peak = None
+        if memory:
+            try:
+                ref_peak = peak_memory(lambda: ref(*args), device=dev).peak_bytes
+                opt_peak = peak_memory(lambda: cand(*args), device=dev).peak_bytes
+            except Exception as e:  # memory is a bonus; the timing stands without it
+                notes.append(f"peak memory not measured: {type(e).__name__}: {str(e)[:120]}")
+    r = res.ratio("reference", "candidate")
+    s_ref, s_opt = res["reference"], res["candidate"]
+    return ModelBench(
+        ref_ms=s_ref.median * 1e3, opt_ms=s_opt.median * 1e3, speedup=r.paired,
+        speedup_of_medians=r.of_medians, spread=r.spread, ref_iqr_ms=s_ref.iqr * 1e3,
+        opt_iqr_ms=s_opt.iqr * 1e3, rounds=len(res.rounds), device=res.device,
+        ref_peak_bytes=ref_peak, opt_peak_bytes=opt_peak, notes=notes,
+    )

@@ -1,0 +1,200 @@
+"""End-to-end check: do reference and candidate give the same outputs on several inputs?
+
+Both are run on the same samples (the example first, then fresh random inputs of
+the same shapes, see `samples.py`), under no_grad and in eval mode. Outputs of any
+nesting (tuples, dicts, Hugging Face ModelOutputs) are flattened with pytree and
+matched leaf by leaf; a different structure, shape or non-tensor value is a
+failure with its reason, not an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from opswap.errors import VerificationError
+from opswap.verify.metrics import Metrics, combine, compare
+from opswap.verify.samples import make_samples
+from opswap.verify.tolerance import Tolerance, as_tolerance
+
+
+@dataclass
+class OutputCheck:
+    """One output leaf (e.g. `output[0]`, `output['logits']`) over all samples."""
+
+    name: str
+    metrics: Metrics
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "passed": self.passed, "reasons": self.reasons,
+                **self.metrics.to_json()}
+
+
+@dataclass
+class Verification:
+    """The verdict, the worst-case metrics over all outputs and samples, and the detail."""
+
+    metrics: Metrics
+    passed: bool
+    reasons: list[str]
+    outputs: list[OutputCheck]
+    samples: int
+    tolerance: Tolerance
+
+    # the metrics under their own names, as result.json carries them
+    @property
+    def max_abs(self) -> float:
+        return self.metrics.max_abs
+
+    @property
+    def max_rel(self) -> float:
+        return self.metrics.max_rel
+
+    @property
+    def cosine(self) -> float:
+        return self.metrics.cosine
+
+    @property
+    def sqnr_db(self) -> float:
+        return self.metrics.sqnr_db
+
+    @property
+    def rel_l2(self) -> float:
+        return self.metrics.rel_l2
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.metrics.to_json(),
+            "passed": self.passed,
+            "reasons": list(self.reasons),
+            "samples": self.samples,
+            "tolerance": self.tolerance.to_json(),
+            "outputs": [o.to_json() for o in self.outputs],
+        }
+
+    def __str__(self) -> str:
+        verdict = "PASSED" if self.passed else "FAILED: " + "; ".join(self.reasons)
+        return f"{verdict} ({self.metrics}, {self.samples} samples)"
+
+
+@contextlib.contextmanager
+def eval_mode(*fns):
+    """Put the nn.Modules among `fns` in eval mode, restoring each one's mode afterwards."""
+    mods = [f for f in fns if isinstance(f, nn.Module)]
+    modes = [[(m, m.training) for m in mod.modules()] for mod in mods]
+    try:
+        for mod in mods:
+            try:
+                mod.eval()
+            except NotImplementedError:  # torch.export modules: the mode is baked into the graph
+                pass
+        yield
+    finally:
+        for saved in modes:
+            for m, training in saved:
+                m.training = training
+
+
+def _clone(sample: tuple) -> tuple:
+    """A private copy of the inputs, so an in-place op in one model cannot feed the other."""
+    return tuple(pytree.tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, list(sample)))
+
+
+def _flatten(out) -> tuple[list[tuple[str, Any]], Any]:
+    leaves, spec = pytree.tree_flatten_with_path(out)
+    return [("output" + pytree.keystr(path), leaf) for path, leaf in leaves], spec
+
+
+def _describe(spec) -> str:
+    text = str(spec).replace("\n", " ")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def verify(
+    reference: Callable,
+    candidate: Callable,
+    example_inputs,
+    *,
+    samples: int = 3,
+    tolerance: Tolerance | str | None = None,
+    seed: int = 0,
+) -> Verification:
+    """Run `reference` and `candidate` on `samples` inputs like `example_inputs` and
+    check their outputs against `tolerance` (a Tolerance, an exactness name or a budget
+    string; default: exact).
+
+    Raises VerificationError only when the reference itself cannot run.
+    """
+    tol = as_tolerance(tolerance)
+    inputs = make_samples(example_inputs, samples, seed)
+    per_output: dict[str, list[Metrics]] = {}
+    order: list[str] = []
+    failures: dict[str, list[str]] = {}
+    general: list[str] = []
+
+    with torch.no_grad(), eval_mode(reference, candidate):
+        for i, sample in enumerate(inputs):
+            try:
+                ref_out = reference(*_clone(sample))
+            except Exception as e:
+                raise VerificationError(
+                    f"The reference model raised {type(e).__name__} on sample {i} "
+                    f"({str(e).strip()[:200]}); check the example inputs."
+                ) from e
+            try:
+                cand_out = candidate(*_clone(sample))
+            except Exception as e:  # a broken candidate is a failed verification
+                general.append(f"the candidate raised {type(e).__name__} on sample {i}: "
+                               f"{str(e).strip()[:200]}")
+                break
+            ref_leaves, ref_spec = _flatten(ref_out)
+            cand_leaves, cand_spec = _flatten(cand_out)
+            if ref_spec != cand_spec:
+                general.append(f"the candidate returns {_describe(cand_spec)} where the "
+                               f"reference returns {_describe(ref_spec)}")
+                break
+            for (name, r), (_, c) in zip(ref_leaves, cand_leaves, strict=True):
+                if name not in per_output:
+                    per_output[name] = []
+                    order.append(name)
+                reason = None
+                if isinstance(r, torch.Tensor) != isinstance(c, torch.Tensor):
+                    reason = (f"{name} is a {type(c).__name__} in the candidate and a "
+                              f"{type(r).__name__} in the reference")
+                elif isinstance(r, torch.Tensor):
+                    if r.shape != c.shape:
+                        reason = (f"{name} has shape {tuple(c.shape)} in the candidate and "
+                                  f"{tuple(r.shape)} in the reference")
+                    else:
+                        per_output[name].append(compare(r, c))
+                elif isinstance(r, int | float | bool):
+                    per_output[name].append(compare(torch.tensor(r), torch.tensor(c)))
+                elif r != c:
+                    reason = f"{name} is {c!r} in the candidate and {r!r} in the reference"
+                if reason is not None:
+                    failures.setdefault(name, [])
+                    if reason not in failures[name]:
+                        failures[name].append(reason)
+
+    checks: list[OutputCheck] = []
+    for name in order:
+        m = combine(per_output[name])
+        ok, why = tol.check(m)
+        why = failures.get(name, []) + [f"{name}: {w}" for w in why]
+        checks.append(OutputCheck(name, m, ok and name not in failures, why))
+    reasons = general + [r for c in checks for r in c.reasons]
+    total = combine(c.metrics for c in checks)
+    if not checks and general:  # nothing could be compared: no number to show
+        nan = math.nan
+        total = Metrics(nan, nan, nan, nan, nan, 0, 0)
+    return Verification(total, not reasons, reasons, checks, len(inputs), tol)

@@ -1,0 +1,71 @@
+"""Fresh inputs shaped like the example: verification must not pass by luck on one input.
+
+Each new sample keeps every input's shape, dtype, device and strides:
+
+- floating tensors are drawn from a normal with the example's own mean and std, so
+  a normalised image stays normalised and hidden states keep their scale;
+- integer tensors (token ids, indices, class labels) are drawn uniformly from the
+  example's [min, max], so an embedding lookup stays inside its table;
+- bool tensors, tensors of a single value or of two values (0/1 or 0/-inf
+  attention masks, padding masks stored as floats), tensors with NaN/Inf,
+  complex tensors and non-tensor arguments are copied unchanged: they encode
+  structure, not data.
+
+Sample 0 is the example itself, so a failure on the user's own input is reported.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def _as_tuple(example_inputs) -> tuple:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def _is_structural(x: torch.Tensor) -> bool:
+    """Masks and constants: a float tensor holding at most two distinct finite values."""
+    if x.numel() < 2 or not bool(torch.isfinite(x).all()):
+        return True
+    lo, hi = x.min(), x.max()
+    return bool(((x == lo) | (x == hi)).all())
+
+
+def _fresh(x, gen: torch.Generator):
+    if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_complex():
+        return x
+    if x.dtype == torch.bool or x.numel() == 0:
+        return x.clone()
+    x = x.detach()
+    if x.is_floating_point():
+        if _is_structural(x):
+            return x.clone()
+        stats = x.to(torch.float64)
+        mean, std = float(stats.mean()), float(stats.std())
+        new = torch.randn(x.shape, generator=gen, dtype=torch.float64) * std + mean
+    else:
+        lo, hi = int(x.min()), int(x.max())
+        if lo == hi:
+            return x.clone()
+        new = torch.randint(lo, hi + 1, x.shape, generator=gen, dtype=torch.int64)
+    out = torch.empty_like(x)  # keeps strides (channels_last stays channels_last)
+    out.copy_(new.to(x.device))
+    return out
+
+
+def make_samples(example_inputs, n: int = 3, seed: int = 0) -> list[tuple]:
+    """`n` input tuples like `example_inputs` (a tuple of arguments, or a single tensor):
+    the example itself first, then n - 1 fresh draws from a generator seeded with `seed`."""
+    example = _as_tuple(example_inputs)
+    if n < 1:
+        return []
+    gen = torch.Generator().manual_seed(seed)
+    samples = [example]
+    for _ in range(n - 1):
+        samples.append(tuple(pytree.tree_map(lambda x: _fresh(x, gen), list(example))))
+    return samples

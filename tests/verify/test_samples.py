@@ -1,0 +1,61 @@
+import torch
+
+from opswap.verify.samples import make_samples
+
+
+def _example():
+    img = torch.randn(2, 3, 9, 11) * 2.0 + 5.0
+    ids = torch.randint(3, 17, (2, 13))
+    mask = torch.rand(2, 13) > 0.3
+    attn = torch.zeros(2, 13).masked_fill(torch.rand(2, 13) > 0.5, float("-inf"))
+    return (img, ids, mask, attn, 7, "mean")
+
+
+def test_shapes_dtypes_and_first_sample():
+    ex = _example()
+    samples = make_samples(ex, 4, seed=0)
+    assert len(samples) == 4
+    assert all(a is b for a, b in zip(samples[0], ex, strict=True))  # sample 0 is the example
+    for s in samples[1:]:
+        for new, old in zip(s, ex, strict=True):
+            if isinstance(old, torch.Tensor):
+                assert new.shape == old.shape and new.dtype == old.dtype
+                assert new.device == old.device
+            else:
+                assert new == old
+        assert not torch.equal(s[0], ex[0]) and not torch.equal(s[1], ex[1])
+
+
+def test_floats_keep_scale_and_ints_stay_in_range():
+    ex = _example()
+    big = (torch.randn(64, 1000) * 3.0 - 2.0, torch.randint(5, 9, (4000,)))
+    for s in make_samples(big, 3, seed=1)[1:]:
+        assert abs(s[0].mean().item() + 2.0) < 0.1
+        assert abs(s[0].std().item() - 3.0) < 0.1
+        assert s[1].min().item() == 5 and s[1].max().item() == 8  # covers, never leaves [5, 8]
+    for s in make_samples(ex, 5, seed=2)[1:]:
+        assert s[1].min() >= ex[1].min() and s[1].max() <= ex[1].max()
+
+
+def test_masks_and_bools_are_copied():
+    ex = _example()
+    for s in make_samples(ex, 3, seed=0)[1:]:
+        assert torch.equal(s[2], ex[2])
+        assert torch.equal(s[3], ex[3])  # a 0/-inf attention mask is structure, not data
+        assert s[2] is not ex[2]
+
+
+def test_deterministic_per_seed():
+    ex = _example()
+    a, b, c = (make_samples(ex, 3, seed=s) for s in (0, 0, 1))
+    assert torch.equal(a[2][0], b[2][0])
+    assert not torch.equal(a[2][0], c[2][0])
+    assert not torch.equal(a[1][0], a[2][0])
+
+
+def test_single_tensor_and_layout():
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    s = make_samples(x, 2, seed=0)
+    assert s[0] == (x,)
+    assert s[1][0].is_contiguous(memory_format=torch.channels_last)
+    assert make_samples(x, 0) == []
