@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from opswap.bench._quiet import native_stderr_silenced
 from opswap.bench.timing import resolve_device
 
 
@@ -92,7 +93,8 @@ def peak_memory(fn: Callable[[], Any], *, device="cpu") -> MemoryResult:
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU],
+                                           profile_memory=True) as prof:
         out = fn()
     del out
     events = _cpu_events_tree(prof)

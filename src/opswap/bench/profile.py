@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.autograd import DeviceType
 
+from opswap.bench._quiet import native_stderr_silenced
 from opswap.bench.timing import resolve_device
 
 _SKIP = ("ProfilerStep", "[memory]", "[OutOfMemory]", "Activity Buffer Request")  # profiler's own
@@ -78,7 +79,8 @@ def profile_ops(
     for _ in range(warmup):
         fn()
     sync()
-    with profile(activities=activities, record_shapes=record_shapes) as prof:
+    with native_stderr_silenced(), profile(activities=activities,
+                                           record_shapes=record_shapes) as prof:
         for _ in range(repeats):
             fn()
         sync()

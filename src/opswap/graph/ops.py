@@ -248,6 +248,9 @@ def op_kind(node: fx.Node) -> str:
     """
     if node.op == "call_module":
         mod = module_of(node)
+        own = getattr(mod, "opswap_kind", None)  # modules opswap installs say what they are
+        if own:
+            return own
         for cls, kind in _MODULE_KINDS:
             if isinstance(mod, cls):
                 return kind

@@ -1,0 +1,242 @@
+"""The report of one `optimize` run: what changed and why, predicted next to
+measured, misses with reasons, error per layer, latency, and the cost breakdown."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from opswap.report import plots
+from opswap.report.document import Block, Bullets, Heading, Image, Para, Table, to_html, to_markdown
+from opswap.report.units import human
+
+
+def _f(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if math.isinf(x):
+            return "inf"
+        if math.isnan(x):
+            return "nan"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def _summary(result, data) -> list[Block]:
+    v = data["verification"]
+    b = data["benchmark"]
+    verdict = "PASSED" if v["passed"] else "FAILED"
+    lines = [
+        f"**{len(data['applied'])}** replacements applied, **{len(data['misses'])}** near misses "
+        f"reported, **{len(data['rolled_back'])}** rolled back, "
+        f"**{len(data['failed'])}** failed.",
+        f"Verification **{verdict}** on {v.get('samples', '?')} input samples: cosine "
+        f"{v['cosine']:.8f}, max abs error {_f(v['max_abs'])}, SQNR {_f(v['sqnr_db'])} dB, "
+        f"relative L2 {_f(v['rel_l2'])} (tolerance: {result.verification.tolerance}).",
+    ]
+    if b:
+        lines.append(
+            f"Measured on {b['device']}: **{b['ref_ms']:.3f} ms → {b['opt_ms']:.3f} ms**, "
+            f"speedup **{b['speedup']:.2f}x** (median of interleaved runs, same process)."
+        )
+    else:
+        lines.append("Not timed (--no-bench).")
+    return [Para(" ".join(lines[:1])), Bullets(lines[1:])]
+
+
+def _changes(result) -> list[Block]:
+    blocks: list[Block] = [Heading("What changed and why")]
+    if not result.plan.decisions:
+        return blocks + [Para("No rule applied to this model (see the near misses below).")]
+    from opswap.rules import registry
+
+    applied = {s.key for s in result.applied}
+    rows = []
+    for i, d in enumerate(result.plan.decisions):
+        rule = registry.get(d.rule)
+        e = d.estimate
+        rows.append([
+            str(i), f"`{d.rule}`", f"`{d.site.key}`", d.site.description, rule.exactness,
+            human(e.bytes_saved, "B"), human(e.flops_saved),
+            _f(e.time_saved_s * 1e6) + " µs" if e.time_saved_s is not None else "-",
+            "yes" if d.site.key in applied else "no",
+        ])
+    blocks.append(Table(["#", "rule", "site", "what", "exactness", "pred. bytes saved",
+                         "pred. FLOPs saved", "pred. time saved", "applied"], rows,
+                        align_right={0, 5, 6, 7}))
+    return blocks
+
+
+def _predicted_vs_measured(result, data) -> list[Block]:
+    before, after = result.analysis_before, result.analysis_after
+    blocks: list[Block] = [Heading("Predicted next to measured")]
+    saved = sum(d.estimate.time_saved_s or 0.0 for d in result.plan.decisions)
+    rows = [["roofline estimate of the whole model", f"{before.est_time_s * 1e3:.4f} ms",
+             f"{after.est_time_s * 1e3:.4f} ms",
+             f"{before.est_time_s / after.est_time_s:.2f}x" if after.est_time_s else "-"],
+            ["sum of the sites' predicted savings", "", f"-{saved * 1e3:.4f} ms",
+             f"{before.est_time_s / max(before.est_time_s - saved, 1e-12):.2f}x"
+             if before.est_time_s else "-"],
+            ["bytes moved (unfused, per op)", human(before.total_bytes, "B"),
+             human(after.total_bytes, "B"), ""],
+            ["FLOPs", human(before.total_flops), human(after.total_flops), ""]]
+    b = data["benchmark"]
+    if b:
+        rows.append(["measured latency (median)", f"{b['ref_ms']:.4f} ms", f"{b['opt_ms']:.4f} ms",
+                     f"{b['speedup']:.2f}x"])
+    blocks.append(Table(["", "before", "after", "speedup"], rows, align_right={1, 2, 3}))
+    blocks.append(Para(
+        "The roofline estimate assumes every op runs alone at the target's peak FLOP/s or "
+        "bandwidth; it ignores launch and dispatch overheads, which dominate small models on "
+        "CPU, so the measured figure is the one that counts. Where the two disagree in sign, "
+        "the replacement does not pay on this device: the measured figure says so."))
+    if b:
+        bench = result.benchmark
+        spreads = [getattr(bench, "ref_iqr_ms", 0.0) or 0.0, getattr(bench, "opt_iqr_ms", 0.0) or 0.0]
+        png = plots.latency_bars(["reference", "optimized"], [b["ref_ms"], b["opt_ms"]], spreads,
+                                 f"{result.model} on {b['device']}")
+        blocks.append(Image("latency.png", png, "Latency, reference vs optimized (median, IQR)."))
+    return blocks
+
+
+def _misses(result) -> list[Block]:
+    blocks: list[Block] = [Heading("Near misses")]
+    if not result.plan.misses:
+        return blocks + [Para("None: every place a rule looked at either matched or was not close.")]
+    rows = [[f"`{m.rule}`", f"`{m.where}`", m.reason] for m in result.plan.misses]
+    return blocks + [Para("Places where a rule nearly applied, and why it did not."),
+                     Table(["rule", "where", "why not"], rows)]
+
+
+def _problems(result) -> list[Block]:
+    items = [f"failed: `{f.rule}` at `{f.key}`: {f.reason}" for f in result.failed]
+    for r in result.rolled_back:
+        j = r.to_json() if hasattr(r, "to_json") else r
+        items.append(f"rolled back: `{j.get('rule')}` at `{j.get('site', j.get('key'))}`: "
+                     f"{j.get('reason', '')}")
+    items += [f"skipped: `{s['rule']}` at `{s['key']}`: {s['reason']}" for s in result.plan.skipped]
+    if not items:
+        return []
+    return [Heading("Failed, rolled back, skipped"), Bullets(items)]
+
+
+def _verification(result) -> list[Block]:
+    v = result.verification
+    rows = [[f"`{o.name}`", _f(o.metrics.max_abs), _f(o.metrics.max_rel),
+             f"{o.metrics.cosine:.8f}", _f(o.metrics.sqnr_db), _f(o.metrics.rel_l2),
+             "PASSED" if o.passed else "FAILED"] for o in v.outputs]
+    blocks: list[Block] = [
+        Heading("Verification"),
+        Para(f"Reference (the captured original) and candidate ran on {v.samples} input samples "
+             f"(the example and fresh random inputs of the same shapes); worst case over samples. "
+             f"Tolerance: {v.tolerance}."),
+        Table(["output", "max abs", "max rel", "cosine", "SQNR dB", "rel L2", "verdict"], rows,
+              align_right={1, 2, 3, 4, 5}),
+    ]
+    if v.reasons:
+        blocks.append(Bullets(list(v.reasons)))
+    return blocks
+
+
+def _layers(result) -> list[Block]:
+    lr = result.layers
+    rows = [r for r in (lr.rows if lr is not None else []) if r.metrics is not None]
+    if not rows:
+        return []
+    tol = result.verification.tolerance
+    first = lr.first_divergence(tol)
+    names = [r.name for r in rows]
+    errs = [r.metrics.rel_l2 for r in rows]
+    first_idx = names.index(first.row.name) if first is not None and first.row.name in names else None
+    png = plots.layer_errors(names, errs, getattr(tol, "rel_l2_max", None), first_idx,
+                             "Relative L2 error per layer (candidate vs reference)")
+    blocks: list[Block] = [Heading("Error layer by layer"),
+                           Image("layer_errors.png", png, "Error of each layer's output, in "
+                                 "execution order; layers are paired by node name, consumer and "
+                                 "module path.")]
+    if first is not None:
+        blocks.append(Para(f"First divergence: {first}."))
+    else:
+        blocks.append(Para("No layer exceeds the tolerance or jumps 10x over the layers before it."))
+    unpaired = len(lr.rows) - len(rows)
+    if unpaired:
+        blocks.append(Para(f"{unpaired} reference nodes have no counterpart in the candidate "
+                           "(removed by a rewrite) and are not compared on their own."))
+    worst = sorted(rows, key=lambda r: -(r.metrics.rel_l2 if math.isfinite(r.metrics.rel_l2)
+                                         else 1e30))[:8]
+    blocks.append(Table(["layer", "module", "paired by", "max abs", "cosine", "rel L2"],
+                        [[f"`{r.name}`", r.module or "", r.paired_by, _f(r.metrics.max_abs),
+                          f"{r.metrics.cosine:.8f}", _f(r.metrics.rel_l2)] for r in worst],
+                        align_right={3, 4, 5}))
+    return blocks
+
+
+def _analysis(result) -> list[Block]:
+    before, after = result.analysis_before, result.analysis_after
+    cats = sorted(set(before.categories) | set(after.categories),
+                  key=lambda c: -max(_cat_time(before, c), _cat_time(after, c)))
+    tb = [_cat_time(before, c) for c in cats]
+    ta = [_cat_time(after, c) for c in cats]
+    blocks: list[Block] = [Heading("Where the time goes (cost model)")]
+    blocks.append(Image("categories.png", plots.category_time(cats, tb, ta, "Estimated time per op category"),
+                        f"Roofline estimate per category on {result.target}, before and after."))
+    sentences = before.bottlenecks(5)
+    if sentences:
+        blocks.append(Para("Top bottlenecks of the original model:"))
+        blocks.append(Bullets(sentences))
+    tgt = before.target
+    dtype = "float32"
+    pts = [(r.name, r.intensity, r.flops / r.est_time_s if r.est_time_s else 0.0)
+           for r in before.rows if r.flops > 0 and r.est_time_s]
+    if pts:
+        blocks.append(Image("roofline.png",
+                            plots.roofline(pts, tgt.peak(dtype), tgt.mem_bandwidth,
+                                           f"Roofline of {tgt.name} (float32), original model"),
+                            "Each op at its arithmetic intensity and roofline-attainable FLOP/s."))
+    return blocks
+
+
+def _cat_time(analysis, cat: str) -> float:
+    c = analysis.categories.get(cat)
+    if c is None:
+        return 0.0
+    return c["est_time_s"] if isinstance(c, dict) else getattr(c, "est_time_s", 0.0)
+
+
+def _environment(result, data) -> list[Block]:
+    vers = data["versions"]
+    items = [f"opswap {vers['opswap']}, torch {vers['torch']}, Python {vers['python']}",
+             f"capture: {data['capture_method']}",
+             f"settings: rules {data['settings']['rules'] or 'all'}, exactness "
+             f"{data['settings']['exactness']}, budget {data['settings']['budget'] or 'default'}",
+             f"created {data['created']}"]
+    items += [f"note: {n}" for n in result.notes]
+    return [Heading("Environment"), Bullets(items)]
+
+
+def build_report(result) -> list[Block]:
+    data = result.to_json()
+    blocks: list[Block] = [Heading(f"opswap report: {result.model} on {result.target}", 1)]
+    blocks += _summary(result, data)
+    blocks += _changes(result)
+    blocks += _predicted_vs_measured(result, data)
+    blocks += _misses(result)
+    blocks += _problems(result)
+    blocks += _verification(result)
+    blocks += _layers(result)
+    blocks += _analysis(result)
+    blocks += _environment(result, data)
+    return blocks
+
+
+def write_reports(result, out: str | Path) -> dict[str, Path]:
+    """Write report.md (+ its PNG files) and the self-contained report.html into `out`."""
+    out = Path(out)
+    blocks = build_report(result)
+    md, files = to_markdown(blocks)
+    for name, png in files.items():
+        (out / name).write_bytes(png)
+    (out / "report.md").write_text(md)
+    (out / "report.html").write_text(to_html(blocks, f"opswap: {result.model}"))
+    return {"report_md": out / "report.md", "report_html": out / "report.html"}

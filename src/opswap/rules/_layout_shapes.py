@@ -1,0 +1,99 @@
+"""Chains of layout ops, and the one shape a chain of reshapes amounts to.
+
+view, reshape, flatten, unflatten, squeeze and unsqueeze all keep a tensor's elements
+in row-major order; only the sizes change. A chain of them is therefore
+`reshape(input, final_shape)`: the question is only whether `final_shape` can be
+written down in the graph. It can when the last op spells it out (its literal sizes,
+or size values the graph already computes, are reused as they are), or when every size
+along the chain is fixed at capture; not when a squeeze/flatten at the end derives it
+from a size that is only known at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from opswap.graph.ops import raw_name
+from opswap.graph.shapes import info
+
+_SHAPE_NAMES = {"view", "_unsafe_view", "reshape", "flatten", "squeeze", "unsqueeze",
+                "unflatten", "Flatten", "Unflatten"}
+
+
+def chain_from(
+    node: fx.Node, is_link: Callable[[fx.Node], bool]
+) -> tuple[list[fx.Node] | None, tuple[fx.Node, str] | None]:
+    """The longest chain of links starting at `node` whose intermediates have no other
+    reader, and (next node, reason) when it stops early because one has; (None, None)
+    when `node` is not a link or is inside a chain that starts earlier."""
+    if not is_link(node):
+        return None, None
+    src = node.args[0]
+    if isinstance(src, fx.Node) and is_link(src) and len(src.users) == 1:
+        return None, None
+    chain = [node]
+    while True:
+        cur = chain[-1]
+        nxt = [u for u in cur.users if is_link(u) and u.args and u.args[0] is cur]
+        if not nxt:
+            return chain, None
+        if len(cur.users) == 1:
+            chain.append(nxt[0])
+            continue
+        others = ", ".join(u.name for u in cur.users if u is not nxt[0])
+        return chain, (nxt[0], f"{cur.name}'s output is also read by {others}, so "
+                               f"{cur.name} and {nxt[0].name} cannot be merged")
+
+
+def is_shape_op(node: fx.Node) -> bool:
+    """A reshape-like op on a tensor whose shapes are known (not a dtype-reinterpreting view)."""
+    if node.op not in ("call_function", "call_method", "call_module") or not node.args:
+        return False
+    if not isinstance(node.args[0], fx.Node) or raw_name(node) not in _SHAPE_NAMES:
+        return False
+    if any(isinstance(a, torch.dtype) for a in node.args[1:]) or "dtype" in node.kwargs:
+        return False
+    out, src = info(node), info(node.args[0])
+    return out is not None and src is not None and out.dtype == src.dtype
+
+
+def _spelled_shape(node: fx.Node) -> list | None:
+    """The sizes a view/reshape spells out (ints, -1, or size nodes), else None."""
+    if raw_name(node) not in ("view", "_unsafe_view", "reshape"):
+        return None
+    rest = list(node.args[1:]) or [node.kwargs.get("shape", node.kwargs.get("size"))]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple, torch.Size)):
+        rest = list(rest[0])
+    elif len(rest) == 1 and isinstance(rest[0], fx.Node):
+        return None  # a whole shape computed at run time (x.view(y.shape))
+    out = info(node)
+    if not rest or out is None or len(rest) != len(out.shape):
+        return None
+    return rest if all(isinstance(a, (int, fx.Node)) for a in rest) else None
+
+
+def _symbolic(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape)
+
+
+def collapsed_shape(chain: list[fx.Node]) -> tuple[list | None, str | None]:
+    """The shape argument of the one reshape that replaces `chain`, or the reason none can
+    be written down."""
+    last = chain[-1]
+    spelled = _spelled_shape(last)
+    if spelled is not None:
+        return spelled, None
+    for n in chain:
+        found: list[fx.Node] = []
+        fx.node.map_arg((n.args[1:], n.kwargs), found.append)
+        if found:
+            return None, (f"the shape {last.name} produces follows {found[0].name}, a size "
+                          "read at run time; one reshape would fix it to the captured size")
+    if _symbolic(chain[0].args[0]) or _symbolic(last):
+        return None, (f"the shape {last.name} produces depends on a dynamic size, so it "
+                      "cannot be written as one reshape")
+    return list(info(last).shape), None
