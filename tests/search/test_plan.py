@@ -1,0 +1,181 @@
+"""Plans and their replay, with toy rules registered only for these tests."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from opswap.errors import PlanError, RuleError
+from opswap.graph import capture, op_kind
+from opswap.rules import registry
+from opswap.rules.base import Estimate, Rule
+from opswap.search.plan import Plan, apply_plan, make_plan
+
+
+class _DoubleRelu(Rule):
+    """relu(relu(x)) -> relu(x): the second relu is a no-op."""
+
+    name = "test.double_relu"
+    family = "test"
+    chapter = 3
+    exactness = "exact"
+
+    def match(self, gm):
+        out = []
+        for n in gm.graph.nodes:
+            if op_kind(n) == "relu" and n.args and isinstance(n.args[0], torch.fx.Node) \
+                    and op_kind(n.args[0]) == "relu":
+                inner = n.args[0]
+                if len(inner.users) > 1:
+                    out.append(self.miss(inner, f"{inner.name} is also read elsewhere"))
+                else:
+                    out.append(self.site(f"{inner.name}+{n.name}", [inner, n], "drop a relu"))
+        return out
+
+    def rewrite(self, gm, site):
+        outer = next(n for n in gm.graph.nodes if n.name == site.nodes[1])
+        outer.replace_all_uses_with(outer.args[0])
+        gm.graph.erase_node(outer)
+
+    def predict(self, gm, site, target):
+        return Estimate(bytes_saved=8.0, time_saved_s=1e-9)
+
+
+class _Broken(Rule):
+    """Matches every relu and raises half-way through the rewrite."""
+
+    name = "test.broken"
+    family = "test"
+    chapter = 3
+    exactness = "exact"
+
+    def match(self, gm):
+        return [self.site(n.name, [n], "break it") for n in gm.graph.nodes if op_kind(n) == "relu"]
+
+    def rewrite(self, gm, site):
+        node = next(n for n in gm.graph.nodes if n.name == site.key)
+        node.replace_all_uses_with(node.args[0])  # change the graph, then fail
+        raise RuntimeError("kernel exploded")
+
+
+class _Slower(_DoubleRelu):
+    name = "test.slower"
+
+    def predict(self, gm, site, target):
+        return Estimate(time_saved_s=-1e-6, note="an extra copy")
+
+
+class _Lossy(_DoubleRelu):
+    name = "test.lossy"
+    exactness = "lossy"
+
+
+@pytest.fixture(autouse=True)
+def toy_rules():
+    classes = [_DoubleRelu, _Broken, _Slower, _Lossy]
+    for c in classes:
+        registry.register(c)
+    yield
+    for c in classes:
+        registry._RULES.pop(c.name, None)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 7)
+        self.b = nn.Linear(7, 3)
+
+    def forward(self, x):
+        y = torch.relu(torch.relu(self.a(x)))
+        z = torch.relu(x)
+        w = torch.relu(z)  # z is also read below: a miss
+        return self.b(y + w + z)
+
+
+def _cap():
+    torch.manual_seed(0)
+    return Net().eval(), capture(Net().eval(), (torch.randn(5, 7),))
+
+
+def test_plan_finds_sites_and_misses():
+    _, c = _cap()
+    p = make_plan(c, rules=["test.double_relu"])
+    assert [d.site.key for d in p.decisions] == ["relu+relu_1"]
+    assert len(p.misses) == 1 and "also read elsewhere" in p.misses[0].reason
+    assert p.decisions[0].estimate.bytes_saved == 8.0
+
+
+def test_apply_replays_plan_without_touching_the_capture(tmp_path):
+    _, c = _cap()
+    before = [n.name for n in c.gm.graph.nodes]
+    p = make_plan(c, rules="test.double_relu")
+    path = p.save(tmp_path / "plan.json")
+    p2 = Plan.load(path)
+    out = apply_plan(c, p2)
+    assert [s.key for s in out.applied] == ["relu+relu_1"] and not out.failed
+    assert [n.name for n in c.gm.graph.nodes] == before
+    x = torch.randn(4, 7)
+    torch.testing.assert_close(out.gm(x), c.gm(x))
+    assert sum(op_kind(n) == "relu" for n in out.gm.graph.nodes) == 3  # of 4
+
+
+def test_raising_rule_is_rolled_back_and_reported():
+    _, c = _cap()
+    p = make_plan(c, rules=["test.broken"])
+    assert not p.decisions
+    assert len(p.failed) == 4 and all("kernel exploded" in f.reason for f in p.failed)
+    # force the decision into a plan: apply must leave the graph as it was
+    p.decisions = make_plan(c, rules=["test.double_relu"]).decisions
+    p.decisions[0].rule = "test.broken"
+    p.decisions[0].site = p.decisions[0].site.__class__("test.broken", "relu", ("relu",), "x")
+    out = apply_plan(c, p)
+    assert not out.applied and "kernel exploded" in out.failed[0].reason
+    x = torch.randn(3, 7)
+    torch.testing.assert_close(out.gm(x), c.gm(x))
+
+
+def test_missing_site_is_reported_not_guessed():
+    _, c = _cap()
+    p = make_plan(c, rules=["test.double_relu"])
+    p.decisions[0].site = p.decisions[0].site.__class__("test.double_relu", "nope+nada", (), "")
+    out = apply_plan(c, p)
+    assert not out.applied and out.failed[0].reason == "site not found in this model"
+
+
+def test_predicted_slower_is_skipped_with_reason():
+    _, c = _cap()
+    p = make_plan(c, rules=["test.slower"])
+    assert not p.decisions
+    assert "predicted slower" in p.skipped[0]["reason"] and "extra copy" in p.skipped[0]["reason"]
+
+
+def test_exactness_filters_rules():
+    _, c = _cap()
+    with pytest.raises(RuleError, match="No rule matches"):
+        make_plan(c, rules=["test.lossy"], exactness="exact")
+    assert make_plan(c, rules=["test.lossy"], exactness="lossy").decisions
+
+
+def test_plan_json_round_trip_and_errors(tmp_path):
+    _, c = _cap()
+    p = make_plan(c, rules=["test.double_relu"])
+    data = json.loads(json.dumps(p.to_json()))
+    q = Plan.from_json(data)
+    assert q.to_json() == p.to_json()
+    with pytest.raises(PlanError, match="malformed"):
+        Plan.from_json({"decisions": [{"site": {}}]})
+    with pytest.raises(PlanError, match="No plan file"):
+        Plan.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(bad)
+    with pytest.raises(PlanError, match="version"):
+        Plan.from_json({**data, "version": 99})
+
+
+def test_unknown_rule_name():
+    with pytest.raises(RuleError, match="No rule named"):
+        registry.get("fusion.nonexistent")
