@@ -1,0 +1,296 @@
+"""Read the parts of a node whatever the capture flavour.
+
+The same convolution reaches a rule as an `nn.Conv2d` call_module (FX), as
+`torch.conv2d(x, self.w)` with a get_attr weight (FX, functional code), or as
+`aten.conv2d.default` / `aten.convolution.default` (torch.export). Rules ask
+the questions below instead: "what are this conv's weight and settings?", "is
+this BatchNorm using running statistics, and what are they?", "is this value a
+constant, and which tensor is it?". Each answer is a small dataclass, or a
+reason string a user can read when the node does not qualify.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from opswap.graph.ops import arg, attr_tensor, module_of, op_kind, raw_name
+from opswap.graph.shapes import info
+
+aten = torch.ops.aten
+
+# Ops that only relabel a constant: a weight spelled `self.w.t()` is still a constant.
+_CONST_KINDS = {"transpose", "permute", "view", "reshape", "contiguous", "identity", "squeeze",
+                "expand", "flatten"}
+
+
+def const(gm: fx.GraphModule, value, depth: int = 6) -> torch.Tensor | None:
+    """The constant tensor `value` stands for, or None when it depends on an input.
+
+    A get_attr node is a constant; so is a short chain of layout ops (t, permute,
+    view, ...) applied to one, which is evaluated here.
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, fx.Node) or depth == 0:
+        return None
+    if value.op == "get_attr":
+        return attr_tensor(gm, value)
+    if value.op not in ("call_function", "call_method") or op_kind(value) not in _CONST_KINDS:
+        return None
+    args = []
+    for a in value.args:
+        if isinstance(a, fx.Node):
+            a = const(gm, a, depth - 1)
+            if a is None:
+                return None
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+            return None
+        args.append(a)
+    if any(isinstance(v, fx.Node) for v in value.kwargs.values()):
+        return None
+    with torch.no_grad():
+        if value.op == "call_method":
+            return getattr(args[0], str(value.target))(*args[1:], **value.kwargs)
+        return value.target(*args, **value.kwargs)
+
+
+def describe_source(node) -> str:
+    """'an input of the model' / 'computed by mul_2': where a non-constant comes from."""
+    if not isinstance(node, fx.Node):
+        return "not a tensor"
+    if node.op == "placeholder":
+        return f"the model input {node.name}"
+    return f"computed at run time by {node.name}"
+
+
+def users_outside(node: fx.Node, allowed) -> list[fx.Node]:
+    """Users of `node` that are not in `allowed`."""
+    allowed = set(allowed)
+    return [u for u in node.users if u not in allowed]
+
+
+def shared_reason(node: fx.Node, allowed, what: str) -> str | None:
+    """A sentence saying `node`'s output escapes the pattern, or None when it does not."""
+    others = users_outside(node, allowed)
+    if not others:
+        return None
+    names = ", ".join(u.name for u in others[:3])
+    return f"{node.name}'s output is also read by {names}, so {what}"
+
+
+def is_aten(node: fx.Node) -> bool:
+    return isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def _ntuple(v, n: int):
+    if isinstance(v, str):
+        return v
+    if isinstance(v, (list, tuple)):
+        return tuple(int(x) for x in v) if len(v) == n else tuple(int(v[0]) for _ in range(n))
+    return tuple(int(v) for _ in range(n))
+
+
+# --------------------------------------------------------------------------- weighted ops
+
+
+@dataclass
+class Weighted:
+    """A conv or linear node with constant weights, read in any flavour.
+
+    `weight_at`/`bias_at` are the argument positions in the call (function flavour);
+    for a call_module node the tensors live on `module`.
+    """
+
+    node: fx.Node
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    module: nn.Module | None = None
+    transposed: bool = False
+    stride: tuple = (1,)
+    padding: tuple | str = (0,)
+    dilation: tuple = (1,)
+    groups: int = 1
+    padding_mode: str = "zeros"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def out_channels(self) -> int:
+        if self.transposed:
+            return self.weight.shape[1] * self.groups
+        return self.weight.shape[0]
+
+
+# Function-flavour conv spellings: name -> positions of (stride, padding, dilation, groups,
+# transposed, output_padding) in the call; None where the spelling has no such argument.
+_CONV_ARGS = {
+    "conv1d": (3, 4, 5, 6, None, None),
+    "conv2d": (3, 4, 5, 6, None, None),
+    "conv3d": (3, 4, 5, 6, None, None),
+    "conv_transpose1d": (3, 4, 7, 6, None, 5),
+    "conv_transpose2d": (3, 4, 7, 6, None, 5),
+    "conv_transpose3d": (3, 4, 7, 6, None, 5),
+    "convolution": (3, 4, 5, 8, 6, 7),
+}
+_CONV_NAMES = ("stride", "padding", "dilation", "groups", "transposed", "output_padding")
+
+
+def weighted(gm: fx.GraphModule, node: fx.Node) -> Weighted | str:
+    """The weights and settings of a conv / conv_transpose / linear node, or why they
+    cannot be read (a non-constant weight, an unfamiliar spelling)."""
+    kind = op_kind(node)
+    if kind not in ("conv", "conv_transpose", "linear"):
+        return f"{node.name} is not a convolution or linear layer"
+    if node.op == "call_module":
+        mod = module_of(node)
+        if kind == "linear":
+            if not isinstance(mod, nn.Linear):
+                return f"{node.name} is a {type(mod).__name__}, not an nn.Linear"
+            return Weighted(node, mod.weight, mod.bias, mod)
+        if getattr(mod, "fused_activation", None):
+            return (f"{node.name} already applies a fused {mod.fused_activation}, so nothing "
+                    "after it can be folded into its weights")
+        if not isinstance(mod, nn.modules.conv._ConvNd):
+            return f"{node.name} is a {type(mod).__name__}, not a standard convolution"
+        return Weighted(node, mod.weight, mod.bias, mod, transposed=mod.transposed,
+                        stride=mod.stride, padding=mod.padding, dilation=mod.dilation,
+                        groups=mod.groups, padding_mode=mod.padding_mode,
+                        extra={"output_padding": mod.output_padding})
+    w_node, b_node = arg(node, 1, "weight"), arg(node, 2, "bias")
+    w = const(gm, w_node)
+    if w is None:
+        return (f"the weight of {node.name} is not a constant: it is "
+                f"{describe_source(w_node)}")
+    b = None
+    if b_node is not None:
+        b = const(gm, b_node)
+        if b is None:
+            return f"the bias of {node.name} is not a constant: it is {describe_source(b_node)}"
+    if kind == "linear":
+        if raw_name(node) != "linear" or w.dim() != 2:
+            return f"{node.name} is a {raw_name(node)} call, which opswap does not read as a linear"
+        return Weighted(node, w, b)
+    name = raw_name(node)
+    if name not in _CONV_ARGS:
+        return f"{node.name} is a {name} call, whose arguments opswap does not read"
+    pos = _CONV_ARGS[name]
+    d = w.dim() - 2
+    defaults = (1, 0, 1, 1, name.startswith("conv_transpose"), 0)
+    vals = [defaults[i] if p is None else arg(node, p, _CONV_NAMES[i], defaults[i])
+            for i, p in enumerate(pos)]
+    if any(isinstance(v, fx.Node) for v in vals):
+        return f"{node.name}'s stride, padding or groups are computed at run time"
+    stride, padding, dilation, groups, transposed, output_padding = vals
+    return Weighted(node, w, b, None, transposed=bool(transposed), stride=_ntuple(stride, d),
+                    padding=_ntuple(padding, d), dilation=_ntuple(dilation, d),
+                    groups=int(groups), extra={"output_padding": _ntuple(output_padding, d)})
+
+
+# --------------------------------------------------------------------------- batch norm
+
+
+@dataclass
+class BatchNormParts:
+    """An inference BatchNorm: y = (x - mean) / sqrt(var + eps) * weight + bias."""
+
+    node: fx.Node
+    out: fx.Node  # the node whose value is the normalised tensor (a getitem for tuple ops)
+    mean: torch.Tensor
+    var: torch.Tensor
+    eps: float
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def scale_shift(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, shift) in float64 such that bn(x) = x * scale + shift per channel."""
+        var, mean = self.var.double(), self.mean.double()
+        scale = torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            scale = scale * self.weight.double()
+        shift = -mean * scale
+        if self.bias is not None:
+            shift = shift + self.bias.double()
+        return scale, shift
+
+
+def _bn_out(node: fx.Node) -> fx.Node | str:
+    """The node carrying the normalised output (tuple-returning ATen overloads)."""
+    if not raw_name(node).startswith("_native_batch_norm"):
+        return node
+    firsts = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    rest = [u for u in node.users if u not in firsts and u.users]
+    if len(firsts) != 1 or rest:
+        return f"{node.name}'s saved statistics are read by other nodes"
+    return firsts[0]
+
+
+def batch_norm(gm: fx.GraphModule, node: fx.Node) -> BatchNormParts | str:
+    """The running statistics and affine parameters of an inference BatchNorm, or the
+    reason it cannot be folded (training mode, batch statistics, non-constants)."""
+    if node.op == "call_module":
+        mod = module_of(node)
+        if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            return f"{node.name} is a {type(mod).__name__}, not a BatchNorm"
+        if mod.training:
+            return f"BatchNorm {node.name} is in training mode (it normalises with batch statistics)"
+        if mod.running_mean is None or mod.running_var is None:
+            return (f"BatchNorm {node.name} has no running statistics (track_running_stats=False), "
+                    "so it normalises with batch statistics")
+        return BatchNormParts(node, node, mod.running_mean, mod.running_var, float(mod.eps),
+                              mod.weight, mod.bias)
+    name = raw_name(node)
+    if node.target is F.batch_norm:
+        order = dict(mean=1, var=2, weight=3, bias=4, training=5, eps=7)
+    elif name == "batch_norm":
+        order = dict(weight=1, bias=2, mean=3, var=4, training=5, eps=7)
+    elif name == "_native_batch_norm_legit_no_training":
+        order = dict(weight=1, bias=2, mean=3, var=4, training=None, eps=6)
+    elif name in ("_native_batch_norm_legit", "native_batch_norm",
+                  "_native_batch_norm_legit_functional", "_batch_norm_with_update"):
+        return f"BatchNorm {node.name} is in training mode (it normalises with batch statistics)"
+    else:
+        return f"{node.name} is a {name} call, whose arguments opswap does not read"
+    names = {"mean": "running_mean", "var": "running_var", "weight": "weight", "bias": "bias",
+             "training": "training", "eps": "eps"}
+    get = {k: (None if i is None else arg(node, i, names[k])) for k, i in order.items()}
+    if get["training"] is True:
+        return f"BatchNorm {node.name} is in training mode (it normalises with batch statistics)"
+    if isinstance(get["training"], fx.Node):
+        return f"BatchNorm {node.name}'s training flag is computed at run time"
+    if get["mean"] is None or get["var"] is None:
+        return f"BatchNorm {node.name} has no running statistics, so it uses batch statistics"
+    tensors = {}
+    for k in ("mean", "var", "weight", "bias"):
+        if get[k] is None:
+            tensors[k] = None
+            continue
+        t = const(gm, get[k])
+        if t is None:
+            label = "running " + k if k in ("mean", "var") else k
+            return (f"the {label} of BatchNorm {node.name} is not a constant: it is "
+                    f"{describe_source(get[k])}")
+        tensors[k] = t
+    eps = get["eps"] if get["eps"] is not None else 1e-5
+    if not isinstance(eps, (int, float)):
+        return f"the eps of BatchNorm {node.name} is not a constant number"
+    out = _bn_out(node)
+    if isinstance(out, str):
+        return out
+    return BatchNormParts(node, out, tensors["mean"], tensors["var"], float(eps),
+                          tensors["weight"], tensors["bias"])
+
+
+def input_of(node: fx.Node) -> fx.Node | None:
+    """The first tensor argument (the activation) of a call."""
+    a = node.args[0] if node.args else node.kwargs.get("input")
+    return a if isinstance(a, fx.Node) else None
+
+
+def shape_of(node) -> tuple[int, ...] | None:
+    i = info(node)
+    return None if i is None else i.shape

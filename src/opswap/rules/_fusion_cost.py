@@ -1,0 +1,46 @@
+"""What a fusion saves, in the cost model's terms.
+
+Every op in the cost model is costed as if it ran alone: it reads its inputs
+from memory and writes its output back. A fusion removes ops (a folded
+BatchNorm, a ReLU done in a GEMM's epilogue) or replaces several with one; the
+saving is the roofline time of what is removed minus that of what is added,
+each kernel timed as max(flops / peak, bytes / bandwidth).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.fx as fx
+
+from opswap.cost import NodeCost, node_cost, roofline_point
+from opswap.graph.shapes import info
+from opswap.rules.base import Estimate
+
+
+def _time(c: NodeCost, target, dtype) -> float:
+    return roofline_point(c.flops, c.bytes, target, dtype).time_s
+
+
+def costs(nodes: Iterable[fx.Node]) -> list[NodeCost]:
+    return [node_cost(n) for n in nodes]
+
+
+def saving(target, removed: Iterable[fx.Node], added: Iterable[NodeCost] = (),
+           note: str = "") -> Estimate:
+    """Estimate for replacing the ops `removed` (each a kernel of its own) by the
+    kernels `added` (given as costs: they do not exist in the graph yet)."""
+    removed = list(removed)
+    dtype = next((i.dtype for i in map(info, removed) if i is not None), "float32")
+    gone = costs(removed)
+    new = list(added)
+    flops = sum(c.flops for c in gone) - sum(c.flops for c in new)
+    nbytes = sum(c.bytes for c in gone) - sum(c.bytes for c in new)
+    t_gone = sum(_time(c, target, dtype) for c in gone)
+    t_new = sum(_time(c, target, dtype) for c in new)
+    dt = t_gone - t_new
+    if abs(dt) <= 1e-9 * max(t_gone, t_new):
+        # k compute-bound GEMMs merged into one: equal times up to float rounding, which
+        # must not read as "slower" to the planner
+        dt = 0.0
+    return Estimate(float(flops), float(nbytes), dt, note)

@@ -1,0 +1,249 @@
+"""Edit a captured graph for the fusion rules: new constants, swapped weights and modules,
+and the clean-up that keeps the state_dict free of tensors nothing reads any more.
+
+Two habits run through it. Names are kept where possible: a module or attribute
+used only by the rewritten node is replaced in place, so 'conv1.weight' stays
+'conv1.weight'; a shared one is copied to a fresh name, so the other reader is
+unaffected. And every node a rewrite creates gets the shape metadata of the node
+it replaces, so later matches in the same pass can read its shape.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from opswap.graph.ops import arg, attr_tensor, set_attr_tensor
+from opswap.rules._access import Weighted
+
+
+def copy_meta(new: fx.Node, old: fx.Node) -> None:
+    """Give a node created by a rewrite the shape metadata of the node it replaces, so
+    later matches in the same pass can still read its shape."""
+    for k in ("tensor_meta", "val", "nn_module_stack", "stack_trace"):
+        if k in old.meta:
+            new.meta[k] = old.meta[k]
+
+
+def _exclusive_module(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """True when no other node calls this module or reads its tensors."""
+    target = str(node.target)
+    for n in gm.graph.nodes:
+        if n is node:
+            continue
+        if n.op == "call_module" and str(n.target) == target:
+            return False
+        if n.op == "get_attr" and str(n.target).startswith(target + "."):
+            return False
+    return True
+
+
+def _exclusive_attr(gm: fx.GraphModule, attr_node: fx.Node, user: fx.Node) -> bool:
+    """True when `attr_node` is a get_attr read only by `user`, and no other node reads
+    the same attribute (directly or through a module)."""
+    if attr_node.op != "get_attr" or set(attr_node.users) != {user}:
+        return False
+    target = str(attr_node.target)
+    for n in gm.graph.nodes:
+        if n is attr_node:
+            continue
+        if n.op == "get_attr" and str(n.target) == target:
+            return False
+        if n.op == "call_module" and target.startswith(str(n.target) + "."):
+            return False
+    return True
+
+
+def new_const(gm: fx.GraphModule, before: fx.Node, base: str, tensor: torch.Tensor,
+              as_param: bool = True) -> fx.Node:
+    """Install `tensor` as a fresh attribute of gm and return a get_attr node for it,
+    inserted before `before`. `base` may be dotted ('attention.qkv.weight')."""
+    name = fresh_path(gm, base)
+    set_attr_tensor(gm, name, tensor, as_param=as_param)
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(name)
+
+
+def _has_path(gm: nn.Module, dotted: str) -> bool:
+    obj = gm
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _set_arg(node: fx.Node, index: int, name: str, value) -> None:
+    if len(node.args) > index:
+        node.update_arg(index, value)
+    elif name in node.kwargs or len(node.args) < index:
+        node.update_kwarg(name, value)
+    else:
+        node.args = (*node.args, value)
+
+
+def _write_attr(gm, w: Weighted, index: int, name: str, tensor: torch.Tensor) -> None:
+    node = w.node
+    old = arg(node, index, name)
+    as_param = old is None or isinstance(attr_tensor(gm, old), nn.Parameter)
+    if isinstance(old, fx.Node) and _exclusive_attr(gm, old, node):
+        set_attr_tensor(gm, str(old.target), tensor, as_param=as_param)
+        return
+    base = f"{str(old.target)}_folded" if isinstance(old, fx.Node) and old.op == "get_attr" \
+        else f"{node.name}_{name}"
+    _set_arg(node, index, name, new_const(gm, node, base, tensor, as_param))
+
+
+def replace_weights(gm: fx.GraphModule, w: Weighted, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> fx.Node:
+    """Make `w.node` compute with new weight and bias; returns the node that does.
+
+    A module called only here gets its tensors replaced in place (its state_dict keys
+    stay the same); a shared module is copied to a fresh name first. In the function
+    flavour an attribute read only here is overwritten, else a new one is added.
+    """
+    node = w.node
+    if node.op == "call_module":
+        mod = copy.deepcopy(w.module)
+        mod.weight = nn.Parameter(weight, requires_grad=w.module.weight.requires_grad)
+        mod.bias = None if bias is None else nn.Parameter(bias, requires_grad=mod.weight.requires_grad)
+        return install_module(gm, node, mod, str(node.target))
+    _write_attr(gm, w, 1, "weight", weight)
+    if bias is not None:
+        _write_attr(gm, w, 2, "bias", bias)
+    return node
+
+
+def fresh_path(gm: nn.Module, base: str) -> str:
+    name, i = base, 0
+    while _has_path(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def install_module(gm: fx.GraphModule, node: fx.Node, mod: nn.Module, base: str,
+                   args: tuple | None = None) -> fx.Node:
+    """Put `mod` where `node` calls its module and return the node that calls it.
+
+    A call_module node whose module no one else uses keeps its target (so state_dict
+    keys stay the same) and is returned; otherwise `mod` goes to a fresh name
+    derived from `base` and a new call_module node (on `args`, default the node's)
+    replaces `node`.
+    """
+    if node.op == "call_module" and _exclusive_module(gm, node) and args is None:
+        gm.add_submodule(str(node.target), mod)
+        return node
+    name = fresh_path(gm, base.replace(".", "_"))
+    gm.add_submodule(name, mod)
+    with gm.graph.inserting_after(node):
+        new = gm.graph.call_module(name, node.args if args is None else args,
+                                   node.kwargs if args is None else {})
+    copy_meta(new, node)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
+
+
+def free_container(gm: fx.GraphModule, attr_node) -> str | None:
+    """The module path holding `attr_node`'s attribute ('layer.conv' for
+    'layer.conv.weight') when nothing left in the graph reads anything under it, so
+    a replacement module can take its place and its name; else None.
+
+    Unused get_attr nodes under that path (export graphs keep one per parameter)
+    are erased when the path is returned."""
+    if not isinstance(attr_node, fx.Node) or attr_node.op != "get_attr":
+        return None
+    path = str(attr_node.target).rpartition(".")[0]
+    if not path:
+        return None
+    stale = []
+    for n in gm.graph.nodes:
+        if n.op in ("get_attr", "call_module") and (
+                str(n.target) == path or str(n.target).startswith(path + ".")):
+            if n.op == "get_attr" and not n.users:
+                stale.append(n)
+                continue
+            return None
+    for n in stale:
+        gm.graph.erase_node(n)
+    return path
+
+
+def place_module(gm: fx.GraphModule, mod: nn.Module, path: str | None, base: str) -> str:
+    """Install `mod` at `path` (a container `free_container` found, replaced whole) or
+    else at a fresh name from `base`; returns the target to call."""
+    if path:
+        parent, _, leaf = path.rpartition(".")
+        delattr(gm.get_submodule(parent) if parent else gm, leaf)
+    else:
+        path = fresh_path(gm, base.replace(".", "_"))
+    gm.add_submodule(path, mod)
+    return path
+
+
+def swap_in_module(gm: fx.GraphModule, mod: nn.Module, args: tuple, out: fx.Node,
+                   removed, base: str, home=None) -> fx.Node:
+    """Call `mod` on `args` in place of the pattern ending at `out`: the call takes
+    over `out`'s users, the `removed` nodes and their dead constants go, and the
+    module is named after the container of `home`'s attribute ('ln' for the get_attr
+    'ln.weight') when nothing reads that container any more, else after `base`."""
+    tmp = place_module(gm, mod, None, base)
+    with gm.graph.inserting_before(out):
+        new = gm.graph.call_module(tmp, args)
+    copy_meta(new, out)
+    out.replace_all_uses_with(new)
+    drop_dead_attrs(gm, erase(gm, removed))
+    path = free_container(gm, home)
+    if path:
+        delattr(gm, tmp)
+        new.target = place_module(gm, mod, path, tmp)
+    return new
+
+
+def erase(gm: fx.GraphModule, nodes) -> list[fx.Node]:
+    """Erase the given nodes (latest first) that no longer have users; returns the
+    get_attr nodes they read that are still in the graph, for `drop_dead_attrs`."""
+    consts: list[fx.Node] = []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in sorted({n for n in nodes if n in order}, key=lambda n: -order[n]):
+        if not n.users:
+            consts += const_args(n)
+            gm.graph.erase_node(n)
+    alive = set(gm.graph.nodes)
+    return [c for c in dict.fromkeys(consts) if c in alive]
+
+
+def drop_dead_attrs(gm: fx.GraphModule, nodes) -> None:
+    """Erase get_attr nodes among `nodes` that lost every user, and the attributes behind
+    them when nothing else reads those, so the state_dict loses the folded tensors too."""
+    for n in list(nodes):
+        if not isinstance(n, fx.Node) or n.op != "get_attr" or n.users:
+            continue
+        if n not in set(gm.graph.nodes):
+            continue
+        target = str(n.target)
+        gm.graph.erase_node(n)
+        if any(m.op == "get_attr" and str(m.target) == target for m in gm.graph.nodes):
+            continue
+        if any(m.op == "call_module" and target.startswith(str(m.target) + ".")
+               for m in gm.graph.nodes):
+            continue
+        *parents, leaf = target.split(".")
+        obj = gm
+        for p in parents:
+            obj = getattr(obj, p, None)
+        if obj is not None and hasattr(obj, leaf):
+            delattr(obj, leaf)
+
+
+def const_args(node: fx.Node) -> list[fx.Node]:
+    """The get_attr nodes among a node's arguments (to clean up after it is removed)."""
+    out = []
+    for a in [*node.args, *node.kwargs.values()]:
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            out.append(a)
+    return out
