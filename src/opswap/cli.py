@@ -26,7 +26,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=False)
+# piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns
+console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 Spec = Annotated[str, typer.Argument(help="Model: zoo:NAME, hf:TYPE, hf:PATH, torchvision:NAME, "
@@ -220,7 +221,7 @@ def verify(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json
     for r in getattr(v, "reasons", []):
         console.print(f"[red]{r}[/red]")
     if not v.passed:
-        layers = compare_layers(captured.gm, applied.gm, captured.example_inputs)
+        layers = compare_layers(captured, applied, captured.example_inputs)
         first = layers.first_divergence(tol)
         if first is not None:
             console.print(f"first divergence: {first}")

@@ -138,6 +138,21 @@ def _tolerance(config: OptimizeConfig):
     return tol
 
 
+def _to_device(model: nn.Module, example_inputs, device: str):
+    import copy
+
+    from torch.utils import _pytree as pytree
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        from opswap.errors import OpswapError
+
+        raise OpswapError(f"--device {device} was asked for, but torch sees no CUDA device here.")
+    moved = copy.deepcopy(model).to(device)
+    inputs = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                             example_inputs)
+    return moved, inputs
+
+
 def optimize(
     model: nn.Module,
     example_inputs,
@@ -167,6 +182,9 @@ def optimize(
     target = get_target(config.target)
     tol = _tolerance(config)  # parse the budget before any long work
 
+    if config.device != "cpu":
+        # time and verify where the user deploys; the user's module stays where it is
+        model, example_inputs = _to_device(model, example_inputs, config.device)
     step("capture")
     captured: Captured = capture(model, example_inputs)
     step("analyze")
@@ -191,7 +209,7 @@ def optimize(
     layers = None
     if config.layers:
         step("layers")
-        layers = compare_layers(reference, applied.gm, captured.example_inputs)
+        layers = compare_layers(captured, applied, captured.example_inputs)
     after = analyze(applied.captured, target)
     bench = None
     if config.bench:

@@ -1,0 +1,156 @@
+"""Everything that needs the GPU, in one call (the device machine is lent by the minute).
+
+    PYTHONPATH=src python3 benchmarks/gpu_suite.py --out DIR
+
+1. the test suite under the GPU machine's torch (a second torch version for CI's
+   CPU-only run; tests with CUDA paths take them here),
+2. measured ceilings of the GPU next to the target profile's datasheet figures,
+3. `optimize` on zoo and Hugging Face models with timing on the GPU, reference and
+   optimized interleaved in one process.
+
+Writes DIR/gpu_suite.json (device, versions, date, every figure) and the pytest log.
+Commit the JSON under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def env() -> dict:
+    d = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "cpu_count": os.cpu_count(),
+    }
+    for mod in ("triton", "transformers", "onnxruntime"):
+        try:
+            d[mod] = __import__(mod).__version__
+        except Exception:  # optional
+            d[mod] = None
+    return d
+
+
+def run_tests(out: Path, workers: int) -> dict:
+    log = out / "pytest.log"
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
+           str(ROOT / "tests")]
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+    return {"returncode": rc, "summary": tail[0] if tail else "", "seconds": round(time.time() - t0, 1)}
+
+
+def ceilings() -> dict:
+    """bf16/fp32 matmul FLOP/s and copy bandwidth, next to the h200 target's figures."""
+    from opswap.bench.timing import benchmark
+    from opswap.targets import get_target
+
+    dev = "cuda"
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    af, bf = a.float(), b.float()
+    x = torch.empty(2 * 1024**3 // 4, device=dev)  # 2 GiB
+    y = torch.empty_like(x)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    r = benchmark({"bf16": lambda: a @ b, "fp32": lambda: af @ bf, "copy": lambda: y.copy_(x)},
+                  device=dev, warmup=3, repeats=10)
+    med = {k: r.stats[k].median_s for k in ("bf16", "fp32", "copy")}
+    t = get_target("h200")
+    return {
+        "bf16_matmul_tflops": 2 * n**3 / med["bf16"] / 1e12,
+        "fp32_matmul_tflops": 2 * n**3 / med["fp32"] / 1e12,
+        "copy_tb_s": 2 * x.numel() * 4 / med["copy"] / 1e12,
+        "target_h200_bf16_tflops": t.peak("bfloat16") / 1e12,
+        "target_h200_fp32_tflops": t.peak("float32") / 1e12,
+        "target_h200_tb_s": t.mem_bandwidth / 1e12,
+    }
+
+
+MODELS = [
+    ("zoo:resnet", {"batch": "32"}),
+    ("zoo:mobilenet", {"batch": "32"}),
+    ("zoo:largekernel", {"batch": "16"}),
+    ("zoo:bert", {}),
+    ("zoo:gpt", {}),
+    ("hf:bert", {}),
+    ("hf:resnet", {}),
+]
+
+
+def optimize_models(device: str, target: str) -> list[dict]:
+    from opswap.models import load
+    from opswap.pipeline import OptimizeConfig, optimize
+
+    rows = []
+    for spec, sets in MODELS:
+        row: dict = {"model": spec, "overrides": sets, "device": device}
+        try:
+            m = load(spec, sets)
+            res = optimize(m.module, m.example_inputs,
+                           OptimizeConfig(target=target, device=device, layers=False),
+                           name=spec)
+            data = res.to_json()
+            row.update({
+                "applied": len(data["applied"]),
+                "rules": sorted({a["rule"] for a in data["applied"]}),
+                "verification": {k: data["verification"][k]
+                                 for k in ("passed", "cosine", "max_abs", "rel_l2")},
+                "benchmark": data["benchmark"],
+            })
+        except Exception as e:  # one model failing must not lose the others' figures
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["traceback"] = traceback.format_exc()[-2000:]
+        print(json.dumps({k: row.get(k) for k in ("model", "device", "applied", "benchmark", "error")}),
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results")))
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--workers", type=int, default=8)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "src"))
+    result: dict = {"env": env()}
+    if not args.skip_tests:
+        result["tests"] = run_tests(args.out, args.workers)
+        print("tests:", result["tests"], flush=True)
+    if torch.cuda.is_available():
+        try:
+            result["ceilings"] = ceilings()
+        except Exception as e:
+            result["ceilings"] = {"error": f"{type(e).__name__}: {e}"}
+        print("ceilings:", result["ceilings"], flush=True)
+        torch.cuda.empty_cache()
+        result["optimize_cuda"] = optimize_models("cuda", "h200")
+    result["optimize_cpu"] = optimize_models("cpu", "cpu")
+    path = args.out / "gpu_suite.json"
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
