@@ -15,6 +15,7 @@ import copy
 import linecache
 import os
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,6 +41,14 @@ class Captured:
     def recapture_shapes(self) -> None:
         """Re-run shape propagation after the graph changed."""
         propagate(self.gm, self.example_inputs)
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """A deep copy, quiet about torch's own deprecation noise (pytree's LeafSpec warns when
+    the code of an exported module is copied; nothing the user can act on)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+        return copy.deepcopy(module)
 
 
 def _where(exc: BaseException) -> str:
@@ -96,7 +105,7 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto") -> Captur
     if not isinstance(model, nn.Module):
         raise CaptureError(f"Expected a torch.nn.Module to capture, got {type(model).__name__}.")
     inputs = _as_tuple(example_inputs)
-    model = copy.deepcopy(model)
+    model = copy_module(model)
     errors: list[str] = []
     notes: list[str] = []
     if model.training:

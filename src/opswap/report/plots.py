@@ -86,9 +86,9 @@ def roofline(points: list[tuple[str, float, float]], peak_flops: float, bandwidt
     xs = [lo, ridge, hi]
     ax.plot(xs, [min(peak_flops, x * bandwidth) for x in xs], color="#1d1d1f", lw=1.5)
     ax.axvline(ridge, color="#8e8e93", ls=":", lw=1)
-    for label, x, y in points:
-        if x > 0 and y > 0:
-            ax.scatter([x], [y], s=14, color="#0a84ff")
+    xs_pos = [(x, y) for _, x, y in points if x > 0 and y > 0]
+    if xs_pos:
+        ax.scatter([p[0] for p in xs_pos], [p[1] for p in xs_pos], s=14, color="#0a84ff")
     top = sorted(points, key=lambda p: -p[2])[:6]
     for label, x, y in top:
         if x > 0 and y > 0:

@@ -7,12 +7,11 @@ neither the user's model nor the caller's capture is ever changed.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from opswap.graph.capture import Captured
+from opswap.graph.capture import Captured, copy_module
 from opswap.graph.shapes import propagate
 from opswap.rules.base import Rule, Site, node_by_name, sites_of
 
@@ -46,7 +45,7 @@ def rewrite_site(gm: fx.GraphModule, rule: Rule, site: Site) -> tuple[fx.GraphMo
     """Rewrite one site on gm. Returns (graph module, None) on success; on failure returns a
     graph module equal to the one given and the reason. The returned module may be a
     different object from `gm`: use it."""
-    snapshot = copy.deepcopy(gm)
+    snapshot = copy_module(gm)
     try:
         rule.rewrite(gm, site)
         gm.graph.eliminate_dead_code()
@@ -79,7 +78,7 @@ def apply_sites(
     decision whose site no longer exists (an earlier rewrite removed it, or the
     model changed since the plan was written) is reported, not guessed at.
     """
-    gm = copy.deepcopy(captured.gm)
+    gm = copy_module(captured.gm)
     out = Applied(Captured(gm, captured.method, captured.example_inputs, list(captured.notes)))
     dirty = False
     last_rule = None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from opswap.errors import PlanError
-from opswap.graph.capture import Captured
+from opswap.graph.capture import Captured, copy_module
 from opswap.graph.shapes import propagate
 from opswap.rules import registry
 from opswap.rules.apply import Applied, Failure, apply_sites, rewrite_site
@@ -148,7 +148,7 @@ def make_plan(
     chosen = [r for r in chosen if r.applies_to(tgt.name) or r.applies_to(tgt.kind)]
     plan = Plan(model_name, PlanSettings(tgt.name, patterns, exactness),
                 capture_method=captured.method)
-    gm = copy.deepcopy(captured.gm)
+    gm = copy_module(captured.gm)
     seen_misses: set[tuple[str, str, str]] = set()
     for rule in chosen:
         found = rule.match(gm)
