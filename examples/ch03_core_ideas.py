@@ -14,8 +14,8 @@ from opswap.search.plan import Plan
 
 
 def main() -> None:
-    for r in opswap.rules():
-        print(f"{r['name']:<28} ch.{r['chapter']:<3} {r['exactness']:<7} {','.join(r['targets'])}")
+    for r in opswap.rules.all_rules():
+        print(f"{r.name:<28} ch.{r.chapter:<3} {r.exactness:<7} {','.join(r.targets)}")
     loaded = opswap.load("zoo:bert")
     plan = opswap.plan(loaded.module, loaded.example_inputs, rules="fusion.*,layout.*")
     print(f"\n{len(plan.decisions)} decisions, {len(plan.misses)} misses")

@@ -78,10 +78,3 @@ def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
     config = OptimizeConfig(target=target, rules=list(rules or []), exactness=exactness,
                             budget=budget, samples=samples, bench=bench, device=device)
     return _optimize(model, example_inputs, config, name=name)
-
-
-def rules() -> list[dict]:
-    """Every registered rule: name, family, chapter, exactness, targets, description."""
-    from opswap.rules.registry import all_rules
-
-    return [r.info() for r in all_rules()]
