@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -43,9 +42,7 @@ def test_loads_runs_and_captures(model_type):
     assert all(isinstance(o, torch.Tensor) and torch.isfinite(o).all() for o in out)
     assert out[0].shape[0] == 2
 
-    start = time.perf_counter()
-    cap = capture(loaded.module, loaded.example_inputs)
-    assert time.perf_counter() - start < 10.0  # ~0.3-1.5 s measured; slack for shared CI cores
+    cap = capture(loaded.module, loaded.example_inputs)  # timed in benchmarks/bench_zoo.py
     assert cap.method in ("fx", "export")
     found = [op_kind(n) for n in cap.gm.graph.nodes]
     if model_type in ATTENTION:

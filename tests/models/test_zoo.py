@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -92,11 +91,8 @@ def test_builds_runs_and_is_finite(name):
     assert all(isinstance(t, torch.Tensor) for t in loaded.example_inputs)
     assert not any(m.training for m in loaded.module.modules())
     with torch.no_grad():
-        loaded.module(*loaded.example_inputs)  # warm-up: first oneDNN call pays setup
-        start = time.perf_counter()
         out = loaded.module(*loaded.example_inputs)
-        elapsed = time.perf_counter() - start
-    assert elapsed < 0.5
+    # forward time is measured by benchmarks/bench_zoo.py, not asserted here
     assert torch.isfinite(out).all()
     assert out.std() > 1e-4, "output does not depend on anything"
 

@@ -141,3 +141,27 @@ def test_cuda_half_candidate():
     x = (torch.randn(5, 13, device="cuda"),)
     v = verify(m, lambda t: half(t.half()).float(), x, tolerance="approx")
     assert v.passed and not verify(m, lambda t: half(t.half()).float(), x).passed
+
+
+def test_comparison_runs_with_tf32_off_and_restores_it():
+    from opswap.verify.outputs import full_precision, verify
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+            return x * 2
+
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        verify(Probe(), Probe(), (torch.randn(3, 5),), samples=2)
+        assert seen and all(s == (False, False) for s in seen)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        with full_precision():
+            assert not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

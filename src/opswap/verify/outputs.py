@@ -104,6 +104,24 @@ def eval_mode(*fns):
                 m.training = training
 
 
+@contextlib.contextmanager
+def full_precision():
+    """Run float32 as float32: TF32 off for cuBLAS and cuDNN while comparing.
+
+    With TF32 on (cuDNN's default), two float32 convs that differ only in rounding
+    (a folded BatchNorm) differ by ~1e-5 relative on GPU, and an exact rewrite would be
+    judged by TF32's noise instead of its own error. A replacement that *means* to use
+    TF32 must say so inside its module, where this switch does not reach.
+    """
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def _clone(sample: tuple) -> tuple:
     """A private copy of the inputs, so an in-place op in one model cannot feed the other."""
     return tuple(pytree.tree_map(
@@ -142,7 +160,7 @@ def verify(
     failures: dict[str, list[str]] = {}
     general: list[str] = []
 
-    with torch.no_grad(), eval_mode(reference, candidate):
+    with torch.no_grad(), eval_mode(reference, candidate), full_precision():
         for i, sample in enumerate(inputs):
             try:
                 ref_out = reference(*_clone(sample))
