@@ -260,7 +260,8 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
 
     config = OptimizeConfig(target=target, rules=_rule_patterns(rules), exactness=exactness,
                             budget=budget, samples=samples, bench=not no_bench, device=device)
-    stages = ["load", "capture", "analyze", "plan", "apply", "verify", "layers", "bench", "report"]
+    stages = ["load", "capture", "analyze", "plan", "apply", "verify", "rollback", "layers", "bench",
+              "prune", "report"]
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TimeElapsedColumn(), console=err, transient=True) as progress:
         task = progress.add_task("load", total=len(stages))
@@ -294,6 +295,9 @@ def _print_summary(data: dict) -> None:
     if b:
         console.print(f"  benchmark: {b['ref_ms']:.3f} ms -> {b['opt_ms']:.3f} ms, "
                       f"speedup {b['speedup']:.2f}x ({b['device']})")
+        if b["speedup"] < 1.0:
+            console.print("  [yellow]the optimized model is slower on this device; see the "
+                          "report's 'Failed, rolled back, skipped' section[/yellow]")
 
 
 def main(argv: list[str] | None = None) -> None:

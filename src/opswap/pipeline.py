@@ -35,6 +35,7 @@ class OptimizeConfig:
     bench: bool = True
     layers: bool = True  # layer-by-layer comparison in the report
     rollback: bool = True  # bisect and drop sites that break the budget
+    prune_slow: bool = True  # when the result is slower, drop rules that measure slower
     device: str = "cpu"
 
 
@@ -153,6 +154,35 @@ def _to_device(model: nn.Module, example_inputs, device: str):
     return moved, inputs
 
 
+def _prune_slow(captured: Captured, plan: Plan, applied, config: OptimizeConfig):
+    """The whole result measured slower than the original: time it without each rule in
+    turn and drop every rule whose removal makes it faster by more than the noise (2%).
+
+    The cost model cannot see dispatch overheads or a library's kernel choice; this is
+    where the measurement overrules the prediction. Returns (plan, applied) or None.
+    """
+    import copy
+
+    from opswap.bench.timing import bench_models
+
+    changed = False
+    for rule in dict.fromkeys(d.rule for d in plan.decisions):
+        trial = copy.copy(plan)
+        trial.decisions = [d for d in plan.decisions if d.rule != rule]
+        trial.skipped = list(plan.skipped)
+        candidate = apply_plan(captured, trial)
+        b = bench_models(applied.gm, candidate.gm, captured.example_inputs, device=config.device,
+                         memory=False)
+        if b.speedup > 1.02:
+            dropped = len(plan.decisions) - len(trial.decisions)
+            trial.skipped.append({
+                "rule": rule, "key": f"all {dropped} sites",
+                "reason": f"measured slower on {b.device}: the model ran {b.speedup:.2f}x "
+                          "faster without it"})
+            plan, applied, changed = trial, candidate, True
+    return (plan, applied) if changed else None
+
+
 def optimize(
     model: nn.Module,
     example_inputs,
@@ -215,6 +245,18 @@ def optimize(
     if config.bench:
         step("bench")
         bench = bench_models(model, applied.gm, captured.example_inputs, device=config.device)
+        if config.prune_slow and bench.speedup < 1.0 and applied.applied:
+            step("prune")
+            pruned = _prune_slow(captured, plan, applied, config)
+            if pruned is not None:
+                plan, applied = pruned
+                verification = verify(reference, applied.gm, captured.example_inputs,
+                                      samples=config.samples, tolerance=tol, seed=config.seed)
+                if config.layers:
+                    layers = compare_layers(captured, applied, captured.example_inputs)
+                after = analyze(applied.captured, target)
+                bench = bench_models(model, applied.gm, captured.example_inputs,
+                                     device=config.device)
     return Result(
         model=name,
         target=target.name,

@@ -40,6 +40,9 @@ def _summary(result, data) -> list[Block]:
             f"Measured on {b['device']}: **{b['ref_ms']:.3f} ms → {b['opt_ms']:.3f} ms**, "
             f"speedup **{b['speedup']:.2f}x** (median of interleaved runs, same process)."
         )
+        if b["speedup"] < 1.0:
+            lines.append("The optimized model is **slower** on this device even after dropping "
+                         "the rules that measured slower: do not deploy it here.")
     else:
         lines.append("Not timed (--no-bench).")
     return [Para(" ".join(lines[:1])), Bullets(lines[1:])]

@@ -1,0 +1,103 @@
+"""The optimize flow: rollback of sites that break the budget, pruning of rules that
+measure slower, and the result's contract."""
+
+import pytest
+import torch
+from torch import nn
+
+from opswap.graph import op_kind
+from opswap.pipeline import OptimizeConfig, optimize
+from opswap.rules import registry
+from opswap.rules.base import Rule
+
+
+class _Burn(nn.Module):
+    """Identity that wastes ~100x the model's work: a rewrite no one should keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.randn(384, 384))
+
+    def forward(self, x):
+        for _ in range(4):
+            self.a @ self.a  # noqa: B018  (the waste is the point)
+        return x
+
+
+class _Slowdown(Rule):
+    name = "test.slowdown"
+    family = "test"
+    chapter = 3
+    exactness = "exact"
+
+    def match(self, gm):
+        return [self.site(n.name, [n], "wrap in a slow identity") for n in gm.graph.nodes
+                if op_kind(n) == "relu"]
+
+    def rewrite(self, gm, site):
+        node = next(n for n in gm.graph.nodes if n.name == site.key)
+        name = f"burn_{node.name}"
+        gm.add_submodule(name, _Burn())
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_module(name, (node,))
+        node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+
+
+class _Wrong(Rule):
+    """Claims to be exact but scales an activation: verification must catch it."""
+
+    name = "test.wrong"
+    family = "test"
+    chapter = 3
+    exactness = "exact"
+
+    def match(self, gm):
+        return [self.site(n.name, [n], "scale by 1.01") for n in gm.graph.nodes
+                if op_kind(n) == "relu"][:1]
+
+    def rewrite(self, gm, site):
+        node = next(n for n in gm.graph.nodes if n.name == site.key)
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_function(torch.mul, (node, 1.01))
+        node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+
+
+@pytest.fixture(autouse=True)
+def toy_rules():
+    for c in (_Slowdown, _Wrong):
+        registry.register(c)
+    yield
+    for c in (_Slowdown, _Wrong):
+        registry._RULES.pop(c.name, None)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+def test_rule_that_breaks_the_budget_is_rolled_back():
+    m = _model()
+    r = optimize(m, (torch.randn(3, 16),), OptimizeConfig(rules=["test.wrong"], bench=False))
+    assert r.verification.passed
+    assert not r.applied and len(r.rolled_back) == 1
+    assert r.to_json()["rolled_back"][0]["rule"] == "test.wrong"
+
+
+def test_rule_that_measures_slower_is_pruned():
+    m = _model()
+    r = optimize(m, (torch.randn(3, 16),),
+                 OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1))
+    assert not r.applied, "the slow identity should have been dropped after measuring"
+    assert any(s["rule"] == "test.slowdown" and "measured slower" in s["reason"]
+               for s in r.plan.skipped)
+    assert r.verification.passed
+
+
+def test_result_json_contract():
+    m = _model()
+    data = optimize(m, (torch.randn(3, 16),), OptimizeConfig(bench=False)).to_json()
+    for key in ("model", "target", "applied", "misses", "verification", "benchmark"):
+        assert key in data
+    for key in ("max_abs", "max_rel", "cosine", "sqnr_db", "passed"):
+        assert key in data["verification"]
