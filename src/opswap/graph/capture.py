@@ -74,7 +74,8 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__} at {where} ({msg[:200]})" if where else f"{type(exc).__name__} ({msg[:200]})"
 
 
-def _as_tuple(example_inputs) -> tuple:
+def as_inputs(example_inputs) -> tuple:
+    """Example inputs as the tuple of forward's positional arguments."""
     if isinstance(example_inputs, tuple):
         return example_inputs
     if isinstance(example_inputs, list):
@@ -104,7 +105,7 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto") -> Captur
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"Expected a torch.nn.Module to capture, got {type(model).__name__}.")
-    inputs = _as_tuple(example_inputs)
+    inputs = as_inputs(example_inputs)
     model = copy_module(model)
     errors: list[str] = []
     notes: list[str] = []

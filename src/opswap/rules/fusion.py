@@ -101,6 +101,40 @@ def _fold_into(gm: fx.GraphModule, src: fx.Node, bn_node: fx.Node) -> None:
     drop_dead_attrs(gm, dead)
 
 
+def _linear_output_is_2d(src: fx.Node, bn: fx.Node) -> str | None:
+    shape = info(src).shape if info(src) is not None else None
+    if shape is None:
+        return f"the shape of {src.name}'s output is unknown"
+    if len(shape) != 2:
+        return (f"{src.name}'s output is {len(shape)}-D: BatchNorm {bn.name} normalises "
+                "dim 1, not the Linear's output features (the last dim)")
+    return None
+
+
+def _bn_fold_sites(rule: Rule, gm: fx.GraphModule, kinds: tuple[str, ...], role: str,
+                   check=None) -> list[Site | Miss]:
+    """Sites where an eval BatchNorm directly follows an op of `kinds` and can be folded
+    into its weights; `check(src, bn)` may add a refusal of its own."""
+    found: list[Site | Miss] = []
+    for node in gm.graph.nodes:
+        if op_kind(node) != "batch_norm":
+            continue
+        src = input_of(node)
+        if src is None or op_kind(src) not in kinds:
+            continue
+        reason = check(src, node) if check is not None else None
+        if reason is None:
+            checked = _check_fold(gm, src, node, src.name)
+            reason = checked if isinstance(checked, str) else None
+        if reason is not None:
+            found.append(rule.miss(node, reason))
+            continue
+        found.append(rule.site(f"{src.name}+{node.name}", [src, node],
+                               f"fold BatchNorm {node.name} into {src.name}",
+                               **{role: src.name, "bn": node.name}))
+    return found
+
+
 @register
 class ConvBatchNorm(Rule):
     """Fold an inference BatchNorm into the convolution before it.
@@ -121,21 +155,7 @@ class ConvBatchNorm(Rule):
                    "output.")
 
     def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        found: list[Site | Miss] = []
-        for node in gm.graph.nodes:
-            if op_kind(node) != "batch_norm":
-                continue
-            src = input_of(node)
-            if src is None or op_kind(src) not in ("conv", "conv_transpose"):
-                continue
-            checked = _check_fold(gm, src, node, src.name)
-            if isinstance(checked, str):
-                found.append(self.miss(node, checked))
-                continue
-            found.append(self.site(f"{src.name}+{node.name}", [src, node],
-                                   f"fold BatchNorm {node.name} into {src.name}",
-                                   conv=src.name, bn=node.name))
-        return found
+        return _bn_fold_sites(self, gm, ("conv", "conv_transpose"), "conv")
 
     def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
         _fold_into(gm, node_by_name(gm, site.data["conv"]), node_by_name(gm, site.data["bn"]))
@@ -162,30 +182,7 @@ class LinearBatchNorm(Rule):
                    "saves the BN's read and write of the Linear output.")
 
     def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        found: list[Site | Miss] = []
-        for node in gm.graph.nodes:
-            if op_kind(node) != "batch_norm":
-                continue
-            src = input_of(node)
-            if src is None or op_kind(src) != "linear":
-                continue
-            shape = info(src).shape if info(src) is not None else None
-            if shape is None:
-                found.append(self.miss(node, f"the shape of {src.name}'s output is unknown"))
-                continue
-            if len(shape) != 2:
-                found.append(self.miss(node, (
-                    f"{src.name}'s output is {len(shape)}-D: BatchNorm {node.name} normalises "
-                    "dim 1, not the Linear's output features (the last dim)")))
-                continue
-            checked = _check_fold(gm, src, node, src.name)
-            if isinstance(checked, str):
-                found.append(self.miss(node, checked))
-                continue
-            found.append(self.site(f"{src.name}+{node.name}", [src, node],
-                                   f"fold BatchNorm {node.name} into {src.name}",
-                                   linear=src.name, bn=node.name))
-        return found
+        return _bn_fold_sites(self, gm, ("linear",), "linear", _linear_output_is_2d)
 
     def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
         _fold_into(gm, node_by_name(gm, site.data["linear"]), node_by_name(gm, site.data["bn"]))

@@ -19,13 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-
-def _as_tuple(example_inputs) -> tuple:
-    if isinstance(example_inputs, tuple):
-        return example_inputs
-    if isinstance(example_inputs, list):
-        return tuple(example_inputs)
-    return (example_inputs,)
+from opswap.graph.capture import as_inputs
 
 
 def _is_structural(x: torch.Tensor) -> bool:
@@ -61,7 +55,7 @@ def _fresh(x, gen: torch.Generator):
 def make_samples(example_inputs, n: int = 3, seed: int = 0) -> list[tuple]:
     """`n` input tuples like `example_inputs` (a tuple of arguments, or a single tensor):
     the example itself first, then n - 1 fresh draws from a generator seeded with `seed`."""
-    example = _as_tuple(example_inputs)
+    example = as_inputs(example_inputs)
     if n < 1:
         return []
     gen = torch.Generator().manual_seed(seed)
