@@ -116,6 +116,8 @@ def optimize_models(device: str, target: str) -> list[dict]:
                 "verification": {k: data["verification"][k]
                                  for k in ("passed", "cosine", "max_abs", "rel_l2")},
                 "benchmark": data["benchmark"],
+                "skipped": data["skipped"],
+                "rolled_back": data["rolled_back"],
             })
         except Exception as e:  # one model failing must not lose the others' figures
             row["error"] = f"{type(e).__name__}: {e}"
