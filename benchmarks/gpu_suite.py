@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results")))
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--name", default="gpu_suite.json",
+                    help="file name of the results (e.g. cpu_suite.json for a run without a GPU)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT / "src"))
@@ -149,7 +151,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         result["optimize_cuda"] = optimize_models("cuda", "h200")
     result["optimize_cpu"] = optimize_models("cpu", "cpu")
-    path = args.out / "gpu_suite.json"
+    path = args.out / args.name
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print("wrote", path)
 
