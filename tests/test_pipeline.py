@@ -101,3 +101,14 @@ def test_result_json_contract():
         assert key in data
     for key in ("max_abs", "max_rel", "cosine", "sqnr_db", "passed"):
         assert key in data["verification"]
+
+
+def test_rules_are_timed_one_by_one():
+    m = _model()
+    r = optimize(m, (torch.randn(3, 16),),
+                 OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1, prune_slow=False))
+    (t,) = r.rule_timings
+    assert t.rule == "test.slowdown" and t.sites == 1
+    assert t.without_ms < t.with_ms and not t.pays  # the slow identity costs time
+    assert r.to_json()["rule_timings"][0]["pays"] is False
+    assert r.applied  # kept: pruning was switched off

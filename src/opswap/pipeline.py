@@ -35,7 +35,8 @@ class OptimizeConfig:
     bench: bool = True
     layers: bool = True  # layer-by-layer comparison in the report
     rollback: bool = True  # bisect and drop sites that break the budget
-    prune_slow: bool = True  # when the result is slower, drop rules that measure slower
+    measure_rules: bool = True  # time the result without each rule (measured per-rule gain)
+    prune_slow: bool = True  # when the result is slower, drop the rules that measure slower
     device: str = "cpu"
 
 
@@ -58,6 +59,7 @@ class Result:
     analysis_after: Any
     layers: Any = None
     benchmark: Any = None
+    rule_timings: list[Any] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
 
@@ -83,6 +85,7 @@ class Result:
             "skipped": self.plan.skipped,
             "verification": self.verification.to_json(),
             "benchmark": self.benchmark.to_json() if self.benchmark is not None else None,
+            "rule_timings": [t.to_json() for t in self.rule_timings],
             "analysis": {
                 "before": _totals(self.analysis_before),
                 "after": _totals(self.analysis_after),
@@ -154,33 +157,75 @@ def _to_device(model: nn.Module, example_inputs, device: str):
     return moved, inputs
 
 
-def _prune_slow(captured: Captured, plan: Plan, applied, config: OptimizeConfig):
-    """The whole result measured slower than the original: time it without each rule in
-    turn and drop every rule whose removal makes it faster by more than the noise (2%).
+@dataclass
+class RuleTiming:
+    """What one rule's sites are worth, measured: the model timed with and without them."""
 
-    The cost model cannot see dispatch overheads or a library's kernel choice; this is
-    where the measurement overrules the prediction. Returns (plan, applied) or None.
-    """
+    rule: str
+    sites: int
+    predicted_saved_s: float
+    with_ms: float
+    without_ms: float
+    device: str
+
+    @property
+    def measured_saved_s(self) -> float:
+        return (self.without_ms - self.with_ms) / 1e3
+
+    @property
+    def pays(self) -> bool:
+        """False when the model is more than the noise (2%) faster without the rule."""
+        return self.without_ms * 1.02 >= self.with_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "sites": self.sites,
+                "predicted_saved_s": self.predicted_saved_s,
+                "measured_saved_s": self.measured_saved_s, "with_ms": self.with_ms,
+                "without_ms": self.without_ms, "pays": self.pays, "device": self.device}
+
+
+def _without(plan: Plan, rule: str) -> Plan:
     import copy
 
+    trial = copy.copy(plan)
+    trial.decisions = [d for d in plan.decisions if d.rule != rule]
+    trial.skipped = list(plan.skipped)
+    return trial
+
+
+def measure_rules(captured: Captured, plan: Plan, applied, device: str = "cpu",
+                  min_time_s: float = 0.3) -> list[RuleTiming]:
+    """Time the optimized model against itself minus each rule's sites, interleaved.
+
+    This is the measured counterpart of each rule's `predict`: the cost model cannot
+    see dispatch overheads or which kernel a library picks, the clock can.
+    """
     from opswap.bench.timing import bench_models
 
-    changed = False
+    out = []
     for rule in dict.fromkeys(d.rule for d in plan.decisions):
-        trial = copy.copy(plan)
-        trial.decisions = [d for d in plan.decisions if d.rule != rule]
-        trial.skipped = list(plan.skipped)
+        trial = _without(plan, rule)
         candidate = apply_plan(captured, trial)
-        b = bench_models(applied.gm, candidate.gm, captured.example_inputs, device=config.device,
-                         memory=False)
-        if b.speedup > 1.02:
-            dropped = len(plan.decisions) - len(trial.decisions)
-            trial.skipped.append({
-                "rule": rule, "key": f"all {dropped} sites",
-                "reason": f"measured slower on {b.device}: the model ran {b.speedup:.2f}x "
-                          "faster without it"})
-            plan, applied, changed = trial, candidate, True
-    return (plan, applied) if changed else None
+        b = bench_models(candidate.gm, applied.gm, captured.example_inputs, device=device,
+                         memory=False, min_time_s=min_time_s)
+        mine = [d for d in plan.decisions if d.rule == rule]
+        out.append(RuleTiming(rule, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine),
+                              b.opt_ms, b.ref_ms, b.device))
+    return out
+
+
+def _prune_slow(captured: Captured, plan: Plan, timings: list[RuleTiming]):
+    """Drop every rule the model measured faster without. Returns (plan, applied) or None."""
+    slow = [t for t in timings if not t.pays]
+    if not slow:
+        return None
+    for t in slow:
+        plan = _without(plan, t.rule)
+        plan.skipped.append({
+            "rule": t.rule, "key": f"all {t.sites} sites",
+            "reason": f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
+                      f"{t.without_ms:.3f} ms without"})
+    return plan, apply_plan(captured, plan)
 
 
 def optimize(
@@ -242,12 +287,16 @@ def optimize(
         layers = compare_layers(captured, applied, captured.example_inputs)
     after = analyze(applied.captured, target)
     bench = None
+    timings: list[RuleTiming] = []
     if config.bench:
         step("bench")
         bench = bench_models(model, applied.gm, captured.example_inputs, device=config.device)
-        if config.prune_slow and bench.speedup < 1.0 and applied.applied:
+        if config.measure_rules and applied.applied:
+            step("measure")
+            timings = measure_rules(captured, plan, applied, device=config.device)
+        if config.prune_slow and bench.speedup < 1.0 and timings:
             step("prune")
-            pruned = _prune_slow(captured, plan, applied, config)
+            pruned = _prune_slow(captured, plan, timings)
             if pruned is not None:
                 plan, applied = pruned
                 verification = verify(reference, applied.gm, captured.example_inputs,
@@ -257,6 +306,7 @@ def optimize(
                 after = analyze(applied.captured, target)
                 bench = bench_models(model, applied.gm, captured.example_inputs,
                                      device=config.device)
+                timings = [t for t in timings if t.pays]
     return Result(
         model=name,
         target=target.name,
@@ -273,5 +323,6 @@ def optimize(
         analysis_after=after,
         layers=layers,
         benchmark=bench,
+        rule_timings=timings,
         notes=list(captured.notes),
     )

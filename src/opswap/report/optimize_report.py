@@ -94,6 +94,17 @@ def _predicted_vs_measured(result, data) -> list[Block]:
         "bandwidth; it ignores launch and dispatch overheads, which dominate small models on "
         "CPU, so the measured figure is the one that counts. Where the two disagree in sign, "
         "the replacement does not pay on this device: the measured figure says so."))
+    if result.rule_timings:
+        blocks.append(Para(
+            "Per rule, measured: the optimized model timed against itself without that rule's "
+            "sites (interleaved, same process), next to the cost model's prediction for them."))
+        rows = [[f"`{t.rule}`", str(t.sites), f"{t.predicted_saved_s * 1e3:.4f} ms",
+                 f"{t.measured_saved_s * 1e3:.4f} ms", f"{t.without_ms / t.with_ms:.2f}x",
+                 "yes" if t.pays else "**no**: slower with it"]
+                for t in result.rule_timings]
+        blocks.append(Table(["rule", "sites", "predicted saving", "measured saving",
+                             "speedup from the rule", "pays here"], rows,
+                            align_right={1, 2, 3, 4}))
     if b:
         bench = result.benchmark
         spreads = [getattr(bench, "ref_iqr_ms", 0.0) or 0.0, getattr(bench, "opt_iqr_ms", 0.0) or 0.0]
