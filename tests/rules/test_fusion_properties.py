@@ -32,22 +32,34 @@ def _bn(kind, c: int) -> nn.Module:
     return bn.eval()
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 def run(model: nn.Module, inputs: tuple, rules, method: str):
-    """(plan, max relative L2 over two fresh input draws); asserts nothing failed and
-    that the user's module was not touched. The model comes in the mode to test."""
+    """(plan, worst error the rewrite adds) over two fresh input draws; asserts nothing
+    failed and that the user's module was not touched. The model comes in the mode to test.
+
+    The error is measured against a float64 run of the original and counted beyond 4x
+    the float32 original's own error there, so deep stacks whose BN folds amplify
+    rounding (and oneDNN's fused kernels, which sum in another order) are judged by
+    what the rewrite adds, not by float32 rounding the original suffers too.
+    """
     before = copy.deepcopy(model.state_dict())
     captured = capture(model, inputs, method=method)
     plan = make_plan(captured, rules=rules)
     applied = apply_plan(captured, plan)
     assert not plan.failed and not applied.failed, (plan.failed, applied.failed)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    truth_model = copy.deepcopy(model).double()
     worst = 0.0
     for _ in range(2):
         fresh = tuple(torch.randn_like(t) if t.is_floating_point() else t for t in inputs)
         with torch.no_grad():
             ref, out = model(*fresh), applied.gm(*fresh)
+            truth = truth_model(*(t.double() if t.is_floating_point() else t for t in fresh))
         out = out[0] if isinstance(out, (tuple, list)) else out
-        worst = max(worst, ((ref.double() - out.double()).norm() / ref.double().norm()).item())
+        worst = max(worst, _rel(out, truth) - 4 * _rel(ref, truth))
     return plan, worst
 
 

@@ -43,12 +43,17 @@ class Captured:
         propagate(self.gm, self.example_inputs)
 
 
-def copy_module(module: nn.Module) -> nn.Module:
+def quiet_deepcopy(obj):
     """A deep copy, quiet about torch's own deprecation noise (pytree's LeafSpec warns when
-    the code of an exported module is copied; nothing the user can act on)."""
+    the code of an exported graph is copied; nothing the user can act on)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-        return copy.deepcopy(module)
+        return copy.deepcopy(obj)
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """A private deep copy of a module (weights included)."""
+    return quiet_deepcopy(module)
 
 
 def _where(exc: BaseException) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from opswap.graph.capture import Captured, copy_module
+from opswap.graph.capture import Captured, copy_module, quiet_deepcopy
 from opswap.graph.shapes import propagate
 from opswap.rules.base import Rule, Site, node_by_name, sites_of
 
@@ -41,11 +41,35 @@ class Applied:
         return self.captured.gm
 
 
+class _Snapshot:
+    """What a rewrite may change, kept without copying a single weight.
+
+    Rules replace tensors and modules (a new Parameter, a new submodule) and never
+    write into existing ones, so restoring the graph plus every module's parameter,
+    buffer and child tables undoes any rewrite, at the cost of a graph copy instead of
+    a copy of the model's weights (which made planning a 1B-parameter model impossible).
+    """
+
+    def __init__(self, gm: fx.GraphModule):
+        self.graph = quiet_deepcopy(gm.graph)
+        self.tables = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules),
+                        set(m.__dict__)) for m in gm.modules()]
+
+    def restore(self, gm: fx.GraphModule) -> None:
+        for m, params, buffers, children, attrs in self.tables:
+            for table, saved in ((m._parameters, params), (m._buffers, buffers),
+                                 (m._modules, children)):
+                table.clear()
+                table.update(saved)
+            for extra in set(m.__dict__) - attrs:  # plain attributes a rewrite added
+                delattr(m, extra)
+        gm.graph = self.graph  # the setter re-links the graph to gm and recompiles
+
+
 def rewrite_site(gm: fx.GraphModule, rule: Rule, site: Site) -> tuple[fx.GraphModule, str | None]:
-    """Rewrite one site on gm. Returns (graph module, None) on success; on failure returns a
-    graph module equal to the one given and the reason. The returned module may be a
-    different object from `gm`: use it."""
-    snapshot = copy_module(gm)
+    """Rewrite one site on gm. Returns (gm, None) on success; on failure gm is restored to
+    what it was and the reason is returned."""
+    snapshot = _Snapshot(gm)
     try:
         rule.rewrite(gm, site)
         gm.graph.eliminate_dead_code()
@@ -54,8 +78,9 @@ def rewrite_site(gm: fx.GraphModule, rule: Rule, site: Site) -> tuple[fx.GraphMo
         gm.delete_all_unused_submodules()
         return gm, None
     except Exception as e:  # a rule bug must not take the user's run down with it
+        snapshot.restore(gm)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return snapshot, f"{rule.name} raised {type(e).__name__}: {msg[:200]}".rstrip(": ")
+        return gm, f"{rule.name} raised {type(e).__name__}: {msg[:200]}".rstrip(": ")
 
 
 def find_site(gm: fx.GraphModule, rule: Rule, key: str) -> Site | None:

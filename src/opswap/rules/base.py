@@ -80,7 +80,10 @@ class Rule:
     """Base class of every replacement. Subclasses set the class attributes and
     implement `match` and `rewrite`; `predict` defaults to "no change".
 
-    Rules must be stateless: one instance serves every model.
+    Rules must be stateless: one instance serves every model. `rewrite` replaces
+    tensors and modules (new Parameters, new submodules) and never writes into
+    existing ones: that is what lets a failed rewrite be undone without copying the
+    model's weights (rules/apply.py).
     """
 
     name: ClassVar[str]
