@@ -1,0 +1,112 @@
+"""rules/apply.py: one site at a time, undoing a rewrite that raises."""
+
+import pytest
+import torch
+from torch import nn
+
+from opswap.graph import capture, op_kind
+from opswap.rules import registry
+from opswap.rules.apply import apply_sites, find_site, rewrite_site
+from opswap.rules.base import Rule
+
+
+class _DropSecondRelu(Rule):
+    name = "test.apply_drop_relu"
+    family = "test"
+    chapter = 3
+    exactness = "exact"
+
+    def match(self, gm):
+        return [self.site(n.name, [n], "drop a relu that follows a relu") for n in gm.graph.nodes
+                if op_kind(n) == "relu" and isinstance(n.args[0], torch.fx.Node)
+                and op_kind(n.args[0]) == "relu"]
+
+    def rewrite(self, gm, site):
+        node = next(n for n in gm.graph.nodes if n.name == site.key)
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+
+
+class _Vandal(Rule):
+    """Adds a submodule and an attribute, swaps a weight and rewires the graph, then raises."""
+
+    name = "test.apply_vandal"
+    family = "test"
+    chapter = 3
+    exactness = "exact"
+
+    def match(self, gm):
+        return [self.site("a", ["a"], "wreck a")]
+
+    def rewrite(self, gm, site):
+        gm.add_submodule("intruder", nn.Linear(7, 7))
+        gm.a.weight = nn.Parameter(torch.zeros_like(gm.a.weight))
+        gm.stray_attribute = 1
+        node = next(n for n in gm.graph.nodes if n.target == "a")
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_module("intruder", (node,))
+        node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        raise ValueError("half-way")
+
+
+@pytest.fixture(autouse=True)
+def toy_rules():
+    for c in (_DropSecondRelu, _Vandal):
+        registry.register(c)
+    yield
+    for c in (_DropSecondRelu, _Vandal):
+        registry._RULES.pop(c.name, None)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 7)
+
+    def forward(self, x):
+        return torch.relu(torch.relu(self.a(x))) + torch.relu(torch.relu(x))
+
+
+def _cap():
+    torch.manual_seed(0)
+    return capture(Net().eval(), (torch.randn(3, 7),))
+
+
+def test_rewrite_site_applies_and_recompiles():
+    c = _cap()
+    rule = registry.get("test.apply_drop_relu")
+    site = find_site(c.gm, rule, "relu_1")
+    gm, err = rewrite_site(c.gm, rule, site)
+    assert err is None and gm is c.gm
+    assert sum(op_kind(n) == "relu" for n in gm.graph.nodes) == 3
+    assert "relu_1" not in gm.code
+
+
+def test_failed_rewrite_restores_graph_weights_and_modules():
+    c = _cap()
+    keys = set(c.gm.state_dict())
+    x = torch.randn(2, 7)
+    expected = c.gm(x)
+    gm, err = rewrite_site(c.gm, registry.get("test.apply_vandal"),
+                           find_site(c.gm, registry.get("test.apply_vandal"), "a"))
+    assert "half-way" in err and "ValueError" in err
+    assert set(gm.state_dict()) == keys
+    assert not hasattr(gm, "intruder") and not hasattr(gm, "stray_attribute")
+    assert gm.a.weight.abs().sum() > 0
+    torch.testing.assert_close(gm(x), expected)
+
+
+def test_apply_sites_works_on_a_copy_and_reports_each_decision():
+    c = _cap()
+    before = c.gm.code
+    calls = []
+    out = apply_sites(c, [(registry.get("test.apply_drop_relu"), "relu_1"),
+                          (registry.get("test.apply_vandal"), "a"),
+                          (registry.get("test.apply_drop_relu"), "missing")],
+                      progress=lambda: calls.append(1))
+    assert [s.key for s in out.applied] == ["relu_1"]
+    assert [f.key for f in out.failed] == ["a", "missing"]
+    assert out.failed[1].reason == "site not found in this model"
+    assert c.gm.code == before and len(calls) == 3
+    x = torch.randn(4, 7)
+    torch.testing.assert_close(out.gm(x), c.gm(x))
