@@ -260,8 +260,8 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
 
     config = OptimizeConfig(target=target, rules=_rule_patterns(rules), exactness=exactness,
                             budget=budget, samples=samples, bench=not no_bench, device=device)
-    stages = ["load", "capture", "analyze", "plan", "apply", "verify", "rollback", "layers", "bench",
-              "measure", "prune", "report"]
+    stages = ["load", "capture", "analyze", "plan", "apply", "verify", "rollback", "bench",
+              "measure", "prune", "layers", "report"]
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TimeElapsedColumn(), console=err, transient=True) as progress:
         task = progress.add_task("load", total=len(stages))

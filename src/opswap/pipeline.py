@@ -271,21 +271,19 @@ def optimize(
     applied = apply_plan(captured, plan)
     step("verify")
     reference = captured.gm
-    verification = verify(reference, applied.gm, captured.example_inputs,
-                          samples=config.samples, tolerance=tol, seed=config.seed)
+
+    def check(candidate) -> Any:
+        return verify(reference, candidate.gm, captured.example_inputs,
+                      samples=config.samples, tolerance=tol, seed=config.seed)
+
+    verification = check(applied)
     rolled_back: list[Any] = []
     if not verification.passed and config.rollback and plan.decisions:
         step("rollback")
         plan, rolled_back = rollback(captured, plan, reference, tol,
                                      samples=config.samples, seed=config.seed)
         applied = apply_plan(captured, plan)
-        verification = verify(reference, applied.gm, captured.example_inputs,
-                              samples=config.samples, tolerance=tol, seed=config.seed)
-    layers = None
-    if config.layers:
-        step("layers")
-        layers = compare_layers(captured, applied, captured.example_inputs)
-    after = analyze(applied.captured, target)
+        verification = check(applied)
     bench = None
     timings: list[RuleTiming] = []
     if config.bench:
@@ -299,14 +297,17 @@ def optimize(
             pruned = _prune_slow(captured, plan, timings)
             if pruned is not None:
                 plan, applied = pruned
-                verification = verify(reference, applied.gm, captured.example_inputs,
-                                      samples=config.samples, tolerance=tol, seed=config.seed)
-                if config.layers:
-                    layers = compare_layers(captured, applied, captured.example_inputs)
-                after = analyze(applied.captured, target)
+                verification = check(applied)
                 bench = bench_models(model, applied.gm, captured.example_inputs,
                                      device=config.device)
+                # the kept rules' timings were taken against the unpruned model: close enough
+                # to show, and the whole model's figure above is fresh
                 timings = [t for t in timings if t.pays]
+    layers = None
+    if config.layers:
+        step("layers")
+        layers = compare_layers(captured, applied, captured.example_inputs)
+    after = analyze(applied.captured, target)
     return Result(
         model=name,
         target=target.name,
