@@ -47,16 +47,17 @@ def env() -> dict:
     return d
 
 
-def run_tests(out: Path, workers: int) -> dict:
+def run_tests(out: Path, workers: int, paths: list[str]) -> dict:
     log = out / "pytest.log"
     t0 = time.time()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
-           str(ROOT / "tests")]
+           *[str(ROOT / p) for p in paths]]
     with open(log, "w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
-    return {"returncode": rc, "summary": tail[0] if tail else "", "seconds": round(time.time() - t0, 1)}
+    return {"returncode": rc, "summary": tail[0] if tail else "", "paths": paths,
+            "seconds": round(time.time() - t0, 1)}
 
 
 def ceilings() -> dict:
@@ -132,6 +133,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results")))
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--tests", nargs="*", default=["tests"],
+                    help="test paths to run (default: the whole suite)")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the optimize runs on the host CPU")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--name", default="gpu_suite.json",
                     help="file name of the results (e.g. cpu_suite.json for a run without a GPU)")
@@ -140,7 +144,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     result: dict = {"env": env()}
     if not args.skip_tests:
-        result["tests"] = run_tests(args.out, args.workers)
+        result["tests"] = run_tests(args.out, args.workers, args.tests)
         print("tests:", result["tests"], flush=True)
     if torch.cuda.is_available():
         try:
@@ -150,7 +154,8 @@ def main() -> None:
         print("ceilings:", result["ceilings"], flush=True)
         torch.cuda.empty_cache()
         result["optimize_cuda"] = optimize_models("cuda", "h200")
-    result["optimize_cpu"] = optimize_models("cpu", "cpu")
+    if not args.no_cpu:
+        result["optimize_cpu"] = optimize_models("cpu", "cpu")
     path = args.out / args.name
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print("wrote", path)
