@@ -125,11 +125,11 @@ def _print_plan(plan) -> None:
     table = Table(title=f"plan: {len(plan.decisions)} replacements")
     for col in ("#", "rule", "site", "what", "pred. bytes saved", "pred. FLOPs saved"):
         table.add_column(col, overflow="fold")
-    from opswap.report.units import human
+    from opswap.cost.units import human, human_unit
 
     for i, d in enumerate(plan.decisions):
         table.add_row(str(i), d.rule, d.site.key, d.site.description,
-                      human(d.estimate.bytes_saved, "B"), human(d.estimate.flops_saved, ""))
+                      human_unit(d.estimate.bytes_saved, "B"), human(d.estimate.flops_saved))
     console.print(table)
     if plan.misses:
         mt = Table(title=f"{len(plan.misses)} near misses")

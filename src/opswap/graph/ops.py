@@ -280,6 +280,20 @@ def compute_nodes(gm: fx.GraphModule) -> Iterable[fx.Node]:
     return (n for n in gm.graph.nodes if is_compute(n))
 
 
+def is_aten(node: fx.Node) -> bool:
+    """True when the node calls an ATen overload (the torch.export flavour)."""
+    return isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def copy_meta(new: fx.Node, old: fx.Node) -> None:
+    """Give a node a rewrite created the metadata of the value it stands for, so later
+    matches in the same pass can still read its shape (shapes are re-propagated only
+    between rules) and reports still name its module."""
+    for key in ("tensor_meta", "val", "nn_module_stack", "stack_trace"):
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+
+
 # --------------------------------------------------------------------------- tensors of a node
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from opswap.cost.units import human, human_unit
 from opswap.report import plots
 from opswap.report.document import Block, Bullets, Heading, Image, Para, Table, to_html, to_markdown
-from opswap.report.units import human
 
 
 def _f(x, digits: int = 3) -> str:
@@ -61,7 +61,7 @@ def _changes(result) -> list[Block]:
         e = d.estimate
         rows.append([
             str(i), f"`{d.rule}`", f"`{d.site.key}`", d.site.description, rule.exactness,
-            human(e.bytes_saved, "B"), human(e.flops_saved),
+            human_unit(e.bytes_saved, "B"), human(e.flops_saved),
             _f(e.time_saved_s * 1e6) + " µs" if e.time_saved_s is not None else "-",
             "yes" if d.site.key in applied else "no",
         ])
@@ -81,8 +81,8 @@ def _predicted_vs_measured(result, data) -> list[Block]:
             ["sum of the sites' predicted savings", "", f"-{saved * 1e3:.4f} ms",
              f"{before.est_time_s / max(before.est_time_s - saved, 1e-12):.2f}x"
              if before.est_time_s else "-"],
-            ["bytes moved (unfused, per op)", human(before.total_bytes, "B"),
-             human(after.total_bytes, "B"), ""],
+            ["bytes moved (unfused, per op)", human_unit(before.total_bytes, "B"),
+             human_unit(after.total_bytes, "B"), ""],
             ["FLOPs", human(before.total_flops), human(after.total_flops), ""]]
     b = data["benchmark"]
     if b:

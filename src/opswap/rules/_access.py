@@ -84,8 +84,6 @@ def shared_reason(node: fx.Node, allowed, what: str) -> str | None:
     return f"{node.name}'s output is also read by {names}, so {what}"
 
 
-def is_aten(node: fx.Node) -> bool:
-    return isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
 
 
 def _ntuple(v, n: int):

@@ -16,16 +16,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from opswap.graph.ops import arg, attr_tensor, set_attr_tensor
+from opswap.graph.ops import arg, attr_tensor, copy_meta, set_attr_tensor
 from opswap.rules._access import Weighted
-
-
-def copy_meta(new: fx.Node, old: fx.Node) -> None:
-    """Give a node created by a rewrite the shape metadata of the node it replaces, so
-    later matches in the same pass can still read its shape."""
-    for k in ("tensor_meta", "val", "nn_module_stack", "stack_trace"):
-        if k in old.meta:
-            new.meta[k] = old.meta[k]
 
 
 def _exclusive_module(gm: fx.GraphModule, node: fx.Node) -> bool:

@@ -19,19 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import arg, op_kind, raw_name
+from opswap.graph.ops import arg, copy_meta, is_aten, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules._access import (
     Weighted,
     const,
     describe_source,
     input_of,
-    is_aten,
     shared_reason,
     weighted,
 )
 from opswap.rules._fusion_cost import saving
-from opswap.rules._fusion_edit import copy_meta, drop_dead_attrs, erase, fresh_path, new_const
+from opswap.rules._fusion_edit import drop_dead_attrs, erase, fresh_path, new_const
 from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
 from opswap.rules.registry import register
 

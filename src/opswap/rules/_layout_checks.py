@@ -13,13 +13,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from opswap.graph.ops import arg, attr_tensor, module_of, op_kind, raw_name
+from opswap.graph.ops import arg, attr_tensor, is_aten, module_of, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules._layout_graph import (
     aliases_reach_output,
     first_write,
     has_layout,
-    is_aten,
     matmul_reads_in_place,
     storage_root,
     strides,

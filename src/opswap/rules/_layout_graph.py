@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from opswap.graph.ops import arg, module_of, op_kind, raw_name
+from opswap.graph.ops import arg, is_aten, module_of, op_kind, raw_name
 from opswap.graph.shapes import info
 
 aten = torch.ops.aten
@@ -21,9 +21,6 @@ aten = torch.ops.aten
 # --------------------------------------------------------------------------- flavour
 
 
-def is_aten(node: fx.Node) -> bool:
-    """True when the node calls an ATen overload (torch.export flavour)."""
-    return isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
 
 
 _SPELLINGS = {
@@ -47,12 +44,6 @@ def call(graph: fx.Graph, like: fx.Node, op: str, args: tuple, kwargs=None) -> f
     return graph.call_function(target, args, kwargs)
 
 
-def copy_meta(new: fx.Node, old: fx.Node) -> None:
-    """Give a new node the shape metadata of the value it stands for, so later sites of the
-    same pass can still read shapes (shape propagation only runs between rules)."""
-    for key in ("tensor_meta", "val", "nn_module_stack"):
-        if key in old.meta:
-            new.meta[key] = old.meta[key]
 
 
 def erase_unused(graph: fx.Graph, nodes) -> None:

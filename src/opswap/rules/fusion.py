@@ -24,20 +24,18 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import arg, module_of, op_kind, raw_name
+from opswap.graph.ops import arg, copy_meta, is_aten, module_of, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules._access import (
     BatchNormParts,
     Weighted,
     batch_norm,
     input_of,
-    is_aten,
     shared_reason,
     weighted,
 )
 from opswap.rules._fusion_cost import saving
 from opswap.rules._fusion_edit import (
-    copy_meta,
     drop_dead_attrs,
     erase,
     install_module,

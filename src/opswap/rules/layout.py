@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from opswap.graph.ops import attr_tensor, fresh_attr_name, raw_name, set_attr_tensor
+from opswap.graph.ops import attr_tensor, copy_meta, fresh_attr_name, raw_name, set_attr_tensor
 from opswap.graph.shapes import info
 from opswap.rules import _layout_nhwc as nhwc
 from opswap.rules._layout_checks import (
@@ -32,7 +32,6 @@ from opswap.rules._layout_graph import (
     by_name,
     call,
     compose,
-    copy_meta,
     erase_unused,
     matmul_reads_in_place,
     perm_of,
