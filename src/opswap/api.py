@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from opswap.graph.capture import capture
+from opswap.graph.capture import as_inputs, capture
 from opswap.models import LoadedModel
 from opswap.models import load as _load
 from opswap.pipeline import OptimizeConfig, Result
@@ -55,7 +55,7 @@ def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
     tol = Tolerance.for_exactness(exactness)
     if budget:
         tol = parse_budget(budget, base=tol)
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    inputs = as_inputs(example_inputs)
     return _verify(reference, candidate, inputs, samples=samples, tolerance=tol)
 
 
@@ -63,7 +63,7 @@ def bench(reference: nn.Module, candidate: nn.Module, example_inputs, *, device:
     """Time reference and candidate side by side, interleaved, after warm-up."""
     from opswap.bench.timing import bench_models
 
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    inputs = as_inputs(example_inputs)
     return bench_models(reference, candidate, inputs, device=device)
 
 

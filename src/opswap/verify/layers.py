@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from opswap.graph.capture import as_inputs
 from opswap.graph.ops import is_compute, op_kind
 from opswap.verify.metrics import Metrics, combine, compare
 from opswap.verify.outputs import eval_mode, full_precision
@@ -245,8 +246,7 @@ def compare_layers(
     cand_gm: fx.GraphModule = getattr(candidate, "gm", candidate)
     if rewritten is None:
         rewritten = [n for site in getattr(candidate, "applied", ()) for n in site.nodes]
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (
-        tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
+    inputs = as_inputs(example_inputs)
     rewritten = set(rewritten)
     ref_nodes, pairs = _pair(ref_gm, cand_gm, rewritten)
 
