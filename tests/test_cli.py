@@ -1,12 +1,15 @@
 """The `opswap` command end to end, through its entry point."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from opswap.cli import main
+from opswap.errors import OpswapError
 
 
 def run(*args):
@@ -121,3 +124,92 @@ def test_models_lists_zoo(capsys):
     assert run("models") == 0
     out = capsys.readouterr().out
     assert "zoo:resnet" in out and "hf:bert" in out
+
+
+@pytest.mark.parametrize("args, says", [
+    (("optimize", "zoo:resnet", "--exprot", "onnx"), "No such option: --exprot"),
+    (("optimize",), "Missing argument"),
+    (("bogus",), "No such command 'bogus'"),
+])
+def test_usage_errors_are_one_message_and_exit_2(capsys, args, says):
+    assert run(*args) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.splitlines()) <= 5
+
+
+def test_no_arguments_prints_help(capsys):
+    assert run() in (0, 2)  # click >= 8.2 exits 2 after showing the help, older click 0
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "optimize" in text and "analyze" in text and "Traceback" not in text
+
+
+def test_version(capsys):
+    from opswap import __version__
+
+    assert run("--version") == 0
+    assert capsys.readouterr().out == f"opswap {__version__}\n"
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def _load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("opswap.cli._load", _load)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("optimize", "zoo:resnet", "--out", "FILE"), "--out FILE is an existing file"),
+    (("plan", "zoo:resnet", "--out", "DIR"), "--out DIR is an existing directory"),
+    (("apply", "zoo:resnet", "missing.json", "--out", "FILE"), "--out FILE is an existing file"),
+    (("plan", "zoo:resnet", "--out", "FILE/plan.json"), "lies under FILE, which is a file"),
+] + [((*cmd, "--json", "DIR"), "--json DIR is an existing directory") for cmd in (
+    ("analyze", "zoo:resnet"), ("rules",), ("models",), ("plan", "zoo:resnet"),
+    ("apply", "zoo:resnet", "missing.json"), ("verify", "zoo:resnet", "missing.json"),
+    ("bench", "zoo:resnet", "missing.json"), ("optimize", "zoo:resnet"))])
+def test_bad_output_paths_fail_before_any_work(tmp_path, capsys, no_model, args, says):
+    (tmp_path / "f.txt").write_text("keep me\n")
+    (tmp_path / "d").mkdir()
+    paths = {"FILE": str(tmp_path / "f.txt"), "DIR": str(tmp_path / "d")}
+    sub = re.compile("FILE|DIR")
+    assert run(*(sub.sub(lambda m: paths[m[0]], a) for a in args)) == 2
+    captured = capsys.readouterr()
+    assert sub.sub(lambda m: paths[m[0]], says) in captured.err
+    assert captured.out == ""  # nothing ran: no table, no "wrote"
+    assert (tmp_path / "f.txt").read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("args", [("optimize", "zoo:resnet"), ("bench", "zoo:resnet", "missing.json")])
+def test_bogus_device_fails_before_loading(capsys, no_model, args):
+    assert run(*args, "--device", "bogus") == 2
+    err = capsys.readouterr().err
+    assert "'bogus'" in err and "cpu, cuda or cuda:N" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_gpu_fails_before_loading(capsys, no_model):
+    assert run("optimize", "zoo:resnet", "--device", "cuda") == 2
+    assert "no GPU" in capsys.readouterr().err
+
+
+def test_error_message_is_printed_verbatim(monkeypatch, capsys):
+    message = ("fused attention takes dtype in [torch.float16, torch.bfloat16]: got torch.float32 "
+               "at layer [3] of the encoder; pass --set dtype=float16 or drop the rule from --rules.")
+
+    def _load(*args, **kwargs):
+        raise OpswapError(message)
+
+    monkeypatch.setattr("opswap.cli._load", _load)
+    assert run("analyze", "zoo:resnet") == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_apply_rejects_a_hand_edited_plan(tmp_path, capsys, no_model):
+    plan = tmp_path / "bad_plan.json"
+    plan.write_text(json.dumps({"version": 1, "settings": {"exactness": "exact"}, "decisions": [
+        {"rule": "fusion.conv_bn", "site": {"key": "conv+bn", "nodes": ["conv", "bn"], "data": []}}]}))
+    assert run("apply", "zoo:resnet", str(plan)) == 2
+    err = capsys.readouterr().err
+    assert f"{plan}: decision 0: site data must be an object, got a list" in err
+    assert "Traceback" not in err

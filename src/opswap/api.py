@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from opswap.graph.capture import as_inputs, capture
+from opswap.graph.copies import preserved_state, private_copy
 from opswap.models import LoadedModel
 from opswap.models import load as _load
 from opswap.pipeline import OptimizeConfig, Result
@@ -47,16 +49,34 @@ def apply(model: nn.Module, example_inputs, plan: Plan | str) -> nn.Module:
 
 
 def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
-           exactness: str = "exact", budget: str | None = None, samples: int = 3):
-    """Compare candidate with reference on random samples shaped like `example_inputs`."""
+           exactness: str = "exact", budget: str | None = None, samples: int = 3,
+           dynamic: str = "auto"):
+    """Compare candidate with reference on random samples shaped like `example_inputs`, and
+    at the other batch sizes and sequence lengths `dynamic` marks (see graph.dynamic).
+    Both run as private copies: neither module is called nor changed."""
+    from opswap.graph.dynamic import detect, variants
     from opswap.verify.outputs import verify as _verify
+    from opswap.verify.rounding import own_rounding
     from opswap.verify.tolerance import Tolerance, parse_budget
 
-    tol = Tolerance.for_exactness(exactness)
+    reference, candidate = _private(reference), _private(candidate)
+    inputs = as_inputs(example_inputs)
+    tol = Tolerance.for_exactness(exactness).at_rounding(
+        own_rounding(reference, inputs) if isinstance(reference, nn.Module) else None)
     if budget:
         tol = parse_budget(budget, base=tol)
-    inputs = as_inputs(example_inputs)
-    return _verify(reference, candidate, inputs, samples=samples, tolerance=tol)
+
+    def run(xs):
+        with torch.no_grad(), preserved_state(reference):
+            reference(*xs)
+
+    shapes = variants(inputs, detect(run, inputs, dynamic))
+    return _verify(reference, candidate, inputs, samples=samples, tolerance=tol,
+                   variants=shapes)
+
+
+def _private(fn):
+    return private_copy(fn) if isinstance(fn, nn.Module) else fn
 
 
 def bench(reference: nn.Module, candidate: nn.Module, example_inputs, *, device: str = "cpu"):
@@ -64,17 +84,19 @@ def bench(reference: nn.Module, candidate: nn.Module, example_inputs, *, device:
     from opswap.bench.timing import bench_models
 
     inputs = as_inputs(example_inputs)
-    return bench_models(reference, candidate, inputs, device=device)
+    return bench_models(_private(reference), _private(candidate), inputs, device=device)
 
 
 def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
              rules: list[str] | str | None = None, exactness: str = "exact",
              budget: str | None = None, samples: int = 3, bench: bool = True,
-             device: str = "cpu", name: str | None = None) -> Result:
+             device: str = "cpu", dynamic: str = "auto", keep_hooks: bool = False,
+             name: str | None = None) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
     bench. `model` is never mutated; `result.candidate` is the optimized module."""
     if isinstance(rules, str):
         rules = [r.strip() for r in rules.split(",") if r.strip()]
     config = OptimizeConfig(target=target, rules=list(rules or []), exactness=exactness,
-                            budget=budget, samples=samples, bench=bench, device=device)
+                            budget=budget, samples=samples, bench=bench, device=device,
+                            dynamic=dynamic, keep_hooks=keep_hooks)
     return _optimize(model, example_inputs, config, name=name)

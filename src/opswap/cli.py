@@ -6,7 +6,9 @@ Errors opswap raises on purpose print as one line and exit with status 2.
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -15,8 +17,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from opswap.errors import OpswapError
+from opswap.graph.copies import private_copy
 
 app = typer.Typer(
     name="opswap",
@@ -37,6 +41,22 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Model override 
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write machine-readable output here.")]
 RulesOpt = Annotated[str | None, typer.Option("--rules", "-r", help="Comma-separated rule globs, e.g. 'fusion.*,layout.drop_*'.")]
 ExactOpt = Annotated[str, typer.Option("--exactness", "-e", help="Loosest rules allowed: exact, approx or lossy.")]
+DynamicOpt = Annotated[str, typer.Option("--dynamic", help="Input sizes kept symbolic: auto (batch and sequence, detected), none, batch, seq, or I:D=NAME items.")]
+_DEVICES = "cpu, cuda or cuda:N"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from opswap import __version__
+
+        typer.echo(f"opswap {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    pass
 
 
 def _overrides(items: list[str] | None) -> dict[str, str]:
@@ -63,12 +83,37 @@ def _write_json(path: Path | None, data) -> None:
     console.print(f"[dim]wrote {path}[/dim]")
 
 
+def _check_outputs(json_path: Path | None, out: Path | None = None, *, out_dir: bool = False) -> None:
+    """Fail before any work when an output path cannot be written: a file where a directory
+    goes, a directory where a file goes, or a file among its parents."""
+    for opt, path, want_dir in (("--json", json_path, False), ("--out", out, out_dir)):
+        if path is None:
+            continue
+        if want_dir and path.exists() and not path.is_dir():
+            raise OpswapError(f"{opt} {path} is an existing file; name a directory (it is created if missing).")
+        if not want_dir and path.is_dir():
+            raise OpswapError(f"{opt} {path} is an existing directory; name a file to write.")
+        parent = next((q for q in path.parents if q.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise OpswapError(f"{opt} {path} lies under {parent}, which is a file; name another path.")
+
+
+def _check_device(device: str) -> None:
+    """Fail before loading the model when --device names nothing opswap can run on."""
+    from opswap.bench.timing import resolve_device
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise OpswapError(f"Unknown device {device!r}; use {_DEVICES}.")
+    resolve_device(device)  # CUDA without a GPU
+
+
 def _rule_patterns(rules: str | None) -> list[str]:
     return [p.strip() for p in rules.split(",") if p.strip()] if rules else []
 
 
 @app.command()
 def analyze(spec: Spec, target: TargetOpt = "cpu", sets: SetOpt = None, json_path: JsonOpt = None,
+            dynamic: DynamicOpt = "auto",
             top: Annotated[int, typer.Option(help="Rows to show (all are in --json).")] = 40) -> None:
     """Per-op FLOPs, bytes, intensity and bound against a target; totals and bottlenecks."""
     from opswap.cost.analyze import analyze as _analyze
@@ -76,9 +121,10 @@ def analyze(spec: Spec, target: TargetOpt = "cpu", sets: SetOpt = None, json_pat
     from opswap.graph import capture
     from opswap.targets import get_target
 
+    _check_outputs(json_path)
     tgt = get_target(target)
     loaded = _load(spec, sets)
-    captured = capture(loaded.module, loaded.example_inputs)
+    captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
     for note in captured.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     result = _analyze(captured, tgt, model_name=spec)
@@ -91,6 +137,7 @@ def list_rules(json_path: JsonOpt = None) -> None:
     """Every rule: name, family, chapter, exactness, targets."""
     from opswap.rules.registry import all_rules
 
+    _check_outputs(json_path)
     rows = [r.info() for r in all_rules()]
     table = Table(title=f"{len(rows)} rules")
     for col in ("name", "family", "ch.", "exactness", "targets", "what it does"):
@@ -107,6 +154,7 @@ def models(json_path: JsonOpt = None) -> None:
     """The built-in zoo and the Hugging Face model types `hf:` builds from a config."""
     from opswap.models import list_hf_types, list_zoo
 
+    _check_outputs(json_path)
     zoo = list_zoo()
     table = Table(title="zoo: (built-in reference models)")
     table.add_column("spec")
@@ -146,15 +194,16 @@ def _print_plan(plan) -> None:
 
 @app.command()
 def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
-         exactness: ExactOpt = "exact", sets: SetOpt = None,
+         exactness: ExactOpt = "exact", sets: SetOpt = None, dynamic: DynamicOpt = "auto",
          out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan.")] = Path("plan.json"),
          json_path: JsonOpt = None) -> None:
     """Match the rules on a model and write plan.json (sites chosen, misses, settings)."""
     from opswap.graph import capture
     from opswap.search.plan import make_plan
 
+    _check_outputs(json_path, out)
     loaded = _load(spec, sets)
-    captured = capture(loaded.module, loaded.example_inputs)
+    captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
     p = make_plan(captured, target=target, rules=_rule_patterns(rules), exactness=exactness,
                   model_name=spec)
     _print_plan(p)
@@ -163,13 +212,13 @@ def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
     _write_json(json_path, p.to_json())
 
 
-def _applied(spec: str, plan_path: Path, sets):
+def _applied(spec: str, plan_path: Path, sets, dynamic: str = "auto"):
     from opswap.graph import capture
     from opswap.search.plan import Plan, apply_plan
 
     p = Plan.load(plan_path)
     loaded = _load(spec, sets)
-    captured = capture(loaded.module, loaded.example_inputs)
+    captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
     applied = apply_plan(captured, p)
     for f in applied.failed:
         console.print(f"[red]not applied[/red] {f.rule} at {f.key}: {f.reason}")
@@ -178,17 +227,18 @@ def _applied(spec: str, plan_path: Path, sets):
 
 @app.command()
 def apply(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json from `opswap plan`.")],
-          sets: SetOpt = None,
+          sets: SetOpt = None, dynamic: DynamicOpt = "auto",
           out: Annotated[Path | None, typer.Option("--out", "-o", help="Save the optimized model in this directory.")] = None,
           json_path: JsonOpt = None) -> None:
     """Re-apply a plan to a model; optionally save the optimized model."""
     from opswap.report.model_io import save_model
 
-    loaded, captured, p, applied = _applied(spec, plan_path, sets)
+    _check_outputs(json_path, out, out_dir=True)
+    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic)
     console.print(f"applied {len(applied.applied)} of {len(p.decisions)} decisions")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        files = save_model(applied.gm, captured.example_inputs, p, out)
+        files = save_model(applied.gm, captured.example_inputs, p, out, dynamic=captured.dynamic)
         console.print(f"saved {files['model']}")
     _write_json(json_path, {"applied": [s.to_json() for s in applied.applied],
                             "failed": [f.to_json() for f in applied.failed]})
@@ -200,17 +250,21 @@ def apply(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json 
 def verify(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json from `opswap plan`.")],
            budget: Annotated[str | None, typer.Option(help="e.g. 'cosine>=0.9999' (default: from the plan's exactness).")] = None,
            samples: Annotated[int, typer.Option(help="Random input samples.")] = 3,
-           sets: SetOpt = None, json_path: JsonOpt = None) -> None:
+           sets: SetOpt = None, dynamic: DynamicOpt = "auto",
+           json_path: JsonOpt = None) -> None:
     """Compare the plan's result with the original; exit 1 when it breaks the tolerance."""
     from opswap.verify.layers import compare_layers
     from opswap.verify.outputs import verify as _verify
     from opswap.verify.tolerance import Tolerance, parse_budget
 
-    loaded, captured, p, applied = _applied(spec, plan_path, sets)
-    tol = Tolerance.for_exactness(p.settings.exactness)
+    _check_outputs(json_path)
+    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic)
+    tol = Tolerance.for_exactness(p.settings.exactness).at_rounding(captured.rounding)
     if budget:
         tol = parse_budget(budget, base=tol)
-    v = _verify(captured.gm, applied.gm, captured.example_inputs, samples=samples, tolerance=tol)
+    # against (a copy of) the model itself, at every shape the capture claims
+    v = _verify(private_copy(loaded.module), applied.gm, captured.example_inputs,
+                samples=samples, tolerance=tol, variants=captured.variants())
     data = v.to_json()
     table = Table(title="verification " + ("PASSED" if v.passed else "FAILED"))
     for col in ("max_abs", "max_rel", "cosine", "sqnr_db", "rel_l2"):
@@ -232,13 +286,17 @@ def verify(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json
 
 @app.command()
 def bench(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json from `opswap plan`.")],
-          device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-          sets: SetOpt = None, json_path: JsonOpt = None) -> None:
+          device: Annotated[str, typer.Option(help=f"Where to time: {_DEVICES}.")] = "cpu",
+          sets: SetOpt = None, dynamic: DynamicOpt = "auto",
+          json_path: JsonOpt = None) -> None:
     """Time the original and the plan's result side by side (interleaved, after warm-up)."""
     from opswap.bench.timing import bench_models
 
-    loaded, captured, p, applied = _applied(spec, plan_path, sets)
-    b = bench_models(loaded.module, applied.gm, captured.example_inputs, device=device)
+    _check_outputs(json_path)
+    _check_device(device)
+    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic)
+    b = bench_models(private_copy(loaded.module), applied.gm, captured.example_inputs,
+                     device=device)
     data = b.to_json()
     console.print(f"reference {data['ref_ms']:.3f} ms, optimized {data['opt_ms']:.3f} ms, "
                   f"speedup {data['speedup']:.2f}x on {data['device']}")
@@ -252,14 +310,20 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
              out: Annotated[Path, typer.Option("--out", "-o", help="Output directory.")] = Path("opswap-out"),
              samples: Annotated[int, typer.Option(help="Random input samples for verification.")] = 3,
              no_bench: Annotated[bool, typer.Option("--no-bench", help="Skip timing.")] = False,
-             device: Annotated[str, typer.Option(help="Where to time: cpu or cuda.")] = "cpu",
-             sets: SetOpt = None, json_path: JsonOpt = None) -> None:
+             device: Annotated[str, typer.Option(help=f"Where to run and time: {_DEVICES}.")] = "cpu",
+             dynamic: DynamicOpt = "auto", sets: SetOpt = None,
+             json_path: JsonOpt = None) -> None:
     """The whole flow: analyze, plan, apply, verify (with rollback), bench, report."""
     from opswap.pipeline import OptimizeConfig
     from opswap.pipeline import optimize as _optimize
 
+    _check_outputs(json_path, out, out_dir=True)
+    _check_device(device)
+    if samples < 1:
+        raise OpswapError(f"--samples must be at least 1 (the example itself); got {samples}.")
     config = OptimizeConfig(target=target, rules=_rule_patterns(rules), exactness=exactness,
-                            budget=budget, samples=samples, bench=not no_bench, device=device)
+                            budget=budget, samples=samples, bench=not no_bench, device=device,
+                            dynamic=dynamic)
     stages = ["load", "capture", "analyze", "plan", "apply", "verify", "rollback", "bench",
               "measure", "prune", "layers", "report"]
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -300,24 +364,33 @@ def _print_summary(data: dict) -> None:
                           "report's 'Failed, rolled back, skipped' section[/yellow]")
 
 
+def _click_errors() -> tuple[type[Exception], ...]:
+    """ClickException of the click copy newer typer vendors and of the click package that
+    older typer runs on; either may be absent."""
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(importlib.import_module(module).ClickException)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         rc = app(args=argv, standalone_mode=False)
     except OpswapError as e:
-        err.print(f"[bold red]error:[/bold red] {e}")
+        # Text, not markup: a message holding "[torch.float16]" must print as written
+        err.print(Text.assemble(("error:", "bold red"), " ", str(e)), soft_wrap=True)
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
         sys.exit(130)
-    except Exception as e:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+    except _click_errors() as e:  # usage errors: click's message, exit status 2
+        e.show()
+        sys.exit(e.exit_code)
     if isinstance(rc, int) and rc:
         sys.exit(rc)
 

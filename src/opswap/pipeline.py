@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from opswap.graph.capture import Captured, capture
+from opswap.graph.copies import private_copy
 from opswap.rules.base import EXACTNESS_ORDER, Site
 from opswap.search.plan import Plan, apply_plan, make_plan
 
@@ -38,6 +39,8 @@ class OptimizeConfig:
     measure_rules: bool = True  # time the result without each rule (measured per-rule gain)
     prune_slow: bool = True  # when the result is slower, drop the rules that measure slower
     device: str = "cpu"
+    dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
+    keep_hooks: bool = False  # run the copies opswap times and verifies with the user's hooks
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Result:
     benchmark: Any = None
     rule_timings: list[Any] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    dynamic: Any = None  # graph.dynamic.Dynamic: the sizes the saved model keeps symbolic
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
 
     def to_json(self) -> dict[str, Any]:
@@ -73,7 +77,9 @@ class Result:
                          "python": platform.python_version()},
             "capture_method": self.plan.capture_method,
             "settings": {"rules": self.config.rules, "exactness": self.config.exactness,
-                         "budget": self.config.budget, "samples": self.config.samples},
+                         "budget": self.config.budget, "samples": self.config.samples,
+                         "dynamic": self.config.dynamic},
+            "dynamic": self.dynamic.to_json() if self.dynamic is not None else None,
             "applied": [
                 {"rule": s.rule, "site": s.key, "description": s.description,
                  "estimate": est.get(s.key)}
@@ -101,7 +107,8 @@ class Result:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"plan": self.plan.save(out / "plan.json")}
-        paths.update(save_model(self.candidate, self.example_inputs, self.plan, out))
+        paths.update(save_model(self.candidate, self.example_inputs, self.plan, out,
+                                dynamic=self.dynamic))
         data = self.to_json()
         data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
         paths["result"] = out / "result.json"
@@ -133,25 +140,26 @@ def _totals(analysis) -> dict[str, Any] | None:
             "est_time_s": analysis.est_time_s, "ops": len(analysis.rows)}
 
 
-def _tolerance(config: OptimizeConfig):
+def _tolerance(config: OptimizeConfig, rounding: float | None = None):
+    """The exactness's thresholds, loosened to a low-precision model's own rounding, with
+    the user's budget (which is never loosened) on top."""
     from opswap.verify.tolerance import Tolerance, parse_budget
 
-    tol = Tolerance.for_exactness(config.exactness)
+    tol = Tolerance.for_exactness(config.exactness).at_rounding(rounding)
     if config.budget:
         tol = parse_budget(config.budget, base=tol)
     return tol
 
 
 def _to_device(model: nn.Module, example_inputs, device: str):
-    import copy
-
+    """The (private) model and the inputs on `device`."""
     from torch.utils import _pytree as pytree
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         from opswap.errors import OpswapError
 
         raise OpswapError(f"--device {device} was asked for, but torch sees no CUDA device here.")
-    moved = copy.deepcopy(model).to(device)
+    moved = model.to(device)
     inputs = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
                              example_inputs)
     return moved, inputs
@@ -236,8 +244,10 @@ def optimize(
     name: str | None = None,
     progress=None,
 ) -> Result:
-    """Run the whole flow on `model` (never mutated) and return a Result.
+    """Run the whole flow on `model` and return a Result.
 
+    The user's module is never called nor changed: opswap captures, verifies against and
+    times a private copy of it (without the user's hooks unless `config.keep_hooks`).
     `progress(stage: str)` is called as each stage starts, for progress bars.
     """
     from opswap.bench.timing import bench_models
@@ -252,16 +262,23 @@ def optimize(
         from opswap.errors import RuleError
 
         raise RuleError(f"exactness must be exact, approx or lossy; got {config.exactness!r}.")
+    if isinstance(config.samples, bool) or not isinstance(config.samples, int) \
+            or config.samples < 1:
+        from opswap.errors import VerificationError
+
+        raise VerificationError(f"samples must be at least 1 (the example itself); got "
+                                f"{config.samples!r}.")
     step = progress or (lambda stage: None)
     name = name or type(model).__name__
     target = get_target(config.target)
-    tol = _tolerance(config)  # parse the budget before any long work
-
+    _tolerance(config)  # parse the budget before any long work
+    model = private_copy(model, keep_hooks=config.keep_hooks)  # the reference opswap runs
     if config.device != "cpu":
         # time and verify where the user deploys; the user's module stays where it is
         model, example_inputs = _to_device(model, example_inputs, config.device)
     step("capture")
-    captured: Captured = capture(model, example_inputs)
+    captured: Captured = capture(model, example_inputs, dynamic=config.dynamic)
+    tol = _tolerance(config, captured.rounding)
     step("analyze")
     before = analyze(captured, target)
     step("plan")
@@ -270,17 +287,16 @@ def optimize(
     step("apply")
     applied = apply_plan(captured, plan)
     step("verify")
-    reference = captured.gm
-
     def check(candidate) -> Any:
-        return verify(reference, candidate.gm, captured.example_inputs,
-                      samples=config.samples, tolerance=tol, seed=config.seed)
+        # against the model itself, not only its capture, at every shape the capture claims
+        return verify(model, candidate.gm, captured.example_inputs, samples=config.samples,
+                      tolerance=tol, seed=config.seed, variants=captured.variants())
 
     verification = check(applied)
     rolled_back: list[Any] = []
     if not verification.passed and config.rollback and plan.decisions:
         step("rollback")
-        plan, rolled_back = rollback(captured, plan, reference, tol,
+        plan, rolled_back = rollback(captured, plan, model, tol,
                                      samples=config.samples, seed=config.seed)
         applied = apply_plan(captured, plan)
         verification = check(applied)
@@ -326,4 +342,5 @@ def optimize(
         benchmark=bench,
         rule_timings=timings,
         notes=list(captured.notes),
+        dynamic=captured.dynamic,
     )

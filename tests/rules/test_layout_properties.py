@@ -21,6 +21,8 @@ from opswap.rules.base import misses_of, sites_of
 from opswap.search.plan import apply_plan, make_plan
 from opswap.targets import Target
 
+from ._shapes import assert_same_at_other_shapes
+
 TARGET = Target(name="cpu", description="test CPU", kind="cpu", peak_flops={"float32": 1e12},
                 mem_bandwidth=50e9, memory_bytes=0, dtypes=("float32",), layout="channels_last")
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True,
@@ -33,6 +35,7 @@ def apply_rule(model, x, rule, method):
     plan = make_plan(captured, rules=[rule], target=TARGET)
     applied = apply_plan(captured, plan)
     assert not plan.failed and not applied.failed, (plan.failed, applied.failed)
+    assert_same_at_other_shapes(model, captured, applied.gm)
     return plan, applied
 
 

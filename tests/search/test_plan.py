@@ -1,6 +1,7 @@
 """Plans and their replay, with toy rules registered only for these tests."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -164,7 +165,7 @@ def test_plan_json_round_trip_and_errors(tmp_path):
     data = json.loads(json.dumps(p.to_json()))
     q = Plan.from_json(data)
     assert q.to_json() == p.to_json()
-    with pytest.raises(PlanError, match="malformed"):
+    with pytest.raises(PlanError, match="decision 0: rule must be a string, but it is missing"):
         Plan.from_json({"decisions": [{"site": {}}]})
     with pytest.raises(PlanError, match="No plan file"):
         Plan.load(tmp_path / "missing.json")
@@ -174,6 +175,64 @@ def test_plan_json_round_trip_and_errors(tmp_path):
         Plan.load(bad)
     with pytest.raises(PlanError, match="version"):
         Plan.from_json({**data, "version": 99})
+
+
+def _edited(**changes):
+    """A valid plan's JSON with hand edits: {"decisions.0.site.key": 7} sets that field."""
+    _, c = _cap()
+    data = json.loads(json.dumps(make_plan(c, rules=["test.double_relu"]).to_json()))
+    for path, value in changes.items():
+        *outer, last = (int(k) if k.isdigit() else k for k in path.split("."))
+        obj = data
+        for key in outer:
+            obj = obj[key]
+        obj[last] = value
+    return data
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"settings.exactness": "bogus"},
+     'settings.exactness must be one of exact, approx, lossy, got "bogus"'),
+    ({"decisions.0.site.data": [1, 2]}, "decision 0: site data must be an object, got a list"),
+    ({"decisions": {"0": "x"}}, "decisions must be a list, got an object"),
+    ({"decisions": None}, "decisions must be a list, got null"),
+    ({"version": "1"}, 'version must be an integer, got "1"'),
+    ({"settings.target": 3}, "settings.target must be a string, got 3"),
+    ({"settings.rules": "fusion.*"}, "settings.rules must be a list of strings"),
+    ({"decisions.0": "test.double_relu"}, "decision 0 must be an object"),
+    ({"decisions.0.rule": None}, "decision 0: rule must be a string, got null"),
+    ({"decisions.0.site": "relu"}, "decision 0: site must be an object"),
+    ({"decisions.0.site.key": 7}, "decision 0: site key must be a string, got 7"),
+    ({"decisions.0.site.nodes": ["relu", 1]}, "decision 0: site nodes must be a list of strings"),
+    ({"decisions.0.site.description": {}}, "decision 0: site description must be a string"),
+    ({"decisions.0.estimate": []}, "decision 0: estimate must be an object, got a list"),
+    ({"decisions.0.estimate.flops_saved": "lots"}, "flops_saved must be a number"),
+    ({"decisions.0.estimate.bytes_saved": True}, "bytes_saved must be a number, got true"),
+    ({"decisions.0.estimate.time_saved_s": "1ms"}, "time_saved_s must be a number or null"),
+])
+def test_hand_edited_plan_names_the_bad_field(tmp_path, changes, says):
+    data = _edited(**changes)
+    with pytest.raises(PlanError, match=re.escape(says)) as info:
+        Plan.from_json(data)
+    assert str(info.value).endswith("regenerate the plan with `opswap plan`.")
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=re.escape(f"{path}: ")):  # Plan.load: same check, with the file
+        Plan.load(path)
+
+
+def test_a_later_decision_is_named_by_its_index():
+    data = _edited()
+    data["decisions"] = [data["decisions"][0], {**data["decisions"][0], "site": {
+        **data["decisions"][0]["site"], "data": "conv"}}]
+    with pytest.raises(PlanError, match='decision 1: site data must be an object, got "conv"'):
+        Plan.from_json(data)
+
+
+def test_optional_fields_may_be_absent():
+    p = Plan.from_json({"decisions": [{"rule": "test.double_relu", "site": {"key": "relu+relu_1"}}]})
+    assert p.settings.exactness == "exact" and p.decisions[0].site.nodes == ()
+    assert p.decisions[0].estimate.time_saved_s is None
 
 
 def test_unknown_rule_name():

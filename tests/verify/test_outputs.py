@@ -65,7 +65,7 @@ def test_perturbed_candidate_fails_exact_passes_lossy():
 
 
 def test_half_precision_candidate():
-    m = Net()
+    m = Net().eval()
     half = copy.deepcopy(m).half().eval()  # a lambda is not put in eval for us
     v_exact = verify(m, lambda x: half(x.half()).float(), _x())
     v_approx = verify(m, lambda x: half(x.half()).float(), _x(), tolerance="approx")
@@ -103,12 +103,13 @@ def test_reference_crash_is_an_error():
         verify(broken, Net(), _x())
 
 
-def test_eval_mode_and_restored():
+def test_training_mode_is_compared_from_the_same_random_state():
     m = Net().train()
     c = copy.deepcopy(m)
-    v = verify(m, c, _x())  # dropout would make two runs differ in training mode
+    v = verify(m, c, _x())  # dropout draws the same masks in both: the same function
     assert v.passed
-    assert m.training and m.drop.training and c.training
+    assert m.training and m.drop.training and c.training  # modes are not touched
+    assert not verify(m, copy.deepcopy(m).eval(), _x()).passed  # dropout on vs off
 
 
 def test_fresh_samples_catch_input_dependent_bug():

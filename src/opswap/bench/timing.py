@@ -356,6 +356,7 @@ def bench_models(
     call is measured too (after the timing, so it does not disturb it).
     """
     from opswap.bench.memory import peak_memory
+    from opswap.graph.copies import preserved_state
     from opswap.verify.outputs import eval_mode
 
     args = inputs if isinstance(inputs, tuple) else (
@@ -370,7 +371,7 @@ def bench_models(
     notes: list[str] = []
     ref, cand = _on(reference, dev, notes, "reference"), _on(candidate, dev, notes, "candidate")
 
-    with torch.inference_mode(), eval_mode(ref, cand):
+    with torch.inference_mode(), eval_mode(ref, cand), preserved_state(ref, cand):
         res = benchmark({"reference": lambda: ref(*args), "candidate": lambda: cand(*args)},
                         warmup=warmup, repeats=repeats, min_time_s=min_time_s,
                         max_time_s=max_time_s, device=dev)

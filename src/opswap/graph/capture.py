@@ -11,11 +11,9 @@ touches the user's module.
 
 from __future__ import annotations
 
-import copy
 import linecache
 import os
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,36 +22,56 @@ import torch.fx as fx
 from torch import nn
 
 from opswap.errors import CaptureError
+from opswap.graph.copies import count_hooks, preserved_state, private_copy, quiet_deepcopy
+from opswap.graph.dynamic import Dynamic, detect, probes, variants
 from opswap.graph.shapes import propagate
+
+__all__ = ["Captured", "as_inputs", "capture", "copy_module", "quiet_deepcopy"]
 
 Method = Literal["auto", "fx", "export"]
 
 
 @dataclass
 class Captured:
-    """A captured model: the graph module (a private copy) and how it was obtained."""
+    """A captured model: the graph module (a private copy) and how it was obtained.
+
+    `dynamic` names the input sizes that stay symbolic and `probes` holds the inputs at
+    another size along each, which shape propagation runs besides the example;
+    `rounding` is the model's own low-precision rounding (None for float32 models), the
+    yardstick of exact tolerances.
+    """
 
     gm: fx.GraphModule
     method: Literal["fx", "export"]
     example_inputs: tuple
     notes: list[str] = field(default_factory=list)
+    dynamic: Dynamic = field(default_factory=Dynamic)
+    probes: list[tuple] = field(default_factory=list)
+    rounding: float | None = None
 
     def recapture_shapes(self) -> None:
         """Re-run shape propagation after the graph changed."""
-        propagate(self.gm, self.example_inputs)
+        self.propagate(self.gm)
 
+    def propagate(self, gm: fx.GraphModule) -> list:
+        """Shapes on every node of `gm` (this capture or a rewrite of it), at the example
+        and at each probe; returns the per-probe errors (see graph.shapes.propagate)."""
+        return propagate(gm, self.example_inputs, self.probes)
 
-def quiet_deepcopy(obj):
-    """A deep copy, quiet about torch's own deprecation noise (pytree's LeafSpec warns when
-    the code of an exported graph is copied; nothing the user can act on)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-        return copy.deepcopy(obj)
+    def variants(self) -> list[tuple[str, tuple]]:
+        """(label, inputs) at the other shapes the capture claims (batch 1, larger batch,
+        another sequence length): verification runs one sample at each."""
+        return variants(self.example_inputs, self.dynamic)
+
+    def derived(self, gm: fx.GraphModule) -> Captured:
+        """A capture of the same model and inputs holding another graph module."""
+        return Captured(gm, self.method, self.example_inputs, list(self.notes), self.dynamic,
+                        self.probes, self.rounding)
 
 
 def copy_module(module: nn.Module) -> nn.Module:
-    """A private deep copy of a module (weights included)."""
-    return quiet_deepcopy(module)
+    """A private deep copy of a module (weights included; the user's hooks dropped)."""
+    return private_copy(module)
 
 
 def _where(exc: BaseException) -> str:
@@ -88,51 +106,153 @@ def as_inputs(example_inputs) -> tuple:
     return (example_inputs,)
 
 
-def _fx(model: nn.Module, inputs: tuple) -> fx.GraphModule:
-    gm = fx.symbolic_trace(model)
-    propagate(gm, inputs)
-    return gm
+def _fx(model: nn.Module, inputs: tuple, dyn: Dynamic) -> fx.GraphModule:
+    return fx.symbolic_trace(model)
 
 
-def _export(model: nn.Module, inputs: tuple) -> fx.GraphModule:
-    ep = torch.export.export(model, inputs, strict=False)
-    gm = ep.module()
-    propagate(gm, inputs)
-    return gm
+def _export(model: nn.Module, inputs: tuple, dyn: Dynamic) -> fx.GraphModule:
+    from opswap.graph.dynamic import export_shapes
+
+    shapes = export_shapes(inputs, dyn)
+    try:
+        ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+    except Exception:
+        if shapes is None:
+            raise
+        ep = torch.export.export(model, inputs, strict=False)  # static; probes will say
+    return ep.module()
 
 
-def capture(model: nn.Module, example_inputs, method: Method = "auto") -> Captured:
+def _shapes(inputs: tuple) -> str:
+    from torch.utils import _pytree as pytree
+
+    parts = []
+    for x in pytree.tree_leaves(list(inputs)):
+        if isinstance(x, torch.Tensor):
+            parts.append(f"{str(x.dtype).removeprefix('torch.')}[{','.join(map(str, x.shape))}]")
+        else:
+            parts.append(type(x).__name__)
+    return ", ".join(parts) or "no inputs"
+
+
+def _run(model: nn.Module, inputs: tuple):
+    with torch.no_grad(), preserved_state(model):
+        return model(*inputs)
+
+
+def _reproduces(model: nn.Module, gm: fx.GraphModule, inputs: tuple, dyn: Dynamic,
+                rounding: float | None, name: str) -> tuple[str | None, Dynamic]:
+    """(None, axes kept) when the graph gives the module's outputs at the example and at
+    every other shape it still claims; an axis at whose other sizes the graph differs is
+    dropped from the claim, with a note. (reason, dyn) when it differs at the example."""
+    from opswap.verify.outputs import verify
+    from opswap.verify.tolerance import Tolerance
+
+    tol = Tolerance.for_exactness("exact").at_rounding(rounding)
+    v = verify(model, gm, inputs, samples=2, tolerance=tol)
+    if not v.passed:
+        return v.reasons[0], dyn
+    kept = Dynamic([], list(dyn.notes))
+    for axis in dyn.axes:
+        one = Dynamic([axis])
+        v = verify(model, gm, inputs, samples=1, tolerance=tol, variants=variants(inputs, one))
+        if v.passed:
+            kept.axes.append(axis)
+        else:
+            kept.notes.append(f"{axis.name} kept static: the {name} graph differs from the "
+                              f"model at other {axis.name} sizes ({v.reasons[0]})")
+    return None, kept
+
+
+def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
+            dynamic: str | None = "auto", check: bool = True) -> Captured:
     """Capture `model` on `example_inputs` as an FX GraphModule with shapes on every node.
 
     `method="auto"` tries FX symbolic tracing and falls back to torch.export
-    (non-strict). The module is deep-copied first, so the result owns its weights.
-    Raises CaptureError naming the first untraceable line when neither works.
+    (non-strict). The module is copied first (without the user's hooks), so the result
+    owns its weights and the user's module is never called. `dynamic` says which input
+    sizes stay symbolic (see graph.dynamic: "auto", "none", "batch,seq", ...).
+
+    With `check`, a capture must reproduce the module's outputs at the example and at
+    the other claimed shapes; one that does not (FX turns `y += 1` on a tensor another
+    output views into an out-of-place add) falls back to the next method, and when none
+    does the model is refused with the reason. Raises CaptureError naming the first
+    untraceable line when no method works.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"Expected a torch.nn.Module to capture, got {type(model).__name__}.")
     inputs = as_inputs(example_inputs)
-    model = copy_module(model)
+    hooks = count_hooks(model)
+    model = private_copy(model)
     errors: list[str] = []
     notes: list[str] = []
+    if hooks:
+        notes.append(f"The model has {hooks} forward/backward hook(s); opswap runs and "
+                     "optimizes a copy without them.")
     if model.training:
         notes.append(
             "The model is in training mode: BatchNorm folds and Dropout removal will not fire; "
             "call .eval() first to optimise for inference."
         )
-    if method in ("auto", "fx"):
-        try:
-            return Captured(_fx(model, inputs), "fx", inputs, notes)
-        except Exception as e:  # tracing raises anything from TraceError to TypeError
-            errors.append(f"FX symbolic tracing failed: {_describe(e)}")
-            if method == "fx":
-                raise CaptureError(errors[-1] + ".") from e
-            notes.append(errors[-1] + "; fell back to torch.export.")
     try:
-        return Captured(_export(model, inputs), "export", inputs, notes)
+        _run(model, inputs)
     except Exception as e:
-        errors.append(f"torch.export failed: {_describe(e)}")
         raise CaptureError(
-            f"Could not capture {type(model).__name__}: " + "; ".join(errors)
-            + ". Make that line traceable (no Python branching on tensor values) or pass a "
-            "wrapper module that avoids it."
+            f"The model failed on the example inputs ({_shapes(inputs)}): {_describe(e)}; "
+            "pass inputs its forward accepts (shapes, dtypes, argument order)."
         ) from e
+    dyn = detect(lambda xs: _run(model, xs), inputs, dynamic)
+    notes.extend(dyn.notes)
+    from opswap.verify.rounding import own_rounding
+
+    rounding = own_rounding(model, inputs)
+    order = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
+    for how in order:
+        build = _fx if how == "fx" else _export
+        name = "FX symbolic tracing" if how == "fx" else "torch.export"
+        try:
+            gm = build(model, inputs, dyn)
+            failed = propagate(gm, inputs, probes(inputs, dyn))
+        except Exception as e:  # tracing raises anything from TraceError to TypeError
+            errors.append(f"{name} failed: {_describe(e)}")
+            continue
+        here = _narrowed(dyn, failed, name)
+        if here is not dyn:
+            propagate(gm, inputs, probes(inputs, here))
+        if check:
+            why, checked = _reproduces(model, gm, inputs, here, rounding, name)
+            if why is not None:
+                errors.append(f"the {name} graph does not reproduce the model ({why})")
+                continue
+            if checked.axes != here.axes:
+                here = checked
+                propagate(gm, inputs, probes(inputs, here))
+        notes.extend(f"{e}; fell back to {name}." for e in errors)
+        notes.extend(here.notes[len(dyn.notes):])
+        return Captured(gm, how, inputs, notes, here, probes(inputs, here), rounding)
+    if any("does not reproduce" in e for e in errors):
+        raise CaptureError(
+            f"Could not capture {type(model).__name__} faithfully: " + "; ".join(errors)
+            + ". The usual cause is an in-place op on a tensor that another value views or "
+            "aliases (z = y.view(-1); y += 1), or state kept outside buffers; write that "
+            "line out of place.")
+    raise CaptureError(
+        f"Could not capture {type(model).__name__}: " + "; ".join(errors)
+        + ". Make that line traceable (no Python branching on tensor values) or pass a "
+        "wrapper module that avoids it."
+    )
+
+
+def _narrowed(dyn: Dynamic, failed: list, name: str) -> Dynamic:
+    """`dyn` without the axes whose probe the graph failed at (the capture specialised
+    them to the example's size), with a note for each."""
+    bad = [(a, e) for a, e in zip(dyn.axes, failed, strict=True) if e is not None]
+    if not bad:
+        return dyn
+    out = Dynamic([a for a in dyn.axes if all(a is not b for b, _ in bad)], list(dyn.notes))
+    for a, e in bad:
+        out.notes.append(f"{a.name} kept static: the {name} graph only runs at {a.name} "
+                         f"{a.size} ({type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''})"
+                         + ("; torch.export treats size-1 dims as fixed, so give an example "
+                            "of size 2 or more" if a.size == 1 else ""))
+    return out

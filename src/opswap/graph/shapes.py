@@ -1,7 +1,12 @@
-"""Shape and dtype of every node, from one real run of the captured graph.
+"""Shape and dtype of every node, from real runs of the captured graph.
 
 Both capture paths run `ShapeProp`, so every node carries
-`node.meta["tensor_meta"]` in the same form; `info(node)` reads it.
+`node.meta["tensor_meta"]` (at the example inputs) in the same form; `info(node)`
+reads it. With probes (the inputs at another batch size or sequence length, see
+`graph.dynamic`) the graph is also run at those, and `node.meta["probe_meta"]`
+keeps what each probe saw: `dynamic_dims(node)` says which sizes move with the
+input, and `metas(node)` lets a rule check a property at every shape, not only at
+the example's.
 """
 
 from __future__ import annotations
@@ -39,10 +44,90 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def propagate(gm: fx.GraphModule, example_inputs: tuple) -> None:
-    """Annotate every node of gm with shapes and dtypes by running it once (no grad)."""
-    with torch.no_grad():
+def propagate(gm: fx.GraphModule, example_inputs: tuple, probes=()) -> list[Exception | None]:
+    """Annotate every node of gm with shapes, strides and dtypes by running it (no grad)
+    at each probe and then at the example; buffers are put back afterwards.
+
+    Returns, per probe, None or the exception the graph raised there (that probe then
+    contributes nothing to `metas`). The example run must succeed: its error propagates.
+    """
+    from opswap.graph.copies import preserved_state
+
+    seen: dict[fx.Node, list] = {n: [] for n in gm.graph.nodes}
+    errors: list[Exception | None] = []
+    with torch.no_grad(), preserved_state(gm):
+        for probe in probes:
+            for n in gm.graph.nodes:
+                n.meta.pop("tensor_meta", None)
+            try:
+                ShapeProp(gm).propagate(*probe)
+                errors.append(None)
+            except Exception as e:  # the caller decides what a graph that fails here means
+                errors.append(e)
+            for n in gm.graph.nodes:
+                tm = n.meta.pop("tensor_meta", None)
+                if errors[-1] is None:
+                    seen[n].append(tm)
         ShapeProp(gm).propagate(*example_inputs)
+    for n in gm.graph.nodes:
+        n.meta["probe_meta"] = seen.get(n, [])
+    return errors
+
+
+def metas(node) -> list:
+    """The TensorMetadata of a node at the example and at every probe (None where the
+    node produced no tensor); an empty list for non-nodes."""
+    if not isinstance(node, fx.Node):
+        return []
+    return [node.meta.get("tensor_meta"), *node.meta.get("probe_meta", [])]
+
+
+def _first(tm):
+    while not isinstance(tm, TensorMetadata) and isinstance(tm, (list, tuple)) and tm:
+        tm = tm[0]  # TensorMetadata is itself a NamedTuple: test it first
+    return tm if isinstance(tm, TensorMetadata) else None
+
+
+def shapes_seen(node) -> list[tuple[int, ...]]:
+    """The (first) tensor's shape at the example and at each probe, where known."""
+    out = []
+    for tm in metas(node):
+        tm = _first(tm)
+        if tm is not None:
+            out.append(tuple(int(s) for s in tm.shape))
+    return out
+
+
+def strides_seen(node) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(shape, stride) of the (first) tensor at the example and at each probe."""
+    out = []
+    for tm in metas(node):
+        tm = _first(tm)
+        if tm is not None:
+            out.append((tuple(int(s) for s in tm.shape), tuple(int(s) for s in tm.stride)))
+    return out
+
+
+def dynamic_dims(node) -> set[int]:
+    """Dims of the node's (first) tensor whose size differs between the example and a
+    probe: the sizes that follow a dynamic input size. Every dim when the rank moves."""
+    seen = shapes_seen(node)
+    if not seen:
+        return set()
+    base = seen[0]
+    out: set[int] = set()
+    for other in seen[1:]:
+        if len(other) != len(base):
+            return set(range(len(base)))
+        out.update(i for i, (a, b) in enumerate(zip(base, other, strict=True)) if a != b)
+    return out
+
+
+def same_everywhere(a, b) -> bool:
+    """Whether nodes (or a node and a fixed shape) have the same shape at every run."""
+    sa = shapes_seen(a)
+    sb = shapes_seen(b) if isinstance(b, fx.Node) else [tuple(b)] * len(sa)
+    return bool(sa) and len(sa) == len(sb) and all(x == y for x, y in zip(sa, sb, strict=True))
 
 
 def _flatten(meta) -> list[TensorInfo]:

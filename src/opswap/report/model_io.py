@@ -17,12 +17,37 @@ from torch import nn
 from opswap.errors import OpswapError
 
 
-def save_model(model: nn.Module, example_inputs: tuple, plan, out: Path) -> dict[str, Path]:
+def _export(model: nn.Module, inputs: tuple, dynamic):
+    """torch.export of the model with the capture's dynamic axes kept dynamic, and a note
+    when it could only be exported at the example's shapes."""
+    from opswap.graph.dynamic import export_shapes
+
+    shapes = export_shapes(inputs, dynamic) if dynamic is not None else None
+    if shapes is not None:
+        try:
+            return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False), None
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            note = ("model.pt2 accepts only the example's input shapes: exporting with "
+                    f"dynamic {', '.join(a.name for a in dynamic.axes)} failed ({why})")
+            return torch.export.export(model, inputs, strict=False), note
+    return torch.export.export(model, inputs, strict=False), None
+
+
+def save_model(model: nn.Module, example_inputs: tuple, plan, out: Path,
+               dynamic=None) -> dict[str, Path]:
+    """Write the model as DIR/model.pt2 (dynamic along `dynamic`'s axes, a
+    graph.dynamic.Dynamic), or its weights when it does not export."""
     out = Path(out)
     try:
-        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        ep, note = _export(model, tuple(example_inputs), dynamic)
         path = out / "model.pt2"
         torch.export.save(ep, str(path))
+        note_path = out / "model_shapes.txt"
+        if note:
+            note_path.write_text(note + "\n")
+        elif note_path.exists():
+            note_path.unlink()
         return {"model": path}
     except Exception as e:  # export can fail on any construct; the state_dict always works
         path = out / "model_state.pt"

@@ -19,7 +19,7 @@ from torch import nn
 
 from opswap.cost import NodeCost, node_cost
 from opswap.graph.ops import arg, op_kind
-from opswap.graph.shapes import info
+from opswap.graph.shapes import dynamic_dims, info
 from opswap.rules._access import const, describe_source
 from opswap.rules._fusion_cost import saving
 from opswap.rules._fusion_edit import swap_in_module
@@ -250,6 +250,10 @@ class LayerNormFusion(Rule):
                     "N, so the result would change")
         if not x_info.dtype.is_floating_point:
             return f"{ln.x.name} is {x_info.dtype}, not a floating-point tensor"
+        moving = sorted(dynamic_dims(ln.x) & set(dims))
+        if moving:
+            return (f"it normalises over dim {moving[0]} of {ln.x.name}, whose size follows the "
+                    "input (a batch or sequence size); nn.LayerNorm fixes normalized_shape")
         norm_shape = x_info.shape[ndim - len(dims):]
         _absorb_affine(gm, ln, norm_shape, x_info.dtype)
         inside = set(ln.nodes)

@@ -20,7 +20,7 @@ from torch import nn
 
 from opswap.cost import NodeCost, node_cost
 from opswap.graph.ops import arg, copy_meta, is_aten, op_kind, raw_name
-from opswap.graph.shapes import info
+from opswap.graph.shapes import info, shapes_seen
 from opswap.rules._access import (
     Weighted,
     const,
@@ -297,13 +297,14 @@ class ParallelLinear(Rule):
             cursor = piece
             copy_meta(piece, w.node)
             w.node.replace_all_uses_with(piece)
-            shape = info(piece).shape if info(piece) is not None else None
+            shapes = shapes_seen(piece)
             for user in list(piece.users):
                 if raw_name(user) not in ("view", "_unsafe_view"):
                     continue
-                out = info(user)
-                if shape is not None and out is not None and _viewable(shape, total, out.shape):
-                    continue
+                outs = shapes_seen(user)
+                if shapes and len(shapes) == len(outs) and all(
+                        _viewable(sh, total, o) for sh, o in zip(shapes, outs, strict=True)):
+                    continue  # a view of the slice works at the example and every probe
                 with gm.graph.inserting_before(user):
                     if aten_graph:
                         c = gm.graph.call_function(aten.clone.default, (piece,),

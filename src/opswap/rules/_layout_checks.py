@@ -14,10 +14,10 @@ import torch.fx as fx
 from torch import nn
 
 from opswap.graph.ops import arg, attr_tensor, is_aten, module_of, op_kind, raw_name
-from opswap.graph.shapes import info
+from opswap.graph.purity import first_write
+from opswap.graph.shapes import info, strides_seen
 from opswap.rules._layout_graph import (
     aliases_reach_output,
-    first_write,
     has_layout,
     matmul_reads_in_place,
     storage_root,
@@ -140,6 +140,12 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Check | None:
         if not has_layout(i.shape, s_in, fmt):
             return Check(why=f"{src.name} is not contiguous (strides {s_in}), so "
                          f"{node.name} is a real copy")
+        other = next(((sh, st) for sh, st in strides_seen(src)[1:]
+                      if not has_layout(sh, st, fmt)), None)
+        if other is not None:
+            return Check(why=f"{src.name} is contiguous at the example's shape but not at "
+                         f"{list(other[0])} (strides {list(other[1])}), so {node.name} is a "
+                         "real copy there")
         if root.op == "placeholder":
             return Check(why=f"{node.name} lays out the model input {root.name}, which "
                          "callers may pass with any strides")
@@ -147,7 +153,7 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Check | None:
     # clone / _to_copy: a fresh copy. Dropping it only changes who shares memory.
     if info(node) is None or info(node).dtype != i.dtype:
         return None
-    if s_in != s_out:
+    if s_in != s_out or [st for _, st in strides_seen(src)] != [st for _, st in strides_seen(node)]:
         return Check(why=f"{node.name} changes the strides of {src.name} ({s_in} -> {s_out})")
     writer = first_write(gm)
     if writer is not None:

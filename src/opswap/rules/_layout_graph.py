@@ -5,7 +5,6 @@ and how to spell a new node in the flavour of the graph (FX torch calls or ATen)
 
 from __future__ import annotations
 
-import inspect
 import operator
 
 import torch
@@ -13,7 +12,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from opswap.graph.ops import arg, is_aten, module_of, op_kind, raw_name
+from opswap.graph.ops import arg, is_aten, op_kind, raw_name
 from opswap.graph.shapes import info
 
 aten = torch.ops.aten
@@ -44,6 +43,26 @@ def call(graph: fx.Graph, like: fx.Node, op: str, args: tuple, kwargs=None) -> f
     return graph.call_function(target, args, kwargs)
 
 
+
+
+def shape_args(graph: fx.Graph, like: fx.Node, src: fx.Node, shape: list) -> list:
+    """A reshape's size list with every tuple of input dims (see _layout_shapes) replaced
+    by nodes computing the product of `src`'s sizes along them at run time. Use inside
+    `graph.inserting_before/after(...)`."""
+    out = []
+    for item in shape:
+        if not isinstance(item, tuple):
+            out.append(item)
+            continue
+        total = None
+        for d in item:
+            if is_aten(like):
+                size = graph.call_function(aten.sym_size.int, (src, d))
+            else:
+                size = graph.call_method("size", (src, d))
+            total = size if total is None else graph.call_function(operator.mul, (total, size))
+        out.append(total)
+    return out
 
 
 def erase_unused(graph: fx.Graph, nodes) -> None:
@@ -150,44 +169,6 @@ def matmul_reads_in_place(shape, stride) -> bool:
 
 
 # --------------------------------------------------------------------------- writes and aliases
-
-_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
-                      "imatmul", "iand", "ior", "ixor", "ilshift", "irshift", "setitem"}
-
-
-def _inplace_flag(node: fx.Node) -> bool:
-    if node.kwargs.get("inplace") is True:
-        return True
-    if node.op != "call_function" or not callable(node.target):
-        return False
-    try:
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-    except (TypeError, ValueError):
-        return False
-    return bound.arguments.get("inplace") is True
-
-
-def writes_in_place(node: fx.Node) -> bool:
-    """True when the node may write into one of its inputs (x.add_, relu(inplace=True),
-    x[i] = y, x += y, out=...)."""
-    if node.op == "call_module":
-        return bool(getattr(module_of(node), "inplace", False))
-    if node.op not in ("call_function", "call_method"):
-        return False
-    if isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable
-    if "out" in node.kwargs or node.target is operator.setitem:
-        return True
-    name = raw_name(node)
-    if name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")):
-        return True
-    return _inplace_flag(node)
-
-
-def first_write(gm: fx.GraphModule) -> fx.Node | None:
-    """The first node of the graph that writes in place, or None."""
-    return next((n for n in gm.graph.nodes if writes_in_place(n)), None)
-
 
 # Ops whose output may share memory with their first input (views, and ops that return
 # their input unchanged when there is nothing to do). Unknown ops are assumed to.

@@ -3,7 +3,7 @@
 A 2-D convolution given NCHW activations on a backend whose fast kernels are NHWC
 (oneDNN on CPU, cuDNN tensor-core kernels on GPU) reorders its input into NHWC (or a
 blocked layout) and its output back, every call. Converting once at the model's
-inputs, storing conv weights channels-last, and converting back at 4-D outputs moves
+inputs, storing conv weights channels-last, and converting back at the outputs moves
 those reorders out of the loop: convolutions then produce channels-last outputs,
 which BatchNorm, activations, pooling and additions preserve.
 """
@@ -31,7 +31,7 @@ class NhwcPlan:
 
     convs: list[str] = field(default_factory=list)
     entries: list[str] = field(default_factory=list)  # activations converted to NHWC
-    outputs: list[str] = field(default_factory=list)  # 4-D results converted back
+    outputs: list[str] = field(default_factory=list)  # results converted back to contiguous
     views: list[str] = field(default_factory=list)  # .view() inputs converted back
 
 
@@ -74,7 +74,9 @@ def plan_nhwc(gm: fx.GraphModule) -> NhwcPlan:
             plan.entries.append(src.name)
     for leaf in _output_leaves(gm):
         i = info(leaf)
-        if leaf in after and i is not None and len(i.shape) == 4 and leaf.name not in plan.outputs:
+        # every tensor output, not only 4-D ones: conv(x).flatten(2) of a channels-last
+        # tensor has other strides too, and a caller's .view() of it would raise
+        if leaf in after and i is not None and len(i.shape) >= 2 and leaf.name not in plan.outputs:
             plan.outputs.append(leaf.name)
     for n in after:
         if raw_name(n) == "view" and n.args and n.args[0] in after:

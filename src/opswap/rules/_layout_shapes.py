@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from opswap.graph.ops import raw_name
-from opswap.graph.shapes import info
+from opswap.graph.shapes import dynamic_dims, info, shapes_seen
 
 _SHAPE_NAMES = {"view", "_unsafe_view", "reshape", "flatten", "squeeze", "unsqueeze",
                 "unflatten", "Flatten", "Unflatten"}
@@ -75,14 +75,70 @@ def _spelled_shape(node: fx.Node) -> list | None:
     return rest if all(isinstance(a, (int, fx.Node)) for a in rest) else None
 
 
-def _symbolic(node) -> bool:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape)
+def _suffix(shape) -> list[int]:
+    out = [1] * (len(shape) + 1)
+    for i in range(len(shape) - 1, -1, -1):
+        out[i] = out[i + 1] * shape[i]
+    return out
+
+
+def _recipe(ins: tuple, outs: tuple, dynamic: set[int]) -> list:
+    """Each output size as the product of a run of input dims (a tuple of dims), a literal
+    (a static size, or a size-1 dim), or -1 (the one dynamic size that splits an input
+    dim): a reshape whose sizes follow the input at any shape, not the example's."""
+    si, so = _suffix(ins), _suffix(outs)
+    recipe: list = []
+    for k, size in enumerate(outs):
+        starts = [i for i in range(len(ins) + 1) if si[i] == so[k]]
+        ends = [i for i in range(len(ins) + 1) if si[i] == so[k + 1]]
+        if starts and ends and min(ends) > max(starts):
+            dims = tuple(range(max(starts), min(ends)))
+            n = 1
+            for d in dims:
+                n *= ins[d]
+            if n == size:
+                recipe.append(dims)
+                continue
+        if size == 1 and k not in dynamic:
+            recipe.append(1)
+        elif k not in dynamic:
+            recipe.append(size)
+        else:
+            recipe.append(-1)
+    return recipe
+
+
+def _evaluate(recipe: list, ins: tuple) -> list[int] | None:
+    numel = 1
+    for s in ins:
+        numel *= s
+    out, rest = [], None
+    for item in recipe:
+        if isinstance(item, tuple):
+            n = 1
+            for d in item:
+                n *= ins[d]
+            out.append(n)
+        elif item == -1:
+            rest = len(out)
+            out.append(-1)
+        else:
+            out.append(item)
+    if rest is not None:
+        known = 1
+        for i, s in enumerate(out):
+            if i != rest:
+                known *= s
+        if known == 0 or numel % known:
+            return None
+        out[rest] = numel // known
+    return out
 
 
 def collapsed_shape(chain: list[fx.Node]) -> tuple[list | None, str | None]:
     """The shape argument of the one reshape that replaces `chain`, or the reason none can
-    be written down."""
+    be written down. Items are ints, -1, size nodes the graph computes, or tuples of input
+    dims whose sizes multiply (`shape_args` turns those into graph nodes)."""
     last = chain[-1]
     spelled = _spelled_shape(last)
     if spelled is not None:
@@ -93,7 +149,15 @@ def collapsed_shape(chain: list[fx.Node]) -> tuple[list | None, str | None]:
         if found:
             return None, (f"the shape {last.name} produces follows {found[0].name}, a size "
                           "read at run time; one reshape would fix it to the captured size")
-    if _symbolic(chain[0].args[0]) or _symbolic(last):
-        return None, (f"the shape {last.name} produces depends on a dynamic size, so it "
-                      "cannot be written as one reshape")
-    return list(info(last).shape), None
+    ins, outs = shapes_seen(chain[0].args[0]), shapes_seen(last)
+    if not ins or len(ins) != len(outs):
+        return None, f"the shapes around {last.name} are not known at every probed size"
+    dynamic = dynamic_dims(last)
+    for r in range(len(ins)):  # align at each run in turn: a size-1 dim can hide a match
+        recipe = _recipe(ins[r], outs[r], dynamic)
+        if sum(1 for x in recipe if x == -1) > 1:
+            continue
+        if all(_evaluate(recipe, i) == list(o) for i, o in zip(ins, outs, strict=True)):
+            return recipe, None
+    return None, (f"the shape {last.name} produces splits a dynamic size in a way one "
+                  "reshape cannot follow at every batch or sequence length")

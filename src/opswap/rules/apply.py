@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from opswap.graph.capture import Captured, copy_module, quiet_deepcopy
-from opswap.graph.shapes import propagate
+from opswap.graph.purity import eliminate_dead_code
 from opswap.rules.base import Rule, Site, node_by_name, sites_of
 
 
@@ -72,7 +72,7 @@ def rewrite_site(gm: fx.GraphModule, rule: Rule, site: Site) -> tuple[fx.GraphMo
     snapshot = _Snapshot(gm)
     try:
         rule.rewrite(gm, site)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm)
         gm.graph.lint()
         gm.recompile()
         gm.delete_all_unused_submodules()
@@ -104,13 +104,13 @@ def apply_sites(
     model changed since the plan was written) is reported, not guessed at.
     """
     gm = copy_module(captured.gm)
-    out = Applied(Captured(gm, captured.method, captured.example_inputs, list(captured.notes)))
+    out = Applied(captured.derived(gm))
     dirty = False
     last_rule = None
     for rule, key in decisions:
         if dirty and rule is not last_rule:
             # shapes of nodes created by the previous rule's rewrites, for this rule's checks
-            propagate(gm, captured.example_inputs)
+            captured.propagate(gm)
             dirty = False
         last_rule = rule
         site = find_site(gm, rule, key)
@@ -126,6 +126,6 @@ def apply_sites(
         if progress is not None:
             progress()
     if dirty:
-        propagate(gm, captured.example_inputs)
+        captured.propagate(gm)
     out.captured.gm = gm
     return out

@@ -18,7 +18,7 @@ from torch import nn
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from opswap.graph.ops import attr_tensor, copy_meta, fresh_attr_name, raw_name, set_attr_tensor
-from opswap.graph.shapes import info
+from opswap.graph.shapes import info, same_everywhere
 from opswap.rules import _layout_nhwc as nhwc
 from opswap.rules._layout_checks import (
     Check,
@@ -35,6 +35,7 @@ from opswap.rules._layout_graph import (
     erase_unused,
     matmul_reads_in_place,
     perm_of,
+    shape_args,
     strides,
 )
 from opswap.rules._layout_shapes import chain_from, collapsed_shape, is_shape_op
@@ -184,15 +185,17 @@ class CancelTranspose(_LayoutRule):
 
 
 def _collapsed(chain: list[fx.Node]) -> Check | None:
-    src = info(chain[0].args[0])
-    if src is not None and src.shape == info(chain[-1]).shape:
+    if same_everywhere(chain[0].args[0], chain[-1]):  # at the example and every probe
         return Check("leave the shape unchanged", data={"identity": True})
     if len(chain) == 1:
         return None
     shape, reason = collapsed_shape(chain)
     if reason:
         return Check(why=reason)
-    shown = [a.name if isinstance(a, fx.Node) else a for a in shape]
+    src = chain[0].args[0].name
+    shown = [a.name if isinstance(a, fx.Node) else
+             "*".join(f"{src}.size({d})" for d in a) if isinstance(a, tuple) else a
+             for a in shape]
     return Check(f"as one reshape to {shown}", data={"identity": False})
 
 
@@ -217,6 +220,8 @@ class CollapseView(_LayoutRule):
         shape, reason = collapsed_shape(chain)
         if reason:
             raise ValueError(reason)
+        with gm.graph.inserting_before(chain[-1]):
+            shape = shape_args(gm.graph, chain[-1], chain[0].args[0], shape)
         _replace_chain(gm, chain, "reshape", shape)
 
     def _predict(self, gm, site, target) -> Estimate:

@@ -18,10 +18,9 @@ from typing import Any
 
 from opswap.errors import PlanError
 from opswap.graph.capture import Captured, copy_module
-from opswap.graph.shapes import propagate
 from opswap.rules import registry
 from opswap.rules.apply import Applied, Failure, apply_sites, rewrite_site
-from opswap.rules.base import Estimate, Miss, Rule, Site, misses_of, sites_of
+from opswap.rules.base import EXACTNESS_ORDER, Estimate, Miss, Rule, Site, misses_of, sites_of
 
 PLAN_VERSION = 1
 
@@ -71,12 +70,10 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
+        """The one way in for plan.json data: checked field by field, so a hand edit gone
+        wrong fails here with the field's name, not later inside a rule."""
+        _check_plan(data)
         try:
-            if data.get("version", PLAN_VERSION) > PLAN_VERSION:
-                raise PlanError(
-                    f"This plan has version {data['version']}; this opswap reads up to "
-                    f"{PLAN_VERSION}: upgrade opswap."
-                )
             decisions = []
             for d in data["decisions"]:
                 s = d["site"]
@@ -92,9 +89,7 @@ class Plan:
                 skipped=list(data.get("skipped", [])),
                 capture_method=data.get("capture_method", ""),
             )
-        except PlanError:
-            raise
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:  # fields _check_plan leaves alone
             raise PlanError(f"The plan is malformed ({type(e).__name__}: {e}); "
                             "regenerate it with `opswap plan`.") from e
 
@@ -113,13 +108,64 @@ class Plan:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise PlanError(f"{path} is not valid JSON ({e}).") from e
-        return cls.from_json(data)
+        try:
+            return cls.from_json(data)
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
 
     def without(self, index: int) -> Plan:
         """A copy of the plan with decision `index` removed (used when rolling back)."""
         p = copy.copy(self)
         p.decisions = self.decisions[:index] + self.decisions[index + 1:]
         return p
+
+
+_MISSING = object()
+_STR = ("a string", lambda v: isinstance(v, str))
+_OBJ = ("an object", lambda v: isinstance(v, dict))
+_LIST = ("a list", lambda v: isinstance(v, list))
+_STRS = ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+_INT = ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+_NUM = ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool))
+_NUM_OR_NULL = ("a number or null", lambda v: v is None or _NUM[1](v))
+_EXACTNESS = ("one of " + ", ".join(EXACTNESS_ORDER), lambda v: isinstance(v, str) and v in EXACTNESS_ORDER)
+
+
+def _need(value: Any, kind: tuple[str, Any], name: str) -> Any:
+    """`value` if it is of `kind`, else a PlanError naming the field and what it holds."""
+    want, ok = kind
+    if ok(value):
+        return value
+    got = ("but it is missing" if value is _MISSING else "got an object" if isinstance(value, dict)
+           else "got a list" if isinstance(value, list) else f"got {json.dumps(value, default=repr)}")
+    raise PlanError(f"{name} must be {want}, {got}; regenerate the plan with `opswap plan`.")
+
+
+def _check_plan(data: Any) -> None:
+    """The JSON type of every field `Plan.from_json` reads; optional ones may be absent."""
+    _need(data, _OBJ, "A plan")
+    version = _need(data.get("version", PLAN_VERSION), _INT, "The plan's version")
+    if version > PLAN_VERSION:
+        raise PlanError(f"This plan has version {version}; this opswap reads up to "
+                        f"{PLAN_VERSION}: upgrade opswap.")
+    settings = _need(data.get("settings", {}), _OBJ, "settings")
+    _need(settings.get("exactness", "exact"), _EXACTNESS, "settings.exactness")
+    _need(settings.get("target", "cpu"), _STR, "settings.target")
+    _need(settings.get("rules", []), _STRS, "settings.rules")
+    for i, d in enumerate(_need(data.get("decisions", _MISSING), _LIST, "decisions")):
+        at = f"decision {i}:"
+        _need(d, _OBJ, f"decision {i}")
+        _need(d.get("rule", _MISSING), _STR, f"{at} rule")
+        site = _need(d.get("site", _MISSING), _OBJ, f"{at} site")
+        _need(site.get("key", _MISSING), _STR, f"{at} site key")
+        _need(site.get("nodes", []), _STRS, f"{at} site nodes")
+        _need(site.get("data", {}), _OBJ, f"{at} site data")
+        _need(site.get("description", ""), _STR, f"{at} site description")
+        estimate = _need(d.get("estimate", {}), _OBJ, f"{at} estimate")
+        for key in ("flops_saved", "bytes_saved"):
+            _need(estimate.get(key, 0.0), _NUM, f"{at} estimate {key}")
+        _need(estimate.get("time_saved_s"), _NUM_OR_NULL, f"{at} estimate time_saved_s")
+        _need(estimate.get("note", ""), _STR, f"{at} estimate note")
 
 
 def _ordered(rules: list[Rule]) -> list[Rule]:
@@ -174,7 +220,7 @@ def make_plan(
             changed = True
             plan.decisions.append(Decision(rule.name, site, est))
         if changed:
-            propagate(gm, captured.example_inputs)
+            captured.propagate(gm)
         if progress is not None:
             progress(rule.name)
     return plan

@@ -94,7 +94,8 @@ def rollback(
     max_rollbacks: int | None = None,
 ) -> tuple[Plan, list[Rollback]]:
     """Drop decisions from `plan` until `reference_fn` and the applied plan agree within
-    `tolerance` on `inputs` (default: the capture's example inputs).
+    `tolerance` on `inputs` (default: the capture's example inputs, and then at the other
+    shapes the capture claims too).
 
     Returns the plan that was kept and one Rollback per decision removed, in order.
     Raises VerificationError if the untouched capture already disagrees with
@@ -110,10 +111,12 @@ def rollback(
         if key not in cache:
             gm = apply_plan(captured, p).gm
             cache[key] = verify(reference_fn, gm, inputs, samples=samples, tolerance=tol,
-                                seed=seed)
+                                seed=seed, variants=shapes)
         return cache[key]
 
-    base = verify(reference_fn, captured.gm, inputs, samples=samples, tolerance=tol, seed=seed)
+    shapes = captured.variants() if inputs is captured.example_inputs else ()
+    base = verify(reference_fn, captured.gm, inputs, samples=samples, tolerance=tol, seed=seed,
+                  variants=shapes)
     if not base.passed:
         raise VerificationError(
             "The captured graph already differs from the reference before any replacement ("

@@ -32,9 +32,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from opswap.graph.capture import as_inputs
+from opswap.graph.copies import preserved_state
 from opswap.graph.ops import is_compute, op_kind
 from opswap.verify.metrics import Metrics, combine, compare
-from opswap.verify.outputs import eval_mode, full_precision
+from opswap.verify.outputs import full_precision, same_random
 from opswap.verify.tolerance import Tolerance, as_tolerance
 
 #: below this rel_l2 an error is float32 rounding (the `exact` tolerance), never a "jump"
@@ -269,9 +270,11 @@ def compare_layers(
             else:
                 results[r] = combine(compare(a, b) for a, b in zip(rv, ts, strict=True))
 
-    with torch.no_grad(), eval_mode(ref_gm, cand_gm), full_precision():
-        _Recorder(ref_gm, set(pairs), keep).run(*_flat_args(ref_gm, inputs))
-        _Recorder(cand_gm, set(wanted_cand), measure).run(*_flat_args(cand_gm, inputs))
+    with torch.no_grad(), full_precision(), preserved_state(ref_gm, cand_gm):
+        with same_random(0):
+            _Recorder(ref_gm, set(pairs), keep).run(*_flat_args(ref_gm, inputs))
+        with same_random(0):
+            _Recorder(cand_gm, set(wanted_cand), measure).run(*_flat_args(cand_gm, inputs))
 
     rows: list[LayerRow] = []
     only_ref: list[str] = []

@@ -1,10 +1,16 @@
 """End-to-end check: do reference and candidate give the same outputs on several inputs?
 
 Both are run on the same samples (the example first, then fresh random inputs of
-the same shapes, see `samples.py`), under no_grad and in eval mode. Outputs of any
-nesting (tuples, dicts, Hugging Face ModelOutputs) are flattened with pytree and
-matched leaf by leaf; a different structure, shape or non-tensor value is a
-failure with its reason, not an exception.
+the same shapes, see `samples.py`, then one fresh sample at each other shape the
+model is claimed at: batch 1, a larger batch, another sequence length, see
+`graph.dynamic`), under no_grad, in the mode (train/eval) each model is in, and from
+the same random state (so dropout in training mode draws the same masks). Outputs of any nesting (tuples,
+dicts, Hugging Face ModelOutputs) are flattened with pytree and matched leaf by
+leaf; a different structure, shape or non-tensor value is a failure with its
+reason, not an exception, and so is an output that is contiguous in the reference
+but not in the candidate (the caller's `.view()` would raise). Buffers of both
+models are put back afterwards, so a stateful model leaves verification as it
+came in.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from opswap.errors import VerificationError
+from opswap.graph.copies import preserved_state
 from opswap.verify.metrics import Metrics, combine, compare
-from opswap.verify.samples import make_samples
+from opswap.verify.samples import make_samples, refresh_floats
 from opswap.verify.tolerance import Tolerance, as_tolerance
 
 
@@ -49,6 +56,7 @@ class Verification:
     outputs: list[OutputCheck]
     samples: int
     tolerance: Tolerance
+    shapes: list[str] = field(default_factory=list)  # the input shapes verified at
 
     # the metrics under their own names, as result.json carries them
     @property
@@ -77,6 +85,7 @@ class Verification:
             "passed": self.passed,
             "reasons": list(self.reasons),
             "samples": self.samples,
+            "shapes": list(self.shapes),
             "tolerance": self.tolerance.to_json(),
             "outputs": [o.to_json() for o in self.outputs],
         }
@@ -88,7 +97,9 @@ class Verification:
 
 @contextlib.contextmanager
 def eval_mode(*fns):
-    """Put the nn.Modules among `fns` in eval mode, restoring each one's mode afterwards."""
+    """Put the nn.Modules among `fns` in eval mode, restoring each one's mode afterwards.
+    For opswap's own copies only: bench times models in eval mode; verification compares
+    models in the mode they are in."""
     mods = [f for f in fns if isinstance(f, nn.Module)]
     modes = [[(m, m.training) for m in mod.modules()] for mod in mods]
     try:
@@ -102,6 +113,17 @@ def eval_mode(*fns):
         for saved in modes:
             for m, training in saved:
                 m.training = training
+
+
+@contextlib.contextmanager
+def same_random(seed: int):
+    """Run the body from a fixed random state, leaving the global one as it was, so that
+    two models that draw the same random numbers (dropout in training mode) draw the
+    same ones."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 @contextlib.contextmanager
@@ -146,33 +168,45 @@ def verify(
     samples: int = 3,
     tolerance: Tolerance | str | None = None,
     seed: int = 0,
+    variants=(),
 ) -> Verification:
-    """Run `reference` and `candidate` on `samples` inputs like `example_inputs` and
-    check their outputs against `tolerance` (a Tolerance, an exactness name or a budget
-    string; default: exact).
+    """Run `reference` and `candidate` on `samples` inputs like `example_inputs`, plus one
+    fresh sample like each of `variants` ((label, inputs) at other shapes), and check
+    their outputs against `tolerance` (a Tolerance, an exactness name or a budget string;
+    default: exact).
 
-    Raises VerificationError only when the reference itself cannot run.
+    Raises VerificationError when the reference itself cannot run, or `samples` < 1.
     """
     tol = as_tolerance(tolerance)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise VerificationError(
+            f"Verification needs at least one sample (the example itself); got {samples!r}.")
     inputs = make_samples(example_inputs, samples, seed)
+    labels = [_shape_label(inputs[0])] * len(inputs)
+    for i, (label, variant) in enumerate(variants):
+        inputs.append(refresh_floats(variant, seed + 1 + i))
+        labels.append(label)
     per_output: dict[str, list[Metrics]] = {}
     order: list[str] = []
     failures: dict[str, list[str]] = {}
     general: list[str] = []
 
-    with torch.no_grad(), eval_mode(reference, candidate), full_precision():
+    with torch.no_grad(), full_precision(), preserved_state(reference, candidate):
         for i, sample in enumerate(inputs):
+            at = f"sample {i} ({labels[i]})"
             try:
-                ref_out = reference(*_clone(sample))
+                with same_random(seed + i):
+                    ref_out = reference(*_clone(sample))
             except Exception as e:
                 raise VerificationError(
-                    f"The reference model raised {type(e).__name__} on sample {i} "
+                    f"The reference model raised {type(e).__name__} on {at} "
                     f"({str(e).strip()[:200]}); check the example inputs."
                 ) from e
             try:
-                cand_out = candidate(*_clone(sample))
+                with same_random(seed + i):
+                    cand_out = candidate(*_clone(sample))
             except Exception as e:  # a broken candidate is a failed verification
-                general.append(f"the candidate raised {type(e).__name__} on sample {i}: "
+                general.append(f"the candidate raised {type(e).__name__} on {at}: "
                                f"{str(e).strip()[:200]}")
                 break
             ref_leaves, ref_spec = _flatten(ref_out)
@@ -192,7 +226,11 @@ def verify(
                 elif isinstance(r, torch.Tensor):
                     if r.shape != c.shape:
                         reason = (f"{name} has shape {tuple(c.shape)} in the candidate and "
-                                  f"{tuple(r.shape)} in the reference")
+                                  f"{tuple(r.shape)} in the reference (at {labels[i]})")
+                    elif r.is_contiguous() and not c.is_contiguous():
+                        reason = (f"{name} is contiguous in the reference but has strides "
+                                  f"{tuple(c.stride())} in the candidate, so a caller's "
+                                  ".view() of it would raise")
                     else:
                         per_output[name].append(compare(r, c))
                 elif isinstance(r, int | float | bool):
@@ -215,4 +253,11 @@ def verify(
     if not checks and general:  # nothing could be compared: no number to show
         nan = math.nan
         total = Metrics(nan, nan, nan, nan, nan, 0, 0)
-    return Verification(total, not reasons, reasons, checks, len(inputs), tol)
+    return Verification(total, not reasons, reasons, checks, len(inputs), tol,
+                        list(dict.fromkeys(labels)))
+
+
+def _shape_label(sample: tuple) -> str:
+    shapes = [x for x in pytree.tree_leaves(list(sample)) if isinstance(x, torch.Tensor)]
+    return "example shape " + ", ".join("x".join(map(str, x.shape)) or "scalar"
+                                        for x in shapes[:3]) + (", ..." if len(shapes) > 3 else "")

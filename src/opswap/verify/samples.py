@@ -63,3 +63,12 @@ def make_samples(example_inputs, n: int = 3, seed: int = 0) -> list[tuple]:
     for _ in range(n - 1):
         samples.append(tuple(pytree.tree_map(lambda x: _fresh(x, gen), list(example))))
     return samples
+
+
+def refresh_floats(example_inputs, seed: int = 0) -> tuple:
+    """`example_inputs` with fresh floating values (as in `make_samples`); integer, bool
+    and structural tensors as they are, so ids, offsets and masks stay valid."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(pytree.tree_map(
+        lambda x: _fresh(x, gen) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        list(as_inputs(example_inputs))))

@@ -74,6 +74,28 @@ class Tolerance:
                 f"Unknown exactness {exactness!r}; use exact, approx or lossy."
             ) from None
 
+    def at_rounding(self, own_rel_l2: float | None, margin: float = 4.0) -> Tolerance:
+        """These thresholds, loosened to what the model's own rounding allows.
+
+        A float16/bfloat16 model run twice with the same math in another order (a folded
+        BatchNorm, a fused kernel) differs by about its own rounding error, which in
+        bfloat16 is 10^3 times float32's. `own_rel_l2` is the model's distance from its
+        float32 self on the example (see `verify.rounding`); a candidate may differ from
+        the reference by `margin` times that. None (a float32 model) changes nothing.
+        """
+        if own_rel_l2 is None or not own_rel_l2 > 0 or not math.isfinite(own_rel_l2):
+            return self
+        allowed = margin * own_rel_l2
+        out = self
+        if self.rel_l2_max is not None and allowed > self.rel_l2_max:
+            out = replace(out, rel_l2_max=allowed)
+        if self.sqnr_min_db is not None:
+            out = replace(out, sqnr_min_db=min(self.sqnr_min_db, -20 * math.log10(allowed)))
+        if self.cosine_min is not None:
+            # 1 - cosine ~ rel_l2^2 / 2 for small uncorrelated noise; a factor 4 of slack
+            out = replace(out, cosine_min=min(self.cosine_min, 1 - 2 * allowed * allowed))
+        return out
+
     def with_budget(self, budget: str) -> Tolerance:
         """These thresholds with the ones `budget` names replaced."""
         return parse_budget(budget, base=self)

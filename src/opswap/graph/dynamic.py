@@ -1,0 +1,221 @@
+"""Which input dimensions stay symbolic, and inputs at other sizes along them.
+
+A model is optimised once and then called at many shapes: other batch sizes, other
+sequence lengths. opswap marks the dimensions that may vary (the *axes*) from the
+example inputs, checks that the model really runs at another size along each, and
+from then on never lets a rewrite depend on an example size:
+
+- shape propagation runs the graph at the example and at one *probe* per axis
+  (`graph.shapes.propagate`), so a rule sees which sizes of a node move with the
+  input (`dynamic_dims`) and whether a property (contiguity, "this squeeze is a
+  no-op") holds at every size, not only at the example's;
+- verification draws samples at batch 1, at a larger batch and at another sequence
+  length besides the example's shape (`variants`);
+- torch.export captures and saved `model.pt2` files mark the axes dynamic.
+
+Detection (`detect`, overridable with `dynamic=`): when the first input tensor has two
+or more dims, dim 0 of every input tensor that has its leading size is the batch axis; dim 1 of 2-D integer or bool
+inputs (token ids, attention masks) and of 2-D float inputs of the same length is
+the sequence axis. Write `dynamic="none"` to keep every size static, `"batch"` or
+`"seq"` for one of them, or `"I:D=name"` items to name input leaf I's dim D.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from opswap.errors import CaptureError
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One dynamic size: its name, the (input leaf, dim) pairs that carry it, its example
+    size and the other size the model was probed at."""
+
+    name: str
+    dims: tuple[tuple[int, int], ...]
+    size: int
+    probe: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "probed_at": self.probe,
+                "inputs": [f"input {i} dim {d}" for i, d in self.dims]}
+
+
+@dataclass
+class Dynamic:
+    """The dynamic axes of a captured model, and why others were kept static."""
+
+    axes: list[Axis] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"axes": [a.to_json() for a in self.axes], "notes": list(self.notes)}
+
+    def describe(self) -> str:
+        if not self.axes:
+            return "every size is static (the model is only claimed at the example's shapes)"
+        return ", ".join(f"{a.name} (example {a.size}; {', '.join(f'input {i} dim {d}' for i, d in a.dims)})"
+                         for a in self.axes)
+
+    def axis(self, name: str) -> Axis | None:
+        return next((a for a in self.axes if a.name == name), None)
+
+
+def _leaves(inputs: tuple) -> list:
+    return pytree.tree_leaves(list(inputs))
+
+
+def _tensors(inputs: tuple) -> list[tuple[int, torch.Tensor]]:
+    return [(i, x) for i, x in enumerate(_leaves(inputs))
+            if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.layout == torch.strided]
+
+
+def _auto(inputs: tuple, which: set[str]) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    tensors = _tensors(inputs)
+    found = []
+    if "batch" in which and tensors and tensors[0][1].dim() >= 2:  # a lone vector has no batch
+        b = tensors[0][1].shape[0]
+        found.append(("batch", tuple((i, 0) for i, x in tensors if x.shape[0] == b)))
+    if "seq" in which:
+        ids = [(i, x) for i, x in tensors if x.dim() == 2 and not x.is_floating_point()
+               and not x.is_complex()]
+        if ids:
+            s = ids[0][1].shape[1]
+            dims = tuple((i, 1) for i, x in tensors if x.dim() == 2 and x.shape[1] == s)
+            found.append(("seq", dims))
+    return found
+
+
+_ITEM = re.compile(r"^(\d+):(\d+)(?:=([A-Za-z_][A-Za-z0-9_]*))?$")
+
+
+def parse(spec: str | None, inputs: tuple) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    """The axes a `dynamic=` setting asks for, before probing. Raises CaptureError on a
+    setting it cannot read."""
+    spec = "auto" if spec is None else str(spec).strip().lower()
+    if spec in ("auto", ""):
+        return _auto(inputs, {"batch", "seq"})
+    if spec == "none":
+        return []
+    names: set[str] = set()
+    explicit: dict[str, list[tuple[int, int]]] = {}
+    leaves = _leaves(inputs)
+    for item in (p.strip() for p in spec.split(",") if p.strip()):
+        if item in ("batch", "seq"):
+            names.add(item)
+            continue
+        m = _ITEM.match(item)
+        if not m:
+            raise CaptureError(
+                f"Cannot read {item!r} in the dynamic-shape setting; write auto, none, batch, "
+                "seq, or INPUT:DIM[=NAME] items such as 0:0=batch,0:1=seq.")
+        i, d, name = int(m[1]), int(m[2]), m[3] or f"dim{m[1]}_{m[2]}"
+        if i >= len(leaves) or not isinstance(leaves[i], torch.Tensor) or d >= leaves[i].dim():
+            raise CaptureError(f"The dynamic-shape setting names input {i} dim {d}, which the "
+                               "example inputs do not have.")
+        explicit.setdefault(name, []).append((i, d))
+    return _auto(inputs, names) + [(n, tuple(dims)) for n, dims in explicit.items()]
+
+
+def _probe_size(name: str, size: int) -> int:
+    if name == "seq" and size >= 3:
+        return size - 1  # shorter stays inside position tables and caches
+    return size + 1
+
+
+def _resize(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """`x` with size `n` along `dim`: cut, or extended by repeating its last slice (a
+    padding mask stays a padding mask); memory format kept."""
+    cur = x.shape[dim]
+    if n <= cur:
+        y = x.narrow(dim, 0, n)
+    else:
+        last = x.narrow(dim, cur - 1, 1)
+        shape = list(x.shape)
+        shape[dim] = n - cur
+        y = torch.cat([x, last.expand(shape)], dim)
+    fmt = (torch.channels_last if x.dim() == 4 and not x.is_contiguous()
+           and x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format)
+    return y.contiguous(memory_format=fmt)
+
+
+def resized(inputs: tuple, sizes: dict[tuple[int, int], int]) -> tuple:
+    """`inputs` with the (leaf, dim) sizes in `sizes` changed; other leaves as they are."""
+    leaves, spec = pytree.tree_flatten(list(inputs))
+    out = []
+    for i, x in enumerate(leaves):
+        for (li, d), n in sizes.items():
+            if li == i:
+                x = _resize(x, d, n)
+        out.append(x)
+    return tuple(pytree.tree_unflatten(out, spec))
+
+
+def at(inputs: tuple, axis: Axis, n: int) -> tuple:
+    """`inputs` with `axis` at size `n`."""
+    return resized(inputs, {d: n for d in axis.dims})
+
+
+def detect(run, inputs: tuple, spec: str | None = "auto") -> Dynamic:
+    """The axes `spec` asks for that the model really runs at another size along: `run`
+    (a callable on inputs) is called once per axis at its probe size; an axis along which
+    it raises is kept static, with a note saying so."""
+    dyn = Dynamic()
+    for name, dims in parse(spec, inputs):
+        if not dims:
+            continue
+        leaves = _leaves(inputs)
+        size = leaves[dims[0][0]].shape[dims[0][1]]
+        if any(leaves[i].shape[d] != size for i, d in dims):
+            raise CaptureError(f"The dynamic axis {name!r} names dimensions of different sizes "
+                               "in the example inputs; give dims that share one size.")
+        axis = Axis(name, dims, int(size), _probe_size(name, int(size)))
+        for label, xs in variants(inputs, Dynamic([axis])):  # every size verification uses
+            try:
+                run(xs)
+            except Exception as e:
+                first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+                dyn.notes.append(f"{name} kept static: the model raised {type(e).__name__} at "
+                                 f"{label} ({first})")
+                break
+        else:
+            dyn.axes.append(axis)
+    return dyn
+
+
+def probes(inputs: tuple, dyn: Dynamic) -> list[tuple]:
+    """One input tuple per axis, that axis at its probe size: what shape propagation runs
+    besides the example, to tell the sizes that move from the ones that stay."""
+    return [at(inputs, a, a.probe) for a in dyn.axes]
+
+
+def variants(inputs: tuple, dyn: Dynamic) -> list[tuple[str, tuple]]:
+    """(label, inputs) at the shapes verification checks besides the example's: batch 1,
+    a larger batch, and each other axis at its probe size. Each is the example cut or
+    extended along the axis, so integer inputs (ids, offsets, masks) keep their structure;
+    verification draws fresh floating values for them."""
+    out = []
+    for a in dyn.axes:
+        if a.name == "batch" and a.size != 1:
+            out.append(("batch 1", at(inputs, a, 1)))
+        out.append((f"{a.name} {a.probe}", at(inputs, a, a.probe)))
+    return out
+
+
+def export_shapes(inputs: tuple, dyn: Dynamic):
+    """`dynamic_shapes` for torch.export: Dim.AUTO on every axis dim, per argument."""
+    if not dyn.axes:
+        return None
+    marks = {d for a in dyn.axes for d in a.dims}
+    leaves, spec = pytree.tree_flatten(list(inputs))
+    per_leaf = []
+    for i, x in enumerate(leaves):
+        dims = {d: torch.export.Dim.AUTO for li, d in marks if li == i}
+        per_leaf.append(dims if isinstance(x, torch.Tensor) and dims else None)
+    return tuple(pytree.tree_unflatten(per_leaf, spec))
