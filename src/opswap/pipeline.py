@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from opswap.graph.capture import Captured, capture
-from opswap.graph.copies import private_copy
+from opswap.graph.copies import count_hooks, private_copy
 from opswap.rules.base import EXACTNESS_ORDER, Site
 from opswap.search.plan import Plan, apply_plan, make_plan
 
@@ -272,6 +272,7 @@ def optimize(
     name = name or type(model).__name__
     target = get_target(config.target)
     _tolerance(config)  # parse the budget before any long work
+    hooks = count_hooks(model)
     model = private_copy(model, keep_hooks=config.keep_hooks)  # the reference opswap runs
     if config.device != "cpu":
         # time and verify where the user deploys; the user's module stays where it is
@@ -341,6 +342,8 @@ def optimize(
         layers=layers,
         benchmark=bench,
         rule_timings=timings,
-        notes=list(captured.notes),
+        notes=([f"The model has {hooks} forward/backward hook(s); opswap verified and timed a "
+                "copy without them (keep_hooks=True keeps them)."] if hooks and not
+               config.keep_hooks else []) + list(captured.notes),
         dynamic=captured.dynamic,
     )

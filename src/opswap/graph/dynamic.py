@@ -13,8 +13,8 @@ from then on never lets a rewrite depend on an example size:
   length besides the example's shape (`variants`);
 - torch.export captures and saved `model.pt2` files mark the axes dynamic.
 
-Detection (`detect`, overridable with `dynamic=`): when the first input tensor has two
-or more dims, dim 0 of every input tensor that has its leading size is the batch axis; dim 1 of 2-D integer or bool
+Detection (`detect`, overridable with `dynamic=`): dim 0 of every input tensor that has
+the first input's leading size is the batch axis (unless the only input is a vector); dim 1 of 2-D integer or bool
 inputs (token ids, attention masks) and of 2-D float inputs of the same length is
 the sequence axis. Write `dynamic="none"` to keep every size static, `"batch"` or
 `"seq"` for one of them, or `"I:D=name"` items to name input leaf I's dim D.
@@ -79,9 +79,11 @@ def _tensors(inputs: tuple) -> list[tuple[int, torch.Tensor]]:
 def _auto(inputs: tuple, which: set[str]) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
     tensors = _tensors(inputs)
     found = []
-    if "batch" in which and tensors and tensors[0][1].dim() >= 2:  # a lone vector has no batch
+    if "batch" in which and tensors:
         b = tensors[0][1].shape[0]
-        found.append(("batch", tuple((i, 0) for i, x in tensors if x.shape[0] == b)))
+        dims = tuple((i, 0) for i, x in tensors if x.shape[0] == b)
+        if tensors[0][1].dim() >= 2 or len(dims) >= 2:  # a lone vector has no batch
+            found.append(("batch", dims))
     if "seq" in which:
         ids = [(i, x) for i, x in tensors if x.dim() == 2 and not x.is_floating_point()
                and not x.is_complex()]

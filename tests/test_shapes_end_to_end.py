@@ -1,0 +1,60 @@
+"""`optimize` on every built-in model: the saved model.pt2 loads, runs and matches the input
+module at batch 1, at the example's batch and at a larger one, and at other sequence
+lengths for text models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from opswap.graph.dynamic import at
+from opswap.models import list_hf_types, list_zoo, load
+from opswap.pipeline import OptimizeConfig, optimize
+from opswap.report.model_io import load_model
+
+SPECS = [f"zoo:{z.name}" for z in list_zoo()] + [f"hf:{t}" for t in list_hf_types()]
+
+
+def _shapes(example, dynamic) -> list[tuple[str, tuple]]:
+    out = [("example", example)]
+    for axis in dynamic.axes:
+        sizes = [1, axis.size + 3] if axis.name == "batch" else [max(1, axis.size - 5), axis.probe]
+        out += [(f"{axis.name} {n}", at(example, axis, n)) for n in sizes if n != axis.size]
+    return out
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_saved_model_matches_the_input_at_other_shapes(spec, tmp_path):
+    if spec.startswith("hf:"):
+        pytest.importorskip("transformers")
+    loaded = load(spec)
+    module, example = loaded.module, loaded.example_inputs
+    r = optimize(module, example, OptimizeConfig(bench=False, layers=False, samples=2),
+                 name=spec)
+    assert r.verification.passed, r.verification.reasons
+    names = {a.name for a in r.dynamic.axes}
+    assert "batch" in names, r.dynamic.notes
+    if spec.startswith("hf:") and example[0].dtype == torch.int64 or spec == "zoo:bert":
+        assert "seq" in names, r.dynamic.notes
+    r.save(tmp_path)
+    assert not (tmp_path / "model_shapes.txt").exists(), (tmp_path / "model_shapes.txt").read_text()
+    saved = load_model(tmp_path)
+    shapes = _shapes(example, r.dynamic)
+    assert len(shapes) >= 3
+    for label, xs in shapes:
+        with torch.no_grad():
+            want = [t for t in pytree.tree_leaves(module(*xs)) if isinstance(t, torch.Tensor)]
+            got = [t for t in pytree.tree_leaves(saved(*xs)) if isinstance(t, torch.Tensor)]
+        assert len(got) == len(want), label
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape, (label, g.shape, w.shape)
+            if w.is_floating_point():
+                assert _rel(g, w) <= 1e-4, (label, _rel(g, w))
+            else:
+                assert torch.equal(g, w), label
