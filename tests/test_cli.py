@@ -118,6 +118,29 @@ def test_optimize_writes_everything(tmp_path):
         assert key in data["benchmark"]
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 3
+    assert [a["name"] for a in data["dynamic"]["axes"]] == ["batch"]
+    assert "batch 1" in data["verification"]["shapes"]
+    assert "Dynamic sizes" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("cmd", ["optimize", "verify"])
+def test_samples_below_one_are_refused(cmd, tmp_path, capsys):
+    plan = tmp_path / "p.json"
+    assert run("plan", "zoo:resnet", "--out", str(plan)) == 0
+    args = ("optimize", "zoo:resnet", "--out", str(tmp_path / "o")) if cmd == "optimize" \
+        else ("verify", "zoo:resnet", str(plan))
+    capsys.readouterr()
+    assert run(*args, "--samples", "0") == 2
+    err = capsys.readouterr().err
+    assert "at least" in err and "Traceback" not in err
+
+
+def test_dynamic_option_is_recorded(tmp_path):
+    out = tmp_path / "o"
+    assert run("optimize", "zoo:resnet", "--out", str(out), "--samples", "1", "--no-bench",
+               "--dynamic", "none") == 0
+    data = json.loads((out / "result.json").read_text())
+    assert data["dynamic"]["axes"] == [] and data["settings"]["dynamic"] == "none"
 
 
 def test_models_lists_zoo(capsys):

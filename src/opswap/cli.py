@@ -353,6 +353,9 @@ def _print_summary(data: dict) -> None:
     console.print(f"[bold]{data['model']}[/bold] on {data['target']}: "
                   f"{len(data['applied'])} replacements, {len(data['misses'])} near misses, "
                   f"{len(data['rolled_back'])} rolled back")
+    dyn = data.get("dynamic") or {}
+    axes = ", ".join(f"{a['name']} (example {a['size']})" for a in dyn.get("axes", []))
+    console.print(f"  dynamic sizes: {axes or 'none (the example shapes only)'}", markup=False)
     status = "[green]PASSED[/green]" if v["passed"] else "[red]FAILED[/red]"
     console.print(f"  verification {status}: cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}, "
                   f"sqnr {v['sqnr_db']:.1f} dB")

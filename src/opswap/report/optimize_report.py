@@ -142,9 +142,14 @@ def _verification(result) -> list[Block]:
              "PASSED" if o.passed else "FAILED"] for o in v.outputs]
     blocks: list[Block] = [
         Heading("Verification"),
-        Para(f"Reference (the captured original) and candidate ran on {v.samples} input samples "
-             f"(the example and fresh random inputs of the same shapes); worst case over samples. "
+        Para(f"Reference (the model as given, not its capture) and candidate ran on "
+             f"{v.samples} input samples (the example, fresh random inputs of the same shapes, "
+             f"and one sample at each other shape the model is claimed at: "
+             f"{', '.join(v.shapes) or 'the example shape only'}); worst case over samples. "
              f"Tolerance: {v.tolerance}."),
+        Para("Dynamic sizes (the saved model runs at any of them): "
+             + (result.dynamic.describe() if result.dynamic is not None else "not recorded")
+             + "."),
         Table(["output", "max abs", "max rel", "cosine", "SQNR dB", "rel L2", "verdict"], rows,
               align_right={1, 2, 3, 4, 5}),
     ]
