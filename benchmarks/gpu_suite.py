@@ -5,7 +5,10 @@
 1. the test suite under the GPU machine's torch (a second torch version for CI's
    CPU-only run; tests with CUDA paths take them here),
 2. measured ceilings of the GPU next to the target profile's datasheet figures,
-3. `optimize` on zoo and Hugging Face models with timing on the GPU, reference and
+3. the variants race in bfloat16 (input, capture, opswap, torch.compile of the input and
+   of opswap's result, verified and timed in one interleaved loop) on a ResNet-50-like
+   and a BERT-base-like model,
+4. `optimize` on zoo and Hugging Face models with timing on the GPU, reference and
    optimized interleaved in one process.
 
 Writes DIR/gpu_suite.json (device, versions, date, every figure) and the pytest log.
@@ -129,6 +132,54 @@ def optimize_models(device: str, target: str) -> list[dict]:
     return rows
 
 
+# Sizes of the issue's measurements: a ResNet-50-like CNN at batch 64 (224x224) and a
+# BERT-base-like encoder at batch 32, sequence 128, both in bfloat16.
+VARIANT_MODELS = [
+    ("hf:resnet", {"depths": "[3,4,6,3]", "hidden_sizes": "[256,512,1024,2048]",
+                   "embedding_size": "64", "layer_type": "bottleneck", "image_size": "224",
+                   "batch": "64"}),
+    ("hf:bert", {"num_hidden_layers": "12", "hidden_size": "768", "num_attention_heads": "12",
+                 "intermediate_size": "3072", "max_position_embeddings": "512",
+                 "vocab_size": "30522", "batch": "32", "seq": "128",
+                 "attn_implementation": "sdpa"}),
+]
+
+
+def variants_table(device: str, target: str, dtype: str) -> list[dict]:
+    """The variants race (input, capture, opswap, torch.compile of each) per model."""
+    from opswap.models import load
+    from opswap.pipeline import OptimizeConfig, optimize
+
+    dt_ = getattr(torch, dtype)
+    rows = []
+    for spec, sets in VARIANT_MODELS:
+        row: dict = {"model": spec, "overrides": sets, "device": device, "dtype": dtype}
+        try:
+            m = load(spec, sets)
+            module = m.module.to(dt_)
+            inputs = tuple(x.to(dt_) if x.is_floating_point() else x for x in m.example_inputs)
+            t0 = time.time()
+            res = optimize(module, inputs, OptimizeConfig(target=target, device=device,
+                                                          layers=False, samples=2), name=spec)
+            data = res.to_json()
+            row.update({"seconds": round(time.time() - t0, 1), "variants": data["variants"],
+                        "best": data["best"], "applied": len(data["applied"]),
+                        "rules": sorted({a["rule"] for a in data["applied"]}),
+                        "verification": {k: data["verification"][k] for k in
+                                         ("passed", "cosine", "rel_l2", "shapes")},
+                        "tolerance": data["verification"]["tolerance"],
+                        "dynamic": data["dynamic"], "rolled_back": data["rolled_back"],
+                        "skipped": data["skipped"]})
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["traceback"] = traceback.format_exc()[-3000:]
+        print(json.dumps({k: row.get(k) for k in ("model", "best", "variants", "error")},
+                         default=str), flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results")))
@@ -136,6 +187,9 @@ def main() -> None:
     ap.add_argument("--tests", nargs="*", default=["tests"],
                     help="test paths to run (default: the whole suite)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the optimize runs on the host CPU")
+    ap.add_argument("--no-optimize", action="store_true", help="skip the per-model optimize runs")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="skip the bf16 variants race (ResNet-50-like, BERT-base-like)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--name", default="gpu_suite.json",
                     help="file name of the results (e.g. cpu_suite.json for a run without a GPU)")
@@ -153,8 +207,11 @@ def main() -> None:
             result["ceilings"] = {"error": f"{type(e).__name__}: {e}"}
         print("ceilings:", result["ceilings"], flush=True)
         torch.cuda.empty_cache()
-        result["optimize_cuda"] = optimize_models("cuda", "h200")
-    if not args.no_cpu:
+        if not args.no_variants:
+            result["variants_cuda_bf16"] = variants_table("cuda", "h200", "bfloat16")
+        if not args.no_optimize:
+            result["optimize_cuda"] = optimize_models("cuda", "h200")
+    if not args.no_cpu and not args.no_optimize:
         result["optimize_cpu"] = optimize_models("cpu", "cpu")
     path = args.out / args.name
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -27,7 +27,8 @@ def test_public_surface():
 def test_optimize_leaves_the_model_alone_and_reports(tmp_path):
     loaded = opswap.load("zoo:resnet")
     before = _state(loaded.module)
-    result = opswap.optimize(loaded.module, loaded.example_inputs, target="cpu", samples=2)
+    result = opswap.optimize(loaded.module, loaded.example_inputs, target="cpu", samples=2,
+                             compare="none")
     after = _state(loaded.module)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)

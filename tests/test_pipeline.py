@@ -87,7 +87,7 @@ def test_rule_that_breaks_the_budget_is_rolled_back():
 def test_rule_that_measures_slower_is_pruned():
     m = _model()
     r = optimize(m, (torch.randn(3, 16),),
-                 OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1))
+                 OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1, compare="none"))
     assert not r.applied, "the slow identity should have been dropped after measuring"
     assert any(s["rule"] == "test.slowdown" and "measured slower" in s["reason"]
                for s in r.plan.skipped)
@@ -106,7 +106,8 @@ def test_result_json_contract():
 def test_rules_are_timed_one_by_one():
     m = _model()
     r = optimize(m, (torch.randn(3, 16),),
-                 OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1, prune_slow=False))
+                 OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1, prune_slow=False,
+                                compare="none"))
     (t,) = r.rule_timings
     assert t.rule == "test.slowdown" and t.sites == 1
     assert t.without_ms < t.with_ms and not t.pays  # the slow identity costs time

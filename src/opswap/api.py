@@ -91,12 +91,14 @@ def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
              rules: list[str] | str | None = None, exactness: str = "exact",
              budget: str | None = None, samples: int = 3, bench: bool = True,
              device: str = "cpu", dynamic: str = "auto", keep_hooks: bool = False,
-             name: str | None = None) -> Result:
+             compare: str = "compile", name: str | None = None) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
-    bench. `model` is never mutated; `result.candidate` is the optimized module."""
+    bench, and the race of variants against `compare`'s baselines ("compile" or "none").
+    `model` is never called nor changed; `result.candidate` is the optimized module and
+    `result.saved_module` the race's winner, which `result.save` writes."""
     if isinstance(rules, str):
         rules = [r.strip() for r in rules.split(",") if r.strip()]
     config = OptimizeConfig(target=target, rules=list(rules or []), exactness=exactness,
                             budget=budget, samples=samples, bench=bench, device=device,
-                            dynamic=dynamic, keep_hooks=keep_hooks)
+                            dynamic=dynamic, keep_hooks=keep_hooks, compare=compare)
     return _optimize(model, example_inputs, config, name=name)

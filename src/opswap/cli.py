@@ -311,8 +311,9 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
              samples: Annotated[int, typer.Option(help="Random input samples for verification.")] = 3,
              no_bench: Annotated[bool, typer.Option("--no-bench", help="Skip timing.")] = False,
              device: Annotated[str, typer.Option(help=f"Where to run and time: {_DEVICES}.")] = "cpu",
-             dynamic: DynamicOpt = "auto", sets: SetOpt = None,
-             json_path: JsonOpt = None) -> None:
+             dynamic: DynamicOpt = "auto",
+             compare: Annotated[str, typer.Option("--compare", help="Baselines raced in the same run: compile (torch.compile of the input and of opswap's result), or none.")] = "compile",
+             sets: SetOpt = None, json_path: JsonOpt = None) -> None:
     """The whole flow: analyze, plan, apply, verify (with rollback), bench, report."""
     from opswap.pipeline import OptimizeConfig
     from opswap.pipeline import optimize as _optimize
@@ -323,9 +324,13 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
         raise OpswapError(f"--samples must be at least 1 (the example itself); got {samples}.")
     config = OptimizeConfig(target=target, rules=_rule_patterns(rules), exactness=exactness,
                             budget=budget, samples=samples, bench=not no_bench, device=device,
-                            dynamic=dynamic)
+                            dynamic=dynamic, compare=compare)
+    if not no_bench:
+        from opswap.bench.variants import parse_compare
+
+        parse_compare(compare)  # a typo fails now, not after the run
     stages = ["load", "capture", "analyze", "plan", "apply", "verify", "rollback", "bench",
-              "measure", "prune", "layers", "report"]
+              "measure", "prune", "layers", "race", "report"]
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TimeElapsedColumn(), console=err, transient=True) as progress:
         task = progress.add_task("load", total=len(stages))
@@ -360,11 +365,30 @@ def _print_summary(data: dict) -> None:
     console.print(f"  verification {status}: cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}, "
                   f"sqnr {v['sqnr_db']:.1f} dB")
     if b:
-        console.print(f"  benchmark: {b['ref_ms']:.3f} ms -> {b['opt_ms']:.3f} ms, "
-                      f"speedup {b['speedup']:.2f}x ({b['device']})")
-        if b["speedup"] < 1.0:
-            console.print("  [yellow]the optimized model is slower on this device; see the "
-                          "report's 'Failed, rolled back, skipped' section[/yellow]")
+        console.print(f"  eager: {b['ref_ms']:.3f} ms -> {b['opt_ms']:.3f} ms, "
+                      f"{b['ref_ms'] / b['opt_ms']:.2f}x, ratio of medians ({b['device']})",
+                      markup=False)
+    if data.get("variants"):
+        _print_variants(data)
+
+
+def _print_variants(data: dict) -> None:
+    table = Table(title="variants, timed in one interleaved run")
+    for col in ("variant", "ms", "IQR ms", "vs input", "per-round quartiles", "verified",
+                "compile s", "note"):
+        table.add_column(col, overflow="fold")
+    for v in data["variants"]:
+        ms = f"{v['ms']:.3f}" if v["ms"] is not None else "-"
+        iqr = f"{v['iqr_ms']:.3f}" if v["iqr_ms"] is not None else "-"
+        sp = f"{v['speedup_vs_input']:.2f}x" if v["speedup_vs_input"] is not None else "-"
+        q = v["speedup_quartiles"]
+        qs = f"{q[0]:.2f}-{q[1]:.2f}" if q[0] is not None else "-"
+        comp = f"{v['compile_s']:.1f}" if v["compile_s"] is not None else ""
+        name = v["name"] + (" (saved)" if v["name"] == data["best"] else "")
+        table.add_row(Text(name), ms, iqr, sp, qs, "yes" if v["verified"] else "no", comp,
+                      Text(v["note"] or ""))
+    console.print(table)
+    console.print(Text(f"  saved: {data['deploy']['holds']} ({data['deploy']['how']})"))
 
 
 def _click_errors() -> tuple[type[Exception], ...]:

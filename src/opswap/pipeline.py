@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from opswap.bench.variants import parse_compare
+from opswap.bench.variants import run as run_variants
 from opswap.graph.capture import Captured, capture
 from opswap.graph.copies import count_hooks, private_copy
 from opswap.rules.base import EXACTNESS_ORDER, Site
@@ -40,7 +42,12 @@ class OptimizeConfig:
     prune_slow: bool = True  # when the result is slower, drop the rules that measure slower
     device: str = "cpu"
     dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
+    compare: str = "compile"  # baselines raced beside opswap's result: compile, or none
     keep_hooks: bool = False  # run the copies opswap times and verifies with the user's hooks
+
+
+# which module a winning variant saves
+_SAVES = {"input": "input", "compile": "input", "captured": "captured"}
 
 
 @dataclass
@@ -65,6 +72,9 @@ class Result:
     rule_timings: list[Any] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     dynamic: Any = None  # graph.dynamic.Dynamic: the sizes the saved model keeps symbolic
+    variants: list[Any] = field(default_factory=list)  # bench.variants.VariantTiming, raced
+    best: str = "opswap"  # the variant saved: input, captured, opswap, compile, opswap+compile
+    captured_gm: Any = None  # the capture with no rewrite (saved when `captured` wins)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
 
     def to_json(self) -> dict[str, Any]:
@@ -92,12 +102,37 @@ class Result:
             "verification": self.verification.to_json(),
             "benchmark": self.benchmark.to_json() if self.benchmark is not None else None,
             "rule_timings": [t.to_json() for t in self.rule_timings],
+            "variants": [v.to_json() for v in self.variants],
+            "best": self.best,
+            "deploy": self.deploy(),
             "analysis": {
                 "before": _totals(self.analysis_before),
                 "after": _totals(self.analysis_after),
             },
             "notes": self.notes,
         }
+
+    @property
+    def saved_module(self) -> nn.Module:
+        """The module saved as model.pt2: the winner of the race (the input itself when
+        nothing opswap made beat it)."""
+        kind = _SAVES.get(self.best, "candidate")
+        if kind == "input":
+            return self.reference
+        if kind == "captured" and self.captured_gm is not None:
+            return self.captured_gm
+        return self.candidate
+
+    def deploy(self) -> dict[str, Any]:
+        """What model.pt2 holds and how to run it."""
+        kind = _SAVES.get(self.best, "candidate")
+        compiled = self.best.endswith("compile")
+        holds = {"input": "your model, unchanged: nothing opswap made beat it in this run",
+                 "captured": "opswap's capture of your model, with no rewrite",
+                 "candidate": "opswap's optimized model"}[kind]
+        how = "torch.export.load(path).module()" + (", then torch.compile it" if compiled else "")
+        return {"variant": self.best, "artifact": "model.pt2", "holds": holds,
+                "compile": compiled, "how": how}
 
     def save(self, out_dir: str | Path) -> dict[str, Path]:
         """Write plan.json, result.json, report.md, report.html and the optimized model."""
@@ -107,7 +142,7 @@ class Result:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"plan": self.plan.save(out / "plan.json")}
-        paths.update(save_model(self.candidate, self.example_inputs, self.plan, out,
+        paths.update(save_model(self.saved_module, self.example_inputs, self.plan, out,
                                 dynamic=self.dynamic))
         data = self.to_json()
         data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
@@ -271,7 +306,8 @@ def optimize(
     step = progress or (lambda stage: None)
     name = name or type(model).__name__
     target = get_target(config.target)
-    _tolerance(config)  # parse the budget before any long work
+    _tolerance(config)  # parse the budget and the baselines before any long work
+    compare = parse_compare(config.compare) if config.bench else []
     hooks = count_hooks(model)
     model = private_copy(model, keep_hooks=config.keep_hooks)  # the reference opswap runs
     if config.device != "cpu":
@@ -309,7 +345,7 @@ def optimize(
         if config.measure_rules and applied.applied:
             step("measure")
             timings = measure_rules(captured, plan, applied, device=config.device)
-        if config.prune_slow and bench.speedup < 1.0 and timings:
+        if config.prune_slow and timings and not all(t.pays for t in timings):
             step("prune")
             pruned = _prune_slow(captured, plan, timings)
             if pruned is not None:
@@ -325,6 +361,19 @@ def optimize(
         step("layers")
         layers = compare_layers(captured, applied, captured.example_inputs)
     after = analyze(applied.captured, target)
+    raced: list[Any] = []
+    winner = "opswap"
+    if config.bench:
+        step("race")
+
+        def check_variant(fn, shapes: bool):
+            return verify(model, fn, captured.example_inputs, samples=config.samples,
+                          tolerance=tol, seed=config.seed,
+                          variants=captured.variants() if shapes else ())
+
+        raced, chosen = run_variants(model, captured, applied.gm, verification, check_variant,
+                                     compare=compare, device=config.device)
+        winner = chosen.name
     return Result(
         model=name,
         target=target.name,
@@ -346,4 +395,7 @@ def optimize(
                 "copy without them (keep_hooks=True keeps them)."] if hooks and not
                config.keep_hooks else []) + list(captured.notes),
         dynamic=captured.dynamic,
+        variants=raced,
+        best=winner,
+        captured_gm=captured.gm,
     )
