@@ -303,9 +303,12 @@ class ModelBench:
     date: str = field(
         default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
     notes: list[str] = field(default_factory=list)
+    speedup_q1: float | None = None  # quartiles of the per-round speed-ups: the noise
+    speedup_q3: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
+            "speedup_q1", "speedup_q3",
             "ref_ms", "opt_ms", "speedup", "speedup_of_medians", "spread", "ref_iqr_ms",
             "opt_iqr_ms", "rounds", "device", "torch", "ref_peak_bytes", "opt_peak_bytes",
             "date", "notes")}
@@ -386,7 +389,8 @@ def bench_models(
     s_ref, s_opt = res["reference"], res["candidate"]
     return ModelBench(
         ref_ms=s_ref.median * 1e3, opt_ms=s_opt.median * 1e3, speedup=r.paired,
-        speedup_of_medians=r.of_medians, spread=r.spread, ref_iqr_ms=s_ref.iqr * 1e3,
+        speedup_of_medians=r.of_medians, spread=r.spread, speedup_q1=r.q1, speedup_q3=r.q3,
+        ref_iqr_ms=s_ref.iqr * 1e3,
         opt_iqr_ms=s_opt.iqr * 1e3, rounds=len(res.rounds), device=res.device,
         ref_peak_bytes=ref_peak, opt_peak_bytes=opt_peak, notes=notes,
     )

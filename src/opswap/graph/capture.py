@@ -120,7 +120,26 @@ def _export(model: nn.Module, inputs: tuple, dyn: Dynamic) -> fx.GraphModule:
         if shapes is None:
             raise
         ep = torch.export.export(model, inputs, strict=False)  # static; probes will say
-    return ep.module()
+    return _without_guards(ep.module())
+
+
+def _without_guards(gm: fx.GraphModule) -> fx.GraphModule:
+    """The exported graph without its per-call Python checks: the `_guards_fn` module that
+    re-checks every shape guard on every call, and `aten._assert_tensor_metadata` nodes.
+    On small models they cost 10-20 % of a call (hf:llama on 2 CPU threads: 3.17 ms with
+    them, 2.90 ms without, 2.91 ms for the eager module). opswap checks the shapes a
+    capture claims itself (graph.dynamic), and the saved model.pt2 is exported afresh,
+    guards included."""
+    assert_meta = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    for n in list(gm.graph.nodes):
+        if (n.op == "call_module" and n.target == "_guards_fn") or (
+                assert_meta is not None and n.op == "call_function"
+                and n.target in (assert_meta, getattr(assert_meta, "default", None))):
+            if not n.users:
+                gm.graph.erase_node(n)
+    gm.recompile()
+    gm.delete_all_unused_submodules()
+    return gm
 
 
 def _shapes(inputs: tuple) -> str:
@@ -160,7 +179,8 @@ def _reproduces(model: nn.Module, gm: fx.GraphModule, inputs: tuple, dyn: Dynami
             kept.axes.append(axis)
         else:
             kept.notes.append(f"{axis.name} kept static: the {name} graph differs from the "
-                              f"model at other {axis.name} sizes ({v.reasons[0]})")
+                              f"model at other {axis.name} sizes ({v.reasons[0]})"
+                              + _size_one_hint(axis, name))
     return None, kept
 
 
@@ -243,6 +263,13 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
     )
 
 
+def _size_one_hint(axis, name: str) -> str:
+    if axis.size == 1 and name == "torch.export":
+        return ("; torch.export treats size-1 dims as fixed, so give an example of size 2 "
+                "or more")
+    return ""
+
+
 def _narrowed(dyn: Dynamic, failed: list, name: str) -> Dynamic:
     """`dyn` without the axes whose probe the graph failed at (the capture specialised
     them to the example's size), with a note for each."""
@@ -253,6 +280,5 @@ def _narrowed(dyn: Dynamic, failed: list, name: str) -> Dynamic:
     for a, e in bad:
         out.notes.append(f"{a.name} kept static: the {name} graph only runs at {a.name} "
                          f"{a.size} ({type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''})"
-                         + ("; torch.export treats size-1 dims as fixed, so give an example "
-                            "of size 2 or more" if a.size == 1 else ""))
+                         + _size_one_hint(a, name))
     return out

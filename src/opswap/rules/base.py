@@ -19,6 +19,9 @@ import torch.fx as fx
 
 Exactness = Literal["exact", "approx", "lossy"]
 EXACTNESS_ORDER: dict[str, int] = {"exact": 0, "approx": 1, "lossy": 2}
+Phase = Literal["early", "main", "late"]
+#: a plan runs every rule of one phase before any rule of the next (rules/order.py)
+PHASES: tuple[str, ...] = ("early", "main", "late")
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,14 @@ class Rule:
     exactness: ClassVar[Exactness]
     targets: ClassVar[tuple[str, ...]] = ("any",)
     description: ClassVar[str] = ""
-    #: applied after other rules in a plan (e.g. a layout change of the whole model)
-    late: ClassVar[bool] = False
+    #: where the rule runs in a plan: "late" for a change of the whole model's layout
+    #: that must see every other rewrite done, "early" for clean-ups others rely on
+    phase: ClassVar[Phase] = "main"
+    #: rules (names or globs such as "fusion.*") that must run before this one when
+    #: both are in a plan, because this rule matches what they leave behind
+    after: ClassVar[tuple[str, ...]] = ()
+    #: rules (names or globs) that must run after this one when both are in a plan
+    before: ClassVar[tuple[str, ...]] = ()
 
     def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
         raise NotImplementedError
@@ -126,6 +135,9 @@ class Rule:
             "exactness": cls.exactness,
             "targets": list(cls.targets),
             "description": cls.description,
+            "phase": cls.phase,
+            "after": list(cls.after),
+            "before": list(cls.before),
         }
 
     def __repr__(self) -> str:

@@ -1,17 +1,22 @@
-"""Every rule opswap knows, by name. Rule modules register themselves on import."""
+"""Every rule opswap knows, by name. Rule modules register themselves on import.
+
+Rules are found, not listed: every subpackage of `opswap.rules` is a family
+(rules/fusion/, rules/layout/, ...), and every module in it whose name does not
+start with `_` holds one rule class decorated with `@register`. A new rule is a
+new file there (and its test); nothing else names it.
+"""
 
 from __future__ import annotations
 
 import fnmatch
 import importlib
+import pkgutil
 
 from opswap.errors import RuleError
-from opswap.rules.base import EXACTNESS_ORDER, Rule
+from opswap.rules.base import EXACTNESS_ORDER, PHASES, Rule
 
 _RULES: dict[str, Rule] = {}
 
-# Rule family modules, imported on first use so `import opswap` stays light.
-_FAMILY_MODULES = ("opswap.rules.fusion", "opswap.rules.layout")
 _loaded = False
 
 
@@ -22,16 +27,40 @@ def register(cls: type[Rule]) -> type[Rule]:
             raise TypeError(f"rule {cls.__name__} lacks the class attribute {attr!r}")
     if cls.exactness not in EXACTNESS_ORDER:
         raise TypeError(f"rule {cls.name}: exactness must be exact, approx or lossy")
+    if cls.phase not in PHASES:
+        raise TypeError(f"rule {cls.name}: phase must be one of {', '.join(PHASES)}")
+    for attr in ("after", "before"):
+        value = getattr(cls, attr)
+        if not isinstance(value, tuple) or not all(isinstance(p, str) for p in value):
+            raise TypeError(f"rule {cls.name}: {attr} must be a tuple of rule names or globs, "
+                            f"e.g. ('fusion.conv_bn',)")
     if cls.name in _RULES and type(_RULES[cls.name]) is not cls:
         raise TypeError(f"two rules are named {cls.name!r}")
     _RULES[cls.name] = cls()
     return cls
 
 
+def rule_modules() -> list[str]:
+    """Dotted names of the modules that hold rules: the public modules of each family
+    subpackage of opswap.rules, in name order."""
+    import opswap.rules as package
+
+    found = []
+    for fam in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if not fam.ispkg or fam.name.startswith("_"):
+            continue
+        family = importlib.import_module(f"{package.__name__}.{fam.name}")
+        for mod in sorted(pkgutil.iter_modules(family.__path__), key=lambda m: m.name):
+            if not mod.name.startswith("_"):
+                found.append(f"{family.__name__}.{mod.name}")
+    return found
+
+
 def _load() -> None:
+    """Import every rule module, on first use so that `import opswap` stays light."""
     global _loaded
     if not _loaded:
-        for mod in _FAMILY_MODULES:
+        for mod in rule_modules():
             importlib.import_module(mod)
         _loaded = True
 

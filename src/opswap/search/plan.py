@@ -21,6 +21,7 @@ from opswap.graph.capture import Captured, copy_module
 from opswap.rules import registry
 from opswap.rules.apply import Applied, Failure, apply_sites, rewrite_site
 from opswap.rules.base import EXACTNESS_ORDER, Estimate, Miss, Rule, Site, misses_of, sites_of
+from opswap.rules.order import ordered
 
 PLAN_VERSION = 1
 
@@ -169,7 +170,9 @@ def _check_plan(data: Any) -> None:
 
 
 def _ordered(rules: list[Rule]) -> list[Rule]:
-    return sorted(rules, key=lambda r: (r.late, r.chapter, r.name))
+    """The rules in the order their after/before/phase declarations require (ties by
+    chapter, then name); see rules/order.py."""
+    return ordered(rules)
 
 
 def make_plan(

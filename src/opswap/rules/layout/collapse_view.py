@@ -1,4 +1,6 @@
-"""Chains of layout ops, and the one shape a chain of reshapes amounts to.
+"""layout.collapse_view: a chain of reshapes becomes one reshape, or nothing.
+
+Chains of layout ops, and the one shape a chain of reshapes amounts to.
 
 view, reshape, flatten, unflatten, squeeze and unsqueeze all keep a tensor's elements
 in row-major order; only the sizes change. A chain of them is therefore
@@ -11,41 +13,19 @@ from a size that is only known at run time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.fx as fx
 
 from opswap.graph.ops import raw_name
-from opswap.graph.shapes import dynamic_dims, info, shapes_seen
+from opswap.graph.shapes import dynamic_dims, info, same_everywhere, shapes_seen
+from opswap.rules._cost import bytes_estimate
+from opswap.rules._edits import shape_args
+from opswap.rules.base import Estimate, Miss, Site
+from opswap.rules.layout._base import Check, LayoutRule, chain_sites, fewer, replace_chain
+from opswap.rules.registry import register
 
 _SHAPE_NAMES = {"view", "_unsafe_view", "reshape", "flatten", "squeeze", "unsqueeze",
                 "unflatten", "Flatten", "Unflatten"}
-
-
-def chain_from(
-    node: fx.Node, is_link: Callable[[fx.Node], bool]
-) -> tuple[list[fx.Node] | None, tuple[fx.Node, str] | None]:
-    """The longest chain of links starting at `node` whose intermediates have no other
-    reader, and (next node, reason) when it stops early because one has; (None, None)
-    when `node` is not a link or is inside a chain that starts earlier."""
-    if not is_link(node):
-        return None, None
-    src = node.args[0]
-    if isinstance(src, fx.Node) and is_link(src) and len(src.users) == 1:
-        return None, None
-    chain = [node]
-    while True:
-        cur = chain[-1]
-        nxt = [u for u in cur.users if is_link(u) and u.args and u.args[0] is cur]
-        if not nxt:
-            return chain, None
-        if len(cur.users) == 1:
-            chain.append(nxt[0])
-            continue
-        others = ", ".join(u.name for u in cur.users if u is not nxt[0])
-        return chain, (nxt[0], f"{cur.name}'s output is also read by {others}, so "
-                               f"{cur.name} and {nxt[0].name} cannot be merged")
 
 
 def is_shape_op(node: fx.Node) -> bool:
@@ -161,3 +141,48 @@ def collapsed_shape(chain: list[fx.Node]) -> tuple[list | None, str | None]:
             return recipe, None
     return None, (f"the shape {last.name} produces splits a dynamic size in a way one "
                   "reshape cannot follow at every batch or sequence length")
+
+
+def _collapsed(chain: list[fx.Node]) -> Check | None:
+    if same_everywhere(chain[0].args[0], chain[-1]):  # at the example and every probe
+        return Check("leave the shape unchanged", data={"identity": True})
+    if len(chain) == 1:
+        return None
+    shape, reason = collapsed_shape(chain)
+    if reason:
+        return Check(why=reason)
+    src = chain[0].args[0].name
+    shown = [a.name if isinstance(a, fx.Node) else
+             "*".join(f"{src}.size({d})" for d in a) if isinstance(a, tuple) else a
+             for a in shape]
+    return Check(f"as one reshape to {shown}", data={"identity": False})
+
+
+@register
+class CollapseView(LayoutRule):
+    name = "layout.collapse_view"
+    description = (
+        "Chains of view/reshape/flatten/(un)squeeze become one reshape to the final shape, "
+        "and a view to the shape a tensor already has is removed. All of them keep elements "
+        "in row-major order, so one reshape of the chain's input gives the same tensor. "
+        "They are views: this saves op dispatches, not memory traffic."
+    )
+
+    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
+        return chain_sites(self, gm, is_shape_op, _collapsed)
+
+    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
+        chain = self._nodes(gm, site)
+        if site.data["identity"]:
+            replace_chain(gm, chain, None, None)
+            return
+        shape, reason = collapsed_shape(chain)
+        if reason:
+            raise ValueError(reason)
+        with gm.graph.inserting_before(chain[-1]):
+            shape = shape_args(gm.graph, chain[-1], chain[0].args[0], shape)
+        replace_chain(gm, chain, "reshape", shape)
+
+    def _predict(self, gm, site, target) -> Estimate:
+        saved = len(site.nodes) - (0 if site.data["identity"] else 1)
+        return bytes_estimate(0, target, f"views move no data; {fewer(saved)}")

@@ -1,5 +1,6 @@
-"""Edit a captured graph for the fusion rules: new constants, swapped weights and modules,
-and the clean-up that keeps the state_dict free of tensors nothing reads any more.
+"""Edit a captured graph: new constants, swapped weights and modules, new nodes in the
+graph's own flavour, and the clean-up that keeps the state_dict free of tensors
+nothing reads any more.
 
 Two habits run through it. Names are kept where possible: a module or attribute
 used only by the rewritten node is replaced in place, so 'conv1.weight' stays
@@ -11,13 +12,17 @@ it replaces, so later matches in the same pass can read its shape.
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
-from opswap.graph.ops import arg, attr_tensor, copy_meta, set_attr_tensor
-from opswap.rules._access import Weighted
+from opswap.graph.ops import arg, attr_tensor, copy_meta, is_aten, set_attr_tensor
+from opswap.rules._weights import Weighted
+
+aten = torch.ops.aten
 
 
 def _exclusive_module(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -198,7 +203,9 @@ def swap_in_module(gm: fx.GraphModule, mod: nn.Module, args: tuple, out: fx.Node
 
 def erase(gm: fx.GraphModule, nodes) -> list[fx.Node]:
     """Erase the given nodes (latest first) that no longer have users; returns the
-    get_attr nodes they read that are still in the graph, for `drop_dead_attrs`."""
+    get_attr nodes they read that are still in the graph, for `drop_dead_attrs`.
+    Done here, not left to dead-code elimination, which keeps random ops such as
+    aten.dropout."""
     consts: list[fx.Node] = []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in sorted({n for n in nodes if n in order}, key=lambda n: -order[n]):
@@ -211,18 +218,20 @@ def erase(gm: fx.GraphModule, nodes) -> list[fx.Node]:
 
 def drop_dead_attrs(gm: fx.GraphModule, nodes) -> None:
     """Erase get_attr nodes among `nodes` that lost every user, and the attributes behind
-    them when nothing else reads those, so the state_dict loses the folded tensors too."""
+    them when nothing else reads those (another get_attr, or a module call that may read
+    it internally), so the state_dict loses the folded tensors too."""
     for n in list(nodes):
         if not isinstance(n, fx.Node) or n.op != "get_attr" or n.users:
             continue
         if n not in set(gm.graph.nodes):
             continue
         target = str(n.target)
+        owner = target.rpartition(".")[0]
         gm.graph.erase_node(n)
         if any(m.op == "get_attr" and str(m.target) == target for m in gm.graph.nodes):
             continue
-        if any(m.op == "call_module" and target.startswith(str(m.target) + ".")
-               for m in gm.graph.nodes):
+        if any(m.op == "call_module" and (target.startswith(str(m.target) + ".") or (
+                owner and str(m.target).startswith(owner + "."))) for m in gm.graph.nodes):
             continue
         *parents, leaf = target.split(".")
         obj = gm
@@ -238,4 +247,49 @@ def const_args(node: fx.Node) -> list[fx.Node]:
     for a in [*node.args, *node.kwargs.values()]:
         if isinstance(a, fx.Node) and a.op == "get_attr":
             out.append(a)
+    return out
+
+
+# --------------------------------------------------------------------------- new nodes, in the graph's flavour
+
+_SPELLINGS = {
+    "permute": (aten.permute.default, torch.permute),
+    "reshape": (aten.reshape.default, torch.reshape),
+    "linear": (aten.linear.default, F.linear),
+}
+
+
+def call(graph: fx.Graph, like: fx.Node, op: str, args: tuple, kwargs=None) -> fx.Node:
+    """Create `op` (permute, reshape, linear, contiguous, clone) spelled like `like`'s flavour.
+
+    Use inside `graph.inserting_before/after(...)`.
+    """
+    kwargs = dict(kwargs or {})
+    if op in ("contiguous", "clone"):
+        if is_aten(like):
+            return graph.call_function(getattr(aten, op).default, args, kwargs)
+        return graph.call_method(op, args, kwargs)
+    target = _SPELLINGS[op][0 if is_aten(like) else 1]
+    return graph.call_function(target, args, kwargs)
+
+
+
+
+def shape_args(graph: fx.Graph, like: fx.Node, src: fx.Node, shape: list) -> list:
+    """A reshape's size list with every tuple of input dims (see layout/collapse_view) replaced
+    by nodes computing the product of `src`'s sizes along them at run time. Use inside
+    `graph.inserting_before/after(...)`."""
+    out = []
+    for item in shape:
+        if not isinstance(item, tuple):
+            out.append(item)
+            continue
+        total = None
+        for d in item:
+            if is_aten(like):
+                size = graph.call_function(aten.sym_size.int, (src, d))
+            else:
+                size = graph.call_method("size", (src, d))
+            total = size if total is None else graph.call_function(operator.mul, (total, size))
+        out.append(total)
     return out

@@ -1,12 +1,13 @@
-"""Read the parts of a node whatever the capture flavour.
+"""The weights of the ops rules fold things into, read in any capture flavour, and the
+one way to fold a per-channel affine map into them.
 
 The same convolution reaches a rule as an `nn.Conv2d` call_module (FX), as
 `torch.conv2d(x, self.w)` with a get_attr weight (FX, functional code), or as
-`aten.conv2d.default` / `aten.convolution.default` (torch.export). Rules ask
-the questions below instead: "what are this conv's weight and settings?", "is
-this BatchNorm using running statistics, and what are they?", "is this value a
-constant, and which tensor is it?". Each answer is a small dataclass, or a
-reason string a user can read when the node does not qualify.
+`aten.conv2d.default` / `aten.convolution.default` (torch.export). `weighted` reads
+any of them into a `Weighted`; `batch_norm` reads an inference BatchNorm into its
+running statistics. Each returns the dataclass, or a reason string a user can read
+when the node does not qualify. `fold_affine` turns "op, then y * scale + shift per
+output channel" into new weights for the op alone.
 """
 
 from __future__ import annotations
@@ -19,71 +20,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from opswap.graph.ops import arg, attr_tensor, module_of, op_kind, raw_name
-from opswap.graph.shapes import info
-
-aten = torch.ops.aten
-
-# Ops that only relabel a constant: a weight spelled `self.w.t()` is still a constant.
-_CONST_KINDS = {"transpose", "permute", "view", "reshape", "contiguous", "identity", "squeeze",
-                "expand", "flatten"}
-
-
-def const(gm: fx.GraphModule, value, depth: int = 6) -> torch.Tensor | None:
-    """The constant tensor `value` stands for, or None when it depends on an input.
-
-    A get_attr node is a constant; so is a short chain of layout ops (t, permute,
-    view, ...) applied to one, which is evaluated here.
-    """
-    if isinstance(value, torch.Tensor):
-        return value
-    if not isinstance(value, fx.Node) or depth == 0:
-        return None
-    if value.op == "get_attr":
-        return attr_tensor(gm, value)
-    if value.op not in ("call_function", "call_method") or op_kind(value) not in _CONST_KINDS:
-        return None
-    args = []
-    for a in value.args:
-        if isinstance(a, fx.Node):
-            a = const(gm, a, depth - 1)
-            if a is None:
-                return None
-        elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
-            return None
-        args.append(a)
-    if any(isinstance(v, fx.Node) for v in value.kwargs.values()):
-        return None
-    with torch.no_grad():
-        if value.op == "call_method":
-            return getattr(args[0], str(value.target))(*args[1:], **value.kwargs)
-        return value.target(*args, **value.kwargs)
-
-
-def describe_source(node) -> str:
-    """'an input of the model' / 'computed by mul_2': where a non-constant comes from."""
-    if not isinstance(node, fx.Node):
-        return "not a tensor"
-    if node.op == "placeholder":
-        return f"the model input {node.name}"
-    return f"computed at run time by {node.name}"
-
-
-def users_outside(node: fx.Node, allowed) -> list[fx.Node]:
-    """Users of `node` that are not in `allowed`."""
-    allowed = set(allowed)
-    return [u for u in node.users if u not in allowed]
-
-
-def shared_reason(node: fx.Node, allowed, what: str) -> str | None:
-    """A sentence saying `node`'s output escapes the pattern, or None when it does not."""
-    others = users_outside(node, allowed)
-    if not others:
-        return None
-    names = ", ".join(u.name for u in others[:3])
-    return f"{node.name}'s output is also read by {names}, so {what}"
-
-
+from opswap.graph.ops import arg, module_of, op_kind, raw_name
+from opswap.rules._matching import const, describe_source
 
 
 def _ntuple(v, n: int):
@@ -283,12 +221,35 @@ def batch_norm(gm: fx.GraphModule, node: fx.Node) -> BatchNormParts | str:
                           tensors["weight"], tensors["bias"])
 
 
-def input_of(node: fx.Node) -> fx.Node | None:
-    """The first tensor argument (the activation) of a call."""
-    a = node.args[0] if node.args else node.kwargs.get("input")
-    return a if isinstance(a, fx.Node) else None
+# --------------------------------------------------------------------------- folding
 
 
-def shape_of(node) -> tuple[int, ...] | None:
-    i = info(node)
-    return None if i is None else i.shape
+def fold_affine(w: Weighted, scale: torch.Tensor, shift: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight and bias of `w` followed by y * scale + shift, per output channel.
+
+    `scale` has one value per output channel (or one for all); `shift` likewise, or
+    None for no shift, in which case a bias-free op stays bias-free. Computed in
+    float64 and cast back, so the fold adds no more than one rounding per weight.
+    """
+    scale = scale.detach().double().reshape(-1).expand(w.out_channels)
+    weight = w.weight.detach().double()
+    if w.transposed:
+        # weight: [C_in, C_out / groups, *k]; output channel = group * (C_out/groups) + j
+        g = w.groups
+        grouped = weight.reshape(g, weight.shape[0] // g, *weight.shape[1:])
+        weight = (grouped * scale.reshape(g, 1, -1, *[1] * (weight.dim() - 2))).reshape(weight.shape)
+    else:
+        weight = weight * scale.reshape(-1, *[1] * (weight.dim() - 1))
+    weight = weight.to(w.weight.dtype).contiguous()
+    if w.bias is None and shift is None:
+        return weight, None
+    if w.bias is None:
+        bias = torch.zeros(w.out_channels, dtype=torch.float64, device=scale.device)
+        bias_dtype = w.weight.dtype
+    else:
+        bias, bias_dtype = w.bias.detach().double(), w.bias.dtype
+    bias = bias * scale
+    if shift is not None:
+        bias = bias + shift.detach().double()
+    return weight, bias.to(bias_dtype)

@@ -1,10 +1,11 @@
-"""What a fusion saves, in the cost model's terms.
+"""What a rewrite saves, in the cost model's terms.
 
 Every op in the cost model is costed as if it ran alone: it reads its inputs
 from memory and writes its output back. A fusion removes ops (a folded
 BatchNorm, a ReLU done in a GEMM's epilogue) or replaces several with one; the
 saving is the roofline time of what is removed minus that of what is added,
-each kernel timed as max(flops / peak, bytes / bandwidth).
+each kernel timed as max(flops / peak, bytes / bandwidth). A rewrite that only
+removes data movement (a copy, a layout conversion) is costed by its bytes alone.
 """
 
 from __future__ import annotations
@@ -44,3 +45,22 @@ def saving(target, removed: Iterable[fx.Node], added: Iterable[NodeCost] = (),
         # must not read as "slower" to the planner
         dt = 0.0
     return Estimate(float(flops), float(nbytes), dt, note)
+
+
+def moved_bytes(nodes) -> int:
+    """Bytes the cost model says these nodes move per call (0 for views and no-ops)."""
+    total = 0
+    for n in nodes:
+        try:
+            total += node_cost(n).bytes
+        except Exception:  # a node created earlier in this pass has no shapes yet
+            i = info(n)
+            total += 2 * i.nbytes if i is not None else 0
+    return total
+
+
+def bytes_estimate(bytes_saved: int, target, note: str) -> Estimate:
+    """Estimate for a rewrite that saves `bytes_saved` of memory traffic and no FLOPs."""
+    bw = getattr(target, "mem_bandwidth", None)
+    return Estimate(bytes_saved=float(bytes_saved),
+                    time_saved_s=bytes_saved / bw if bw else None, note=note)

@@ -20,9 +20,9 @@ from torch import nn
 from opswap.cost import NodeCost, node_cost
 from opswap.graph.ops import arg, op_kind
 from opswap.graph.shapes import dynamic_dims, info
-from opswap.rules._access import const, describe_source
-from opswap.rules._fusion_cost import saving
-from opswap.rules._fusion_edit import swap_in_module
+from opswap.rules._cost import saving
+from opswap.rules._edits import swap_in_module
+from opswap.rules._matching import const, describe_source
 from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
 from opswap.rules.registry import register
 

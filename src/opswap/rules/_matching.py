@@ -1,80 +1,96 @@
-"""Graph questions the layout rules ask: which permutation a node applies, what its
-strides are, whether anything writes in place, what may share memory with what,
-and how to spell a new node in the flavour of the graph (FX torch calls or ATen).
+"""Questions rules ask about nodes, whatever the capture flavour: what is this node's
+input, is this value a constant (and which tensor), who else reads it, which
+permutation does it apply, what are its strides, what may share memory with it.
+
+Shapes and dtypes are read with `opswap.graph.shapes` (`info`, `shape`,
+`shapes_seen`, `dynamic_dims`); the helpers here add only what that module does not
+answer. Each answer is a value, or None when the node does not have the property;
+reason strings a user reads are built by the rules from these answers.
 """
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from opswap.graph.ops import arg, is_aten, op_kind, raw_name
+from opswap.graph.ops import arg, attr_tensor, op_kind, raw_name
 from opswap.graph.shapes import info
 
-aten = torch.ops.aten
-
-# --------------------------------------------------------------------------- flavour
+# --------------------------------------------------------------------------- inputs, readers
 
 
-
-
-_SPELLINGS = {
-    "permute": (aten.permute.default, torch.permute),
-    "reshape": (aten.reshape.default, torch.reshape),
-    "linear": (aten.linear.default, F.linear),
-}
-
-
-def call(graph: fx.Graph, like: fx.Node, op: str, args: tuple, kwargs=None) -> fx.Node:
-    """Create `op` (permute, reshape, linear, contiguous, clone) spelled like `like`'s flavour.
-
-    Use inside `graph.inserting_before/after(...)`.
-    """
-    kwargs = dict(kwargs or {})
-    if op in ("contiguous", "clone"):
-        if is_aten(like):
-            return graph.call_function(getattr(aten, op).default, args, kwargs)
-        return graph.call_method(op, args, kwargs)
-    target = _SPELLINGS[op][0 if is_aten(like) else 1]
-    return graph.call_function(target, args, kwargs)
-
-
-
-
-def shape_args(graph: fx.Graph, like: fx.Node, src: fx.Node, shape: list) -> list:
-    """A reshape's size list with every tuple of input dims (see _layout_shapes) replaced
-    by nodes computing the product of `src`'s sizes along them at run time. Use inside
-    `graph.inserting_before/after(...)`."""
-    out = []
-    for item in shape:
-        if not isinstance(item, tuple):
-            out.append(item)
-            continue
-        total = None
-        for d in item:
-            if is_aten(like):
-                size = graph.call_function(aten.sym_size.int, (src, d))
-            else:
-                size = graph.call_method("size", (src, d))
-            total = size if total is None else graph.call_function(operator.mul, (total, size))
-        out.append(total)
-    return out
-
-
-def erase_unused(graph: fx.Graph, nodes) -> None:
-    """Erase `nodes` (given in graph order) that nothing reads any more. Done here, not
-    left to dead-code elimination, which keeps random ops such as aten.dropout."""
-    for n in reversed(list(nodes)):
-        if not n.users:
-            graph.erase_node(n)
+def input_of(node: fx.Node) -> fx.Node | None:
+    """The first tensor argument (the activation) of a call."""
+    a = node.args[0] if node.args else node.kwargs.get("input")
+    return a if isinstance(a, fx.Node) else None
 
 
 def by_name(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return {n.name: n for n in gm.graph.nodes}
+
+
+def users_outside(node: fx.Node, allowed) -> list[fx.Node]:
+    """Users of `node` that are not in `allowed`."""
+    allowed = set(allowed)
+    return [u for u in node.users if u not in allowed]
+
+
+def shared_reason(node: fx.Node, allowed, what: str) -> str | None:
+    """A sentence saying `node`'s output escapes the pattern, or None when it does not."""
+    others = users_outside(node, allowed)
+    if not others:
+        return None
+    names = ", ".join(u.name for u in others[:3])
+    return f"{node.name}'s output is also read by {names}, so {what}"
+
+
+# --------------------------------------------------------------------------- constants
+
+
+# Ops that only relabel a constant: a weight spelled `self.w.t()` is still a constant.
+_CONST_KINDS = {"transpose", "permute", "view", "reshape", "contiguous", "identity", "squeeze",
+                "expand", "flatten"}
+
+
+def const(gm: fx.GraphModule, value, depth: int = 6) -> torch.Tensor | None:
+    """The constant tensor `value` stands for, or None when it depends on an input.
+
+    A get_attr node is a constant; so is a short chain of layout ops (t, permute,
+    view, ...) applied to one, which is evaluated here.
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, fx.Node) or depth == 0:
+        return None
+    if value.op == "get_attr":
+        return attr_tensor(gm, value)
+    if value.op not in ("call_function", "call_method") or op_kind(value) not in _CONST_KINDS:
+        return None
+    args = []
+    for a in value.args:
+        if isinstance(a, fx.Node):
+            a = const(gm, a, depth - 1)
+            if a is None:
+                return None
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+            return None
+        args.append(a)
+    if any(isinstance(v, fx.Node) for v in value.kwargs.values()):
+        return None
+    with torch.no_grad():
+        if value.op == "call_method":
+            return getattr(args[0], str(value.target))(*args[1:], **value.kwargs)
+        return value.target(*args, **value.kwargs)
+
+
+def describe_source(node) -> str:
+    """'an input of the model' / 'computed by mul_2': where a non-constant comes from."""
+    if not isinstance(node, fx.Node):
+        return "not a tensor"
+    if node.op == "placeholder":
+        return f"the model input {node.name}"
+    return f"computed at run time by {node.name}"
 
 
 # --------------------------------------------------------------------------- permutations

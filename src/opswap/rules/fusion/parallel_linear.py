@@ -1,8 +1,4 @@
-"""fusion.matmul_add and fusion.parallel_linear: GEMMs that should be one GEMM call.
-
-`x @ W + b` with constant W and b runs a GEMM that writes x @ W, then an add
-that reads it back with b and writes the sum: one linear (GEMM with the bias in
-its epilogue) never materialises x @ W.
+"""fusion.parallel_linear: Linears reading the same input -> one wide Linear.
 
 Two or more Linears that read the same input (Q, K and V projections) read x
 once each; one Linear with the weights stacked reads x once, runs one larger
@@ -21,134 +17,14 @@ from torch import nn
 from opswap.cost import NodeCost, node_cost
 from opswap.graph.ops import arg, copy_meta, is_aten, op_kind, raw_name
 from opswap.graph.shapes import info, shapes_seen
-from opswap.rules._access import (
-    Weighted,
-    const,
-    describe_source,
-    input_of,
-    shared_reason,
-    weighted,
-)
-from opswap.rules._fusion_cost import saving
-from opswap.rules._fusion_edit import drop_dead_attrs, erase, fresh_path, new_const
+from opswap.rules._cost import saving
+from opswap.rules._edits import drop_dead_attrs, erase, fresh_path, new_const
+from opswap.rules._matching import input_of
+from opswap.rules._weights import Weighted, weighted
 from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
 from opswap.rules.registry import register
 
 aten = torch.ops.aten
-
-_MATMUL_NAMES = {"matmul", "__matmul__", "mm"}
-
-
-def _bias_vector(b, n: int, out_ndim: int, dtype: torch.dtype) -> torch.Tensor | str:
-    """b as a length-n bias vector when adding it broadcasts along the last dim only."""
-    if isinstance(b, (int, float)) and not isinstance(b, bool):
-        return torch.full((n,), float(b), dtype=dtype)
-    if b.dtype != dtype:
-        return f"the bias is {b.dtype} but x @ W is {dtype}, so the add would change the type"
-    if b.dim() > out_ndim or any(s != 1 for s in b.shape[:-1]) or (
-            b.dim() and b.shape[-1] not in (1, n)):
-        return (f"the added constant has shape {list(b.shape)}, which is not a bias along the "
-                f"last dim (expected [{n}])")
-    return b.reshape(-1).expand(n).clone() if b.dim() else b.reshape(1).expand(n).clone()
-
-
-@register
-class MatMulAdd(Rule):
-    """x @ W + b, with W [K, N] and b constants -> linear(x, W.T, b).
-
-    W is transposed once at rewrite time into Linear's [N, K] layout; the add
-    moves into the GEMM's epilogue, so x @ W is never written out and re-read.
-    """
-
-    name = "fusion.matmul_add"
-    family = "fusion"
-    chapter = 4
-    exactness = "exact"
-    description = ("x @ W + b with constant W [K, N] and bias b -> linear(x, W^T, b): the bias "
-                   "is added in the GEMM epilogue, so x @ W is not written out and re-read.")
-
-    def _check(self, gm: fx.GraphModule, add: fx.Node):
-        """(matmul, x, W, bias vector) or a reason; None when it is not a near-match."""
-        if op_kind(add) != "add" or len(add.args) != 2:
-            return None
-        pair = next(((a, b) for a, b in (add.args, add.args[::-1]) if isinstance(a, fx.Node)
-                     and op_kind(a) == "matmul" and raw_name(a) in _MATMUL_NAMES), None)
-        if pair is None:
-            return None
-        mm, b = pair
-        if not isinstance(b, (fx.Node, int, float)) or isinstance(b, bool):
-            return None
-        x, w_node = mm.args[0], mm.args[1]
-        w = const(gm, w_node)
-        b_t = b if not isinstance(b, fx.Node) else const(gm, b)
-        if w is None and b_t is None:
-            return None  # x @ y + z with nothing constant: not a near-match
-        if w is None:
-            return f"W of {mm.name} is not a constant: it is {describe_source(w_node)}"
-        if b_t is None:
-            return f"the bias added by {add.name} is not a constant: it is {describe_source(b)}"
-        if add.kwargs.get("alpha", 1) != 1:
-            return f"{add.name} scales its operand (alpha), which a linear's bias cannot express"
-        if w.dim() != 2:
-            return f"W of {mm.name} is {w.dim()}-D; a linear needs a 2-D weight"
-        out = info(mm)
-        if out is None:
-            return f"the shape of {mm.name} is unknown"
-        bias = _bias_vector(b_t, w.shape[1], len(out.shape), out.dtype)
-        if isinstance(bias, str):
-            return bias
-        shared = shared_reason(mm, {add}, "the add cannot move into its epilogue")
-        if shared:
-            return shared
-        return mm, x, w, bias
-
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        found: list[Site | Miss] = []
-        for node in gm.graph.nodes:
-            checked = self._check(gm, node)
-            if checked is None:
-                continue
-            if isinstance(checked, str):
-                found.append(self.miss(node, checked))
-                continue
-            mm = checked[0]
-            found.append(self.site(f"{mm.name}+{node.name}", [mm, node],
-                                   f"{mm.name} + {node.name} -> linear", matmul=mm.name,
-                                   add=node.name))
-        return found
-
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        add = node_by_name(gm, site.data["add"])
-        mm, x, w, bias = self._check(gm, add)
-        w_node = mm.args[1]
-        base = (str(w_node.target) if isinstance(w_node, fx.Node) and w_node.op == "get_attr"
-                else f"{mm.name}_weight")
-        wt = new_const(gm, mm, f"{base}_t", w.detach().t().contiguous())
-        b_node = add.args[1] if add.args[0] is mm else add.args[0]
-        b_given = const(gm, b_node) if isinstance(b_node, fx.Node) else None
-        if b_node is not None and isinstance(b_node, fx.Node) and b_node.op == "get_attr" \
-                and b_given is not None and tuple(b_given.shape) == tuple(bias.shape):
-            b = b_node  # already a bias vector: keep it (and its name)
-        else:
-            b = new_const(gm, mm, f"{base}_bias", bias.detach().clone())
-        fn = aten.linear.default if is_aten(mm) else F.linear
-        with gm.graph.inserting_before(add):
-            new = gm.graph.call_function(fn, (x, wt, b))
-        copy_meta(new, add)
-        add.replace_all_uses_with(new)
-        drop_dead_attrs(gm, erase(gm, [add, mm]))
-
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        add = node_by_name(gm, site.data["add"])
-        out = info(add)
-        bias_bytes = out.nbytes // max(out.numel, 1) * out.shape[-1] if out and out.shape else 0
-        # the add's arithmetic happens in the GEMM epilogue, which also reads the bias once
-        epilogue = NodeCost(node_cost(add).flops, bias_bytes)
-        return saving(target, [add], [epilogue], "bias added in the GEMM epilogue: x @ W is "
-                      "not written out and re-read")
-
-
-# --------------------------------------------------------------------------- parallel Linears
 
 
 def _leaf(w: Weighted) -> tuple[str, str]:
@@ -205,6 +81,9 @@ class ParallelLinear(Rule):
     description = ("Several Linears reading the same input (e.g. Q, K, V projections) -> one "
                    "Linear with stacked weights and a slice per reader: the input is read once, "
                    "and one larger GEMM replaces k small ones.")
+    # Linears that matmul_add creates, or whose BatchNorm linear_bn folds, can merge too;
+    # after merging, a BatchNorm would follow a slice, which linear_bn cannot fold
+    after = ("fusion.matmul_add", "fusion.linear_bn")
 
     def _groups(self, gm: fx.GraphModule):
         """{input: [Weighted]} of mergeable linears, plus misses."""

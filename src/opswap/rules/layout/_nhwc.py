@@ -20,7 +20,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from opswap.errors import RuleError
 from opswap.graph.ops import attr_tensor, module_of, op_kind, raw_name, set_attr_tensor
 from opswap.graph.shapes import info
-from opswap.rules._layout_graph import call
+from opswap.rules._edits import call
 
 CL = torch.channels_last
 

@@ -1,0 +1,39 @@
+"""fusion.conv_bn: fold an inference BatchNorm into the convolution before it."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.fusion._bn_fold import bn_fold_sites, bn_saving, fold_into
+from opswap.rules.registry import register
+
+
+@register
+class ConvBatchNorm(Rule):
+    """Fold an inference BatchNorm into the convolution before it.
+
+    In eval mode BatchNorm is a per-channel affine map, y = x * s + t, so it can
+    be multiplied into the conv's weight (w * s per output channel) and bias
+    (b * s + t). The BN kernel, and with it a full write and re-read of the conv
+    output, disappears. Also handles transposed convolutions.
+    """
+
+    name = "fusion.conv_bn"
+    family = "fusion"
+    chapter = 4
+    exactness = "exact"
+    targets = ("any",)
+    description = ("Conv (1d/2d/3d, also transposed) + eval BatchNorm -> one conv with the BN "
+                   "folded into its weight and bias; saves the BN's read and write of the conv "
+                   "output.")
+
+    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
+        return bn_fold_sites(self, gm, ("conv", "conv_transpose"), "conv")
+
+    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
+        fold_into(gm, node_by_name(gm, site.data["conv"]), node_by_name(gm, site.data["bn"]))
+
+    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
+        return bn_saving(gm, site, target, "BatchNorm folded into the conv weights: one "
+                         "read and one write of the conv output saved")

@@ -1,0 +1,142 @@
+"""fusion.conv_relu: Conv (+ eval BatchNorm) + ReLU -> one conv with the ReLU in its epilogue."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from opswap.cost import NodeCost, node_cost
+from opswap.graph.ops import arg, copy_meta, op_kind
+from opswap.rules._cost import saving
+from opswap.rules._edits import drop_dead_attrs, erase, install_module, swap_in_module
+from opswap.rules._matching import input_of, shared_reason
+from opswap.rules._weights import Weighted, batch_norm, weighted
+from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.fusion._bn_fold import check_fold, fold
+from opswap.rules.fusion._fused_conv_relu import FusedConvReLU
+from opswap.rules.registry import register
+
+
+def _zero_padding(w: Weighted, conv: fx.Node) -> tuple[int, ...] | str:
+    """Explicit symmetric zero padding of a conv, or why it has none."""
+    if w.padding_mode != "zeros":
+        return (f"{conv.name} pads with padding_mode={w.padding_mode!r}; the fused kernel "
+                "pads with zeros only")
+    if not isinstance(w.padding, str):
+        return tuple(w.padding)
+    if w.padding == "valid":
+        return (0,) * (w.weight.dim() - 2)
+    total = [d * (k - 1) for d, k in zip(w.dilation, w.weight.shape[2:], strict=True)]
+    if any(t % 2 for t in total):
+        return (f"{conv.name} uses padding='same' with an even kernel, which pads unevenly; "
+                "the fused kernel pads both sides equally")
+    return tuple(t // 2 for t in total)
+
+
+@register
+class ConvReLU(Rule):
+    """Conv (+ eval BatchNorm) + ReLU -> one convolution with the ReLU in its epilogue.
+
+    It runs after conv_bn (declared below), so the BatchNorms are folded first and
+    this rule sees Conv -> ReLU; it also takes Conv -> BN -> ReLU itself (folding
+    the BN) when run without conv_bn. The installed
+    FusedConvReLU runs oneDNN's conv with a fused ReLU post-op on CPU (float32, the
+    weight reordered once) and cuDNN's conv+ReLU on CUDA; it falls back to
+    conv + in-place ReLU elsewhere. Saved: the write of the conv output and its
+    re-read by the ReLU (plus the BatchNorm's, when folded here).
+    """
+
+    name = "fusion.conv_relu"
+    family = "fusion"
+    chapter = 4
+    exactness = "exact"
+    targets = ("cpu", "cuda")
+    # conv_bn refuses a conv that already has a fused ReLU: it must fold first
+    after = ("fusion.conv_bn",)
+    description = ("Conv (+ eval BatchNorm, folded) + ReLU -> FusedConvReLU: the ReLU is applied "
+                   "in the conv's epilogue (oneDNN on CPU, cuDNN on CUDA), so the conv output "
+                   "is never written and re-read.")
+
+    def _check(self, gm: fx.GraphModule, relu: fx.Node):
+        """(conv, bn or None, Weighted, padding) or a reason; None when not a near-match."""
+        prev = input_of(relu)
+        if prev is None:
+            return None
+        bn = prev if op_kind(prev) == "batch_norm" else None
+        conv = input_of(bn) if bn is not None else prev
+        if conv is None or op_kind(conv) not in ("conv", "conv_transpose"):
+            return None
+        if op_kind(conv) == "conv_transpose":
+            return f"{conv.name} is a transposed convolution; there is no fused ReLU kernel for it"
+        if bn is not None:
+            checked = check_fold(gm, conv, bn, conv.name)
+            if isinstance(checked, str):
+                return checked
+            w = checked[0]
+            shared = shared_reason(bn, {relu}, "the ReLU cannot be fused into the conv")
+        else:
+            w = weighted(gm, conv)
+            if isinstance(w, str):
+                return w
+            shared = shared_reason(conv, {relu}, "the ReLU cannot be fused into it")
+        if shared:
+            return shared
+        if w.transposed:
+            return f"{conv.name} is a transposed convolution; there is no fused ReLU kernel for it"
+        padding = _zero_padding(w, conv)
+        if isinstance(padding, str):
+            return padding
+        return conv, bn, w, padding
+
+    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
+        found: list[Site | Miss] = []
+        for node in gm.graph.nodes:
+            if op_kind(node) != "relu":
+                continue
+            checked = self._check(gm, node)
+            if checked is None:
+                continue
+            if isinstance(checked, str):
+                found.append(self.miss(node, checked))
+                continue
+            conv, bn, _, _ = checked
+            chain = [conv, bn, node] if bn is not None else [conv, node]
+            what = f"{conv.name} + BatchNorm {bn.name} + {node.name}" if bn is not None \
+                else f"{conv.name} + {node.name}"
+            found.append(self.site("+".join(n.name for n in chain), chain,
+                                   f"fuse {what} into one conv with a ReLU epilogue",
+                                   conv=conv.name, bn=bn.name if bn is not None else None,
+                                   relu=node.name))
+        return found
+
+    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
+        relu = node_by_name(gm, site.data["relu"])
+        conv, bn, w, padding = self._check(gm, relu)
+        if bn is not None:
+            weight, bias = fold(w, batch_norm(gm, bn))
+        else:
+            weight = w.weight.detach().clone()
+            bias = None if w.bias is None else w.bias.detach().clone()
+        grad = w.weight.requires_grad
+        fused = FusedConvReLU(weight, bias, w.stride, padding, w.dilation, w.groups, grad)
+        if conv.op == "call_module":
+            new = install_module(gm, conv, fused, str(conv.target))
+        else:
+            # function flavour: the fused module takes the name of the weights' container
+            # ('conv' for 'conv.weight') once nothing else reads it
+            removed = [relu, bn, conv] if bn is not None else [relu, conv]
+            swap_in_module(gm, fused, (input_of(conv),), relu, removed, f"{conv.name}_relu",
+                           home=arg(conv, 1, "weight"))
+            return
+        relu.replace_all_uses_with(new)
+        copy_meta(new, relu)
+        drop_dead_attrs(gm, erase(gm, [relu, bn] if bn is not None else [relu]))
+
+    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
+        relu = node_by_name(gm, site.data["relu"])
+        bn = node_by_name(gm, site.data["bn"]) if site.data.get("bn") else None
+        # the max(0, x) still runs, in the conv's epilogue, but moves no bytes
+        epilogue = NodeCost(node_cost(relu).flops, 0)
+        removed = [bn, relu] if bn is not None else [relu]
+        return saving(target, removed, [epilogue],
+                      "ReLU in the conv epilogue" + (" and BatchNorm folded" if bn else "")
+                      + ": the conv output is written once, never re-read")

@@ -1,0 +1,107 @@
+"""fusion.log_softmax: log(softmax(x, dim)) -> log_softmax(x, dim)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from opswap.cost import NodeCost, node_cost
+from opswap.graph.ops import arg, copy_meta, is_aten, module_of, op_kind, raw_name
+from opswap.rules._cost import saving
+from opswap.rules._edits import erase
+from opswap.rules._matching import input_of
+from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.registry import register
+
+aten = torch.ops.aten
+
+
+def _softmax_dim(gm: fx.GraphModule, sm: fx.Node):
+    """(dim, dtype or None, half_to_float) of a softmax node, or a reason string."""
+    if sm.op == "call_module":
+        dim = getattr(module_of(sm), "dim", None)
+        dtype, half = None, False
+    elif raw_name(sm) == "_safe_softmax":
+        return (f"{sm.name} is a masked (_safe_softmax) softmax, which returns 0 on fully "
+                "masked rows where log_softmax would return NaN")
+    elif raw_name(sm) == "_softmax":
+        dim, dtype, half = arg(sm, 1, "dim"), None, bool(arg(sm, 2, "half_to_float", False))
+    else:
+        dtype_at = 3 if sm.target is F.softmax else 2  # F.softmax(x, dim, _stacklevel, dtype)
+        dim, dtype, half = arg(sm, 1, "dim"), arg(sm, dtype_at, "dtype"), False
+    if dim is None:
+        return (f"{sm.name} is a softmax with an implicit dim (deprecated), so the dim "
+                "log_softmax should use is not known")
+    if not isinstance(dim, int) or isinstance(dtype, fx.Node):
+        return f"the dim of {sm.name} is computed at run time"
+    return dim, dtype, half
+
+
+@register
+class LogSoftmax(Rule):
+    """log(softmax(x, dim)) -> log_softmax(x, dim).
+
+    One kernel instead of two (the softmax output is no longer written and read
+    back), and more accurate: log_softmax computes x - max - log(sum(exp(x - max)))
+    directly, where log(softmax(x)) rounds tiny probabilities to 0 and returns -inf.
+    When the softmax output is also read elsewhere, the softmax stays for those
+    readers and only the log is replaced (same traffic, better accuracy).
+    """
+
+    name = "fusion.log_softmax"
+    family = "fusion"
+    chapter = 4
+    exactness = "exact"
+    description = ("log(softmax(x, dim)) -> log_softmax(x, dim): one kernel instead of two "
+                   "(the probabilities are not written and re-read) and numerically more "
+                   "stable (no log(0) = -inf for tiny probabilities).")
+
+    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
+        found: list[Site | Miss] = []
+        for node in gm.graph.nodes:
+            if op_kind(node) != "log" or raw_name(node) != "log":  # not log_: it writes in place
+                continue
+            sm = input_of(node)
+            if sm is None or op_kind(sm) != "softmax":
+                continue
+            checked = _softmax_dim(gm, sm)
+            if isinstance(checked, str):
+                found.append(self.miss(node, checked))
+                continue
+            shared = [u.name for u in sm.users if u is not node]
+            nodes = [node] if shared else [sm, node]
+            desc = f"replace log({sm.name}) by log_softmax"
+            if shared:
+                desc += f" ({sm.name} stays: {', '.join(shared[:3])} also read it)"
+            found.append(self.site(f"{sm.name}+{node.name}", nodes, desc, softmax=sm.name,
+                                   log=node.name, shared=bool(shared)))
+        return found
+
+    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
+        log = node_by_name(gm, site.data["log"])
+        sm = input_of(log)
+        dim, dtype, half = _softmax_dim(gm, sm)
+        x = input_of(sm)
+        with gm.graph.inserting_before(log):
+            if sm.op == "call_module" or not is_aten(sm):
+                kwargs = {"dtype": dtype} if dtype is not None else {}
+                new = gm.graph.call_function(torch.log_softmax, (x, dim), kwargs)
+            elif raw_name(sm) == "_softmax":
+                new = gm.graph.call_function(aten._log_softmax.default, (x, dim, half))
+            else:
+                args = (x, dim, dtype) if dtype is not None else (x, dim)
+                new = gm.graph.call_function(aten.log_softmax.int, args)
+        copy_meta(new, log)
+        log.replace_all_uses_with(new)
+        erase(gm, [log, sm])
+
+    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
+        log, sm = node_by_name(gm, site.data["log"]), node_by_name(gm, site.data["softmax"])
+        c_sm, c_log = node_cost(sm), node_cost(log)
+        # log_softmax reads x and writes the result: the bytes of the log alone
+        fused = NodeCost(c_sm.flops + c_log.flops, c_log.bytes)
+        removed = [log] if site.data.get("shared") else [sm, log]
+        note = ("softmax kept for its other readers; the log becomes log_softmax"
+                if site.data.get("shared") else "softmax probabilities no longer written and re-read")
+        return saving(target, removed, [fused], note)
