@@ -102,13 +102,7 @@ METHOD = st.sampled_from(["fx", "fx", "fx", "export"])
 
 
 def _eval_bn(kind, c: int) -> nn.Module:
-    bn = kind(c)
-    with torch.no_grad():
-        bn.running_mean.uniform_(-1, 1)
-        bn.running_var.uniform_(0.3, 3)
-        bn.weight.uniform_(0.5, 2)
-        bn.bias.uniform_(-1, 1)
-    return bn.eval()
+    return _bn(kind, c).eval()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
