@@ -231,7 +231,10 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
         build = _fx if how == "fx" else _export
         name = "FX symbolic tracing" if how == "fx" else "torch.export"
         try:
-            gm = build(model, inputs, dyn)
+            # each method traces a fresh copy: tracing runs the forward's Python, and a
+            # side effect there (`self.calls += 1` on a buffer) must not reach the graph's
+            # starting state nor the model the graph is checked against
+            gm = build(private_copy(model), inputs, dyn)
             failed = propagate(gm, inputs, probes(inputs, dyn))
         except Exception as e:  # tracing raises anything from TraceError to TypeError
             errors.append(f"{name} failed: {_describe(e)}")
