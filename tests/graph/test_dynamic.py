@@ -7,7 +7,7 @@ from torch import nn
 
 from opswap.errors import CaptureError
 from opswap.graph.capture import capture
-from opswap.graph.dynamic import at, detect, export_shapes, parse, variants
+from opswap.graph.dynamic import at, detect, export_shapes, parse, step_rows, variants
 from opswap.graph.shapes import dynamic_dims, shapes_seen
 
 
@@ -89,3 +89,38 @@ def test_export_of_batch_one_keeps_batch_static_and_says_why():
     c = capture(Text(), _text(b=1), method="export")
     assert "batch" not in [a.name for a in c.dynamic.axes]
     assert any("size-1" in n for n in c.notes)
+
+
+def _masks():
+    keep = torch.tensor([[6], [4], [1]])
+    right = (torch.arange(6) < keep).long()  # ones, then padding
+    return right, right.flip(-1)  # and the same rows padded on the left
+
+
+def test_step_rows_tells_padding_sides():
+    right, left = _masks()
+    assert step_rows(right) == "head" and step_rows(left) == "tail"
+    assert step_rows(right.bool()) == "head"
+    assert step_rows(torch.zeros(3, 6).masked_fill(right == 0, float("-inf"))) == "head"
+    assert step_rows(torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])) == "tail"  # token types
+    assert step_rows(torch.tensor([[1, 0, 1, 0]])) is None
+    assert step_rows(torch.tensor([[3, 7, 7], [9, 1, 2]])) is None  # token ids
+    assert step_rows(torch.ones(3, 6)) is None and step_rows(right[0]) is None
+
+
+def test_resizing_a_padding_mask_keeps_every_row_valid():
+    right, left = _masks()
+    ids = torch.randint(0, 50, (3, 6))
+    dyn = detect(lambda xs: Text()(xs[0], xs[1].float()), (ids, right))
+    seq = dyn.axis("seq")
+    for mask, side in ((right, "head"), (left, "tail")):
+        for n in (2, 5, 9):
+            _, cut = at((ids, mask), seq, n)
+            assert cut.shape == (3, n) and set(cut.unique().tolist()) <= {0, 1}
+            assert bool((cut.sum(1) >= 1).all()), (side, n)  # a row never loses all its ones
+            assert step_rows(cut) == side or bool((cut == 1).all())
+        _, cut = at((ids, mask), seq, 2)
+        # left padding is cut from the front, so the shortest row keeps its one token
+        assert cut[2].tolist() == ([1, 0] if side == "head" else [0, 1])
+    _, more = at((ids, right), dyn.axis("batch"), 5)
+    assert torch.equal(more[3], right[2]) and torch.equal(more[4], right[2])

@@ -1,5 +1,6 @@
 import torch
 
+from opswap.graph.dynamic import step_rows
 from opswap.verify.samples import make_samples
 
 
@@ -59,3 +60,28 @@ def test_single_tensor_and_layout():
     assert s[0] == (x,)
     assert s[1][0].is_contiguous(memory_format=torch.channels_last)
     assert make_samples(x, 0) == []
+
+
+def test_padding_masks_and_segments_get_new_run_lengths():
+    keep = torch.tensor([[9], [6], [3], [1]])
+    right = (torch.arange(9) < keep).long()  # attention mask, right padding: row 0 full
+    left = right.flip(-1)
+    types = (torch.arange(9) >= torch.tensor([[4], [3], [2], [1]])).long()  # two segments
+    noise = torch.randint(0, 2, (4, 9))
+    noise[0, :3] = torch.tensor([1, 0, 1])  # not one run of each
+    ex = (right, left, types, noise)
+    seen = set()
+    for s in make_samples(ex, 6, seed=3)[1:]:
+        new_right, new_left, new_types, new_noise = s
+        for mask, side in ((new_right, "head"), (new_left, "tail")):
+            assert mask.dtype == torch.int64 and set(mask.unique().tolist()) <= {0, 1}
+            assert bool((mask.sum(1) >= 1).all())  # every row keeps a real token
+            # still padding on the same side (or, by chance, no padding at all)
+            assert step_rows(mask) == side or bool((mask == 1).all())
+        assert bool((new_right[:, 0] == 1).all()) and bool((new_left[:, -1] == 1).all())
+        ones = new_types.sum(1)
+        assert bool(((ones >= 1) & (ones <= 8)).all())  # still two segments per row
+        assert step_rows(new_types) == "tail"
+        assert set(new_noise.unique().tolist()) == {0, 1}
+        seen.add(tuple(new_right.sum(1).tolist()))
+    assert len(seen) > 1  # new lengths, not the example's copied

@@ -131,12 +131,35 @@ def _probe_size(name: str, size: int) -> int:
     return size + 1
 
 
+def step_rows(x: torch.Tensor) -> str | None:
+    """How the rows (last dim) of a two-valued tensor run, when each is one run of its
+    high value and one of its low: "head" (high first: a right-padded 0/1 attention mask,
+    0/-inf alike), "tail" (high last: a left-padded mask, token_type_ids 0..0 1..1), else
+    None. Rows of one value fit both and read as "head"."""
+    if x.dim() < 2 or x.shape[-1] < 2 or x.numel() == 0 or x.is_complex() or x.layout != torch.strided:
+        return None
+    lo, hi = x.min(), x.max()
+    if bool(lo == hi) or not bool(((x == lo) | (x == hi)).all()):
+        return None
+    rows = (x == hi).reshape(-1, x.shape[-1]).to(torch.int8)
+    step = rows[:, 1:] - rows[:, :-1]
+    if bool((step <= 0).all()):
+        return "head"
+    if bool((step >= 0).all()):
+        return "tail"
+    return None
+
+
 def _resize(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     """`x` with size `n` along `dim`: cut, or extended by repeating its last slice (a
-    padding mask stays a padding mask); memory format kept."""
+    padding mask stays a padding mask); memory format kept. A mask whose rows end in its
+    high value (left padding) is cut from the front along its rows, so that every row
+    keeps the run of ones it had at its end."""
     cur = x.shape[dim]
     if n <= cur:
-        y = x.narrow(dim, 0, n)
+        last = dim in (-1, x.dim() - 1)
+        start = cur - n if n < cur and last and step_rows(x) == "tail" else 0
+        y = x.narrow(dim, start, n)
     else:
         last = x.narrow(dim, cur - 1, 1)
         shape = list(x.shape)

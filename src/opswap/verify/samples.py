@@ -6,6 +6,10 @@ Each new sample keeps every input's shape, dtype, device and strides:
   a normalised image stays normalised and hidden states keep their scale;
 - integer tensors (token ids, indices, class labels) are drawn uniformly from the
   example's [min, max], so an embedding lookup stays inside its table;
+- integer tensors of two values whose every row is one run of each (a 0/1 attention
+  mask, ones then zeros or zeros then ones; token_type_ids 0..0 1..1) get new run
+  lengths instead, the order of the runs kept: a mask stays a padding mask with at
+  least one 1 per row where the example had one in every row, two segments stay two;
 - bool tensors, tensors of a single value or of two values (0/1 or 0/-inf
   attention masks, padding masks stored as floats), tensors with NaN/Inf,
   complex tensors and non-tensor arguments are copied unchanged: they encode
@@ -20,6 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from opswap.graph.capture import as_inputs
+from opswap.graph.dynamic import step_rows
 
 
 def _is_structural(x: torch.Tensor) -> bool:
@@ -28,6 +33,19 @@ def _is_structural(x: torch.Tensor) -> bool:
         return True
     lo, hi = x.min(), x.max()
     return bool(((x == lo) | (x == hi)).all())
+
+
+def _new_runs(x: torch.Tensor, side: str, lo: int, hi: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows of `x` (one run of `hi` and one of `lo` each) with new run lengths; a row keeps
+    at least one `hi` (one `lo`) where every row of `x` had one."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    low = 1 if bool((rows == hi).any(1).all()) else 0
+    high = n - 1 if bool((rows == lo).any(1).all()) else n
+    k = torch.randint(low, max(low, high) + 1, (rows.shape[0], 1), generator=gen)
+    pos = torch.arange(n).unsqueeze(0)
+    is_hi = pos < k if side == "head" else pos >= n - k
+    return torch.where(is_hi, hi, lo).to(torch.int64).reshape(x.shape)
 
 
 def _fresh(x, gen: torch.Generator):
@@ -46,7 +64,11 @@ def _fresh(x, gen: torch.Generator):
         lo, hi = int(x.min()), int(x.max())
         if lo == hi:
             return x.clone()
-        new = torch.randint(lo, hi + 1, x.shape, generator=gen, dtype=torch.int64)
+        side = step_rows(x)
+        if side is not None:
+            new = _new_runs(x, side, lo, hi, gen)
+        else:
+            new = torch.randint(lo, hi + 1, x.shape, generator=gen, dtype=torch.int64)
     out = torch.empty_like(x)  # keeps strides (channels_last stays channels_last)
     out.copy_(new.to(x.device))
     return out
