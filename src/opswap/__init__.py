@@ -6,6 +6,8 @@ the numbers still match, and measure the gain. See README.md.
     import opswap
     loaded = opswap.load("zoo:resnet")
     result = opswap.optimize(loaded.module, loaded.example_inputs, target="cpu")
+    result.save("out/resnet")
+    fast = opswap.load_optimized("out/resnet")   # the saved winner; run it under inference_mode
 
 `opswap.verify` and `opswap.bench` are packages that can be called like the
 functions in opswap.api; `opswap.rules` is the rules package (`all_rules()`).
@@ -17,5 +19,7 @@ __version__ = "0.1.0"
 
 from opswap import bench, rules, verify  # noqa: E402
 from opswap.api import analyze, apply, load, optimize, plan  # noqa: E402
+from opswap.deploy import load_optimized  # noqa: E402
 
-__all__ = ["analyze", "apply", "bench", "load", "optimize", "plan", "rules", "verify"]
+__all__ = ["analyze", "apply", "bench", "load", "load_optimized", "optimize", "plan", "rules",
+           "verify"]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from opswap.bench.attribution import Attribution, attribute
 from opswap.bench.variants import parse_compare
 from opswap.bench.variants import run as run_variants
 from opswap.graph.capture import Captured, capture
@@ -39,7 +40,7 @@ class OptimizeConfig:
     layers: bool = True  # layer-by-layer comparison in the report
     rollback: bool = True  # bisect and drop sites that break the budget
     measure_rules: bool = True  # time the result without each rule (measured per-rule gain)
-    prune_slow: bool = True  # when the result is slower, drop the rules that measure slower
+    prune_slow: bool = True  # drop the rules the model measures faster without (beyond noise)
     device: str = "cpu"
     dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
     compare: str = "compile"  # baselines raced beside opswap's result: compile, or none
@@ -47,7 +48,8 @@ class OptimizeConfig:
 
 
 # which module a winning variant saves
-_SAVES = {"input": "input", "compile": "input", "captured": "captured"}
+_SAVES = {"input": "input", "compile": "input", "captured": "captured",
+          "opswap": "candidate", "opswap+compile": "candidate"}
 
 
 @dataclass
@@ -69,12 +71,17 @@ class Result:
     analysis_after: Any
     layers: Any = None
     benchmark: Any = None
-    rule_timings: list[Any] = field(default_factory=list)
+    rule_timings: list[Any] = field(default_factory=list)  # attribution.rules
+    attribution: Any = None  # bench.attribution.Attribution: per-rule savings and the total
     notes: list[str] = field(default_factory=list)
     dynamic: Any = None  # graph.dynamic.Dynamic: the sizes the saved model keeps symbolic
     variants: list[Any] = field(default_factory=list)  # bench.variants.VariantTiming, raced
     best: str = "opswap"  # the variant saved: input, captured, opswap, compile, opswap+compile
-    captured_gm: Any = None  # the capture with no rewrite (saved when `captured` wins)
+    captured_gm: Any = None  # the capture with no rewrite
+    # backends.pt2.Artifact of "input" and "candidate": the files the race timed
+    artifacts: dict[str, Any] = field(default_factory=dict)
+    # what ran: the inputs' names, shapes and dtypes, threads, device, the model's settings
+    run_info: dict[str, Any] = field(default_factory=dict)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
 
     def to_json(self) -> dict[str, Any]:
@@ -86,6 +93,7 @@ class Result:
             "versions": {"opswap": _version(), "torch": torch.__version__,
                          "python": platform.python_version()},
             "capture_method": self.plan.capture_method,
+            "run": self.run_info,
             "settings": {"rules": self.config.rules, "exactness": self.config.exactness,
                          "budget": self.config.budget, "samples": self.config.samples,
                          "dynamic": self.config.dynamic},
@@ -102,6 +110,7 @@ class Result:
             "verification": self.verification.to_json(),
             "benchmark": self.benchmark.to_json() if self.benchmark is not None else None,
             "rule_timings": [t.to_json() for t in self.rule_timings],
+            "attribution": self.attribution.to_json() if self.attribution is not None else None,
             "variants": [v.to_json() for v in self.variants],
             "best": self.best,
             "deploy": self.deploy(),
@@ -113,26 +122,38 @@ class Result:
         }
 
     @property
+    def _saved_kind(self) -> str:
+        return _SAVES.get(self.best, "candidate")
+
+    @property
+    def saved_artifact(self):
+        """The backends.pt2.Artifact written as model.pt2 (the file the race timed), or None
+        when there was no race or the winner's graph did not export."""
+        art = self.artifacts.get("candidate" if self._saved_kind == "candidate" else "input")
+        return art if art is not None and art.path is not None else None
+
+    @property
     def saved_module(self) -> nn.Module:
-        """The module saved as model.pt2: the winner of the race (the input itself when
-        nothing opswap made beat it)."""
-        kind = _SAVES.get(self.best, "candidate")
-        if kind == "input":
-            return self.reference
-        if kind == "captured" and self.captured_gm is not None:
-            return self.captured_gm
-        return self.candidate
+        """The module saved as model.pt2: the winner of the race as reloaded from the file
+        that was timed; the input itself when nothing opswap made beat it."""
+        art = self.saved_artifact
+        if art is not None and art.module is not None:
+            return art.module
+        return self.candidate if self._saved_kind == "candidate" else self.reference
 
     def deploy(self) -> dict[str, Any]:
         """What model.pt2 holds and how to run it."""
-        kind = _SAVES.get(self.best, "candidate")
+        kind = self._saved_kind
         compiled = self.best.endswith("compile")
-        holds = {"input": "your model, unchanged: nothing opswap made beat it in this run",
-                 "captured": "opswap's capture of your model, with no rewrite",
+        holds = {"input": "your model, unchanged (as exported; its time is the `captured` "
+                          "row): nothing opswap made beat your model in this run",
+                 "captured": "your model as exported, with no rewrite",
                  "candidate": "opswap's optimized model"}[kind]
-        how = "torch.export.load(path).module()" + (", then torch.compile it" if compiled else "")
+        how = "opswap.load_optimized(DIR)" + (" (compiles it with torch.compile)"
+                                              if compiled else "")
         return {"variant": self.best, "artifact": "model.pt2", "holds": holds,
-                "compile": compiled, "how": how}
+                "compile": compiled, "how": how, "timed": self.saved_artifact is not None,
+                "run_under": "torch.inference_mode()"}
 
     def save(self, out_dir: str | Path) -> dict[str, Path]:
         """Write plan.json, result.json, report.md, report.html and the optimized model."""
@@ -143,7 +164,7 @@ class Result:
         out.mkdir(parents=True, exist_ok=True)
         paths = {"plan": self.plan.save(out / "plan.json")}
         paths.update(save_model(self.saved_module, self.example_inputs, self.plan, out,
-                                dynamic=self.dynamic))
+                                dynamic=self.dynamic, artifact=self.saved_artifact))
         data = self.to_json()
         data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
         paths["result"] = out / "result.json"
@@ -200,83 +221,40 @@ def _to_device(model: nn.Module, example_inputs, device: str):
     return moved, inputs
 
 
-@dataclass
-class RuleTiming:
-    """What one rule's sites are worth, measured: the model timed with and without them."""
+def _run_info(model, captured: Captured, config: OptimizeConfig,
+              model_settings: dict[str, Any] | None) -> dict[str, Any]:
+    """What this run ran, for result.json and the report: enough to reproduce a figure."""
+    import inspect
 
-    rule: str
-    sites: int
-    predicted_saved_s: float
-    with_ms: float
-    without_ms: float
-    device: str
-    # quartiles of the per-round ratio (time without the rule) / (time with it)
-    ratio_q1: float | None = None
-    ratio_q3: float | None = None
+    from opswap.bench.timing import describe_device, resolve_device
 
-    @property
-    def measured_saved_s(self) -> float:
-        return (self.without_ms - self.with_ms) / 1e3
-
-    @property
-    def pays(self) -> bool:
-        """False only when the model is faster without the rule beyond the run's noise:
-        in three rounds of four (the per-round ratio's upper quartile below 1), or, with no
-        quartiles, by more than 2 % in the medians."""
-        if self.ratio_q3 is not None:
-            return self.ratio_q3 >= 1.0
-        return self.without_ms * 1.02 >= self.with_ms
-
-    def to_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "sites": self.sites,
-                "predicted_saved_s": self.predicted_saved_s,
-                "measured_saved_s": self.measured_saved_s, "with_ms": self.with_ms,
-                "without_ms": self.without_ms, "ratio_quartiles": [self.ratio_q1, self.ratio_q3],
-                "pays": self.pays, "device": self.device}
+    try:
+        names = [p for p in inspect.signature(model.forward).parameters][:len(captured.example_inputs)]
+    except (TypeError, ValueError):
+        names = []
+    names += [f"input{i}" for i in range(len(names), len(captured.example_inputs))]
+    inputs = [{"name": n, "shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", "")}
+              if isinstance(x, torch.Tensor) else {"name": n, "shape": [], "dtype": type(x).__name__}
+              for n, x in zip(names, captured.example_inputs, strict=True)]
+    settings = dict(model_settings or {})
+    return {"inputs": inputs, "threads": torch.get_num_threads(),
+            "device": describe_device(resolve_device(config.device)),
+            "model_settings": settings,
+            "attn_implementation": settings.get("attn_implementation"),
+            "compare": config.compare, "seed": config.seed}
 
 
-def _without(plan: Plan, rule: str) -> Plan:
-    import copy
-
-    trial = copy.copy(plan)
-    trial.decisions = [d for d in plan.decisions if d.rule != rule]
-    trial.skipped = list(plan.skipped)
-    return trial
+_MAX_REPLANS = 4  # rollback + plan again rounds; each round removes at least one site
 
 
-def measure_rules(captured: Captured, plan: Plan, applied, device: str = "cpu",
-                  min_time_s: float = 0.3) -> list[RuleTiming]:
-    """Time the optimized model against itself minus each rule's sites, interleaved.
-
-    This is the measured counterpart of each rule's `predict`: the cost model cannot
-    see dispatch overheads or which kernel a library picks, the clock can.
-    """
-    from opswap.bench.timing import bench_models
-
-    out = []
-    for rule in dict.fromkeys(d.rule for d in plan.decisions):
-        trial = _without(plan, rule)
-        candidate = apply_plan(captured, trial)
-        b = bench_models(candidate.gm, applied.gm, captured.example_inputs, device=device,
-                         memory=False, min_time_s=min_time_s)
+def _attribute(captured: Captured, plan: Plan, applied, replan, device: str) -> Attribution:
+    """Leave-one-out timing of every applied rule (bench.attribution)."""
+    without = {}
+    for rule in dict.fromkeys(s.rule for s in applied.applied):
+        trial = apply_plan(captured, replan({rule}))
         mine = [d for d in plan.decisions if d.rule == rule]
-        out.append(RuleTiming(rule, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine),
-                              b.opt_ms, b.ref_ms, b.device, b.speedup_q1, b.speedup_q3))
-    return out
-
-
-def _prune_slow(captured: Captured, plan: Plan, timings: list[RuleTiming]):
-    """Drop every rule the model measured faster without. Returns (plan, applied) or None."""
-    slow = [t for t in timings if not t.pays]
-    if not slow:
-        return None
-    for t in slow:
-        plan = _without(plan, t.rule)
-        plan.skipped.append({
-            "rule": t.rule, "key": f"all {t.sites} sites",
-            "reason": f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
-                      f"{t.without_ms:.3f} ms without"})
-    return plan, apply_plan(captured, plan)
+        without[rule] = (trial.gm, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine))
+    return attribute(applied.gm, captured.gm, without, captured.example_inputs, device)
 
 
 def optimize(
@@ -286,14 +264,16 @@ def optimize(
     *,
     name: str | None = None,
     progress=None,
+    model_settings: dict[str, Any] | None = None,
 ) -> Result:
     """Run the whole flow on `model` and return a Result.
 
     The user's module is never called nor changed: opswap captures, verifies against and
     times a private copy of it (without the user's hooks unless `config.keep_hooks`).
     `progress(stage: str)` is called as each stage starts, for progress bars.
+    `model_settings` (the loader's settings: sizes, batch, --set overrides, attention
+    implementation) are recorded in result.json and the report.
     """
-    from opswap.bench.timing import bench_models
     from opswap.cost.analyze import analyze
     from opswap.targets import get_target
     from opswap.verify.bisect import rollback
@@ -326,12 +306,21 @@ def optimize(
     tol = _tolerance(config, captured.rounding)
     step("analyze")
     before = analyze(captured, target)
+    excluded_rules: set[str] = set()
+    excluded_sites: dict[tuple[str, str], str] = {}
+
+    def replan(without: set[str] = frozenset()) -> Plan:
+        return make_plan(captured, target=target, rules=config.rules,
+                         exactness=config.exactness, model_name=name,
+                         exclude_rules=excluded_rules | set(without),
+                         exclude_sites=excluded_sites)
+
     step("plan")
-    plan = make_plan(captured, target=target, rules=config.rules, exactness=config.exactness,
-                     model_name=name)
+    plan = replan()
     step("apply")
     applied = apply_plan(captured, plan)
     step("verify")
+
     def check(candidate) -> Any:
         # against the model itself, not only its capture, at every shape the capture claims
         return verify(model, candidate.gm, captured.example_inputs, samples=config.samples,
@@ -339,38 +328,53 @@ def optimize(
 
     verification = check(applied)
     rolled_back: list[Any] = []
-    if not verification.passed and config.rollback and plan.decisions:
+    for _ in range(_MAX_REPLANS):
+        if verification.passed or not config.rollback or not plan.decisions:
+            break
         step("rollback")
-        plan, rolled_back = rollback(captured, plan, model, tol,
-                                     samples=config.samples, seed=config.seed)
+        _, removed = rollback(captured, plan, model, tol, samples=config.samples,
+                              seed=config.seed)
+        if not removed:
+            break
+        rolled_back += removed
+        for r in removed:
+            excluded_sites[(r.decision.rule, r.decision.site.key)] = f"rolled back: {r.reason}"
+        # plan again, so that sites depending on a rolled-back one are matched afresh
+        plan = replan()
         applied = apply_plan(captured, plan)
         verification = check(applied)
-    bench = None
-    timings: list[RuleTiming] = []
-    if config.bench:
-        step("bench")
-        bench = bench_models(model, applied.gm, captured.example_inputs, device=config.device)
-        if config.measure_rules and applied.applied:
-            step("measure")
-            timings = measure_rules(captured, plan, applied, device=config.device)
-        if config.prune_slow and timings and not all(t.pays for t in timings):
+    attribution: Attribution | None = None
+    if config.bench and config.measure_rules and applied.applied and verification.passed:
+        step("measure")
+        attribution = _attribute(captured, plan, applied, replan, config.device)
+        slow = [t for t in attribution.rules if t.slower]
+        if config.prune_slow and slow:
             step("prune")
-            pruned = _prune_slow(captured, plan, timings)
-            if pruned is not None:
-                plan, applied = pruned
-                verification = check(applied)
-                bench = bench_models(model, applied.gm, captured.example_inputs,
-                                     device=config.device)
-                # the kept rules' timings were taken against the unpruned model: close enough
-                # to show, and the whole model's figure above is fresh
-                timings = [t for t in timings if t.pays]
+            excluded_rules.update(t.rule for t in slow)
+            pruned = replan()
+            pruned_applied = apply_plan(captured, pruned)
+            pruned_check = check(pruned_applied)
+            if pruned_check.passed:
+                for t in slow:
+                    pruned.skipped.append({
+                        "rule": t.rule, "key": f"all {t.sites} site{'s' if t.sites != 1 else ''}",
+                        "reason": f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
+                                  f"{t.without_ms:.3f} ms without (interval of the ratio "
+                                  f"{t.ci_low:.2f}-{t.ci_high:.2f})"})
+                plan, applied, verification = pruned, pruned_applied, pruned_check
+                attribution.note = ("measured before pruning " + ", ".join(t.rule for t in slow)
+                                    + ", which the model ran faster without")
+            else:
+                excluded_rules.difference_update(t.rule for t in slow)
     layers = None
     if config.layers:
         step("layers")
         layers = compare_layers(captured, applied, captured.example_inputs)
     after = analyze(applied.captured, target)
     raced: list[Any] = []
+    artifacts: dict[str, Any] = {}
     winner = "opswap"
+    bench = None
     if config.bench:
         step("race")
 
@@ -379,9 +383,10 @@ def optimize(
                           tolerance=tol, seed=config.seed,
                           variants=captured.variants() if shapes else ())
 
-        raced, chosen = run_variants(model, captured, applied.gm, verification, check_variant,
-                                     compare=compare, device=config.device)
-        winner = chosen.name
+        race = run_variants(model, captured, applied.gm, check_variant, compare=compare,
+                            device=config.device)
+        raced, winner, artifacts, bench = (race.timings, race.winner.name, race.artifacts,
+                                           race.benchmark)
     return Result(
         model=name,
         target=target.name,
@@ -398,7 +403,8 @@ def optimize(
         analysis_after=after,
         layers=layers,
         benchmark=bench,
-        rule_timings=timings,
+        rule_timings=attribution.rules if attribution is not None else [],
+        attribution=attribution,
         notes=([f"The model has {hooks} forward/backward hook(s); opswap verified and timed a "
                 "copy without them (keep_hooks=True keeps them)."] if hooks and not
                config.keep_hooks else []) + list(captured.notes),
@@ -406,4 +412,6 @@ def optimize(
         variants=raced,
         best=winner,
         captured_gm=captured.gm,
+        artifacts=artifacts,
+        run_info=_run_info(model, captured, config, model_settings),
     )

@@ -12,8 +12,10 @@ from opswap.errors import OpswapError
 from opswap.pipeline import OptimizeConfig, optimize
 
 
-def _t(name, ms, q1, q3, verified=True):
-    return VariantTiming(name, ms, 0.01, 1.0 / ms if ms else None, q1, q3, verified)
+def _t(name, ms, lo, hi, verified=True):
+    # lo, hi: the bootstrap interval of the speed-up (the quartiles are not what decides)
+    return VariantTiming(name, ms, 0.01, 1.0 / ms if ms else None, lo - 0.1, hi + 0.1, verified,
+                         ci_low=lo, ci_high=hi)
 
 
 def test_parse_compare():
@@ -49,7 +51,9 @@ def test_race_times_only_verified_variants():
     vs = build(m, m, m, x, [], torch.device("cpu"))
     assert [v.name for v in vs] == ["input", "captured", "opswap"]
     vs[1].verified, vs[2].verified = True, False
-    out = {t.name: t for t in race(vs, x, torch.device("cpu"), min_time_s=0.05)}
+    timings, res = race(vs, x, torch.device("cpu"), min_time_s=0.05)
+    out = {t.name: t for t in timings}
+    assert set(res.stats) == {"input", "captured"}
     assert out["input"].speedup_vs_input == 1.0 and out["captured"].ms > 0
     assert out["opswap"].ms is None and not out["opswap"].verified
 
@@ -78,5 +82,44 @@ def test_when_nothing_beats_the_input_the_input_is_saved(tmp_path):
     r = optimize(m, (torch.randn(4, 16),), OptimizeConfig(samples=1, layers=False,
                                                           measure_rules=False, compare="none"))
     r.best = "input"  # what `best` returns when nothing is faster beyond noise
-    assert r.saved_module is r.reference
+    art = r.saved_artifact
+    assert art is r.artifacts["input"] and r.saved_module is art.module  # the file timed
     assert "unchanged" in r.deploy()["holds"]
+    r.save(tmp_path)
+    assert (tmp_path / "model.pt2").read_bytes() == art.path.read_bytes()
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.conv2(torch.relu(self.bn(self.conv(x))))
+
+
+def test_the_saved_file_is_the_one_timed_and_keeps_the_fused_kernel(tmp_path):
+    import opswap
+
+    torch.manual_seed(0)
+    m = ConvNet().eval()
+    x = torch.randn(2, 3, 12, 12)
+    r = optimize(m, (x,), OptimizeConfig(samples=1, layers=False, measure_rules=False,
+                                         compare="none"))
+    assert any(s.rule == "fusion.conv_relu" for s in r.applied)
+    timed = {v.name: v for v in r.variants}
+    assert "reloaded from model.pt2" in timed["opswap"].note
+    art = r.artifacts["candidate"]
+    ops = [n.target for n in art.module.graph.nodes if n.op == "call_function"]
+    assert torch.ops.opswap.conv_relu.default in ops  # export kept the fused op
+    r.best = "opswap"
+    r.save(tmp_path)
+    assert (tmp_path / "model.pt2").read_bytes() == art.path.read_bytes()
+    loaded = opswap.load_optimized(tmp_path)
+    other = torch.randn(5, 3, 12, 12)  # another batch: the file is dynamic in batch
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(other), m(other), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="must be a 4-D torch.float32 tensor"):
+        loaded(torch.randn(3, 12, 12))

@@ -14,7 +14,10 @@ The usual ways a speed-up is misreported, and what this module does about each:
   is synchronised before each sample and before reading the events, so the time
   is GPU time of all queued work, not the time to enqueue it;
 - outliers (a page fault, a GC pause): medians and interquartile ranges, not
-  means; the Python GC is paused while timing.
+  means; the Python GC is paused while timing;
+- noise: every ratio comes with a 95% bootstrap interval (rounds resampled as
+  pairs, the ratio of medians recomputed), and a ratio whose interval holds 1.0 is
+  "within noise", not a speed-up.
 
 No function here asserts anything about speed: tests check structure, not clocks.
 """
@@ -98,19 +101,60 @@ class Stats:
                 "inner": self.inner}
 
 
+def bootstrap_ratio(a: list[float], b: list[float], *, level: float = 0.95,
+                    resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """Interval of median(a) / median(b) over paired samples (round i gives a[i] and b[i]),
+    by resampling the rounds with replacement; seeded, so a run's report is reproducible."""
+    import random
+
+    n = len(a)
+    if n < 3:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    picks = range(n)
+    ratios = []
+    for _ in range(resamples):
+        idx = rng.choices(picks, k=n)
+        mb = statistics.median(b[i] for i in idx)
+        if mb > 0:
+            ratios.append(statistics.median(a[i] for i in idx) / mb)
+    if not ratios:
+        return math.nan, math.nan
+    ratios.sort()
+    lo = ratios[int((1 - level) / 2 * (len(ratios) - 1))]
+    hi = ratios[int((1 + level) / 2 * (len(ratios) - 1))]
+    return lo, hi
+
+
 @dataclass(frozen=True)
 class Ratio:
-    """time(a) / time(b): the median of per-round ratios, and the ratio of medians."""
+    """time(a) / time(b): the median of per-round ratios, the ratio of medians (the figure
+    that agrees with the medians printed beside it) and its 95% bootstrap interval."""
 
     paired: float
     of_medians: float
     q1: float  # quartiles of the per-round ratios
     q3: float
     n: int
+    ci_low: float = math.nan
+    ci_high: float = math.nan
 
     @property
     def spread(self) -> float:
         return self.q3 - self.q1
+
+    @property
+    def within_noise(self) -> bool:
+        """True when the interval holds 1.0 (or there is none): no speed-up or slow-down
+        can be claimed."""
+        return not (self.ci_low > 1.0 or self.ci_high < 1.0)
+
+    def describe(self) -> str:
+        """'1.42x [1.37-1.48]', with ', within noise' when the interval holds 1.0."""
+        if math.isnan(self.ci_low):
+            return f"{self.of_medians:.2f}x"
+        text = f"{self.of_medians:.2f}x [{self.ci_low:.2f}-{self.ci_high:.2f}]"
+        return text + (", within noise" if self.within_noise else "")
 
 
 @dataclass
@@ -131,8 +175,10 @@ class BenchResult:
             nan = math.nan
             return Ratio(nan, nan, nan, nan, 0)
         q1, q3 = _quartiles(per_round)
+        pairs = [(r[a], r[b]) for r in self.rounds if r[b] > 0]
+        lo, hi = bootstrap_ratio([x for x, _ in pairs], [y for _, y in pairs])
         return Ratio(statistics.median(per_round), self.stats[a].median / self.stats[b].median,
-                     q1, q3, len(per_round))
+                     q1, q3, len(per_round), lo, hi)
 
     def to_json(self) -> dict[str, Any]:
         return {"device": self.device, "warmup": self.warmup, "rounds": len(self.rounds),
@@ -305,10 +351,16 @@ class ModelBench:
     notes: list[str] = field(default_factory=list)
     speedup_q1: float | None = None  # quartiles of the per-round speed-ups: the noise
     speedup_q3: float | None = None
+    speedup_ci: tuple[float, float] | None = None  # 95% bootstrap of speedup_of_medians
+
+    @property
+    def within_noise(self) -> bool:
+        return self.speedup_ci is None or not (self.speedup_ci[0] > 1.0
+                                               or self.speedup_ci[1] < 1.0)
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
-            "speedup_q1", "speedup_q3",
+            "speedup_q1", "speedup_q3", "speedup_ci", "within_noise",
             "ref_ms", "opt_ms", "speedup", "speedup_of_medians", "spread", "ref_iqr_ms",
             "opt_iqr_ms", "rounds", "device", "torch", "ref_peak_bytes", "opt_peak_bytes",
             "date", "notes")}
@@ -390,6 +442,7 @@ def bench_models(
     return ModelBench(
         ref_ms=s_ref.median * 1e3, opt_ms=s_opt.median * 1e3, speedup=r.paired,
         speedup_of_medians=r.of_medians, spread=r.spread, speedup_q1=r.q1, speedup_q3=r.q3,
+        speedup_ci=(r.ci_low, r.ci_high),
         ref_iqr_ms=s_ref.iqr * 1e3,
         opt_iqr_ms=s_opt.iqr * 1e3, rounds=len(res.rounds), device=res.device,
         ref_peak_bytes=ref_peak, opt_peak_bytes=opt_peak, notes=notes,

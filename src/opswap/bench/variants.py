@@ -5,10 +5,16 @@ A speed-up against eager alone hides the question a user asks: "is this faster t
 what I would do anyway?" So the candidates are
 
 - `input`: the model as given (the yardstick: speed-ups are against it);
-- `captured`: opswap's capture with no rewrite (shows what the capture itself costs);
-- `opswap`: the optimized candidate;
+- `captured`: the input exported to model.pt2 and reloaded, with no rewrite (shows what
+  the saved form itself costs, and is what is saved when the input wins);
+- `opswap`: the optimized candidate, exported to model.pt2 and reloaded: the file the
+  user gets is the one timed (backends.pt2);
 - with `compare=["compile"]`: `compile` (torch.compile of the input, the one line a user
-  would try first) and `opswap+compile` (torch.compile of the candidate).
+  would try first) and `opswap+compile` (torch.compile of the reloaded candidate, which
+  is what a user does with the file).
+
+A model that does not export is timed in memory instead, and the variant's note says
+that the file cannot hold it.
 
 Each is verified against the input before it may win, and all are timed in the same
 `benchmark` call, so drift and neighbours hit them alike. The saved result is the
@@ -18,6 +24,7 @@ input unchanged. A runtime (ONNX Runtime, OpenVINO, ...) is one more builder her
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -40,6 +47,7 @@ class Variant:
     fn: Callable | None
     saves: str  # "input" or "candidate"
     compiled: bool = False
+    artifact: Any = None  # backends.pt2.Artifact whose reloaded module `fn` is
     compile_s: float | None = None
     verified: bool | None = None
     reasons: list[str] = field(default_factory=list)
@@ -50,7 +58,7 @@ class Variant:
 class VariantTiming:
     """A variant's place in the race: its median and spread, and its speed-up over the
     input as the ratio of the medians (so it agrees with the times printed beside it),
-    with the quartiles of the per-round ratios as its noise."""
+    with its 95% bootstrap interval (and the per-round ratios' quartiles)."""
 
     name: str
     ms: float | None
@@ -61,15 +69,25 @@ class VariantTiming:
     verified: bool
     compile_s: float | None = None
     note: str = ""
+    ci_low: float | None = None  # 95% bootstrap interval of speedup_vs_input
+    ci_high: float | None = None
 
     @property
     def within_noise(self) -> bool:
-        return (self.ratio_q1 is not None and self.ratio_q3 is not None
-                and self.ratio_q1 <= 1.0 <= self.ratio_q3)
+        """True when the interval holds 1.0: neither faster nor slower than the input."""
+        if self.ci_low is None or self.ci_high is None or math.isnan(self.ci_low):
+            return True
+        return self.ci_low <= 1.0 <= self.ci_high
+
+    @property
+    def faster(self) -> bool:
+        """Faster than the input beyond the noise of the run."""
+        return self.ci_low is not None and not math.isnan(self.ci_low) and self.ci_low > 1.0
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "ms": self.ms, "iqr_ms": self.iqr_ms,
                 "speedup_vs_input": self.speedup_vs_input,
+                "speedup_ci": [self.ci_low, self.ci_high],
                 "speedup_quartiles": [self.ratio_q1, self.ratio_q3],
                 "within_noise": self.within_noise, "verified": self.verified,
                 "compile_s": self.compile_s, "note": self.note}
@@ -114,15 +132,31 @@ def _compiled(name: str, module, inputs: tuple, saves: str) -> Variant:
                        note="torch.compile failed")
 
 
+def _saved_form(artifact, in_memory) -> tuple[Any, str, Any]:
+    """The module a saved-graph variant times: the artifact reloaded from its file, or the
+    in-memory graph when the file could not be written, with a note saying so."""
+    if artifact is not None and artifact.ok:
+        note = "reloaded from model.pt2"
+        if artifact.note:
+            note += "; accepts the example's shapes only"
+        return artifact.module, note, artifact
+    why = artifact.error if artifact is not None else "not exported"
+    return in_memory, f"timed in memory: model.pt2 cannot hold it ({why})", None
+
+
 def build(model, captured_gm, candidate_gm, inputs: tuple, compare: list[str],
-          device: torch.device) -> list[Variant]:
+          device: torch.device, artifacts: dict[str, Any] | None = None) -> list[Variant]:
     """The variants of one run. `model` is opswap's private copy of the input; compiled
-    variants compile private copies, so the models timed elsewhere stay eager."""
+    variants compile private copies, so the models timed elsewhere stay eager.
+    `artifacts` maps "input" and "candidate" to their backends.pt2.Artifact."""
     from opswap.graph.copies import private_copy
 
+    artifacts = artifacts or {}
+    cap_fn, cap_note, cap_art = _saved_form(artifacts.get("input"), captured_gm)
+    opt_fn, opt_note, opt_art = _saved_form(artifacts.get("candidate"), candidate_gm)
     out = [Variant("input", model, "input", verified=True),
-           Variant("captured", captured_gm, "input"),
-           Variant("opswap", candidate_gm, "candidate")]
+           Variant("captured", cap_fn, "input", note=cap_note, artifact=cap_art),
+           Variant("opswap", opt_fn, "candidate", note=opt_note, artifact=opt_art)]
     if "compile" in compare:
         why = compile_unavailable(device)
         if why is not None:
@@ -130,15 +164,16 @@ def build(model, captured_gm, candidate_gm, inputs: tuple, compare: list[str],
                     for n, s in (("compile", "input"), ("opswap+compile", "candidate"))]
         else:
             out.append(_compiled("compile", private_copy(model), inputs, "input"))
-            out.append(_compiled("opswap+compile", private_copy(candidate_gm), inputs,
+            out.append(_compiled("opswap+compile", private_copy(opt_fn), inputs,
                                  "candidate"))
     return out
 
 
 def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
-         min_time_s: float = 0.5) -> list[VariantTiming]:
+         min_time_s: float = 0.5):
     """Time every verified variant in one interleaved loop (inference mode; buffers put
-    back afterwards). Unverified variants are listed without a time."""
+    back afterwards). Unverified variants are listed without a time. Returns the
+    timings and the raw bench.timing.BenchResult."""
     from opswap.bench.timing import benchmark
     from opswap.graph.copies import preserved_state
 
@@ -157,41 +192,82 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
         s = res[v.name]
         r = res.ratio("input", v.name)
         out.append(VariantTiming(v.name, s.median * 1e3, s.iqr * 1e3, base / s.median,
-                                 r.q1, r.q3, True, v.compile_s, v.note))
-    return out
+                                 r.q1, r.q3, True, v.compile_s, v.note, r.ci_low, r.ci_high))
+    return out, res
+
+
+def model_bench(res, variants: list[Variant], inputs: tuple, device: torch.device,
+                opt: str = "opswap"):
+    """The input-against-candidate figures (result.json's `benchmark`) read off the race,
+    so that they are the race's own numbers, with each model's peak memory over one call
+    measured after the timing."""
+    from opswap.bench.memory import peak_memory
+    from opswap.bench.timing import ModelBench
+    from opswap.graph.copies import preserved_state
+
+    if opt not in res.stats:
+        return None
+    r = res.ratio("input", opt)
+    by = {v.name: v for v in variants}
+    notes, peaks = [], {}
+    with torch.inference_mode(), preserved_state(by["input"].fn, by[opt].fn):
+        for name in ("input", opt):
+            try:
+                peaks[name] = peak_memory(lambda f=by[name].fn: f(*inputs), device=device).peak_bytes
+            except Exception as e:  # memory is a bonus; the timing stands without it
+                notes.append(f"peak memory not measured: {type(e).__name__}: {str(e)[:120]}")
+                break
+    ref, cand = res["input"], res[opt]
+    return ModelBench(
+        ref_ms=ref.median * 1e3, opt_ms=cand.median * 1e3, speedup=r.paired,
+        speedup_of_medians=r.of_medians, spread=r.spread, speedup_q1=r.q1, speedup_q3=r.q3,
+        speedup_ci=(r.ci_low, r.ci_high), ref_iqr_ms=ref.iqr * 1e3, opt_iqr_ms=cand.iqr * 1e3,
+        rounds=len(res.rounds), device=res.device, ref_peak_bytes=peaks.get("input"),
+        opt_peak_bytes=peaks.get(opt), notes=notes)
 
 
 def best(timings: list[VariantTiming]) -> VariantTiming:
     """The fastest verified variant; the input unless something is faster than it beyond
-    the noise of the run (its per-round speed-ups' lower quartile above 1)."""
+    the noise of the run (the lower end of its speed-up's interval above 1)."""
     by = {t.name: t for t in timings}
     faster = [t for t in timings if t.verified and t.name != "input" and t.ms is not None
-              and t.ratio_q1 is not None and t.ratio_q1 > 1.0]
+              and t.faster]
     return min(faster, key=lambda t: t.ms) if faster else by["input"]
 
 
-def run(model, captured, candidate_gm, verification, verify_fn, *, compare: list[str],
-        device) -> tuple[list[VariantTiming], VariantTiming]:
-    """Build, verify and race the variants of one optimize run; returns the timings and
-    the winner. `verify_fn(fn, shapes: bool)` verifies a callable against the input,
-    at every claimed shape when `shapes`, else at the example's (compiled variants
-    would recompile for each new shape)."""
+@dataclass
+class Race:
+    """One optimize run's race: the timings, the winner, the files timed ("input",
+    "candidate": backends.pt2.Artifact) and the input-against-opswap figures."""
+
+    timings: list[VariantTiming]
+    winner: VariantTiming
+    artifacts: dict[str, Any]
+    benchmark: Any  # bench.timing.ModelBench, or None when opswap's variant was not timed
+
+
+def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device) -> Race:
+    """Export, build, verify and race the variants of one optimize run. `verify_fn(fn,
+    shapes: bool)` verifies a callable against the input, at every claimed shape when
+    `shapes`, else at the example's (compiled variants would recompile for each new
+    shape)."""
+    from opswap.backends.pt2 import export_artifact
     from opswap.bench.timing import resolve_device
+    from opswap.graph.copies import preserved_state
 
     dev = resolve_device(device)
-    variants = build(model, captured.gm, candidate_gm, captured.example_inputs, compare, dev)
+    inputs = captured.example_inputs
+    with preserved_state(model, candidate_gm):
+        artifacts = {"input": export_artifact(model, inputs, captured.dynamic),
+                     "candidate": export_artifact(candidate_gm, inputs, captured.dynamic)}
+    variants = build(model, captured.gm, candidate_gm, inputs, compare, dev, artifacts)
     for v in variants:
         if v.verified is not None:
             continue
-        if v.name == "opswap":
-            v.verified, v.reasons = verification.passed, list(verification.reasons)
-        elif v.name == "captured":
-            v.verified, v.note = True, "checked against the input when it was captured"
-        else:
-            check = verify_fn(v.fn, shapes=not v.compiled)
-            v.verified, v.reasons = check.passed, list(check.reasons)
-            if v.compiled:
-                v.note = (f"compiled in {v.compile_s:.1f} s; verified at the example's shape"
-                          if v.compile_s is not None else v.note)
-    timings = race(variants, captured.example_inputs, dev)
-    return timings, best(timings)
+        static = v.compiled or (v.artifact is not None and v.artifact.note)
+        check = verify_fn(v.fn, shapes=not static)
+        v.verified, v.reasons = check.passed, list(check.reasons)
+        if v.compiled and v.compile_s is not None:
+            v.note = f"compiled in {v.compile_s:.1f} s; verified at the example's shape"
+    timings, res = race(variants, inputs, dev)
+    return Race(timings, best(timings), artifacts, model_bench(res, variants, inputs, dev))

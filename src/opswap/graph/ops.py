@@ -86,7 +86,7 @@ def _alias(kind: str, *names: str) -> None:
 
 
 _alias("conv", "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "cudnn_convolution",
-       "mkldnn_convolution")
+       "mkldnn_convolution", "conv_relu")  # conv_relu: opswap::conv_relu, a conv + fused ReLU
 _alias("conv_transpose", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 _alias("linear", "linear")
 _alias("addmm", "addmm")

@@ -84,8 +84,15 @@ def load_checkpoint(path: str, spec: str, overrides: dict[str, Any]) -> LoadedMo
     if not os.path.isfile(path):
         raise SpecError(f"Checkpoint {path} does not exist.")
     _scan(path)
+    import warnings
+
+    import opswap.kernels  # noqa: F401  (a program opswap saved may call torch.ops.opswap.*)
+
     try:
-        with _weights_only():
+        # torch.export.load warns "No complete tensor found in the group" for every weight
+        # that shares storage with none: noise for a user
+        with _weights_only(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="No complete tensor found")
             program = torch.export.load(path)
     except Exception as e:
         raise SpecError(f"torch.export.load could not read {path}: {type(e).__name__}: {e}") from e

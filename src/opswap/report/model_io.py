@@ -17,49 +17,37 @@ from torch import nn
 from opswap.errors import OpswapError
 
 
-def _export(model: nn.Module, inputs: tuple, dynamic):
-    """torch.export of the model with the capture's dynamic axes kept dynamic, and a note
-    when it could only be exported at the example's shapes."""
-    from opswap.graph.dynamic import export_shapes
-
-    shapes = export_shapes(inputs, dynamic) if dynamic is not None else None
-    if shapes is not None:
-        try:
-            return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False), None
-        except Exception as e:
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-            note = ("model.pt2 accepts only the example's input shapes: exporting with "
-                    f"dynamic {', '.join(a.name for a in dynamic.axes)} failed ({why})")
-            return torch.export.export(model, inputs, strict=False), note
-    return torch.export.export(model, inputs, strict=False), None
-
-
 def save_model(model: nn.Module, example_inputs: tuple, plan, out: Path,
-               dynamic=None) -> dict[str, Path]:
+               dynamic=None, artifact=None) -> dict[str, Path]:
     """Write the model as DIR/model.pt2 (dynamic along `dynamic`'s axes, a
-    graph.dynamic.Dynamic), or its weights when it does not export."""
+    graph.dynamic.Dynamic), or its weights when it does not export. With `artifact`
+    (a backends.pt2.Artifact of this model, the file the race timed), that very file
+    is copied instead of exporting again."""
+    from opswap.backends.pt2 import export_artifact
+
     out = Path(out)
-    try:
-        ep, note = _export(model, tuple(example_inputs), dynamic)
-        path = out / "model.pt2"
-        torch.export.save(ep, str(path))
-        note_path = out / "model_shapes.txt"
-        if note:
-            note_path.write_text(note + "\n")
+    path = out / "model.pt2"
+    if artifact is None or artifact.path is None:
+        artifact = export_artifact(model, tuple(example_inputs), dynamic, out)
+    note_path = out / "model_shapes.txt"
+    if artifact.path is not None:
+        artifact.copy_to(path)
+        if artifact.note:
+            note_path.write_text(artifact.note + "\n")
         elif note_path.exists():
             note_path.unlink()
         return {"model": path}
-    except Exception as e:  # export can fail on any construct; the state_dict always works
-        path = out / "model_state.pt"
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        torch.save(state, str(path))
-        (out / "model_state.txt").write_text(
-            "model.pt2 could not be written because torch.export failed on the optimized "
-            f"model: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
-            "model_state.pt holds its weights (torch.load(path, weights_only=True)); rebuild "
-            "the module with `opswap apply SPEC plan.json`.\n"
-        )
-        return {"model": path}
+    # export can fail on any construct; the state_dict always works
+    path = out / "model_state.pt"
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(state, str(path))
+    (out / "model_state.txt").write_text(
+        "model.pt2 could not be written because torch.export failed on the optimized "
+        f"model: {artifact.error}\n"
+        "model_state.pt holds its weights (torch.load(path, weights_only=True)); rebuild "
+        "the module with `opswap apply SPEC plan.json`.\n"
+    )
+    return {"model": path}
 
 
 def load_model(path: str | Path) -> nn.Module:

@@ -28,10 +28,12 @@ def _summary(result, data) -> list[Block]:
     b = data["benchmark"]
     verdict = "PASSED" if v["passed"] else "FAILED"
     lines = [
-        f"**{len(data['applied'])}** replacements applied, **{len(data['misses'])}** near misses "
+        f"**{len(data['applied'])}** replacement{'' if len(data['applied']) == 1 else 's'} "
+        f"applied, **{len(data['misses'])}** near miss{'' if len(data['misses']) == 1 else 'es'} "
         f"reported, **{len(data['rolled_back'])}** rolled back, "
         f"**{len(data['failed'])}** failed.",
-        f"Verification **{verdict}** on {v.get('samples', '?')} input samples: cosine "
+        f"Verification **{verdict}** on {v.get('samples', '?')} input "
+        f"sample{'' if v.get('samples') == 1 else 's'}: cosine "
         f"{v['cosine']:.8f}, max abs error {_f(v['max_abs'])}, SQNR {_f(v['sqnr_db'])} dB, "
         f"relative L2 {_f(v['rel_l2'])} (tolerance: {result.verification.tolerance}).",
     ]
@@ -39,13 +41,24 @@ def _summary(result, data) -> list[Block]:
         lines.append(_headline(data))
     if b:
         lines.append(
-            f"Eager input against eager opswap result on {b['device']}: {b['ref_ms']:.3f} ms → "
-            f"{b['opt_ms']:.3f} ms ({b['ref_ms'] / b['opt_ms']:.2f}x, ratio of the medians of "
-            "interleaved runs in one process)."
-        )
+            f"Your model against opswap's result as saved (model.pt2, reloaded) on "
+            f"{b['device']}: {b['ref_ms']:.3f} ms → {b['opt_ms']:.3f} ms, "
+            f"{interval(b['speedup_of_medians'], b.get('speedup_ci'))} (ratio of the medians of "
+            f"{b['rounds']} interleaved rounds in one process, with its 95% bootstrap "
+            "interval).")
     else:
         lines.append("Not timed (--no-bench).")
     return [Para(" ".join(lines[:1])), Bullets(lines[1:])]
+
+
+def interval(ratio, ci) -> str:
+    """'1.42x [1.37-1.48]', or '0.99x [0.95-1.03], within noise' when the interval holds 1."""
+    if ratio is None:
+        return "-"
+    if not ci or ci[0] is None or (isinstance(ci[0], float) and math.isnan(ci[0])):
+        return f"{ratio:.2f}x"
+    text = f"{ratio:.2f}x [{ci[0]:.2f}-{ci[1]:.2f}]"
+    return text + (", within noise" if ci[0] <= 1.0 <= ci[1] else "")
 
 
 def _headline(data) -> str:
@@ -58,11 +71,13 @@ def _headline(data) -> str:
     saved = data["deploy"]
     text = f"Saved: **{saved['variant']}**, {saved['holds']}."
     if mine is not None:
+        ratio = peer["ms"] / mine["ms"]
+        against = (interval(ratio, mine.get("speedup_ci")) if peer["name"] == "input"
+                   else f"{ratio:.2f}x")
         text += (f" Best opswap variant `{mine['name']}` {mine['ms']:.3f} ms against the best "
-                 f"baseline `{peer['name']}` {peer['ms']:.3f} ms: "
-                 f"**{peer['ms'] / mine['ms']:.2f}x**"
-                 + (" (within the run's noise)" if mine["within_noise"] and peer["name"] ==
-                    "input" else "") + ".")
+                 f"baseline `{peer['name']}` {peer['ms']:.3f} ms: **{against}**.")
+    if saved["variant"] == "input":
+        text += " Nothing opswap made beat your model beyond the run's noise: keep it."
     return text
 
 
@@ -71,21 +86,21 @@ def _variants(data) -> list[Block]:
         return []
     rows = []
     for v in data["variants"]:
-        q = v["speedup_quartiles"]
         rows.append([f"`{v['name']}`" + (" (saved)" if v["name"] == data["best"] else ""),
                      _f(v["ms"]), _f(v["iqr_ms"]),
-                     f"{v['speedup_vs_input']:.2f}x" if v["speedup_vs_input"] else "-",
-                     f"{q[0]:.2f}-{q[1]:.2f}" if q[0] is not None else "-",
+                     interval(v["speedup_vs_input"], v.get("speedup_ci"))
+                     if v["speedup_vs_input"] else "-",
                      "yes" if v["verified"] else "no",
                      _f(v["compile_s"]) if v["compile_s"] is not None else "",
                      v["note"] or ""])
     return [Heading("Variants, timed in one run"),
             Para("Every way to run the model, verified against the input and timed in one "
-                 "interleaved loop. `vs input` is the ratio of the medians; the quartiles are "
-                 "those of the per-round ratios (the run's noise). A variant is saved only when "
-                 "its lower quartile is above 1: otherwise your model is kept."),
-            Table(["variant", "ms", "IQR ms", "vs input", "per-round quartiles", "verified",
-                   "compile s", "note"], rows, align_right={1, 2, 3, 6})]
+                 "interleaved loop; `captured` and `opswap` are timed as reloaded from the "
+                 "model.pt2 they save. `vs input` is the ratio of the medians, with its 95% "
+                 "bootstrap interval (rounds resampled in pairs). A variant is saved only when "
+                 "the interval's lower end is above 1: otherwise your model is kept."),
+            Table(["variant", "ms", "IQR ms", "vs input [95%]", "verified", "compile s",
+                   "note"], rows, align_right={1, 2, 3, 5})]
 
 
 def _changes(result) -> list[Block]:
@@ -127,30 +142,43 @@ def _predicted_vs_measured(result, data) -> list[Block]:
     b = data["benchmark"]
     if b:
         rows.append(["measured latency (median)", f"{b['ref_ms']:.4f} ms", f"{b['opt_ms']:.4f} ms",
-                     f"{b['speedup']:.2f}x"])
+                     interval(b["speedup_of_medians"], b.get("speedup_ci"))])
     blocks.append(Table(["", "before", "after", "speedup"], rows, align_right={1, 2, 3}))
     blocks.append(Para(
         "The roofline estimate assumes every op runs alone at the target's peak FLOP/s or "
         "bandwidth; it ignores launch and dispatch overheads, which dominate small models on "
         "CPU, so the measured figure is the one that counts. Where the two disagree in sign, "
         "the replacement does not pay on this device: the measured figure says so."))
-    if result.rule_timings:
-        blocks.append(Para(
-            "Per rule, measured: the optimized model timed against itself without that rule's "
-            "sites (interleaved, same process), next to the cost model's prediction for them."))
+    att = result.attribution
+    if att is not None and att.rules:
+        blocks.append(Heading("What each rule is worth, measured", 3))
+        blocks.append(Para(f"Method: {att.method}. Device: {att.device}."
+                           + (f" Note: {att.note}." if att.note else "")))
         rows = [[f"`{t.rule}`", str(t.sites), f"{t.predicted_saved_s * 1e3:.4f} ms",
-                 f"{t.measured_saved_s * 1e3:.4f} ms", f"{t.without_ms / t.with_ms:.2f}x",
-                 "yes" if t.pays else "**no**: slower with it"]
-                for t in result.rule_timings]
+                 f"{t.measured_saved_s * 1e3:.4f} ms",
+                 interval(t.without_ms / t.with_ms, (t.ci_low, t.ci_high)),
+                 {"pays": "yes", "slower": "**no**: slower with it"}.get(t.verdict,
+                                                                       "within noise")]
+                for t in att.rules]
+        rows.append(["sum of the rules", "", "", f"{att.sum_saved_ms:.4f} ms", "", ""])
+        rows.append(["all rules together (no rule → full candidate)", "", "",
+                     f"{att.total_saved_ms:.4f} ms",
+                     f"{att.none_ms / att.full_ms:.2f}x" if att.full_ms else "-", ""])
         blocks.append(Table(["rule", "sites", "predicted saving", "measured saving",
-                             "speedup from the rule", "pays here"], rows,
+                             "candidate without it / with it", "pays here"], rows,
                             align_right={1, 2, 3, 4}))
     if b:
         bench = result.benchmark
         spreads = [getattr(bench, "ref_iqr_ms", 0.0) or 0.0, getattr(bench, "opt_iqr_ms", 0.0) or 0.0]
-        png = plots.latency_bars(["reference", "optimized"], [b["ref_ms"], b["opt_ms"]], spreads,
-                                 f"{result.model} on {b['device']}")
-        blocks.append(Image("latency.png", png, "Latency, reference vs optimized (median, IQR)."))
+        timed = [v for v in data.get("variants", []) if v["ms"] is not None]
+        if timed:
+            names = [v["name"] for v in timed]
+            ms, spreads = [v["ms"] for v in timed], [v["iqr_ms"] or 0.0 for v in timed]
+        else:
+            names, ms = ["input", "opswap"], [b["ref_ms"], b["opt_ms"]]
+        png = plots.latency_bars(names, ms, spreads, f"{result.model} on {b['device']}")
+        blocks.append(Image("latency.png", png, "Latency of each variant (median, IQR), "
+                            "timed in one interleaved run."))
     return blocks
 
 
@@ -183,7 +211,8 @@ def _verification(result) -> list[Block]:
     blocks: list[Block] = [
         Heading("Verification"),
         Para(f"Reference (the model as given, not its capture) and candidate ran on "
-             f"{v.samples} input samples (the example, fresh random inputs of the same shapes, "
+             f"{v.samples} input sample{'' if v.samples == 1 else 's'} (the example, fresh "
+             f"random inputs of the same shapes, "
              f"and one sample at each other shape the model is claimed at: "
              f"{', '.join(v.shapes) or 'the example shape only'}); worst case over samples. "
              f"Tolerance: {v.tolerance}."),
@@ -265,8 +294,14 @@ def _cat_time(analysis, cat: str) -> float:
 
 def _environment(result, data) -> list[Block]:
     vers = data["versions"]
+    run = data.get("run") or {}
     items = [f"opswap {vers['opswap']}, torch {vers['torch']}, Python {vers['python']}",
              f"capture: {data['capture_method']}",
+             "inputs: " + (", ".join(f"{i['name']} {i['dtype']} {tuple(i['shape'])}"
+                                     for i in run.get("inputs", [])) or "not recorded"),
+             f"timed on: {run.get('device', '?')}, {run.get('threads', '?')} CPU threads",
+             "model settings (defaults and --set): " + (", ".join(
+                 f"{k}={v}" for k, v in (run.get("model_settings") or {}).items()) or "none"),
              f"settings: rules {data['settings']['rules'] or 'all'}, exactness "
              f"{data['settings']['exactness']}, budget {data['settings']['budget'] or 'default'}",
              f"created {data['created']}"]

@@ -183,18 +183,27 @@ def make_plan(
     exactness: str = "exact",
     model_name: str = "model",
     progress=None,
+    exclude_rules: set[str] | frozenset[str] = frozenset(),
+    exclude_sites: dict[tuple[str, str], str] | None = None,
 ) -> Plan:
     """Choose (rule, site) decisions for `captured` by simulating the rules in order.
 
     `target` is a Target (or its name); rules not expected to pay there are left out,
     and a site whose predicted time saving is negative is skipped with the reason.
+    `exclude_rules` (names) and `exclude_sites` ((rule, site key) -> reason) take
+    rules and sites out, as rollback and pruning do; planning again rather than
+    deleting decisions lets the sites that depended on an excluded one be matched
+    afresh on the graph without it (a Conv+ReLU fusion whose BatchNorm fold was
+    rolled back then fuses the conv as it is, or is refused with its own reason).
     """
+    exclude_sites = exclude_sites or {}
     from opswap.targets import get_target
 
     tgt = get_target(target or "cpu") if target is None or isinstance(target, str) else target
     patterns = [p.strip() for p in rules.split(",")] if isinstance(rules, str) else list(rules or [])
     chosen = _ordered(registry.select(patterns or None, exactness, None))
-    chosen = [r for r in chosen if r.applies_to(tgt.name) or r.applies_to(tgt.kind)]
+    chosen = [r for r in chosen if (r.applies_to(tgt.name) or r.applies_to(tgt.kind))
+              and r.name not in exclude_rules]
     plan = Plan(model_name, PlanSettings(tgt.name, patterns, exactness),
                 capture_method=captured.method)
     gm = copy_module(captured.gm)
@@ -210,6 +219,10 @@ def make_plan(
         for site in sites_of(found):
             if taken.intersection(site.nodes):
                 continue  # overlaps a site of this rule already applied
+            why = exclude_sites.get((rule.name, site.key))
+            if why is not None:
+                plan.skipped.append({"rule": rule.name, "key": site.key, "reason": why})
+                continue
             est = rule.predict(gm, site, tgt)
             if est.time_saved_s is not None and est.time_saved_s < 0:
                 plan.skipped.append({"rule": rule.name, "key": site.key,
