@@ -197,7 +197,8 @@ def _problems(result) -> list[Block]:
         j = r.to_json() if hasattr(r, "to_json") else r
         items.append(f"rolled back: `{j.get('rule')}` at `{j.get('site', j.get('key'))}`: "
                      f"{j.get('reason', '')}")
-    items += [f"skipped: `{s['rule']}` at `{s['key']}`: {s['reason']}" for s in result.plan.skipped]
+    items += [f"skipped: `{s['rule']}` at `{s['key']}`: {s['reason']}" for s in result.plan.skipped
+              if not s["reason"].startswith("rolled back")]  # listed above already
     if not items:
         return []
     return [Heading("Failed, rolled back, skipped"), Bullets(items)]
