@@ -238,3 +238,26 @@ def test_optional_fields_may_be_absent():
 def test_unknown_rule_name():
     with pytest.raises(RuleError, match="No rule named"):
         registry.get("fusion.nonexistent")
+
+
+def test_a_plan_made_for_another_model_is_refused_in_one_sentence(tmp_path):
+    import pytest
+
+    from opswap.errors import PlanError
+    from opswap.graph.capture import capture
+    from opswap.models import load
+    from opswap.search.plan import Plan, apply_plan, make_plan
+
+    cnn, other = load("zoo:resnet"), load("zoo:mobilenet")
+    plan = make_plan(capture(cnn.module, cnn.example_inputs), model_name="zoo:resnet")
+    assert plan.fingerprint and plan.decisions
+    path = plan.save(tmp_path / "plan.json")
+    again = Plan.load(path)
+    assert again.fingerprint == plan.fingerprint
+    with pytest.raises(PlanError, match="made for zoo:resnet") as e:
+        apply_plan(capture(other.module, other.example_inputs), again)
+    assert "\n" not in str(e.value)
+    # the same model at another batch size: the plan still applies
+    bigger = load("zoo:resnet", {"batch": "3"})
+    applied = apply_plan(capture(bigger.module, bigger.example_inputs), again)
+    assert len(applied.applied) == len(plan.decisions) and not applied.failed

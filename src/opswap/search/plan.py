@@ -56,12 +56,14 @@ class Plan:
     failed: list[Failure] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)  # not worth it, with why
     capture_method: str = ""
+    fingerprint: str = ""  # of the graph it was made on (graph_fingerprint); "" = unchecked
 
     def to_json(self) -> dict[str, Any]:
         return {
             "version": PLAN_VERSION,
             "model": self.model,
             "capture_method": self.capture_method,
+            "fingerprint": self.fingerprint,
             "settings": asdict(self.settings),
             "decisions": [d.to_json() for d in self.decisions],
             "misses": [m.to_json() for m in self.misses],
@@ -89,6 +91,7 @@ class Plan:
                 failed=[Failure(**f) for f in data.get("failed", [])],
                 skipped=list(data.get("skipped", [])),
                 capture_method=data.get("capture_method", ""),
+                fingerprint=data.get("fingerprint", ""),
             )
         except (KeyError, TypeError, AttributeError) as e:  # fields _check_plan leaves alone
             raise PlanError(f"The plan is malformed ({type(e).__name__}: {e}); "
@@ -153,6 +156,7 @@ def _check_plan(data: Any) -> None:
     _need(settings.get("exactness", "exact"), _EXACTNESS, "settings.exactness")
     _need(settings.get("target", "cpu"), _STR, "settings.target")
     _need(settings.get("rules", []), _STRS, "settings.rules")
+    _need(data.get("fingerprint", ""), _STR, "fingerprint")
     for i, d in enumerate(_need(data.get("decisions", _MISSING), _LIST, "decisions")):
         at = f"decision {i}:"
         _need(d, _OBJ, f"decision {i}")
@@ -167,6 +171,32 @@ def _check_plan(data: Any) -> None:
             _need(estimate.get(key, 0.0), _NUM, f"{at} estimate {key}")
         _need(estimate.get("time_saved_s"), _NUM_OR_NULL, f"{at} estimate time_saved_s")
         _need(estimate.get("note", ""), _STR, f"{at} estimate note")
+
+
+def graph_fingerprint(gm) -> str:
+    """A short hash of what a plan depends on: the graph's ops in order and its weights'
+    shapes, not the input sizes (a plan made at batch 2 applies at batch 8)."""
+    import hashlib
+
+    from opswap.graph.ops import compute_nodes, op_kind
+
+    h = hashlib.sha1()
+    for n in compute_nodes(gm):
+        h.update(f"{op_kind(n)};".encode())
+    for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)};".encode())
+    return h.hexdigest()[:16]
+
+
+def check_plan_fits(captured: Captured, plan: Plan) -> None:
+    """Refuse a plan made for another model, in one sentence, before any site is looked up."""
+    if not plan.fingerprint or plan.capture_method != captured.method:
+        return
+    if graph_fingerprint(captured.gm) != plan.fingerprint:
+        raise PlanError(
+            f"This plan was made for {plan.model or 'another model'} (graph "
+            f"{plan.fingerprint}), and this model's graph differs ("
+            f"{graph_fingerprint(captured.gm)}); make a plan for it with `opswap plan`.")
 
 
 def _ordered(rules: list[Rule]) -> list[Rule]:
@@ -205,7 +235,7 @@ def make_plan(
     chosen = [r for r in chosen if (r.applies_to(tgt.name) or r.applies_to(tgt.kind))
               and r.name not in exclude_rules]
     plan = Plan(model_name, PlanSettings(tgt.name, patterns, exactness),
-                capture_method=captured.method)
+                capture_method=captured.method, fingerprint=graph_fingerprint(captured.gm))
     gm = copy_module(captured.gm)
     seen_misses: set[tuple[str, str, str]] = set()
     for rule in chosen:
@@ -243,7 +273,9 @@ def make_plan(
 
 
 def apply_plan(captured: Captured, plan: Plan, *, progress=None) -> Applied:
-    """Replay `plan` on a copy of `captured`; the capture itself is left untouched."""
+    """Replay `plan` on a copy of `captured`; the capture itself is left untouched. A plan
+    whose fingerprint says it was made for another graph is refused (PlanError)."""
+    check_plan_fits(captured, plan)
     decisions = []
     for d in plan.decisions:
         decisions.append((registry.get(d.rule), d.site.key))

@@ -69,7 +69,7 @@ def test_channels_last_refuses_model_without_convs():
     captured = capture(mlp, (torch.randn(SHAPE),), method="fx")
     found = registry.get("layout.channels_last").match(captured.gm)
     assert not sites_of(found)
-    assert "no 2-D convolution" in misses_of(found)[0].reason
+    assert not misses_of(found)  # nothing to do is not a near miss
 
 
 def test_channels_last_skipped_where_nchw_is_preferred():

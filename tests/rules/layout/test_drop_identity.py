@@ -41,7 +41,7 @@ def test_drop_identity(method):
     else:  # torch.export already dropped the Identity and the no-op contiguous calls
         assert keys(plan) == ["clone", "to", "to_1", "alias"]
     why = reasons(plan)
-    assert any("is not contiguous" in r and "real copy" in r for r in why)
+    assert not any("transpose" in r for r in why)  # a real copy is not a near miss
     assert any("would share memory with x" in r for r in why)
     if method == "fx":
         assert any("lays out the model input x" in r for r in why)
@@ -114,4 +114,4 @@ def test_drop_identity_preserves(steps, method):
     assert not sites_of(again)
     real_copies = [n for n in applied.gm.graph.nodes if op_kind(n) == "contiguous"]
     assert len(real_copies) == steps.count("transposed")
-    assert all("real copy" in m.reason for m in misses_of(again))
+    assert not misses_of(again)  # the copies left are real: no near misses
