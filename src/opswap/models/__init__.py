@@ -11,6 +11,9 @@
 `overrides` (the CLI's `--set key=value`) adjust the builder: sizes, batch,
 sequence length, image size, config fields. Values are strings parsed as
 int / float / bool / None / JSON list; unknown keys are refused.
+
+`weights` (the CLI's `--weights FILE`) is a .safetensors or torch.save state dict
+copied into the built model (see models.weights); a .pt2 spec carries its own.
 """
 
 from __future__ import annotations
@@ -39,12 +42,47 @@ def _looks_like_path(text: str) -> bool:
     return text.startswith((".", "~", "/")) or "/" in text or os.sep in text
 
 
-def load(spec: str, overrides: Mapping[str, str] | None = None) -> LoadedModel:
-    """Load the model a spec names, with overrides applied; raises SpecError on a bad spec."""
+def load(spec: str, overrides: Mapping[str, str] | None = None,
+         weights: str | os.PathLike | None = None) -> LoadedModel:
+    """Load the model a spec names, with overrides applied and, when given, the tensors of
+    a weights file copied in; raises SpecError on a bad spec or a file that does not fit."""
     if not isinstance(spec, str) or not spec.strip():
         raise _bad(str(spec), "it is empty")
     spec = spec.strip()
     opts = parse_overrides(overrides)
+    if weights is None:
+        return _build(spec, opts)
+    path = os.path.expanduser(os.fspath(weights))
+    if spec.endswith(".pt2"):
+        raise SpecError(f"{spec} is a saved program that carries its own weights; drop "
+                        f"--weights {path}, or give a spec that builds the architecture.")
+    from opswap.models.weights import read_state_dict
+
+    tensors = read_state_dict(path)  # a missing or unsafe file fails before the build
+    return with_weights(_build(spec, opts), path, tensors)
+
+
+def with_weights(loaded: LoadedModel, path: str, tensors: dict | None = None) -> LoadedModel:
+    """`loaded` with the tensors of `path` (read already, or now) copied into its module;
+    settings and description record the file."""
+    from opswap.models.weights import load_weights, read_state_dict
+
+    if tensors is None:
+        tensors = read_state_dict(path)
+
+    sizes = dict(loaded.settings)
+    config = getattr(loaded.module, "config", None)
+    if hasattr(config, "to_dict"):
+        sizes.update({k: v for k, v in config.to_dict().items() if k not in sizes})
+    record = load_weights(loaded.module, tensors, path, loaded.spec, sizes)
+    loaded.settings["weights"] = record
+    base = loaded.description.removesuffix(", random weights")
+    keys = f", keys read with {record['keys']}" if record["keys"] != "as saved" else ""
+    loaded.description = f"{base}, weights from {os.path.basename(path)}{keys}"
+    return loaded
+
+
+def _build(spec: str, opts: dict) -> LoadedModel:
     prefix, sep, rest = spec.partition(":")
 
     if sep and prefix in ("zoo", "hf", "torchvision", "timm") and not rest:
