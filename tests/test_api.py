@@ -60,3 +60,65 @@ def test_analyze_api():
     a = opswap.analyze(loaded.module, loaded.example_inputs, target="h200")
     assert a.total_flops > 0 and a.rows
     assert {r.category for r in a.rows} >= {"matmul", "softmax"}
+
+
+class _Keywords(torch.nn.Module):
+    """A forward that needs keywords: opswap takes them through graph.keywords.KeywordCall."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, *, mask=None, scale=1.0):
+        y = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        y = self.head(y) * scale
+        return y if mask is None else y * mask
+
+
+def _keyword_model():
+    torch.manual_seed(0)
+    model = _Keywords().eval()
+    with torch.no_grad():  # BatchNorm statistics that are not the identity
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    return model
+
+
+def test_optimize_takes_keyword_inputs(tmp_path):
+    model = _keyword_model()
+    before = _state(model)
+    x, mask = torch.randn(4, 3, 8, 8), torch.rand(4, 4)
+    result = opswap.optimize(model, {"x": x, "mask": mask, "scale": 0.5}, samples=2,
+                             compare="none", bench=False)
+    assert result.verification.passed, result.verification.reasons
+    assert "fusion.conv_bn" in {s.rule for s in result.applied}
+    assert any(s.startswith("batch") for s in result.verification.shapes)
+    assert result.notes[0] == ("The model takes keyword inputs; the optimized model (and "
+                               "model.pt2) takes its inputs positionally in this order: x, "
+                               "mask (scale=0.5 bound as a constant).")
+    assert all(torch.equal(before[k], v) for k, v in _state(model).items())
+    x7, mask7 = torch.randn(7, 3, 8, 8), torch.rand(7, 4)  # another batch size
+    with torch.no_grad():
+        torch.testing.assert_close(result.candidate(x7, mask7), model(x7, mask=mask7, scale=0.5),
+                                   rtol=1e-4, atol=1e-5)
+    # the API's other entry points take the same keyword inputs
+    inputs = ((x,), {"mask": mask, "scale": 0.5})
+    assert opswap.verify(model, result.candidate, inputs).passed
+    assert opswap.bench(model, result.candidate, inputs).speedup > 0
+    plan = opswap.plan(model, inputs)
+    assert plan.model == "_Keywords" and plan.decisions
+    candidate = opswap.apply(model, inputs, plan)
+    with torch.no_grad():
+        torch.testing.assert_close(candidate(x7, mask7), model(x7, mask=mask7, scale=0.5),
+                                   rtol=1e-4, atol=1e-5)
+    assert opswap.analyze(model, inputs).total_flops > 0
+
+
+def test_verify_catches_a_wrong_constant():
+    model = _keyword_model()
+    x, mask = torch.randn(4, 3, 8, 8), torch.rand(4, 4)
+    wrong = opswap.apply(model, {"x": x, "mask": mask, "scale": 2.0},
+                         opswap.plan(model, {"x": x, "mask": mask, "scale": 2.0}))
+    assert not opswap.verify(model, wrong, {"x": x, "mask": mask, "scale": 0.5}).passed

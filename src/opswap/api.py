@@ -5,6 +5,12 @@
     result = opswap.optimize(model, inputs, target="cpu", budget="cosine>=0.9999")
     result.save("out/")                      # plan.json, result.json, report.md/html, model
     fast = result.candidate                  # the optimized module; `model` is untouched
+
+Example inputs are a tensor or a tuple of forward's positional arguments, a dict of
+keyword inputs, or an (args, kwargs) pair. Keyword inputs are taken through a
+graph.keywords.KeywordCall: the optimized module (and the saved model) then takes
+the tensors positionally, the positional ones first and the keyword ones in the
+order given, with the non-tensor values baked in; result.notes says which.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from torch import nn
 
 from opswap.graph.capture import as_inputs, capture
 from opswap.graph.copies import preserved_state, private_copy
+from opswap.graph.keywords import KeywordCall, keyword_call, positional
 from opswap.models import LoadedModel
 from opswap.models import load as _load
 from opswap.pipeline import OptimizeConfig, Result
@@ -21,9 +28,10 @@ from opswap.pipeline import optimize as _optimize
 from opswap.search.plan import Plan, apply_plan, make_plan
 
 
-def load(spec: str, **overrides) -> LoadedModel:
-    """Load a model spec (zoo:NAME, hf:TYPE, file.py:fn, ...); overrides as keyword args."""
-    return _load(spec, {k: str(v) for k, v in overrides.items()})
+def load(spec: str, weights: str | None = None, **overrides) -> LoadedModel:
+    """Load a model spec (zoo:NAME, hf:TYPE, file.py:fn, ...); overrides as keyword args;
+    `weights`: a .safetensors or torch.save state dict copied into the model built."""
+    return _load(spec, {k: str(v) for k, v in overrides.items()}, weights=weights)
 
 
 def analyze(model: nn.Module, example_inputs, target: str = "cpu"):
@@ -31,21 +39,22 @@ def analyze(model: nn.Module, example_inputs, target: str = "cpu"):
     from opswap.cost.analyze import analyze as _analyze
     from opswap.targets import get_target
 
-    return _analyze(capture(model, example_inputs), get_target(target))
+    return _analyze(capture(*keyword_call(model, example_inputs)), get_target(target))
 
 
 def plan(model: nn.Module, example_inputs, *, target: str = "cpu",
          rules: list[str] | str | None = None, exactness: str = "exact") -> Plan:
     """Choose replacements for `model`; the Plan can be saved, edited and re-applied."""
-    return make_plan(capture(model, example_inputs), target=target, rules=rules,
+    return make_plan(capture(*keyword_call(model, example_inputs)), target=target, rules=rules,
                      exactness=exactness, model_name=type(model).__name__)
 
 
 def apply(model: nn.Module, example_inputs, plan: Plan | str) -> nn.Module:
-    """Apply a Plan (or a path to plan.json) to a copy of `model`; returns the new module."""
+    """Apply a Plan (or a path to plan.json) to a copy of `model`; returns the new module,
+    which takes keyword inputs positionally (see the module doc)."""
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    return apply_plan(capture(model, example_inputs), plan).gm
+    return apply_plan(capture(*keyword_call(model, example_inputs)), plan).gm
 
 
 def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
@@ -53,14 +62,18 @@ def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
            dynamic: str = "auto"):
     """Compare candidate with reference on random samples shaped like `example_inputs`, and
     at the other batch sizes and sequence lengths `dynamic` marks (see graph.dynamic).
-    Both run as private copies: neither module is called nor changed."""
+    Both run as private copies: neither module is called nor changed. With keyword inputs
+    the reference is called with keywords, and so is the candidate unless it is a graph
+    opswap made (an fx.GraphModule), which takes them positionally."""
     from opswap.graph.dynamic import detect, variants
     from opswap.verify.outputs import verify as _verify
     from opswap.verify.rounding import own_rounding
     from opswap.verify.tolerance import Tolerance, parse_budget
 
+    reference, inputs = keyword_call(reference, example_inputs)
+    candidate = positional(candidate, reference)
     reference, candidate = _private(reference), _private(candidate)
-    inputs = as_inputs(example_inputs)
+    inputs = as_inputs(inputs)
     tol = Tolerance.for_exactness(exactness).at_rounding(
         own_rounding(reference, inputs) if isinstance(reference, nn.Module) else None)
     if budget:
@@ -80,11 +93,14 @@ def _private(fn):
 
 
 def bench(reference: nn.Module, candidate: nn.Module, example_inputs, *, device: str = "cpu"):
-    """Time reference and candidate side by side, interleaved, after warm-up."""
+    """Time reference and candidate side by side, interleaved, after warm-up; keyword inputs
+    as for `verify`."""
     from opswap.bench.timing import bench_models
 
-    inputs = as_inputs(example_inputs)
-    return bench_models(_private(reference), _private(candidate), inputs, device=device)
+    reference, inputs = keyword_call(reference, example_inputs)
+    candidate = positional(candidate, reference)
+    return bench_models(_private(reference), _private(candidate), as_inputs(inputs),
+                        device=device)
 
 
 def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
@@ -101,4 +117,15 @@ def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
     config = OptimizeConfig(target=target, rules=list(rules or []), exactness=exactness,
                             budget=budget, samples=samples, bench=bench, device=device,
                             dynamic=dynamic, keep_hooks=keep_hooks, compare=compare)
-    return _optimize(model, example_inputs, config, name=name)
+    name = name or type(model).__name__
+    model, example_inputs = keyword_call(model, example_inputs)
+    result = _optimize(model, example_inputs, config, name=name)
+    note_inputs(result, model)
+    return result
+
+
+def note_inputs(result: Result, model: nn.Module) -> None:
+    """Record in result.notes the positional order a KeywordCall model's result takes."""
+    if isinstance(model, KeywordCall):
+        result.notes.insert(0, "The model takes keyword inputs; the optimized model (and "
+                               "model.pt2) " + model.describe() + ".")

@@ -407,7 +407,7 @@ def optimize(
         attribution=attribution,
         notes=([f"The model has {hooks} forward/backward hook(s); opswap verified and timed a "
                 "copy without them (keep_hooks=True keeps them)."] if hooks and not
-               config.keep_hooks else []) + list(captured.notes),
+               config.keep_hooks else []) + list(captured.notes) + list(plan.notes),
         dynamic=captured.dynamic,
         variants=raced,
         best=winner,

@@ -130,3 +130,63 @@ def test_file_is_not_imported_without_a_function(tmp_path):
     with pytest.raises(SpecError):
         load(f"{path}:")
     assert not marker.exists()
+
+
+KEYWORD_MODEL = """
+class Masked(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(4, width)
+
+    def forward(self, x, *, mask=None, scale=1.0):
+        y = self.proj(x) * scale
+        return y if mask is None else y.masked_fill(mask, 0.0)
+"""
+
+
+@pytest.mark.parametrize("returns", [
+    "Masked(width), (x,), {'mask': mask, 'scale': 0.5}",
+    "Masked(width), {'x': x, 'mask': mask, 'scale': 0.5}",
+    "Masked(width), ((x,), {'mask': mask, 'scale': 0.5})",
+])
+def test_function_returning_keyword_inputs(tmp_path, returns):
+    path = write(tmp_path, KEYWORD_MODEL + f"""
+def build(width=3, batch=2):
+    torch.manual_seed(0)
+    x, mask = torch.randn(batch, 4), torch.rand(batch, width) > 0.5
+    return {returns}
+""")
+    loaded = load(f"{path}:build", {"batch": "4"})
+    assert loaded.settings["inputs"] == ["x", "mask"]
+    assert loaded.settings["constants"] == {"scale": 0.5}
+    assert loaded.settings["width"] == 3 and loaded.settings["batch"] == 4  # defaults recorded
+    x, mask = loaded.example_inputs
+    assert x.shape == (4, 4) and mask.dtype == torch.bool
+    user = loaded.module.model
+    assert not user.training and not loaded.module.training
+    with torch.no_grad():
+        assert torch.equal(loaded.module(x, mask), user(x, mask=mask, scale=0.5))
+
+
+def test_example_inputs_function_may_return_keywords(tmp_path):
+    path = write(tmp_path, KEYWORD_MODEL + """
+def model():
+    return Masked(2)
+
+def example_inputs(batch=1):
+    return {"x": torch.randn(batch, 4), "scale": 3.0}
+""")
+    loaded = load(f"{path}:model", {"batch": "5"})
+    assert loaded.settings["inputs"] == ["x"] and loaded.settings["constants"] == {"scale": 3.0}
+    (x,) = loaded.example_inputs
+    assert x.shape == (5, 4)
+
+
+def test_keyword_inputs_holding_tensors_in_a_list_are_refused(tmp_path):
+    path = write(tmp_path, KEYWORD_MODEL + """
+def build():
+    return Masked(2), (torch.randn(1, 4),), {"mask": [torch.ones(1, 2, dtype=torch.bool)]}
+""")
+    with pytest.raises(SpecError, match="keyword 'mask' input in build\\(\\) in .* is a list "
+                                        "holding tensors; .*pass the tensors one by one"):
+        load(f"{path}:build")

@@ -261,3 +261,37 @@ def test_a_plan_made_for_another_model_is_refused_in_one_sentence(tmp_path):
     bigger = load("zoo:resnet", {"batch": "3"})
     applied = apply_plan(capture(bigger.module, bigger.example_inputs), again)
     assert len(applied.applied) == len(plan.decisions) and not applied.failed
+
+
+def test_looser_exactness_without_rules_says_so():
+    from opswap.graph.capture import capture
+    from opswap.models import load
+    from opswap.search.plan import make_plan
+
+    m = load("zoo:resnet")
+    c = capture(m.module, m.example_inputs)
+    exact, approx = make_plan(c, exactness="exact"), make_plan(c, exactness="approx")
+    assert not exact.notes
+    assert [d.site.key for d in approx.decisions] == [d.site.key for d in exact.decisions]
+    assert approx.notes == ["no approx rules are installed, so --exactness approx plans only "
+                            "the exact rules"]
+    # this file registers a test lossy rule, so only the approx class is empty here
+    assert make_plan(c, exactness="lossy").notes == [
+        "no approx rules are installed, so --exactness lossy plans only the exact, lossy rules"]
+
+
+def test_bottleneck_advice_names_only_installed_rules():
+    from opswap.cost.analyze import analyze
+    from opswap.graph.capture import capture
+    from opswap.models import load
+    from opswap.rules import registry
+    from opswap.targets import get_target
+
+    installed = {r.name for r in registry.all_rules()}
+    for spec in ("zoo:resnet", "zoo:bert"):
+        m = load(spec)
+        for sentence in analyze(capture(m.module, m.example_inputs), get_target("cpu")).bottlenecks(8):
+            assert "no opswap rule does this yet" in sentence or "opswap rules that do" in sentence
+            if "opswap rules that do" in sentence:
+                named = sentence.split("where they match: ")[1].rstrip(".").split(", ")
+                assert set(named) <= installed

@@ -257,26 +257,46 @@ def _row(node: fx.Node, target: Target, tf32: bool) -> OpRow:
 # --------------------------------------------------------------------------- bottleneck sentences
 
 
+# (bound, category) -> (what would help, the opswap rules that do it where they match).
+# Advice names only rules that are installed; where none is, it says so.
+_REMEDIES: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    ("compute", "conv"): ("fewer FLOPs (Winograd, depthwise-separable) or a lower-precision "
+                          "peak would cut its time", ()),
+    ("compute", "matmul"): ("lower precision (bf16, int8 weights) would raise the ceiling "
+                            "it hits", ()),
+    ("compute", "attention"): ("a fused attention kernel in lower precision would raise the "
+                               "ceiling it hits", ()),
+    ("compute", "rnn"): ("lower precision would raise the ceiling it hits", ()),
+    ("memory", "elementwise"): ("fusing it into its producer would save most of its traffic",
+                                ("fusion.conv_relu", "fusion.matmul_add", "fusion.layer_norm")),
+    ("memory", "activation"): ("fusing it into its producer would save most of its traffic",
+                               ("fusion.conv_relu",)),
+    ("memory", "normalization"): ("folding or fusing it would save most of its traffic",
+                                  ("fusion.conv_bn", "fusion.linear_bn", "fusion.layer_norm")),
+    ("memory", "softmax"): ("fusing it with its neighbours would save traffic",
+                            ("fusion.log_softmax",)),
+    ("memory", "data-movement"): ("a layout that avoids this copy would save its traffic",
+                                  ("layout.cancel_transpose", "layout.collapse_view",
+                                   "layout.drop_identity", "layout.permute_matmul")),
+    ("memory", "conv"): ("it moves a lot for little work: a larger batch, a channels-last "
+                         "layout or smaller weights would help", ("layout.channels_last",)),
+    ("memory", "matmul"): ("it moves a lot for little work: a larger batch, merged sibling "
+                           "matmuls or smaller weights would help", ("fusion.parallel_linear",)),
+    ("memory", "embedding"): ("a smaller table dtype would cut the rows it gathers", ()),
+}
+
+
 def _hint(r: OpRow, target: Target) -> str:
-    low = target.preferred_dtype if target.preferred_dtype != r.dtype else "int8"
-    if r.bound == "compute":
-        if r.category == "conv":
-            return (f"fewer FLOPs (Winograd, depthwise-separable) or {low}'s higher peak "
-                    "would cut its time")
-        if r.category in ("matmul", "attention", "rnn"):
-            return f"{low} (or int8 weights) would raise the ceiling it hits"
-        return "a cheaper formula (an approximation or a lookup) would cut its FLOPs"
-    moved = human_unit(r.bytes, "B")
-    if r.category in ("elementwise", "activation", "normalization"):
-        return f"fusing it into its producer would save most of its {moved} of traffic"
-    if r.category == "data-movement":
-        return f"a layout that avoids this copy would save {moved}"
-    if r.category in ("conv", "matmul", "attention", "rnn"):
-        return (f"it moves {moved} for too little work: a larger batch, fused epilogues or "
-                "smaller weights (int8/fp8) would help")
-    if r.category == "embedding":
-        return "a smaller table dtype would cut the rows it gathers"
-    return f"fusing it with its neighbours would save most of its {moved} of traffic"
+    from opswap.rules import registry
+
+    what, rules = _REMEDIES.get((r.bound, r.category), (
+        "fusing it with its neighbours would save most of its traffic" if r.bound == "memory"
+        else "a cheaper formula would cut its FLOPs", ()))
+    installed = {x.name for x in registry.all_rules()}
+    have = [x for x in rules if x in installed]
+    if have:
+        return f"{what}; opswap rules that do this where they match: {', '.join(have)}"
+    return f"{what}; no opswap rule does this yet"
 
 
 def _sentence(r: OpRow, target: Target) -> str:
@@ -304,6 +324,7 @@ def render(analysis: Analysis, console=None, *, top: int | None = None,
     `top` keeps only the costliest rows (shown in graph order).
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
@@ -315,7 +336,8 @@ def render(analysis: Analysis, console=None, *, top: int | None = None,
         hidden += len(rows) - len(keep)
         rows = [r for r in rows if id(r) in keep]
 
-    t = Table(title=f"{a.model} on {a.target.name} ({a.target.description})", title_justify="left")
+    t = Table(title=escape(f"{a.model} on {a.target.name} ({a.target.description})"),
+              title_justify="left")
     for col, justify in (("name", "left"), ("op", "left"), ("category", "left"),
                          ("shapes", "left"), ("FLOPs", "right"), ("bytes", "right"),
                          ("intensity", "right"), ("bound", "left"), ("share", "right")):
@@ -323,7 +345,7 @@ def render(analysis: Analysis, console=None, *, top: int | None = None,
     for r in rows:
         bound = {"compute": "[magenta]compute[/]", "memory": "[cyan]memory[/]"}.get(r.bound, "-")
         t.add_row(
-            r.label, r.op, r.category,
+            escape(r.label), escape(str(r.op)), r.category,
             f"{_shapes(r.input_shapes)} -> {_shapes(r.output_shapes)}",
             human(r.flops), human(r.bytes) + "B",
             "inf" if math.isinf(r.intensity) else f"{r.intensity:.1f}",
@@ -351,6 +373,6 @@ def render(analysis: Analysis, console=None, *, top: int | None = None,
     if lines:
         console.print("[bold]Bottlenecks[/]")
         for i, line in enumerate(lines, 1):
-            console.print(f" {i}. {line}", highlight=False)
+            console.print(f" {i}. {escape(line)}", highlight=False)
     for note in a.notes:
-        console.print(f"[dim]Note: {note}[/]")
+        console.print(f"[dim]Note: {escape(note)}[/]")

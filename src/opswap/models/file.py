@@ -1,10 +1,16 @@
 """`path/to/file.py:function`: a model defined in the user's own Python file.
 
 Importing a file runs its code, so it happens only for a path the user named.
-The function returns either `(module, example_inputs)` or a module alone; in the
-latter case the file must also provide `example_inputs`, as a function or as a
-tensor / tuple of tensors. Overrides are passed to the function (and to an
-`example_inputs()` function) as keyword arguments it declares.
+The function returns `(module, example_inputs)`, `(module, args, kwargs)`,
+`(module, kwargs)` or a module alone; in the last case the file must also
+provide `example_inputs`, as a function or a value. Example inputs are a tensor,
+a tuple of tensors (forward's positional arguments), a dict of keyword inputs or
+an `(args, kwargs)` pair. A model that takes keywords is wrapped in a
+graph.keywords.KeywordCall, which takes the tensors positionally (the positional
+ones first, then the keyword ones in the order given) and binds the non-tensor
+values as constants; `settings["inputs"]` records that order. Overrides are
+passed to the function (and to an `example_inputs()` function) as the keyword
+arguments it declares.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from typing import Any
 
 from torch import nn
 
-from opswap.errors import SpecError
-from opswap.models._common import LoadedModel, as_input_tuple, unknown_key_error
+from opswap.errors import OpswapError, SpecError
+from opswap.graph.keywords import KeywordCall, split_inputs
+from opswap.models._common import LoadedModel, as_input_tuple, builder_defaults, unknown_key_error
 
 
 def _import_file(path: str) -> ModuleType:
@@ -65,6 +72,19 @@ def _call(fn, kwargs: dict[str, Any], what: str):
         raise SpecError(f"{what} raised {type(e).__name__}: {e}") from e
 
 
+def _with_inputs(module: nn.Module, raw: Any, where: str) -> tuple[nn.Module, tuple]:
+    """The module (wrapped when the inputs hold keywords) and its positional inputs."""
+    split = split_inputs(raw)
+    if split is None or (split[0] and not split[1]):
+        return module, as_input_tuple(raw if split is None else split[0], where)
+    try:
+        return KeywordCall.wrap(module, *split, where=where)
+    except SpecError:
+        raise
+    except OpswapError as e:
+        raise SpecError(str(e)) from e
+
+
 def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
     """Import `path`, call `function`, and return its module with example inputs."""
     if not function.isidentifier():
@@ -98,17 +118,30 @@ def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) ->
             )
         raw = _call(provider, _kwargs_for(provider, overrides), f"example_inputs() in {path}") \
             if callable(provider) else provider
-        inputs = as_input_tuple(raw, f"example_inputs in {path}")
+        wrapped, inputs = _with_inputs(module, raw, f"example_inputs in {path}")
     elif isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], nn.Module):
         module = result[0]
-        inputs = as_input_tuple(result[1], where)
+        wrapped, inputs = _with_inputs(module, result[1], where)
+    elif (isinstance(result, (tuple, list)) and len(result) == 3 and isinstance(result[0], nn.Module)
+          and isinstance(result[2], dict)):
+        module, args = result[0], result[1]
+        args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+        wrapped, inputs = _with_inputs(module, (args, result[2]), where)
     else:
         raise SpecError(
-            f"{where} returned {type(result).__name__}; it must return an nn.Module or a "
-            f"(module, example_inputs) tuple."
+            f"{where} returned {type(result).__name__}; it must return an nn.Module, "
+            f"(module, example_inputs) or (module, args, kwargs)."
         )
+    module.eval()
+    wrapped.training = False
+    settings = {k: v for k, v in builder_defaults(fn).items() if k in names}
+    settings.update(overrides)
+    if isinstance(wrapped, KeywordCall):
+        settings["inputs"] = wrapped.order
+        if wrapped.bound:
+            settings["constants"] = dict(wrapped.bound)
     stem = os.path.splitext(os.path.basename(path))[0]
     doc = (inspect.getdoc(fn) or "").split("\n")[0]
-    return LoadedModel(name=f"{stem}:{function}", spec=spec, source="file", module=module.eval(),
+    return LoadedModel(name=f"{stem}:{function}", spec=spec, source="file", module=wrapped,
                        example_inputs=inputs, description=doc or f"{function}() from {path}",
-                       settings=dict(overrides))
+                       settings=settings)

@@ -57,6 +57,7 @@ class Plan:
     skipped: list[dict[str, str]] = field(default_factory=list)  # not worth it, with why
     capture_method: str = ""
     fingerprint: str = ""  # of the graph it was made on (graph_fingerprint); "" = unchecked
+    notes: list[str] = field(default_factory=list)  # what the settings could not give
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +70,7 @@ class Plan:
             "misses": [m.to_json() for m in self.misses],
             "failed": [f.to_json() for f in self.failed],
             "skipped": self.skipped,
+            "notes": self.notes,
         }
 
     @classmethod
@@ -92,6 +94,7 @@ class Plan:
                 skipped=list(data.get("skipped", [])),
                 capture_method=data.get("capture_method", ""),
                 fingerprint=data.get("fingerprint", ""),
+                notes=[str(n) for n in data.get("notes", [])],
             )
         except (KeyError, TypeError, AttributeError) as e:  # fields _check_plan leaves alone
             raise PlanError(f"The plan is malformed ({type(e).__name__}: {e}); "
@@ -188,6 +191,17 @@ def graph_fingerprint(gm) -> str:
     return h.hexdigest()[:16]
 
 
+def _missing_classes(exactness: str) -> list[str]:
+    """A sentence for each looser exactness class the setting allows but no installed rule
+    belongs to, so that `--exactness approx` never silently means `exact`."""
+    level = EXACTNESS_ORDER.get(exactness, 0)
+    allowed = [c for c, rank in EXACTNESS_ORDER.items() if rank <= level]
+    present = {r.exactness for r in registry.all_rules()}
+    return [f"no {c} rules are installed, so --exactness {exactness} plans only the "
+            f"{', '.join(sorted(k for k in present if k in allowed))} rules"
+            for c in allowed if c != "exact" and c not in present]
+
+
 def check_plan_fits(captured: Captured, plan: Plan) -> None:
     """Refuse a plan made for another model, in one sentence, before any site is looked up."""
     if not plan.fingerprint or plan.capture_method != captured.method:
@@ -236,6 +250,7 @@ def make_plan(
               and r.name not in exclude_rules]
     plan = Plan(model_name, PlanSettings(tgt.name, patterns, exactness),
                 capture_method=captured.method, fingerprint=graph_fingerprint(captured.gm))
+    plan.notes += _missing_classes(exactness)
     gm = copy_module(captured.gm)
     seen_misses: set[tuple[str, str, str]] = set()
     for rule in chosen:
