@@ -88,11 +88,15 @@ def test_plan_apply_verify_bench(tmp_path, capsys):
     assert b["ref_ms"] > 0 and b["opt_ms"] > 0 and b["speedup"] > 0
 
 
-def test_apply_plan_of_another_model_reports_missing_sites(tmp_path, capsys):
+def test_apply_plan_of_another_model_is_refused(tmp_path, capsys):
+    # the plan records its graph's fingerprint; sites missing from the same graph are
+    # test_a_partly_applicable_plan_exits_1_everywhere's case
     plan = tmp_path / "plan.json"
     assert run("plan", "zoo:resnet", "--rules", "fusion.conv_bn", "--out", str(plan)) == 0
-    assert run("apply", "zoo:mobilenet", str(plan)) == 1
-    assert "site not found" in capsys.readouterr().out
+    capsys.readouterr()
+    assert run("apply", "zoo:mobilenet", str(plan)) == 2
+    err = capsys.readouterr().err
+    assert "make a plan for it with `opswap plan`" in err and "Traceback" not in err
 
 
 def test_verify_fails_on_a_tight_budget(tmp_path, capsys):
@@ -236,3 +240,131 @@ def test_apply_rejects_a_hand_edited_plan(tmp_path, capsys, no_model):
     err = capsys.readouterr().err
     assert f"{plan}: decision 0: site data must be an object, got a list" in err
     assert "Traceback" not in err
+
+
+# --- issue 8: wording, help, rules, target/device, exit statuses, markup -------------------
+
+SMALL = ("--set", "width=4", "--set", "image_size=16", "--set", "batch=2")
+
+
+def test_counts_are_singular_and_plural(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert run("plan", "zoo:resnet", *SMALL, "--rules", "fusion.linear_bn", "--out", str(plan)) == 0
+    out = capsys.readouterr().out
+    assert "plan: 1 replacement" in out and "1 replacements" not in out
+    assert run("apply", "zoo:resnet", *SMALL, str(plan)) == 0
+    assert "applied 1 of 1 decision\n" in capsys.readouterr().out
+
+
+def test_flags_read_as_flags_in_help(capsys):
+    assert run("optimize", "--help") == 0
+    out = capsys.readouterr().out
+    assert "<bool>" not in out and "<list[str]>" not in out
+    line = next(ln for ln in out.splitlines() if "--no-bench" in ln)
+    assert re.search(r"--no-bench\s+Skip timing", line), line
+    assert "KEY=VALUE" in out and "--weights" in out
+    assert run("--help") == 0
+    out = capsys.readouterr().out
+    assert "<bool>" not in out and "Exit status" in out and "1 when a verification failed" in out
+
+
+def test_rules_wide_prints_whole_descriptions(monkeypatch, capsys):
+    from rich.console import Console
+
+    from opswap.rules.registry import all_rules
+
+    monkeypatch.setattr("opswap.cli.console", Console(width=80))
+    assert run("rules") == 0
+    table = capsys.readouterr().out
+    assert "--wide" in " ".join(table.split())  # the table says how to see the rest
+    assert run("rules", "--wide") == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    text = " ".join(out.split())
+    for rule in all_rules():
+        assert " ".join(rule.info()["description"].split()) in text, rule.name
+
+
+def test_a_gpu_target_timed_here_says_so(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert run("plan", "zoo:resnet", *SMALL, "--target", "h200", "--out", str(plan)) == 0
+    capsys.readouterr()
+    assert run("bench", "zoo:resnet", *SMALL, str(plan)) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "timing: the plan is made for h200" in out and "measured here, on cpu:" in out
+    # bench prints the spread and the rounds
+    assert re.search(r"reference [\d.]+ ms \(IQR [\d.]+\), optimized [\d.]+ ms \(IQR [\d.]+\), "
+                     r"speedup [\d.]+x \(IQR [\d.]+\), median of \d+ interleaved rounds", out), out
+    assert run("plan", "zoo:resnet", *SMALL, "--out", str(plan)) == 0
+    capsys.readouterr()
+    assert run("bench", "zoo:resnet", *SMALL, str(plan)) == 0
+    assert "timing:" not in capsys.readouterr().out  # made for this CPU, timed on it
+
+
+def test_optimize_for_a_gpu_target_on_cpu_says_so_before_loading(monkeypatch, capsys):
+    def _load(*args, **kwargs):
+        raise OpswapError("stop after the checks.")
+
+    monkeypatch.setattr("opswap.cli._load", _load)
+    assert run("optimize", "zoo:resnet", "--target", "h200") == 2
+    assert "the plan is made for h200" in " ".join(capsys.readouterr().out.split())
+
+
+def test_verify_prints_tolerance_and_samples(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert run("plan", "zoo:resnet", *SMALL, "--rules", "fusion.conv_bn", "--out", str(plan)) == 0
+    capsys.readouterr()
+    assert run("verify", "zoo:resnet", *SMALL, str(plan), "--samples", "2") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("tolerance: cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100 (the exact defaults); "
+            "4 samples: 2 at the example shape 2x3x16x16, one at each of batch 1, batch 3") in out
+
+
+@pytest.fixture
+def partial_plan(tmp_path):
+    """A zoo:resnet plan with one decision more, whose site (a name in square brackets,
+    which rich markup would eat) the model does not have."""
+    plan = tmp_path / "plan.json"
+    assert run("plan", "zoo:resnet", *SMALL, "--rules", "fusion.conv_bn", "--out", str(plan)) == 0
+    data = json.loads(plan.read_text())
+    ghost = json.loads(json.dumps(data["decisions"][0]))
+    ghost["site"]["key"] = "conv9+bn9 [torch.float16, torch.bfloat16]"
+    data["decisions"].append(ghost)
+    plan.write_text(json.dumps(data))
+    return plan, len(data["decisions"])
+
+
+@pytest.mark.parametrize("cmd", ["apply", "verify", "bench"])
+def test_a_partly_applicable_plan_exits_1_everywhere(cmd, partial_plan, tmp_path, capsys):
+    plan, n = partial_plan
+    capsys.readouterr()
+    extra = ("--out", str(tmp_path / "m")) if cmd == "apply" else ()
+    assert run(cmd, "zoo:resnet", *SMALL, str(plan), *extra) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "not applied: fusion.conv_bn at conv9+bn9 [torch.float16, torch.bfloat16]: " in out
+    done = {"apply": f"saved {tmp_path / 'm' / 'model.pt2'} with the {n - 1} that did",
+            "verify": f"verified the model with the {n - 1} that did",
+            "bench": f"timed the model with the {n - 1} that did"}[cmd]
+    assert (f"partial plan: 1 of {n} decisions could not be applied (listed above); {done}; "
+            "exit status 1.") in out
+    if cmd == "apply":
+        assert (tmp_path / "m" / "model.pt2").exists()
+
+
+def test_plan_cells_keep_square_brackets(monkeypatch, tmp_path, capsys):
+    from opswap.rules.base import Miss
+    from opswap.search import plan as plan_module
+
+    real = plan_module.make_plan
+
+    def with_miss(*args, **kwargs):
+        p = real(*args, **kwargs)
+        p.misses.append(Miss("fusion.sdpa", "layer [3]", "takes dtype in [torch.float16, "
+                                                         "torch.bfloat16], got torch.float32"))
+        return p
+
+    monkeypatch.setattr(plan_module, "make_plan", with_miss)
+    assert run("plan", "zoo:resnet", *SMALL, "--rules", "fusion.linear_bn",
+               "--out", str(tmp_path / "p.json")) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "[torch.float16, torch.bfloat16]" in out and "layer [3]" in out

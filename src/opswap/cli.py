@@ -1,13 +1,15 @@
 """The `opswap` command: parses arguments, calls the Python API, prints.
 
 Every command has --help; commands that produce data take --json PATH.
-Errors opswap raises on purpose print as one line and exit with status 2.
+Errors opswap raises on purpose print as one line and exit with status 2; the
+exit statuses are in EXIT_STATUS (shown by `opswap --help`).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.padding import Padding
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -22,26 +25,65 @@ from rich.text import Text
 from opswap.errors import OpswapError
 from opswap.graph.copies import private_copy
 
-app = typer.Typer(
+EXIT_STATUS = (
+    "Exit status, the same for every command: 0 when everything asked for was done and "
+    "passed; 1 when a verification failed or decisions of a plan could not be applied "
+    "(the command says what it saved and why); 2 for usage errors and for errors opswap "
+    "names in one line (a bad spec, target, path, plan or weights file); 130 when "
+    "interrupted."
+)
+
+
+class _FlagsAsFlags:
+    """Help that shows a flag as a flag: typer >= 0.24 prints a type for every option,
+    so `--no-bench` and `--help` read as if they took a value (`<bool>`)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and getattr(p, "metavar", None) is None:
+                p.metavar = ""
+        return params
+
+
+class _Command(_FlagsAsFlags, typer.core.TyperCommand):
+    pass
+
+
+class _Group(_FlagsAsFlags, typer.core.TyperGroup):
+    pass
+
+
+class _App(typer.Typer):
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = _App(
     name="opswap",
     help="Operator replacement for PyTorch models: find the costly ops, swap them, "
     "prove the numbers match, measure the gain.",
+    epilog=EXIT_STATUS,
+    cls=_Group,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-# piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns
-console = Console(width=None if sys.stdout.isatty() else 160)
+# piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns,
+# unless COLUMNS says otherwise
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
 err = Console(stderr=True)
 
-Spec = Annotated[str, typer.Argument(help="Model: zoo:NAME, hf:TYPE, hf:PATH, torchvision:NAME, "
+Spec = Annotated[str, typer.Argument(metavar="SPEC", help="Model: zoo:NAME, hf:TYPE, hf:PATH, torchvision:NAME, "
                                           "timm:NAME, file.py:function or model.pt2.")]
-TargetOpt = Annotated[str, typer.Option("--target", "-t", help="Hardware target (cpu, h100, h200, a100).")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Model override KEY=VALUE (repeatable).")]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write machine-readable output here.")]
-RulesOpt = Annotated[str | None, typer.Option("--rules", "-r", help="Comma-separated rule globs, e.g. 'fusion.*,layout.drop_*'.")]
-ExactOpt = Annotated[str, typer.Option("--exactness", "-e", help="Loosest rules allowed: exact, approx or lossy.")]
-DynamicOpt = Annotated[str, typer.Option("--dynamic", help="Input sizes kept symbolic: auto (batch and sequence, detected), none, batch, seq, or I:D=NAME items.")]
+PlanArg = Annotated[Path, typer.Argument(metavar="PLAN", help="plan.json from `opswap plan`.")]
+TargetOpt = Annotated[str, typer.Option("--target", "-t", metavar="TARGET", help="Hardware target (cpu, h100, h200, a100).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="Model override (repeatable).")]
+WeightsOpt = Annotated[Path | None, typer.Option("--weights", "-w", metavar="FILE", help="Weights for the spec's architecture: a .safetensors file or a torch.save state dict (read with weights_only=True).")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", metavar="PATH", help="Also write machine-readable output here.")]
+RulesOpt = Annotated[str | None, typer.Option("--rules", "-r", metavar="GLOBS", help="Comma-separated rule globs, e.g. 'fusion.*,layout.drop_*'.")]
+ExactOpt = Annotated[str, typer.Option("--exactness", "-e", metavar="CLASS", help="Loosest rules allowed: exact, approx or lossy.")]
+DynamicOpt = Annotated[str, typer.Option("--dynamic", metavar="SIZES", help="Input sizes kept symbolic: auto (batch and sequence, detected), none, batch, seq, or I:D=NAME items.")]
 _DEVICES = "cpu, cuda or cuda:N"
 
 
@@ -69,10 +111,25 @@ def _overrides(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def _load(spec: str, sets: list[str] | None):
+def _load(spec: str, sets: list[str] | None, weights: Path | None = None):
     from opswap.models import load
 
-    return load(spec, _overrides(sets))
+    loaded = load(spec, _overrides(sets), weights=weights)
+    record = loaded.settings.get("weights")
+    if record:
+        console.print(Text(_weights_line(record)))
+    return loaded
+
+
+def _weights_line(record: dict) -> str:
+    keys = f", keys read with {record['keys']}" if record["keys"] != "as saved" else ""
+    return (f"weights: {record['file']} ({_n(record['tensors'], 'tensor')}{keys}, "
+            f"stored as {', '.join(record['file_dtypes'])})")
+
+
+def _n(count: int, singular: str, plural: str | None = None) -> str:
+    """'1 replacement', '3 replacements'."""
+    return f"{count} {singular if count == 1 else plural or singular + 's'}"
 
 
 def _write_json(path: Path | None, data) -> None:
@@ -80,7 +137,7 @@ def _write_json(path: Path | None, data) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    console.print(f"[dim]wrote {path}[/dim]")
+    console.print(Text(f"wrote {path}", style="dim"))
 
 
 def _check_outputs(json_path: Path | None, out: Path | None = None, *, out_dir: bool = False) -> None:
@@ -107,14 +164,19 @@ def _check_device(device: str) -> None:
     resolve_device(device)  # CUDA without a GPU
 
 
+def _note(text: str, label: str = "note", style: str = "yellow") -> None:
+    """One line `label: text`, the text printed as written (no rich markup)."""
+    console.print(Text.assemble((f"{label}:", style), " ", str(text)))
+
+
 def _rule_patterns(rules: str | None) -> list[str]:
     return [p.strip() for p in rules.split(",") if p.strip()] if rules else []
 
 
 @app.command()
 def analyze(spec: Spec, target: TargetOpt = "cpu", sets: SetOpt = None, json_path: JsonOpt = None,
-            dynamic: DynamicOpt = "auto",
-            top: Annotated[int, typer.Option(help="Rows to show (all are in --json).")] = 40) -> None:
+            dynamic: DynamicOpt = "auto", weights: WeightsOpt = None,
+            top: Annotated[int, typer.Option(metavar="N", help="Rows to show (all are in --json).")] = 40) -> None:
     """Per-op FLOPs, bytes, intensity and bound against a target; totals and bottlenecks."""
     from opswap.cost.analyze import analyze as _analyze
     from opswap.cost.analyze import render
@@ -123,30 +185,56 @@ def analyze(spec: Spec, target: TargetOpt = "cpu", sets: SetOpt = None, json_pat
 
     _check_outputs(json_path)
     tgt = get_target(target)
-    loaded = _load(spec, sets)
+    loaded = _load(spec, sets, weights)
     captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
     for note in captured.notes:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        _note(note)
     result = _analyze(captured, tgt, model_name=spec)
     render(result, console, top=top)
     _write_json(json_path, result.to_json())
 
 
 @app.command("rules")
-def list_rules(json_path: JsonOpt = None) -> None:
-    """Every rule: name, family, chapter, exactness, targets."""
+def list_rules(json_path: JsonOpt = None,
+               wide: Annotated[bool, typer.Option("--wide", help="Print every rule's whole description, wrapped to the terminal's width, instead of the table's first sentence.")] = False) -> None:
+    """Every rule: name, family, chapter, exactness, targets, what it does."""
     from opswap.rules.registry import all_rules
 
     _check_outputs(json_path)
     rows = [r.info() for r in all_rules()]
-    table = Table(title=f"{len(rows)} rules")
-    for col in ("name", "family", "ch.", "exactness", "targets", "what it does"):
-        table.add_column(col, overflow="fold")
+    if wide:
+        for r in rows:
+            console.print(Text.assemble((r["name"], "bold"), f"  ({r['family']}, ch. {r['chapter']}, "
+                                        f"{r['exactness']}, targets {','.join(r['targets'])})"))
+            console.print(Padding(Text(" ".join(r["description"].split())), (0, 0, 1, 4)))
+        _write_json(json_path, rows)
+        return
+    table = Table(title=_n(len(rows), "rule"))
+    # on a narrow terminal the family (the name's first part) gives its room to the text
+    cols = ("name", "family", "ch.", "exactness", "targets", "what it does")
+    if console.width < 120:
+        cols = tuple(c for c in cols if c != "family")
+    for col in cols:
+        table.add_column(col, overflow="fold", no_wrap=col == "name")
+    cut = False
     for r in rows:
-        table.add_row(r["name"], r["family"], str(r["chapter"]), r["exactness"],
-                      ",".join(r["targets"]), r["description"].split("\n")[0][:90])
+        first = _first_sentence(r["description"])
+        cut |= first != " ".join(r["description"].split())
+        cells = {"name": Text(r["name"]), "family": r["family"], "ch.": str(r["chapter"]),
+                 "exactness": r["exactness"], "targets": ",".join(r["targets"]),
+                 "what it does": Text(first)}
+        table.add_row(*(cells[c] for c in cols))
     console.print(table)
+    if cut:
+        console.print("descriptions stop at their first sentence; `opswap rules --wide` prints "
+                      "them whole", style="dim", markup=False)
     _write_json(json_path, rows)
+
+
+def _first_sentence(text: str) -> str:
+    words = " ".join(text.split())
+    m = re.search(r"(?<!e\.g)(?<!i\.e)(?<!etc)\.\s(?=[A-Z(])", words)
+    return words[:m.start() + 1] + " ..." if m else words
 
 
 @app.command()
@@ -170,76 +258,99 @@ def models(json_path: JsonOpt = None) -> None:
 
 
 def _print_plan(plan) -> None:
-    table = Table(title=f"plan: {len(plan.decisions)} replacements")
+    table = Table(title="plan: " + _n(len(plan.decisions), "replacement"))
     for col in ("#", "rule", "site", "what", "pred. bytes saved", "pred. FLOPs saved"):
         table.add_column(col, overflow="fold")
     from opswap.cost.units import human, human_unit
 
+    # cells are Text: a site or a reason may hold square brackets, which markup would eat
     for i, d in enumerate(plan.decisions):
-        table.add_row(str(i), d.rule, d.site.key, d.site.description,
+        table.add_row(str(i), Text(d.rule), Text(d.site.key), Text(d.site.description),
                       human_unit(d.estimate.bytes_saved, "B"), human(d.estimate.flops_saved))
     console.print(table)
     if plan.misses:
-        mt = Table(title=f"{len(plan.misses)} near misses")
+        mt = Table(title=_n(len(plan.misses), "near miss", "near misses"))
         for col in ("rule", "where", "why not"):
             mt.add_column(col, overflow="fold")
         for m in plan.misses:
-            mt.add_row(m.rule, m.where, m.reason)
+            mt.add_row(Text(m.rule), Text(m.where), Text(m.reason))
         console.print(mt)
     for f in plan.failed:
-        console.print(f"[red]failed[/red] {f.rule} at {f.key}: {f.reason}")
+        _note(f"{f.rule} at {f.key}: {f.reason}", "failed", "red")
     for s in plan.skipped:
-        console.print(f"[yellow]skipped[/yellow] {s['rule']} at {s['key']}: {s['reason']}")
+        _note(f"{s['rule']} at {s['key']}: {s['reason']}", "skipped")
 
 
 @app.command()
 def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
          exactness: ExactOpt = "exact", sets: SetOpt = None, dynamic: DynamicOpt = "auto",
-         out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan.")] = Path("plan.json"),
-         json_path: JsonOpt = None) -> None:
+         out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="Where to write the plan.")] = Path("plan.json"),
+         weights: WeightsOpt = None, json_path: JsonOpt = None) -> None:
     """Match the rules on a model and write plan.json (sites chosen, misses, settings)."""
     from opswap.graph import capture
     from opswap.search.plan import make_plan
 
     _check_outputs(json_path, out)
-    loaded = _load(spec, sets)
+    loaded = _load(spec, sets, weights)
     captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
     p = make_plan(captured, target=target, rules=_rule_patterns(rules), exactness=exactness,
                   model_name=spec)
     _print_plan(p)
     p.save(out)
-    console.print(f"wrote {out}")
+    console.print(Text(f"wrote {out}"))
     _write_json(json_path, p.to_json())
 
 
-def _applied(spec: str, plan_path: Path, sets, dynamic: str = "auto"):
+def _applied(spec: str, plan_path: Path, sets, dynamic: str = "auto", weights: Path | None = None):
     from opswap.graph import capture
     from opswap.search.plan import Plan, apply_plan
 
     p = Plan.load(plan_path)
-    loaded = _load(spec, sets)
+    loaded = _load(spec, sets, weights)
     captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
     applied = apply_plan(captured, p)
     for f in applied.failed:
-        console.print(f"[red]not applied[/red] {f.rule} at {f.key}: {f.reason}")
+        _note(f"{f.rule} at {f.key}: {f.reason}", "not applied", "red")
     return loaded, captured, p, applied
 
 
+def _partial(p, applied, done: str) -> None:
+    """The line that goes with exit status 1 when part of a plan did not apply; `done` says
+    what the command did with the rest ('{n}' stands for their number)."""
+    if applied.failed:
+        rest = done.format(n=len(applied.applied))
+        _note(f"{len(applied.failed)} of {_n(len(p.decisions), 'decision')} could not be "
+              f"applied (listed above); {rest}; exit status 1.", "partial plan", "red")
+
+
+def _print_inputs(module) -> None:
+    """Say which positional order a model given keyword inputs is captured in."""
+    from opswap.graph.keywords import KeywordCall
+
+    if isinstance(module, KeywordCall):
+        _note("the model takes keyword inputs; the optimized model " + module.describe(),
+              "inputs", "cyan")
+
+
 @app.command()
-def apply(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json from `opswap plan`.")],
-          sets: SetOpt = None, dynamic: DynamicOpt = "auto",
-          out: Annotated[Path | None, typer.Option("--out", "-o", help="Save the optimized model in this directory.")] = None,
+def apply(spec: Spec, plan_path: PlanArg,
+          sets: SetOpt = None, dynamic: DynamicOpt = "auto", weights: WeightsOpt = None,
+          out: Annotated[Path | None, typer.Option("--out", "-o", metavar="DIR", help="Save the optimized model in this directory.")] = None,
           json_path: JsonOpt = None) -> None:
-    """Re-apply a plan to a model; optionally save the optimized model."""
+    """Re-apply a plan to a model; optionally save the optimized model. Exit status 1 when
+    decisions of the plan could not be applied (the model is saved without them)."""
     from opswap.report.model_io import save_model
 
     _check_outputs(json_path, out, out_dir=True)
-    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic)
-    console.print(f"applied {len(applied.applied)} of {len(p.decisions)} decisions")
+    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic, weights)
+    console.print(f"applied {len(applied.applied)} of {_n(len(p.decisions), 'decision')}")
+    _print_inputs(loaded.module)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         files = save_model(applied.gm, captured.example_inputs, p, out, dynamic=captured.dynamic)
-        console.print(f"saved {files['model']}")
+        console.print(Text(f"saved {files['model']}"))
+    _partial(p, applied, f"saved {files['model']} with the {{n}} that did" if out is not None
+             else "nothing was saved (no --out)")
     _write_json(json_path, {"applied": [s.to_json() for s in applied.applied],
                             "failed": [f.to_json() for f in applied.failed]})
     if applied.failed:
@@ -247,18 +358,19 @@ def apply(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json 
 
 
 @app.command()
-def verify(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json from `opswap plan`.")],
-           budget: Annotated[str | None, typer.Option(help="e.g. 'cosine>=0.9999' (default: from the plan's exactness).")] = None,
-           samples: Annotated[int, typer.Option(help="Random input samples.")] = 3,
-           sets: SetOpt = None, dynamic: DynamicOpt = "auto",
+def verify(spec: Spec, plan_path: PlanArg,
+           budget: Annotated[str | None, typer.Option(metavar="METRIC>=X", help="e.g. 'cosine>=0.9999' (default: from the plan's exactness).")] = None,
+           samples: Annotated[int, typer.Option(metavar="N", help="Random input samples.")] = 3,
+           sets: SetOpt = None, dynamic: DynamicOpt = "auto", weights: WeightsOpt = None,
            json_path: JsonOpt = None) -> None:
-    """Compare the plan's result with the original; exit 1 when it breaks the tolerance."""
+    """Compare the plan's result with the original; exit 1 when it breaks the tolerance or
+    decisions of the plan could not be applied."""
     from opswap.verify.layers import compare_layers
     from opswap.verify.outputs import verify as _verify
     from opswap.verify.tolerance import Tolerance, parse_budget
 
     _check_outputs(json_path)
-    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic)
+    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic, weights)
     tol = Tolerance.for_exactness(p.settings.exactness).at_rounding(captured.rounding)
     if budget:
         tol = parse_budget(budget, base=tol)
@@ -272,49 +384,97 @@ def verify(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json
     table.add_row(*(f"{data[c]:.3g}" if isinstance(data[c], float) else str(data[c])
                     for c in ("max_abs", "max_rel", "cosine", "sqnr_db", "rel_l2")))
     console.print(table)
+    source = f"budget {budget} over the" if budget else "the"
+    console.print(Text(f"tolerance: {_tolerance_text(data['tolerance'])} ({source} "
+                       f"{p.settings.exactness} defaults); {_samples_text(v, samples)}"))
     for r in getattr(v, "reasons", []):
-        console.print(f"[red]{r}[/red]")
+        console.print(Text(str(r), style="red"))
     if not v.passed:
         layers = compare_layers(captured, applied, captured.example_inputs)
         first = layers.first_divergence(tol)
         if first is not None:
-            console.print(f"first divergence: {first}")
+            console.print(Text(f"first divergence: {first}"))
+    _print_inputs(loaded.module)
+    _partial(p, applied, "verified the model with the {n} that did")
     _write_json(json_path, data)
-    if not v.passed:
+    if not v.passed or applied.failed:
         raise typer.Exit(1)
 
 
+def _samples_text(v, asked: int) -> str:
+    """'5 samples: 3 at the example shape 2x3x32x32, one at each of batch 1, batch 3'."""
+    first, others = (v.shapes[0], v.shapes[1:]) if v.shapes else ("example shape", [])
+    text = f"{_n(v.samples, 'sample')}: {asked} at the {first}"
+    return text + (f", one at each of {', '.join(others)}" if others else "")
+
+
+_TOLERANCE_TERMS = {"cosine_min": "cosine>=", "rel_l2_max": "rel_l2<=", "sqnr_min_db": "sqnr_db>=",
+                    "max_abs": "max_abs<=", "max_rel": "max_rel<="}
+
+
+def _tolerance_text(tol: dict) -> str:
+    """'cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100' from Tolerance.to_json()."""
+    terms = [f"{_TOLERANCE_TERMS[k]}{v:g}" for k, v in tol.items() if k in _TOLERANCE_TERMS]
+    return ", ".join(terms) or "no threshold"
+
+
 @app.command()
-def bench(spec: Spec, plan_path: Annotated[Path, typer.Argument(help="plan.json from `opswap plan`.")],
-          device: Annotated[str, typer.Option(help=f"Where to time: {_DEVICES}.")] = "cpu",
-          sets: SetOpt = None, dynamic: DynamicOpt = "auto",
+def bench(spec: Spec, plan_path: PlanArg,
+          device: Annotated[str, typer.Option(metavar="DEVICE", help=f"Where to time: {_DEVICES}.")] = "cpu",
+          sets: SetOpt = None, dynamic: DynamicOpt = "auto", weights: WeightsOpt = None,
           json_path: JsonOpt = None) -> None:
-    """Time the original and the plan's result side by side (interleaved, after warm-up)."""
+    """Time the original and the plan's result side by side (interleaved, after warm-up).
+    Exit status 1 when decisions of the plan could not be applied (the rest is timed)."""
     from opswap.bench.timing import bench_models
+    from opswap.search.plan import Plan
 
     _check_outputs(json_path)
     _check_device(device)
-    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic)
+    _where_timed(Plan.load(plan_path).settings.target, device)
+    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic, weights)
     b = bench_models(private_copy(loaded.module), applied.gm, captured.example_inputs,
                      device=device)
     data = b.to_json()
-    console.print(f"reference {data['ref_ms']:.3f} ms, optimized {data['opt_ms']:.3f} ms, "
-                  f"speedup {data['speedup']:.2f}x on {data['device']}")
+    console.print(Text(
+        f"reference {data['ref_ms']:.3f} ms (IQR {data['ref_iqr_ms']:.3f}), optimized "
+        f"{data['opt_ms']:.3f} ms (IQR {data['opt_iqr_ms']:.3f}), speedup "
+        f"{data['speedup']:.2f}x (IQR {data['spread']:.2f}), median of "
+        f"{_n(data['rounds'], 'interleaved round')} on {data['device']}"))
+    _partial(p, applied, "timed the model with the {n} that did")
     _write_json(json_path, data)
+    if applied.failed:
+        raise typer.Exit(1)
+
+
+def _where_timed(target: str, device: str) -> None:
+    """One line when the plan's target is not the device the times are measured on."""
+    from opswap.bench.timing import describe_device
+    from opswap.targets import get_target
+
+    tgt = get_target(target)
+    here = describe_device(device)
+    dev = device.split(":")[0]
+    name = tgt.name.lower()
+    same = (tgt.kind == "cpu" and dev == "cpu") or (
+        tgt.kind == dev and re.search(rf"\b{re.escape(name)}\b", here.lower()) is not None)
+    if not same:
+        _note(f"the plan is made for {tgt.name} ({tgt.description}), but times are measured "
+              f"here, on {here}.", "timing")
 
 
 @app.command()
 def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
              exactness: ExactOpt = "exact",
-             budget: Annotated[str | None, typer.Option(help="Accuracy budget, e.g. 'cosine>=0.9999'.")] = None,
-             out: Annotated[Path, typer.Option("--out", "-o", help="Output directory.")] = Path("opswap-out"),
-             samples: Annotated[int, typer.Option(help="Random input samples for verification.")] = 3,
+             budget: Annotated[str | None, typer.Option(metavar="METRIC>=X", help="Accuracy budget, e.g. 'cosine>=0.9999'.")] = None,
+             out: Annotated[Path, typer.Option("--out", "-o", metavar="DIR", help="Output directory.")] = Path("opswap-out"),
+             samples: Annotated[int, typer.Option(metavar="N", help="Random input samples for verification.")] = 3,
              no_bench: Annotated[bool, typer.Option("--no-bench", help="Skip timing.")] = False,
-             device: Annotated[str, typer.Option(help=f"Where to run and time: {_DEVICES}.")] = "cpu",
+             device: Annotated[str, typer.Option(metavar="DEVICE", help=f"Where to run and time: {_DEVICES}.")] = "cpu",
              dynamic: DynamicOpt = "auto",
-             compare: Annotated[str, typer.Option("--compare", help="Baselines raced in the same run: compile (torch.compile of the input and of opswap's result), or none.")] = "compile",
-             sets: SetOpt = None, json_path: JsonOpt = None) -> None:
-    """The whole flow: analyze, plan, apply, verify (with rollback), bench, report."""
+             compare: Annotated[str, typer.Option("--compare", metavar="BASELINES", help="Baselines raced in the same run: compile (torch.compile of the input and of opswap's result), or none.")] = "compile",
+             sets: SetOpt = None, weights: WeightsOpt = None, json_path: JsonOpt = None) -> None:
+    """The whole flow: analyze, plan, apply, verify (with rollback), bench, report. Exit
+    status 1 when the result fails verification (what was saved is printed)."""
     from opswap.pipeline import OptimizeConfig
     from opswap.pipeline import optimize as _optimize
 
@@ -329,6 +489,7 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
         from opswap.bench.variants import parse_compare
 
         parse_compare(compare)  # a typo fails now, not after the run
+        _where_timed(target, device)
     stages = ["load", "capture", "analyze", "plan", "apply", "verify", "rollback", "bench",
               "measure", "prune", "layers", "race", "report"]
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -339,31 +500,44 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
             done = stages.index(stage) if stage in stages else None
             progress.update(task, description=stage, completed=done)
 
-        loaded = _load(spec, sets)
-        result = _optimize(loaded.module, loaded.example_inputs, config, name=spec, progress=step)
+        loaded = _load(spec, sets, weights)
+        result = _optimize(loaded.module, loaded.example_inputs, config, name=spec, progress=step,
+                           model_settings=loaded.settings)
+        from opswap.api import note_inputs
+
+        note_inputs(result, loaded.module)
+        if loaded.settings.get("weights"):
+            result.notes.insert(0, _weights_line(loaded.settings["weights"]).capitalize() + ".")
         step("report")
         paths = result.save(out)
     data = result.to_json()
     _print_summary(data)
     for k in ("plan", "result", "report_md", "report_html", "model"):
         if k in paths:
-            console.print(f"  {k:<11} {paths[k]}")
+            console.print(Text(f"  {k:<11} {paths[k]}"))
+    _print_inputs(loaded.module)
     _write_json(json_path, data)
     if not data["verification"]["passed"]:
+        _note(f"opswap's result did not pass verification ({'; '.join(data['verification']['reasons'])}); "
+              f"{paths.get('model', out)} holds {data['deploy']['holds']}; exit status 1.",
+              "failed", "red")
         raise typer.Exit(1)
 
 
 def _print_summary(data: dict) -> None:
     v, b = data["verification"], data["benchmark"]
-    console.print(f"[bold]{data['model']}[/bold] on {data['target']}: "
-                  f"{len(data['applied'])} replacements, {len(data['misses'])} near misses, "
-                  f"{len(data['rolled_back'])} rolled back")
+    console.print(Text.assemble((data["model"], "bold"), f" on {data['target']}: "
+                                f"{_n(len(data['applied']), 'replacement')}, "
+                                f"{_n(len(data['misses']), 'near miss', 'near misses')}, "
+                                f"{len(data['rolled_back'])} rolled back"))
     dyn = data.get("dynamic") or {}
     axes = ", ".join(f"{a['name']} (example {a['size']})" for a in dyn.get("axes", []))
     console.print(f"  dynamic sizes: {axes or 'none (the example shapes only)'}", markup=False)
-    status = "[green]PASSED[/green]" if v["passed"] else "[red]FAILED[/red]"
-    console.print(f"  verification {status}: cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}, "
-                  f"sqnr {v['sqnr_db']:.1f} dB")
+    status = ("PASSED", "green") if v["passed"] else ("FAILED", "red")
+    console.print(Text.assemble("  verification ", status,
+                                f": cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}, "
+                                f"sqnr {v['sqnr_db']:.1f} dB ({_n(v['samples'], 'sample')}, "
+                                f"tolerance {_tolerance_text(v['tolerance'])})"))
     if b:
         console.print(f"  eager: {b['ref_ms']:.3f} ms -> {b['opt_ms']:.3f} ms, "
                       f"{b['ref_ms'] / b['opt_ms']:.2f}x, ratio of medians ({b['device']})",
