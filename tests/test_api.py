@@ -12,8 +12,8 @@ def _state(m):
 
 
 def test_public_surface():
-    assert set(opswap.__all__) == {"analyze", "apply", "bench", "load", "optimize", "plan",
-                                   "rules", "verify"}
+    assert set(opswap.__all__) == {"analyze", "apply", "bench", "load", "load_optimized",
+                                   "optimize", "plan", "rules", "verify"}
     for name in opswap.__all__:
         assert getattr(opswap, name) is not None
     # importing a subpackage must not hide the API function of the same name
@@ -33,7 +33,9 @@ def test_optimize_leaves_the_model_alone_and_reports(tmp_path):
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
     rules = {s.rule for s in result.applied}
-    assert {"fusion.conv_bn", "fusion.conv_relu"} <= rules
+    # a rule the clock found slower on this (busy) machine is pruned, with that reason
+    pruned = {s["rule"] for s in result.plan.skipped if "measured slower" in s["reason"]}
+    assert {"fusion.conv_bn", "fusion.conv_relu"} <= rules | pruned
     assert result.verification.passed and result.verification.cosine >= 0.99999
     assert result.benchmark.ref_ms > 0 and result.benchmark.opt_ms > 0
     x = torch.randn_like(loaded.example_inputs[0])

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from opswap.cost import Analysis, analyze, render
 from opswap.graph.capture import capture
-from opswap.targets import Target
+from opswap.targets import Target, get_target
 
 HEAVY = ("conv", "matmul", "attention", "rnn")
 
@@ -274,5 +274,33 @@ def test_tf32_rates_fp32_matmuls_at_the_tensor_core_peak():
     lin = nn.Sequential(nn.Linear(512, 512))
     c = capture(lin, (torch.randn(512, 512),), method="fx")
     plain, tf32 = analyze(c, "h100").rows[0], analyze(c, "h100", tf32=True).rows[0]
-    assert plain.est_time_s == pytest.approx(plain.flops / 67e12)
-    assert tf32.est_time_s == pytest.approx(max(tf32.flops / 494.5e12, tf32.bytes / 3.35e12))
+    launch = get_target("h100").dispatch_s  # every op also pays its launch
+    assert launch > 0
+    assert plain.est_time_s == pytest.approx(plain.flops / 67e12 + launch)
+    assert tf32.est_time_s == pytest.approx(max(tf32.flops / 494.5e12, tf32.bytes / 3.35e12)
+                                            + launch)
+
+
+def test_predicted_time_follows_the_ops_a_rewrite_removes():
+    # merging three sibling Linears keeps their FLOPs, reads x once instead of three times
+    # and trades two kernel dispatches for three views: the prediction and the whole-model
+    # estimate must agree on the sign, with both counted
+    from opswap.search.plan import apply_plan, make_plan
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.q(x) + self.k(x) * self.v(x)
+
+    c = capture(QKV(), (torch.randn(512, 16),), method="fx")
+    target = get_target("cpu")
+    assert target.dispatch_s > 0  # measured with the rest of the CPU target
+    plan = make_plan(c, target=target, rules=["fusion.parallel_linear"])
+    (d,) = plan.decisions
+    assert d.estimate.time_saved_s > 0
+    before, after = analyze(c, target), analyze(apply_plan(c, plan).captured, target)
+    assert before.est_time_s - after.est_time_s == pytest.approx(d.estimate.time_saved_s,
+                                                                 rel=0.05)

@@ -4,8 +4,10 @@ Every op in the cost model is costed as if it ran alone: it reads its inputs
 from memory and writes its output back. A fusion removes ops (a folded
 BatchNorm, a ReLU done in a GEMM's epilogue) or replaces several with one; the
 saving is the roofline time of what is removed minus that of what is added,
-each kernel timed as max(flops / peak, bytes / bandwidth). A rewrite that only
-removes data movement (a copy, a layout conversion) is costed by its bytes alone.
+each kernel timed as max(flops / peak, bytes / bandwidth) plus the target's
+per-op dispatch cost (`Target.dispatch_s`), so merging three GEMMs into one saves
+two dispatches even when the FLOPs stay. A rewrite that only removes data
+movement (a copy, a layout conversion) is costed by its bytes and the ops it removes.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from collections.abc import Iterable
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost, roofline_point
+from opswap.graph.ops import op_kind
 from opswap.graph.shapes import info
 from opswap.rules.base import Estimate
 
 
 def _time(c: NodeCost, target, dtype) -> float:
-    return roofline_point(c.flops, c.bytes, target, dtype).time_s
+    overhead = target.op_overhead(bool(c.flops or c.bytes)) if hasattr(target, "op_overhead") \
+        else 0.0
+    return roofline_point(c.flops, c.bytes, target, dtype).time_s + overhead
 
 
 def costs(nodes: Iterable[fx.Node]) -> list[NodeCost]:
@@ -33,7 +38,7 @@ def saving(target, removed: Iterable[fx.Node], added: Iterable[NodeCost] = (),
     kernels `added` (given as costs: they do not exist in the graph yet)."""
     removed = list(removed)
     dtype = next((i.dtype for i in map(info, removed) if i is not None), "float32")
-    gone = costs(removed)
+    gone = costs(n for n in removed if op_kind(n) not in ("getitem", "size"))
     new = list(added)
     flops = sum(c.flops for c in gone) - sum(c.flops for c in new)
     nbytes = sum(c.bytes for c in gone) - sum(c.bytes for c in new)
@@ -59,8 +64,15 @@ def moved_bytes(nodes) -> int:
     return total
 
 
-def bytes_estimate(bytes_saved: int, target, note: str) -> Estimate:
-    """Estimate for a rewrite that saves `bytes_saved` of memory traffic and no FLOPs."""
+def bytes_estimate(bytes_saved: int, target, note: str, kernels_saved: int = 0,
+                   views_saved: int = 0) -> Estimate:
+    """Estimate for a rewrite that saves `bytes_saved` of memory traffic and no FLOPs, and
+    the dispatch of `kernels_saved` ops that move data and `views_saved` that do not
+    (negative: ops added)."""
     bw = getattr(target, "mem_bandwidth", None)
-    return Estimate(bytes_saved=float(bytes_saved),
-                    time_saved_s=bytes_saved / bw if bw else None, note=note)
+    if not bw:
+        return Estimate(bytes_saved=float(bytes_saved), time_saved_s=None, note=note)
+    dispatch = (getattr(target, "dispatch_s", 0.0) * kernels_saved
+                + getattr(target, "view_dispatch_s", 0.0) * views_saved)
+    return Estimate(bytes_saved=float(bytes_saved), time_saved_s=bytes_saved / bw + dispatch,
+                    note=note)

@@ -56,6 +56,15 @@ class Target:
     preferred_dtype: str = "float32"
     source: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # seconds each op costs before it moves a byte: eager dispatch on a CPU, dispatch plus
+    # kernel launch on a GPU. The roofline cannot see it; on small models it dominates.
+    dispatch_s: float = 0.0
+    # the same for an op that moves no data (a view, an alias): dispatch, no kernel
+    view_dispatch_s: float = 0.0
+
+    def op_overhead(self, moves_data: bool) -> float:
+        """The fixed cost of one op: a kernel's dispatch (and launch), or a view's."""
+        return self.dispatch_s if moves_data else self.view_dispatch_s
 
     def peak(self, dtype: torch.dtype | str = "float32") -> float:
         """Peak FLOP/s for `dtype`; a precision without a figure falls back to float32's."""
@@ -92,6 +101,8 @@ class Target:
             preferred_dtype=d.get("preferred_dtype", "float32"),
             source=d.get("source", ""),
             notes=tuple(d.get("notes", ())),
+            dispatch_s=float(d.get("dispatch_s", 0.0)),
+            view_dispatch_s=float(d.get("view_dispatch_s", 0.0)),
         )
 
     def __str__(self) -> str:

@@ -102,6 +102,33 @@ def measure_bandwidth() -> float:
     return max(2 * _COPY_BYTES / t_copy, 3 * _COPY_BYTES / t_add)
 
 
+def measure_dispatch(device="cpu", view: bool = False) -> float:
+    """Seconds one tiny op costs on `device` end to end from Python: PyTorch's dispatch
+    (and on a GPU the kernel launch), the median over rounds of many one-element adds
+    into a fresh tensor; with `view`, of `x.view(-1)`, which dispatches but runs no kernel."""
+    import statistics
+
+    dev = torch.device(device)
+    a = torch.ones(1, device=dev)
+    b = torch.ones(1, device=dev)
+    op = (lambda: a.view(-1)) if view else (lambda: torch.add(a, b))
+    n = 200
+    samples = []
+    with torch.inference_mode():
+        for _ in range(3):
+            op()
+        for _ in range(15):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                op()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            samples.append((time.perf_counter() - t0) / n)
+    return statistics.median(samples)
+
+
 def _memory_bytes() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -121,6 +148,7 @@ def measure_cpu_target() -> Target:
     """Measure this machine now and describe it as a Target."""
     peak = measure_peak_flops()
     bw = measure_bandwidth()
+    dispatch, view = measure_dispatch("cpu"), measure_dispatch("cpu", view=True)
     today = _dt.date.today().isoformat()
     return Target(
         name="cpu",
@@ -134,8 +162,11 @@ def measure_cpu_target() -> Target:
         preferred_dtype="float32",
         source=(
             f"measured on this machine on {today}: float32 {_MATMUL_N}^3 matmul for peak "
-            f"FLOP/s, 64 MiB copy/add for bandwidth (torch {torch.__version__})"
+            f"FLOP/s, 64 MiB copy/add for bandwidth, one-element adds for the per-op "
+            f"dispatch cost (torch {torch.__version__})"
         ),
+        dispatch_s=dispatch,
+        view_dispatch_s=view,
         notes=(
             "Only float32 is measured; other precisions are estimated at the float32 rate.",
         ),
@@ -158,6 +189,8 @@ def get_cpu_target(refresh: bool = False) -> Target:
     entries = data.get("entries", {}) if isinstance(data.get("entries"), dict) else {}
     if not refresh and key in entries:
         try:
+            if "view_dispatch_s" not in entries[key]:
+                raise KeyError("dispatch_s")  # cached before dispatch was measured
             cached = Target.from_dict(entries[key])
             # the layout is a property of the kernels, not a measurement: never stale
             return dataclasses.replace(cached, layout=preferred_layout())

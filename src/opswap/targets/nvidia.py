@@ -28,6 +28,12 @@ _HOPPER_SXM_PEAKS = {
     "int8": 3958 * _T / 2,  # INT8 Tensor Core 3,958 TOPS with sparsity
 }
 
+# PyTorch eager dispatch plus a CUDA kernel launch, per op: a GPU-bound model hides it,
+# a small one does not. A round figure for a fast host; `opswap optimize --device cuda`
+# measures it on the machine (targets.cpu.measure_dispatch) and uses that instead.
+_LAUNCH_S = 5e-6
+_VIEW_S = 1e-6  # a view launches nothing: dispatch only
+
 _GPU_NOTES = (
     "Tensor-core rates apply to conv, matmul and attention; elementwise ops run on CUDA "
     "cores at a lower rate, but they are memory-bound on this target at any rate.",
@@ -46,6 +52,8 @@ H100 = Target(
     source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (tensor-core rates: "
     "the printed with-sparsity figures halved, per the datasheet's footnote)",
     notes=_GPU_NOTES,
+    dispatch_s=_LAUNCH_S,
+    view_dispatch_s=_VIEW_S,
 )
 
 H200 = Target(
@@ -62,6 +70,8 @@ H200 = Target(
     source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (tensor-core rates: "
     "the printed with-sparsity figures halved, per the datasheet's footnote)",
     notes=_GPU_NOTES,
+    dispatch_s=_LAUNCH_S,
+    view_dispatch_s=_VIEW_S,
 )
 
 A100 = Target(
@@ -84,6 +94,8 @@ A100 = Target(
     source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (dense figures "
     "as printed; the with-sparsity figures are twice these)",
     notes=_GPU_NOTES,
+    dispatch_s=_LAUNCH_S,
+    view_dispatch_s=_VIEW_S,
 )
 
 NVIDIA_TARGETS = {t.name: t for t in (H100, H200, A100)}

@@ -201,5 +201,7 @@ class ParallelLinear(Rule):
         # same FLOPs, same weights and outputs; x is read once instead of k times
         wide = NodeCost(sum(c.flops for c in gone),
                         sum(c.bytes for c in gone) - (len(nodes) - 1) * x_bytes)
-        return saving(target, nodes, [wide], f"{len(nodes)} GEMMs -> 1: {x.name if x else 'x'} "
-                      f"read once instead of {len(nodes)} times")
+        # the wide output is cut back into k outputs by k views (narrow), each a dispatch
+        views = [NodeCost(0, 0)] * len(nodes)
+        return saving(target, nodes, [wide, *views], f"{len(nodes)} GEMMs -> 1: "
+                      f"{x.name if x else 'x'} read once instead of {len(nodes)} times")

@@ -59,4 +59,5 @@ class ChannelsLast(LayoutRule):
                                  "layout: the conversions would be paid and nothing saved")
         n_conv = len(plan.entries + plan.outputs + plan.views)
         return bytes_estimate(saved - paid, target, f"{len(plan.convs)} conv(s) stop reordering "
-                         f"activations ({saved} B) for {n_conv} conversion(s) ({paid} B)")
+                              f"activations ({saved} B) for {n_conv} conversion(s) ({paid} B)",
+                              kernels_saved=-n_conv)

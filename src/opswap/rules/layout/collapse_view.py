@@ -185,4 +185,4 @@ class CollapseView(LayoutRule):
 
     def _predict(self, gm, site, target) -> Estimate:
         saved = len(site.nodes) - (0 if site.data["identity"] else 1)
-        return bytes_estimate(0, target, f"views move no data; {fewer(saved)}")
+        return bytes_estimate(0, target, f"views move no data; {fewer(saved)}", views_saved=saved)

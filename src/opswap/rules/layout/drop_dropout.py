@@ -81,4 +81,4 @@ class DropDropout(LayoutRule):
 
     def _predict(self, gm, site, target) -> Estimate:
         return bytes_estimate(0, target, f"eval-mode dropout returns its input: no data moves; "
-                         f"{fewer(1)}")
+                              f"{fewer(1)}", views_saved=1)

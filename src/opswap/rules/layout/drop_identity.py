@@ -119,5 +119,7 @@ class DropIdentity(LayoutRule):
         (node,) = self._nodes(gm, site)
         if raw_name(node) in ("clone", "_to_copy"):
             return bytes_estimate(moved_bytes([node]), target,
-                             f"a copy no longer written and read back; {fewer(1)}")
-        return bytes_estimate(0, target, f"it returned its input: no data moves; {fewer(1)}")
+                             f"a copy no longer written and read back; {fewer(1)}",
+                                  kernels_saved=1)
+        return bytes_estimate(0, target, f"it returned its input: no data moves; {fewer(1)}",
+                              views_saved=1)

@@ -129,10 +129,12 @@ class PermuteMatmul(LayoutRule):
         mode = site.data["mode"]
         if mode == "contiguous":
             return bytes_estimate(moved_bytes(nodes), target, "the operand's copy is no longer "
-                             "written and read back; BLAS reads it through its transpose flag")
+                                  "written and read back; BLAS reads it through its transpose "
+                                  "flag", kernels_saved=1)
         if mode == "linear":
             return bytes_estimate(0, target, "BLAS already read W^T in place, so no data moves; "
-                             f"{fewer(1)} (transpose and matmul become one linear)")
+                                  f"{fewer(1)} (transpose and matmul become one linear)",
+                                  views_saved=1)
         tr = nodes[0]
         i, st = info(tr), strides(tr)
         copied = i is not None and st is not None and not matmul_reads_in_place(i.shape, st)
@@ -140,4 +142,5 @@ class PermuteMatmul(LayoutRule):
                 else "no data moved per call before either")
         if len(tr.args[0].users) > 1:
             note += f"; {tr.args[0].name} is also read elsewhere, so both layouts are stored"
-        return bytes_estimate(2 * i.nbytes if copied else 0, target, f"{note}; {fewer(1)}")
+        return bytes_estimate(2 * i.nbytes if copied else 0, target, f"{note}; {fewer(1)}",
+                              kernels_saved=1 if copied else 0, views_saved=0 if copied else 1)
