@@ -180,6 +180,64 @@ def variants_table(device: str, target: str, dtype: str) -> list[dict]:
     return rows
 
 
+def capture_cost(device: str, dtype: str) -> list[dict]:
+    """Why a captured or exported graph may run slower than its module: the same model as
+    eager, FX capture, torch.export's module() (with its guard function) and opswap's
+    trimmed reload of the saved program, timed in one interleaved run, with the kernels
+    each launches (profiler) and the device's per-op dispatch cost."""
+    import tempfile
+
+    from opswap.backends.pt2 import export, load
+    from opswap.bench.timing import benchmark
+    from opswap.graph.capture import capture
+    from opswap.models import load as load_spec
+    from opswap.targets.cpu import measure_dispatch
+
+    dt_ = getattr(torch, dtype)
+    rows = [{"dispatch_s": measure_dispatch(device), "view_dispatch_s":
+             measure_dispatch(device, view=True), "device": device}]
+    for spec, sets in VARIANT_MODELS:
+        row: dict = {"model": spec, "dtype": dtype}
+        try:
+            m = load_spec(spec, sets)
+            module = m.module.to(dt_).to(device)
+            inputs = tuple((x.to(dt_) if x.is_floating_point() else x).to(device)
+                           for x in m.example_inputs)
+            fx_gm = capture(module, inputs, method="fx").gm
+            ep, _ = export(module, inputs, None)
+            path = Path(tempfile.mkdtemp()) / "m.pt2"
+            torch.export.save(ep, str(path))
+            fns = {"eager": module, "fx": fx_gm, "export.module()": ep.module(),
+                   "reloaded, trimmed": load(path)}
+            with torch.inference_mode():
+                res = benchmark({k: (lambda f=f, xs=inputs: f(*xs)) for k, f in fns.items()},
+                                warmup=3, repeats=15, min_time_s=1.0, device=device)
+                row["ms"] = {k: res[k].median * 1e3 for k in fns}
+                row["iqr_ms"] = {k: res[k].iqr * 1e3 for k in fns}
+                kernels = {}
+                for k, f in fns.items():
+                    from torch.profiler import ProfilerActivity, profile
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        f(*inputs)
+                        torch.cuda.synchronize()
+                    ev = prof.key_averages()
+                    gpu = [e for e in ev if getattr(e, "device_type", None) is not None
+                           and "CUDA" in str(e.device_type)]
+                    kernels[k] = {
+                        "cuda_kernels": sum(e.count for e in gpu),
+                        "cuda_time_ms": sum(getattr(e, "self_device_time_total", 0) for e in gpu) / 1e3,
+                        "top": sorted(((e.key, round(getattr(e, "self_device_time_total", 0) / 1e3, 3))
+                                       for e in gpu), key=lambda t: -t[1])[:8]}
+                row["profile"] = kernels
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["traceback"] = traceback.format_exc()[-3000:]
+        print(json.dumps(row, default=str)[:3000], flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results")))
@@ -190,6 +248,8 @@ def main() -> None:
     ap.add_argument("--no-optimize", action="store_true", help="skip the per-model optimize runs")
     ap.add_argument("--no-variants", action="store_true",
                     help="skip the bf16 variants race (ResNet-50-like, BERT-base-like)")
+    ap.add_argument("--no-capture-cost", action="store_true",
+                    help="skip timing eager against its FX capture and exported program")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--name", default="gpu_suite.json",
                     help="file name of the results (e.g. cpu_suite.json for a run without a GPU)")
@@ -207,6 +267,8 @@ def main() -> None:
             result["ceilings"] = {"error": f"{type(e).__name__}: {e}"}
         print("ceilings:", result["ceilings"], flush=True)
         torch.cuda.empty_cache()
+        if not args.no_capture_cost:
+            result["capture_cost_cuda_bf16"] = capture_cost("cuda", "bfloat16")
         if not args.no_variants:
             result["variants_cuda_bf16"] = variants_table("cuda", "h200", "bfloat16")
         if not args.no_optimize:

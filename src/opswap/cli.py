@@ -251,10 +251,22 @@ def models(json_path: JsonOpt = None) -> None:
     for z in zoo:
         table.add_row(f"zoo:{z.name}", ",".join(map(str, z.chapters)), z.description)
     console.print(table)
-    console.print("hf: " + ", ".join(f"hf:{t}" for t in list_hf_types()) + "  (random weights)")
+    from opswap.models.hf import hf_kinds
+
+    kinds = hf_kinds()
+    hf = Table(title="hf: (Hugging Face types checked end to end; small configs, random weights)")
+    hf.add_column("kind")
+    hf.add_column("specs", overflow="fold")
+    for kind in ("encoder", "decoder", "encoder-decoder", "vision", "vision-text"):
+        names = [t for t, k in kinds.items() if k == kind]
+        if names:
+            hf.add_row(kind, ", ".join(f"hf:{t}" for t in names))
+    console.print(hf)
+    console.print("Any other type transformers knows is tried the same way; --set size=full "
+                  "builds its default sizes, --set mask=none drops the padded attention mask.")
     _write_json(json_path, {"zoo": [{"name": z.name, "description": z.description,
                                       "chapters": list(z.chapters)} for z in zoo],
-                             "hf": list(list_hf_types())})
+                             "hf": list(list_hf_types()), "hf_kinds": kinds})
 
 
 def _print_plan(plan) -> None:
@@ -539,30 +551,43 @@ def _print_summary(data: dict) -> None:
                                 f"sqnr {v['sqnr_db']:.1f} dB ({_n(v['samples'], 'sample')}, "
                                 f"tolerance {_tolerance_text(v['tolerance'])})"))
     if b:
-        console.print(f"  eager: {b['ref_ms']:.3f} ms -> {b['opt_ms']:.3f} ms, "
-                      f"{b['ref_ms'] / b['opt_ms']:.2f}x, ratio of medians ({b['device']})",
-                      markup=False)
+        from opswap.report.optimize_report import interval
+
+        console.print(f"  your model -> opswap's model.pt2: {b['ref_ms']:.3f} ms -> "
+                      f"{b['opt_ms']:.3f} ms, "
+                      f"{interval(b['speedup_of_medians'], b.get('speedup_ci'))} "
+                      f"(ratio of medians, 95% interval; {b['device']})", markup=False)
+    run = data.get("run") or {}
+    if run.get("inputs"):
+        shapes = ", ".join(f"{i['name']} {i['dtype']}{list(i['shape'])}" for i in run["inputs"])
+        console.print(f"  inputs: {shapes}; {run.get('threads')} threads", markup=False)
+    for note in data.get("notes") or []:
+        console.print(f"  note: {note}", markup=False)
     if data.get("variants"):
         _print_variants(data)
 
 
 def _print_variants(data: dict) -> None:
+    from opswap.report.optimize_report import interval
+
     table = Table(title="variants, timed in one interleaved run")
-    for col in ("variant", "ms", "IQR ms", "vs input", "per-round quartiles", "verified",
-                "compile s", "note"):
+    for col in ("variant", "ms", "IQR ms", "vs input [95% interval]", "verified", "compile s",
+                "note"):
         table.add_column(col, overflow="fold")
     for v in data["variants"]:
         ms = f"{v['ms']:.3f}" if v["ms"] is not None else "-"
         iqr = f"{v['iqr_ms']:.3f}" if v["iqr_ms"] is not None else "-"
-        sp = f"{v['speedup_vs_input']:.2f}x" if v["speedup_vs_input"] is not None else "-"
-        q = v["speedup_quartiles"]
-        qs = f"{q[0]:.2f}-{q[1]:.2f}" if q[0] is not None else "-"
+        sp = ("1.00x (the yardstick)" if v["name"] == "input" else
+              interval(v["speedup_vs_input"], v.get("speedup_ci"))
+              if v["speedup_vs_input"] is not None else "-")
         comp = f"{v['compile_s']:.1f}" if v["compile_s"] is not None else ""
         name = v["name"] + (" (saved)" if v["name"] == data["best"] else "")
-        table.add_row(Text(name), ms, iqr, sp, qs, "yes" if v["verified"] else "no", comp,
+        table.add_row(Text(name), ms, iqr, Text(sp), "yes" if v["verified"] else "no", comp,
                       Text(v["note"] or ""))
     console.print(table)
-    console.print(Text(f"  saved: {data['deploy']['holds']} ({data['deploy']['how']})"))
+    deploy = data["deploy"]
+    console.print(Text(f"  saved: {deploy['variant']}, {deploy['holds']}"))
+    console.print(Text(f"  load it with {deploy['how']}; run it under {deploy['run_under']}"))
 
 
 def _click_errors() -> tuple[type[Exception], ...]:

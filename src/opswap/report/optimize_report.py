@@ -88,6 +88,7 @@ def _variants(data) -> list[Block]:
     for v in data["variants"]:
         rows.append([f"`{v['name']}`" + (" (saved)" if v["name"] == data["best"] else ""),
                      _f(v["ms"]), _f(v["iqr_ms"]),
+                     "1.00x (the yardstick)" if v["name"] == "input" else
                      interval(v["speedup_vs_input"], v.get("speedup_ci"))
                      if v["speedup_vs_input"] else "-",
                      "yes" if v["verified"] else "no",
