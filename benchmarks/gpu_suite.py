@@ -203,11 +203,13 @@ def capture_cost(device: str, dtype: str) -> list[dict]:
             module = m.module.to(dt_).to(device)
             inputs = tuple((x.to(dt_) if x.is_floating_point() else x).to(device)
                            for x in m.example_inputs)
-            fx_gm = capture(module, inputs, method="fx").gm
+            cap = capture(module, inputs)  # FX where it traces, else torch.export
+            row["capture_method"] = cap.method
             ep, _ = export(module, inputs, None)
             path = Path(tempfile.mkdtemp()) / "m.pt2"
             torch.export.save(ep, str(path))
-            fns = {"eager": module, "fx": fx_gm, "export.module()": ep.module(),
+            fns = {"eager": module, f"captured ({cap.method})": cap.gm,
+                   "export.module()": ep.module(),
                    "reloaded, trimmed": load(path)}
             with torch.inference_mode():
                 res = benchmark({k: (lambda f=f, xs=inputs: f(*xs)) for k, f in fns.items()},

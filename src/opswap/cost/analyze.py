@@ -237,8 +237,16 @@ def _model_name(gm: fx.GraphModule) -> str:
     return "model" if cls == "GraphModule" else cls
 
 
-# Nodes that are Python, not a dispatched op: they cost no dispatch.
-_NO_DISPATCH = {"getitem", "size"}
+def dispatches(node: fx.Node) -> bool:
+    """False for nodes that are Python, not a dispatched op: taking one output of a
+    multi-output op (a tuple's getitem) and reading a size."""
+    if op_kind(node) == "size":
+        return False
+    if node.op == "call_function" and node.target is operator.getitem and node.args:
+        src = node.args[0]
+        meta = src.meta.get("val", src.meta.get("tensor_meta")) if isinstance(src, fx.Node) else None
+        return not isinstance(meta, (tuple, list))
+    return True
 
 
 def _row(node: fx.Node, target: Target, tf32: bool) -> OpRow:
@@ -256,8 +264,8 @@ def _row(node: fx.Node, target: Target, tf32: bool) -> OpRow:
         input_shapes=ins, output_shapes=[o.shape for o in infos(node)], dtype=dtype,
         flops=cost.flops, bytes=cost.bytes, read=cost.read, written=cost.written,
         intensity=point.intensity, bound=point.bound,
-        est_time_s=point.time_s + (0.0 if op_kind(node) in _NO_DISPATCH
-                                   else target.op_overhead(bool(cost.flops or cost.bytes))),
+        est_time_s=point.time_s + (target.op_overhead(bool(cost.flops or cost.bytes))
+                                   if dispatches(node) else 0.0),
         note=cost.note,
     )
 

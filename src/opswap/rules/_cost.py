@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost, roofline_point
-from opswap.graph.ops import op_kind
+from opswap.cost.analyze import dispatches
 from opswap.graph.shapes import info
 from opswap.rules.base import Estimate
 
@@ -38,7 +38,7 @@ def saving(target, removed: Iterable[fx.Node], added: Iterable[NodeCost] = (),
     kernels `added` (given as costs: they do not exist in the graph yet)."""
     removed = list(removed)
     dtype = next((i.dtype for i in map(info, removed) if i is not None), "float32")
-    gone = costs(n for n in removed if op_kind(n) not in ("getitem", "size"))
+    gone = costs(n for n in removed if dispatches(n))
     new = list(added)
     flops = sum(c.flops for c in gone) - sum(c.flops for c in new)
     nbytes = sum(c.bytes for c in gone) - sum(c.bytes for c in new)

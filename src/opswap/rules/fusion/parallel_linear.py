@@ -7,6 +7,7 @@ once each; one Linear with the weights stacked reads x once, runs one larger
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 
 import torch
@@ -68,7 +69,7 @@ class ParallelLinear(Rule):
 
     The input is read once instead of k times, and one GEMM with N1 + ... + Nk
     outputs uses the machine better than k thin ones. Each original reader gets
-    a narrow() view of the wide output (no copy); a reader that must .view() a
+    a view of the wide output (one split, no copy); a reader that must .view() a
     slice whose strides forbid it gets a .contiguous() first. Linears with and
     without bias can merge: the bias-free ones get a zero bias (x + 0 is exact).
     Linears of different dtypes or devices stay apart (reported).
@@ -166,13 +167,17 @@ class ParallelLinear(Rule):
         drop_dead_attrs(gm, erase(gm, [w.node for w in members]))
 
     def _slice(self, gm, wide: fx.Node, members: list[Weighted], total: int) -> None:
+        # one split into views (a single dispatch) rather than k narrows (k dispatches)
         aten_graph = any(is_aten(w.node) for w in members)
-        narrow = aten.narrow.default if aten_graph else torch.narrow
-        offset, cursor = 0, wide
-        for w in members:
+        split = aten.split_with_sizes.default if aten_graph else torch.split
+        sizes = [int(w.weight.shape[0]) for w in members]
+        with gm.graph.inserting_after(wide):
+            parts = gm.graph.call_function(split, (wide, sizes, -1))
+        offset, cursor = 0, parts
+        for i, w in enumerate(members):
             n = w.weight.shape[0]
             with gm.graph.inserting_after(cursor):
-                piece = gm.graph.call_function(narrow, (wide, -1, offset, n))
+                piece = gm.graph.call_function(operator.getitem, (parts, i))
             cursor = piece
             copy_meta(piece, w.node)
             w.node.replace_all_uses_with(piece)
@@ -201,7 +206,6 @@ class ParallelLinear(Rule):
         # same FLOPs, same weights and outputs; x is read once instead of k times
         wide = NodeCost(sum(c.flops for c in gone),
                         sum(c.bytes for c in gone) - (len(nodes) - 1) * x_bytes)
-        # the wide output is cut back into k outputs by k views (narrow), each a dispatch
-        views = [NodeCost(0, 0)] * len(nodes)
-        return saving(target, nodes, [wide, *views], f"{len(nodes)} GEMMs -> 1: "
+        # the wide output is cut back into k outputs by one split (views: one dispatch)
+        return saving(target, nodes, [wide, NodeCost(0, 0)], f"{len(nodes)} GEMMs -> 1: "
                       f"{x.name if x else 'x'} read once instead of {len(nodes)} times")
