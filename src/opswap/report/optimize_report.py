@@ -261,8 +261,13 @@ def _layers(result) -> list[Block]:
     if unpaired:
         blocks.append(Para(f"{unpaired} reference nodes have no counterpart in the candidate "
                            "(removed by a rewrite) and are not compared on their own."))
-    worst = sorted(rows, key=lambda r: -(r.metrics.rel_l2 if math.isfinite(r.metrics.rel_l2)
-                                         else 1e30))[:8]
+    # only layers that differ at all: eight exact embedding rows say nothing
+    differing = [r for r in rows if not (r.metrics.max_abs == 0 and r.metrics.rel_l2 == 0)]
+    if not differing:
+        blocks.append(Para(f"All {len(rows)} compared layers match exactly."))
+        return blocks
+    worst = sorted(differing, key=lambda r: -(r.metrics.rel_l2 if math.isfinite(r.metrics.rel_l2)
+                                              else 1e30))[:8]
     blocks.append(Table(["layer", "module", "paired by", "max abs", "cosine", "rel L2"],
                         [[f"`{r.name}`", r.module or "", r.paired_by, _f(r.metrics.max_abs),
                           f"{r.metrics.cosine:.8f}", _f(r.metrics.rel_l2)] for r in worst],

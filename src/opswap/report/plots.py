@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 
 import matplotlib
 
@@ -19,18 +20,27 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _title(ax, text: str, width: int = 60) -> None:
+    """A title wrapped to the figure, so a long model name is not cut off."""
+    ax.set_title("\n".join(textwrap.wrap(text, width)) or text, fontsize=10)
+
+
 def latency_bars(labels: list[str], medians_ms: list[float], spreads_ms: list[float],
                  title: str) -> bytes:
-    """Median latency per variant with its spread (IQR) as error bars."""
-    fig, ax = plt.subplots(figsize=(6, 1.2 + 0.6 * len(labels)))
-    colors = ["#8e8e93", "#0a84ff", "#30d158", "#ff9f0a"][: len(labels)]
-    ax.barh(labels, medians_ms, xerr=[s / 2 for s in spreads_ms], color=colors, capsize=4)
-    for i, v in enumerate(medians_ms):
-        ax.text(v, i, f"  {v:.3f} ms", va="center")
-    ax.set_xlabel("latency, ms (median; bar = IQR)")
-    ax.set_title(title)
+    """Median latency per variant with its spread (IQR) as error bars; each label sits
+    past its bar's whisker."""
+    fig, ax = plt.subplots(figsize=(7, 1.4 + 0.55 * len(labels)))
+    palette = ["#8e8e93", "#636366", "#0a84ff", "#ff9f0a", "#30d158", "#bf5af2"]
+    colors = [palette[i % len(palette)] for i in range(len(labels))]
+    half = [s / 2 for s in spreads_ms]
+    ax.barh(labels, medians_ms, xerr=half, color=colors, capsize=4)
+    ends = [v + h for v, h in zip(medians_ms, half, strict=True)]
+    for i, (v, end) in enumerate(zip(medians_ms, ends, strict=True)):
+        ax.text(end, i, f"  {v:.3f} ms", va="center", fontsize=9)
+    ax.set_xlabel("latency, ms (median; whisker = IQR)")
+    _title(ax, title)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(medians_ms) * 1.35 if medians_ms else 1)
+    ax.set_xlim(0, max(ends) * 1.4 if ends else 1)
     return _png(fig)
 
 
@@ -55,7 +65,7 @@ def layer_errors(names: list[str], rel_l2: list[float], limit: float | None,
     step = max(1, len(names) // 25)
     ax.set_xticks(xs[::step])
     ax.set_xticklabels([n[-24:] for n in names[::step]], rotation=70, fontsize=7)
-    ax.set_title(title)
+    _title(ax, title, 90)
     return _png(fig)
 
 
@@ -72,7 +82,7 @@ def category_time(categories: list[str], before: list[float], after: list[float]
     ax.invert_yaxis()
     ax.set_xlabel("estimated time, µs (roofline)")
     ax.legend()
-    ax.set_title(title)
+    _title(ax, title)
     return _png(fig)
 
 
@@ -89,13 +99,19 @@ def roofline(points: list[tuple[str, float, float]], peak_flops: float, bandwidt
     xs_pos = [(x, y) for _, x, y in points if x > 0 and y > 0]
     if xs_pos:
         ax.scatter([p[0] for p in xs_pos], [p[1] for p in xs_pos], s=14, color="#0a84ff")
-    top = sorted(points, key=lambda p: -p[2])[:6]
-    for label, x, y in top:
-        if x > 0 and y > 0:
-            ax.annotate(label[-22:], (x, y), fontsize=7, textcoords="offset points", xytext=(4, 2))
+    # label the costliest ops, skipping any that would print over a label already placed
+    placed: list[tuple[float, float]] = []
+    for label, x, y in sorted(points, key=lambda p: -p[2])[:8]:
+        if x <= 0 or y <= 0:
+            continue
+        lx, ly = math.log10(x), math.log10(y)
+        if any(abs(lx - px) < 0.35 and abs(ly - py) < 0.25 for px, py in placed):
+            continue
+        placed.append((lx, ly))
+        ax.annotate(label[-22:], (x, y), fontsize=7, textcoords="offset points", xytext=(4, 2))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity, FLOP/byte")
     ax.set_ylabel("attainable FLOP/s")
-    ax.set_title(title)
+    _title(ax, title)
     return _png(fig)
