@@ -115,6 +115,9 @@ def _load(spec: str, sets: list[str] | None, weights: Path | None = None):
     from opswap.models import load
 
     loaded = load(spec, _overrides(sets), weights=weights)
+    if loaded.settings.get("mode", "").startswith("eval:"):
+        console.print(Text(f"note: {spec} was put in eval mode ({loaded.settings['mode'][6:]}); "
+                           "opswap.optimize on a module keeps the mode it is given."))
     record = loaded.settings.get("weights")
     if record:
         console.print(Text(_weights_line(record)))

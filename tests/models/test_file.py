@@ -190,3 +190,19 @@ def build():
     with pytest.raises(SpecError, match="keyword 'mask' input in build\\(\\) in .* is a list "
                                         "holding tensors; .*pass the tensors one by one"):
         load(f"{path}:build")
+
+
+def test_a_training_mode_module_is_loaded_for_inference_and_says_so(tmp_path):
+    # one policy: every spec is loaded for inference (eval mode), and the loader says when
+    # it changed the mode; opswap.optimize on a module keeps the mode it was given
+    path = write(tmp_path, """
+        def build():
+            return nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train(), (torch.randn(2, 4),)
+    """)
+    loaded = load(f"{path}:build")
+    assert not loaded.module.training and loaded.settings["mode"].startswith("eval:")
+    quiet = write(tmp_path, """
+        def build():
+            return nn.Sequential(nn.Linear(4, 4)).eval(), (torch.randn(2, 4),)
+    """, name="quiet.py")
+    assert "mode" not in load(f"{quiet}:build").settings

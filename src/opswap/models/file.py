@@ -132,9 +132,13 @@ def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) ->
             f"{where} returned {type(result).__name__}; it must return an nn.Module, "
             f"(module, example_inputs) or (module, args, kwargs)."
         )
-    module.eval()
+    was_training = module.training
+    module.eval()  # a spec is loaded for inference, as every other source's model is
     wrapped.training = False
     settings = {k: v for k, v in builder_defaults(fn).items() if k in names}
+    if was_training:
+        settings["mode"] = ("eval: the function returned a module in training mode, and "
+                            "opswap loads every spec for inference")
     settings.update(overrides)
     if isinstance(wrapped, KeywordCall):
         settings["inputs"] = wrapped.order
