@@ -274,13 +274,14 @@ def models(json_path: JsonOpt = None) -> None:
 
 def _print_plan(plan) -> None:
     table = Table(title="plan: " + _n(len(plan.decisions), "replacement"))
-    for col in ("#", "rule", "site", "what", "pred. bytes saved", "pred. FLOPs saved"):
+    for col in ("#", "rule", "module", "site", "what", "pred. bytes saved", "pred. FLOPs saved"):
         table.add_column(col, overflow="fold")
     from opswap.cost.units import human, human_unit
 
     # cells are Text: a site or a reason may hold square brackets, which markup would eat
     for i, d in enumerate(plan.decisions):
-        table.add_row(str(i), Text(d.rule), Text(d.site.key), Text(d.site.description),
+        table.add_row(str(i), Text(d.rule), Text(d.module or "-"), Text(d.site.key),
+                      Text(d.site.description),
                       human_unit(d.estimate.bytes_saved, "B"), human(d.estimate.flops_saved))
     console.print(table)
     if plan.misses:

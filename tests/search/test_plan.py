@@ -295,3 +295,18 @@ def test_bottleneck_advice_names_only_installed_rules():
             if "opswap rules that do" in sentence:
                 named = sentence.split("where they match: ")[1].rstrip(".").split(", ")
                 assert set(named) <= installed
+
+
+def test_sites_of_an_exported_model_are_named_by_module_path():
+    from opswap.graph.capture import capture
+    from opswap.models import load
+    from opswap.search.plan import Plan, make_plan
+
+    m = load("hf:bert")
+    c = capture(m.module, m.example_inputs)
+    plan = make_plan(c, rules=["fusion.parallel_linear"])
+    assert c.method == "export" and plan.decisions
+    modules = [d.module for d in plan.decisions]
+    assert modules[0] == "model.encoder.layer.0.attention.self", modules
+    again = Plan.from_json(plan.to_json())
+    assert [d.module for d in again.decisions] == modules

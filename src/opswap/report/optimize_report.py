@@ -116,14 +116,15 @@ def _changes(result) -> list[Block]:
         rule = registry.get(d.rule)
         e = d.estimate
         rows.append([
-            str(i), f"`{d.rule}`", f"`{d.site.key}`", d.site.description, rule.exactness,
+            str(i), f"`{d.rule}`", f"`{d.module}`" if d.module else "-", f"`{d.site.key}`",
+            d.site.description, rule.exactness,
             human_unit(e.bytes_saved, "B"), human(e.flops_saved),
             _f(e.time_saved_s * 1e6) + " µs" if e.time_saved_s is not None else "-",
             "yes" if d.site.key in applied else "no",
         ])
-    blocks.append(Table(["#", "rule", "site", "what", "exactness", "pred. bytes saved",
+    blocks.append(Table(["#", "rule", "module", "site", "what", "exactness", "pred. bytes saved",
                          "pred. FLOPs saved", "pred. time saved", "applied"], rows,
-                        align_right={0, 5, 6, 7}))
+                        align_right={0, 6, 7, 8}))
     return blocks
 
 

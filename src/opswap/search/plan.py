@@ -42,9 +42,11 @@ class Decision:
     rule: str
     site: Site
     estimate: Estimate = field(default_factory=Estimate)
+    module: str = ""  # the module path the site lies in (model.encoder.layer.0.attention)
 
     def to_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "site": self.site.to_json(), "estimate": self.estimate.to_json()}
+        return {"rule": self.rule, "site": self.site.to_json(), "estimate": self.estimate.to_json(),
+                "module": self.module}
 
 
 @dataclass
@@ -84,7 +86,8 @@ class Plan:
                 s = d["site"]
                 site = Site(d["rule"], s["key"], tuple(s.get("nodes", ())),
                             s.get("description", ""), s.get("data", {}))
-                decisions.append(Decision(d["rule"], site, Estimate(**d.get("estimate", {}))))
+                decisions.append(Decision(d["rule"], site, Estimate(**d.get("estimate", {})),
+                                          str(d.get("module", ""))))
             return cls(
                 model=data.get("model", ""),
                 settings=PlanSettings(**data.get("settings", {})),
@@ -174,6 +177,26 @@ def _check_plan(data: Any) -> None:
             _need(estimate.get(key, 0.0), _NUM, f"{at} estimate {key}")
         _need(estimate.get("time_saved_s"), _NUM_OR_NULL, f"{at} estimate time_saved_s")
         _need(estimate.get("note", ""), _STR, f"{at} estimate note")
+
+
+def site_module(gm, site: Site) -> str:
+    """The innermost module holding every node of a site (the common prefix of their module
+    paths), so a site of an exported graph reads `model.encoder.layer.0.attention`, not
+    `linear, linear_1, linear_2`; "" when the nodes carry no module path."""
+    from opswap.cost.analyze import module_path
+    from opswap.rules.base import node_by_name
+
+    paths = [module_path(n) for n in (node_by_name(gm, name) for name in site.nodes) if n is not None]
+    parts = [p.split(".") for p in paths if p]
+    if not parts:
+        return ""
+    common = parts[0]
+    for other in parts[1:]:
+        k = 0
+        while k < min(len(common), len(other)) and common[k] == other[k]:
+            k += 1
+        common = common[:k]
+    return ".".join(common)
 
 
 def graph_fingerprint(gm) -> str:
@@ -269,6 +292,7 @@ def make_plan(
                 plan.skipped.append({"rule": rule.name, "key": site.key, "reason": why})
                 continue
             est = rule.predict(gm, site, tgt)
+            where = site_module(gm, site)
             if est.time_saved_s is not None and est.time_saved_s < 0:
                 plan.skipped.append({"rule": rule.name, "key": site.key,
                                      "reason": f"predicted slower on {tgt.name}: {est.note}"})
@@ -279,7 +303,7 @@ def make_plan(
                 continue
             taken.update(site.nodes)
             changed = True
-            plan.decisions.append(Decision(rule.name, site, est))
+            plan.decisions.append(Decision(rule.name, site, est, where))
         if changed:
             captured.propagate(gm)
         if progress is not None:
