@@ -130,6 +130,11 @@ def list_hf_types() -> list[str]:
     return list(_PRESETS) + [t for t in _CHECKED if t not in _PRESETS]
 
 
+def list_hf_presets() -> list[str]:
+    """The types with a tuned small config (a subset of list_hf_types())."""
+    return list(_PRESETS)
+
+
 def hf_kinds() -> dict[str, str]:
     """Kind of each checked type: encoder, decoder, encoder-decoder, vision or vision-text."""
     return {t: _PRESETS[t][0] if t in _PRESETS else _CHECKED[t] for t in list_hf_types()}
