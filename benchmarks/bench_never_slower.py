@@ -26,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = ["bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2", "vit", "resnet",
-      "mobilenet_v2", "convnext"]
+      "mobilenet_v2", "convnext", "t5", "bart", "clip", "deit"]
 
 
 def main() -> None:

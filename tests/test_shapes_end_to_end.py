@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+from opswap.deploy import load_optimized
 from opswap.graph.dynamic import at
 from opswap.models import list_zoo, load
 from opswap.models.hf import hf_kinds, list_hf_presets
 from opswap.pipeline import OptimizeConfig, optimize
-from opswap.report.model_io import load_model
 
 # every zoo model, the 11 tuned hf presets, and one generic type of each kind the presets
 # lack (an encoder-decoder, a vision-text model): optimize of all 57 checked types would
@@ -51,7 +51,7 @@ def test_saved_model_matches_the_input_at_other_shapes(spec, tmp_path):
         assert "seq" in names, r.dynamic.notes
     r.save(tmp_path)
     assert not (tmp_path / "model_shapes.txt").exists(), (tmp_path / "model_shapes.txt").read_text()
-    saved = load_model(tmp_path)
+    saved = load_optimized(tmp_path, compile=False)  # what a user loads
     shapes = _shapes(example, r.dynamic)
     assert len(shapes) >= 3
     for label, xs in shapes:

@@ -169,7 +169,7 @@ def _check_device(device: str) -> None:
 
 def _note(text: str, label: str = "note", style: str = "yellow") -> None:
     """One line `label: text`, the text printed as written (no rich markup)."""
-    console.print(Text.assemble((f"{label}:", style), " ", str(text)))
+    console.print(Text.assemble((f"{label}:", style), " ", str(text)), soft_wrap=True)
 
 
 def _rule_patterns(rules: str | None) -> list[str]:

@@ -247,14 +247,28 @@ def _run_info(model, captured: Captured, config: OptimizeConfig,
 _MAX_REPLANS = 4  # rollback + plan again rounds; each round removes at least one site
 
 
-def _attribute(captured: Captured, plan: Plan, applied, replan, device: str) -> Attribution:
+def measure_rules(captured: Captured, plan: Plan, applied, *, device: str = "cpu",
+                  min_time_s: float = 0.5) -> Attribution:
+    """Leave-one-out timing of every rule `applied` (the result of `apply_plan(captured,
+    plan)`) carried out: each candidate without one rule is planned again with the plan's
+    own settings, and all are timed in one run (bench.attribution)."""
+    def replan(without=frozenset()):
+        return make_plan(captured, target=plan.settings.target, rules=plan.settings.rules,
+                         exactness=plan.settings.exactness, exclude_rules=set(without))
+
+    return _attribute(captured, plan, applied, replan, device, min_time_s)
+
+
+def _attribute(captured: Captured, plan: Plan, applied, replan, device: str,
+               min_time_s: float = 0.5) -> Attribution:
     """Leave-one-out timing of every applied rule (bench.attribution)."""
     without = {}
     for rule in dict.fromkeys(s.rule for s in applied.applied):
         trial = apply_plan(captured, replan({rule}))
         mine = [d for d in plan.decisions if d.rule == rule]
         without[rule] = (trial.gm, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine))
-    return attribute(applied.gm, captured.gm, without, captured.example_inputs, device)
+    return attribute(applied.gm, captured.gm, without, captured.example_inputs, device,
+                     min_time_s=min_time_s)
 
 
 def optimize(
