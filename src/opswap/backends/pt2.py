@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +135,9 @@ def export_artifact(model: nn.Module, inputs: tuple, dynamic=None,
     try:
         with torch.no_grad():
             ep, note = export(model, tuple(inputs), dynamic)
-        torch.export.save(ep, str(path))
+        with warnings.catch_warnings():  # "No complete tensor found in the group": noise
+            warnings.filterwarnings("ignore", message="No complete tensor found")
+            torch.export.save(ep, str(path))
     except Exception as e:  # export can fail on any construct
         return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
     try:
