@@ -52,12 +52,13 @@ def save_model(model: nn.Module, example_inputs: tuple, plan, out: Path,
 
 def load_model(path: str | Path) -> nn.Module:
     """Load a model saved by `save_model` (a .pt2 file, or a directory holding one), with the
-    same no-pickle checks as the `model.pt2` model spec."""
-    from opswap.models.checkpoint import load_checkpoint
+    same no-pickle checks as the `model.pt2` model spec, exactly as torch.export loads it
+    (guards kept; `opswap.load_optimized` gives the trimmed form that was timed)."""
+    from opswap.backends.pt2 import load
 
     path = Path(path)
     if path.is_dir():
         path = path / "model.pt2"
     if not path.is_file():
         raise OpswapError(f"No saved model at {path}; `opswap optimize ... --out DIR` writes DIR/model.pt2.")
-    return load_checkpoint(str(path), str(path), {}).module
+    return load(path, lean=False)

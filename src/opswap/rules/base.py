@@ -119,6 +119,19 @@ class Rule:
         names = tuple(n.name if isinstance(n, fx.Node) else str(n) for n in nodes)
         return Site(self.name, key, names, description, data)
 
+    def scan(self, gm: fx.GraphModule, check, site_of) -> list[Site | Miss]:
+        """The usual match loop. At each node `check(gm, node)` returns None (nothing close
+        here), a str (why it nearly matched: a Miss at the node) or what it matched, which
+        `site_of(node, matched)` turns into a Site."""
+        found: list[Site | Miss] = []
+        for node in gm.graph.nodes:
+            checked = check(gm, node)
+            if checked is None:
+                continue
+            found.append(self.miss(node, checked) if isinstance(checked, str)
+                         else site_of(node, checked))
+        return found
+
     def miss(self, where, reason: str) -> Miss:
         w = where.name if isinstance(where, fx.Node) else str(where)
         return Miss(self.name, w, reason)

@@ -88,25 +88,20 @@ class ConvReLU(Rule):
         return conv, bn, w, padding
 
     def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        found: list[Site | Miss] = []
-        for node in gm.graph.nodes:
-            if op_kind(node) != "relu":
-                continue
-            checked = self._check(gm, node)
-            if checked is None:
-                continue
-            if isinstance(checked, str):
-                found.append(self.miss(node, checked))
-                continue
+        def check(gm, node):
+            return self._check(gm, node) if op_kind(node) == "relu" else None
+
+        def site_of(node, checked) -> Site:
             conv, bn, _, _ = checked
             chain = [conv, bn, node] if bn is not None else [conv, node]
             what = f"{conv.name} + BatchNorm {bn.name} + {node.name}" if bn is not None \
                 else f"{conv.name} + {node.name}"
-            found.append(self.site("+".join(n.name for n in chain), chain,
-                                   f"fuse {what} into one conv with a ReLU epilogue",
-                                   conv=conv.name, bn=bn.name if bn is not None else None,
-                                   relu=node.name))
-        return found
+            return self.site("+".join(n.name for n in chain), chain,
+                             f"fuse {what} into one conv with a ReLU epilogue",
+                             conv=conv.name, bn=bn.name if bn is not None else None,
+                             relu=node.name)
+
+        return self.scan(gm, check, site_of)
 
     def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
         relu = node_by_name(gm, site.data["relu"])

@@ -89,19 +89,13 @@ class MatMulAdd(Rule):
         return mm, x, w, bias
 
     def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        found: list[Site | Miss] = []
-        for node in gm.graph.nodes:
-            checked = self._check(gm, node)
-            if checked is None:
-                continue
-            if isinstance(checked, str):
-                found.append(self.miss(node, checked))
-                continue
+        def site_of(node, checked) -> Site:
             mm = checked[0]
-            found.append(self.site(f"{mm.name}+{node.name}", [mm, node],
-                                   f"{mm.name} + {node.name} -> linear", matmul=mm.name,
-                                   add=node.name))
-        return found
+            return self.site(f"{mm.name}+{node.name}", [mm, node],
+                             f"{mm.name} + {node.name} -> linear", matmul=mm.name,
+                             add=node.name)
+
+        return self.scan(gm, self._check, site_of)
 
     def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
         add = node_by_name(gm, site.data["add"])
