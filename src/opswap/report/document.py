@@ -77,7 +77,7 @@ h1{border-bottom:2px solid #ddd;padding-bottom:.3em}h2{margin-top:1.8em;border-b
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ddd;padding:4px 8px}
 th{background:#f4f4f6;text-align:left}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr:nth-child(even) td{background:#fafafa}figure{margin:1.5em 0}figcaption{color:#555;font-size:.9em}
-img{max-width:100%}code{background:#f4f4f6;padding:0 3px;border-radius:3px}
+img{max-width:100%}.tablebox{overflow-x:auto;max-width:100%}td code{overflow-wrap:break-word}code{background:#f4f4f6;padding:0 3px;border-radius:3px}
 .pass{color:#0a7d2c;font-weight:600}.fail{color:#b00020;font-weight:600}
 """
 
@@ -116,7 +116,9 @@ def to_html(blocks: list[Block], title: str) -> str:
                     for i, c in enumerate(r)
                 )
                 rows.append(f"<tr>{cells}</tr>")
-            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+            # A wide table scrolls inside its own box instead of pushing the page sideways.
+            body.append(f'<div class="tablebox"><table><thead><tr>{head}</tr></thead>'
+                        f"<tbody>{''.join(rows)}</tbody></table></div>")
         elif isinstance(b, Image):
             data = base64.b64encode(b.png).decode("ascii")
             body.append(

@@ -164,8 +164,9 @@ def _predicted_vs_measured(result, data) -> list[Block]:
                            + (f" Note: {att.note}." if att.note else "")))
         rows = [[f"`{t.rule}`", str(t.sites), f"{t.predicted_saved_s * 1e3:.4f} ms",
                  f"{t.measured_saved_s * 1e3:.4f} ms",
+                 # A ratio to a saving lost in the noise says nothing: shown only for a verdict.
                  f"{t.measured_saved_s / t.predicted_saved_s:.1f}x"
-                 if t.predicted_saved_s else "-",
+                 if t.predicted_saved_s and t.verdict in ("pays", "slower") else "-",
                  interval(t.without_ms / t.with_ms, (t.ci_low, t.ci_high)),
                  {"pays": "yes", "slower": "**no**: slower with it"}.get(t.verdict,
                                                                        "within noise")]

@@ -36,7 +36,9 @@ def latency_bars(labels: list[str], medians_ms: list[float], spreads_ms: list[fl
     ax.barh(labels, medians_ms, xerr=half, color=colors, capsize=4)
     ends = [v + h for v, h in zip(medians_ms, half, strict=True)]
     for i, (v, end) in enumerate(zip(medians_ms, ends, strict=True)):
-        ax.text(end, i, f"  {v:.3f} ms", va="center", fontsize=9)
+        # offset in points, so the label clears the whisker's cap at any scale
+        ax.annotate(f"{v:.3f} ms", (end, i), xytext=(6, 0), textcoords="offset points",
+                    va="center", fontsize=9)
     ax.set_xlabel("latency, ms (median; whisker = IQR)")
     _title(ax, title)
     ax.invert_yaxis()
@@ -62,9 +64,10 @@ def layer_errors(names: list[str], rel_l2: list[float], limit: float | None,
     ax.set_yscale("log")
     ax.set_ylabel("relative L2 error")
     ax.set_xlabel("layer (execution order)")
-    step = max(1, len(names) // 25)
+    # Upright labels, at most ~30 of them: slanted long names run into their neighbours.
+    step = max(1, -(-len(names) // 30))
     ax.set_xticks(xs[::step])
-    ax.set_xticklabels([n[-24:] for n in names[::step]], rotation=70, fontsize=7)
+    ax.set_xticklabels([n[-22:] for n in names[::step]], rotation=90, fontsize=7)
     _title(ax, title, 90)
     return _png(fig)
 
