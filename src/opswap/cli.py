@@ -591,7 +591,8 @@ def _print_variants(data: dict) -> None:
     console.print(table)
     deploy = data["deploy"]
     console.print(Text(f"  saved: {deploy['variant']}, {deploy['holds']}"))
-    console.print(Text(f"  load it with {deploy['how']}; run it under {deploy['run_under']}"))
+    use = "use" if deploy["how"].startswith("your own") else "load it with"
+    console.print(Text(f"  {use} {deploy['how']}; run it under {deploy['run_under']}"))
 
 
 def _click_errors() -> tuple[type[Exception], ...]:

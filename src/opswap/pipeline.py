@@ -151,6 +151,14 @@ class Result:
                  "candidate": "opswap's optimized model"}[kind]
         how = "opswap.load_optimized(DIR)" + (" (compiles it with torch.compile)"
                                               if compiled else "")
+        if kind == "input":
+            cap = next((v for v in self.variants if v.name == "captured" and v.ms is not None), None)
+            if cap is not None and cap.slower:
+                # The file is the input as exported; where that export ran slower than the
+                # module itself, the module is what to keep.
+                holds += (f"; as exported it ran at {cap.speedup_vs_input:.2f}x of your module, "
+                          "so keep running your own module")
+                how = "your own module, as it is (model.pt2 is its slower export)"
         return {"variant": self.best, "artifact": "model.pt2", "holds": holds,
                 "compile": compiled, "how": how, "timed": self.saved_artifact is not None,
                 "run_under": "torch.inference_mode()"}

@@ -135,3 +135,21 @@ def test_cuda_bench_models_and_moved_copy():
     assert b.ref_peak_bytes and b.ref_peak_bytes >= 4 * 32 * 62 * 62 * 4
     assert any("copied" in n for n in b.notes)
     assert next(m.parameters()).device.type == "cpu"  # the user's model stays where it was
+
+
+def test_rel_width_keeps_timing_until_the_interval_is_narrow_or_time_is_up():
+    import time as _time
+
+    fns = {"a": lambda: sum(range(200)), "b": lambda: sum(range(300))}
+    loose = benchmark(fns, warmup=1, repeats=15, min_time_s=0.05, max_time_s=5.0,
+                      rel_width=100.0, target_sample_s=1e-4)
+    plain = benchmark(fns, warmup=1, repeats=15, min_time_s=0.05, max_time_s=5.0,
+                      target_sample_s=1e-4)
+    # narrow enough at the first check past min_time: at most one check interval more
+    assert len(loose.rounds) <= 2 * len(plain.rounds) + 10
+    t0 = _time.perf_counter()
+    tight = benchmark(fns, warmup=1, repeats=15, min_time_s=0.05, max_time_s=0.6,
+                      rel_width=1e-12, target_sample_s=1e-4)
+    took = _time.perf_counter() - t0
+    assert took >= 0.6 and len(tight.rounds) > len(loose.rounds)  # ran to the cap, not further
+    assert took < 5.0

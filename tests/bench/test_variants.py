@@ -87,6 +87,12 @@ def test_when_nothing_beats_the_input_the_input_is_saved(tmp_path):
     assert "unchanged" in r.deploy()["holds"]
     r.save(tmp_path)
     assert (tmp_path / "model.pt2").read_bytes() == art.path.read_bytes()
+    # where the export of the input ran slower than the module, the advice is to keep the module
+    import dataclasses
+    r.variants = [dataclasses.replace(v, speedup_vs_input=0.9, ci_low=0.85, ci_high=0.95)
+                  if v.name == "captured" else v for v in r.variants]
+    d = r.deploy()
+    assert "0.90x" in d["holds"] and d["how"].startswith("your own module")
 
 
 class ConvNet(nn.Module):

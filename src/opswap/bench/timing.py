@@ -265,6 +265,21 @@ def _calibrate(timer: _Timer, fn, target_s: float, max_inner: int) -> int:
     return inner
 
 
+_CHECK_EVERY = 10
+
+
+def _narrow(rounds: list[dict[str, float]], names: list[str], rel_width: float) -> bool:
+    """Whether every ratio names[0] / name has a 95% interval narrower than rel_width of it."""
+    base = [rd[names[0]] for rd in rounds]
+    for name in names[1:]:
+        other = [rd[name] for rd in rounds]
+        lo, hi = bootstrap_ratio(base, other, resamples=200)
+        mid = statistics.median(base) / max(statistics.median(other), 1e-30)
+        if not (math.isfinite(lo) and (hi - lo) <= rel_width * mid):
+            return False
+    return True
+
+
 def benchmark(
     fns: dict[str, Callable[[], Any]],
     *,
@@ -275,6 +290,7 @@ def benchmark(
     target_sample_s: float = 1e-3,
     max_inner: int = 10_000,
     max_rounds: int = 10_000,
+    rel_width: float | None = None,
     device="cpu",
 ) -> BenchResult:
     """Time every function in `fns` in one process, interleaved.
@@ -283,6 +299,11 @@ def benchmark(
     `min_time_s` has passed (but adding no round once `max_time_s` has passed).
     Each round times every candidate once, in an order rotated by one per round;
     each sample repeats the call so that it lasts at least `target_sample_s`.
+
+    `rel_width`: on a noisy machine, keep adding rounds (up to `max_time_s`) until the
+    95% interval of every function's time ratio to the first one is narrower than this
+    fraction of the ratio, so that a figure is not reported with an interval that holds
+    anything. The interval is checked every `_CHECK_EVERY` rounds.
     """
     if not fns:
         raise OpswapError("Nothing to time: pass at least one function.")
@@ -311,7 +332,8 @@ def benchmark(
             r = 0
             while r < max_rounds:
                 elapsed = time.perf_counter() - t_start
-                if r >= repeats and elapsed >= min_time_s:
+                if r >= repeats and elapsed >= min_time_s and (
+                        rel_width is None or r % _CHECK_EVERY == 0 and _narrow(rounds, names, rel_width)):
                     break
                 if r >= min(repeats, 3) and elapsed >= max_time_s:
                     break

@@ -84,6 +84,11 @@ class VariantTiming:
         """Faster than the input beyond the noise of the run."""
         return self.ci_low is not None and not math.isnan(self.ci_low) and self.ci_low > 1.0
 
+    @property
+    def slower(self) -> bool:
+        """Slower than the input beyond the noise of the run."""
+        return self.ci_high is not None and not math.isnan(self.ci_high) and self.ci_high < 1.0
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "ms": self.ms, "iqr_ms": self.iqr_ms,
                 "speedup_vs_input": self.speedup_vs_input,
@@ -170,9 +175,10 @@ def build(model, captured_gm, candidate_gm, inputs: tuple, compare: list[str],
 
 
 def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
-         min_time_s: float = 0.5):
+         min_time_s: float = 0.5, max_time_s: float = 8.0, rel_width: float = 0.1):
     """Time every verified variant in one interleaved loop (inference mode; buffers put
-    back afterwards). Unverified variants are listed without a time. Returns the
+    back afterwards), for at least `min_time_s` and, on a noisy machine, until every
+    speed-up's 95% interval is narrower than `rel_width` of it or `max_time_s` passed. Unverified variants are listed without a time. Returns the
     timings and the raw bench.timing.BenchResult."""
     from opswap.bench.timing import benchmark
     from opswap.graph.copies import preserved_state
@@ -181,7 +187,8 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
     fns = {v.name: (lambda f=v.fn: f(*inputs)) for v in runnable}
     mods = [v.fn for v in runnable]
     with torch.inference_mode(), preserved_state(*mods):
-        res = benchmark(fns, warmup=3, repeats=15, min_time_s=min_time_s, device=device)
+        res = benchmark(fns, warmup=3, repeats=15, min_time_s=min_time_s, max_time_s=max_time_s,
+                        rel_width=rel_width, device=device)
     base = res["input"].median
     out = []
     for v in variants:
