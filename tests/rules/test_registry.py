@@ -27,14 +27,16 @@ def test_every_rule_module_holds_exactly_one_rule_named_after_it():
         assert registry.get(own[0].name).__class__ is own[0]
 
 
-def test_registry_holds_the_thirteen_rules():
+def test_registry_holds_the_fourteen_rules():
     found = {r.name for r in registry.all_rules()}
     assert {m.rsplit(".", 2)[-2] + "." + m.rsplit(".", 1)[-1]
             for m in registry.rule_modules()} <= found
     assert {"fusion.conv_bn", "fusion.conv_relu", "fusion.linear_bn", "fusion.matmul_add",
             "fusion.layer_norm", "fusion.parallel_linear", "fusion.log_softmax",
             "layout.cancel_transpose", "layout.collapse_view", "layout.permute_matmul",
-            "layout.drop_dropout", "layout.drop_identity", "layout.channels_last"} <= found
+            "layout.drop_dropout", "layout.drop_identity", "layout.channels_last",
+            "precision.int8_linear"} <= found
+    assert registry.get("precision.int8_linear").exactness == "approx"
 
 
 def test_every_rule_declares_a_known_phase_and_orders_against_real_rules():

@@ -2,6 +2,9 @@
 reference implementation. Importing this package registers them, which is what loading
 a saved `model.pt2` that uses them needs (`opswap.load_optimized` does it)."""
 
-from opswap.kernels import conv_relu  # noqa: F401  (registers opswap::conv_relu)
+from opswap.kernels import (
+    conv_relu,  # noqa: F401  (registers opswap::conv_relu)
+    int8_linear,  # noqa: F401  (registers opswap::int8_linear)
+)
 
-__all__ = ["conv_relu"]
+__all__ = ["conv_relu", "int8_linear"]

@@ -22,7 +22,8 @@ from opswap.graph.shapes import info
 from opswap.rules.base import Estimate
 
 
-def _time(c: NodeCost, target, dtype) -> float:
+def op_time(c: NodeCost, target, dtype) -> float:
+    """Roofline time of one kernel of cost `c` at `dtype`'s peak, plus its dispatch."""
     overhead = target.op_overhead(bool(c.flops or c.bytes)) if hasattr(target, "op_overhead") \
         else 0.0
     return roofline_point(c.flops, c.bytes, target, dtype).time_s + overhead
@@ -42,8 +43,8 @@ def saving(target, removed: Iterable[fx.Node], added: Iterable[NodeCost] = (),
     new = list(added)
     flops = sum(c.flops for c in gone) - sum(c.flops for c in new)
     nbytes = sum(c.bytes for c in gone) - sum(c.bytes for c in new)
-    t_gone = sum(_time(c, target, dtype) for c in gone)
-    t_new = sum(_time(c, target, dtype) for c in new)
+    t_gone = sum(op_time(c, target, dtype) for c in gone)
+    t_new = sum(op_time(c, target, dtype) for c in new)
     dt = t_gone - t_new
     if abs(dt) <= 1e-9 * max(t_gone, t_new):
         # k compute-bound GEMMs merged into one: equal times up to float rounding, which

@@ -104,6 +104,13 @@ def select(
             continue
         chosen.append(rule)
     if patterns and not chosen:
+        looser = sorted({r.exactness for r in all_rules()
+                         if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)},
+                        key=EXACTNESS_ORDER.get)
+        if looser:
+            raise RuleError(
+                f"{','.join(patterns)} selects only {looser[0]} rules, which exactness "
+                f"{exactness!r} leaves out; add --exactness {looser[0]} to plan them.")
         raise RuleError(
             f"No rule matches {','.join(patterns)!r} at exactness {exactness!r}; "
             "`opswap rules` lists them."

@@ -225,6 +225,24 @@ def _missing_classes(exactness: str) -> list[str]:
             for c in allowed if c != "exact" and c not in present]
 
 
+def _looser_rules(exactness: str, patterns: list[str]) -> list[str]:
+    """A sentence naming the installed rules this exactness leaves out (among those the
+    patterns select), so that a user sees that `--exactness approx` would add them."""
+    import fnmatch
+
+    level = EXACTNESS_ORDER.get(exactness, 0)
+    out = []
+    for cls in ("approx", "lossy"):
+        if EXACTNESS_ORDER[cls] <= level:
+            continue
+        names = [r.name for r in registry.all_rules() if r.exactness == cls and (
+            not patterns or any(fnmatch.fnmatchcase(r.name, p) for p in patterns))]
+        if names:
+            out.append(f"{cls} rules not considered at --exactness {exactness} "
+                       f"(--exactness {cls} plans them): {', '.join(names)}")
+    return out
+
+
 def check_plan_fits(captured: Captured, plan: Plan) -> None:
     """Refuse a plan made for another model, in one sentence, before any site is looked up."""
     if not plan.fingerprint or plan.capture_method != captured.method:
@@ -273,7 +291,7 @@ def make_plan(
               and r.name not in exclude_rules]
     plan = Plan(model_name, PlanSettings(tgt.name, patterns, exactness),
                 capture_method=captured.method, fingerprint=graph_fingerprint(captured.gm))
-    plan.notes += _missing_classes(exactness)
+    plan.notes += _missing_classes(exactness) + _looser_rules(exactness, patterns)
     gm = copy_module(captured.gm)
     seen_misses: set[tuple[str, str, str]] = set()
     for rule in chosen:

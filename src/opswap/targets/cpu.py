@@ -5,6 +5,7 @@ measured with two short micro-benchmarks (about a second and a half in all):
 
 - peak FLOP/s: the best of several 1024x1024x1024 float32 matmuls (2 * 1024**3
   FLOP each) on the threads torch uses;
+- int8 OP/s: the same matmul in int8 through `torch._int_mm` (what the int8 rules run);
 - bandwidth: the best of a 64 MiB copy (read 64 MiB + write 64 MiB) and a 64 MiB
   add (read 2 x 64 MiB + write 64 MiB). Bytes are counted as the cost model
   counts them (read + written), so write-allocate traffic is not included.
@@ -89,6 +90,21 @@ def measure_peak_flops() -> float:
     return 2.0 * n**3 / t
 
 
+def measure_int8_ops() -> float | None:
+    """Achieved int8 x int8 -> int32 matmul OP/s (`torch._int_mm`, oneDNN's VNNI/AMX kernels
+    where the CPU has them), or None where this build has no CPU int8 matmul."""
+    n = _MATMUL_N
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (n, n), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), generator=g, dtype=torch.int8)
+    try:
+        with torch.no_grad():
+            t = _best_time(lambda: torch._int_mm(a, b), budget_s=_BUDGET_S / 2)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+    return 2.0 * n**3 / t
+
+
 def measure_bandwidth() -> float:
     """Achieved main-memory bytes/s: best of a large copy and a large add."""
     numel = _COPY_BYTES // 4
@@ -147,6 +163,7 @@ def preferred_layout() -> str:
 def measure_cpu_target() -> Target:
     """Measure this machine now and describe it as a Target."""
     peak = measure_peak_flops()
+    int8 = measure_int8_ops()
     bw = measure_bandwidth()
     dispatch, view = measure_dispatch("cpu"), measure_dispatch("cpu", view=True)
     today = _dt.date.today().isoformat()
@@ -154,7 +171,7 @@ def measure_cpu_target() -> Target:
         name="cpu",
         description=f"{cpu_model()}, {torch.get_num_threads()} threads",
         kind="cpu",
-        peak_flops={"float32": peak},
+        peak_flops={"float32": peak, **({"int8": int8} if int8 else {})},
         mem_bandwidth=bw,
         memory_bytes=_memory_bytes(),
         dtypes=("float64", "float32", "bfloat16", "float16", "int8"),
@@ -162,13 +179,13 @@ def measure_cpu_target() -> Target:
         preferred_dtype="float32",
         source=(
             f"measured on this machine on {today}: float32 {_MATMUL_N}^3 matmul for peak "
-            f"FLOP/s, 64 MiB copy/add for bandwidth, one-element adds for the per-op "
+            f"FLOP/s, int8 {_MATMUL_N}^3 torch._int_mm for int8 OP/s, 64 MiB copy/add for bandwidth, one-element adds for the per-op "
             f"dispatch cost (torch {torch.__version__})"
         ),
         dispatch_s=dispatch,
         view_dispatch_s=view,
         notes=(
-            "Only float32 is measured; other precisions are estimated at the float32 rate.",
+            "float32 and int8 are measured; other precisions are estimated at the float32 rate.",
         ),
     )
 
@@ -189,15 +206,15 @@ def get_cpu_target(refresh: bool = False) -> Target:
     entries = data.get("entries", {}) if isinstance(data.get("entries"), dict) else {}
     if not refresh and key in entries:
         try:
-            if "view_dispatch_s" not in entries[key]:
-                raise KeyError("dispatch_s")  # cached before dispatch was measured
+            if "view_dispatch_s" not in entries[key] or "int8_measured" not in entries[key]:
+                raise KeyError("dispatch_s")  # cached before dispatch / int8 were measured
             cached = Target.from_dict(entries[key])
             # the layout is a property of the kernels, not a measurement: never stale
             return dataclasses.replace(cached, layout=preferred_layout())
         except (KeyError, TypeError, ValueError):
             pass  # a stale or hand-edited entry: measure again
     target = measure_cpu_target()
-    entries[key] = target.to_dict()
+    entries[key] = target.to_dict() | {"int8_measured": True}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
