@@ -5,15 +5,17 @@ per shape, timed interleaved in one process, with the rule's prediction beside i
 
 Each row: rows M (batch x tokens), in K, out N; the float32 Linear's and the int8 layer's
 median times (eager, inference mode) and their ratio with its 95% bootstrap interval; the
-int8 output's relative L2 error against float32; the speed-up the rule predicts from the
-target's measured float32 and int8 rates, bandwidth and dispatch cost, and whether the
-planner would take the site (predicted saving > 0). Writes DIR/int8_linear_<device>.json
+int8 output's relative L2 error against float32; the speed-up the rule predicts (on the
+`cpu` target, its own short timing of the site's shape; elsewhere the roofline from the
+target's float32 and int8 rates, bandwidth and dispatch cost, also recorded here as
+`roofline_predicted_speedup`), and whether the planner would take the site. Writes DIR/int8_linear_<device>.json
 with device, versions and date.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
@@ -32,9 +34,12 @@ SHAPES = [(1, 768, 768), (8, 768, 3072), (16, 768, 3072), (64, 768, 768), (128, 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--target", help="the target the rule predicts for (default: cpu, or h200 "
+                                      "for a CUDA device)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
+    import opswap.rules.precision.int8_linear as rule_mod
     from opswap.bench.timing import benchmark, describe_device
     from opswap.graph.capture import capture
     from opswap.rules.base import sites_of
@@ -43,17 +48,24 @@ def main() -> None:
     from opswap.targets import get_target
 
     dev = torch.device(args.device)
-    target = get_target(args.device.split(":")[0])
+    target = get_target(args.target or ("cpu" if dev.type == "cpu" else "h200"))
     rule = Int8DynamicLinear()
     rows = []
     torch.manual_seed(0)
     for m, k, n in SHAPES:
         lin = nn.Sequential(nn.Linear(k, n)).eval()
         x = torch.randn(m, k)
+        if dev.type == "cuda" and m <= 16:
+            m_note = "torch._int_mm on CUDA needs more than 16 rows: the reference path ran"
+        else:
+            m_note = None
         cap = capture(lin, (x,), method="fx")
         found = rule.match(cap.gm)
         sites = sites_of(found)
         est = rule.predict(cap.gm, sites[0], target) if sites else None
+        # the roofline the rule uses for other targets, from this target's measured rates
+        roof = rule.predict(cap.gm, sites[0], dataclasses.replace(target, name="roofline")) \
+            if sites else None
         refused = None if sites else "; ".join(m.reason for m in found if not hasattr(m, "key"))
         before = _fp32_time(target, cap.gm)
         q = Int8Linear(lin[0].weight, lin[0].bias).to(dev)
@@ -64,14 +76,22 @@ def main() -> None:
             res = benchmark({"float32": lambda f=lin, a=xd: f(a), "int8": lambda f=q, a=xd: f(a)}, min_time_s=0.5,
                             max_time_s=4.0, rel_width=0.1, device=dev)
         r = res.ratio("float32", "int8")
-        pred = (before / (before - est.time_saved_s)
-                if est is not None and before > est.time_saved_s else None)
+        if est is not None and est.note.startswith("timed"):  # the rule's own timing
+            t32, t8 = rule_mod.time_on_this_cpu(m, k, n, True, torch.get_num_threads())
+            pred = t32 / t8
+        else:
+            pred = (before / (before - est.time_saved_s)
+                    if est is not None and before > est.time_saved_s else None)
         row = {"m": m, "k": k, "n": n, "float32_ms": res["float32"].median * 1e3,
                "int8_ms": res["int8"].median * 1e3, "speedup": r.of_medians,
                "speedup_ci": [r.ci_low, r.ci_high], "rel_l2": err,
                "predicted_speedup": pred,
+               "roofline_predicted_speedup": (before / (before - roof.time_saved_s)
+                                              if roof is not None and before > roof.time_saved_s
+                                              else None),
+               "prediction_note": est.note if est is not None else None,
                "planner_takes_it": est is not None and est.time_saved_s > 0,
-               "rule_refuses": refused}
+               "rule_refuses": refused, "note": m_note}
         rows.append(row)
         print(json.dumps({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in row.items()}),
               flush=True)

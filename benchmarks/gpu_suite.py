@@ -240,6 +240,21 @@ def capture_cost(device: str, dtype: str) -> list[dict]:
     return rows
 
 
+def int8_tables(out: Path) -> dict:
+    """benchmarks/bench_int8_linear.py on each device here; its JSON files land in `out`."""
+    done = {}
+    for dev in (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]:
+        run = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_int8_linear.py"),
+                              "--device", dev, "--out", str(out)], capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=900)
+        done[dev] = {"rc": run.returncode, "tail": (run.stdout + run.stderr)[-3000:]}
+        if dev == "cpu" and (out / "int8_linear_cpu.json").is_file():
+            # the GPU machine's host CPU, kept apart from the development machine's table
+            (out / "int8_linear_cpu.json").replace(out / "int8_linear_cpu_h200host.json")
+        print(f"int8 {dev}: rc={run.returncode}", flush=True)
+    return done
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results")))
@@ -252,6 +267,8 @@ def main() -> None:
                     help="skip the bf16 variants race (ResNet-50-like, BERT-base-like)")
     ap.add_argument("--no-capture-cost", action="store_true",
                     help="skip timing eager against its FX capture and exported program")
+    ap.add_argument("--int8", action="store_true",
+                    help="also run benchmarks/bench_int8_linear.py on the GPU and on the host CPU")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--name", default="gpu_suite.json",
                     help="file name of the results (e.g. cpu_suite.json for a run without a GPU)")
@@ -277,6 +294,8 @@ def main() -> None:
             result["optimize_cuda"] = optimize_models("cuda", "h200")
     if not args.no_cpu and not args.no_optimize:
         result["optimize_cpu"] = optimize_models("cpu", "cpu")
+    if args.int8:
+        result["int8_linear"] = int8_tables(args.out)
     path = args.out / args.name
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print("wrote", path)
