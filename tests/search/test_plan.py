@@ -154,8 +154,10 @@ def test_predicted_slower_is_skipped_with_reason():
 
 def test_exactness_filters_rules():
     _, c = _cap()
-    with pytest.raises(RuleError, match="No rule matches"):
+    with pytest.raises(RuleError, match="selects only lossy rules.*--exactness lossy"):
         make_plan(c, rules=["test.lossy"], exactness="exact")
+    with pytest.raises(RuleError, match="No rule matches"):
+        make_plan(c, rules=["test.no_such_rule"], exactness="lossy")
     assert make_plan(c, rules=["test.lossy"], exactness="lossy").decisions
 
 
@@ -263,21 +265,28 @@ def test_a_plan_made_for_another_model_is_refused_in_one_sentence(tmp_path):
     assert len(applied.applied) == len(plan.decisions) and not applied.failed
 
 
-def test_looser_exactness_without_rules_says_so():
+def test_looser_exactness_without_rules_says_so(monkeypatch):
     from opswap.graph.capture import capture
     from opswap.models import load
+    from opswap.rules import registry as reg
+    from opswap.search import plan as plan_mod
     from opswap.search.plan import make_plan
 
     m = load("zoo:resnet")
     c = capture(m.module, m.example_inputs)
     exact, approx = make_plan(c, exactness="exact"), make_plan(c, exactness="approx")
-    assert not exact.notes
-    assert [d.site.key for d in approx.decisions] == [d.site.key for d in exact.decisions]
-    assert approx.notes == ["no approx rules are installed, so --exactness approx plans only "
-                            "the exact rules"]
-    # this file registers a test lossy rule, so only the approx class is empty here
-    assert make_plan(c, exactness="lossy").notes == [
-        "no approx rules are installed, so --exactness lossy plans only the exact, lossy rules"]
+    # an exact plan names the looser rules it left out and the flag that adds them
+    assert any("precision.int8_linear" in n and "--exactness approx plans them" in n
+               for n in exact.notes), exact.notes
+    assert not any("no approx rules" in n for n in approx.notes)
+    # with only exact rules installed, a looser setting says it plans only those
+    exact_only = [r for r in reg.all_rules() if r.exactness == "exact"]
+    monkeypatch.setattr(plan_mod.registry, "all_rules", lambda: exact_only)
+    assert plan_mod._missing_classes("approx") == [
+        "no approx rules are installed, so --exactness approx plans only the exact rules"]
+    assert plan_mod._missing_classes("lossy") == [
+        "no approx rules are installed, so --exactness lossy plans only the exact rules",
+        "no lossy rules are installed, so --exactness lossy plans only the exact rules"]
 
 
 def test_bottleneck_advice_names_only_installed_rules():

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+import opswap.rules.precision.int8_linear as rule_mod
 from opswap.errors import RuleError
 from opswap.graph.capture import capture
 from opswap.models import load
 from opswap.pipeline import OptimizeConfig, optimize
-import opswap.rules.precision.int8_linear as rule_mod
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.search.plan import apply_plan, make_plan
 from opswap.targets.base import Target
