@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -123,13 +121,9 @@ def main() -> None:
         print(json.dumps({"model": name, "int8_sites": row["int8_sites"],
                           "variants": {v["name"]: round(v["speedup_vs_input"], 2) for v in row["variants"]},
                           "vs_peer": row["ours_over_strongest_peer"]}), flush=True)
-    out = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-           "device": describe_device("cpu"), "torch": torch.__version__, "torchao": tao,
-           "python": platform.python_version(), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "int8_models_cpu.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print("wrote", path)
+    from _results import write_results
+
+    write_results(args.out, "int8_models_cpu.json", describe_device("cpu"), rows, torchao=tao)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ imports): the zoo promises models that run in well under a second on a CPU.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import platform
 import time
@@ -47,14 +46,10 @@ def main() -> None:
                "capture_method": c.method, "forward_ms": r.stats["forward"].median_ms}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    out = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "python": platform.python_version(),
-           "device": f"cpu: {platform.processor() or platform.machine()}, "
-                     f"{torch.get_num_threads()} threads", "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "bench_zoo.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print("wrote", path)
+    from _results import write_results
+
+    write_results(args.out, "bench_zoo.json", f"cpu: {platform.processor() or platform.machine()}, "
+                  f"{torch.get_num_threads()} threads", rows)
 
 
 if __name__ == "__main__":
