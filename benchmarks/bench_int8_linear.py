@@ -84,6 +84,9 @@ def main() -> None:
                     if est is not None and before > est.time_saved_s else None)
         row = {"m": m, "k": k, "n": n, "float32_ms": res["float32"].median * 1e3,
                "int8_ms": res["int8"].median * 1e3, "speedup": r.of_medians,
+               # achieved rates, next to the target's ceilings in the file's header
+               "float32_gflops": 2 * m * k * n / res["float32"].median / 1e9,
+               "int8_gops": 2 * m * k * n / res["int8"].median / 1e9,
                "speedup_ci": [r.ci_low, r.ci_high], "rel_l2": err,
                "predicted_speedup": pred,
                "roofline_predicted_speedup": (before / (before - roof.time_saved_s)
@@ -101,6 +104,9 @@ def main() -> None:
     out = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
            "device": describe_device(dev), "torch": torch.__version__,
            "python": platform.python_version(), "target": target.name,
+           "ceilings": {"float32_gflops": target.peak("float32") / 1e9,
+                        "int8_gops": target.peak("int8") / 1e9,
+                        "bandwidth_gb_s": target.mem_bandwidth / 1e9},
            "peer": "float32 nn.Linear (oneDNN/MKL sgemm), timed interleaved in the same run",
            "rows": rows,
            "prediction_agrees_where_measured_beyond_noise": f"{agree}/{decided}"}

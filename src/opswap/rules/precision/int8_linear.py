@@ -77,7 +77,7 @@ class Int8DynamicLinear(Rule):
 
     The prediction for the `cpu` target (this machine) is a measurement: both layers timed
     at the site's shape (`time_on_this_cpu`), because the balance moves with the thread
-    count more than a roofline follows (64 x 768 -> 768 ran 1.88x on 2 threads and 0.49x
+    count more than a roofline follows (64 x 768 -> 768 ran 1.92x on 2 threads and 0.50x
     on 16, where the float32 GEMM scales and the small int8 one does not). For any other
     target it is the roofline estimate from its int8 and float32 rates.
     """
