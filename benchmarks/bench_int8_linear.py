@@ -15,6 +15,7 @@ with device, versions and date.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime as dt
 import json
@@ -47,6 +48,10 @@ def main() -> None:
     from opswap.rules.precision.int8_linear import Int8DynamicLinear
     from opswap.targets import get_target
 
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    except ImportError:
+        quantize_ = None
     dev = torch.device(args.device)
     target = get_target(args.target or ("cpu" if dev.type == "cpu" else "h200"))
     rule = Int8DynamicLinear()
@@ -70,11 +75,15 @@ def main() -> None:
         before = _fp32_time(target, cap.gm)
         q = Int8Linear(lin[0].weight, lin[0].bias).to(dev)
         lin, xd = lin.to(dev), x.to(dev)
+        fns = {"float32": lambda f=lin, a=xd: f(a), "int8": lambda f=q, a=xd: f(a)}
+        if quantize_ is not None:  # the library peer: torchao's int8 dynamic quantisation
+            tq = copy.deepcopy(lin)
+            quantize_(tq, Int8DynamicActivationInt8WeightConfig())
+            fns["torchao_int8"] = lambda f=tq, a=xd: f(a)
         with torch.inference_mode():
             ref, got = lin(xd), q(xd)
             err = ((got - ref).norm() / ref.norm()).item()
-            res = benchmark({"float32": lambda f=lin, a=xd: f(a), "int8": lambda f=q, a=xd: f(a)}, min_time_s=0.5,
-                            max_time_s=4.0, rel_width=0.1, device=dev)
+            res = benchmark(fns, min_time_s=0.5, max_time_s=4.0, rel_width=0.1, device=dev)
         r = res.ratio("float32", "int8")
         if est is not None and est.note.startswith("timed"):  # the rule's own timing
             t32, t8 = rule_mod.time_on_this_cpu(m, k, n, True, torch.get_num_threads())
@@ -88,6 +97,8 @@ def main() -> None:
                "float32_gflops": 2 * m * k * n / res["float32"].median / 1e9,
                "int8_gops": 2 * m * k * n / res["int8"].median / 1e9,
                "speedup_ci": [r.ci_low, r.ci_high], "rel_l2": err,
+               "torchao_int8_ms": (res["torchao_int8"].median * 1e3
+                                   if "torchao_int8" in fns else None),
                "predicted_speedup": pred,
                "roofline_predicted_speedup": (before / (before - roof.time_saved_s)
                                               if roof is not None and before > roof.time_saved_s
@@ -107,7 +118,8 @@ def main() -> None:
            "ceilings": {"float32_gflops": target.peak("float32") / 1e9,
                         "int8_gops": target.peak("int8") / 1e9,
                         "bandwidth_gb_s": target.mem_bandwidth / 1e9},
-           "peer": "float32 nn.Linear (oneDNN/MKL sgemm), timed interleaved in the same run",
+           "peer": "float32 nn.Linear in eager (oneDNN/MKL sgemm) and, where installed, torchao's "
+                   "Int8DynamicActivationInt8WeightConfig in eager, timed interleaved in the same run",
            "rows": rows,
            "prediction_agrees_where_measured_beyond_noise": f"{agree}/{decided}"}
     args.out.mkdir(parents=True, exist_ok=True)
