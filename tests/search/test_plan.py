@@ -300,10 +300,24 @@ def test_bottleneck_advice_names_only_installed_rules():
     for spec in ("zoo:resnet", "zoo:bert"):
         m = load(spec)
         for sentence in analyze(capture(m.module, m.example_inputs), get_target("cpu")).bottlenecks(8):
-            assert "no opswap rule does this yet" in sentence or "opswap rules that do" in sentence
+            assert "no opswap rule does this" in sentence or "opswap rules that do" in sentence
             if "opswap rules that do" in sentence:
                 named = sentence.split("where they match: ")[1].rstrip(".").split(", ")
-                assert set(named) <= installed
+                assert {n.split(" (")[0] for n in named} <= installed
+
+
+def test_bottleneck_advice_names_the_int8_rule_where_it_runs_and_how_to_plan_it():
+    from opswap.cost.analyze import _hint
+
+    class Row:  # the two fields the advice reads
+        bound, category = "compute", "matmul"
+
+    from opswap.targets import get_target
+
+    cpu = _hint(Row(), get_target("cpu"))
+    assert "precision.int8_linear (approx: plan it with --exactness approx)" in cpu
+    gpu = _hint(Row(), get_target("h200"))
+    assert "int8_linear" not in gpu and "no opswap rule does this on h200 yet" in gpu
 
 
 def test_sites_of_an_exported_model_are_named_by_module_path():

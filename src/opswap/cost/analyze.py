@@ -279,7 +279,7 @@ _REMEDIES: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("compute", "conv"): ("fewer FLOPs (Winograd, depthwise-separable) or a lower-precision "
                           "peak would cut its time", ()),
     ("compute", "matmul"): ("lower precision (bf16, int8 weights) would raise the ceiling "
-                            "it hits", ()),
+                            "it hits", ("precision.int8_linear",)),
     ("compute", "attention"): ("a fused attention kernel in lower precision would raise the "
                                "ceiling it hits", ()),
     ("compute", "rnn"): ("lower precision would raise the ceiling it hits", ()),
@@ -297,7 +297,8 @@ _REMEDIES: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("memory", "conv"): ("it moves a lot for little work: a larger batch, a channels-last "
                          "layout or smaller weights would help", ("layout.channels_last",)),
     ("memory", "matmul"): ("it moves a lot for little work: a larger batch, merged sibling "
-                           "matmuls or smaller weights would help", ("fusion.parallel_linear",)),
+                           "matmuls or smaller weights would help",
+                           ("fusion.parallel_linear", "precision.int8_linear")),
     ("memory", "embedding"): ("a smaller table dtype would cut the rows it gathers", ()),
 }
 
@@ -308,11 +309,14 @@ def _hint(r: OpRow, target: Target) -> str:
     what, rules = _REMEDIES.get((r.bound, r.category), (
         "fusing it with its neighbours would save most of its traffic" if r.bound == "memory"
         else "a cheaper formula would cut its FLOPs", ()))
-    installed = {x.name for x in registry.all_rules()}
-    have = [x for x in rules if x in installed]
+    installed = {x.name: x for x in registry.all_rules()}
+    have = [installed[x] for x in rules if x in installed
+            and (installed[x].applies_to(target.name) or installed[x].applies_to(target.kind))]
     if have:
-        return f"{what}; opswap rules that do this where they match: {', '.join(have)}"
-    return f"{what}; no opswap rule does this yet"
+        names = [x.name + (f" ({x.exactness}: plan it with --exactness {x.exactness})"
+                           if x.exactness != "exact" else "") for x in have]
+        return f"{what}; opswap rules that do this where they match: {', '.join(names)}"
+    return f"{what}; no opswap rule does this{' on ' + target.name if rules else ''} yet"
 
 
 def _sentence(r: OpRow, target: Target) -> str:
