@@ -178,8 +178,9 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
          min_time_s: float = 0.5, max_time_s: float = 8.0, rel_width: float = 0.1):
     """Time every verified variant in one interleaved loop (inference mode; buffers put
     back afterwards), for at least `min_time_s` and, on a noisy machine, until every
-    speed-up's 95% interval is narrower than `rel_width` of it or `max_time_s` passed. Unverified variants are listed without a time. Returns the
-    timings and the raw bench.timing.BenchResult."""
+    speed-up's 95% interval is narrower than `rel_width` of it or `max_time_s` passed.
+    Unverified variants are listed without a time. Returns the timings and the raw
+    bench.timing.BenchResult."""
     from opswap.bench.timing import benchmark
     from opswap.graph.copies import preserved_state
 

@@ -81,7 +81,8 @@ def _int_mm_ok(m: int, k: int, n: int, device: torch.device) -> bool:
     return device.type == "cpu" and m > 0
 
 
-def _kernel(x, wq, w_scale, bias):
+def direct(x, wq, w_scale, bias) -> torch.Tensor:
+    """The kernel as ATen ops: what Int8Linear runs, eagerly and when traced."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.dtype != torch.float32:
@@ -97,14 +98,9 @@ def _kernel(x, wq, w_scale, bias):
 def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x @ dequant(wq) with x quantised to int8 per row on the fly; wq is [K, N] int8."""
-    return _kernel(x, wq, w_scale, bias)
+    return direct(x, wq, w_scale, bias)
 
 
 @int8_linear.register_fake
 def _fake(x, wq, w_scale, bias):
     return x.new_empty((*x.shape[:-1], wq.shape[1]))
-
-
-def direct(x, wq, w_scale, bias) -> torch.Tensor:
-    """The kernel as ATen ops: what Int8Linear runs, eagerly and when traced."""
-    return _kernel(x, wq, w_scale, bias)

@@ -228,19 +228,13 @@ def _missing_classes(exactness: str) -> list[str]:
 def _looser_rules(exactness: str, patterns: list[str]) -> list[str]:
     """A sentence naming the installed rules this exactness leaves out (among those the
     patterns select), so that a user sees that `--exactness approx` would add them."""
-    import fnmatch
-
     level = EXACTNESS_ORDER.get(exactness, 0)
-    out = []
-    for cls in ("approx", "lossy"):
-        if EXACTNESS_ORDER[cls] <= level:
-            continue
-        names = [r.name for r in registry.all_rules() if r.exactness == cls and (
-            not patterns or any(fnmatch.fnmatchcase(r.name, p) for p in patterns))]
-        if names:
-            out.append(f"{cls} rules not considered at --exactness {exactness} "
-                       f"(--exactness {cls} plans them): {', '.join(names)}")
-    return out
+    left_out = [r for r in registry.select(patterns or None, "lossy")
+                if EXACTNESS_ORDER[r.exactness] > level]
+    return [f"{cls} rules not considered at --exactness {exactness} (--exactness {cls} plans "
+            f"them): {', '.join(names)}"
+            for cls in ("approx", "lossy")
+            if (names := [r.name for r in left_out if r.exactness == cls])]
 
 
 def check_plan_fits(captured: Captured, plan: Plan) -> None:

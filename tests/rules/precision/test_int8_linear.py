@@ -161,21 +161,27 @@ def test_bert_base_sized_encoder_keeps_the_approx_budget(int8_pays):
     assert n >= 8 and r.verification.passed, (n, r.verification)
 
 
-def test_on_this_cpu_the_prediction_is_a_timing_at_the_sites_shape():
-    """Margins far beyond noise on any machine measured (2 and 16 threads): a 64 -> 256
-    layer loses to the quantise/rescale overhead (0.3-0.4x), 256 rows of 2048 -> 2048
-    win (2x and more)."""
+def test_on_this_cpu_the_prediction_is_the_sites_timing_elsewhere_the_roofline(monkeypatch):
+    """Which way the timing goes is a benchmark's business (benchmarks/bench_int8_linear.py
+    checks the verdicts against its own timings); here: the `cpu` target's prediction is
+    exactly the timing of the site's shape, and another target's is the roofline."""
     from opswap.targets import get_target
 
-    tgt = get_target("cpu")
+    asked = []
 
-    def est(m, k, n):
-        model = nn.Sequential(nn.Linear(k, n)).eval()
-        cap = capture(model, (torch.randn(m, k),), method="fx")
-        rule = rule_mod.Int8DynamicLinear()
-        site = [f for f in rule.match(cap.gm) if hasattr(f, "key")][0]
-        return rule.predict(cap.gm, site, tgt)
+    def timed(m, k, n, bias, threads):
+        asked.append((m, k, n, bias))
+        return 3e-3, 1e-3
 
-    small, big = est(32, 64, 256), est(256, 2048, 2048)
-    assert small.time_saved_s < 0 < big.time_saved_s, (small, big)
-    assert "timed at 256 x 2048 -> 2048 on this CPU" in big.note
+    monkeypatch.setattr(rule_mod, "time_on_this_cpu", timed)
+    model = nn.Sequential(nn.Linear(2048, 1024)).eval()
+    cap = capture(model, (torch.randn(4, 64, 2048),), method="fx")
+    rule = rule_mod.Int8DynamicLinear()
+    site = [f for f in rule.match(cap.gm) if hasattr(f, "key")][0]
+    here = rule.predict(cap.gm, site, get_target("cpu"))
+    assert asked == [(256, 2048, 1024, True)]
+    assert here.time_saved_s == pytest.approx(2e-3) and "timed at 256 x 2048 -> 1024" in here.note
+    roof = rule.predict(cap.gm, site, FIXED)
+    assert len(asked) == 1 and "int8 GEMM at the target's int8 rate" in roof.note
+    # the roofline on the fixed profile: a quarter of the weight bytes and 4x the rate pay here
+    assert roof.time_saved_s > 0
