@@ -248,3 +248,29 @@ def test_hint_tells_sizes_that_share_a_value_apart(tmp_path):
     assert hint.endswith(" (and num_attention_heads, which the weights do not show).")
     assert set(re.findall(r"--set (\w+=\d+)", hint)) == {f"{k}={v}" for k, v in sizes.items()}
     assert load("hf:bert", sizes, weights=path).settings["weights"]["keys"] == "as saved"
+
+
+@pytest.mark.hf
+def test_tied_names_that_disagree_in_the_file_are_refused(tmp_path):
+    # gpt2 ties lm_head.weight to transformer.wte.weight: copying both into the one tensor
+    # would keep the head's values and silently drop the file's embedding
+    source = load("hf:gpt2", {"seed": "5"})
+    state = {k: v.clone() for k, v in source.module.model.state_dict().items()}
+    state["lm_head.weight"] = torch.randn_like(state["transformer.wte.weight"])
+    torch.save(state, tmp_path / "untied.pt")
+    with pytest.raises(SpecError) as e:
+        load("hf:gpt2", weights=tmp_path / "untied.pt")
+    msg = str(e.value)
+    assert "lm_head.weight" in msg and "transformer.wte.weight" in msg and "tie" in msg
+    assert msg.startswith("untied.pt ") and msg.endswith(".") and "\n" not in msg
+    untied = load("hf:gpt2", {"tie_word_embeddings": "false"}, weights=tmp_path / "untied.pt")
+    original = type(source.module.model)(untied.module.config).eval()  # the file's own model
+    original.load_state_dict(state)
+    with torch.no_grad():
+        want = original(*source.example_inputs[:1], attention_mask=source.example_inputs[1])
+    torch.testing.assert_close(_outputs(untied, source.example_inputs), want.logits)
+
+    state["lm_head.weight"] = state["transformer.wte.weight"].clone()  # equal copies are fine
+    torch.save(state, tmp_path / "tied.pt")
+    loaded = load("hf:gpt2", weights=tmp_path / "tied.pt")
+    assert torch.equal(_outputs(loaded, source.example_inputs), _outputs(source))

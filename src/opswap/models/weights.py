@@ -8,7 +8,9 @@ of an `HFModule`), or from a `DataParallel` / `torch.compile` copy (`module.`,
 `_orig_mod.`): the keys are read under the prefix change (strip one, add one)
 that lets most of them name a tensor of the model. Tied weights (an LM head
 sharing the embedding's tensor) count as present when any of their names is in
-the file. Values are copied into the model's own tensors, so they take the
+the file, and a file holding different values under two names of one tied
+tensor is refused (copying both in, the last would win and the other be lost).
+Values are copied into the model's own tensors, so they take the
 model's dtype.
 """
 
@@ -193,6 +195,27 @@ def _hint(pairs: list[tuple[str, int, int, str]], sizes: Mapping[str, Any]) -> s
     return " ".join(f"--set {k}={next(iter(v))}" for k, v in found.items() if len(v) == 1)
 
 
+def _refuse_split_ties(ties: Mapping[str, set[str]], mapped: Mapping[str, torch.Tensor],
+                       file_key: Mapping[str | None, str], name: str, where: str,
+                       module: nn.Module) -> None:
+    """Refuse a file holding different values under names the model ties into one tensor:
+    load_state_dict would copy each into it in turn, the last one winning."""
+    for key in mapped:
+        group = sorted(ties.get(key, {key}) & mapped.keys())
+        if group[0] != key:
+            continue  # each group once, from its first name
+        differ = [k for k in group[1:] if not torch.equal(mapped[k], mapped[key])]
+        if differ:
+            a, b = file_key[key], file_key[differ[0]]
+            config = getattr(module, "config", None)
+            untie = (" (--set tie_word_embeddings=false)"
+                     if hasattr(config, "tie_word_embeddings") else "")
+            raise SpecError(
+                f"{name} holds different tensors for {a} and {b}, which {where} ties into one "
+                f"(loading both would keep one and lose the other) — build the model with "
+                f"them untied{untie}, or save one tensor for both.")
+
+
 def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], path: str, where: str,
                  sizes: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Copy `tensors` (read from `path` by read_state_dict) into `module`, in place and in
@@ -252,6 +275,7 @@ def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], path: s
                   "build the model with the file's sizes (--set KEY=VALUE)" if pairs else
                   "check that the file was saved from this architecture")
         raise SpecError(f"{name} does not fit {where}{how}: {', '.join(parts)} — {advice}.")
+    _refuse_split_ties(ties, mapped, {fit.key(k): k for k in tensors}, name, where, module)
     with torch.no_grad():
         module.load_state_dict(mapped, strict=False)
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in tensors.values()})
