@@ -20,6 +20,7 @@ from torch import nn
 
 from opswap.graph.capture import as_inputs, capture
 from opswap.graph.copies import preserved_state, private_copy
+from opswap.graph.inputs import fresh
 from opswap.graph.keywords import KeywordCall, keyword_call, positional
 from opswap.models import LoadedModel
 from opswap.models import load as _load
@@ -73,7 +74,7 @@ def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
     reference, inputs = keyword_call(reference, example_inputs)
     candidate = positional(candidate, reference)
     reference, candidate = _private(reference), _private(candidate)
-    inputs = as_inputs(inputs)
+    inputs = fresh(as_inputs(inputs))  # the caller's tensors are never run on
     tol = Tolerance.for_exactness(exactness).at_rounding(
         own_rounding(reference, inputs) if isinstance(reference, nn.Module) else None)
     if budget:
@@ -81,7 +82,7 @@ def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
 
     def run(xs):
         with torch.no_grad(), preserved_state(reference):
-            reference(*xs)
+            reference(*fresh(xs))
 
     shapes = variants(inputs, detect(run, inputs, dynamic))
     return _verify(reference, candidate, inputs, samples=samples, tolerance=tol,

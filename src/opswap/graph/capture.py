@@ -24,6 +24,7 @@ from torch import nn
 from opswap.errors import CaptureError
 from opswap.graph.copies import count_hooks, preserved_state, private_copy, quiet_deepcopy
 from opswap.graph.dynamic import Dynamic, detect, probes, variants
+from opswap.graph.inputs import fresh, writes
 from opswap.graph.shapes import propagate
 
 __all__ = ["Captured", "as_inputs", "capture", "copy_module", "quiet_deepcopy"]
@@ -48,6 +49,7 @@ class Captured:
     dynamic: Dynamic = field(default_factory=Dynamic)
     probes: list[tuple] = field(default_factory=list)
     rounding: float | None = None
+    writes_inputs: list[int] = field(default_factory=list)  # input tensors forward writes into
 
     def recapture_shapes(self) -> None:
         """Re-run shape propagation after the graph changed."""
@@ -66,7 +68,7 @@ class Captured:
     def derived(self, gm: fx.GraphModule) -> Captured:
         """A capture of the same model and inputs holding another graph module."""
         return Captured(gm, self.method, self.example_inputs, list(self.notes), self.dynamic,
-                        self.probes, self.rounding)
+                        self.probes, self.rounding, list(self.writes_inputs))
 
 
 def copy_module(module: nn.Module) -> nn.Module:
@@ -154,9 +156,9 @@ def _shapes(inputs: tuple) -> str:
     return ", ".join(parts) or "no inputs"
 
 
-def _run(model: nn.Module, inputs: tuple):
+def _run(model: nn.Module, inputs: tuple, copy: bool = True):
     with torch.no_grad(), preserved_state(model):
-        return model(*inputs)
+        return model(*(fresh(inputs) if copy else inputs))
 
 
 def _reproduces(model: nn.Module, gm: fx.GraphModule, inputs: tuple, dyn: Dynamic,
@@ -201,7 +203,7 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"Expected a torch.nn.Module to capture, got {type(model).__name__}.")
-    inputs = as_inputs(example_inputs)
+    inputs = fresh(as_inputs(example_inputs))  # the caller's tensors are never run on
     hooks = count_hooks(model)
     model = private_copy(model)
     errors: list[str] = []
@@ -215,7 +217,7 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
             "call .eval() first to optimise for inference."
         )
     try:
-        _run(model, inputs)
+        written = writes(lambda xs: _run(model, xs, copy=False), inputs)
     except Exception as e:
         raise CaptureError(
             f"The model failed on the example inputs ({_shapes(inputs)}): {_describe(e)}; "
@@ -223,6 +225,10 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
         ) from e
     dyn = detect(lambda xs: _run(model, xs), inputs, dynamic)
     notes.extend(dyn.notes)
+    if written:
+        notes.append(f"The model writes into its input{'s' if len(written) > 1 else ''} "
+                     f"{', '.join(str(i) for i in written)}; opswap runs it on a fresh copy of "
+                     "the inputs each time (timings include that copy for every variant).")
     from opswap.verify.rounding import own_rounding
 
     rounding = own_rounding(model, inputs)
@@ -252,7 +258,7 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
                 propagate(gm, inputs, probes(inputs, here))
         notes.extend(f"{e}; fell back to {name}." for e in errors)
         notes.extend(here.notes[len(dyn.notes):])
-        return Captured(gm, how, inputs, notes, here, probes(inputs, here), rounding)
+        return Captured(gm, how, inputs, notes, here, probes(inputs, here), rounding, written)
     if any("does not reproduce" in e for e in errors):
         raise CaptureError(
             f"Could not capture {type(model).__name__} faithfully: " + "; ".join(errors)

@@ -52,6 +52,7 @@ def propagate(gm: fx.GraphModule, example_inputs: tuple, probes=()) -> list[Exce
     contributes nothing to `metas`). The example run must succeed: its error propagates.
     """
     from opswap.graph.copies import preserved_state
+    from opswap.graph.inputs import fresh
 
     seen: dict[fx.Node, list] = {n: [] for n in gm.graph.nodes}
     errors: list[Exception | None] = []
@@ -60,7 +61,7 @@ def propagate(gm: fx.GraphModule, example_inputs: tuple, probes=()) -> list[Exce
             for n in gm.graph.nodes:
                 n.meta.pop("tensor_meta", None)
             try:
-                ShapeProp(gm).propagate(*probe)
+                ShapeProp(gm).propagate(*fresh(probe))
                 errors.append(None)
             except Exception as e:  # the caller decides what a graph that fails here means
                 errors.append(e)
@@ -68,7 +69,7 @@ def propagate(gm: fx.GraphModule, example_inputs: tuple, probes=()) -> list[Exce
                 tm = n.meta.pop("tensor_meta", None)
                 if errors[-1] is None:
                     seen[n].append(tm)
-        ShapeProp(gm).propagate(*example_inputs)
+        ShapeProp(gm).propagate(*fresh(example_inputs))
     for n in gm.graph.nodes:
         n.meta["probe_meta"] = seen.get(n, [])
     return errors

@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from opswap.graph.capture import as_inputs
 from opswap.graph.copies import preserved_state
+from opswap.graph.inputs import fresh
 from opswap.graph.ops import is_compute, op_kind
 from opswap.verify.metrics import Metrics, combine, compare
 from opswap.verify.outputs import full_precision, same_random
@@ -272,9 +273,9 @@ def compare_layers(
 
     with torch.no_grad(), full_precision(), preserved_state(ref_gm, cand_gm):
         with same_random(0):
-            _Recorder(ref_gm, set(pairs), keep).run(*_flat_args(ref_gm, inputs))
+            _Recorder(ref_gm, set(pairs), keep).run(*_flat_args(ref_gm, fresh(inputs)))
         with same_random(0):
-            _Recorder(cand_gm, set(wanted_cand), measure).run(*_flat_args(cand_gm, inputs))
+            _Recorder(cand_gm, set(wanted_cand), measure).run(*_flat_args(cand_gm, fresh(inputs)))
 
     rows: list[LayerRow] = []
     only_ref: list[str] = []

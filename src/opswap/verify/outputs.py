@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from opswap.errors import VerificationError
 from opswap.graph.copies import preserved_state
+from opswap.graph.inputs import fresh  # an in-place op in one model must not feed the other
 from opswap.verify.metrics import Metrics, combine, compare
 from opswap.verify.samples import make_samples, refresh_floats
 from opswap.verify.tolerance import Tolerance, as_tolerance
@@ -144,12 +145,6 @@ def full_precision():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _clone(sample: tuple) -> tuple:
-    """A private copy of the inputs, so an in-place op in one model cannot feed the other."""
-    return tuple(pytree.tree_map(
-        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, list(sample)))
-
-
 def _flatten(out) -> tuple[list[tuple[str, Any]], Any]:
     leaves, spec = pytree.tree_flatten_with_path(out)
     return [("output" + pytree.keystr(path), leaf) for path, leaf in leaves], spec
@@ -196,7 +191,7 @@ def verify(
             at = f"sample {i} ({labels[i]})"
             try:
                 with same_random(seed + i):
-                    ref_out = reference(*_clone(sample))
+                    ref_out = reference(*fresh(sample))
             except Exception as e:
                 raise VerificationError(
                     f"The reference model raised {type(e).__name__} on {at} "
@@ -204,7 +199,7 @@ def verify(
                 ) from e
             try:
                 with same_random(seed + i):
-                    cand_out = candidate(*_clone(sample))
+                    cand_out = candidate(*fresh(sample))
             except Exception as e:  # a broken candidate is a failed verification
                 general.append(f"the candidate raised {type(e).__name__} on {at}: "
                                f"{str(e).strip()[:200]}")

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from opswap.graph.copies import preserved_state, private_copy
+from opswap.graph.inputs import fresh
 from opswap.verify.metrics import combine, compare
 
 LOW = (torch.float16, torch.bfloat16)
@@ -42,9 +43,9 @@ def own_rounding(module: nn.Module, inputs: tuple) -> float | None:
     try:
         wide = private_copy(module).float()
         with torch.no_grad(), preserved_state(module):
-            low = _outputs(module(*inputs))
+            low = _outputs(module(*fresh(inputs)))
         with torch.no_grad():
-            ref = _outputs(wide(*tuple(pytree.tree_map(to32, list(inputs)))))
+            ref = _outputs(wide(*tuple(pytree.tree_map(to32, list(fresh(inputs))))))
     except Exception:  # a model that hard-codes its dtype: no float32 twin to measure with
         return None
     if len(low) != len(ref) or not low:
