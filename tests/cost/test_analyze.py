@@ -304,3 +304,48 @@ def test_predicted_time_follows_the_ops_a_rewrite_removes():
     before, after = analyze(c, target), analyze(apply_plan(c, plan).captured, target)
     assert before.est_time_s - after.est_time_s == pytest.approx(d.estimate.time_saved_s,
                                                                  rel=0.05)
+
+
+# --------------------------------------------------------------------------- advice
+
+
+def _advice(a: Analysis, module: str) -> str:
+    """The bottleneck sentence of the row that calls nn.`module` (aten.`module` in export)."""
+    lines = dict(zip((r.name for r in a.top(len(a.rows))), a.bottlenecks(len(a.rows)),
+                     strict=True))
+    row = next(r for r in a.rows if r.op in (module, f"aten.{module.lower()}")
+               and r.name in lines)
+    return lines[row.name]
+
+
+class _ConvAct(nn.Module):
+    """A cheap conv feeding a memory-bound activation; `tap` also reads the conv output."""
+
+    def __init__(self, act: nn.Module, tap: bool = False):
+        super().__init__()
+        self.conv, self.act, self.tap = nn.Conv2d(4, 4, 1), act, tap
+
+    def forward(self, x):
+        y = self.conv(x)
+        return (self.act(y), y.sum()) if self.tap else self.act(y)
+
+
+@pytest.mark.parametrize("method", ("fx", "export"))
+@pytest.mark.parametrize("shape", [(2, 4, 33, 35), (1, 4, 17, 9)])
+def test_advice_names_only_rules_whose_match_takes_the_node(method, shape):
+    x = torch.randn(*shape)
+    prelu = _advice(analyze(capture(_ConvAct(nn.PReLU()).eval(), (x,), method=method), FAKE),
+                    "PReLU")
+    assert "conv_relu" not in prelu and "no opswap rule does this" in prelu, prelu
+    relu = _advice(analyze(capture(_ConvAct(nn.ReLU()).eval(), (x,), method=method), FAKE),
+                   "ReLU")
+    assert "opswap rules that do this where they match: fusion.conv_relu" in relu, relu
+
+
+@pytest.mark.parametrize("method", ("fx", "export"))
+def test_advice_says_why_a_near_miss_does_not_take_the_node(method):
+    model = _ConvAct(nn.ReLU(), tap=True).eval()
+    a = analyze(capture(model, (torch.randn(3, 4, 21, 19),), method=method), FAKE)
+    relu = _advice(a, "ReLU")
+    assert "no opswap rule does this here: fusion.conv_relu does not take it" in relu, relu
+    assert "also read by" in relu, relu

@@ -77,6 +77,9 @@ class Analysis:
     total_bytes: int
     est_time_s: float
     notes: list[str] = field(default_factory=list)
+    #: the costed graph, which the advice matches rules on (None: advice by op category only)
+    gm: fx.GraphModule | None = field(default=None, repr=False, compare=False)
+    _found: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def intensity(self) -> float:
@@ -95,7 +98,14 @@ class Analysis:
 
     def bottlenecks(self, n: int = 5) -> list[str]:
         """One sentence for each of the n costliest ops: what bounds it and what would help."""
-        return [_sentence(r, self.target) for r in self.top(n)]
+        return [_sentence(r, self.target, self._matches if self.gm is not None else None)
+                for r in self.top(n)]
+
+    def _matches(self, rule) -> list:
+        """The rule's sites and misses on the costed graph, matched once per rule."""
+        if rule.name not in self._found:
+            self._found[rule.name] = rule.match(self.gm)
+        return self._found[rule.name]
 
     def to_json(self) -> dict:
         return {
@@ -215,7 +225,7 @@ def analyze(captured, target: Target | str = "cpu", *, model_name: str | None = 
     return Analysis(
         model=model, target=tgt, method=method, rows=rows, categories=ordered,
         total_flops=sum(r.flops for r in rows), total_bytes=sum(r.bytes for r in rows),
-        est_time_s=total_time, notes=notes,
+        est_time_s=total_time, notes=notes, gm=gm,
     )
 
 
@@ -274,7 +284,8 @@ def _row(node: fx.Node, target: Target, tf32: bool) -> OpRow:
 
 
 # (bound, category) -> (what would help, the opswap rules that do it where they match).
-# Advice names only rules that are installed; where none is, it says so.
+# Advice names only rules that are installed and whose match takes the node (Analysis.gm);
+# where none does, it says so, with a near miss's reason when a rule has one at the node.
 _REMEDIES: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("compute", "conv"): ("fewer FLOPs (Winograd, depthwise-separable) or a lower-precision "
                           "peak would cut its time", ()),
@@ -303,8 +314,15 @@ _REMEDIES: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
 }
 
 
-def _hint(r: OpRow, target: Target) -> str:
+def _hint(r: OpRow, target: Target, matches=None) -> str:
+    """What would help the op of row `r`, and the opswap rules that would do it.
+
+    `matches(rule)` gives a rule's sites and misses on the graph: a rule is named only
+    when one of its sites takes the node, and a miss at the node says why the rule does
+    not take it. Without it (no graph), the rules are named by the op's category alone.
+    """
     from opswap.rules import registry
+    from opswap.rules.base import Miss, Site
 
     what, rules = _REMEDIES.get((r.bound, r.category), (
         "fusing it with its neighbours would save most of its traffic" if r.bound == "memory"
@@ -312,20 +330,36 @@ def _hint(r: OpRow, target: Target) -> str:
     installed = {x.name: x for x in registry.all_rules()}
     have = [installed[x] for x in rules if x in installed
             and (installed[x].applies_to(target.name) or installed[x].applies_to(target.kind))]
+    if not have:
+        return f"{what}; no opswap rule does this{' on ' + target.name if rules else ''} yet"
+    why_not: list[str] = []
+    if matches is not None:
+        # PReLU is an activation, but conv_relu takes only a ReLU: ask each rule's own match
+        taking = []
+        for rule in have:
+            found = matches(rule)
+            if any(isinstance(f, Site) and r.name in f.nodes for f in found):
+                taking.append(rule)
+                continue
+            why_not += [f"{rule.name} does not take it ({f.reason.rstrip('.')})" for f in found
+                        if isinstance(f, Miss) and f.where == r.name][:1]
+        have = taking
     if have:
         names = [x.name + (f" ({x.exactness}: plan it with --exactness {x.exactness})"
                            if x.exactness != "exact" else "") for x in have]
         return f"{what}; opswap rules that do this where they match: {', '.join(names)}"
-    return f"{what}; no opswap rule does this{' on ' + target.name if rules else ''} yet"
+    if why_not:
+        return f"{what}; no opswap rule does this here: {'; '.join(why_not)}"
+    return f"{what}; no opswap rule does this for {r.op} yet"
 
 
-def _sentence(r: OpRow, target: Target) -> str:
+def _sentence(r: OpRow, target: Target, matches=None) -> str:
     intensity = "inf" if math.isinf(r.intensity) else f"{r.intensity:.1f}"
     ridge = target.ridge_point(r.dtype)
     return (
         f"{r.label} ({r.op}) is {r.bound}-bound: {r.share:.0%} of the estimated time, "
         f"{human_unit(r.flops, 'FLOP')} at {intensity} FLOP/byte (ridge {ridge:.1f} on "
-        f"{target.name}); {_hint(r, target)}."
+        f"{target.name}); {_hint(r, target, matches)}."
     )
 
 
