@@ -21,7 +21,7 @@ from opswap.bench.attribution import Attribution, attribute
 from opswap.bench.variants import parse_compare
 from opswap.bench.variants import run as run_variants
 from opswap.graph.capture import Captured, capture
-from opswap.graph.copies import count_hooks, private_copy
+from opswap.graph.copies import describe_hooks, private_copy, user_hooks
 from opswap.rules.base import EXACTNESS_ORDER, Site
 from opswap.search.plan import Plan, apply_plan, make_plan
 
@@ -44,7 +44,7 @@ class OptimizeConfig:
     device: str = "cpu"
     dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
     compare: str = "compile"  # baselines raced beside opswap's result: compile, or none
-    keep_hooks: bool = False  # run the copies opswap times and verifies with the user's hooks
+    keep_hooks: bool = False  # refuse a model with hooks rather than optimize it without them
 
 
 # which module a winning variant saves
@@ -291,7 +291,8 @@ def optimize(
     """Run the whole flow on `model` and return a Result.
 
     The user's module is never called nor changed: opswap captures, verifies against and
-    times a private copy of it (without the user's hooks unless `config.keep_hooks`).
+    times a private copy of it, without the user's hooks (with `config.keep_hooks`, a model
+    that has hooks is refused instead, since the graph would not run them).
     `progress(stage: str)` is called as each stage starts, for progress bars.
     `model_settings` (the loader's settings: sizes, batch, --set overrides, attention
     implementation) are recorded in result.json and the report.
@@ -318,8 +319,17 @@ def optimize(
     target = get_target(config.target)
     _tolerance(config)  # parse the budget and the baselines before any long work
     compare = parse_compare(config.compare) if config.bench else []
-    hooks = count_hooks(model)
-    model = private_copy(model, keep_hooks=config.keep_hooks)  # the reference opswap runs
+    hooks = user_hooks(model)
+    if hooks and config.keep_hooks:
+        from opswap.errors import CaptureError
+
+        # FX tracing and torch.export leave module hooks out of the graph (the module call
+        # they hang on becomes a node or is inlined), so no result of opswap runs them
+        raise CaptureError(
+            f"keep_hooks=True asks to keep {describe_hooks(hooks)}, but the graph opswap "
+            "optimizes and saves does not run module hooks; remove them (or move what they "
+            "do into forward), or leave keep_hooks off to optimize the model without them.")
+    model = private_copy(model)  # the reference opswap runs: weight-computing hooks kept
     if config.device != "cpu":
         # time and verify where the user deploys; the user's module stays where it is
         model, example_inputs = _to_device(model, example_inputs, config.device)
@@ -427,9 +437,9 @@ def optimize(
         benchmark=bench,
         rule_timings=attribution.rules if attribution is not None else [],
         attribution=attribution,
-        notes=([f"The model has {hooks} forward/backward hook(s); opswap verified and timed a "
-                "copy without them (keep_hooks=True keeps them)."] if hooks and not
-               config.keep_hooks else []) + list(captured.notes) + list(plan.notes),
+        notes=([f"The model has {describe_hooks(hooks)}; opswap verified, optimized and "
+                "timed a copy without them (keep_hooks=True refuses the model instead)."]
+               if hooks else []) + list(captured.notes) + list(plan.notes),
         dynamic=captured.dynamic,
         variants=raced,
         best=winner,

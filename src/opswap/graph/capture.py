@@ -22,7 +22,14 @@ import torch.fx as fx
 from torch import nn
 
 from opswap.errors import CaptureError
-from opswap.graph.copies import count_hooks, preserved_state, private_copy, quiet_deepcopy
+from opswap.graph.copies import (
+    describe_hooks,
+    materialise_weights,
+    preserved_state,
+    private_copy,
+    quiet_deepcopy,
+    user_hooks,
+)
 from opswap.graph.dynamic import Dynamic, detect, probes, variants
 from opswap.graph.inputs import fresh, writes
 from opswap.graph.shapes import propagate
@@ -191,9 +198,11 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
     """Capture `model` on `example_inputs` as an FX GraphModule with shapes on every node.
 
     `method="auto"` tries FX symbolic tracing and falls back to torch.export
-    (non-strict). The module is copied first (without the user's hooks), so the result
-    owns its weights and the user's module is never called. `dynamic` says which input
-    sizes stay symbolic (see graph.dynamic: "auto", "none", "batch,seq", ...).
+    (non-strict). The module is copied first (without the user's hooks; weights that
+    weight_norm, spectral_norm or a parametrisation compute made plain parameters, with a
+    note), so the result owns its weights and the user's module is never called.
+    `dynamic` says which input sizes stay symbolic (see graph.dynamic: "auto", "none",
+    "batch,seq", ...).
 
     With `check`, a capture must reproduce the module's outputs at the example and at
     the other claimed shapes; one that does not (FX turns `y += 1` on a tensor another
@@ -204,13 +213,21 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
     if not isinstance(model, nn.Module):
         raise CaptureError(f"Expected a torch.nn.Module to capture, got {type(model).__name__}.")
     inputs = fresh(as_inputs(example_inputs))  # the caller's tensors are never run on
-    hooks = count_hooks(model)
+    hooks = user_hooks(model)
     model = private_copy(model)
+    # the graph holds weights, not the hooks that compute them: FX keeps a parametrised
+    # module as a leaf whose weight rules would read as stale, and the old weight_norm's
+    # pre-hook is dropped with the module call
+    computed = materialise_weights(model)
     errors: list[str] = []
     notes: list[str] = []
     if hooks:
-        notes.append(f"The model has {hooks} forward/backward hook(s); opswap runs and "
-                     "optimizes a copy without them.")
+        notes.append(f"The model has {describe_hooks(hooks)}; opswap runs and optimizes a "
+                     "copy without them.")
+    if computed:
+        notes.append("Weights the model computes on each call are plain parameters in the "
+                     "optimized model, holding what they compute now: " + ", ".join(computed)
+                     + ".")
     if model.training:
         notes.append(
             "The model is in training mode: BatchNorm folds and Dropout removal will not fire; "
