@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
+import sys
+from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from opswap.errors import RuleError
 from opswap.rules import registry
@@ -53,3 +58,170 @@ def test_every_rule_declares_a_known_phase_and_orders_against_real_rules():
 def test_unknown_rule_names_the_command_that_lists_them():
     with pytest.raises(RuleError, match="opswap rules"):
         registry.get("fusion.nope")
+
+
+# --------------------------------------------------------------------------- rules from elsewhere
+
+EXAMPLE_PACKAGE = Path(__file__).resolve().parents[2] / "examples" / "my_rules"
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """The registry with the built-in rules only, restored afterwards with the modules the
+    test imported, so no plugin rule leaks into other tests."""
+    registry.all_rules()
+    for attr in ("_RULES", "_ORIGINS"):
+        monkeypatch.setattr(registry, attr, dict(getattr(registry, attr)))
+    monkeypatch.setattr(registry, "_PROBLEMS", [])
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    modules = set(sys.modules)
+    yield registry
+    for name in set(sys.modules) - modules:
+        del sys.modules[name]
+
+
+def _install(tmp_path, monkeypatch, entry_points: dict[str, str], dist="opswap-test-rules"):
+    """A dist-info on sys.path declaring `entry_points` in the opswap.rules group: what pip
+    leaves behind for an installed package, without installing anything."""
+    info = tmp_path / f"{dist.replace('-', '_')}-0.3.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3.0\n")
+    lines = "".join(f"{k} = {v}\n" for k, v in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\n{lines}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+_RULE_SOURCE = '''
+from opswap.rules import Rule, register
+
+
+@register
+class {cls}(Rule):
+    name = "{name}"
+    family = "mine"
+    chapter = 9
+    exactness = "{exactness}"
+
+    def match(self, gm):
+        return []
+
+    def rewrite(self, gm, site):
+        pass
+'''
+
+
+def _rule_module(folder, module: str, *rules: tuple[str, str]) -> None:
+    """A module of the user's holding one rule class per (name, exactness)."""
+    (folder / f"{module}.py").write_text("".join(
+        _RULE_SOURCE.format(cls=f"R{i}", name=name, exactness=ex)
+        for i, (name, ex) in enumerate(rules)))
+
+
+class _Swish(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * torch.sigmoid(y)
+
+
+def test_an_installed_plugin_adds_its_rules_with_their_origin(fresh_registry, tmp_path,
+                                                              monkeypatch):
+    from opswap.graph.capture import capture
+    from opswap.search.plan import apply_plan, make_plan
+
+    _install(tmp_path, monkeypatch, {"silu": "my_rules.silu"}, dist="opswap-my-rules")
+    monkeypatch.syspath_prepend(str(EXAMPLE_PACKAGE))
+    names = [r.name for r in registry.all_rules()]
+    assert "my_rules.silu" in names and set(names) > {"fusion.conv_bn", "fusion.conv_relu"}
+    assert registry.origin("my_rules.silu") == "entry point silu of opswap-my-rules 0.3.0"
+    assert registry.origin("fusion.conv_bn") == "opswap" and registry.problems() == []
+    # planned like a built-in rule (default: every rule), against the user's module
+    model, x = _Swish().eval(), torch.randn(2, 3, 9, 7)
+    captured = capture(model, (x,))
+    plan = make_plan(captured)
+    assert [d.rule for d in plan.decisions].count("my_rules.silu") == 1
+    out = apply_plan(captured, plan).gm
+    for xs in (x, torch.randn(1, 3, 9, 7), torch.randn(4, 3, 12, 5)):
+        with torch.no_grad():
+            torch.testing.assert_close(out(xs), model(xs), rtol=1e-5, atol=1e-6)
+
+
+def test_a_broken_plugin_is_one_sentence_and_leaves_the_other_rules(fresh_registry, tmp_path,
+                                                                   monkeypatch):
+    builtin = set(registry._RULES)  # all_rules() now would look for plugins before _install
+    _rule_module(tmp_path, "plugin_bad_class", ("mine.maybe", "sometimes"))
+    # the first rule is valid, the second is not: the whole plugin stays out
+    _rule_module(tmp_path, "plugin_half", ("mine.good", "exact"), ("mine.bad", "often"))
+    _rule_module(tmp_path, "plugin_ok", ("mine.fine", "exact"))
+    (tmp_path / "plugin_empty.py").write_text("X = 1\n")
+    _install(tmp_path, monkeypatch, {"gone": "plugin_missing_xyz", "bad": "plugin_bad_class",
+                                     "half": "plugin_half", "empty": "plugin_empty",
+                                     "ok": "plugin_ok"})
+    names = {r.name for r in registry.all_rules()}
+    assert names == builtin | {"mine.fine"}
+    problems = registry.problems()
+    assert len(problems) == 4, problems
+    for p in problems:
+        assert "\n" not in p and "Traceback" not in p and p.startswith("The rule plugin ")
+        assert "opswap-test-rules 0.3.0" in p
+    text = " | ".join(problems)
+    assert "gone (plugin_missing_xyz" in text and "ModuleNotFoundError" in text
+    assert "bad (plugin_bad_class" in text and "exactness must be exact, approx or lossy" in text
+    assert "half (plugin_half" in text and "mine.bad" in text
+    assert "empty (plugin_empty" in text and "registers no rule" in text
+    assert registry.origin("mine.fine") == "entry point ok of opswap-test-rules 0.3.0"
+
+
+def test_a_module_named_by_the_user_loads_its_rules(fresh_registry, tmp_path, monkeypatch):
+    _rule_module(tmp_path, "my_user_rules", ("mine.one", "exact"), ("mine.two", "approx"))
+    monkeypatch.chdir(tmp_path)  # the current directory, as for `opswap ... --rules-from`
+    assert str(tmp_path) not in sys.path
+    rules = registry.load_module("my_user_rules")
+    assert [r.name for r in rules] == ["mine.one", "mine.two"]
+    assert str(tmp_path) not in sys.path
+    assert registry.origin("mine.two") == "module my_user_rules"
+    assert registry.get("mine.one") is rules[0]
+    assert [r.name for r in registry.load_module("my_user_rules")] == ["mine.one", "mine.two"]
+    # a file path works too
+    _rule_module(tmp_path, "other_rules", ("mine.three", "exact"))
+    assert [r.name for r in registry.load_module(str(tmp_path / "other_rules.py"))] == [
+        "mine.three"]
+
+
+def test_a_module_that_cannot_load_is_one_sentence(fresh_registry, tmp_path, monkeypatch):
+    builtin = {r.name for r in registry.all_rules()}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raises_rules.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "no_rules.py").write_text("X = 1\n")
+    _rule_module(tmp_path, "half_rules", ("mine.good", "exact"), ("fusion.conv_bn", "exact"))
+    for module, words in (("missing_rules_xyz", "no module named 'missing_rules_xyz'"),
+                          ("raises_rules", "ModuleNotFoundError"),
+                          ("no_rules", "registers no rule"),
+                          ("half_rules", "two rules are named 'fusion.conv_bn'"),
+                          ("nowhere.py", "no such file")):
+        with pytest.raises(RuleError, match=re.escape(words)) as e:
+            registry.load_module(module)
+        assert "\n" not in str(e.value) and module in str(e.value)
+    assert {r.name for r in registry.all_rules()} == builtin
+
+
+def test_register_refuses_what_is_not_a_rule():
+    class NotARule:
+        name, family, chapter, exactness = "mine.x", "mine", 9, "exact"
+
+    class NoMatch(Rule):
+        name, family, chapter, exactness = "mine.y", "mine", 9, "exact"
+
+    with pytest.raises(TypeError, match="subclass of opswap.rules.Rule"):
+        registry.register(NotARule)
+    with pytest.raises(TypeError, match=r"does not define match\(\)"):
+        registry.register(NoMatch)
+    assert "mine.y" not in {r.name for r in registry.all_rules()}
+
+
+def test_an_unknown_rule_says_how_to_load_a_users_own():
+    with pytest.raises(RuleError, match="--rules-from MODULE"):
+        registry.get("mine.nope")
