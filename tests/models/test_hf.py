@@ -222,3 +222,114 @@ def test_local_directory_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(SpecError, match="no weights"):
         load(f"hf:{tmp_path}")
+
+
+# ------------------------------------------------------- hf:PATH for inference
+
+
+def _tiny_lm(kind: str):
+    import transformers as tf
+
+    if kind == "llama":
+        config = tf.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=128, max_position_embeddings=128)
+        model_class = tf.LlamaForCausalLM
+    else:
+        config = tf.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+        model_class = tf.GPT2LMHeadModel
+    assert config.use_cache  # as a checkpoint saved for generation says
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        return model_class(config).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_saved_causal_lm_optimizes_and_the_result_matches_it(tmp_path, kind):
+    from opswap import load_optimized
+    from opswap.cli import main
+    from opswap.models.hf_inputs import padded_mask
+
+    user = _tiny_lm(kind)
+    user.save_pretrained(tmp_path / kind)
+    assert json.loads((tmp_path / kind / "config.json").read_text())["use_cache"] is True
+    loaded = load(f"hf:{tmp_path / kind}")
+    assert loaded.settings["use_cache"] is False  # noted, as the checkpoint said true
+    try:
+        main(["optimize", f"hf:{tmp_path / kind}", "--compare", "none", "--samples", "1",
+              "--no-bench", "--out", str(tmp_path / "out")])
+    except SystemExit as e:
+        assert e.code in (0, None), e.code
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["run"]["model_settings"]["use_cache"] is False
+    saved = load_optimized(tmp_path / "out")
+    gen = torch.Generator().manual_seed(8)
+    ids, mask = torch.randint(0, 1000, (3, 19), generator=gen), padded_mask(3, 19)
+    with torch.inference_mode():
+        want = user(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = saved(ids, mask)[0]
+    torch.testing.assert_close(got, want)
+    assert json.loads((tmp_path / kind / "config.json").read_text())["use_cache"] is True
+
+
+def _checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    _tiny_lm("llama").save_pretrained(path)
+    return path
+
+
+def _refused(spec, capsys) -> str:
+    from opswap.cli import main
+
+    capsys.readouterr()  # what saving the checkpoint printed
+    with pytest.raises(SystemExit) as done:
+        main(["analyze", spec])
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_config_that_is_not_json_is_one_line(tmp_path, capsys):
+    path = _checkpoint(tmp_path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(SpecError, match=r"config.json .*not .*JSON"):
+        load(f"hf:{path}")
+    assert "config.json" in _refused(f"hf:{path}", capsys)
+
+
+def test_an_unknown_model_type_is_one_line(tmp_path, capsys):
+    path = _checkpoint(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, model_type="llamma")))
+    with pytest.raises(SpecError, match=r"model_type 'llamma'.*'llama'"):
+        load(f"hf:{path}")
+    assert "llamma" in _refused(f"hf:{path}", capsys)
+
+
+def test_a_truncated_safetensors_file_is_one_line(tmp_path, capsys):
+    path = _checkpoint(tmp_path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(SpecError, match=r"model.safetensors"):
+        load(f"hf:{path}")
+    assert "model.safetensors" in _refused(f"hf:{path}", capsys)
+
+
+def test_missing_tensors_are_refused_by_name_unless_asked_for(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    path = _checkpoint(tmp_path)
+    state = load_file(path / "model.safetensors")
+    dropped = sorted(k for k in state if k.startswith("model.layers.1.mlp."))
+    assert dropped
+    save_file({k: v for k, v in state.items() if k not in dropped}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(SpecError) as e:
+        load(f"hf:{path}")
+    assert f"{len(dropped)} missing" in str(e.value) and dropped[0] in str(e.value)
+    assert dropped[0] in _refused(f"hf:{path}", capsys)
+
+    loaded = load(f"hf:{path}", {"missing": "random"})  # the explicit opt-in
+    assert sorted(loaded.settings["missing_weights"]) == dropped
+    assert "random" in loaded.description

@@ -96,7 +96,9 @@ def _build(spec: str, opts: dict) -> LoadedModel:
 
         target = os.path.expanduser(rest)
         if os.path.isdir(target):
-            return hf.load_hf_path(target, spec, opts)
+            from opswap.models.hf_path import load_hf_path
+
+            return load_hf_path(target, spec, opts)
         if _looks_like_path(rest):
             raise SpecError(
                 f"hf:{rest} is neither a local checkpoint directory nor a model type; opswap does "

@@ -31,16 +31,14 @@ Hugging Face model itself sits at `.model`, so submodule names read
 Attention defaults to `attn_implementation="eager"`, so the captured graph shows
 the matmul-softmax-matmul that attention rules replace; `--set
 attn_implementation=sdpa` gives the fused path. Decoders and encoder-decoders are
-built with `use_cache=False`, so no cache object is returned. transformers is
-optional.
+built with `use_cache=False`, so no cache object is returned; `hf:PATH` checkpoints
+load the same way (models.hf_path). transformers is optional.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-import os
-import pickle
 from typing import Any
 
 import torch
@@ -412,57 +410,3 @@ def _check_lengths(config, seq: int, where: str) -> None:
             if isinstance(limit, int) and 0 < limit < seq:  # xlnet's -1 means no limit
                 raise SpecError(f"Override seq for {where} is {seq} but {field} is {limit}; "
                                 f"raise {field} too.")
-
-
-def load_hf_path(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
-    """Load a local checkpoint directory saved with save_pretrained.
-
-    Safetensors weights are used when present; a pytorch_model.bin is read by
-    transformers with torch.load(weights_only=True), so no pickled code runs.
-    """
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SpecError(f"{path} is not a Hugging Face checkpoint directory: it has no config.json.")
-    files = os.listdir(path)
-    has_safetensors = any(f.endswith(".safetensors") for f in files)
-    has_bin = any(f.endswith(".bin") for f in files)
-    if not has_safetensors and not has_bin:
-        raise SpecError(f"{path} has a config.json but no weights (*.safetensors or *.bin).")
-    tf = _transformers()
-    where = spec
-    inputs, config_overrides = _split(overrides)
-    if "size" in inputs:
-        raise SpecError(f"Override size does not apply to {where}: a checkpoint has its own sizes.")
-    batch, seq, image, attn, seed, mask = _shape_settings(inputs, where)
-    config = tf.AutoConfig.from_pretrained(path)
-    _check_config_keys(config_overrides, config, where)
-    for key, value in config_overrides.items():
-        setattr(config, key, coerce(key, value, getattr(config, key, None), where))
-    _check_lengths(config, seq, where)
-    image = _image_size(config, inputs, image)
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(tf, arch, None) if arch else None
-    cls = cls or tf.AutoModel
-    try:
-        model = cls.from_pretrained(path, config=config, attn_implementation=attn,
-                                    use_safetensors=has_safetensors, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise SpecError(
-            f"{path} holds a .bin file with pickled objects other than tensors, which opswap "
-            f"refuses to load; convert it to safetensors with code you trust."
-        ) from e
-    except (OSError, ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SpecError(f"Could not load the checkpoint in {path}: {first}") from e
-    kind = hf_small.kind(getattr(config, "model_type", ""), config)[0]
-    if kind == "encoder" and getattr(model, "main_input_name", "") == "pixel_values":
-        kind = "vision"
-    names = input_names(model, kind, mask, where)
-    wrapped = HFModule(model, names).eval()
-    with seeded(seed):
-        example = make_inputs(names, config, batch, seq, image, where)
-    name = os.path.basename(os.path.normpath(path))
-    settings = dict(config_overrides, batch=batch, seq=seq, image_size=image,
-                    attn_implementation=attn, seed=seed, mask="padded" if mask else "none",
-                    kind=kind, inputs=list(names))
-    return LoadedModel(name=name, spec=spec, source="hf", module=wrapped, example_inputs=example,
-                       description=f"{type(model).__name__} loaded from {path}", settings=settings)
