@@ -90,3 +90,27 @@ def test_training_mode_is_noted_not_changed():
     c = capture(m, (torch.randn(2, 3, 4, 4),))
     assert m.training
     assert any("training mode" in n for n in c.notes)
+
+
+def test_a_whisper_model_at_batch_1_is_captured_without_a_printed_traceback(capfd):
+    transformers = pytest.importorskip("transformers")
+    from opswap.graph.keywords import keyword_call
+
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=96, num_mel_bins=12, encoder_layers=1, decoder_layers=1, d_model=24,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=40,
+        decoder_ffn_dim=40, max_source_positions=14, max_target_positions=12, use_cache=False,
+        pad_token_id=1, bos_token_id=2, eos_token_id=2, decoder_start_token_id=2,
+        attn_implementation="eager")
+    model = transformers.WhisperModel(config).eval()
+    # whisper takes exactly 2 * max_source_positions frames; batch 1, 5 decoder tokens
+    inputs = {"input_features": torch.randn(1, 12, 28),
+              "decoder_input_ids": torch.randint(0, 96, (1, 5))}
+    capfd.readouterr()
+    c = capture(*keyword_call(model, inputs))
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
+    said = [n for n in c.notes if n.startswith("batch kept static")]
+    assert len(said) == 1 and "\n" not in said[0] and "ShapeProp" not in said[0]
+    assert "batch" not in [a.name for a in c.dynamic.axes]

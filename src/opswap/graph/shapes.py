@@ -11,6 +11,9 @@ the example's.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +51,9 @@ def propagate(gm: fx.GraphModule, example_inputs: tuple, probes=()) -> list[Exce
     """Annotate every node of gm with shapes, strides and dtypes by running it (no grad)
     at each probe and then at the example; buffers are put back afterwards.
 
-    Returns, per probe, None or the exception the graph raised there (that probe then
+    Returns, per probe, None or the exception the graph's op raised there (that probe then
     contributes nothing to `metas`). The example run must succeed: its error propagates.
+    Nothing is printed for a failing run: torch's ShapeProp would print its traceback.
     """
     from opswap.graph.copies import preserved_state
     from opswap.graph.inputs import fresh
@@ -61,7 +65,7 @@ def propagate(gm: fx.GraphModule, example_inputs: tuple, probes=()) -> list[Exce
             for n in gm.graph.nodes:
                 n.meta.pop("tensor_meta", None)
             try:
-                ShapeProp(gm).propagate(*fresh(probe))
+                _shape_prop(gm, fresh(probe))
                 errors.append(None)
             except Exception as e:  # the caller decides what a graph that fails here means
                 errors.append(e)
@@ -69,10 +73,36 @@ def propagate(gm: fx.GraphModule, example_inputs: tuple, probes=()) -> list[Exce
                 tm = n.meta.pop("tensor_meta", None)
                 if errors[-1] is None:
                     seen[n].append(tm)
-        ShapeProp(gm).propagate(*fresh(example_inputs))
+        _shape_prop(gm, fresh(example_inputs))
     for n in gm.graph.nodes:
         n.meta["probe_meta"] = seen.get(n, [])
     return errors
+
+
+_PRINTED = "Traceback (most recent call last):"
+
+
+def _shape_prop(gm: fx.GraphModule, inputs: tuple) -> None:
+    """ShapeProp on `inputs`, raising the failing op's own error. torch's ShapeProp prints
+    the traceback to stderr before it wraps the error in one that spells out the node and
+    its meta (`traceback.print_exc()` in ShapeProp.run_node, torch 2.11-2.14), so a run
+    that goes on and succeeds would show a raw traceback; what else the graph writes to
+    stderr is passed on."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            ShapeProp(gm).propagate(*inputs)
+    except RuntimeError as e:
+        text = printed.getvalue()
+        sys.stderr.write(text[:text.find(_PRINTED)] if _PRINTED in text else text)
+        cause = e.__cause__
+        if str(e).startswith("ShapeProp error") and isinstance(cause, Exception):
+            raise cause from None
+        raise
+    except BaseException:
+        sys.stderr.write(printed.getvalue())
+        raise
+    sys.stderr.write(printed.getvalue())
 
 
 def metas(node) -> list:
