@@ -282,11 +282,8 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
             + ". The usual cause is an in-place op on a tensor that another value views or "
             "aliases (z = y.view(-1); y += 1), or state kept outside buffers; write that "
             "line out of place.")
-    raise CaptureError(
-        f"Could not capture {type(model).__name__}: " + "; ".join(errors)
-        + ". Make that line traceable (no Python branching on tensor values) or pass a "
-        "wrapper module that avoids it."
-    )
+    raise CaptureError(f"Could not capture {type(model).__name__}: " + "; ".join(errors)
+                       + _known_fix(errors))
 
 
 def _size_one_hint(axis, name: str) -> str:
@@ -308,3 +305,22 @@ def _narrowed(dyn: Dynamic, failed: list, name: str) -> Dynamic:
                          f"{a.size} ({type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''})"
                          + _size_one_hint(a, name))
     return out
+
+def _known_fix(errors: list[str]) -> str:
+    """The end of a capture failure's message: what fixes a known cause, else the usual
+    advice for untraceable Python."""
+    import re
+
+    text = " ".join(errors)
+    cache = re.search(r"\b(\w*Cache)'?>? in output", text)
+    if cache:  # transformers' cache objects are not pytrees torch.export can flatten
+        return (f". The model returns a {cache[1]} (a transformers cache): build it with "
+                "use_cache=false (--set use_cache=false for an hf: spec) or pass a wrapper "
+                "module that returns only tensors.")
+    other = re.search(r"Found <class '([\w.]+)'> in output", text)
+    if other:
+        return (f". The model returns a {other[1].rsplit('.', 1)[-1]}, which torch.export "
+                "cannot flatten: return tensors (or tuples of them), or pass a wrapper module "
+                "that does.")
+    return (". Make that line traceable (no Python branching on tensor values) or pass a "
+            "wrapper module that avoids it.")
