@@ -306,6 +306,7 @@ def _narrowed(dyn: Dynamic, failed: list, name: str) -> Dynamic:
                          + _size_one_hint(a, name))
     return out
 
+
 def _known_fix(errors: list[str]) -> str:
     """The end of a capture failure's message: what fixes a known cause, else the usual
     advice for untraceable Python."""
