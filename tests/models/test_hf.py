@@ -333,3 +333,16 @@ def test_missing_tensors_are_refused_by_name_unless_asked_for(tmp_path, capsys):
     loaded = load(f"hf:{path}", {"missing": "random"})  # the explicit opt-in
     assert sorted(loaded.settings["missing_weights"]) == dropped
     assert "random" in loaded.description
+
+
+def test_a_capture_that_fails_on_a_cache_object_says_what_fixes_it(tmp_path):
+    from opswap.errors import CaptureError
+
+    _tiny_lm("gpt2").save_pretrained(tmp_path / "lm")
+    loaded = load(f"hf:{tmp_path / 'lm'}", {"use_cache": "true"})  # the checkpoint's setting
+    assert loaded.settings["use_cache"] is True
+    with pytest.raises(CaptureError) as e:
+        capture(loaded.module, loaded.example_inputs)
+    msg = str(e.value)
+    assert "DynamicCache" in msg and "use_cache=false" in msg and "\n" not in msg
+    assert "Make that line traceable" not in msg  # the generic advice would not fix it
