@@ -132,3 +132,43 @@ def test_combine_is_worst_case_and_json():
     data = json.loads(json.dumps(c.to_json()))
     assert {"max_abs", "max_rel", "cosine", "sqnr_db", "rel_l2", "numel", "nonfinite"} <= set(data)
     assert json.loads(json.dumps(Metrics().to_json()))["sqnr_db"] == math.inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_differences_below_the_dtypes_resolution_at_the_outputs_scale_count_as_zero(dtype):
+    # an output of near-zero elements (denormals in float32) that an exact rewrite changed
+    # by a few units of the last denormal place: the relative measures must not call the
+    # rounding of nothing a changed function (an exact BatchNorm fold was rolled back on
+    # hf:mobilevit with cosine 0.95 at max_abs 2.8e-45)
+    fi = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(3)
+    denormal = fi.tiny * fi.eps  # the smallest positive value of the dtype
+    ref = (torch.randn(4, 25, generator=g, dtype=torch.float64) * 8 * denormal).to(dtype)
+    cand = ref.clone()
+    cand.view(-1)[::7] += torch.tensor(2 * denormal, dtype=dtype)
+    m = compare(ref, cand)
+    assert 0 < m.max_abs < fi.tiny  # the difference is reported as it is ...
+    assert (m.cosine, m.sqnr_db, m.rel_l2, m.max_rel) == (1.0, math.inf, 0.0, 0.0)  # ... but is 0
+    assert Tolerance.for_exactness("exact").check(m)[0]
+    # at a normal scale, one unit in the last place of the peak is the floor, and a
+    # difference of a few hundred ulp of the peak still counts
+    big = torch.randn(3, 41, generator=g).to(dtype)
+    peak = float(big.abs().max())
+    bumped = big.clone()
+    bumped.view(-1)[5] += 300 * fi.eps * peak
+    m2 = compare(big, bumped)
+    assert m2.rel_l2 > 0 and m2.cosine < 1.0 and math.isfinite(m2.sqnr_db)
+    tiny_bump = big.double().clone()
+    tiny_bump.view(-1)[5] += 0.5 * fi.eps * peak  # below the dtype's resolution at the peak
+    assert compare(big, tiny_bump).rel_l2 == 0.0
+
+
+def test_the_floor_does_not_hide_a_real_change_of_a_small_output():
+    ref = torch.randn(1000) * 1e-30  # tiny but normal: float32 resolves it
+    m = compare(ref, ref * 1.01)
+    assert m.rel_l2 == pytest.approx(0.01, rel=1e-3)
+    assert not Tolerance.for_exactness("exact").check(m)[0]
+    ints = torch.randint(0, 9, (50,))
+    other = ints.clone()
+    other[0] += 1
+    assert compare(ints, other).rel_l2 > 0  # integers have no floor
