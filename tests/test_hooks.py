@@ -129,3 +129,21 @@ def test_keep_hooks_with_only_weight_hooks_optimizes():
     r = opswap.optimize(m, (torch.randn(4, 6),), bench=False, samples=1, keep_hooks=True)
     assert r.verification.passed
     _agrees(m, r.candidate)
+
+
+def test_a_fold_into_a_weight_normed_conv_uses_the_computed_weight():
+    torch.manual_seed(0)
+    m = nn.Sequential(_old_weight_norm(nn.Conv2d(3, 8, 3, padding=1)), nn.BatchNorm2d(8),
+                      nn.ReLU())
+    m(torch.randn(4, 3, 9, 9))  # train-mode calls give BatchNorm statistics of its own
+    m.eval()
+    with torch.no_grad():
+        m(torch.randn(1, 3, 9, 9))
+    m.load_state_dict({k: v * 1.5 + 0.1 if k.endswith(("weight_g", "weight_v")) else v
+                       for k, v in m.state_dict().items()})
+    r = opswap.optimize(m, (torch.randn(2, 3, 9, 9),), bench=False, samples=2)
+    assert "fusion.conv_bn" in [s.rule for s in r.applied]
+    for shape in ((1, 3, 9, 9), (3, 3, 12, 7)):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(r.candidate(x), m(x), rtol=1e-4, atol=1e-5)

@@ -163,7 +163,7 @@ def materialise_weights(module: nn.Module) -> list[str]:
     from torch.nn.utils import remove_spectral_norm, remove_weight_norm
 
     done = []
-    for path, m in list(module.named_modules()):
+    for path, m in list(_root(module).named_modules()):
         prefix = f"{path}." if path else ""
         for hook in list((getattr(m, "_forward_pre_hooks", None) or {}).values()):
             kind = _weight_kind(hook)
