@@ -63,7 +63,10 @@ def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
            dynamic: str = "auto"):
     """Compare candidate with reference on random samples shaped like `example_inputs`, and
     at the other batch sizes and sequence lengths `dynamic` marks (see graph.dynamic).
-    Both run as private copies: neither module is called nor changed. With keyword inputs
+    Both run as private copies: neither module is called nor changed. A copy keeps the
+    hooks and parametrisations that compute weights (weight_norm, spectral_norm), so it
+    computes what its module computes when called, and drops the user's other hooks (as
+    `optimize` does, which notes them). With keyword inputs
     the reference is called with keywords, and so is the candidate unless it is a graph
     opswap made (an fx.GraphModule), which takes them positionally."""
     from opswap.graph.dynamic import detect, variants
@@ -112,7 +115,8 @@ def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
     bench, and the race of variants against `compare`'s baselines ("compile" or "none").
     `model` is never called nor changed; `result.candidate` is the optimized module and
-    `result.saved_module` the race's winner, which `result.save` writes."""
+    `result.saved_module` the race's winner, which `result.save` writes. The user's hooks
+    are left out, with a note; `keep_hooks=True` refuses a model that has any instead."""
     if isinstance(rules, str):
         rules = [r.strip() for r in rules.split(",") if r.strip()]
     config = OptimizeConfig(target=target, rules=list(rules or []), exactness=exactness,
