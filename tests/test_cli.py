@@ -1,9 +1,11 @@
 """The `opswap` command end to end, through its entry point."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,3 +370,94 @@ def test_plan_cells_keep_square_brackets(monkeypatch, tmp_path, capsys):
                "--out", str(tmp_path / "p.json")) == 0
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "[torch.float16, torch.bfloat16]" in out and "layer [3]" in out
+
+
+# --------------------------------------------------------------------------- rules from elsewhere
+
+_MY_RULES = Path(__file__).resolve().parent.parent / "examples" / "my_rules"
+
+_SWISH_SPEC = '''
+import torch
+from torch import nn
+
+
+class Swish(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * torch.sigmoid(y)
+
+
+def build(batch: int = 2):
+    torch.manual_seed(0)
+    return Swish().eval(), (torch.randn(batch, 3, 9, 7),)
+'''
+
+
+def _opswap(*args, cwd, pythonpath=()):
+    """The CLI in a fresh process (rules registered by one run stay out of the others), with
+    -P: like the `opswap` script, and unlike `python -m`, no current directory on sys.path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
+    return subprocess.run([sys.executable, "-P", "-m", "opswap.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+def test_rules_from_a_users_module_list_plan_and_reapply(tmp_path):
+    spec = tmp_path / "swish.py"
+    spec.write_text(_SWISH_SPEC)
+    listed = _opswap("rules", "--rules-from", "my_rules.silu", "--json", tmp_path / "r.json",
+                     cwd=_MY_RULES)
+    assert listed.returncode == 0, listed.stderr
+    rules = {r["name"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert rules["my_rules.silu"]["origin"] == "module my_rules.silu"
+    assert rules["fusion.conv_bn"]["origin"] == "opswap"
+    assert "my_rules.silu" in listed.stdout and "module my_rules.silu" in listed.stdout
+    plan = tmp_path / "plan.json"
+    made = _opswap("plan", f"{spec}:build", "--rules-from", "my_rules.silu", "--rules",
+                   "my_rules.*", "--out", plan, cwd=_MY_RULES)
+    assert made.returncode == 0, made.stderr
+    assert [d["rule"] for d in json.loads(plan.read_text())["decisions"]] == ["my_rules.silu"]
+    # re-applied at another batch size, against the user's module
+    checked = _opswap("verify", f"{spec}:build", plan, "--set", "batch=5", "--rules-from",
+                      "my_rules.silu", cwd=_MY_RULES)
+    assert checked.returncode == 0 and "PASSED" in checked.stdout, checked.stdout + checked.stderr
+    # without the module the plan names a rule opswap does not know: one line, how to fix
+    missing = _opswap("apply", f"{spec}:build", plan, cwd=_MY_RULES)
+    assert missing.returncode == 2
+    assert "my_rules.silu" in missing.stderr and "--rules-from MODULE" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_rules_from_a_module_that_cannot_load_is_one_line(tmp_path):
+    (tmp_path / "broken_rules.py").write_text("import no_such_dependency_xyz\n")
+    for module in ("broken_rules", "no_such_rules_xyz"):
+        out = _opswap("rules", "--rules-from", module, cwd=tmp_path)
+        assert out.returncode == 2, out.stdout
+        assert out.stderr.startswith("error:") and module in out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_installed_plugins_are_listed_and_a_broken_one_is_a_note(tmp_path):
+    info = tmp_path / "opswap_my_rules-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: opswap-my-rules\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[opswap.rules]\nsilu = my_rules.silu\ngone = no_such_plugin_xyz\n")
+    out = _opswap("rules", "--json", tmp_path / "r.json", cwd=tmp_path,
+                  pythonpath=(tmp_path, _MY_RULES))
+    assert out.returncode == 0, out.stderr
+    rules = {r["name"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert rules["my_rules.silu"]["origin"] == "entry point silu of opswap-my-rules 0.1.0"
+    assert {"fusion.conv_bn", "precision.int8_linear"} <= set(rules)
+    note = [line for line in out.stdout.splitlines() if "no_such_plugin_xyz" in line]
+    assert len(note) == 1 and "left out" in note[0] and "ModuleNotFoundError" in note[0]
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_every_command_that_plans_or_lists_takes_rules_from(capsys):
+    for cmd in ("rules", "plan", "apply", "verify", "bench", "optimize"):
+        assert run(cmd, "--help") == 0
+        assert "--rules-from" in capsys.readouterr().out, cmd

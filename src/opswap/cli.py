@@ -83,6 +83,7 @@ WeightsOpt = Annotated[Path | None, typer.Option("--weights", "-w", metavar="FIL
 JsonOpt = Annotated[Path | None, typer.Option("--json", metavar="PATH", help="Also write machine-readable output here.")]
 RulesOpt = Annotated[str | None, typer.Option("--rules", "-r", metavar="GLOBS", help="Comma-separated rule globs, e.g. 'fusion.*,layout.drop_*'.")]
 ExactOpt = Annotated[str, typer.Option("--exactness", "-e", metavar="CLASS", help="Loosest rules allowed: exact, approx or lossy.")]
+RulesFromOpt = Annotated[list[str] | None, typer.Option("--rules-from", metavar="MODULE", help="Also load the rules @register'ed in this Python module (a name found on the Python path or in the current directory, or a .py file; repeatable). Installed packages add theirs through the opswap.rules entry-point group.")]
 DynamicOpt = Annotated[str, typer.Option("--dynamic", metavar="SIZES", help="Input sizes kept symbolic: auto (batch and sequence, detected), none, batch, seq, or I:D=NAME items.")]
 _DEVICES = "cpu, cuda or cuda:N"
 
@@ -172,6 +173,17 @@ def _note(text: str, label: str = "note", style: str = "yellow") -> None:
     console.print(Text.assemble((f"{label}:", style), " ", str(text)), soft_wrap=True)
 
 
+def _rules_from(modules: list[str] | None) -> None:
+    """Load the rules of the modules named by --rules-from, and say which installed plugins
+    were left out (the built-in rules work without them)."""
+    from opswap.rules import registry
+
+    for module in modules or []:
+        registry.load_module(module)
+    for problem in registry.problems():
+        _note(problem, "plugin")
+
+
 def _rule_patterns(rules: str | None) -> list[str]:
     return [p.strip() for p in rules.split(",") if p.strip()] if rules else []
 
@@ -198,17 +210,20 @@ def analyze(spec: Spec, target: TargetOpt = "cpu", sets: SetOpt = None, json_pat
 
 
 @app.command("rules")
-def list_rules(json_path: JsonOpt = None,
+def list_rules(json_path: JsonOpt = None, rules_from: RulesFromOpt = None,
                wide: Annotated[bool, typer.Option("--wide", help="Print every rule's whole description, wrapped to the terminal's width, instead of the table's first sentence.")] = False) -> None:
-    """Every rule: name, family, chapter, exactness, targets, what it does."""
-    from opswap.rules.registry import all_rules
+    """Every rule: name, family, chapter, exactness, targets, what it does, and where it came
+    from when not from opswap itself (--rules-from, an installed package)."""
+    from opswap.rules.registry import all_rules, origin
 
     _check_outputs(json_path)
-    rows = [r.info() for r in all_rules()]
+    _rules_from(rules_from)
+    rows = [{**r.info(), "origin": origin(r.name)} for r in all_rules()]
     if wide:
         for r in rows:
+            where = f", from {r['origin']}" if r["origin"] != "opswap" else ""
             console.print(Text.assemble((r["name"], "bold"), f"  ({r['family']}, ch. {r['chapter']}, "
-                                        f"{r['exactness']}, targets {','.join(r['targets'])})"))
+                                        f"{r['exactness']}, targets {','.join(r['targets'])}{where})"))
             console.print(Padding(Text(" ".join(r["description"].split())), (0, 0, 1, 4)))
         _write_json(json_path, rows)
         return
@@ -217,6 +232,8 @@ def list_rules(json_path: JsonOpt = None,
     cols = ("name", "family", "ch.", "exactness", "targets", "what it does")
     if console.width < 120:
         cols = tuple(c for c in cols if c != "family")
+    if any(r["origin"] != "opswap" for r in rows):
+        cols += ("from",)
     for col in cols:
         table.add_column(col, overflow="fold", no_wrap=col == "name")
     cut = False
@@ -225,7 +242,7 @@ def list_rules(json_path: JsonOpt = None,
         cut |= first != " ".join(r["description"].split())
         cells = {"name": Text(r["name"]), "family": r["family"], "ch.": str(r["chapter"]),
                  "exactness": r["exactness"], "targets": ",".join(r["targets"]),
-                 "what it does": Text(first)}
+                 "what it does": Text(first), "from": Text(r["origin"])}
         table.add_row(*(cells[c] for c in cols))
     console.print(table)
     if cut:
@@ -301,12 +318,14 @@ def _print_plan(plan) -> None:
 def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
          exactness: ExactOpt = "exact", sets: SetOpt = None, dynamic: DynamicOpt = "auto",
          out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="Where to write the plan.")] = Path("plan.json"),
-         weights: WeightsOpt = None, json_path: JsonOpt = None) -> None:
+         weights: WeightsOpt = None, rules_from: RulesFromOpt = None,
+         json_path: JsonOpt = None) -> None:
     """Match the rules on a model and write plan.json (sites chosen, misses, settings)."""
     from opswap.graph import capture
     from opswap.search.plan import make_plan
 
     _check_outputs(json_path, out)
+    _rules_from(rules_from)
     loaded = _load(spec, sets, weights)
     captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
     p = make_plan(captured, target=target, rules=_rule_patterns(rules), exactness=exactness,
@@ -352,12 +371,13 @@ def _print_inputs(module) -> None:
 def apply(spec: Spec, plan_path: PlanArg,
           sets: SetOpt = None, dynamic: DynamicOpt = "auto", weights: WeightsOpt = None,
           out: Annotated[Path | None, typer.Option("--out", "-o", metavar="DIR", help="Save the optimized model in this directory.")] = None,
-          json_path: JsonOpt = None) -> None:
+          rules_from: RulesFromOpt = None, json_path: JsonOpt = None) -> None:
     """Re-apply a plan to a model; optionally save the optimized model. Exit status 1 when
     decisions of the plan could not be applied (the model is saved without them)."""
     from opswap.report.model_io import save_model
 
     _check_outputs(json_path, out, out_dir=True)
+    _rules_from(rules_from)
     loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic, weights)
     console.print(f"applied {len(applied.applied)} of {_n(len(p.decisions), 'decision')}")
     _print_inputs(loaded.module)
@@ -378,7 +398,7 @@ def verify(spec: Spec, plan_path: PlanArg,
            budget: Annotated[str | None, typer.Option(metavar="METRIC>=X", help="e.g. 'cosine>=0.9999' (default: from the plan's exactness).")] = None,
            samples: Annotated[int, typer.Option(metavar="N", help="Random input samples.")] = 3,
            sets: SetOpt = None, dynamic: DynamicOpt = "auto", weights: WeightsOpt = None,
-           json_path: JsonOpt = None) -> None:
+           rules_from: RulesFromOpt = None, json_path: JsonOpt = None) -> None:
     """Compare the plan's result with the original; exit 1 when it breaks the tolerance or
     decisions of the plan could not be applied."""
     from opswap.verify.layers import compare_layers
@@ -386,6 +406,7 @@ def verify(spec: Spec, plan_path: PlanArg,
     from opswap.verify.tolerance import Tolerance, parse_budget
 
     _check_outputs(json_path)
+    _rules_from(rules_from)
     loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic, weights)
     tol = Tolerance.for_exactness(p.settings.exactness).at_rounding(captured.rounding)
     if budget:
@@ -438,7 +459,7 @@ def _tolerance_text(tol: dict) -> str:
 def bench(spec: Spec, plan_path: PlanArg,
           device: Annotated[str, typer.Option(metavar="DEVICE", help=f"Where to time: {_DEVICES}.")] = "cpu",
           sets: SetOpt = None, dynamic: DynamicOpt = "auto", weights: WeightsOpt = None,
-          json_path: JsonOpt = None) -> None:
+          rules_from: RulesFromOpt = None, json_path: JsonOpt = None) -> None:
     """Time the original and the plan's result side by side (interleaved, after warm-up).
     Exit status 1 when decisions of the plan could not be applied (the rest is timed)."""
     from opswap.bench.timing import bench_models
@@ -446,6 +467,7 @@ def bench(spec: Spec, plan_path: PlanArg,
 
     _check_outputs(json_path)
     _check_device(device)
+    _rules_from(rules_from)
     _where_timed(Plan.load(plan_path).settings.target, device)
     loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic, weights)
     b = bench_models(private_copy(loaded.module), applied.gm, captured.example_inputs,
@@ -488,7 +510,8 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
              device: Annotated[str, typer.Option(metavar="DEVICE", help=f"Where to run and time: {_DEVICES}.")] = "cpu",
              dynamic: DynamicOpt = "auto",
              compare: Annotated[str, typer.Option("--compare", metavar="BASELINES", help="Baselines raced in the same run: compile (torch.compile of the input and of opswap's result), or none.")] = "compile",
-             sets: SetOpt = None, weights: WeightsOpt = None, json_path: JsonOpt = None) -> None:
+             sets: SetOpt = None, weights: WeightsOpt = None, rules_from: RulesFromOpt = None,
+             json_path: JsonOpt = None) -> None:
     """The whole flow: analyze, plan, apply, verify (with rollback), bench, report. Exit
     status 1 when the result fails verification (what was saved is printed)."""
     from opswap.pipeline import OptimizeConfig
@@ -496,6 +519,7 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
 
     _check_outputs(json_path, out, out_dir=True)
     _check_device(device)
+    _rules_from(rules_from)
     if samples < 1:
         raise OpswapError(f"--samples must be at least 1 (the example itself); got {samples}.")
     config = OptimizeConfig(target=target, rules=_rule_patterns(rules), exactness=exactness,
