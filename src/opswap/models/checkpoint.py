@@ -74,13 +74,9 @@ def _weights_only() -> Iterator[None]:
         torch.load = original
 
 
-def load_checkpoint(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
-    """Load an ExportedProgram saved with torch.export.save as a GraphModule."""
-    if overrides:
-        raise SpecError(
-            f"{spec} is a saved program with fixed shapes and takes no overrides "
-            f"(got {', '.join(sorted(overrides))})."
-        )
+def read_program(path: str):
+    """The ExportedProgram saved at `path`, read with the checks above; it must carry the
+    example inputs, positional ones only."""
     if not os.path.isfile(path):
         raise SpecError(f"Checkpoint {path} does not exist.")
     _scan(path)
@@ -102,15 +98,32 @@ def load_checkpoint(path: str, spec: str, overrides: dict[str, Any]) -> LoadedMo
             f"{path} stores no example inputs; save it from torch.export.export(model, args) "
             f"with torch.export.save, or load the model through a file.py:function spec."
         )
-    args, kwargs = stored
-    if kwargs:
-        raise SpecError(f"{path} was exported with keyword inputs ({', '.join(kwargs)}); opswap passes inputs positionally.")
-    inputs = as_input_tuple(tuple(args), path)
-    module = program.module()
+    if stored[1]:
+        raise SpecError(f"{path} was exported with keyword inputs ({', '.join(stored[1])}); "
+                        f"opswap passes inputs positionally.")
+    return program
+
+
+def program_module(program, *, check_guards: bool = True) -> torch.nn.Module:
+    """`program.module()` in inference mode; `check_guards=False` leaves out torch's guard
+    function (the caller checks the guards itself)."""
+    module = program.module() if check_guards else program.module(check_guards=False)
     # An exported graph has its train/eval behaviour baked in and forbids .eval();
     # clear the flags so that callers checking `.training` see inference mode.
     for sub in module.modules():
         sub.training = False
+    return module
+
+
+def load_checkpoint(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
+    """Load an ExportedProgram saved with torch.export.save as a GraphModule."""
+    if overrides:
+        raise SpecError(
+            f"{spec} is a saved program with fixed shapes and takes no overrides "
+            f"(got {', '.join(sorted(overrides))})."
+        )
+    program = read_program(path)
+    inputs = as_input_tuple(tuple(program.example_inputs[0]), path)
     name = os.path.splitext(os.path.basename(path))[0]
-    return LoadedModel(name=name, spec=spec, source="checkpoint", module=module,
+    return LoadedModel(name=name, spec=spec, source="checkpoint", module=program_module(program),
                        example_inputs=inputs, description=f"exported program loaded from {path}")

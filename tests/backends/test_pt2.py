@@ -1,0 +1,172 @@
+"""backends.pt2: the saved program reloaded lean, with its guards' meaning kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+from opswap.backends import guards
+from opswap.backends.pt2 import export_artifact, load
+from opswap.graph.capture import capture
+from opswap.graph.dynamic import variants
+
+
+class _Branchy(nn.Module):
+    """Takes one branch for long inputs and another for short ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return h.relu() if ids.shape[1] > 16 else h.tanh()
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 6)
+
+    def forward(self, ids, attention_mask):
+        return self.emb(ids) * attention_mask.unsqueeze(-1)
+
+
+class _Cat(nn.Module):
+    def forward(self, x, y):
+        return torch.cat([x, y], dim=1).tanh()
+
+
+class _TopK(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.topk(self.lin(x), 3)
+
+
+def _save(model, inputs, shapes, path):
+    program = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+    torch.export.save(program, str(path))
+    return path
+
+
+def _ids(*shape, seed=0):
+    return torch.randint(0, 50, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def branchy(tmp_path_factory):
+    torch.manual_seed(0)
+    model = _Branchy().eval()
+    path = _save(model, (_ids(2, 32),), ({0: Dim.AUTO, 1: Dim.AUTO},),
+                 tmp_path_factory.mktemp("branchy") / "model.pt2")
+    return model, path
+
+
+def test_a_guard_on_a_size_refuses_the_other_branch(branchy):
+    model, path = branchy
+    lean = load(path)
+    with pytest.raises(ValueError, match=r"input ids has size 8 in dim 1.*ids\.size\(\)\[1\] >= 17"):
+        lean(_ids(2, 8))
+    with pytest.raises(Exception, match="Guard failed"):  # torch's own loader agrees
+        load(path, lean=False)(_ids(2, 8))
+    with pytest.raises(ValueError, match="size 16 in dim 1"):
+        lean(_ids(3, 16))
+
+
+def test_sizes_the_guards_allow_match_the_users_module(branchy):
+    model, path = branchy
+    lean, full = load(path), load(path, lean=False)
+    with torch.no_grad():
+        for i, shape in enumerate([(1, 17), (3, 20), (2, 32), (5, 33), (1, 1000 // 9)]):
+            x = _ids(*shape, seed=i)
+            torch.testing.assert_close(lean(x), model(x))
+            torch.testing.assert_close(lean(x), full(x))
+
+
+def test_batch_one_runs_where_verification_ran_it(tmp_path):
+    """torch puts a lower bound of 2 on a dynamic dim only for its 0/1 specialisation and
+    its own guard function does not check it; the lean loader must not either."""
+    torch.manual_seed(1)
+    model = _Masked().eval()
+    inputs = (_ids(4, 9), torch.ones(4, 9))
+    cap = capture(model, inputs)
+    art = export_artifact(model, inputs, cap.dynamic, tmp_path)
+    assert art.ok, art.error
+    assert "batch" in [a.name for a in cap.dynamic.axes]
+    with torch.no_grad():
+        for label, args in variants(inputs, cap.dynamic):
+            args = (args[0], torch.rand(args[1].shape))
+            torch.testing.assert_close(art.module(*args), model(*args), msg=label)
+
+
+def test_a_relation_between_inputs_is_checked(tmp_path):
+    model = _Cat()
+    path = _save(model, (torch.randn(3, 4), torch.randn(3, 5)),
+                 ({0: Dim.AUTO, 1: Dim.AUTO}, {0: Dim.AUTO, 1: Dim.AUTO}), tmp_path / "cat.pt2")
+    lean = load(path)
+    x, y = torch.randn(6, 2), torch.randn(6, 7)
+    torch.testing.assert_close(lean(x, y), model(x, y))
+    with pytest.raises(ValueError, match=r"input x has size 6 in dim 0.*input y has size 5 in dim 0"
+                                         r"|input y has size 5 in dim 0.*input x has size 6 in dim 0"):
+        lean(x, torch.randn(5, 7))
+
+
+def test_a_range_with_an_upper_bound_is_checked(tmp_path):
+    model = _Branchy().eval()
+    n = Dim("n", min=17, max=40)
+    lean = load(_save(model, (_ids(2, 32),), ({1: n},), tmp_path / "bounded.pt2"))
+    torch.testing.assert_close(lean(_ids(2, 40)), model(_ids(2, 40)))
+    with pytest.raises(ValueError, match=r"input ids has size 41 in dim 1.*<= 40"):
+        lean(_ids(2, 41))
+
+
+def test_a_static_size_is_still_checked(tmp_path):
+    model = _Branchy().eval()
+    lean = load(_save(model, (_ids(2, 32),), None, tmp_path / "static.pt2"))
+    with pytest.raises(ValueError, match=r"input ids must have size 2 in dim 0"):
+        lean(_ids(3, 32))
+
+
+def test_the_lean_module_drops_torchs_guard_function(branchy):
+    _, path = branchy
+    nodes = [n for n in load(path).graph.nodes if n.op == "call_module"]
+    assert not [n for n in nodes if str(n.target) == "_guards_fn"]
+
+
+def test_without_compilable_guards_torchs_own_guard_function_stays(branchy, monkeypatch):
+    _, path = branchy
+    monkeypatch.setattr(guards, "guards_code", lambda program, module: None)
+    lean = load(path)
+    assert [n for n in lean.graph.nodes if str(n.target) == "_guards_fn"]
+    with pytest.raises(Exception, match="Guard failed"):
+        lean(_ids(2, 8))
+
+
+def test_recorded_names_are_accepted_as_keywords(tmp_path):
+    torch.manual_seed(2)
+    model = _Masked().eval()
+    shapes = ({0: Dim.AUTO, 1: Dim.AUTO}, {0: Dim.AUTO, 1: Dim.AUTO})
+    lean = load(_save(model, (_ids(2, 9), torch.ones(2, 9)), shapes, tmp_path / "kw.pt2"))
+    ids, mask = _ids(3, 5, seed=3), (torch.rand(3, 5) > 0.3).float()
+    want = model(ids, attention_mask=mask)
+    torch.testing.assert_close(lean(ids, attention_mask=mask), want)
+    torch.testing.assert_close(lean(ids=ids, attention_mask=mask), want)
+    torch.testing.assert_close(lean(attention_mask=mask, ids=ids), want)
+    with pytest.raises(TypeError, match="attention_mask"):
+        lean(ids)
+    with pytest.raises(TypeError, match="mask"):
+        lean(ids, mask=mask)
+    with pytest.raises(TypeError, match="ids"):
+        lean(ids, mask, ids=ids)
+
+
+def test_a_file_that_cannot_be_saved_leaves_nothing_behind(tmp_path):
+    art = export_artifact(_TopK(), (torch.randn(2, 8),), None, tmp_path)
+    assert not art.ok and art.path is None
+    assert "torch.export" in art.error
+    assert list(tmp_path.iterdir()) == []
