@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -225,3 +226,17 @@ def test_register_refuses_what_is_not_a_rule():
 def test_an_unknown_rule_says_how_to_load_a_users_own():
     with pytest.raises(RuleError, match="--rules-from MODULE"):
         registry.get("mine.nope")
+
+
+def test_a_users_rule_named_like_a_built_in_one_is_refused_before_the_built_ins_load(tmp_path):
+    # in a fresh process: the user's module is imported before anything asked the registry
+    _rule_module(tmp_path, "clash_rules", ("fusion.conv_bn", "exact"))
+    code = ("import opswap.rules.registry as r\n"
+            "try:\n    import clash_rules\nexcept TypeError as e:\n    print('refused:', e)\n"
+            "print(type(r.get('fusion.conv_bn')).__module__, len(r.all_rules()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    refused, owner = out.stdout.splitlines()
+    assert "two rules are named 'fusion.conv_bn'" in refused
+    assert owner == f"opswap.rules.fusion.conv_bn {len(registry.all_rules())}"

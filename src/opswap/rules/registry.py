@@ -65,6 +65,8 @@ def register(cls: type[Rule]) -> type[Rule]:
     for method in ("match", "rewrite"):
         if getattr(cls, method) is getattr(Rule, method):
             raise TypeError(f"rule {cls.name} does not define {method}()")
+    if _origin_of(cls) != "opswap":
+        _load_builtins()  # so a user's rule cannot take a built-in rule's name first
     if cls.name in _RULES and type(_RULES[cls.name]) is not cls:
         raise TypeError(f"two rules are named {cls.name!r} (one from "
                         f"{_ORIGINS.get(cls.name, 'opswap')})")
@@ -223,13 +225,19 @@ def rule_modules() -> list[str]:
     return found
 
 
-def _load() -> None:
-    """Import every rule module, on first use so that `import opswap` stays light."""
-    global _loaded, _plugins_loaded
+def _load_builtins() -> None:
+    global _loaded
     if not _loaded:
         for mod in rule_modules():
             importlib.import_module(mod)
         _loaded = True
+
+
+def _load() -> None:
+    """Import every rule module and then the installed plugins, on first use so that
+    `import opswap` stays light."""
+    global _plugins_loaded
+    _load_builtins()
     if not _plugins_loaded:
         _plugins_loaded = True  # before loading: a plugin may itself ask the registry
         for ep in _entry_points():
