@@ -240,3 +240,12 @@ def test_a_users_rule_named_like_a_built_in_one_is_refused_before_the_built_ins_
     refused, owner = out.stdout.splitlines()
     assert "two rules are named 'fusion.conv_bn'" in refused
     assert owner == f"opswap.rules.fusion.conv_bn {len(registry.all_rules())}"
+
+
+def test_a_module_executed_again_replaces_its_own_rules(fresh_registry, tmp_path, monkeypatch):
+    # a file.py:function spec is executed on every load; its rules are the same rules
+    _rule_module(tmp_path, "again_rules", ("mine.again", "exact"))
+    monkeypatch.chdir(tmp_path)
+    (first,) = registry.load_module("again_rules")
+    module = importlib.reload(sys.modules["again_rules"])
+    assert registry.get("mine.again").__class__ is module.R0 is not type(first)

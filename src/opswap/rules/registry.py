@@ -67,7 +67,11 @@ def register(cls: type[Rule]) -> type[Rule]:
             raise TypeError(f"rule {cls.name} does not define {method}()")
     if _origin_of(cls) != "opswap":
         _load_builtins()  # so a user's rule cannot take a built-in rule's name first
-    if cls.name in _RULES and type(_RULES[cls.name]) is not cls:
+    held = type(_RULES[cls.name]) if cls.name in _RULES else cls
+    # a module executed again (a file.py:function spec on every load, importlib.reload)
+    # defines its rule classes anew: they replace themselves
+    again = (held.__module__, held.__qualname__) == (cls.__module__, cls.__qualname__)
+    if not again:
         raise TypeError(f"two rules are named {cls.name!r} (one from "
                         f"{_ORIGINS.get(cls.name, 'opswap')})")
     _RULES[cls.name] = cls()
