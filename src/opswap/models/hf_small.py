@@ -11,6 +11,11 @@ head size, feed-forward size or patch size gets the new one (opt's
 Only declared fields are passed back, so what a config derives in `__post_init__`
 (swin's `hidden_size`, qwen2's `layer_types`) is derived again from the small values.
 Sub-configs (`text_config`, `vision_config`, ...) are shrunk the same way.
+Sizes that other sizes depend on stay consistent: per-stage channel lists are
+divided like `hidden_sizes` (hgnet_v2, textnet), widths a width coefficient made
+follow the new coefficient (efficientnet's `hidden_dim`), GroupNorm's group count
+divides every width (bit), and the image stays large enough for the net's own
+downsampling (mobilevitv2) or tiles its fixed mask units (hiera).
 
 `kind(model_type)` sorts a type by transformers' auto mappings: a vision-text
 model (zero-shot image classification: clip, siglip), an encoder-decoder, a
@@ -42,7 +47,8 @@ _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 _VOCAB = ("vocab_size", "decoder_vocab_size")
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions",
               "max_source_positions", "original_max_position_embeddings")
-_MULTIPLIERS = {"depth_multiplier": 0.35, "width_coefficient": 0.25, "depth_coefficient": 0.5}
+_MULTIPLIERS = {"depth_multiplier": 0.35, "width_coefficient": 0.25, "depth_coefficient": 0.5,
+                "width_multiplier": 0.5}
 # Integer fields named like a width: shrunk when they held the old hidden, head,
 # feed-forward or patch size.
 _WIDTH_WORDS = ("size", "dim", "embd", "proj", "scalar", "stride", "width")
@@ -131,6 +137,9 @@ def shrink(config) -> dict[str, Any]:
     for n, at_most in _MULTIPLIERS.items():  # mobilenet and efficientnet widths and depths
         if isinstance(f.get(n), (int, float)) and not isinstance(f.get(n), bool):
             out[n] = min(f.get(n), at_most)
+            if n == "width_coefficient" and out[n] != f.get(n):
+                _scaled_widths(f, f.get(n), out[n], out)
+    _groups(f, out)
     for n, v in f.values.items():
         if n not in out and _is_int(v) and v in old and any(w in n for w in _WIDTH_WORDS) \
                 and not any(w in n for w in _NOT_WIDTH):
@@ -153,6 +162,7 @@ def _stage_widths(f: _Fields, staged: bool, out: dict[str, Any]) -> list[int] | 
             for n in ("embedding_size", "groups_width", "decoder_hidden_size"):
                 if _is_int(f.get(n)):
                     out[n] = _round8(f.get(n) / factor)
+            _channels(f, factor, out)
         return out.get("hidden_sizes", list(widths))
     name, h0 = f.first("hidden_size", _HIDDEN)
     if staged and name == "embed_dim":
@@ -160,6 +170,53 @@ def _stage_widths(f: _Fields, staged: bool, out: dict[str, Any]) -> list[int] | 
         out["embed_dim"] = _round8(h0 / math.ceil(h0 * 2 ** (stages - 1) / MAX_WIDTH))
         return [out["embed_dim"] * 2 ** i for i in range(stages)]
     return None
+
+
+def _channels(f: _Fields, factor: int, out: dict[str, Any]) -> None:
+    """Per-stage channel fields divided like hidden_sizes (hgnet_v2's stage_out_channels
+    feed its classifier, which reads hidden_sizes[-1]; textnet's stem_out_channels feed
+    its first stage): each old width maps to one new one, so widths that met still meet;
+    the image's own channel count stays."""
+    image = next((f.get(n) for n in ("num_channels", "stem_num_channels") if _is_int(f.get(n))), 3)
+
+    def one(v: int) -> int:
+        return v if v == image else _round8(v / factor)
+
+    for n, v in f.values.items():
+        if n in out or "channels" not in n or "num_" in n:
+            continue
+        if _is_int(v) and v > 0:
+            out[n] = one(v)
+        elif _ints(v):
+            out[n] = [one(x) for x in v]
+
+
+def _scaled_widths(f: _Fields, was: float, now: float, out: dict[str, Any]) -> None:
+    """Widths a config stores already multiplied by its width coefficient (efficientnet's
+    hidden_dim is round_filters(1280), the last conv's width) follow the new coefficient,
+    rounded as round_filters rounds (to depth_divisor, never below 90%)."""
+    divisor = f.get("depth_divisor") if _is_int(f.get("depth_divisor")) else 8
+    for n, v in f.values.items():
+        if n in out or not _is_int(v) or v <= 0 or not any(w in n for w in ("dim", "size")) \
+                or any(w in n for w in _NOT_WIDTH):
+            continue
+        base = v / was
+        if base != int(base):
+            continue  # not a width the coefficient made
+        want = base * now
+        new = max(divisor, int(want + divisor / 2) // divisor * divisor)
+        out[n] = new + divisor if new < 0.9 * want else new
+
+
+def _groups(f: _Fields, out: dict[str, Any]) -> None:
+    """GroupNorm's group count (bit's num_groups=32) divides every shrunk width."""
+    groups = f.get("num_groups")
+    if not _is_int(groups) or groups < 2:
+        return
+    widths = [out[n] for n in ("embedding_size", "hidden_sizes") if n in out]
+    flat = [w for v in widths for w in (v if isinstance(v, list) else [v]) if _is_int(w)]
+    if flat:
+        out["num_groups"] = _divisor(math.gcd(*flat), groups)
 
 
 def _transformer(f: _Fields, out: dict[str, Any], old: dict[int, int]) -> None:
@@ -213,10 +270,16 @@ def _tables(f: _Fields, out: dict[str, Any]) -> None:
 def _images(f: _Fields, staged: bool, out: dict[str, Any], old: dict[int, int]) -> None:
     """Image, patch and window sizes."""
     image, patch, window = f.get("image_size"), f.get("patch_size"), f.get("window_size")
+    if _ints(image) and len(set(image)) == 1:
+        _image_list(f, out)
+        return
     if not _is_int(image):
         return
     if not staged:
         out["image_size"] = min(image, IMAGE)
+        if _is_int(f.get("output_stride")) and _is_int(patch):
+            # mobilevitv2 unfolds patches of its last, output_stride-times smaller map
+            out["image_size"] = min(image, max(IMAGE, f.get("output_stride") * patch))
         if _is_int(patch) and patch > PATCH:
             out["patch_size"] = old[patch] = PATCH
     elif _is_int(patch) and _is_int(window):
@@ -228,6 +291,18 @@ def _images(f: _Fields, staged: bool, out: dict[str, Any], old: dict[int, int]) 
         out["window_size"] = max(1, min(window, out["image_size"] // patch // halvings))
     else:  # the stem's patch size is fixed by design (levit's is 16)
         out["image_size"] = min(image, IMAGE)
+
+
+def _image_list(f: _Fields, out: dict[str, Any]) -> None:
+    """A fixed [height, width] image (hiera's position table is built for it): the
+    smallest that the patch stride times the mask unit still tiles, at least IMAGE."""
+    image = f.get("image_size")
+    unit = 1
+    for n in ("patch_stride", "masked_unit_size"):
+        if _ints(f.get(n)):
+            unit *= f.get(n)[0]
+    side = min(image[0], max(unit, IMAGE // unit * unit))
+    out["image_size"] = [side] * len(image)
 
 
 def _fit_token_ids(values: dict[str, Any], vocab: int, out: dict[str, Any]) -> None:
