@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import warnings
 
@@ -36,6 +37,7 @@ _PARAMETRIZATIONS = {"_WeightNorm": "weight_norm", "_SpectralNorm": "spectral_no
                      "_Orthogonal": "orthogonal"}
 
 
+@functools.cache
 def _weight_hook_classes() -> dict[type, str]:
     """The forward pre-hooks of the old, hook-based torch.nn.utils.weight_norm and
     spectral_norm (deprecated for torch.nn.utils.parametrizations, still present in torch
