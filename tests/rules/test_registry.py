@@ -247,5 +247,6 @@ def test_a_module_executed_again_replaces_its_own_rules(fresh_registry, tmp_path
     _rule_module(tmp_path, "again_rules", ("mine.again", "exact"))
     monkeypatch.chdir(tmp_path)
     (first,) = registry.load_module("again_rules")
+    monkeypatch.syspath_prepend(str(tmp_path))  # where reload() finds it again
     module = importlib.reload(sys.modules["again_rules"])
     assert registry.get("mine.again").__class__ is module.R0 is not type(first)
