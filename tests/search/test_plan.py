@@ -333,3 +333,25 @@ def test_sites_of_an_exported_model_are_named_by_module_path():
     assert modules[0] == "model.encoder.layer.0.attention.self", modules
     again = Plan.from_json(plan.to_json())
     assert [d.module for d in again.decisions] == modules
+
+
+def test_a_decision_looser_than_the_plans_exactness_is_refused_unless_allowed(tmp_path):
+    model = Net().eval()
+    c = capture(model, (torch.randn(5, 7),))
+    lossy = make_plan(c, rules=["test.lossy"], exactness="lossy")
+    assert lossy.decisions
+    data = lossy.to_json()
+    data["settings"]["exactness"] = "approx"  # a hand edit: the plan now says approx
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    edited = Plan.load(path)
+    with pytest.raises(PlanError) as info:
+        apply_plan(c, edited)
+    msg = str(info.value)
+    assert "test.lossy" in msg and "lossy" in msg and "exactness approx" in msg
+    assert "--allow-looser" in msg and "allow_looser=True" in msg and "\n" not in msg
+    out = apply_plan(c, edited, allow_looser=True)
+    assert [s.key for s in out.applied] == [d.site.key for d in lossy.decisions]
+    for x in (torch.randn(1, 7), torch.randn(6, 7)):  # the user's module, at other batches
+        torch.testing.assert_close(out.gm(x), model(x))
+    assert apply_plan(c, lossy).applied  # as loose as the plan says: no flag needed

@@ -323,11 +323,28 @@ def make_plan(
     return plan
 
 
-def apply_plan(captured: Captured, plan: Plan, *, progress=None) -> Applied:
+def check_exactness(plan: Plan, rules: list[Rule]) -> None:
+    """Refuse, in one sentence, the first decision whose rule is looser than the plan's
+    settings.exactness: a decision hand-added to a plan marked exact would otherwise be
+    applied, saved and verified against the exact tolerance's promise without a word."""
+    level = EXACTNESS_ORDER[plan.settings.exactness]
+    for i, (d, rule) in enumerate(zip(plan.decisions, rules, strict=True)):
+        if EXACTNESS_ORDER[rule.exactness] > level:
+            raise PlanError(
+                f"Decision {i} applies {rule.name}, an {rule.exactness} rule, but the plan "
+                f"allows exactness {plan.settings.exactness}; pass --allow-looser to "
+                f"`opswap apply` (allow_looser=True to apply_plan) to apply it anyway, or "
+                f"set the plan's settings.exactness to {rule.exactness}.")
+
+
+def apply_plan(captured: Captured, plan: Plan, *, progress=None,
+               allow_looser: bool = False) -> Applied:
     """Replay `plan` on a copy of `captured`; the capture itself is left untouched. A plan
-    whose fingerprint says it was made for another graph is refused (PlanError)."""
+    whose fingerprint says it was made for another graph is refused (PlanError), and so is
+    a decision whose rule is looser than the plan's exactness unless `allow_looser`."""
     check_plan_fits(captured, plan)
-    decisions = []
-    for d in plan.decisions:
-        decisions.append((registry.get(d.rule), d.site.key))
+    rules = [registry.get(d.rule) for d in plan.decisions]
+    if not allow_looser:
+        check_exactness(plan, rules)
+    decisions = [(rule, d.site.key) for rule, d in zip(rules, plan.decisions, strict=True)]
     return apply_sites(captured, decisions, progress=progress)
