@@ -42,14 +42,38 @@ def load_optimized(directory: str | Path, *, compile: bool | None = None) -> nn.
                 f"see model_state.txt); rebuild it with `opswap apply SPEC {folder}/plan.json`.")
         raise OpswapError(f"No saved model at {pt2}; `opswap optimize SPEC --out DIR` writes "
                           f"DIR/model.pt2.")
-    deploy = {}
     result = folder / "result.json"
-    if result.is_file():
-        try:
-            deploy = json.loads(result.read_text()).get("deploy") or {}
-        except (json.JSONDecodeError, OSError) as e:
-            raise OpswapError(f"{result} is not readable JSON ({e}); rerun opswap optimize.") from e
+    if compile is None:
+        compile = _compiled(result) if result.is_file() else False
     module = load(pt2)
-    if compile if compile is not None else bool(deploy.get("compile")):
+    if compile:
         return torch.compile(module)
     return module
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+               int: "a number", float: "a number", type(None): "null"}
+
+
+def _compiled(result: Path) -> bool:
+    """Whether the run in result.json saved a compiled variant (its `deploy.compile`)."""
+    try:
+        data = json.loads(result.read_text())
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError) as e:
+        raise OpswapError(f"{result} is not readable JSON ({e}); rerun opswap optimize.") from e
+
+    def refuse(what: str) -> OpswapError:
+        return OpswapError(f"{result} is not an opswap result ({what}); rerun opswap optimize, "
+                           f"or pass compile=True or False to load model.pt2 without it.")
+
+    if not isinstance(data, dict):
+        raise refuse(f"it holds {_JSON_TYPES.get(type(data), 'a value')}, not an object")
+    deploy = data.get("deploy")
+    if deploy is None:  # a result.json from before `deploy` was written
+        return False
+    if not isinstance(deploy, dict):
+        raise refuse(f"its deploy is {_JSON_TYPES.get(type(deploy), 'a value')}, not an object")
+    flag = deploy.get("compile", False)
+    if not isinstance(flag, bool):
+        raise refuse(f"its deploy.compile is {json.dumps(flag)}, not true or false")
+    return flag

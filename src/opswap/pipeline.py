@@ -164,12 +164,17 @@ class Result:
                 "run_under": "torch.inference_mode()"}
 
     def save(self, out_dir: str | Path) -> dict[str, Path]:
-        """Write plan.json, result.json, report.md, report.html and the optimized model."""
+        """Write plan.json, result.json, report.md, report.html and the optimized model.
+        `out_dir` then holds exactly this run: it is written beside it and swapped in, and
+        the files an earlier run wrote there are removed (report.run_folder)."""
+        from opswap.report.run_folder import write_run
+
+        return write_run(out_dir, self._write)
+
+    def _write(self, out: Path) -> dict[str, Path]:
         from opswap.report import write_reports
         from opswap.report.model_io import save_model
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         paths = {"plan": self.plan.save(out / "plan.json")}
         paths.update(save_model(self.saved_module, self.example_inputs, self.plan, out,
                                 dynamic=self.dynamic, artifact=self.saved_artifact))

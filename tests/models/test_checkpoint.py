@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 
 import pytest
@@ -82,3 +83,62 @@ def test_archive_without_program_is_refused(tmp_path):
         z.writestr("x/data/weights/weight_0", b"\0" * 8)
     with pytest.raises(SpecError, match="holds no exported program"):
         load(str(path))
+
+
+_OUTPUTS = '''
+import dataclasses, pathlib
+import torch
+
+pathlib.Path(__file__).with_name("imported.txt").write_text("the file's module was imported")
+
+
+@dataclasses.dataclass
+class Pair:
+    low: torch.Tensor
+    high: torch.Tensor
+'''
+
+
+def test_an_output_class_torch_cannot_read_back_is_named_and_not_imported(tmp_path):
+    """A program returning a class pytree does not know in a fresh process: opswap never
+    imports the module the file names; the error names the class, and, where torch's own
+    load fails, torch's real cause rather than "check the warnings above"."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "pair_outputs.py").write_text(_OUTPUTS)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import pair_outputs
+    finally:
+        sys.path.remove(str(tmp_path))
+    (tmp_path / "imported.txt").unlink()
+    torch.export.register_dataclass(pair_outputs.Pair, serialized_type_name="pair_outputs.Pair")
+
+    class Split(torch.nn.Module):
+        def forward(self, x):
+            return pair_outputs.Pair(x.clamp(max=0), x.clamp(min=0))
+
+    path = tmp_path / "pair.pt2"
+    torch.export.save(torch.export.export(Split(), (torch.randn(2, 3),)), path)
+    script = textwrap.dedent(f"""
+        import opswap
+        from opswap.models import checkpoint
+        from opswap.errors import SpecError
+        for skip_check in (False, True):
+            if skip_check:
+                checkpoint._register_tree_types = lambda path, types: None
+            try:
+                checkpoint.load_checkpoint({str(path)!r}, "pair.pt2", {{}})
+            except SpecError as e:
+                print(e)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ours, torchs = run.stdout.strip().splitlines()
+    assert "returns pair_outputs.Pair" in ours and "import the module" in ours
+    assert "pair_outputs.Pair" in torchs and "warnings above" not in torchs
+    assert not (tmp_path / "imported.txt").exists()

@@ -40,3 +40,29 @@ def test_unexportable_model_falls_back_to_state_dict(tmp_path):
     state = torch.load(files["model"], weights_only=True)
     assert torch.equal(state["lin.weight"], m.lin.weight)
     assert "opswap apply" in (tmp_path / "model_state.txt").read_text()
+
+
+class _TopK(nn.Module):
+    """torch.export.save fails on its output, torch.return_types.topk, after writing weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.topk(self.lin(x), 2)
+
+
+def test_saving_again_leaves_only_the_new_form(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    assert save_model(_TopK(), (x,), None, tmp_path)["model"].name == "model_state.pt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model_state.pt", "model_state.txt"]
+    lin = nn.Linear(4, 4).eval()
+    assert save_model(lin, (x,), None, tmp_path)["model"].name == "model.pt2"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt2"]
+    y = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(tmp_path)(y), lin(y))
+    save_model(_TopK(), (x,), None, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model_state.pt", "model_state.txt"]

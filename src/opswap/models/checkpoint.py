@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import os
 import zipfile
@@ -23,6 +24,13 @@ import torch
 from opswap.errors import SpecError
 from opswap.models._common import LoadedModel, as_input_tuple
 
+# Classes a program may return that torch's pytree must know to read the file back, by
+# the library that defines them, and the fixed modules opswap imports to register them:
+# never a module the file names. transformers registers every ModelOutput subclass with
+# pytree as the class is defined (ModelOutput.__init_subclass__, under "module.Name"); the
+# generic outputs (SequenceClassifierOutput, Seq2SeqLMOutput, ...) live in modeling_outputs.
+_TREE_MODULES = {"transformers": ("transformers.modeling_outputs",)}
+_MODULES_NAMED = [m for ms in _TREE_MODULES.values() for m in ms]
 _TABLE_SUFFIXES = ("_weights_config.json", "_constants_config.json")
 # Payload file prefixes torch.export writes as raw tensor bytes (no pickle).
 _RAW_PREFIXES = ("weight_", "tensor_")
@@ -35,16 +43,19 @@ def _refuse(path: str, why: str) -> SpecError:
     )
 
 
-def _scan(path: str) -> None:
-    """Refuse an archive whose weight or constant tables need pickle."""
+def _scan(path: str) -> set[str]:
+    """Refuse an archive whose weight or constant tables need pickle; the pytree type names
+    of the program's inputs and outputs."""
     try:
         archive = zipfile.ZipFile(path)
     except zipfile.BadZipFile as e:
         raise SpecError(f"{path} is not a torch.export archive (not a zip file); save it with torch.export.save.") from e
     with archive:
         names = archive.namelist()
-        if not any(n.endswith("models/model.json") for n in names):
+        programs = [n for n in names if n.endswith("models/model.json")]
+        if not programs:
             raise SpecError(f"{path} holds no exported program; save it with torch.export.save.")
+        types = _tree_types(archive.read(programs[0]))
         for name in names:
             parts = name.split("/")
             if "data" in parts and name.endswith(".pt") and "sample_inputs" not in parts:
@@ -55,6 +66,83 @@ def _scan(path: str) -> None:
             for fqn, meta in table.items():
                 if meta.get("use_pickle") or not str(meta.get("path_name", "")).startswith(_RAW_PREFIXES):
                     raise _refuse(path, f"'{fqn}' is a pickled object ({meta.get('path_name')})")
+    return types
+
+
+def _tree_types(program_json: bytes) -> set[str]:
+    """The `type` names in the in_spec and out_spec trees of a serialised program."""
+    try:
+        calls = json.loads(program_json)["graph_module"]["module_call_graph"]
+    except (ValueError, KeyError, TypeError):
+        return set()  # another layout: torch.export.load says what it lacks
+    found: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("type"), str):
+                found.add(node["type"])
+            for child in node.get("children_spec") or ():
+                walk(child)
+
+    for call in calls if isinstance(calls, list) else ():
+        sig = (call or {}).get("signature") or {}
+        for key in ("in_spec", "out_spec"):
+            try:
+                spec = json.loads(sig.get(key) or "null")
+            except ValueError:
+                continue
+            if isinstance(spec, list) and len(spec) == 2:  # [protocol, tree]
+                walk(spec[1])
+    return found
+
+
+def _register_tree_types(path: str, types: set[str]) -> None:
+    """Make torch's pytree know the classes a program returns, from `_TREE_MODULES` only."""
+    from torch.utils import _pytree as pytree
+
+    known = getattr(pytree, "SERIALIZED_TYPE_TO_PYTHON_TYPE", None)  # torch 2.2 to 2.14 at least
+    if known is None:
+        return
+    missing = sorted(t for t in types if t not in known)
+    for library in sorted({t.split(".")[0] for t in missing} & set(_TREE_MODULES)):
+        for module in _TREE_MODULES[library]:
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise SpecError(f"{path} returns {library} classes "
+                                f"({', '.join(t for t in missing if t.startswith(library + '.'))}); "
+                                f"install {library} to load it ({e}).") from e
+    unknown = [t for t in missing if t not in known]
+    if unknown:
+        raise SpecError(
+            f"{path} returns {unknown[0]}, a class torch's pytree does not know in this process; "
+            f"import the module that defines and registers it ({unknown[0].rpartition('.')[0]}) "
+            f"before loading (opswap itself imports only {', '.join(_MODULES_NAMED)}).")
+
+
+@contextlib.contextmanager
+def _torch_export_errors() -> Iterator[list[str]]:
+    """The exceptions torch.export.load logs instead of raising (it raises "check the
+    warnings above"), as `Type: message` lines."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.exc_info and record.exc_info[1] is not None:
+                e = record.exc_info[1]
+                while e.__cause__ is not None or e.__context__ is not None:
+                    e = e.__cause__ or e.__context__
+                seen.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+
+    logger = logging.getLogger("torch.export")
+    handler = Keep(level=logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
 
 
 @contextlib.contextmanager
@@ -79,7 +167,7 @@ def read_program(path: str):
     example inputs, positional ones only."""
     if not os.path.isfile(path):
         raise SpecError(f"Checkpoint {path} does not exist.")
-    _scan(path)
+    _register_tree_types(path, _scan(path))
     import warnings
 
     import opswap.kernels  # noqa: F401  (a program opswap saved may call torch.ops.opswap.*)
@@ -87,11 +175,12 @@ def read_program(path: str):
     try:
         # torch.export.load warns "No complete tensor found in the group" for every weight
         # that shares storage with none: noise for a user
-        with _weights_only(), warnings.catch_warnings():
+        with _weights_only(), warnings.catch_warnings(), _torch_export_errors() as logged:
             warnings.filterwarnings("ignore", message="No complete tensor found")
             program = torch.export.load(path)
     except Exception as e:
-        raise SpecError(f"torch.export.load could not read {path}: {type(e).__name__}: {e}") from e
+        cause = logged[-1] if logged else f"{type(e).__name__}: {e}"
+        raise SpecError(f"torch.export.load could not read {path}: {cause}") from e
     stored = program.example_inputs
     if not stored or not stored[0]:
         raise SpecError(

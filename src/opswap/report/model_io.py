@@ -9,6 +9,7 @@ export, the weights go to `model_state.pt` (a plain state_dict, loadable with
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -31,16 +32,18 @@ def save_model(model: nn.Module, example_inputs: tuple, plan, out: Path,
         artifact = export_artifact(model, tuple(example_inputs), dynamic, out)
     note_path = out / "model_shapes.txt"
     if artifact.path is not None:
-        artifact.copy_to(path)
+        _partial_then_replace(path, artifact.copy_to)
         if artifact.note:
             note_path.write_text(artifact.note + "\n")
         elif note_path.exists():
             note_path.unlink()
+        _remove(out, "model_state.pt", "model_state.txt")  # an earlier save's fallback
         return {"model": path}
     # export can fail on any construct; the state_dict always works
     path = out / "model_state.pt"
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    torch.save(state, str(path))
+    _partial_then_replace(path, lambda p: torch.save(state, str(p)))
+    _remove(out, "model.pt2", "model_shapes.txt")  # an earlier save's model, not this one
     (out / "model_state.txt").write_text(
         "model.pt2 could not be written because torch.export failed on the optimized "
         f"model: {artifact.error}\n"
@@ -48,6 +51,21 @@ def save_model(model: nn.Module, example_inputs: tuple, plan, out: Path,
         "the module with `opswap apply SPEC plan.json`.\n"
     )
     return {"model": path}
+
+
+def _partial_then_replace(path: Path, write) -> None:
+    """`write(p)` into a file beside `path`, renamed to `path` once complete."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _remove(out: Path, *names: str) -> None:
+    for name in names:
+        (out / name).unlink(missing_ok=True)
 
 
 def load_model(path: str | Path) -> nn.Module:
