@@ -75,7 +75,7 @@ def register(cls: type[Rule]) -> type[Rule]:
         raise TypeError(f"two rules are named {cls.name!r} (one from "
                         f"{_ORIGINS.get(cls.name, 'opswap')})")
     _RULES[cls.name] = cls()
-    _ORIGINS.setdefault(cls.name, _loading or _origin_of(cls))
+    _ORIGINS[cls.name] = _loading or _origin_of(cls)
     return cls
 
 
