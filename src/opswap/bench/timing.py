@@ -17,7 +17,10 @@ The usual ways a speed-up is misreported, and what this module does about each:
   means; the Python GC is paused while timing;
 - noise: every ratio comes with a 95% bootstrap interval (rounds resampled as
   pairs, the ratio of medians recomputed), and a ratio whose interval holds 1.0 is
-  "within noise", not a speed-up.
+  "within noise", not a speed-up;
+- a busy machine: with `rel_width`, timing goes on until every interval is narrower than
+  that fraction of its ratio; when time runs out first the result is `settled=False`, and
+  what prints it says so (`UNSETTLED`) and leads with the interval's lower end.
 
 No function here asserts anything about speed: tests check structure, not clocks.
 """
@@ -41,6 +44,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from opswap.errors import OpswapError
+
+UNSETTLED = "timings did not settle: the machine is busy"
+
+
+def narrow(lo: float, hi: float, mid: float, rel_width: float) -> bool:
+    """Whether the interval [lo, hi] of the ratio `mid` is narrower than `rel_width` of it."""
+    return math.isfinite(lo) and math.isfinite(hi) and (hi - lo) <= rel_width * abs(mid)
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:
@@ -164,6 +174,9 @@ class BenchResult:
     order: list[list[str]]  # per round: the order the candidates ran in
     device: str
     warmup: int
+    # with `rel_width`: whether every interval narrowed to it before time ran out
+    settled: bool | None = None
+    rel_width: float | None = None
 
     def __getitem__(self, name: str) -> Stats:
         return self.stats[name]
@@ -182,6 +195,7 @@ class BenchResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"device": self.device, "warmup": self.warmup, "rounds": len(self.rounds),
+                "settled": self.settled, "rel_width": self.rel_width,
                 "stats": {k: s.to_json() for k, s in self.stats.items()}}
 
 
@@ -228,9 +242,16 @@ def describe_device(device) -> str:
 
 
 class _Timer:
+    """The clock `benchmark` reads; bench.noisy replaces it to test a busy machine."""
+
     def __init__(self, dev: torch.device):
         self.dev = dev
         self.cuda = dev.type == "cuda"
+
+    @staticmethod
+    def now() -> float:
+        """Seconds on the wall clock that decides when timing stops."""
+        return time.perf_counter()
 
     def sync(self) -> None:
         if self.cuda:
@@ -275,7 +296,7 @@ def _narrow(rounds: list[dict[str, float]], names: list[str], rel_width: float) 
         other = [rd[name] for rd in rounds]
         lo, hi = bootstrap_ratio(base, other, resamples=200)
         mid = statistics.median(base) / max(statistics.median(other), 1e-30)
-        if not (math.isfinite(lo) and (hi - lo) <= rel_width * mid):
+        if not narrow(lo, hi, mid, rel_width):
             return False
     return True
 
@@ -303,7 +324,8 @@ def benchmark(
     `rel_width`: on a noisy machine, keep adding rounds (up to `max_time_s`) until the
     95% interval of every function's time ratio to the first one is narrower than this
     fraction of the ratio, so that a figure is not reported with an interval that holds
-    anything. The interval is checked every `_CHECK_EVERY` rounds.
+    anything. The interval is checked every `_CHECK_EVERY` rounds; the result's `settled`
+    says whether it narrowed before `max_time_s` (None without `rel_width`).
     """
     if not fns:
         raise OpswapError("Nothing to time: pass at least one function.")
@@ -327,13 +349,15 @@ def benchmark(
         gc_was_enabled = gc.isenabled()
         gc.collect()
         gc.disable()
+        settled = None if rel_width is None else False
         try:
-            t_start = time.perf_counter()
+            t_start = timer.now()
             r = 0
             while r < max_rounds:
-                elapsed = time.perf_counter() - t_start
+                elapsed = timer.now() - t_start
                 if r >= repeats and elapsed >= min_time_s and (
                         rel_width is None or r % _CHECK_EVERY == 0 and _narrow(rounds, names, rel_width)):
+                    settled = None if rel_width is None else True
                     break
                 if r >= min(repeats, 3) and elapsed >= max_time_s:
                     break
@@ -345,8 +369,10 @@ def benchmark(
             if gc_was_enabled:
                 gc.enable()
 
+    if settled is False and len(rounds) >= 3:
+        settled = _narrow(rounds, names, rel_width)  # the last rounds may have narrowed it
     stats = {n: Stats(n, [rd[n] for rd in rounds], inner[n]) for n in names}
-    return BenchResult(stats, rounds, order, describe_device(dev), warmup)
+    return BenchResult(stats, rounds, order, describe_device(dev), warmup, settled, rel_width)
 
 
 # --------------------------------------------------------------------------- models
@@ -374,6 +400,8 @@ class ModelBench:
     speedup_q1: float | None = None  # quartiles of the per-round speed-ups: the noise
     speedup_q3: float | None = None
     speedup_ci: tuple[float, float] | None = None  # 95% bootstrap of speedup_of_medians
+    settled: bool | None = None  # the interval narrowed to rel_width before time ran out
+    rel_width: float | None = None
 
     @property
     def within_noise(self) -> bool:
@@ -382,14 +410,32 @@ class ModelBench:
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
-            "speedup_q1", "speedup_q3", "speedup_ci", "within_noise",
+            "speedup_q1", "speedup_q3", "speedup_ci", "within_noise", "settled", "rel_width",
             "ref_ms", "opt_ms", "speedup", "speedup_of_medians", "spread", "ref_iqr_ms",
             "opt_iqr_ms", "rounds", "device", "torch", "ref_peak_bytes", "opt_peak_bytes",
             "date", "notes")}
 
     def __str__(self) -> str:
-        return (f"{self.ref_ms:.3f} ms -> {self.opt_ms:.3f} ms, speedup {self.speedup:.2f}x "
-                f"(IQR {self.spread:.2f}, {self.rounds} rounds) on {self.device}")
+        text = (f"{self.ref_ms:.3f} ms -> {self.opt_ms:.3f} ms, speedup "
+                f"{describe_speedup(self.speedup_of_medians, self.speedup_ci, self.settled)} "
+                f"({self.rounds} rounds) on {self.device}")
+        return text + (f"; {UNSETTLED}" if self.settled is False else "")
+
+
+def describe_speedup(ratio: float | None, ci, settled: bool | None = True) -> str:
+    """'1.42x [1.37-1.48]', with ', within noise' when the interval holds 1.0. When the
+    interval did not narrow (`settled` False), the lower end leads, the median follows:
+    'at least 1.07x [1.07-38.37], median 14.48x'."""
+    if ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
+        return "-"
+    if not ci or ci[0] is None or ci[1] is None or math.isnan(ci[0]):
+        return f"{ratio:.2f}x"
+    lo, hi = ci
+    noise = ", within noise" if lo <= 1.0 <= hi else ""
+    if settled is False:
+        lead = f"at least {lo:.2f}x" if lo > 1.0 else f"{lo:.2f}x"
+        return f"{lead} [{lo:.2f}-{hi:.2f}]{noise}, median {ratio:.2f}x"
+    return f"{ratio:.2f}x [{lo:.2f}-{hi:.2f}]{noise}"
 
 
 def _first_device(model) -> torch.device | None:
@@ -423,10 +469,13 @@ def bench_models(
     warmup: int = 5,
     repeats: int = 20,
     min_time_s: float = 0.5,
-    max_time_s: float = 60.0,
+    max_time_s: float = 8.0,
+    rel_width: float | None = 0.1,
     memory: bool = True,
 ) -> ModelBench:
-    """Time `reference(*inputs)` against `candidate(*inputs)` in eval and inference mode.
+    """Time `reference(*inputs)` against `candidate(*inputs)` in eval and inference mode,
+    until the speed-up's 95% interval is narrower than `rel_width` of it or `max_time_s`
+    passed (then the result says it did not settle).
 
     `device` defaults to where the inputs are. Inputs are moved there; a model that is
     elsewhere is timed as a moved copy. With `memory`, each model's peak memory over one
@@ -451,7 +500,7 @@ def bench_models(
     with torch.inference_mode(), eval_mode(ref, cand), preserved_state(ref, cand):
         res = benchmark({"reference": lambda: ref(*args), "candidate": lambda: cand(*args)},
                         warmup=warmup, repeats=repeats, min_time_s=min_time_s,
-                        max_time_s=max_time_s, device=dev)
+                        max_time_s=max_time_s, rel_width=rel_width, device=dev)
         ref_peak = opt_peak = None
         if memory:
             try:
@@ -468,4 +517,5 @@ def bench_models(
         ref_iqr_ms=s_ref.iqr * 1e3,
         opt_iqr_ms=s_opt.iqr * 1e3, rounds=len(res.rounds), device=res.device,
         ref_peak_bytes=ref_peak, opt_peak_bytes=opt_peak, notes=notes,
+        settled=res.settled, rel_width=rel_width,
     )
