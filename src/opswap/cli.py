@@ -445,14 +445,12 @@ def _samples_text(v, asked: int) -> str:
     return text + (f", one at each of {', '.join(others)}" if others else "")
 
 
-_TOLERANCE_TERMS = {"cosine_min": "cosine>=", "rel_l2_max": "rel_l2<=", "sqnr_min_db": "sqnr_db>=",
-                    "max_abs": "max_abs<=", "max_rel": "max_rel<="}
-
-
 def _tolerance_text(tol: dict) -> str:
-    """'cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100' from Tolerance.to_json()."""
-    terms = [f"{_TOLERANCE_TERMS[k]}{v:g}" for k, v in tol.items() if k in _TOLERANCE_TERMS]
-    return ", ".join(terms) or "no threshold"
+    """'cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100' from Tolerance.to_json(), every
+    threshold as set (0.9999999999 stays that, not a rounded 1)."""
+    from opswap.report.optimize_report import tolerance_text
+
+    return tolerance_text(tol)
 
 
 @app.command()
@@ -473,11 +471,17 @@ def bench(spec: Spec, plan_path: PlanArg,
     b = bench_models(private_copy(loaded.module), applied.gm, captured.example_inputs,
                      device=device)
     data = b.to_json()
+    from opswap.report.optimize_report import interval
+
     console.print(Text(
         f"reference {data['ref_ms']:.3f} ms (IQR {data['ref_iqr_ms']:.3f}), optimized "
         f"{data['opt_ms']:.3f} ms (IQR {data['opt_iqr_ms']:.3f}), speedup "
-        f"{data['speedup']:.2f}x (IQR {data['spread']:.2f}), median of "
-        f"{_n(data['rounds'], 'interleaved round')} on {data['device']}"))
+        f"{interval(data['speedup_of_medians'], data['speedup_ci'], data['settled'])} "
+        f"(ratio of the medians, 95% interval; IQR of the per-round ratios "
+        f"{data['spread']:.2f}), {_n(data['rounds'], 'interleaved round')} on "
+        f"{data['device']}"))
+    if data["settled"] is False:
+        _unsettled()
     _partial(p, applied, "timed the model with the {n} that did")
     _write_json(json_path, data)
     if applied.failed:
@@ -564,6 +568,13 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
         raise typer.Exit(1)
 
 
+def _unsettled() -> None:
+    """The warning for timings whose intervals stayed wide (a busy machine)."""
+    from opswap.report.optimize_report import unsettled_warning
+
+    _note(unsettled_warning().replace("**", ""), "timing", "red")
+
+
 def _print_summary(data: dict) -> None:
     v, b = data["verification"], data["benchmark"]
     console.print(Text.assemble((data["model"], "bold"), f" on {data['target']}: "
@@ -583,7 +594,7 @@ def _print_summary(data: dict) -> None:
 
         console.print(f"  your model -> opswap's model.pt2: {b['ref_ms']:.3f} ms -> "
                       f"{b['opt_ms']:.3f} ms, "
-                      f"{interval(b['speedup_of_medians'], b.get('speedup_ci'))} "
+                      f"{interval(b['speedup_of_medians'], b.get('speedup_ci'), b.get('settled'))} "
                       f"(ratio of medians, 95% interval; {b['device']})", markup=False)
     run = data.get("run") or {}
     if run.get("inputs"):
@@ -606,15 +617,21 @@ def _print_variants(data: dict) -> None:
         ms = f"{v['ms']:.3f}" if v["ms"] is not None else "-"
         iqr = f"{v['iqr_ms']:.3f}" if v["iqr_ms"] is not None else "-"
         sp = ("1.00x (the yardstick)" if v["name"] == "input" else
-              interval(v["speedup_vs_input"], v.get("speedup_ci"))
+              interval(v["speedup_vs_input"], v.get("speedup_ci"), v.get("settled"))
               if v["speedup_vs_input"] is not None else "-")
         comp = f"{v['compile_s']:.1f}" if v["compile_s"] is not None else ""
         name = v["name"] + (" (saved)" if v["name"] == data["best"] else "")
         table.add_row(Text(name), ms, iqr, Text(sp), "yes" if v["verified"] else "no", comp,
                       Text(v["note"] or ""))
     console.print(table)
+    if data.get("timings_settled") is False:
+        _unsettled()
     deploy = data["deploy"]
     console.print(Text(f"  saved: {deploy['variant']}, {deploy['holds']}"))
+    if deploy.get("verified_as"):
+        shapes = deploy["verified_as"].get("shapes") or []
+        console.print(Text(f"  verified as: {deploy['verified_as']['variant']}"
+                           + (f", at {', '.join(shapes)}" if shapes else "")))
     use = "use" if deploy["how"].startswith("your own") else "load it with"
     console.print(Text(f"  {use} {deploy['how']}; run it under {deploy['run_under']}"))
 

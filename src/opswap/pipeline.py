@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from opswap.bench.attribution import Attribution, attribute
+from opswap.bench.attribution import Attribution, attribute, reconcile
 from opswap.bench.variants import parse_compare
 from opswap.bench.variants import run as run_variants
 from opswap.graph.capture import Captured, capture
@@ -80,6 +80,10 @@ class Result:
     captured_gm: Any = None  # the capture with no rewrite
     # backends.pt2.Artifact of "input" and "candidate": the files the race timed
     artifacts: dict[str, Any] = field(default_factory=dict)
+    # the verification the saved file passed: {"variant", "shapes"} from the race, or None
+    # when the file the winner saves passed none (then no model.pt2 is written)
+    verified_as: dict[str, Any] | None = None
+    settled: bool | None = None  # every interval of the race narrowed in the time allowed
     # what ran: the inputs' names, shapes and dtypes, threads, device, the model's settings
     run_info: dict[str, Any] = field(default_factory=dict)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
@@ -113,6 +117,7 @@ class Result:
             "attribution": self.attribution.to_json() if self.attribution is not None else None,
             "variants": [v.to_json() for v in self.variants],
             "best": self.best,
+            "timings_settled": self.settled,
             "deploy": self.deploy(),
             "analysis": {
                 "before": _totals(self.analysis_before),
@@ -159,9 +164,19 @@ class Result:
                 holds += (f"; as exported it ran at {cap.speedup_vs_input:.2f}x of your module, "
                           "so keep running your own module")
                 how = "your own module, as it is (model.pt2 is its slower export)"
-        return {"variant": self.best, "artifact": "model.pt2", "holds": holds,
+        verified_as = self.verified_as
+        if not self.variants:  # no race: what is saved is the candidate verified in memory
+            verified_as = {"variant": "opswap (in memory, before export; not raced)",
+                           "shapes": list(getattr(self.verification, "shapes", []) or [])}
+        artifact = "model.pt2"
+        if self.variants and verified_as is None:
+            artifact = None
+            holds = ("nothing: the file your model's export would be (the `captured` row) "
+                     "did not pass verification, so no model.pt2 is written")
+            how = "your own module, as it is"
+        return {"variant": self.best, "artifact": artifact, "holds": holds,
                 "compile": compiled, "how": how, "timed": self.saved_artifact is not None,
-                "run_under": "torch.inference_mode()"}
+                "verified_as": verified_as, "run_under": "torch.inference_mode()"}
 
     def save(self, out_dir: str | Path) -> dict[str, Path]:
         """Write plan.json, result.json, report.md, report.html and the optimized model.
@@ -176,8 +191,10 @@ class Result:
         from opswap.report.model_io import save_model
 
         paths = {"plan": self.plan.save(out / "plan.json")}
-        paths.update(save_model(self.saved_module, self.example_inputs, self.plan, out,
-                                dynamic=self.dynamic, artifact=self.saved_artifact))
+        if not self.variants or self.verified_as is not None:
+            # only a file that passed verification at every shape it claims is saved
+            paths.update(save_model(self.saved_module, self.example_inputs, self.plan, out,
+                                    dynamic=self.dynamic, artifact=self.saved_artifact))
         data = self.to_json()
         data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
         paths["result"] = out / "result.json"
@@ -381,6 +398,7 @@ def optimize(
         applied = apply_plan(captured, plan)
         verification = check(applied)
     attribution: Attribution | None = None
+    pruned_rules: set[str] = set()
     if config.bench and config.measure_rules and applied.applied and verification.passed:
         step("measure")
         attribution = _attribute(captured, plan, applied, replan, config.device)
@@ -399,6 +417,7 @@ def optimize(
                                   f"{t.without_ms:.3f} ms without (interval of the ratio "
                                   f"{t.ci_low:.2f}-{t.ci_high:.2f})"})
                 plan, applied, verification = pruned, pruned_applied, pruned_check
+                pruned_rules = {t.rule for t in slow}
                 attribution.note = ("measured before pruning " + ", ".join(t.rule for t in slow)
                                     + ", which the model ran faster without")
             else:
@@ -411,7 +430,7 @@ def optimize(
     raced: list[Any] = []
     artifacts: dict[str, Any] = {}
     winner = "opswap"
-    bench = None
+    bench = verified_as = settled = None
     if config.bench:
         step("race")
 
@@ -424,6 +443,10 @@ def optimize(
                             device=config.device)
         raced, winner, artifacts, bench = (race.timings, race.winner.name, race.artifacts,
                                            race.benchmark)
+        verified_as, settled = race.verified_as, race.settled
+        if attribution is not None:
+            # one scale for the report: the total is the race's, shared among the rules kept
+            reconcile(attribution, race.result, pruned_rules)
     return Result(
         model=name,
         target=target.name,
@@ -450,5 +473,7 @@ def optimize(
         best=winner,
         captured_gm=captured.gm,
         artifacts=artifacts,
+        verified_as=verified_as,
+        settled=settled,
         run_info=_run_info(model, captured, config, model_settings),
     )

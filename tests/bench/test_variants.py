@@ -129,3 +129,132 @@ def test_the_saved_file_is_the_one_timed_and_keeps_the_fused_kernel(tmp_path):
         torch.testing.assert_close(loaded(other), m(other), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="must be a 4-D torch.float32 tensor"):
         loaded(torch.randn(3, 12, 12))
+
+
+def _u(name, ms, lo, hi):
+    # a timing whose interval did not narrow before the race's time ran out
+    return VariantTiming(name, ms, 0.01, 1.0 / ms, lo, hi, True, ci_low=lo, ci_high=hi,
+                         settled=False)
+
+
+def test_on_a_busy_machine_the_choice_is_conservative():
+    inp = _t("input", 1.0, 1.0, 1.0)
+    # a lower end just above 1 on an interval that holds anything is not a speed-up
+    assert best([inp, _u("opswap", 0.07, 1.02, 38.4)]).name == "input"
+    # the highest lower end wins, not the lowest median
+    assert best([inp, _u("opswap", 0.07, 1.07, 38.4), _u("compile", 0.2, 1.3, 9.0)]).name \
+        == "compile"
+    # settled and clear of 1 by any amount: the fastest median, as before
+    assert best([inp, _t("opswap", 0.9, 1.01, 1.09)]).name == "opswap"
+
+
+def test_a_busy_race_says_it_did_not_settle(monkeypatch):
+    from opswap.bench import timing
+    from opswap.bench.noisy import busy
+
+    monkeypatch.setattr(timing, "_Timer", busy(seed=3))
+    m = Small().eval()
+    x = (torch.randn(4, 16),)
+    vs = build(m, m, m, x, [], torch.device("cpu"))
+    for v in vs:
+        v.verified = True
+    timings, res = race(vs, x, torch.device("cpu"))
+    by = {t.name: t for t in timings}
+    assert res.settled is False
+    assert by["captured"].settled is False and by["opswap"].settled is False
+    assert by["opswap"].to_json()["settled"] is False
+
+
+def _faked_race(**speedups):
+    """bench.variants.race as run, then the named variants given these speed-ups over the
+    input (settled intervals of +-10%), so that the test decides who is fastest while the
+    verification is real."""
+    import dataclasses
+
+    from opswap.bench import variants
+
+    real = variants.race
+
+    def fake(vs, inputs, device, **kw):
+        timings, res = real(vs, inputs, device, **kw)
+        base = next(t for t in timings if t.name == "input").ms
+        return [dataclasses.replace(t, ms=base / s, speedup_vs_input=s, ci_low=0.9 * s,
+                                    ci_high=1.1 * s)
+                if (s := speedups.get(t.name.replace("+", "_"))) and t.ms is not None else t
+                for t in timings], res
+    return fake
+
+
+def _captured_fails(monkeypatch):
+    """The race's `captured` variant (the plain export of the input, the file `input` and
+    `compile` save) fails its verification, as if that file were wrong."""
+    import dataclasses
+
+    from opswap.bench import variants
+    from opswap.verify import outputs
+
+    build, verify = variants.build, outputs.verify
+
+    def tagged(*args, **kwargs):
+        vs = build(*args, **kwargs)
+        for v in vs:
+            if v.name == "captured":
+                v.fn._injected_wrong = True
+        return vs
+
+    def check(model, fn, *args, **kwargs):
+        out = verify(model, fn, *args, **kwargs)
+        if getattr(fn, "_injected_wrong", False):
+            return dataclasses.replace(out, passed=False, reasons=["injected: wrong output"])
+        return out
+    monkeypatch.setattr(variants, "build", tagged)
+    monkeypatch.setattr(outputs, "verify", check)
+
+
+def test_a_compiled_winner_saves_a_file_verified_at_every_claimed_shape(monkeypatch, tmp_path):
+    import opswap
+    from opswap.bench import variants
+
+    torch.manual_seed(0)
+    m = ConvNet().eval()
+    x = torch.randn(2, 3, 12, 12)
+    config = OptimizeConfig(samples=1, layers=False, measure_rules=False)
+    monkeypatch.setattr(variants, "race", _faked_race(compile=10.0, opswap=2.0))
+    # the export compile would save failed its verification: compile may not win as that file
+    _captured_fails(monkeypatch)
+    r = optimize(m, (x,), config)
+    assert not {v.name: v for v in r.variants}["captured"].verified
+    assert r.best == "opswap"  # the next fastest whose file passed
+    assert r.to_json()["deploy"]["verified_as"] == {"variant": "opswap",
+                                                    "shapes": r.verification.shapes}
+    monkeypatch.undo()
+    # with the export verified (at every shape it claims), compile wins and says so
+    monkeypatch.setattr(variants, "race", _faked_race(compile=10.0, opswap=2.0))
+    r = optimize(m, (x,), config)
+    assert r.best == "compile"
+    deploy = r.to_json()["deploy"]
+    claimed = r.verification.shapes
+    assert len(claimed) > 1  # the example's shape and others
+    assert deploy["verified_as"] == {"variant": "captured", "shapes": claimed}
+    r.save(tmp_path)
+    loaded = opswap.load_optimized(tmp_path)
+    other = torch.randn(5, 3, 12, 12)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(other), m(other), rtol=1e-4, atol=1e-5)
+
+
+def test_nothing_is_saved_as_a_file_that_failed_verification(monkeypatch, tmp_path):
+    from opswap.bench import variants
+
+    torch.manual_seed(0)
+    m = ConvNet().eval()
+    monkeypatch.setattr(variants, "race", _faked_race(opswap=0.5))  # the input wins
+    _captured_fails(monkeypatch)
+    r = optimize(m, (torch.randn(2, 3, 12, 12),), OptimizeConfig(
+        samples=1, layers=False, measure_rules=False, compare="none"))
+    assert r.best == "input"
+    paths = r.save(tmp_path)
+    assert "model" not in paths and not (tmp_path / "model.pt2").exists()
+    deploy = r.to_json()["deploy"]
+    assert deploy["verified_as"] is None and deploy["artifact"] is None
+    assert "did not pass verification" in deploy["holds"]

@@ -22,7 +22,7 @@ def test_report_sections(result):
               "Verification", "Error layer by layer", "Where the time goes (cost model)",
               "Environment"):
         assert h in headings
-    changes = next(b for b in blocks if isinstance(b, Table) and "pred. bytes saved" in b.headers)
+    changes = next(b for b in blocks if isinstance(b, Table) and "module: site" in b.headers)
     assert len(changes.rows) == len(result.plan.decisions) > 0
     assert {img.filename for img in blocks if isinstance(img, Image)} >= {
         "latency.png", "layer_errors.png", "categories.png", "roofline.png"}
@@ -46,3 +46,80 @@ def test_document_escapes_html():
     assert "<script>alert" not in html and "&lt;script&gt;" in html
     md, files = to_markdown(blocks)
     assert "a <b> & c" in md and not files
+
+
+class _ConvBN(__import__("torch").nn.Module):
+    def __init__(self):
+        from torch import nn
+
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        import torch
+
+        return self.c2(torch.relu(self.b1(self.c1(x))))
+
+
+def _small():
+    import torch
+
+    torch.manual_seed(0)
+    m = _ConvBN().eval()
+    m.b1.running_mean.uniform_(-1, 1)
+    m.b1.running_var.uniform_(0.5, 2)
+    return m, (torch.randn(2, 3, 10, 10),)
+
+
+@pytest.fixture(scope="module")
+def busy_result():
+    """A run on a machine too busy for any interval to narrow (bench.noisy)."""
+    from opswap.bench import timing
+    from opswap.bench.noisy import busy
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(timing, "_Timer", busy(seed=5))
+    try:
+        m, x = _small()
+        yield optimize(m, x, OptimizeConfig(samples=1, layers=False, compare="none",
+                                            prune_slow=False), name="small")
+    finally:
+        mp.undo()
+
+
+def test_a_busy_machine_is_said_and_the_lower_end_leads(busy_result, tmp_path):
+    md = write_reports(busy_result, tmp_path)["report_md"].read_text()
+    assert "timings did not settle: the machine is busy" in md
+    data = busy_result.to_json()
+    assert data["timings_settled"] is False
+    (table,) = [b for b in build_report(busy_result) if isinstance(b, Table)
+                and "vs input [95%]" in b.headers]
+    col = table.headers.index("vs input [95%]")
+    for v, row in zip(data["variants"], table.rows, strict=True):
+        if v["name"] == "input" or v["ms"] is None:
+            continue
+        lo, hi = v["speedup_ci"]
+        # the interval's lower end comes first, the median after it
+        assert re.match(rf"(at least )?{lo:.2f}x \[{lo:.2f}-{hi:.2f}\]", row[col]), row[col]
+        assert f"median {v['speedup_vs_input']:.2f}x" in row[col]
+
+
+def test_measured_over_predicted_is_shown_wherever_both_exist(busy_result):
+    att = busy_result.attribution
+    assert att is not None and att.rules
+    (table,) = [b for b in build_report(busy_result) if isinstance(b, Table)
+                and "measured / predicted" in b.headers]
+    col = table.headers.index("measured / predicted")
+    for t, row in zip(att.rules, table.rows, strict=False):
+        if t.predicted_saved_s and not getattr(t, "pruned", False):
+            assert row[col] != "-" and row[col].startswith(
+                f"{t.measured_saved_s / t.predicted_saved_s:.1f}x"), row
+
+
+def test_the_tolerance_prints_as_set(tmp_path):
+    m, x = _small()
+    r = optimize(m, x, OptimizeConfig(samples=1, layers=False, bench=False,
+                                      budget="cosine>=0.9999999999"), name="small")
+    md = write_reports(r, tmp_path)["report_md"].read_text()
+    assert "cosine>=0.9999999999" in md and not re.search(r"cosine>=1\b", md)

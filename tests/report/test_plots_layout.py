@@ -88,3 +88,18 @@ def test_roofline_labels_do_not_collide(figures):
     (fig,) = figures
     assert not _overlaps(fig), _overlaps(fig)
     assert not _inside(fig)
+
+
+def test_latency_axis_follows_the_bars_not_the_whiskers(figures):
+    # a busy machine: one variant's IQR is ten times every median
+    medians, spreads = [7.4, 7.1, 2.4], [80.0, 0.2, 0.9]
+    plots.latency_bars(["input", "captured", "opswap"], medians, spreads, "busy")
+    (fig,) = figures
+    ax = fig.axes[0]
+    assert ax.get_xlim()[1] <= 2.5 * max(medians)
+    assert not _overlaps(fig), _overlaps(fig)
+    assert not _inside(fig)
+    r = fig.canvas.get_renderer()
+    for t in ax.texts:  # every label inside the axes, the cut one saying so
+        assert t.get_window_extent(r).x1 <= ax.get_window_extent(r).x1 + 1, t.get_text()
+    assert [t.get_text().endswith("(IQR cut)") for t in ax.texts] == [True, False, False]

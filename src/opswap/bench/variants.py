@@ -52,6 +52,7 @@ class Variant:
     verified: bool | None = None
     reasons: list[str] = field(default_factory=list)
     note: str = ""
+    shapes: list[str] = field(default_factory=list)  # the input shapes it was verified at
 
 
 @dataclass
@@ -71,6 +72,7 @@ class VariantTiming:
     note: str = ""
     ci_low: float | None = None  # 95% bootstrap interval of speedup_vs_input
     ci_high: float | None = None
+    settled: bool | None = None  # the interval narrowed to the race's rel_width in time
 
     @property
     def within_noise(self) -> bool:
@@ -94,8 +96,8 @@ class VariantTiming:
                 "speedup_vs_input": self.speedup_vs_input,
                 "speedup_ci": [self.ci_low, self.ci_high],
                 "speedup_quartiles": [self.ratio_q1, self.ratio_q3],
-                "within_noise": self.within_noise, "verified": self.verified,
-                "compile_s": self.compile_s, "note": self.note}
+                "within_noise": self.within_noise, "settled": self.settled,
+                "verified": self.verified, "compile_s": self.compile_s, "note": self.note}
 
 
 def parse_compare(compare) -> list[str]:
@@ -179,9 +181,10 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
     """Time every verified variant in one interleaved loop (inference mode; buffers put
     back afterwards), for at least `min_time_s` and, on a noisy machine, until every
     speed-up's 95% interval is narrower than `rel_width` of it or `max_time_s` passed.
-    Unverified variants are listed without a time. Returns the timings and the raw
+    Unverified variants are listed without a time. A variant whose interval is still wider
+    than `rel_width` when time runs out is `settled=False`. Returns the timings and the raw
     bench.timing.BenchResult."""
-    from opswap.bench.timing import benchmark
+    from opswap.bench.timing import benchmark, narrow
     from opswap.graph.copies import preserved_state
 
     runnable = [v for v in variants if v.fn is not None and v.verified]
@@ -199,8 +202,11 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
             continue
         s = res[v.name]
         r = res.ratio("input", v.name)
+        settled = True if v.name == "input" else narrow(r.ci_low, r.ci_high, r.of_medians,
+                                                        rel_width)
         out.append(VariantTiming(v.name, s.median * 1e3, s.iqr * 1e3, base / s.median,
-                                 r.q1, r.q3, True, v.compile_s, v.note, r.ci_low, r.ci_high))
+                                 r.q1, r.q3, True, v.compile_s, v.note, r.ci_low, r.ci_high,
+                                 settled))
     return out, res
 
 
@@ -210,7 +216,7 @@ def model_bench(res, variants: list[Variant], inputs: tuple, device: torch.devic
     so that they are the race's own numbers, with each model's peak memory over one call
     measured after the timing."""
     from opswap.bench.memory import peak_memory
-    from opswap.bench.timing import ModelBench
+    from opswap.bench.timing import ModelBench, narrow
     from opswap.graph.copies import preserved_state
 
     if opt not in res.stats:
@@ -231,16 +237,54 @@ def model_bench(res, variants: list[Variant], inputs: tuple, device: torch.devic
         speedup_of_medians=r.of_medians, spread=r.spread, speedup_q1=r.q1, speedup_q3=r.q3,
         speedup_ci=(r.ci_low, r.ci_high), ref_iqr_ms=ref.iqr * 1e3, opt_iqr_ms=cand.iqr * 1e3,
         rounds=len(res.rounds), device=res.device, ref_peak_bytes=peaks.get("input"),
-        opt_peak_bytes=peaks.get(opt), notes=notes)
+        opt_peak_bytes=peaks.get(opt), notes=notes, rel_width=res.rel_width,
+        settled=None if res.rel_width is None else narrow(r.ci_low, r.ci_high, r.of_medians,
+                                                          res.rel_width))
 
 
-def best(timings: list[VariantTiming]) -> VariantTiming:
-    """The fastest verified variant; the input unless something is faster than it beyond
-    the noise of the run (the lower end of its speed-up's interval above 1)."""
+# A variant whose interval did not narrow in time must beat the input by this much at the
+# interval's lower end to be saved: on a busy machine a lower end just above 1 is luck.
+UNSETTLED_MARGIN = 1.05
+
+# The variant whose verification covers the file a winner saves: a compiled winner saves
+# the plain export it compiles, and `input` saves the input's export.
+FILE_OF = {"input": "captured", "captured": "captured", "compile": "captured",
+           "opswap": "opswap", "opswap+compile": "opswap"}
+
+
+def best(timings: list[VariantTiming], files_ok: set[str] | None = None) -> VariantTiming:
+    """The fastest verified variant whose saved file passed verification at every shape it
+    claims (`files_ok`: the variants whose file did; None: all); the input unless
+    something is faster than it beyond the noise of the run (the lower end of its
+    speed-up's interval above 1).
+
+    When the race did not settle (some interval still wide when time ran out), the choice
+    is conservative: a variant must clear UNSETTLED_MARGIN at its interval's lower end, and
+    the highest lower end wins, not the lowest median."""
     by = {t.name: t for t in timings}
     faster = [t for t in timings if t.verified and t.name != "input" and t.ms is not None
-              and t.faster]
-    return min(faster, key=lambda t: t.ms) if faster else by["input"]
+              and (files_ok is None or t.name in files_ok) and t.faster
+              and (t.settled is not False or t.ci_low > UNSETTLED_MARGIN)]
+    if not faster:
+        return by["input"]
+    if any(t.settled is False for t in timings if t.ms is not None):
+        return max(faster, key=lambda t: t.ci_low)
+    return min(faster, key=lambda t: t.ms)
+
+
+def saved_verification(variants: list[Variant]) -> dict[str, dict[str, Any] | None]:
+    """Per variant, the verification the file it saves passed: {"variant", "shapes"}, or None
+    when that file's variant was not verified or failed. A saved-graph variant is verified
+    at every shape its file claims (the example's only where the file accepts no other), so
+    its pass covers the file; a compiled variant's own check (at the example's shape) does
+    not, and it leans on the plain variant it compiles."""
+    by = {v.name: v for v in variants}
+    out: dict[str, dict[str, Any] | None] = {}
+    for v in variants:
+        f = by.get(FILE_OF.get(v.name, v.name))
+        out[v.name] = ({"variant": f.name, "shapes": list(f.shapes)}
+                       if f is not None and f.verified else None)
+    return out
 
 
 @dataclass
@@ -252,6 +296,10 @@ class Race:
     winner: VariantTiming
     artifacts: dict[str, Any]
     benchmark: Any  # bench.timing.ModelBench, or None when opswap's variant was not timed
+    # the verification the saved file passed ({"variant", "shapes"}), None when it passed none
+    verified_as: dict[str, Any] | None = None
+    result: Any = None  # the raw bench.timing.BenchResult of the race
+    settled: bool | None = None  # every interval narrowed in time
 
 
 def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device) -> Race:
@@ -275,7 +323,12 @@ def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device)
         static = v.compiled or (v.artifact is not None and v.artifact.note)
         check = verify_fn(v.fn, shapes=not static)
         v.verified, v.reasons = check.passed, list(check.reasons)
+        v.shapes = list(getattr(check, "shapes", []) or [])
         if v.compiled and v.compile_s is not None:
             v.note = f"compiled in {v.compile_s:.1f} s; verified at the example's shape"
     timings, res = race(variants, inputs, dev)
-    return Race(timings, best(timings), artifacts, model_bench(res, variants, inputs, dev))
+    files = saved_verification(variants)
+    winner = best(timings, {n for n, f in files.items() if f is not None})
+    return Race(timings, winner, artifacts, model_bench(res, variants, inputs, dev),
+                verified_as=files.get(winner.name), result=res,
+                settled=all(t.settled is not False for t in timings))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from dataclasses import dataclass, field
 
 
@@ -77,7 +78,7 @@ h1{border-bottom:2px solid #ddd;padding-bottom:.3em}h2{margin-top:1.8em;border-b
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ddd;padding:4px 8px}
 th{background:#f4f4f6;text-align:left}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr:nth-child(even) td{background:#fafafa}figure{margin:1.5em 0}figcaption{color:#555;font-size:.9em}
-img{max-width:100%}.tablebox{overflow-x:auto;max-width:100%}td code{overflow-wrap:break-word}code{background:#f4f4f6;padding:0 3px;border-radius:3px}
+img{max-width:100%}.tablebox{overflow-x:auto;max-width:100%}td code{overflow-wrap:anywhere}code{background:#f4f4f6;padding:0 3px;border-radius:3px}
 .pass{color:#0a7d2c;font-weight:600}.fail{color:#b00020;font-weight:600}
 """
 
@@ -86,7 +87,8 @@ def _inline(text: str) -> str:
     """Escape, then render `code` and **bold** spans (the only Markdown the report uses)."""
     parts = html.escape(text).split("`")
     for i in range(1, len(parts), 2):
-        parts[i] = f"<code>{parts[i]}</code>"
+        # long names (rule, module path, site) may wrap after a separator, not mid-word
+        parts[i] = "<code>" + re.sub(r"([._+/])", r"\1<wbr>", parts[i]) + "</code>"
     s = "".join(parts)
     bits = s.split("**")
     for i in range(1, len(bits), 2):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from opswap.bench.timing import UNSETTLED, describe_speedup
+from opswap.bench.variants import UNSETTLED_MARGIN
 from opswap.cost.units import human, human_unit
 from opswap.report import plots
 from opswap.report.document import Block, Bullets, Heading, Image, Para, Table, to_html, to_markdown
@@ -35,30 +37,57 @@ def _summary(result, data) -> list[Block]:
         f"Verification **{verdict}** on {v.get('samples', '?')} input "
         f"sample{'' if v.get('samples') == 1 else 's'}: cosine "
         f"{v['cosine']:.8f}, max abs error {_f(v['max_abs'])}, SQNR {_f(v['sqnr_db'])} dB, "
-        f"relative L2 {_f(v['rel_l2'])} (tolerance: {result.verification.tolerance}).",
+        f"relative L2 {_f(v['rel_l2'])} (tolerance: "
+        f"{tolerance_text(result.verification.tolerance)}).",
     ]
+    if data.get("timings_settled") is False:
+        lines.append(unsettled_warning())
     if data.get("variants"):
         lines.append(_headline(data))
     if b:
         lines.append(
             f"Your model against opswap's result as saved (model.pt2, reloaded) on "
             f"{b['device']}: {b['ref_ms']:.3f} ms → {b['opt_ms']:.3f} ms, "
-            f"{interval(b['speedup_of_medians'], b.get('speedup_ci'))} (ratio of the medians of "
-            f"{b['rounds']} interleaved rounds in one process, with its 95% bootstrap "
-            "interval).")
+            f"{interval(b['speedup_of_medians'], b.get('speedup_ci'), b.get('settled'))} "
+            f"(ratio of the medians of {b['rounds']} interleaved rounds in one process, with "
+            "its 95% bootstrap interval).")
     else:
         lines.append("Not timed (--no-bench).")
     return [Para(" ".join(lines[:1])), Bullets(lines[1:])]
 
 
-def interval(ratio, ci) -> str:
-    """'1.42x [1.37-1.48]', or '0.99x [0.95-1.03], within noise' when the interval holds 1."""
-    if ratio is None:
-        return "-"
-    if not ci or ci[0] is None or (isinstance(ci[0], float) and math.isnan(ci[0])):
-        return f"{ratio:.2f}x"
-    text = f"{ratio:.2f}x [{ci[0]:.2f}-{ci[1]:.2f}]"
-    return text + (", within noise" if ci[0] <= 1.0 <= ci[1] else "")
+_TOLERANCE_TERMS = {"cosine_min": "cosine>=", "rel_l2_max": "rel_l2<=", "sqnr_min_db": "sqnr_db>=",
+                    "max_abs": "max_abs<=", "max_rel": "max_rel<="}
+
+
+def exact(x: float) -> str:
+    """A threshold as set: the short form where it is exact, else every digit it has
+    (0.9999999999 is not '1')."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
+
+
+def tolerance_text(tol) -> str:
+    """'cosine>=0.9999999999, rel_l2<=1e-05' from a Tolerance or its to_json()."""
+    items = tol.to_json() if hasattr(tol, "to_json") else dict(tol or {})
+    terms = [f"{_TOLERANCE_TERMS[k]}{exact(v)}" for k, v in items.items()
+             if k in _TOLERANCE_TERMS and v is not None]
+    return ", ".join(terms) or "no threshold"
+
+
+def interval(ratio, ci, settled: bool | None = True) -> str:
+    """'1.42x [1.37-1.48]', or '0.99x [0.95-1.03], within noise' when the interval holds 1;
+    for a timing that did not settle, the lower end first: 'at least 1.07x [1.07-38.37],
+    median 14.48x'."""
+    return describe_speedup(ratio, ci, settled)
+
+
+def unsettled_warning() -> str:
+    """The sentence the CLI and the report print when the race's intervals stayed wide."""
+    return (f"**{UNSETTLED}**: the intervals stayed wide in the time allowed, so each figure "
+            "leads with its interval's lower end, and a variant is saved only where that lower "
+            f"end is at least {UNSETTLED_MARGIN:.2f}x; run again on a quieter machine for "
+            "figures to rely on.")
 
 
 def _headline(data) -> str:
@@ -72,8 +101,8 @@ def _headline(data) -> str:
     text = f"Saved: **{saved['variant']}**, {saved['holds']}."
     if mine is not None:
         ratio = peer["ms"] / mine["ms"]
-        against = (interval(ratio, mine.get("speedup_ci")) if peer["name"] == "input"
-                   else f"{ratio:.2f}x")
+        against = (interval(ratio, mine.get("speedup_ci"), mine.get("settled"))
+                   if peer["name"] == "input" else f"{ratio:.2f}x")
         text += (f" Best opswap variant `{mine['name']}` {mine['ms']:.3f} ms against the best "
                  f"baseline `{peer['name']}` {peer['ms']:.3f} ms: **{against}**.")
     if saved["variant"] == "input":
@@ -89,7 +118,7 @@ def _variants(data) -> list[Block]:
         rows.append([f"`{v['name']}`" + (" (saved)" if v["name"] == data["best"] else ""),
                      _f(v["ms"]), _f(v["iqr_ms"]),
                      "1.00x (the yardstick)" if v["name"] == "input" else
-                     interval(v["speedup_vs_input"], v.get("speedup_ci"))
+                     interval(v["speedup_vs_input"], v.get("speedup_ci"), v.get("settled"))
                      if v["speedup_vs_input"] else "-",
                      "yes" if v["verified"] else "no",
                      _f(v["compile_s"]) if v["compile_s"] is not None else "",
@@ -99,7 +128,9 @@ def _variants(data) -> list[Block]:
                  "interleaved loop; `captured` and `opswap` are timed as reloaded from the "
                  "model.pt2 they save. `vs input` is the ratio of the medians, with its 95% "
                  "bootstrap interval (rounds resampled in pairs). A variant is saved only when "
-                 "the interval's lower end is above 1: otherwise your model is kept."),
+                 "the interval's lower end is above 1 (and at least "
+                 f"{UNSETTLED_MARGIN:.2f}x when the interval did not narrow to 10% of the ratio "
+                 "in the time allowed): otherwise your model is kept."),
             Table(["variant", "ms", "IQR ms", "vs input [95%]", "verified", "compile s",
                    "note"], rows, align_right={1, 2, 3, 5})]
 
@@ -116,15 +147,17 @@ def _changes(result) -> list[Block]:
         rule = registry.get(d.rule)
         e = d.estimate
         rows.append([
-            str(i), f"`{d.rule}`", f"`{d.module}`" if d.module else "-", f"`{d.site.key}`",
+            str(i), f"`{d.rule}`",
+            (f"`{d.module}`: " if d.module else "") + f"`{d.site.key}`",
             d.site.description, rule.exactness,
-            human_unit(e.bytes_saved, "B"), human(e.flops_saved),
-            _f(e.time_saved_s * 1e6) + " µs" if e.time_saved_s is not None else "-",
+            # one cell, so that the table fits a 1280 px page beside the descriptions
+            f"{human_unit(e.bytes_saved, 'B')}, {human_unit(e.flops_saved, 'FLOP')}, "
+            + (_f(e.time_saved_s * 1e6) + " µs" if e.time_saved_s is not None else "- µs"),
             "yes" if d.site.key in applied else "no",
         ])
-    blocks.append(Table(["#", "rule", "module", "site", "what", "exactness", "pred. bytes saved",
-                         "pred. FLOPs saved", "pred. time saved", "applied"], rows,
-                        align_right={0, 6, 7, 8}))
+    blocks.append(Table(["#", "rule", "module: site", "what", "exactness",
+                         "predicted saving (bytes, FLOPs, time)", "applied"], rows,
+                        align_right={0, 5}))
     return blocks
 
 
@@ -144,7 +177,7 @@ def _predicted_vs_measured(result, data) -> list[Block]:
     b = data["benchmark"]
     if b:
         rows.append(["measured latency (median)", f"{b['ref_ms']:.4f} ms", f"{b['opt_ms']:.4f} ms",
-                     interval(b["speedup_of_medians"], b.get("speedup_ci"))])
+                     interval(b["speedup_of_medians"], b.get("speedup_ci"), b.get("settled"))])
         if before.est_time_s and after.est_time_s:
             rows.append(["measured / roofline estimate (how far to trust it)",
                          f"{b['ref_ms'] / (before.est_time_s * 1e3):.1f}x",
@@ -159,25 +192,7 @@ def _predicted_vs_measured(result, data) -> list[Block]:
         "disagree in sign, the replacement does not pay on this device."))
     att = result.attribution
     if att is not None and att.rules:
-        blocks.append(Heading("What each rule is worth, measured", 3))
-        blocks.append(Para(f"Method: {att.method}. Device: {att.device}."
-                           + (f" Note: {att.note}." if att.note else "")))
-        rows = [[f"`{t.rule}`", str(t.sites), f"{t.predicted_saved_s * 1e3:.4f} ms",
-                 f"{t.measured_saved_s * 1e3:.4f} ms",
-                 # A ratio to a saving lost in the noise says nothing: shown only for a verdict.
-                 f"{t.measured_saved_s / t.predicted_saved_s:.1f}x"
-                 if t.predicted_saved_s and t.verdict in ("pays", "slower") else "-",
-                 interval(t.without_ms / t.with_ms, (t.ci_low, t.ci_high)),
-                 {"pays": "yes", "slower": "**no**: slower with it"}.get(t.verdict,
-                                                                       "within noise")]
-                for t in att.rules]
-        rows.append(["sum of the rules", "", "", f"{att.sum_saved_ms:.4f} ms", "", "", ""])
-        rows.append(["all rules together (no rule → full candidate)", "", "",
-                     f"{att.total_saved_ms:.4f} ms", "",
-                     f"{att.none_ms / att.full_ms:.2f}x" if att.full_ms else "-", ""])
-        blocks.append(Table(["rule", "sites", "predicted saving", "measured saving",
-                             "measured / predicted", "candidate without it / with it [95%]",
-                             "pays here"], rows, align_right={1, 2, 3, 4, 5}))
+        blocks += _attribution(att)
     if b:
         bench = result.benchmark
         spreads = [getattr(bench, "ref_iqr_ms", 0.0) or 0.0, getattr(bench, "opt_iqr_ms", 0.0) or 0.0]
@@ -190,6 +205,55 @@ def _predicted_vs_measured(result, data) -> list[Block]:
         png = plots.latency_bars(names, ms, spreads, f"{result.model} on {b['device']}")
         blocks.append(Image("latency.png", png, "Latency of each variant (median, IQR), "
                             "timed in one interleaved run."))
+    return blocks
+
+
+def _ms(x, ci=None) -> str:
+    """'0.1234 ms [0.1100-0.1400]'."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if ci is None or ci[0] is None or math.isnan(ci[0]) or math.isnan(ci[1]):
+        return f"{x:.4f} ms"
+    return f"{x:.4f} ms [{ci[0]:.4f}-{ci[1]:.4f}]"
+
+
+def _attribution(att) -> list[Block]:
+    """Each rule's share of the total saving with its interval, on the race's scale (see
+    bench.attribution), beside its leave-one-out ratio and verdict."""
+    source = ("the race: `captured` against `opswap`, timed in the run that picked what is saved"
+              if att.source == "race" else "the leave-one-out run: no rule against all of them")
+    blocks: list[Block] = [
+        Heading("What each rule is worth, measured", 3),
+        Para(f"Method: {att.method}. The total comes from {source}; the model's own time there "
+             f"is {_ms(att.model_ms)}, which no saving can exceed. Device: {att.device}."
+             + (f" Note: {att.note}." if att.note else ""))]
+    rows = []
+    for t in att.rules:
+        loo_ci = ((t.ci_low - 1) * t.with_ms, (t.ci_high - 1) * t.with_ms) \
+            if t.ci_low is not None and t.ci_high is not None else None
+        if t.pruned:
+            saving = f"pruned: {_ms(t.loo_saved_s * 1e3, loo_ci)} in the leave-one-out run"
+        else:
+            saving = _ms(t.measured_saved_s * 1e3, t.share_ci_ms)
+        ratio = "-"
+        if t.predicted_saved_s and not t.pruned:
+            ratio = f"{t.measured_saved_s / t.predicted_saved_s:.1f}x" + (
+                " (within noise)" if t.verdict == "within noise" else "")
+        rows.append([f"`{t.rule}`", str(t.sites), f"{t.predicted_saved_s * 1e3:.4f} ms", saving,
+                     ratio, interval(t.without_ms / t.with_ms, (t.ci_low, t.ci_high)),
+                     {"pays": "yes", "slower": "**no**: slower with it"}.get(t.verdict,
+                                                                       "within noise")])
+    kept = [t for t in att.rules if not t.pruned]
+    predicted = sum(t.predicted_saved_s for t in kept)
+    rows.append(["sum of the rules", "", f"{predicted * 1e3:.4f} ms",
+                 _ms(att.sum_saved_ms, att.total_ci_ms), "", "", ""])
+    rows.append(["all rules together" + (" (the race: captured → opswap)"
+                                         if att.source == "race" else " (no rule → all)"),
+                 "", "", _ms(att.total_saved_ms, att.total_ci_ms), "",
+                 interval(att.ratio, att.ratio_ci), ""])
+    blocks.append(Table(["rule", "sites", "predicted saving", "measured saving [95%]",
+                         "measured / predicted", "leave-one-out: without it / with it [95%]",
+                         "pays here"], rows, align_right={1, 2, 3, 4, 5}))
     return blocks
 
 
@@ -227,7 +291,7 @@ def _verification(result) -> list[Block]:
              f"random inputs of the same shapes, "
              f"and one sample at each other shape the model is claimed at: "
              f"{', '.join(v.shapes) or 'the example shape only'}); worst case over samples. "
-             f"Tolerance: {v.tolerance}."),
+             f"Tolerance: {tolerance_text(v.tolerance)}."),
         Para("Dynamic sizes (the saved model runs at any of them): "
              + (result.dynamic.describe() if result.dynamic is not None else "not recorded")
              + "."),

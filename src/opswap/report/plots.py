@@ -25,19 +25,31 @@ def _title(ax, text: str, width: int = 60) -> None:
     ax.set_title("\n".join(textwrap.wrap(text, width)) or text, fontsize=10)
 
 
+# A whisker may reach this far past the longest bar before it is cut: on a busy machine one
+# variant's IQR can be several times every median, and an axis stretched to it shrinks the
+# bars (the figure that counts) to slivers.
+_WHISKER_ROOM = 1.5
+
+
 def latency_bars(labels: list[str], medians_ms: list[float], spreads_ms: list[float],
                  title: str) -> bytes:
     """Median latency per variant with its spread (IQR) as error bars; each label sits
-    past its bar's whisker."""
+    past its bar's whisker. The axis follows the bars: a whisker longer than
+    `_WHISKER_ROOM` times the longest bar is cut there and marked with an arrow head."""
     fig, ax = plt.subplots(figsize=(7, 1.4 + 0.55 * len(labels)))
     palette = ["#8e8e93", "#636366", "#0a84ff", "#ff9f0a", "#30d158", "#bf5af2"]
     colors = [palette[i % len(palette)] for i in range(len(labels))]
-    half = [s / 2 for s in spreads_ms]
+    limit = _WHISKER_ROOM * max(medians_ms, default=1.0)
+    half = [min(s / 2, max(limit - v, 0.0)) for v, s in zip(medians_ms, spreads_ms, strict=True)]
+    cut = [s / 2 > h for s, h in zip(spreads_ms, half, strict=True)]
     ax.barh(labels, medians_ms, xerr=half, color=colors, capsize=4)
     ends = [v + h for v, h in zip(medians_ms, half, strict=True)]
     for i, (v, end) in enumerate(zip(medians_ms, ends, strict=True)):
+        if cut[i]:
+            ax.plot([end], [i], marker=">", color="#1d1d1f", ms=6)
         # offset in points, so the label clears the whisker's cap at any scale
-        ax.annotate(f"{v:.3f} ms", (end, i), xytext=(6, 0), textcoords="offset points",
+        ax.annotate(f"{v:.3f} ms" + (" (IQR cut)" if cut[i] else ""), (end, i),
+                    xytext=(6 if not cut[i] else 9, 0), textcoords="offset points",
                     va="center", fontsize=9)
     ax.set_xlabel("latency, ms (median; whisker = IQR)")
     _title(ax, title)
