@@ -17,9 +17,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# opswap.kernels registers torch.ops.opswap.*: a saved model.pt2 that calls them then
+# loads with a plain torch.export.load
 from opswap import bench, rules, verify  # noqa: E402
-from opswap import kernels as _kernels  # noqa: E402, F401  (registers torch.ops.opswap.*: a saved
-# model.pt2 that calls them then loads with a plain torch.export.load)
+from opswap import kernels as _kernels  # noqa: E402, F401
 from opswap.api import analyze, apply, load, optimize, plan  # noqa: E402
 from opswap.deploy import load_optimized  # noqa: E402
 
