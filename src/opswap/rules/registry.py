@@ -100,7 +100,7 @@ def problems() -> list[str]:
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
-    msg = text.splitlines()[0] if text else ""
+    msg = text.splitlines()[0].rstrip(".") if text else ""  # the caller ends the sentence
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
