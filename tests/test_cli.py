@@ -294,13 +294,34 @@ def test_a_gpu_target_timed_here_says_so(tmp_path, capsys):
     assert run("bench", "zoo:resnet", *SMALL, str(plan)) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "timing: the plan is made for h200" in out and "measured here, on cpu:" in out
-    # bench prints the spread and the rounds
+    # bench prints the spread, the interval and the rounds
     assert re.search(r"reference [\d.]+ ms \(IQR [\d.]+\), optimized [\d.]+ ms \(IQR [\d.]+\), "
-                     r"speedup [\d.]+x \(IQR [\d.]+\), median of \d+ interleaved rounds", out), out
+                     r"speedup (at least )?[\d.]+x \[[\d.]+-[\d.]+\].*\d+ interleaved rounds",
+                     out), out
     assert run("plan", "zoo:resnet", *SMALL, "--out", str(plan)) == 0
     capsys.readouterr()
     assert run("bench", "zoo:resnet", *SMALL, str(plan)) == 0
     assert "timing:" not in capsys.readouterr().out  # made for this CPU, timed on it
+
+
+def test_bench_on_a_busy_machine_prints_its_interval_and_says_it_did_not_settle(
+        tmp_path, capsys, monkeypatch):
+    from opswap.bench import timing
+    from opswap.bench.noisy import busy
+
+    plan = tmp_path / "plan.json"
+    assert run("plan", "zoo:resnet", *SMALL, "--out", str(plan)) == 0
+    monkeypatch.setattr(timing, "_Timer", busy(seed=6))  # half the samples 20x slower
+    capsys.readouterr()
+    assert run("bench", "zoo:resnet", *SMALL, str(plan), "--json", str(tmp_path / "b.json")) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    data = json.loads((tmp_path / "b.json").read_text())
+    lo, hi = data["speedup_ci"]
+    assert data["settled"] is False
+    # the interval is printed, its lower end first, then the median, and the warning
+    assert re.search(rf"speedup (at least )?{lo:.2f}x \[{lo:.2f}-{hi:.2f}\](, within noise)?, "
+                     rf"median {data['speedup_of_medians']:.2f}x", out), out
+    assert "timings did not settle: the machine is busy" in out
 
 
 def test_optimize_for_a_gpu_target_on_cpu_says_so_before_loading(monkeypatch, capsys):
@@ -461,3 +482,57 @@ def test_every_command_that_plans_or_lists_takes_rules_from(capsys):
     for cmd in ("rules", "plan", "apply", "verify", "bench", "optimize"):
         assert run(cmd, "--help") == 0
         assert "--rules-from" in capsys.readouterr().out, cmd
+
+
+# --- issue 13.12: a decision looser than the plan's exactness -------------------------------
+
+_MLP = '''
+import torch
+from torch import nn
+
+
+def build(batch=32):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(160, 96), nn.ReLU(), nn.Linear(96, 72))
+    return model, (torch.randn(batch, 160),)
+'''
+
+
+def test_apply_refuses_an_approx_decision_in_an_exact_plan_unless_allowed(tmp_path, capsys,
+                                                                         monkeypatch):
+    from opswap.report.model_io import load_model
+
+    # this machine's timing says int8 pays, so the approx rule is planned
+    monkeypatch.setattr("opswap.rules.precision.int8_linear.time_on_this_cpu",
+                        lambda m, k, n, b, t: (2e-3, 1e-3))
+    (tmp_path / "mlp.py").write_text(_MLP)
+    spec = f"{tmp_path / 'mlp.py'}:build"
+    plan = tmp_path / "plan.json"
+    assert run("plan", spec, "--exactness", "approx", "--rules", "precision.int8_linear",
+               "--out", str(plan)) == 0
+    data = json.loads(plan.read_text())
+    assert [d["rule"] for d in data["decisions"]] == ["precision.int8_linear"] * 2
+    data["settings"]["exactness"] = "exact"  # the approx decisions now sit in an exact plan
+    plan.write_text(json.dumps(data))
+    capsys.readouterr()
+    out = tmp_path / "m"
+    assert run("apply", spec, str(plan), "--out", str(out)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "precision.int8_linear, an approx rule" in err and "exactness exact" in err
+    assert "--allow-looser" in err
+    assert not (out / "model.pt2").exists() and not (out / "model_state.pt").exists()
+    assert run("apply", spec, str(plan), "--allow-looser", "--out", str(out)) == 0
+    saved = load_model(out)
+    user = _load_user(tmp_path)
+    for rows in (32, 9, 57):  # the example's batch and others, against the user's module
+        x = torch.randn(rows, 160)
+        with torch.no_grad():
+            want, got = user(x), saved(x)
+        assert float((got - want).norm() / want.norm()) < 3e-2  # the approx tolerance
+
+
+def _load_user(tmp_path):
+    from opswap.models import load
+
+    return load(f"{tmp_path / 'mlp.py'}:build").module

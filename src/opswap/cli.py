@@ -336,14 +336,20 @@ def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
     _write_json(json_path, p.to_json())
 
 
-def _applied(spec: str, plan_path: Path, sets, dynamic: str = "auto", weights: Path | None = None):
+def _applied(spec: str, plan_path: Path, sets, dynamic: str = "auto", weights: Path | None = None,
+             allow_looser: bool = True):
     from opswap.graph import capture
-    from opswap.search.plan import Plan, apply_plan
+    from opswap.rules import registry
+    from opswap.search.plan import Plan, apply_plan, check_exactness
 
     p = Plan.load(plan_path)
+    if not allow_looser:  # before the model loads: a refusal costs nothing
+        check_exactness(p, [registry.get(d.rule) for d in p.decisions])
     loaded = _load(spec, sets, weights)
     captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
-    applied = apply_plan(captured, p)
+    # verify and bench judge and time what the plan holds (verify at the plan's own
+    # exactness); only apply, which saves the result, refuses looser decisions
+    applied = apply_plan(captured, p, allow_looser=allow_looser)
     for f in applied.failed:
         _note(f"{f.rule} at {f.key}: {f.reason}", "not applied", "red")
     return loaded, captured, p, applied
@@ -371,14 +377,18 @@ def _print_inputs(module) -> None:
 def apply(spec: Spec, plan_path: PlanArg,
           sets: SetOpt = None, dynamic: DynamicOpt = "auto", weights: WeightsOpt = None,
           out: Annotated[Path | None, typer.Option("--out", "-o", metavar="DIR", help="Save the optimized model in this directory.")] = None,
-          rules_from: RulesFromOpt = None, json_path: JsonOpt = None) -> None:
+          rules_from: RulesFromOpt = None,
+          allow_looser: Annotated[bool, typer.Option("--allow-looser", help="Apply decisions whose rule is looser than the plan's exactness (an approx rule in an exact plan); refused otherwise.")] = False,
+          json_path: JsonOpt = None) -> None:
     """Re-apply a plan to a model; optionally save the optimized model. Exit status 1 when
-    decisions of the plan could not be applied (the model is saved without them)."""
+    decisions of the plan could not be applied (the model is saved without them); 2 when a
+    decision's rule is looser than the plan's exactness and --allow-looser is not given."""
     from opswap.report.model_io import save_model
 
     _check_outputs(json_path, out, out_dir=True)
     _rules_from(rules_from)
-    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic, weights)
+    loaded, captured, p, applied = _applied(spec, plan_path, sets, dynamic, weights,
+                                            allow_looser=allow_looser)
     console.print(f"applied {len(applied.applied)} of {_n(len(p.decisions), 'decision')}")
     _print_inputs(loaded.module)
     if out is not None:
