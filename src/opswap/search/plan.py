@@ -328,7 +328,7 @@ def check_exactness(plan: Plan, rules: list[Rule]) -> None:
     settings.exactness: a decision hand-added to a plan marked exact would otherwise be
     applied, saved and verified against the exact tolerance's promise without a word."""
     level = EXACTNESS_ORDER[plan.settings.exactness]
-    for i, (d, rule) in enumerate(zip(plan.decisions, rules, strict=True)):
+    for i, rule in enumerate(rules):  # rules[i] is decision i's rule
         if EXACTNESS_ORDER[rule.exactness] > level:
             raise PlanError(
                 f"Decision {i} applies {rule.name}, an {rule.exactness} rule, but the plan "
