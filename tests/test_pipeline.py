@@ -113,3 +113,20 @@ def test_rules_are_timed_one_by_one():
     assert t.without_ms < t.with_ms and not t.pays  # the slow identity costs time
     assert r.to_json()["rule_timings"][0]["pays"] is False
     assert r.applied  # kept: pruning was switched off
+
+
+def test_print_of_a_result_is_a_short_summary_not_the_modules():
+    m = _model()
+    x = torch.randn(3, 16)
+    r = optimize(m, (x,), OptimizeConfig(rules=["test.wrong"], bench=False, layers=False))
+    text = repr(r)
+    assert str(r) == text and "\n" not in text and len(text) < 300
+    assert text.startswith("Result(model='Sequential', target='cpu'")
+    assert "applied 0 of 0 decisions, 1 rolled back" in text
+    assert f"verification PASSED (max_abs {r.verification.max_abs:.3g}" in text
+    assert "not timed" in text and "Linear" not in text  # no module dump
+    raced = optimize(_model(), (torch.randn(5, 16),),
+                     OptimizeConfig(layers=False, samples=1, compare="none", measure_rules=False))
+    best = next(v for v in raced.variants if v.name == raced.best)
+    assert f"best {raced.best} {best.speedup_vs_input:.2f}x the input" in repr(raced)
+    assert len(repr(raced)) < 300

@@ -126,6 +126,23 @@ class Result:
             "notes": self.notes,
         }
 
+    def __repr__(self) -> str:
+        """One line (print(result) once dumped ~55 KB of modules): the model, what was
+        applied, the verdict with its max_abs and cosine, and the saved variant's speed-up."""
+        n = len(self.plan.decisions)
+        applied = f"applied {len(self.applied)} of {n} decision{'s' if n != 1 else ''}"
+        if self.rolled_back:
+            applied += f", {len(self.rolled_back)} rolled back"
+        v = self.verification
+        verdict = (f"verification {'PASSED' if v.passed else 'FAILED'} "
+                   f"(max_abs {v.max_abs:.3g}, cosine {v.cosine:.6f})")
+        best = next((t for t in self.variants if t.name == self.best), None)
+        if best is None or best.speedup_vs_input is None:
+            timed = "not timed"
+        else:
+            timed = f"best {self.best} {best.speedup_vs_input:.2f}x the input"
+        return f"Result(model={self.model!r}, target={self.target!r}, {applied}, {verdict}, {timed})"
+
     @property
     def _saved_kind(self) -> str:
         return _SAVES.get(self.best, "candidate")
