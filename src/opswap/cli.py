@@ -491,7 +491,7 @@ def bench(spec: Spec, plan_path: PlanArg,
         f"{data['spread']:.2f}), {_n(data['rounds'], 'interleaved round')} on "
         f"{data['device']}"))
     if data["settled"] is False:
-        _unsettled()
+        _unsettled(race=False)
     _partial(p, applied, "timed the model with the {n} that did")
     _write_json(json_path, data)
     if applied.failed:
@@ -578,11 +578,11 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
         raise typer.Exit(1)
 
 
-def _unsettled() -> None:
+def _unsettled(race: bool = True) -> None:
     """The warning for timings whose intervals stayed wide (a busy machine)."""
     from opswap.report.optimize_report import unsettled_warning
 
-    _note(unsettled_warning().replace("**", ""), "timing", "red")
+    _note(unsettled_warning(race).replace("**", ""), "warning", "red")
 
 
 def _print_summary(data: dict) -> None:

@@ -82,11 +82,13 @@ def interval(ratio, ci, settled: bool | None = True) -> str:
     return describe_speedup(ratio, ci, settled)
 
 
-def unsettled_warning() -> str:
-    """The sentence the CLI and the report print when the race's intervals stayed wide."""
+def unsettled_warning(race: bool = True) -> str:
+    """The sentence the CLI and the report print when the intervals stayed wide (`race`:
+    of an optimize run, which also chose what to save)."""
+    saved = (", and a variant is saved only where that lower end is at least "
+             f"{UNSETTLED_MARGIN:.2f}x" if race else "")
     return (f"**{UNSETTLED}**: the intervals stayed wide in the time allowed, so each figure "
-            "leads with its interval's lower end, and a variant is saved only where that lower "
-            f"end is at least {UNSETTLED_MARGIN:.2f}x; run again on a quieter machine for "
+            f"leads with its interval's lower end{saved}; run again on a quieter machine for "
             "figures to rely on.")
 
 
