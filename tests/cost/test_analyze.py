@@ -349,3 +349,20 @@ def test_advice_says_why_a_near_miss_does_not_take_the_node(method):
     relu = _advice(a, "ReLU")
     assert "no opswap rule does this here: fusion.conv_relu does not take it" in relu, relu
     assert "also read by" in relu, relu
+
+
+def test_a_saved_model_pt2_has_no_hooks_of_the_users(tmp_path):
+    # torch.export's loader puts its own input checks and state handling on the module it
+    # hands back as hooks; analyzing a model.pt2 must not report them as the user's
+    from opswap.backends.pt2 import export_artifact
+    from opswap.models import load
+
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    export_artifact(m, (torch.randn(2, 3, 8, 8),), None, tmp_path)
+    loaded = load(str(tmp_path / "model.pt2"))
+    a = analyze(capture(loaded.module, loaded.example_inputs), "cpu")
+    assert a.rows and not [n for n in a.notes if "hook" in n], a.notes
+    # a hook the user adds is still named
+    loaded.module.register_forward_hook(lambda mod, args, out: None)
+    a = analyze(capture(loaded.module, loaded.example_inputs), "cpu")
+    assert [n for n in a.notes if "a forward hook on the model" in n], a.notes

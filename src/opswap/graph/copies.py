@@ -88,15 +88,25 @@ def _root(module: nn.Module) -> nn.Module:
     return module.model if isinstance(module, KeywordCall) else module
 
 
+def _programs_own(hook) -> bool:
+    """A hook that the loader of an exported program puts on the module it hands back: the
+    program's input checks and state handling (torch.export._unlift on torch 2.11-2.14),
+    or opswap's own lean loader's check (backends.pt2); not the user's."""
+    fn = getattr(hook, "func", hook)  # a functools.partial
+    where = getattr(fn, "__module__", None) or ""
+    return where.startswith(("torch.export", "opswap.backends"))
+
+
 def user_hooks(module: nn.Module) -> list[tuple[str, str]]:
     """(module path, kind) of the user's forward and backward hooks on the module or any
     submodule ("" for the module itself; kind "forward hook", "forward pre-hook", ...);
-    the hooks that compute weights (`weight_hooks`) are not among them."""
+    the hooks that compute weights (`weight_hooks`) and a loaded program's own hooks
+    (a model.pt2's input checks) are not among them."""
     out = []
     for path, m in _root(module).named_modules():
         for table, kind in _HOOKS.items():
             for hook in (getattr(m, table, None) or {}).values():
-                if _weight_kind(hook) is None:
+                if _weight_kind(hook) is None and not _programs_own(hook):
                     out.append((path, kind))
     return out
 
