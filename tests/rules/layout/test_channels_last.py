@@ -79,6 +79,18 @@ def test_channels_last_skipped_where_nchw_is_preferred():
     assert len(plan.skipped) == 1 and "prefers contiguous" in plan.skipped[0]["reason"]
 
 
+def test_the_estimate_states_bytes_with_units():
+    # a skip reason or estimate the report prints reads "1.7 kB", not "1680 B"
+    import re
+
+    captured = capture(SmallCNN().eval(), (torch.randn(8, 5, 7, 13),), method="fx")
+    plan = make_plan(captured, rules=["layout.channels_last"], target=NHWC_CPU)
+    notes = [d.estimate.note for d in plan.decisions] + [s["reason"] for s in plan.skipped]
+    assert notes and all("conv(s) stop reordering" in n for n in notes), notes
+    assert all(re.search(r"\(\d+(\.\d)? [kMG]B\)", n) for n in notes), notes
+    assert not any(re.search(r"\d{4,} B\b", n) for n in notes), notes
+
+
 def test_channels_last_rolls_back_when_a_view_breaks():
     class Flat(nn.Module):
         def __init__(self):

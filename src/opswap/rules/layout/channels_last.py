@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from opswap.cost.units import human_unit
 from opswap.rules._cost import bytes_estimate
 from opswap.rules._matching import by_name
 from opswap.rules.base import Estimate, Miss, Site
@@ -59,5 +60,5 @@ class ChannelsLast(LayoutRule):
                                  "layout: the conversions would be paid and nothing saved")
         n_conv = len(plan.entries + plan.outputs + plan.views)
         return bytes_estimate(saved - paid, target, f"{len(plan.convs)} conv(s) stop reordering "
-                              f"activations ({saved} B) for {n_conv} conversion(s) ({paid} B)",
-                              kernels_saved=-n_conv)
+                              f"activations ({human_unit(saved, 'B')}) for {n_conv} "
+                              f"conversion(s) ({human_unit(paid, 'B')})", kernels_saved=-n_conv)
