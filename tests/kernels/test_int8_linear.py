@@ -72,6 +72,30 @@ def test_zero_rows_and_zero_weights_give_the_bias_not_nan():
     torch.testing.assert_close(y[:, 4], b[4].expand(5))
 
 
+@pytest.mark.parametrize("rows, k, n", [(9, 64, 16), (37, 100, 33)])
+def test_a_row_holding_inf_gives_float32s_inf_a_nan_row_nan_and_the_other_rows_are_untouched(
+        rows, k, n):
+    torch.manual_seed(rows)
+    clean = torch.randn(rows, k)
+    w, b = torch.randn(n, k) * 0.1, torch.randn(n)
+    x = clean.clone()
+    x[1, 5], x[2, 7], x[3, 0] = float("inf"), -float("inf"), float("nan")
+    wq, ws = quantize_weight(w)
+    got, want = direct(x, wq, ws, b), F.linear(x, w, b)
+    for row, col in ((1, 5), (2, 7)):
+        held = wq[col] != 0  # inf times a weight int8 holds: +-inf with float32's sign
+        assert torch.equal(got[row][held], want[row][held]) and torch.isinf(got[row][held]).all()
+        # a weight below half its channel's int8 step is held as 0: inf * 0, NaN
+        assert got[row][~held].isnan().all() and held.float().mean() > 0.9
+    assert got[3].isnan().all() and want[3].isnan().all()
+    finite = [0, *range(4, rows)]  # rows are quantised on their own: the others are as they were
+    assert torch.isfinite(got[finite]).all()
+    torch.testing.assert_close(got[finite], direct(clean[finite], wq, ws, b))
+    torch.testing.assert_close(reference(x, wq, ws, b), got, equal_nan=True)
+    torch.testing.assert_close(int8_linear(x.reshape(1, rows, k), wq, ws, b)[0], got,
+                               equal_nan=True)
+
+
 def test_typical_error_is_about_one_percent():
     torch.manual_seed(1)
     lin = torch.nn.Linear(768, 768)

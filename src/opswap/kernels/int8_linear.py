@@ -53,9 +53,18 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.t().contiguous(), scale
 
 
+# The largest finite step: x / step stays inf for an inf element and 0 for finite ones.
+_MAX_STEP = torch.finfo(torch.float32).max / _QMAX
+
+
 def _quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 rows, the scale that rescales them). A row holding +-inf keeps scale inf and
+    is quantised with the largest finite step, so its inf elements become +-127 and its
+    finite ones 0: the output is +-inf with float32's sign of inf * w (NaN where w is held
+    as 0, as inf * 0 is), not the all-NaN of inf / inf. A NaN row has scale NaN: all NaN,
+    as in float32. Both cost one [M, 1] clamp, not a pass over the input."""
     scale = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(_QMAX)
-    q = (x2 / scale).round_().clamp_(-_QMAX, _QMAX).to(torch.int8)
+    q = (x2 / scale.clamp_max(_MAX_STEP)).round_().clamp_(-_QMAX, _QMAX).to(torch.int8)
     return q, scale
 
 
