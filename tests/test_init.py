@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import opswap
+import opswap.kernels  # noqa: F401  (to build the file here; the fresh process imports opswap only)
 
 
 class _ConvReLU(nn.Module):
