@@ -24,7 +24,7 @@ from opswap.graph.inputs import fresh
 from opswap.graph.keywords import KeywordCall, keyword_call, positional
 from opswap.models import LoadedModel
 from opswap.models import load as _load
-from opswap.pipeline import OptimizeConfig, Result
+from opswap.pipeline import OptimizeConfig, Result, guarded
 from opswap.pipeline import optimize as _optimize
 from opswap.search.plan import Plan, apply_plan, make_plan
 
@@ -55,7 +55,9 @@ def apply(model: nn.Module, example_inputs, plan: Plan | str) -> nn.Module:
     which takes keyword inputs positionally (see the module doc)."""
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    return apply_plan(capture(*keyword_call(model, example_inputs)), plan).gm
+    model, inputs = keyword_call(model, example_inputs)
+    captured = capture(model, inputs)
+    return guarded(apply_plan(captured, plan).gm, captured, model)
 
 
 def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
@@ -132,5 +134,7 @@ def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
 def note_inputs(result: Result, model: nn.Module) -> None:
     """Record in result.notes the positional order a KeywordCall model's result takes."""
     if isinstance(model, KeywordCall):
-        result.notes.insert(0, "The model takes keyword inputs; the optimized model (and "
-                               "model.pt2) " + model.describe() + ".")
+        what = ("takes keyword inputs" if model.keywords else
+                "was given inputs that are not tensors")
+        result.notes.insert(0, f"The model {what}; the optimized model (and model.pt2) "
+                               + model.describe() + ".")

@@ -29,3 +29,8 @@ class PlanError(OpswapError, ValueError):
 
 class VerificationError(OpswapError):
     """Reference and candidate could not be compared (not: they differ)."""
+
+
+class InputError(OpswapError, ValueError):
+    """A call with inputs the optimized or saved model was not made for (another number of
+    inputs, rank, dtype, or a size it keeps static)."""

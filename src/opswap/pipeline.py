@@ -291,6 +291,15 @@ def _run_info(model, captured: Captured, config: OptimizeConfig,
             "compare": config.compare, "seed": config.seed}
 
 
+def guarded(gm, captured: Captured, model) -> nn.Module:
+    """The in-memory result, refusing in one sentence a call outside what was claimed."""
+    from opswap.graph.dynamic import guard
+    from opswap.graph.keywords import KeywordCall
+
+    hint = model.describe() if isinstance(model, KeywordCall) else ""
+    return guard(gm, captured.example_inputs, captured.dynamic, hint=hint)
+
+
 _MAX_REPLANS = 4  # rollback + plan again rounds; each round removes at least one site
 
 
@@ -315,7 +324,7 @@ def _attribute(captured: Captured, plan: Plan, applied, replan, device: str,
         mine = [d for d in plan.decisions if d.rule == rule]
         without[rule] = (trial.gm, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine))
     return attribute(applied.gm, captured.gm, without, captured.example_inputs, device,
-                     min_time_s=min_time_s)
+                     min_time_s=min_time_s, copy=bool(captured.writes_inputs))
 
 
 def optimize(
@@ -469,7 +478,7 @@ def optimize(
         target=target.name,
         config=config,
         reference=model,
-        candidate=applied.gm,
+        candidate=guarded(applied.gm, captured, model),
         example_inputs=captured.example_inputs,
         plan=plan,
         applied=applied.applied,

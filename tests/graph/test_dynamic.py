@@ -124,3 +124,120 @@ def test_resizing_a_padding_mask_keeps_every_row_valid():
         assert cut[2].tolist() == ([1, 0] if side == "head" else [0, 1])
     _, more = at((ids, right), dyn.axis("batch"), 5)
     assert torch.equal(more[3], right[2]) and torch.equal(more[4], right[2])
+
+
+# ------------------------------------------------------- every dim probed, static ones refused
+
+QUICK = dict(bench=False, layers=False, measure_rules=False)
+
+
+class Frames(nn.Module):
+    """(batch, time, features): any time length, features fixed by the Linear."""
+
+    def __init__(self, norm=(16,)):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.norm = nn.LayerNorm(norm)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.drop(self.fc(x))
+        h = self.bn(h.transpose(1, 2)).transpose(1, 2)
+        return torch.relu(self.norm(h))
+
+
+def _trained(m):
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-0.5, 0.5)
+        m.bn.running_var.uniform_(0.5, 2.0)
+    return m.eval()
+
+
+def _close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_time_dim_of_a_float_input_stays_symbolic(tmp_path):
+    import opswap
+    from opswap.errors import InputError
+    from opswap.pipeline import OptimizeConfig, optimize
+
+    m = _trained(Frames())
+    x = torch.randn(2, 10, 16)
+    dyn = detect(lambda xs: m(*xs), (x,))
+    assert {a.dims for a in dyn.axes} == {((0, 0),), ((0, 1),)}
+    assert any("input 0 dim 2 (16)" in n for n in dyn.notes)  # the features: refused
+    r = optimize(m, (x,), OptimizeConfig(**QUICK))
+    assert r.verification.passed and r.applied
+    assert "dim0_1 11" in r.verification.shapes  # verified at another length
+    r.save(tmp_path)
+    loaded = opswap.load_optimized(tmp_path)
+    with torch.no_grad():
+        for xs in (torch.randn(3, 7, 16), torch.randn(1, 23, 16)):
+            _close(r.candidate(xs), m(xs))
+            _close(loaded(xs), m(xs))
+        with pytest.raises(InputError, match="size 16 in dim 2.*got \\(2, 10, 12\\)"):
+            r.candidate(torch.randn(2, 10, 12))
+
+
+def test_a_size_the_model_fixes_is_refused_in_one_sentence(tmp_path):
+    import opswap
+    from opswap.errors import InputError
+    from opswap.pipeline import OptimizeConfig, optimize
+
+    m = _trained(Frames(norm=(10, 16)))  # normalises over time and features: time is fixed
+    x = torch.randn(2, 10, 16)
+    r = optimize(m, (x,), OptimizeConfig(**QUICK))
+    assert [a.dims for a in r.dynamic.axes] == [((0, 0),)]
+    with torch.no_grad():
+        y = torch.randn(5, 10, 16)
+        _close(r.candidate(y), m(y))  # another batch runs
+        with pytest.raises(InputError) as e:
+            r.candidate(torch.randn(2, 7, 16))
+    assert "size 10 in dim 1" in str(e.value) and "\n" not in str(e.value)
+    r.save(tmp_path)
+    with pytest.raises(ValueError, match="size 10 in dim 1"):
+        opswap.load_optimized(tmp_path)(torch.randn(2, 7, 16))
+
+
+class UNet(nn.Module):
+    """Two poolings and two upsamplings with skips: only multiples of 4 run."""
+
+    def __init__(self):
+        super().__init__()
+        self.down1 = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.down2 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.mid = nn.Conv2d(8, 8, 3, padding=1)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        a = self.down1(x)
+        b = self.down2(nn.functional.max_pool2d(a, 2))
+        c = self.mid(nn.functional.max_pool2d(b, 2))
+        b = b + nn.functional.interpolate(c, scale_factor=2.0)
+        a = a + nn.functional.interpolate(b, scale_factor=2.0)
+        return self.out(a)
+
+
+def test_sizes_that_must_be_multiples_are_probed_at_a_step_the_model_takes():
+    from opswap.pipeline import OptimizeConfig, optimize
+
+    m = UNet().eval()
+    x = torch.randn(2, 3, 12, 12)  # 12 = 4 * 3: +1 fails, the step of 4 runs
+    dyn = detect(lambda xs: m(*xs), (x,))
+    spatial = next(a for a in dyn.axes if a.dims == ((0, 2), (0, 3)))
+    assert spatial.step == 4 and spatial.probe == 16
+    r = optimize(m, (x,), OptimizeConfig(**QUICK))
+    assert r.verification.passed and "dim0_2 16" in r.verification.shapes
+    with torch.no_grad():
+        y = torch.randn(1, 3, 20, 20)
+        _close(r.candidate(y), m(y))
+    # the step can be named too
+    named = detect(lambda xs: m(*xs), (x,), "0:2=h%8,0:3=h%8")
+    assert [(a.name, a.step, a.probe) for a in named.axes] == [("h", 8, 20)]
+
+
+def test_a_bad_step_is_one_sentence():
+    with pytest.raises(CaptureError, match="INPUT:DIM"):
+        parse("0:1=t%0", _text())

@@ -165,3 +165,31 @@ def test_positional_wraps_only_modules_that_take_keywords():
     with torch.no_grad():
         assert torch.equal(other(*inputs), model(x, mask=mask, scale=2.0))
     assert positional(model, nn.Identity()) is model  # positional inputs: nothing to do
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, flag, scale):
+        y = self.fc(x) * scale
+        return y.relu() if flag else y.tanh()
+
+
+def test_positional_constants_are_bound_and_other_values_refused(tmp_path):
+    import opswap
+    from opswap.errors import InputError
+
+    m = Gate().eval()
+    x = torch.randn(4, 8)
+    r = opswap.optimize(m, (x, True, 2.0), bench=False)
+    assert "argument 1=True, argument 2=2.0 bound as constants" in r.notes[0]
+    with pytest.raises(InputError, match="argument 1=True, argument 2=2.0"):
+        r.candidate(x, False, 3.0)  # it would answer for True, 2.0
+    r.save(tmp_path)
+    loaded = opswap.load_optimized(tmp_path)
+    y = torch.randn(3, 8)
+    with torch.no_grad():
+        for fn in (r.candidate, loaded):
+            torch.testing.assert_close(fn(y), m(y, True, 2.0))

@@ -93,7 +93,8 @@ def test_missing_file_and_function(tmp_path):
         ("def f():\n    return 3\n", "returned int; it must return an nn.Module"),
         ("def f():\n    return nn.Linear(2, 2), 'x'\n", "tensor or a tuple of tensors.*got str"),
         ("def f():\n    return nn.Linear(2, 2), ()\n", "got tuple \\(empty\\)"),
-        ("def f():\n    return nn.Linear(2, 2), (torch.ones(2), 1)\n", "got tuple of Tensor, int"),
+        ("def f():\n    return nn.Linear(2, 2), (torch.ones(2), object())\n",
+         "got tuple of Tensor, object"),
         ("def f():\n    raise RuntimeError('boom')\n", "f\\(\\) in .* raised RuntimeError: boom"),
         ("import not_a_module_anywhere\ndef f():\n    pass\n", "Importing .* failed with ModuleNotFoundError"),
     ],
@@ -206,3 +207,28 @@ def test_a_training_mode_module_is_loaded_for_inference_and_says_so(tmp_path):
             return nn.Sequential(nn.Linear(4, 4)).eval(), (torch.randn(2, 4),)
     """, name="quiet.py")
     assert "mode" not in load(f"{quiet}:build").settings
+
+
+def test_positional_constants_are_bound_not_refused(tmp_path):
+    path = write(tmp_path, """
+import torch
+from torch import nn
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, flag, scale):
+        y = self.fc(x) * scale
+        return y.relu() if flag else y.tanh()
+
+def build():
+    torch.manual_seed(0)
+    return Gate(), (torch.randn(2, 4), True, 2.0)
+""")
+    loaded = load(f"{path}:build")
+    (x,) = loaded.example_inputs
+    user = loaded.module.model
+    with torch.no_grad():
+        assert torch.equal(loaded.module(x), user(x, True, 2.0))

@@ -189,19 +189,22 @@ def reconcile(att: Attribution, race=None, pruned=()) -> Attribution:
 
 def attribute(full: Callable, none: Callable, without: dict[str, tuple[Callable, int, float]],
               inputs: tuple, device="cpu", *, min_time_s: float = 0.5, max_time_s: float = 8.0,
-              rel_width: float = 0.06) -> Attribution:
+              rel_width: float = 0.06, copy: bool = False) -> Attribution:
     """Time `full` (the candidate), `none` (the capture with no rule) and, per rule,
     `without[rule] = (candidate without it, its site count, its predicted saving in s)`
     in one interleaved run, in inference mode with buffers put back afterwards; on a
     noisy machine the run goes on (up to `max_time_s`) until each ratio to `full` has a
-    95% interval narrower than `rel_width` of it."""
+    95% interval narrower than `rel_width` of it. With `copy` (a model that writes into its
+    inputs), every call runs on a fresh copy of them."""
     from opswap.bench.timing import benchmark, resolve_device
     from opswap.graph.copies import preserved_state
 
     dev = resolve_device(device)
-    fns = {"full": lambda: full(*inputs), "none": lambda: none(*inputs)}
+    from opswap.graph.inputs import caller
+
+    fns = {"full": caller(full, inputs, copy), "none": caller(none, inputs, copy)}
     for rule, (fn, _, _) in without.items():
-        fns[f"without {rule}"] = lambda f=fn: f(*inputs)
+        fns[f"without {rule}"] = caller(fn, inputs, copy)
     mods = [full, none, *(fn for fn, _, _ in without.values())]
     with torch.inference_mode(), preserved_state(*mods):
         res = benchmark(fns, warmup=3, repeats=15, min_time_s=min_time_s, max_time_s=max_time_s,

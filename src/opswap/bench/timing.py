@@ -483,6 +483,7 @@ def bench_models(
     """
     from opswap.bench.memory import peak_memory
     from opswap.graph.copies import preserved_state
+    from opswap.graph.inputs import caller, fresh, writes
     from opswap.verify.outputs import eval_mode
 
     args = inputs if isinstance(inputs, tuple) else (
@@ -492,20 +493,26 @@ def bench_models(
         first = tensors[0] if tensors else None
         device = first.device if first is not None else "cpu"
     dev = resolve_device(device)
-    args = tuple(pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x,
-                                 list(args)))
+    # a private copy: on the same device .to() hands back the caller's own tensors
+    args = fresh(tuple(pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor)
+                                       else x, list(args))))
     notes: list[str] = []
     ref, cand = _on(reference, dev, notes, "reference"), _on(candidate, dev, notes, "candidate")
+    with torch.no_grad(), eval_mode(ref), preserved_state(ref):
+        copy = bool(writes(lambda xs: ref(*xs), args))  # then every call gets a fresh copy
+    if copy:
+        notes.append("the model writes into its inputs: each call ran on a fresh copy of them")
 
     with torch.inference_mode(), eval_mode(ref, cand), preserved_state(ref, cand):
-        res = benchmark({"reference": lambda: ref(*args), "candidate": lambda: cand(*args)},
+        res = benchmark({"reference": caller(ref, args, copy),
+                         "candidate": caller(cand, args, copy)},
                         warmup=warmup, repeats=repeats, min_time_s=min_time_s,
                         max_time_s=max_time_s, rel_width=rel_width, device=dev)
         ref_peak = opt_peak = None
         if memory:
             try:
-                ref_peak = peak_memory(lambda: ref(*args), device=dev).peak_bytes
-                opt_peak = peak_memory(lambda: cand(*args), device=dev).peak_bytes
+                ref_peak = peak_memory(caller(ref, args, copy), device=dev).peak_bytes
+                opt_peak = peak_memory(caller(cand, args, copy), device=dev).peak_bytes
             except Exception as e:  # memory is a bonus; the timing stands without it
                 notes.append(f"peak memory not measured: {type(e).__name__}: {str(e)[:120]}")
     r = res.ratio("reference", "candidate")

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from opswap.errors import OpswapError
+from opswap.graph.inputs import caller, fresh
 
 BASELINES = ("compile",)
 
@@ -130,7 +131,7 @@ def _compiled(name: str, module, inputs: tuple, saves: str) -> Variant:
         fn = torch.compile(module)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            fn(*inputs)
+            fn(*fresh(inputs))
         return Variant(name, fn, saves, compiled=True, compile_s=time.perf_counter() - t0)
     except Exception as e:  # a model Dynamo or Inductor cannot take: the race goes on
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
@@ -177,7 +178,8 @@ def build(model, captured_gm, candidate_gm, inputs: tuple, compare: list[str],
 
 
 def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
-         min_time_s: float = 0.5, max_time_s: float = 8.0, rel_width: float = 0.1):
+         min_time_s: float = 0.5, max_time_s: float = 8.0, rel_width: float = 0.1,
+         copy: bool = False):
     """Time every verified variant in one interleaved loop (inference mode; buffers put
     back afterwards), for at least `min_time_s` and, on a noisy machine, until every
     speed-up's 95% interval is narrower than `rel_width` of it or `max_time_s` passed.
@@ -188,7 +190,7 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
     from opswap.graph.copies import preserved_state
 
     runnable = [v for v in variants if v.fn is not None and v.verified]
-    fns = {v.name: (lambda f=v.fn: f(*inputs)) for v in runnable}
+    fns = {v.name: caller(v.fn, inputs, copy) for v in runnable}
     mods = [v.fn for v in runnable]
     with torch.inference_mode(), preserved_state(*mods):
         res = benchmark(fns, warmup=3, repeats=15, min_time_s=min_time_s, max_time_s=max_time_s,
@@ -211,7 +213,7 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
 
 
 def model_bench(res, variants: list[Variant], inputs: tuple, device: torch.device,
-                opt: str = "opswap"):
+                opt: str = "opswap", copy: bool = False):
     """The input-against-candidate figures (result.json's `benchmark`) read off the race,
     so that they are the race's own numbers, with each model's peak memory over one call
     measured after the timing."""
@@ -227,7 +229,7 @@ def model_bench(res, variants: list[Variant], inputs: tuple, device: torch.devic
     with torch.inference_mode(), preserved_state(by["input"].fn, by[opt].fn):
         for name in ("input", opt):
             try:
-                peaks[name] = peak_memory(lambda f=by[name].fn: f(*inputs), device=device).peak_bytes
+                peaks[name] = peak_memory(caller(by[name].fn, inputs, copy), device=device).peak_bytes
             except Exception as e:  # memory is a bonus; the timing stands without it
                 notes.append(f"peak memory not measured: {type(e).__name__}: {str(e)[:120]}")
                 break
@@ -326,9 +328,10 @@ def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device)
         v.shapes = list(getattr(check, "shapes", []) or [])
         if v.compiled and v.compile_s is not None:
             v.note = f"compiled in {v.compile_s:.1f} s; verified at the example's shape"
-    timings, res = race(variants, inputs, dev)
+    copy = bool(getattr(captured, "writes_inputs", None))  # a forward that writes into them
+    timings, res = race(variants, inputs, dev, copy=copy)
     files = saved_verification(variants)
     winner = best(timings, {n for n, f in files.items() if f is not None})
-    return Race(timings, winner, artifacts, model_bench(res, variants, inputs, dev),
+    return Race(timings, winner, artifacts, model_bench(res, variants, inputs, dev, copy=copy),
                 verified_as=files.get(winner.name), result=res,
                 settled=all(t.settled is not False for t in timings))

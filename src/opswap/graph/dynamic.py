@@ -16,8 +16,16 @@ from then on never lets a rewrite depend on an example size:
 Detection (`detect`, overridable with `dynamic=`): dim 0 of every input tensor that has
 the first input's leading size is the batch axis (unless the only input is a vector); dim 1 of 2-D integer or bool
 inputs (token ids, attention masks) and of 2-D float inputs of the same length is
-the sequence axis. Write `dynamic="none"` to keep every size static, `"batch"` or
-`"seq"` for one of them, or `"I:D=name"` items to name input leaf I's dim D.
+the sequence axis. Every other dimension of every input (of size 2 or more) is probed
+too, as torch.export's `Dim.AUTO` would infer it: dims of one size across the inputs
+are tried together (a [B, T, F] input and its [B, T] mask move together), then one by
+one, and a dim stays static only where the model refuses another size (a Linear over
+the features, a channel count). A size is probed at +1 (-1 for a sequence) and, where
+the model refuses that, at a step of the size's largest power-of-two factor (a U-Net
+that needs multiples of 16 keeps 64 x 64 symbolic through 128). Write
+`dynamic="none"` to keep every size static, `"batch"` or `"seq"` for one of them, or
+`"I:D=name"` items to name input leaf I's dim D (`"I:D=name%16"`: probed at a step of
+16).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from opswap.errors import CaptureError
+from opswap.errors import CaptureError, InputError
 
 
 @dataclass(frozen=True)
@@ -41,10 +49,11 @@ class Axis:
     dims: tuple[tuple[int, int], ...]
     size: int
     probe: int
+    step: int = 1  # the probe's distance from the example's size (a model's multiple)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "probed_at": self.probe,
-                "inputs": [f"input {i} dim {d}" for i, d in self.dims]}
+                "step": self.step, "inputs": [f"input {i} dim {d}" for i, d in self.dims]}
 
 
 @dataclass
@@ -94,41 +103,85 @@ def _auto(inputs: tuple, which: set[str]) -> list[tuple[str, tuple[tuple[int, in
     return found
 
 
-_ITEM = re.compile(r"^(\d+):(\d+)(?:=([A-Za-z_][A-Za-z0-9_]*))?$")
+_ITEM = re.compile(r"^(\d+):(\d+)(?:=([A-Za-z_][A-Za-z0-9_]*))?(?:%(\d+))?$")
 
 
-def parse(spec: str | None, inputs: tuple) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
-    """The axes a `dynamic=` setting asks for, before probing. Raises CaptureError on a
-    setting it cannot read."""
+@dataclass(frozen=True)
+class _Request:
+    """An axis a setting asks for, before probing: `step` fixed by the setting (None: try
+    1, then the size's largest power-of-two factor); `rest` for the dims "auto" adds
+    beyond batch and sequence, which are tried one by one where they fail together."""
+
+    name: str
+    dims: tuple[tuple[int, int], ...]
+    step: int | None = None
+    rest: bool = False
+
+
+def _rest(inputs: tuple, taken: set[tuple[int, int]]) -> list[_Request]:
+    """Every dim of size 2 or more not in `taken`, grouped by size across the inputs."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for i, x in _tensors(inputs):
+        for d, n in enumerate(x.shape):
+            if n >= 2 and (i, d) not in taken:
+                groups.setdefault(int(n), []).append((i, d))
+    return [_Request(f"dim{dims[0][0]}_{dims[0][1]}", tuple(dims), rest=True)
+            for dims in groups.values()]
+
+
+def _requests(spec: str | None, inputs: tuple) -> list[_Request]:
     spec = "auto" if spec is None else str(spec).strip().lower()
     if spec in ("auto", ""):
-        return _auto(inputs, {"batch", "seq"})
+        named = [_Request(n, dims) for n, dims in _auto(inputs, {"batch", "seq"})]
+        return named + _rest(inputs, {d for r in named for d in r.dims})
     if spec == "none":
         return []
     names: set[str] = set()
     explicit: dict[str, list[tuple[int, int]]] = {}
+    steps: dict[str, int] = {}
     leaves = _leaves(inputs)
     for item in (p.strip() for p in spec.split(",") if p.strip()):
         if item in ("batch", "seq"):
             names.add(item)
             continue
         m = _ITEM.match(item)
-        if not m:
+        if not m or (m[4] is not None and int(m[4]) < 1):
             raise CaptureError(
                 f"Cannot read {item!r} in the dynamic-shape setting; write auto, none, batch, "
-                "seq, or INPUT:DIM[=NAME] items such as 0:0=batch,0:1=seq.")
+                "seq, or INPUT:DIM[=NAME][%STEP] items such as 0:0=batch,0:1=seq,0:2=h%16.")
         i, d, name = int(m[1]), int(m[2]), m[3] or f"dim{m[1]}_{m[2]}"
         if i >= len(leaves) or not isinstance(leaves[i], torch.Tensor) or d >= leaves[i].dim():
             raise CaptureError(f"The dynamic-shape setting names input {i} dim {d}, which the "
                                "example inputs do not have.")
         explicit.setdefault(name, []).append((i, d))
-    return _auto(inputs, names) + [(n, tuple(dims)) for n, dims in explicit.items()]
+        if m[4] is not None:
+            steps[name] = int(m[4])
+    return ([_Request(n, dims) for n, dims in _auto(inputs, names)]
+            + [_Request(n, tuple(dims), steps.get(n)) for n, dims in explicit.items()])
 
 
-def _probe_size(name: str, size: int) -> int:
-    if name == "seq" and size >= 3:
-        return size - 1  # shorter stays inside position tables and caches
-    return size + 1
+def parse(spec: str | None, inputs: tuple) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    """The named axes a `dynamic=` setting asks for, before probing (batch, seq and the
+    INPUT:DIM items; "auto" probes every other dim as well, see `detect`). Raises
+    CaptureError on a setting it cannot read."""
+    return [(r.name, r.dims) for r in _requests(spec, inputs) if not r.rest]
+
+
+def _probe_size(name: str, size: int, step: int = 1) -> int:
+    if name == "seq" and size - step >= 2:
+        return size - step  # shorter stays inside position tables and caches
+    return size + step
+
+
+def _steps(request: _Request, size: int) -> list[int]:
+    """The probe steps to try: the setting's, or 1 and then the largest power of two that
+    divides the size (a model that needs multiples of it)."""
+    if request.step is not None:
+        return [request.step]
+    if request.name == "batch":
+        return [1]
+    factor = size & -size
+    return [1, factor] if factor > 1 else [1]
 
 
 def step_rows(x: torch.Tensor) -> str | None:
@@ -187,30 +240,62 @@ def at(inputs: tuple, axis: Axis, n: int) -> tuple:
     return resized(inputs, {d: n for d in axis.dims})
 
 
-def detect(run, inputs: tuple, spec: str | None = "auto") -> Dynamic:
-    """The axes `spec` asks for that the model really runs at another size along: `run`
-    (a callable on inputs) is called once per axis at its probe size; an axis along which
-    it raises is kept static, with a note saying so."""
-    dyn = Dynamic()
-    for name, dims in parse(spec, inputs):
-        if not dims:
-            continue
-        leaves = _leaves(inputs)
-        size = leaves[dims[0][0]].shape[dims[0][1]]
-        if any(leaves[i].shape[d] != size for i, d in dims):
-            raise CaptureError(f"The dynamic axis {name!r} names dimensions of different sizes "
-                               "in the example inputs; give dims that share one size.")
-        axis = Axis(name, dims, int(size), _probe_size(name, int(size)))
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+
+
+def _try(run, inputs: tuple, request: _Request) -> tuple[Axis | None, str]:
+    """The axis when `run` takes every size verification will use along it, at the first
+    step that works; else None and what the model raised."""
+    leaves = _leaves(inputs)
+    size = int(leaves[request.dims[0][0]].shape[request.dims[0][1]])
+    why = ""
+    for step in _steps(request, size):
+        axis = Axis(request.name, request.dims, size, _probe_size(request.name, size, step), step)
         for label, xs in variants(inputs, Dynamic([axis])):  # every size verification uses
             try:
                 run(xs)
             except Exception as e:
-                first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-                dyn.notes.append(f"{name} kept static: the model raised {type(e).__name__} at "
-                                 f"{label} ({first})")
+                why = why or f"the model raised {type(e).__name__} at {label} ({_first_line(e)})"
                 break
         else:
+            return axis, ""
+    return None, why
+
+
+def detect(run, inputs: tuple, spec: str | None = "auto") -> Dynamic:
+    """The axes `spec` asks for that the model really runs at another size along: `run`
+    (a callable on inputs) is called at each axis's probe sizes; an axis along which it
+    raises is kept static, with a note saying so (one note for all the dims "auto" found
+    static beyond batch and sequence: feature and channel sizes, mostly)."""
+    dyn = Dynamic()
+    static: list[str] = []
+    leaves = _leaves(inputs)
+    for request in _requests(spec, inputs):
+        if not request.dims:
+            continue
+        size = leaves[request.dims[0][0]].shape[request.dims[0][1]]
+        if any(leaves[i].shape[d] != size for i, d in request.dims):
+            raise CaptureError(f"The dynamic axis {request.name!r} names dimensions of "
+                               "different sizes in the example inputs; give dims that share "
+                               "one size.")
+        axis, why = _try(run, inputs, request)
+        if axis is not None:
             dyn.axes.append(axis)
+        elif not request.rest:
+            dyn.notes.append(f"{request.name} kept static: {why}")
+        else:  # dims of one size that fail together may each move alone
+            for dim in request.dims if len(request.dims) > 1 else ():
+                one, _ = _try(run, inputs, _Request(f"dim{dim[0]}_{dim[1]}", (dim,), rest=True))
+                if one is not None:
+                    dyn.axes.append(one)
+                else:
+                    static.append(f"input {dim[0]} dim {dim[1]} ({size})")
+            if len(request.dims) == 1:
+                static.append(f"input {request.dims[0][0]} dim {request.dims[0][1]} ({size})")
+    if static:
+        dyn.notes.append("kept static, since the model refuses other sizes there: "
+                         + ", ".join(static))
     return dyn
 
 
@@ -244,3 +329,47 @@ def export_shapes(inputs: tuple, dyn: Dynamic):
         dims = {d: torch.export.Dim.AUTO for li, d in marks if li == i}
         per_leaf.append(dims if isinstance(x, torch.Tensor) and dims else None)
     return tuple(pytree.tree_unflatten(per_leaf, spec))
+
+
+def guard(module: torch.nn.Module, inputs: tuple, dyn: Dynamic,
+          what: str = "the optimized model", hint: str = "") -> torch.nn.Module:
+    """`module` (opswap's in-memory result) with a check before each call that refuses, in
+    one sentence, inputs it was never claimed at: another number of inputs, another rank
+    or dtype, or another size in a dim the capture kept static. The saved model.pt2 checks
+    the same on load (backends.pt2). The check stands aside while torch.compile or
+    torch.export traces the module, so that it never specialises a symbolic size."""
+    leaves, spec = pytree.tree_flatten(list(inputs))
+    moving = {d for a in dyn.axes for d in a.dims}
+    names = [n.name for n in getattr(getattr(module, "graph", None), "nodes", ())
+             if n.op == "placeholder"]
+    names = names if len(names) == len(leaves) else [f"input {i}" for i in range(len(leaves))]
+    want = [(names[i], x.dim(), x.dtype,
+             tuple((d, int(n)) for d, n in enumerate(x.shape) if (i, d) not in moving))
+            if isinstance(x, torch.Tensor) else (names[i], None, None, ())
+            for i, x in enumerate(leaves)]
+
+    def check(_mod, args):
+        if torch.compiler.is_compiling():
+            return
+        got, got_spec = pytree.tree_flatten(list(args))
+        if got_spec != spec:
+            raise InputError(f"{what} takes {len(want)} input(s) ({', '.join(names)}) as it "
+                             f"was optimized, got {len(args)} argument(s) of another form"
+                             + (f"; it {hint}" if hint else "") + ".")
+        for x, (name, rank, dtype, fixed) in zip(got, want, strict=True):
+            if rank is None:
+                continue
+            if not isinstance(x, torch.Tensor) or x.dim() != rank or x.dtype != dtype:
+                kind = (f"a {x.dim()}-D {x.dtype} tensor" if isinstance(x, torch.Tensor)
+                        else f"a {type(x).__name__}")
+                raise InputError(f"{what}: input {name} must be a {rank}-D {dtype} tensor, "
+                                 f"got {kind}.")
+            for d, n in fixed:
+                if x.shape[d] != n:
+                    raise InputError(
+                        f"{what}: input {name} must have size {n} in dim {d} (the model was "
+                        f"optimized with that size static), got {tuple(x.shape)}; optimize it "
+                        "again with an example of that size, or name the dim in --dynamic.")
+
+    module.register_forward_pre_hook(check)
+    return module

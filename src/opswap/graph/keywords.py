@@ -187,6 +187,11 @@ class KeywordCall(nn.Module):
                 if param is not None]
 
     @property
+    def keywords(self) -> bool:
+        """Whether the model is called with keywords (not only with bound positional values)."""
+        return any(kind == "kw" for kind, _, _ in self._layout)
+
+    @property
     def config(self):  # the model's config (a Hugging Face model), for who looks for one
         return getattr(self.model, "config", None)
 
@@ -204,14 +209,25 @@ class KeywordCall(nn.Module):
         return _rebuild, (self._layout,), self.__dict__
 
 
+def has_constants(args: Any) -> bool:
+    """True when positional inputs hold a value that is not a tensor (a bool, a number, a
+    string, None): a graph would bake it in and answer for it whatever is passed later."""
+    return isinstance(args, tuple | list) and any(
+        not isinstance(v, torch.Tensor) and _constant(v) for v in args)
+
+
 def keyword_call(model: nn.Module, example_inputs: Any,
                  where: str = "the example inputs") -> tuple[nn.Module, Any]:
-    """(model, inputs) unchanged for positional inputs; (KeywordCall, positional tensors)
-    for a dict of keyword inputs or an (args, kwargs) pair."""
+    """(model, inputs) unchanged for positional tensor inputs; (KeywordCall, positional
+    tensors) for a dict of keyword inputs, an (args, kwargs) pair, or positional inputs
+    that hold constants (bound as constants, so that the optimized model takes only the
+    tensors and a call with other values is refused by the argument count)."""
     split = split_inputs(example_inputs)
     if split is None:
+        if isinstance(model, nn.Module) and has_constants(example_inputs):
+            return KeywordCall.wrap(model, tuple(example_inputs), {}, where=where)
         return model, example_inputs
-    if split[0] and not split[1]:  # (args, {}): positional after all
+    if split[0] and not split[1] and not has_constants(split[0]):  # (args, {}): positional
         return model, split[0]
     return KeywordCall.wrap(model, *split, where=where)
 

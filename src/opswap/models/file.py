@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from opswap.errors import OpswapError, SpecError
-from opswap.graph.keywords import KeywordCall, split_inputs
+from opswap.graph.keywords import KeywordCall, has_constants, split_inputs
 from opswap.models._common import LoadedModel, as_input_tuple, builder_defaults, unknown_key_error
 
 
@@ -75,7 +75,9 @@ def _call(fn, kwargs: dict[str, Any], what: str):
 def _with_inputs(module: nn.Module, raw: Any, where: str) -> tuple[nn.Module, tuple]:
     """The module (wrapped when the inputs hold keywords) and its positional inputs."""
     split = split_inputs(raw)
-    if split is None or (split[0] and not split[1]):
+    if split is None and has_constants(raw):  # (x, True, 2.0): the constants are bound
+        split = (tuple(raw), {})
+    if split is None or (split[0] and not split[1] and not has_constants(split[0])):
         return module, as_input_tuple(raw if split is None else split[0], where)
     try:
         return KeywordCall.wrap(module, *split, where=where)
