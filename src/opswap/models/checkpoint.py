@@ -134,7 +134,8 @@ def _torch_export_errors() -> Iterator[list[str]]:
                 e = record.exc_info[1]
                 while e.__cause__ is not None or e.__context__ is not None:
                     e = e.__cause__ or e.__context__
-                seen.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+                text = str(e).strip()
+                seen.append(f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
 
     logger = logging.getLogger("torch.export")
     handler = Keep(level=logging.WARNING)
