@@ -124,6 +124,7 @@ def _lean(module: nn.Module, name: str, names: list[str], holds, each) -> nn.Mod
     inputs: count (positional, or by the recorded names), rank, dtype, the fixed sizes,
     then `holds`, every guard of the program compiled into one function."""
     from opswap.backends.guards import refusal
+    from opswap.errors import InputError
 
     expected = []
     for node in (n for n in module.graph.nodes if n.op == "placeholder"):
@@ -138,13 +139,13 @@ def _lean(module: nn.Module, name: str, names: list[str], holds, each) -> nn.Mod
         for k, v in kwargs.items():
             i = names.index(k) if k in names else -1
             if i < 0:
-                raise TypeError(f"{name} has no input {k!r}; its inputs are {listed}.")
+                raise InputError(f"{name} has no input {k!r}; its inputs are {listed}.")
             if i < len(args):
-                raise TypeError(f"{name} got input {k} twice, by position and by name.")
+                raise InputError(f"{name} got input {k} twice, by position and by name.")
             given[i] = v
         missing = [names[i] for i, v in enumerate(given) if v is None]
         if missing:
-            raise TypeError(f"{name} is missing input(s) {', '.join(missing)} (it takes "
+            raise InputError(f"{name} is missing input(s) {', '.join(missing)} (it takes "
                             f"{listed}).")
         return tuple(given)
 
@@ -152,23 +153,23 @@ def _lean(module: nn.Module, name: str, names: list[str], holds, each) -> nn.Mod
         out = None
         if kwargs:
             if len(args) > n:
-                raise TypeError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
+                raise InputError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
             args = bind(args, kwargs)
             out = (args, {})
         if len(args) != n:
-            raise TypeError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
+            raise InputError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
         for x, arg, (rank, dtype, static) in zip(args, names, expected, strict=True):
             if not isinstance(x, torch.Tensor) or x.dim() != rank or x.dtype != dtype:
                 got = (f"{type(x).__name__}" if not isinstance(x, torch.Tensor)
                        else f"{x.dim()}-D {x.dtype}")
-                raise ValueError(f"{name}: input {arg} must be a {rank}-D {dtype} tensor, got {got}.")
+                raise InputError(f"{name}: input {arg} must be a {rank}-D {dtype} tensor, got {got}.")
             for d, size in static:
                 if x.shape[d] != size:
-                    raise ValueError(
+                    raise InputError(
                         f"{name}: input {arg} must have size {size} in dim {d} (it was exported "
                         f"with that size fixed), got {tuple(x.shape)}.")
         if holds is not None and not holds(*args):
-            raise ValueError(refusal(name, args, names, each))
+            raise InputError(refusal(name, args, names, each))
         return out
 
     module.validate_inputs = False  # torch's pre-hook re-walks the input pytree: ~40 µs
