@@ -85,3 +85,45 @@ def test_padding_masks_and_segments_get_new_run_lengths():
         assert set(new_noise.unique().tolist()) == {0, 1}
         seen.add(tuple(new_right.sum(1).tolist()))
     assert len(seen) > 1  # new lengths, not the example's copied
+
+
+def test_an_extreme_sample_is_large_and_on_request_non_finite_structure_kept():
+    from opswap.verify.samples import extreme_sample
+
+    ex = _example()
+    ex = (ex[0].contiguous(memory_format=torch.channels_last), *ex[1:])
+    big = extreme_sample(ex, scale=1e4, seed=1)
+    img = big[0]
+    assert img.shape == ex[0].shape and img.stride() == ex[0].stride()
+    assert torch.isfinite(img).all()
+    ratio = float(img.double().std() / ex[0].double().std())
+    assert 5e3 < ratio < 2e4  # the example's spread, 1e4 times over
+    assert torch.equal(big[1], ex[1]) and torch.equal(big[2], ex[2])  # ids, masks as they are
+    assert torch.equal(big[3], ex[3]) and big[4:] == ex[4:]
+    odd = extreme_sample(ex, nonfinite=True, seed=1)[0]
+    flat = odd.reshape(-1)  # +inf, -inf and NaN, each once, in three different rows
+    assert int(torch.isposinf(flat).sum()) == 1 and int(torch.isneginf(flat).sum()) == 1
+    assert int(torch.isnan(flat).sum()) == 1
+    rows = {int(i) // odd.shape[-1] for i in torch.nonzero(~torch.isfinite(odd.contiguous()).reshape(-1))}
+    assert len(rows) == 3
+
+
+def test_a_model_that_takes_large_and_non_finite_values_passes_on_the_extreme_sample():
+    from opswap.graph.copies import private_copy
+    from opswap.verify.outputs import verify
+    from opswap.verify.samples import extreme_sample
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 7), torch.nn.ReLU()).eval()
+    x = torch.randn(5, 12)
+    sample = extreme_sample(x, nonfinite=True)
+    v = verify(model, private_copy(model), x, variants=[("large and non-finite", sample)])
+    assert v.passed and v.samples == 4  # NaN and inf where the model gives them agree
+    copy = private_copy(model)
+
+    def finite_only(t):  # the same model on finite inputs, numbers where it gave inf/NaN
+        return torch.nan_to_num(copy(t))
+
+    assert verify(model, finite_only, x).passed  # random samples never hold inf
+    v = verify(model, finite_only, x, samples=1, variants=[("extreme", sample)])
+    assert not v.passed and v.metrics.nonfinite > 0

@@ -16,9 +16,19 @@ Each new sample keeps every input's shape, dtype, device and strides:
   structure, not data.
 
 Sample 0 is the example itself, so a failure on the user's own input is reported.
+
+No sample holds inf or NaN, and none is far outside the example's scale: most models
+are not meant to take them (an image model turns inf into NaN everywhere, in the
+reference and the candidate alike, and a NaN matching a NaN counts as agreement, so such
+a sample would check nothing). For a model that is meant to take them,
+`extreme_sample` makes one (values at 1e4 times the example's spread, and on request
++inf, -inf and NaN once each in three rows); pass it to `verify` as a variant,
+`variants=[("large and non-finite", extreme_sample(x, nonfinite=True))]`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.utils import _pytree as pytree
@@ -94,3 +104,28 @@ def refresh_floats(example_inputs, seed: int = 0) -> tuple:
     return tuple(pytree.tree_map(
         lambda x: _fresh(x, gen) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
         list(as_inputs(example_inputs))))
+
+
+def extreme_sample(example_inputs, scale: float = 1e4, nonfinite: bool = False,
+                   seed: int = 0) -> tuple:
+    """`example_inputs` with its floating (non-structural) tensors drawn at `scale` times
+    their spread around their mean; with `nonfinite`, each also holds +inf, -inf and NaN
+    once, at its first, middle and last element (three rows when it has three). Integer,
+    bool and structural tensors stay as they are. Opt-in: see the module docstring."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def wild(x):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() < 2 \
+                or _is_structural(x):
+            return x
+        stats = x.detach().to(torch.float64)
+        new = torch.randn(x.shape, generator=gen, dtype=torch.float64) * float(stats.std()) \
+            * scale + float(stats.mean())
+        if nonfinite and x.numel() >= 3:
+            flat = new.view(-1)
+            flat[0], flat[flat.numel() // 2], flat[-1] = math.inf, -math.inf, math.nan
+        out = torch.empty_like(x)  # keeps strides
+        out.copy_(new.to(x.device))
+        return out
+
+    return tuple(pytree.tree_map(wild, list(as_inputs(example_inputs))))

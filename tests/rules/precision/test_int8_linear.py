@@ -185,3 +185,20 @@ def test_on_this_cpu_the_prediction_is_the_sites_timing_elsewhere_the_roofline(m
     assert len(asked) == 1 and "int8 GEMM at the target's int8 rate" in roof.note
     # the roofline on the fixed profile: a quarter of the weight bytes and 4x the rate pay here
     assert roof.time_saved_s > 0
+
+
+def test_inputs_at_ten_thousand_times_the_examples_scale_stay_inside_the_approx_budget():
+    from opswap.verify.outputs import verify
+    from opswap.verify.samples import extreme_sample
+
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(768, 1544), nn.ReLU(), nn.Linear(1544, 768)).eval()
+    x = torch.randn(4, 16, 768)
+    _, plan, applied = _plan(model, x, "fx")
+    assert [d.rule for d in plan.decisions] == [RULE, RULE]
+    large = extreme_sample(x, scale=1e4)
+    v = verify(model, applied.gm, x, tolerance="approx", samples=2,
+               variants=[("1e4 x the example's scale", large), ("batch 1", x[:1])])
+    assert v.passed, v.reasons
+    with torch.no_grad():  # per-row scales: the error is relative, the scale does not matter
+        assert _rel(applied.gm(large[0]), model(large[0])) < 0.03
