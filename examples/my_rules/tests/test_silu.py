@@ -6,11 +6,11 @@ fire, and the result computes what the user's module computes, at other sizes to
 
 from __future__ import annotations
 
+import my_rules.silu  # noqa: F401  (registers the rule, as the entry point does once installed)
 import pytest
 import torch
 from torch import nn
 
-import my_rules.silu  # noqa: F401  (registers the rule, as the entry point does once installed)
 from opswap.graph.capture import capture
 from opswap.search.plan import apply_plan, make_plan
 
