@@ -6,6 +6,12 @@ sample inputs it cannot read safely. Before loading, opswap reads the archive's
 weight and constant tables and refuses any entry that would be unpickled; while
 loading, torch.load is held to weights_only=True. The example inputs are the
 sample inputs stored in the archive.
+
+A program whose outputs are a library's classes (transformers' ModelOutput subclasses)
+reads back only where torch's pytree knows them: the loader reads their names from the
+archive and registers them by importing a fixed module of that library
+(`_TREE_MODULES`), never a module the file names; a class still unknown is named in the
+error, and so is torch's own cause when torch.export.load fails.
 """
 
 from __future__ import annotations
