@@ -124,7 +124,8 @@ def test_optimize_writes_everything(tmp_path):
         assert key in data["benchmark"]
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 3
-    assert [a["name"] for a in data["dynamic"]["axes"]] == ["batch"]
+    # batch, and height with width (one size, probed together); the channels stay static
+    assert [a["name"] for a in data["dynamic"]["axes"]] == ["batch", "dim0_2"]
     assert "batch 1" in data["verification"]["shapes"]
     assert "Dynamic sizes" in (out / "report.md").read_text()
 
@@ -340,7 +341,8 @@ def test_verify_prints_tolerance_and_samples(tmp_path, capsys):
     assert run("verify", "zoo:resnet", *SMALL, str(plan), "--samples", "2") == 0
     out = " ".join(capsys.readouterr().out.split())
     assert ("tolerance: cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100 (the exact defaults); "
-            "4 samples: 2 at the example shape 2x3x16x16, one at each of batch 1, batch 3") in out
+            "5 samples: 2 at the example shape 2x3x16x16, one at each of batch 1, batch 3, "
+            "dim0_2 17") in out
 
 
 @pytest.fixture

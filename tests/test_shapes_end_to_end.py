@@ -49,19 +49,24 @@ def test_saved_model_matches_the_input_at_other_shapes(spec, tmp_path):
     assert "batch" in names, r.dynamic.notes
     if spec.startswith("hf:") and example[0].dtype == torch.int64 or spec == "zoo:bert":
         assert "seq" in names, r.dynamic.notes
+    claimed = r.dynamic
     r.save(tmp_path)
-    assert not (tmp_path / "model_shapes.txt").exists(), (tmp_path / "model_shapes.txt").read_text()
+    note = tmp_path / "model_shapes.txt"
+    if note.exists():  # only an axis torch.export specialises (zoo:seq's LSTM over time)
+        assert "torch.export specialised" in note.read_text(), note.read_text()
+        assert "batch" in {a.name for a in r.dynamic.axes}, note.read_text()
     saved = load_optimized(tmp_path, compile=False)  # what a user loads
-    shapes = _shapes(example, r.dynamic)
+    shapes = _shapes(example, r.dynamic)  # the file's claim (result.json's `dynamic`)
     assert len(shapes) >= 3
-    for label, xs in shapes:
-        with torch.no_grad():
-            want = [t for t in pytree.tree_leaves(module(*xs)) if isinstance(t, torch.Tensor)]
-            got = [t for t in pytree.tree_leaves(saved(*xs)) if isinstance(t, torch.Tensor)]
-        assert len(got) == len(want), label
-        for g, w in zip(got, want, strict=True):
-            assert g.shape == w.shape, (label, g.shape, w.shape)
-            if w.is_floating_point():
-                assert _rel(g, w) <= 1e-4, (label, _rel(g, w))
-            else:
-                assert torch.equal(g, w), label
+    for fn, sizes in ((saved, shapes), (r.candidate, _shapes(example, claimed))):
+        for label, xs in sizes:
+            with torch.no_grad():
+                want = [t for t in pytree.tree_leaves(module(*xs)) if isinstance(t, torch.Tensor)]
+                got = [t for t in pytree.tree_leaves(fn(*xs)) if isinstance(t, torch.Tensor)]
+            assert len(got) == len(want), label
+            for g, w in zip(got, want, strict=True):
+                assert g.shape == w.shape, (label, g.shape, w.shape)
+                if w.is_floating_point():
+                    assert _rel(g, w) <= 1e-4, (label, _rel(g, w))
+                else:
+                    assert torch.equal(g, w), label

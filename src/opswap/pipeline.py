@@ -210,8 +210,15 @@ class Result:
         paths = {"plan": self.plan.save(out / "plan.json")}
         if not self.variants or self.verified_as is not None:
             # only a file that passed verification at every shape it claims is saved
+            artifact = self.saved_artifact
+            if artifact is None:  # no race: exported here, and the claim follows the file
+                from opswap.backends.pt2 import export_artifact
+
+                artifact = export_artifact(self.saved_module, tuple(self.example_inputs),
+                                           self.dynamic, out)
+                self.dynamic = file_claim(self.dynamic, artifact, self.notes)
             paths.update(save_model(self.saved_module, self.example_inputs, self.plan, out,
-                                    dynamic=self.dynamic, artifact=self.saved_artifact))
+                                    dynamic=self.dynamic, artifact=artifact))
         data = self.to_json()
         data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
         paths["result"] = out / "result.json"
@@ -289,6 +296,17 @@ def _run_info(model, captured: Captured, config: OptimizeConfig,
             "model_settings": settings,
             "attn_implementation": settings.get("attn_implementation"),
             "compare": config.compare, "seed": config.seed}
+
+
+def file_claim(dynamic, artifact, notes: list[str]):
+    """The axes the saved file keeps dynamic: `dynamic` less those torch.export specialised
+    in `artifact` (a backends.pt2.Artifact), with a note when it is narrower."""
+    kept = getattr(artifact, "kept", None)
+    if dynamic is None or kept is None or len(kept.axes) >= len(dynamic.axes):
+        return dynamic
+    if artifact.note and artifact.note not in notes:
+        notes.append(artifact.note + " (the optimized module in memory takes them dynamic)")
+    return kept
 
 
 def guarded(gm, captured: Captured, model) -> nn.Module:
@@ -457,19 +475,25 @@ def optimize(
     artifacts: dict[str, Any] = {}
     winner = "opswap"
     bench = verified_as = settled = None
+    dynamic, notes = captured.dynamic, []
     if config.bench:
         step("race")
 
-        def check_variant(fn, shapes: bool):
+        def check_variant(fn, shapes):
+            # shapes: the Dynamic whose sizes the variant claims (a file's own), or False
+            from opswap.graph.dynamic import variants as at_sizes
+
             return verify(model, fn, captured.example_inputs, samples=config.samples,
                           tolerance=tol, seed=config.seed,
-                          variants=captured.variants() if shapes else ())
+                          variants=at_sizes(captured.example_inputs, shapes) if shapes else ())
 
         race = run_variants(model, captured, applied.gm, check_variant, compare=compare,
                             device=config.device)
         raced, winner, artifacts, bench = (race.timings, race.winner.name, race.artifacts,
                                            race.benchmark)
         verified_as, settled = race.verified_as, race.settled
+        saved = artifacts.get("candidate" if _SAVES.get(winner) == "candidate" else "input")
+        dynamic = file_claim(dynamic, saved, notes)
         if attribution is not None:
             # one scale for the report: the total is the race's, shared among the rules kept
             reconcile(attribution, race.result, pruned_rules)
@@ -493,8 +517,8 @@ def optimize(
         attribution=attribution,
         notes=([f"The model has {describe_hooks(hooks)}; opswap verified, optimized and "
                 "timed a copy without them (keep_hooks=True refuses the model instead)."]
-               if hooks else []) + list(captured.notes) + list(plan.notes),
-        dynamic=captured.dynamic,
+               if hooks else []) + list(captured.notes) + list(plan.notes) + notes,
+        dynamic=dynamic,
         variants=raced,
         best=winner,
         captured_gm=captured.gm,

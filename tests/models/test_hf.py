@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -270,6 +271,14 @@ def test_a_saved_causal_lm_optimizes_and_the_result_matches_it(tmp_path, kind):
         want = user(input_ids=ids, attention_mask=mask, use_cache=False).logits
         got = saved(ids, mask)[0]
     torch.testing.assert_close(got, want)
+    # and in a fresh process, as a user deploys it
+    torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
+    code = ("import sys, torch, opswap; m = opswap.load_optimized(sys.argv[1]); "
+            "d = torch.load(sys.argv[2]); torch.save(m(d['ids'], d['mask'])[0], sys.argv[3])")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "out"),
+                    str(tmp_path / "inputs.pt"), str(tmp_path / "logits.pt")], check=True,
+                   capture_output=True, timeout=300)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), want)
     assert json.loads((tmp_path / kind / "config.json").read_text())["use_cache"] is True
 
 

@@ -35,6 +35,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,12 +44,14 @@ from torch import nn
 @dataclass
 class Artifact:
     """A model exported to `path` and reloaded from it (`module`), or why it could not be.
-    `note` says what the file cannot do (e.g. accept other shapes)."""
+    `note` says what the file cannot do (e.g. accept other shapes); `kept` is the
+    graph.dynamic.Dynamic of the axes the file really keeps dynamic (None: not exported)."""
 
     path: Path | None
     module: nn.Module | None
     note: str | None = None
     error: str | None = None
+    kept: Any = None
 
     @property
     def ok(self) -> bool:
@@ -68,20 +71,89 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
+def _specialised(ep, inputs: tuple, dynamic) -> list:
+    """The axes of `dynamic` that the program holds at a fixed size after all: Dim.AUTO
+    lets torch.export specialise a dim it cannot keep symbolic (an nn.LSTM's time steps)
+    without a word."""
+    from torch.utils import _pytree as pytree
+
+    users = set(ep.graph_signature.user_inputs)
+    vals = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder" and n.name in users]
+    leaves = pytree.tree_leaves(list(inputs))
+    if len(vals) != len(leaves):
+        return []
+    def fixed(n) -> bool:  # an int, or a SymInt whose expression came out a number
+        return isinstance(n, int) or not getattr(getattr(n, "node", None), "expr", n).free_symbols
+
+    return [a for a in dynamic.axes
+            if any(isinstance(vals[i], torch.Tensor) and fixed(vals[i].shape[d])
+                   for i, d in a.dims)]
+
+
 def export(model: nn.Module, inputs: tuple, dynamic=None):
-    """torch.export of `model` with the capture's dynamic axes (a graph.dynamic.Dynamic)
-    kept dynamic; falls back to the example's shapes with a note saying so."""
-    from opswap.graph.dynamic import export_shapes
+    """(program, note, kept): torch.export of `model` with the capture's dynamic axes (a
+    graph.dynamic.Dynamic) kept dynamic, and the axes it kept. An axis torch.export
+    specialises is exported static and named in the note; when exporting dynamic fails,
+    the program takes the example's shapes only, with a note saying so."""
+    from opswap.graph.dynamic import Dynamic, export_shapes
 
     shapes = export_shapes(inputs, dynamic) if dynamic is not None else None
-    if shapes is not None:
+    if shapes is None:
+        return torch.export.export(model, inputs, strict=False), None, Dynamic()
+    try:
+        ep = _dynamic_export(model, inputs, shapes, dynamic)
+    except Exception as e:
+        note = ("model.pt2 accepts only the example's input shapes: exporting with "
+                f"dynamic {', '.join(a.name for a in dynamic.axes)} failed ({_first_line(e)})")
+        return torch.export.export(model, inputs, strict=False), note, Dynamic()
+    fixed = _specialised(ep, inputs, dynamic)
+    if not fixed:
+        return ep, None, dynamic
+    kept = Dynamic([a for a in dynamic.axes if a not in fixed], list(dynamic.notes))
+    note = (f"model.pt2 keeps {', '.join(a.name for a in fixed)} static at the example's "
+            f"size: torch.export specialised {'it' if len(fixed) == 1 else 'them'}"
+            + (f"; it stays dynamic in {', '.join(a.name for a in kept.axes)}"
+               if kept.axes else ""))
+    shapes = export_shapes(inputs, kept)
+    return _dynamic_export(model, inputs, shapes, kept), note, kept
+
+
+def _admits(ep, inputs: tuple, dynamic) -> bool:
+    """Whether the program's own guards take every size verification will check it at."""
+    from torch.utils import _pytree as pytree
+
+    from opswap.graph.dynamic import variants
+
+    fn = getattr(ep.module(), "_guards_fn", None)  # torch >= 2.9; older: nothing to ask
+    if fn is None:
+        return True
+    for _, xs in variants(inputs, dynamic):
         try:
-            return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False), None
-        except Exception as e:
-            note = ("model.pt2 accepts only the example's input shapes: exporting with "
-                    f"dynamic {', '.join(a.name for a in dynamic.axes)} failed ({_first_line(e)})")
-            return torch.export.export(model, inputs, strict=False), note
-    return torch.export.export(model, inputs, strict=False), None
+            fn(*pytree.tree_leaves(list(xs)))
+        except Exception:
+            return False
+    return True
+
+
+def _dynamic_export(model: nn.Module, inputs: tuple, shapes, dynamic):
+    """torch.export with dynamic sizes, valid at every size verification checks. The
+    default tracer assumes a dynamic size is not 0 or 1 and may guard on it: a reshape in
+    a batch-2 GPT-2 leaves `B * k != k` in the program, so the file refused batch 1,
+    where opswap verifies it. Where the default program's guards refuse one of those
+    sizes, it is traced again size-obliviously (torch >= 2.6's `backed_size_oblivious`),
+    which keeps size 1 in range and guards only what the graph needs, and that program
+    is kept if its guards take them all (for a ResNet it is the other way round)."""
+    from torch.fx.experimental import _config
+
+    ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+    if not hasattr(_config, "backed_size_oblivious") or _admits(ep, inputs, dynamic):
+        return ep
+    try:
+        with _config.patch(backed_size_oblivious=True):
+            other = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+    except Exception:  # e.g. a data-dependent branch it cannot decide
+        return ep
+    return other if _admits(other, inputs, dynamic) else ep
 
 
 def load(path: str | Path, *, lean: bool = True) -> nn.Module:
@@ -186,10 +258,10 @@ def export_artifact(model: nn.Module, inputs: tuple, dynamic=None,
     # torch.export.save writes the weights before it serialises the program, and fails
     # there on outputs pytree cannot name (torch.return_types.topk): written under another
     # name and renamed when complete, a failed save leaves no file
-    partial = directory / f".{name}.partial"
+    partial = directory / f".{Path(name).stem}.partial{Path(name).suffix}"  # torch wants .pt2
     try:
         with torch.no_grad():
-            ep, note = export(model, tuple(inputs), dynamic)
+            ep, note, kept = export(model, tuple(inputs), dynamic)
         with warnings.catch_warnings():  # "No complete tensor found in the group": noise
             warnings.filterwarnings("ignore", message="No complete tensor found")
             torch.export.save(ep, str(partial))
@@ -198,6 +270,7 @@ def export_artifact(model: nn.Module, inputs: tuple, dynamic=None,
         partial.unlink(missing_ok=True)
         return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
     try:
-        return Artifact(path, load(path), note=note)
+        return Artifact(path, load(path), note=note, kept=kept)
     except Exception as e:
-        return Artifact(path, None, note=note, error=f"reloading {name} failed: {_first_line(e)}")
+        return Artifact(path, None, note=note, error=f"reloading {name} failed: {_first_line(e)}",
+                        kept=kept)

@@ -498,7 +498,8 @@ def bench_models(
                                        else x, list(args))))
     notes: list[str] = []
     ref, cand = _on(reference, dev, notes, "reference"), _on(candidate, dev, notes, "candidate")
-    with torch.no_grad(), eval_mode(ref), preserved_state(ref):
+    # (version counters of tensors made outside inference mode count its writes too)
+    with torch.inference_mode(), eval_mode(ref), preserved_state(ref):
         copy = bool(writes(lambda xs: ref(*xs), args))  # then every call gets a fresh copy
     if copy:
         notes.append("the model writes into its inputs: each call ran on a fresh copy of them")

@@ -306,9 +306,10 @@ class Race:
 
 def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device) -> Race:
     """Export, build, verify and race the variants of one optimize run. `verify_fn(fn,
-    shapes: bool)` verifies a callable against the input, at every claimed shape when
-    `shapes`, else at the example's (compiled variants would recompile for each new
-    shape)."""
+    shapes)` verifies a callable against the input at the example and at every size of
+    `shapes` (a graph.dynamic.Dynamic: the capture's, or the axes a saved file keeps),
+    or at the example's only when `shapes` is False (compiled variants would recompile
+    for each new shape)."""
     from opswap.backends.pt2 import export_artifact
     from opswap.bench.timing import resolve_device
     from opswap.graph.copies import preserved_state
@@ -322,8 +323,11 @@ def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device)
     for v in variants:
         if v.verified is not None:
             continue
-        static = v.compiled or (v.artifact is not None and v.artifact.note)
-        check = verify_fn(v.fn, shapes=not static)
+        # a compiled variant would recompile at each new shape; a file at the sizes it keeps
+        shapes = (False if v.compiled else
+                  v.artifact.kept if v.artifact is not None and v.artifact.kept is not None
+                  else captured.dynamic)
+        check = verify_fn(v.fn, shapes=shapes)
         v.verified, v.reasons = check.passed, list(check.reasons)
         v.shapes = list(getattr(check, "shapes", []) or [])
         if v.compiled and v.compile_s is not None:

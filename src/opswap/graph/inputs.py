@@ -34,7 +34,8 @@ def fresh(inputs: tuple) -> tuple:
 def writes(run: Callable[[tuple], object], inputs: tuple) -> list[int]:
     """The positions (among the input tensors, pytree order) that `run` writes into, found
     by running it once on a fresh copy of `inputs` and reading the version counters."""
-    xs = fresh(inputs)
+    with torch.inference_mode(False):  # inference tensors keep no version counter
+        xs = fresh(inputs)
     tensors = [x for x in pytree.tree_leaves(list(xs)) if isinstance(x, torch.Tensor)]
     before = [x._version for x in tensors]
     run(xs)
