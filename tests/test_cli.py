@@ -423,7 +423,8 @@ def build(batch: int = 2):
 def _opswap(*args, cwd, pythonpath=()):
     """The CLI in a fresh process (rules registered by one run stay out of the others), with
     -P: like the `opswap` script, and unlike `python -m`, no current directory on sys.path."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
+    # a wide console, so that a table cell (a rule's name) is printed whole
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-P", "-m", "opswap.cli", *map(str, args)],
                           capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 

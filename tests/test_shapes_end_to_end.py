@@ -26,7 +26,9 @@ SPECS = [f"zoo:{z.name}" for z in list_zoo()] + [f"hf:{t}" for t in _PRESETS + _
 def _shapes(example, dynamic) -> list[tuple[str, tuple]]:
     out = [("example", example)]
     for axis in dynamic.axes:
-        sizes = [1, axis.size + 3] if axis.name == "batch" else [max(1, axis.size - 5), axis.probe]
+        sizes = ([1, axis.size + 3] if axis.name == "batch" else
+                 [max(1, axis.size - 5), axis.probe] if axis.name == "seq" else
+                 [axis.probe, axis.size + 2 * axis.step])  # image sizes: not below the example
         out += [(f"{axis.name} {n}", at(example, axis, n)) for n in sizes if n != axis.size]
     return out
 

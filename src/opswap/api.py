@@ -50,14 +50,17 @@ def plan(model: nn.Module, example_inputs, *, target: str = "cpu",
                      exactness=exactness, model_name=type(model).__name__)
 
 
-def apply(model: nn.Module, example_inputs, plan: Plan | str) -> nn.Module:
+def apply(model: nn.Module, example_inputs, plan: Plan | str, *,
+          allow_looser: bool = False) -> nn.Module:
     """Apply a Plan (or a path to plan.json) to a copy of `model`; returns the new module,
-    which takes keyword inputs positionally (see the module doc)."""
+    which takes keyword inputs positionally (see the module doc) and refuses inputs outside
+    the sizes it was captured at. A decision looser than the plan's exactness is refused
+    unless `allow_looser`."""
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     model, inputs = keyword_call(model, example_inputs)
     captured = capture(model, inputs)
-    return guarded(apply_plan(captured, plan).gm, captured, model)
+    return guarded(apply_plan(captured, plan, allow_looser=allow_looser).gm, captured, model)
 
 
 def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,

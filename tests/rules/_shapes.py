@@ -9,11 +9,15 @@ from opswap.graph.dynamic import at
 
 
 def other_shapes(captured) -> list[tuple[str, tuple]]:
-    """Inputs at two sizes other than the example's along each claimed axis (1, or 2 when
-    the example is 1, and size + 2), with fresh floating values."""
+    """Inputs at two sizes other than the example's along each claimed axis, with fresh
+    floating values: batch and sequence at 1 (2 when the example is 1) and size + 2; any
+    other dim (a time or image axis, which a model may need at least so large, or a
+    multiple of its step) at size + step and size + 2 steps."""
     out = []
     for axis in captured.dynamic.axes:
-        for n in dict.fromkeys((1 if axis.size != 1 else 2, axis.size + 2)):
+        sizes = ((1 if axis.size != 1 else 2, axis.size + 2) if axis.name in ("batch", "seq")
+                 else (axis.size + axis.step, axis.size + 2 * axis.step))
+        for n in dict.fromkeys(sizes):
             xs = at(captured.example_inputs, axis, n)
             xs = tuple(pytree.tree_map(
                 lambda t: torch.randn_like(t) if isinstance(t, torch.Tensor)

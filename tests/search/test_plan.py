@@ -355,3 +355,19 @@ def test_a_decision_looser_than_the_plans_exactness_is_refused_unless_allowed(tm
     for x in (torch.randn(1, 7), torch.randn(6, 7)):  # the user's module, at other batches
         torch.testing.assert_close(out.gm(x), model(x))
     assert apply_plan(c, lossy).applied  # as loose as the plan says: no flag needed
+
+
+def test_api_apply_takes_the_same_flag(tmp_path):
+    import opswap
+
+    model = Net().eval()
+    x = torch.randn(5, 7)
+    data = make_plan(capture(model, (x,)), rules=["test.lossy"], exactness="lossy").to_json()
+    data["settings"]["exactness"] = "exact"
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="allow_looser=True"):
+        opswap.apply(model, (x,), str(path))
+    out = opswap.apply(model, (x,), str(path), allow_looser=True)
+    y = torch.randn(2, 7)
+    torch.testing.assert_close(out(y), model(y))

@@ -109,7 +109,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def run(model: nn.Module, inputs: tuple, rules, method: str):
+def run(model: nn.Module, inputs: tuple, rules, method: str, dynamic: str = "auto"):
     """(plan, worst error the rewrite adds) over two fresh input draws; asserts nothing
     failed, that the user's module was not touched, and that the result matches the
     module at two other sizes along every batch/sequence axis the capture claims. The model comes in the mode to test.
@@ -120,7 +120,7 @@ def run(model: nn.Module, inputs: tuple, rules, method: str):
     what the rewrite adds, not by float32 rounding the original suffers too.
     """
     before = copy.deepcopy(model.state_dict())
-    captured = capture(model, inputs, method=method)
+    captured = capture(model, inputs, method=method, dynamic=dynamic)
     plan = make_plan(captured, rules=rules)
     applied = apply_plan(captured, plan)
     assert not plan.failed and not applied.failed, (plan.failed, applied.failed)

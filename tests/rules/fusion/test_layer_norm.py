@@ -109,7 +109,9 @@ def test_layer_norm_keeps_outputs(case, method):
     if case["refuse"] == "dim" and len(case["shape"]) == case["k"]:
         case["shape"] = [3, *case["shape"]]  # dim 0 must not be one of the last dims
     x = torch.randn(*case["shape"]) * 2 + 0.5
-    plan, err = run(HandLN(case).eval(), (x,), ["fusion.layer_norm"], method)
+    # batch and sequence dynamic, the rest static: with nothing else fixing the width, auto
+    # would find the normalised dims dynamic too (test_a_width_nothing_fixes_stays_dynamic)
+    plan, err = run(HandLN(case).eval(), (x,), ["fusion.layer_norm"], method, "batch,seq")
     assert err <= TOL
     # normalising over dim 0, the batch (which stays dynamic unless a weight of that size
     # ties it down): nn.LayerNorm would fix its size
@@ -126,3 +128,15 @@ def test_layer_norm_keeps_outputs(case, method):
         assert "not its last dim(s)" in reasons_text(plan, "fusion.layer_norm")
     if not case["refuse"]:
         assert plan.decisions[0].site.data["eps"] == case["eps"]
+
+
+def test_a_width_nothing_fixes_stays_dynamic():
+    case = {"shape": [3, 6], "k": 1, "variance": "var", "root": "div_sqrt", "affine": "none",
+            "eps": 1e-5, "refuse": ""}
+    x = torch.randn(3, 6)
+    plan, _ = run(HandLN(case).eval(), (x,), ["fusion.layer_norm"], "fx")
+    assert count(plan, "fusion.layer_norm") == 0  # nn.LayerNorm would fix the width at 6
+    assert "whose size follows the input" in reasons_text(plan, "fusion.layer_norm")
+    case["affine"] = "wb"  # a weight of width 6 fixes it: the fusion applies
+    plan, _ = run(HandLN(case).eval(), (x,), ["fusion.layer_norm"], "fx")
+    assert count(plan, "fusion.layer_norm") == 1
