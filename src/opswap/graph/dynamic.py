@@ -285,14 +285,14 @@ def detect(run, inputs: tuple, spec: str | None = "auto") -> Dynamic:
         elif not request.rest:
             dyn.notes.append(f"{request.name} kept static: {why}")
         else:  # dims of one size that fail together may each move alone
-            for dim in request.dims if len(request.dims) > 1 else ():
-                one, _ = _try(run, inputs, _Request(f"dim{dim[0]}_{dim[1]}", (dim,), rest=True))
+            for dim in request.dims:
+                one = None
+                if len(request.dims) > 1:
+                    one, _ = _try(run, inputs, _Request(f"dim{dim[0]}_{dim[1]}", (dim,), rest=True))
                 if one is not None:
                     dyn.axes.append(one)
                 else:
                     static.append(f"input {dim[0]} dim {dim[1]} ({size})")
-            if len(request.dims) == 1:
-                static.append(f"input {request.dims[0][0]} dim {request.dims[0][1]} ({size})")
     if static:
         dyn.notes.append("kept static, since the model refuses other sizes there: "
                          + ", ".join(static))
