@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import opswap
-from opswap.search.plan import Plan
+from opswap.planner import Plan
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from opswap.graph import capture
-from opswap.search.plan import apply_plan, make_plan
+from opswap.planner import apply_plan, make_plan
 
 
 class LayoutDemo(nn.Module):

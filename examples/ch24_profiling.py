@@ -13,7 +13,7 @@ from opswap.bench import format_ops, profile_ops
 from opswap.graph import capture
 from opswap.models import load
 from opswap.pipeline import measure_rules
-from opswap.search.plan import apply_plan, make_plan
+from opswap.planner import apply_plan, make_plan
 
 
 def main(spec: str) -> None:

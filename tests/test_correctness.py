@@ -13,8 +13,8 @@ from opswap.api import verify as api_verify
 from opswap.errors import CaptureError, VerificationError
 from opswap.graph.capture import capture
 from opswap.pipeline import OptimizeConfig, optimize
+from opswap.planner import apply_plan, make_plan
 from opswap.report.model_io import load_model
-from opswap.search.plan import apply_plan, make_plan
 
 QUICK = dict(bench=False, layers=False, measure_rules=False)
 

@@ -26,7 +26,7 @@ from opswap.models import LoadedModel
 from opswap.models import load as _load
 from opswap.pipeline import OptimizeConfig, Result, guarded
 from opswap.pipeline import optimize as _optimize
-from opswap.search.plan import Plan, apply_plan, make_plan
+from opswap.planner import Plan, apply_plan, make_plan
 
 
 def load(spec: str, weights: str | None = None, **overrides) -> LoadedModel:

@@ -322,7 +322,7 @@ def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
          json_path: JsonOpt = None) -> None:
     """Match the rules on a model and write plan.json (sites chosen, misses, settings)."""
     from opswap.graph import capture
-    from opswap.search.plan import make_plan
+    from opswap.planner import make_plan
 
     _check_outputs(json_path, out)
     _rules_from(rules_from)
@@ -339,8 +339,8 @@ def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
 def _applied(spec: str, plan_path: Path, sets, dynamic: str = "auto", weights: Path | None = None,
              allow_looser: bool = True):
     from opswap.graph import capture
+    from opswap.planner import Plan, apply_plan, check_exactness
     from opswap.rules import registry
-    from opswap.search.plan import Plan, apply_plan, check_exactness
 
     p = Plan.load(plan_path)
     if not allow_looser:  # before the model loads: a refusal costs nothing
@@ -471,7 +471,7 @@ def bench(spec: Spec, plan_path: PlanArg,
     """Time the original and the plan's result side by side (interleaved, after warm-up).
     Exit status 1 when decisions of the plan could not be applied (the rest is timed)."""
     from opswap.bench.timing import bench_models
-    from opswap.search.plan import Plan
+    from opswap.planner import Plan
 
     _check_outputs(json_path)
     _check_device(device)

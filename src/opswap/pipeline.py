@@ -22,8 +22,8 @@ from opswap.bench.variants import parse_compare
 from opswap.bench.variants import run as run_variants
 from opswap.graph.capture import Captured, capture
 from opswap.graph.copies import describe_hooks, private_copy, user_hooks
+from opswap.planner import Plan, apply_plan, make_plan
 from opswap.rules.base import EXACTNESS_ORDER, Site
-from opswap.search.plan import Plan, apply_plan, make_plan
 
 
 @dataclass

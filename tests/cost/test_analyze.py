@@ -285,7 +285,7 @@ def test_predicted_time_follows_the_ops_a_rewrite_removes():
     # merging three sibling Linears keeps their FLOPs, reads x once instead of three times
     # and trades two kernel dispatches for three views: the prediction and the whole-model
     # estimate must agree on the sign, with both counted
-    from opswap.search.plan import apply_plan, make_plan
+    from opswap.planner import apply_plan, make_plan
 
     class QKV(nn.Module):
         def __init__(self):

@@ -7,7 +7,7 @@ from torch import nn
 
 from opswap.graph.capture import capture
 from opswap.graph.purity import eliminate_dead_code, is_impure
-from opswap.search.plan import apply_plan, make_plan
+from opswap.planner import apply_plan, make_plan
 
 
 class InPlace(nn.Module):

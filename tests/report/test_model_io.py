@@ -3,8 +3,8 @@ from torch import nn
 
 from opswap.graph import capture
 from opswap.models import load
+from opswap.planner import apply_plan, make_plan
 from opswap.report.model_io import load_model, save_model
-from opswap.search.plan import apply_plan, make_plan
 
 
 def test_optimized_model_round_trips_through_pt2(tmp_path):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from opswap.errors import RuleError
+from opswap.planner import _ordered
 from opswap.rules import registry
 from opswap.rules.base import Rule
 from opswap.rules.order import ordered
-from opswap.search.plan import _ordered
 
 
 def rule(name: str, chapter: int = 4, **decl) -> Rule:

@@ -131,7 +131,7 @@ class _Swish(nn.Module):
 def test_an_installed_plugin_adds_its_rules_with_their_origin(fresh_registry, tmp_path,
                                                               monkeypatch):
     from opswap.graph.capture import capture
-    from opswap.search.plan import apply_plan, make_plan
+    from opswap.planner import apply_plan, make_plan
 
     _install(tmp_path, monkeypatch, {"silu": "my_rules.silu"}, dist="opswap-my-rules")
     monkeypatch.syspath_prepend(str(EXAMPLE_PACKAGE))

@@ -11,9 +11,9 @@ import opswap.verify.bisect as bisect_mod
 from opswap.errors import VerificationError
 from opswap.graph.capture import capture
 from opswap.graph.ops import op_kind
+from opswap.planner import Decision, Plan, PlanSettings
 from opswap.rules import registry
 from opswap.rules.base import Rule, Site
-from opswap.search.plan import Decision, Plan, PlanSettings
 from opswap.verify.bisect import find_culprit, rollback
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from opswap.graph.capture import capture
-from opswap.search.plan import apply_plan, make_plan
+from opswap.planner import apply_plan, make_plan
 
 
 class Swish(nn.Module):

@@ -22,7 +22,7 @@ shares add up to the total, and no saving can exceed the model's time. Without a
 (`measure_rules` alone) the leave-one-out run's own `none` over `full` is the total.
 Whether a rule pays is still judged by its own leave-one-out interval.
 
-"Without the rule" is planned afresh (`search.plan.make_plan(exclude_rules=...)`),
+"Without the rule" is planned afresh (`planner.make_plan(exclude_rules=...)`),
 not the plan with the rule's decisions deleted, so a rule whose sites depended on
 the left-out one is matched on the graph as it then is.
 """

@@ -21,7 +21,7 @@ from typing import Any
 
 from opswap.errors import VerificationError
 from opswap.graph.capture import Captured
-from opswap.search.plan import Decision, Plan, apply_plan
+from opswap.planner import Decision, Plan, apply_plan
 from opswap.verify.metrics import Metrics
 from opswap.verify.outputs import Verification, verify
 from opswap.verify.tolerance import Tolerance, as_tolerance

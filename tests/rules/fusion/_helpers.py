@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from opswap.graph.capture import capture
-from opswap.search.plan import apply_plan, make_plan
+from opswap.planner import apply_plan, make_plan
 
 from .._shapes import assert_same_at_other_shapes
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from opswap.graph import capture
-from opswap.search.plan import apply_plan, make_plan
+from opswap.planner import apply_plan, make_plan
 from opswap.targets import Target
 
 from .._shapes import assert_same_at_other_shapes

@@ -13,10 +13,10 @@ from torch import nn
 
 from opswap.graph import capture, op_kind
 from opswap.graph.shapes import propagate
+from opswap.planner import make_plan
 from opswap.rules import registry
 from opswap.rules.base import misses_of, sites_of
 from opswap.rules.layout._nhwc import nhwc_strides
-from opswap.search.plan import make_plan
 
 from ._helpers import FLAVOURS, NCHW_CPU, NHWC_CPU, SETTINGS, SHAPE, apply_rule, flavours, keys, run
 

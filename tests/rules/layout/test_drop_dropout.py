@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from opswap.graph import capture, op_kind
-from opswap.search.plan import apply_plan, make_plan
+from opswap.planner import apply_plan, make_plan
 
 from ._helpers import FLAVOURS, NHWC_CPU, SETTINGS, SHAPE, TARGET, _flat, flavours, run
 

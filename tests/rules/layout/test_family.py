@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from opswap.graph import capture, op_kind
+from opswap.planner import apply_plan, make_plan
 from opswap.rules import registry
-from opswap.search.plan import apply_plan, make_plan
 
 from ._helpers import FLAVOURS, NHWC_CPU, _flat, rel_l2
 

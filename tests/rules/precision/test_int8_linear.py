@@ -15,8 +15,8 @@ from opswap.errors import RuleError
 from opswap.graph.capture import capture
 from opswap.models import load
 from opswap.pipeline import OptimizeConfig, optimize
+from opswap.planner import apply_plan, make_plan
 from opswap.rules.precision._int8_module import Int8Linear
-from opswap.search.plan import apply_plan, make_plan
 from opswap.targets.base import Target
 
 from .._shapes import other_shapes

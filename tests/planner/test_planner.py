@@ -9,9 +9,9 @@ from torch import nn
 
 from opswap.errors import PlanError, RuleError
 from opswap.graph import capture, op_kind
+from opswap.planner import Plan, apply_plan, make_plan
 from opswap.rules import registry
 from opswap.rules.base import Estimate, Rule
-from opswap.search.plan import Plan, apply_plan, make_plan
 
 
 class _DoubleRelu(Rule):
@@ -248,7 +248,7 @@ def test_a_plan_made_for_another_model_is_refused_in_one_sentence(tmp_path):
     from opswap.errors import PlanError
     from opswap.graph.capture import capture
     from opswap.models import load
-    from opswap.search.plan import Plan, apply_plan, make_plan
+    from opswap.planner import Plan, apply_plan, make_plan
 
     cnn, other = load("zoo:resnet"), load("zoo:mobilenet")
     plan = make_plan(capture(cnn.module, cnn.example_inputs), model_name="zoo:resnet")
@@ -266,11 +266,11 @@ def test_a_plan_made_for_another_model_is_refused_in_one_sentence(tmp_path):
 
 
 def test_looser_exactness_without_rules_says_so(monkeypatch):
+    import opswap.planner as plan_mod
     from opswap.graph.capture import capture
     from opswap.models import load
+    from opswap.planner import make_plan
     from opswap.rules import registry as reg
-    from opswap.search import plan as plan_mod
-    from opswap.search.plan import make_plan
 
     m = load("zoo:resnet")
     c = capture(m.module, m.example_inputs)
@@ -323,7 +323,7 @@ def test_bottleneck_advice_names_the_int8_rule_where_it_runs_and_how_to_plan_it(
 def test_sites_of_an_exported_model_are_named_by_module_path():
     from opswap.graph.capture import capture
     from opswap.models import load
-    from opswap.search.plan import Plan, make_plan
+    from opswap.planner import Plan, make_plan
 
     m = load("hf:bert")
     c = capture(m.module, m.example_inputs)
