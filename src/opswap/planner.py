@@ -85,7 +85,7 @@ class Plan:
             for d in data["decisions"]:
                 s = d["site"]
                 site = Site(d["rule"], s["key"], tuple(s.get("nodes", ())),
-                            s.get("description", ""), s.get("data", {}))
+                            s.get("description", ""), s.get("data", {}), s.get("anchor", ""))
                 decisions.append(Decision(d["rule"], site, Estimate(**d.get("estimate", {})),
                                           str(d.get("module", ""))))
             return cls(
@@ -172,6 +172,7 @@ def _check_plan(data: Any) -> None:
         _need(site.get("nodes", []), _STRS, f"{at} site nodes")
         _need(site.get("data", {}), _OBJ, f"{at} site data")
         _need(site.get("description", ""), _STR, f"{at} site description")
+        _need(site.get("anchor", ""), _STR, f"{at} site anchor")
         estimate = _need(d.get("estimate", {}), _OBJ, f"{at} estimate")
         for key in ("flops_saved", "bytes_saved"):
             _need(estimate.get(key, 0.0), _NUM, f"{at} estimate {key}")
@@ -303,19 +304,24 @@ def make_plan(
             if why is not None:
                 plan.skipped.append({"rule": rule.name, "key": site.key, "reason": why})
                 continue
-            est = rule.predict(gm, site, tgt)
+            # the match itself while the graph is as it was matched, else its anchor again
+            match = rule.replay(gm, site.kept() if changed else site)
+            if isinstance(match, str):
+                plan.failed.append(Failure(rule.name, site.key, match))
+                continue
+            est = rule.predict(gm, match, tgt)
             where = site_module(gm, site)
             if est.time_saved_s is not None and est.time_saved_s < 0:
                 plan.skipped.append({"rule": rule.name, "key": site.key,
                                      "reason": f"predicted slower on {tgt.name}: {est.note}"})
                 continue
-            gm, err = rewrite_site(gm, rule, site)
+            gm, err = rewrite_site(gm, rule, match)
             if err:
                 plan.failed.append(Failure(rule.name, site.key, err))
                 continue
             taken.update(site.nodes)
             changed = True
-            plan.decisions.append(Decision(rule.name, site, est, where))
+            plan.decisions.append(Decision(rule.name, site.kept(), est, where))
         if changed:
             captured.propagate(gm)
         if progress is not None:
@@ -346,5 +352,5 @@ def apply_plan(captured: Captured, plan: Plan, *, progress=None,
     rules = [registry.get(d.rule) for d in plan.decisions]
     if not allow_looser:
         check_exactness(plan, rules)
-    decisions = [(rule, d.site.key) for rule, d in zip(rules, plan.decisions, strict=True)]
+    decisions = [(rule, d.site) for rule, d in zip(rules, plan.decisions, strict=True)]
     return apply_sites(captured, decisions, progress=progress)

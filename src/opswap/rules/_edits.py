@@ -252,27 +252,44 @@ def const_args(node: fx.Node) -> list[fx.Node]:
 
 # --------------------------------------------------------------------------- new nodes, in the graph's flavour
 
-_SPELLINGS = {
-    "permute": (aten.permute.default, torch.permute),
-    "reshape": (aten.reshape.default, torch.reshape),
-    "linear": (aten.linear.default, F.linear),
-}
+def _aten_op(op: str):
+    """aten.<op>'s overload for `op` ("silu", or "log_softmax.int" to pick one)."""
+    name, _, overload = op.partition(".")
+    packet = getattr(aten, name, None)
+    if packet is None:
+        raise ValueError(f"there is no ATen op named {name!r}")
+    overload = overload or "default"
+    if overload not in packet.overloads():
+        raise ValueError(f"aten.{name} has no overload {overload!r} (it has "
+                         f"{', '.join(packet.overloads())}); spell it as '{name}.<overload>'")
+    return getattr(packet, overload)
+
+
+def _torch_fn(op: str):
+    """The Python function an FX graph spells `op` with: torch.<op>, else F.<op>; None
+    when it is only a Tensor method."""
+    name = op.partition(".")[0]
+    for home in (torch, F):
+        fn = getattr(home, name, None)
+        if callable(fn):
+            return fn
+    return None
 
 
 def call(graph: fx.Graph, like: fx.Node, op: str, args: tuple, kwargs=None) -> fx.Node:
-    """Create `op` (permute, reshape, linear, contiguous, clone) spelled like `like`'s flavour.
+    """Create a call of `op` spelled in `like`'s flavour: `aten.<op>` (".default", or the
+    overload named after a dot: "log_softmax.int") in an ATen graph; `torch.<op>`,
+    `F.<op>` or the Tensor method of that name in an FX graph.
 
     Use inside `graph.inserting_before/after(...)`.
     """
     kwargs = dict(kwargs or {})
-    if op in ("contiguous", "clone"):
-        if is_aten(like):
-            return graph.call_function(getattr(aten, op).default, args, kwargs)
-        return graph.call_method(op, args, kwargs)
-    target = _SPELLINGS[op][0 if is_aten(like) else 1]
-    return graph.call_function(target, args, kwargs)
-
-
+    if is_aten(like):
+        return graph.call_function(_aten_op(op), args, kwargs)
+    fn = _torch_fn(op)
+    if fn is not None and op.partition(".")[0] not in ("contiguous", "clone"):
+        return graph.call_function(fn, args, kwargs)
+    return graph.call_method(op.partition(".")[0], args, kwargs)
 
 
 def shape_args(graph: fx.Graph, like: fx.Node, src: fx.Node, shape: list) -> list:

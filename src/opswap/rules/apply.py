@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from opswap.graph.capture import Captured, copy_module, quiet_deepcopy
 from opswap.graph.purity import eliminate_dead_code
-from opswap.rules.base import Rule, Site, node_by_name, sites_of
+from opswap.rules.base import Found, Rule, Site, node_by_name
 
 
 @dataclass
@@ -66,12 +66,12 @@ class _Snapshot:
         gm.graph = self.graph  # the setter re-links the graph to gm and recompiles
 
 
-def rewrite_site(gm: fx.GraphModule, rule: Rule, site: Site) -> tuple[fx.GraphModule, str | None]:
-    """Rewrite one site on gm. Returns (gm, None) on success; on failure gm is restored to
+def rewrite_site(gm: fx.GraphModule, rule: Rule, found: Found) -> tuple[fx.GraphModule, str | None]:
+    """Rewrite one match on gm. Returns (gm, None) on success; on failure gm is restored to
     what it was and the reason is returned."""
     snapshot = _Snapshot(gm)
     try:
-        rule.rewrite(gm, site)
+        rule.rewrite(gm, found)
         eliminate_dead_code(gm)
         gm.graph.lint()
         gm.recompile()
@@ -83,23 +83,16 @@ def rewrite_site(gm: fx.GraphModule, rule: Rule, site: Site) -> tuple[fx.GraphMo
         return gm, f"{rule.name} raised {type(e).__name__}: {msg[:200]}".rstrip(": ")
 
 
-def find_site(gm: fx.GraphModule, rule: Rule, key: str) -> Site | None:
-    for s in sites_of(rule.match(gm)):
-        if s.key == key:
-            return s
-    return None
-
-
 def nodes_present(gm: fx.GraphModule, site: Site) -> bool:
     return all(node_by_name(gm, n) is not None for n in site.nodes)
 
 
 def apply_sites(
-    captured: Captured, decisions: list[tuple[Rule, str]], *, progress=None
+    captured: Captured, decisions: list[tuple[Rule, Site]], *, progress=None
 ) -> Applied:
-    """Carry out `(rule, site key)` decisions in order on a copy of `captured`.
+    """Carry out `(rule, site)` decisions in order on a copy of `captured`.
 
-    Each rule is re-matched on the current graph and the key looked up, so a
+    Each site's anchor is checked again on the current graph (`Rule.replay`), so a
     decision whose site no longer exists (an earlier rewrite removed it, or the
     model changed since the plan was written) is reported, not guessed at.
     """
@@ -107,21 +100,21 @@ def apply_sites(
     out = Applied(captured.derived(gm))
     dirty = False
     last_rule = None
-    for rule, key in decisions:
+    for rule, site in decisions:
         if dirty and rule is not last_rule:
             # shapes of nodes created by the previous rule's rewrites, for this rule's checks
             captured.propagate(gm)
             dirty = False
         last_rule = rule
-        site = find_site(gm, rule, key)
-        if site is None:
-            out.failed.append(Failure(rule.name, key, "site not found in this model"))
+        found = rule.replay(gm, site)
+        if isinstance(found, str):
+            out.failed.append(Failure(rule.name, site.key, found))
         else:
-            gm, err = rewrite_site(gm, rule, site)
+            gm, err = rewrite_site(gm, rule, found)
             if err:
-                out.failed.append(Failure(rule.name, key, err))
+                out.failed.append(Failure(rule.name, site.key, err))
             else:
-                out.applied.append(site)
+                out.applied.append(rule._site(found).kept())
                 dirty = True
         if progress is not None:
             progress()

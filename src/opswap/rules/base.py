@@ -1,27 +1,94 @@
-"""The Rule: pattern -> check -> rewrite, with a prediction of what it saves.
+"""The Rule: anchors -> check -> rewrite, with a prediction of what it saves.
 
-A rule looks at an FX GraphModule (either capture flavour: FX leaves or ATen),
-returns the places where it applies (`Site`) and the places where it nearly
-applied with the reason it did not (`Miss`), rewrites one site at a time on a
-graph it owns, and predicts the FLOPs and bytes a site saves from the cost model.
+A rule names the op kinds its pattern starts from (`anchors`, in `op_kind`'s words, so
+one rule serves both capture flavours: FX leaves and ATen) and answers one question
+at each such node, `check(gm, node)`:
 
-Sites are identified by a `key` built from node names. Node names are stable for
-a given model and capture, so a plan written today re-applies tomorrow: `apply`
-re-matches each rule on the current graph and looks the key up.
+- `Found(nodes, description, **data)`: it applies here; `nodes` are what the rewrite
+  consumes or changes, `data` everything the rewrite needs (nodes, tensors, numbers);
+- `Refused(reason)`: it nearly applied, and the reason says why not in a user's words
+  (falsy, like Inductor's `FailedMatch`);
+- None: this node is not a candidate.
+
+The base class owns the loop (`match`), and before a `Found` becomes a `Site` it
+refuses, for every rule, what no rule may do: consume a value that something outside
+the pattern also reads, drop an in-place write someone reads afterwards, or merge ops
+across an in-place write into what they read. `rewrite(gm, found)` receives the match;
+it neither looks nodes up again nor re-checks.
+
+Sites are identified by a `key` built from node names, and remember their anchor's
+name. Node names are stable for a given model and capture, so a plan written today
+re-applies tomorrow: `replay` checks the site's anchor once on the current graph and
+hands that `Found` to `rewrite`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
 
 import torch.fx as fx
+
+from opswap.graph.ops import op_kind
+from opswap.graph.purity import writes_in_place
+from opswap.rules._matching import may_alias_input, storage_root
+from opswap.rules.pattern import Op
+
+if TYPE_CHECKING:
+    from opswap.targets.base import Target
 
 Exactness = Literal["exact", "approx", "lossy"]
 EXACTNESS_ORDER: dict[str, int] = {"exact": 0, "approx": 1, "lossy": 2}
 Phase = Literal["early", "main", "late"]
 #: a plan runs every rule of one phase before any rule of the next (rules/order.py)
 PHASES: tuple[str, ...] = ("early", "main", "late")
+
+
+@dataclass(eq=False)
+class Found:
+    """What a rule's check found at one anchor: the rewrite's input.
+
+    `nodes` are the nodes the rewrite consumes or changes. The last of them (or every
+    node in `outputs`) is what the pattern hands on; the others must have no reader
+    outside `nodes`, except those in `kept`, which the rewrite leaves for their other
+    readers. `key` defaults to the node names joined by "+". `data` holds what the
+    rewrite needs, by name (`found["conv"]`); `record` the JSON facts a plan keeps.
+    """
+
+    nodes: tuple[fx.Node, ...]
+    description: str
+    data: dict[str, Any] = field(default_factory=dict)
+    key: str = ""
+    outputs: tuple[fx.Node, ...] = ()
+    kept: tuple[fx.Node, ...] = ()
+    record: dict[str, Any] = field(default_factory=dict)
+    anchor: fx.Node | None = None  # set by the rule's loop
+
+    def __post_init__(self) -> None:
+        self.nodes = tuple(self.nodes)
+        self.outputs = tuple(self.outputs) or self.nodes[-1:]
+        self.kept = tuple(self.kept)
+        self.key = self.key or "+".join(n.name for n in self.nodes)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.data[name]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A near-match and why it does not qualify, in a user's words. Falsy."""
+
+    reason: str
+    where: fx.Node | None = None  # default: the anchor
+
+    def __bool__(self) -> bool:
+        return False
+
+
+#: what a check answers at one node
+Verdict = Union[Found, Refused, None]
 
 
 @dataclass(frozen=True)
@@ -38,6 +105,15 @@ class Site:
     nodes: tuple[str, ...]
     description: str
     data: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    #: the node the match starts from; "" in plans written before sites remembered it
+    anchor: str = ""
+    #: the match itself, while the graph it was found on is unchanged (never saved)
+    found: Found | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def kept(self) -> Site:
+        """This site without its match, as plans and results hold it (a match holds the
+        graph it was found on)."""
+        return dataclasses.replace(self, found=None)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -46,6 +122,7 @@ class Site:
             "nodes": list(self.nodes),
             "description": self.description,
             "data": self.data,
+            "anchor": self.anchor,
         }
 
 
@@ -80,8 +157,9 @@ class Estimate:
 
 
 class Rule:
-    """Base class of every replacement. Subclasses set the class attributes and
-    implement `match` and `rewrite`; `predict` defaults to "no change".
+    """Base class of every replacement. Subclasses set the class attributes, name the op
+    kinds their pattern starts from in `anchors`, and implement `check` and `rewrite`;
+    `predict` defaults to "no change".
 
     Rules must be stateless: one instance serves every model. `rewrite` replaces
     tensors and modules (new Parameters, new submodules) and never writes into
@@ -95,6 +173,14 @@ class Rule:
     exactness: ClassVar[Exactness]
     targets: ClassVar[tuple[str, ...]] = ("any",)
     description: ClassVar[str] = ""
+    #: the op kinds (`op_kind`) a match starts from; () checks every node
+    anchors: ClassVar[tuple[str, ...]] = ()
+    #: a fixed pattern (rules/pattern.py) for `check` to match; its root's kinds are
+    #: the anchors unless the rule names its own
+    pattern: ClassVar[Op | None] = None
+    #: the bottlenecks a site of this rule relieves ("memory", "compute", "overhead",
+    #: "layout"), which `opswap analyze` joins with the ops that spend the time
+    relieves: ClassVar[tuple[str, ...]] = ()
     #: where the rule runs in a plan: "late" for a change of the whole model's layout
     #: that must see every other rewrite done, "early" for clean-ups others rely on
     phase: ClassVar[Phase] = "main"
@@ -104,33 +190,78 @@ class Rule:
     #: rules (names or globs) that must run after this one when both are in a plan
     before: ClassVar[tuple[str, ...]] = ()
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.pattern is not None and "anchors" not in cls.__dict__:
+            cls.anchors = cls.pattern.kinds
+
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Verdict | Sequence[Found | Refused]:
+        """Found, Refused or None at one anchor (a rule that finds several things at one
+        node, such as a chain and where it stopped, may return a sequence of them)."""
         raise NotImplementedError
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         raise NotImplementedError
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         return Estimate(note="no prediction")
+
+    # the loop, written once ---------------------------------------------------------
+
+    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
+        """Every Site and Miss of this rule on `gm`, in graph order."""
+        writers = _Writers(gm)
+        out: list[Site | Miss] = []
+        for node in list(gm.graph.nodes):
+            for verdict in self._verdicts(gm, node, writers):
+                out.append(self._site(verdict) if isinstance(verdict, Found)
+                           else self.miss(verdict.where or node, verdict.reason))
+        return out
+
+    def replay(self, gm: fx.GraphModule, site: Site) -> Found | str:
+        """The match for `site` on `gm` (its anchor checked once), or why there is none."""
+        if site.found is not None and site.found.anchor is not None \
+                and site.found.anchor.graph is gm.graph:
+            return site.found  # matched on this graph, which nothing has changed since
+        if site.anchor:
+            anchor = node_by_name(gm, site.anchor)
+            verdicts = self._verdicts(gm, anchor, _Writers(gm)) if anchor is not None else []
+        else:  # a plan from before sites kept their anchor: look the key up in a full match
+            verdicts = [v for node in list(gm.graph.nodes)
+                        for v in self._verdicts(gm, node, _Writers(gm))]
+        for v in verdicts:
+            if isinstance(v, Found) and v.key == site.key:
+                return v
+        refused = [v.reason for v in verdicts if isinstance(v, Refused)]
+        return f"no longer applies: {refused[0]}" if refused else "site not found in this model"
+
+    def _verdicts(self, gm: fx.GraphModule, node: fx.Node, writers: _Writers
+                  ) -> list[Found | Refused]:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            return []
+        if self.anchors and op_kind(node) not in self.anchors:
+            return []
+        answer = self.check(gm, node)
+        if answer is None or isinstance(answer, (Found, Refused)):
+            answers: Iterable[Found | Refused | None] = [answer]
+        else:
+            answers = answer
+        out: list[Found | Refused] = []
+        for a in answers:
+            if isinstance(a, Found):
+                a.anchor = node
+                why = unsafe(a, writers)
+                out.append(Refused(why, node) if why else a)
+            elif isinstance(a, Refused):
+                out.append(a)
+        return out
 
     # helpers for subclasses -------------------------------------------------------
 
-    def site(self, key: str, nodes, description: str, **data) -> Site:
-        names = tuple(n.name if isinstance(n, fx.Node) else str(n) for n in nodes)
-        return Site(self.name, key, names, description, data)
-
-    def scan(self, gm: fx.GraphModule, check, site_of) -> list[Site | Miss]:
-        """The usual match loop. At each node `check(gm, node)` returns None (nothing close
-        here), a str (why it nearly matched: a Miss at the node) or what it matched, which
-        `site_of(node, matched)` turns into a Site."""
-        found: list[Site | Miss] = []
-        for node in gm.graph.nodes:
-            checked = check(gm, node)
-            if checked is None:
-                continue
-            found.append(self.miss(node, checked) if isinstance(checked, str)
-                         else site_of(node, checked))
-        return found
+    def _site(self, found: Found) -> Site:
+        anchor = found.anchor.name if found.anchor is not None else ""
+        return Site(self.name, found.key, tuple(n.name for n in found.nodes),
+                    found.description, dict(found.record), anchor, found)
 
     def miss(self, where, reason: str) -> Miss:
         w = where.name if isinstance(where, fx.Node) else str(where)
@@ -148,6 +279,7 @@ class Rule:
             "exactness": cls.exactness,
             "targets": list(cls.targets),
             "description": cls.description,
+            "anchors": list(cls.anchors),
             "phase": cls.phase,
             "after": list(cls.after),
             "before": list(cls.before),
@@ -155,6 +287,85 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"<Rule {self.name} ({self.exactness})>"
+
+
+# --------------------------------------------------------------------------- the shared checks
+
+
+class _Writers:
+    """The graph's in-place writers and node order, computed once per match and only
+    when the graph writes in place at all (an exported graph never does)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.nodes = [n for n in gm.graph.nodes if writes_in_place(n)]
+        self._order: dict[fx.Node, int] | None = None
+
+    def order(self, node: fx.Node) -> int:
+        if self._order is None:
+            self._order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        return self._order.get(node, -1)
+
+
+def _written(node: fx.Node) -> fx.Node | None:
+    """The value an in-place node writes into (the storage behind its first argument)."""
+    target = node.args[0] if node.args else node.kwargs.get("input")
+    return storage_root(target) if isinstance(target, fx.Node) else None
+
+
+def _readers(root: fx.Node) -> list[fx.Node]:
+    """Nodes reading `root` or a view of it."""
+    out, todo, seen = [], [root], set()
+    while todo:
+        cur = todo.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        for user in cur.users:
+            out.append(user)
+            if may_alias_input(user) and user.args and user.args[0] is cur:
+                todo.append(user)
+    return out
+
+
+def unsafe(found: Found, writers: _Writers) -> str | None:
+    """Why `found` may not be rewritten whatever the rule: a value it consumes is read
+    outside the pattern, it would drop an in-place write that is read afterwards, or an
+    in-place write falls between its ops into a value they read. None when safe."""
+    inside = set(found.nodes)
+    for n in found.nodes:
+        if n in found.outputs or n in found.kept:
+            continue
+        others = [u for u in n.users if u not in inside]
+        if others:
+            names = ", ".join(u.name for u in others[:3])
+            return (f"{n.name}'s output is also read by {names}, outside the ops "
+                    "this rewrite replaces")
+    if not writers.nodes:
+        return None
+    for n in found.nodes:
+        if not writes_in_place(n):
+            continue
+        root = _written(n)
+        if root is None or root.op in ("placeholder", "get_attr"):
+            what = "a model input" if root is None or root.op == "placeholder" else "a weight"
+            return f"{n.name} writes into {what} in place, which a rewrite would not do"
+        later = [u for u in _readers(root) if u is not n
+                 and writers.order(u) > writers.order(n)]
+        if later:
+            return (f"{n.name} writes into {root.name} in place, and {later[0].name} reads "
+                    f"{root.name} afterwards")
+    first = min(writers.order(n) for n in found.nodes)
+    last = max(writers.order(n) for n in found.nodes)
+    read = {storage_root(a) for n in found.nodes for a in n.all_input_nodes} | inside
+    for w in writers.nodes:
+        if w in inside or not first < writers.order(w) < last:
+            continue
+        root = _written(w)
+        if root in read:
+            return (f"{w.name} writes into {root.name} in place between the ops this "
+                    "rewrite would merge")
+    return None
 
 
 def sites_of(found: list[Site | Miss]) -> list[Site]:

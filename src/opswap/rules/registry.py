@@ -24,6 +24,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import pkgutil
 import sys
@@ -62,7 +63,11 @@ def register(cls: type[Rule]) -> type[Rule]:
                             f"e.g. ('fusion.conv_bn',)")
     if not isinstance(cls.name, str) or "." not in cls.name:
         raise TypeError(f"rule {cls.__name__}: name must be 'family.what', got {cls.name!r}")
-    for method in ("match", "rewrite"):
+    if cls.match is not Rule.match or "site" in inspect.signature(cls.rewrite).parameters:
+        raise TypeError(f"rule {cls.name} defines match() or rewrite(gm, site): rules now name "
+                        "their anchors and define check(gm, node) and rewrite(gm, found) "
+                        "(see docs/writing-a-rule.md)")
+    for method in ("check", "rewrite"):
         if getattr(cls, method) is getattr(Rule, method):
             raise TypeError(f"rule {cls.name} does not define {method}()")
     if _origin_of(cls) != "opswap":

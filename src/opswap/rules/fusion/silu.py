@@ -1,0 +1,45 @@
+"""fusion.silu: x * sigmoid(x) -> silu(x)."""
+
+from __future__ import annotations
+
+from opswap.cost import NodeCost, node_cost
+from opswap.graph.ops import copy_meta
+from opswap.graph.shapes import info
+from opswap.rules._cost import saving
+from opswap.rules._edits import call, erase
+from opswap.rules.base import Found, Refused, Rule
+from opswap.rules.pattern import op, var
+from opswap.rules.registry import register
+
+
+@register
+class SiLU(Rule):
+    name = "fusion.silu"
+    family = "fusion"
+    chapter = 4
+    exactness = "exact"
+    description = "x * sigmoid(x) -> silu(x): one kernel, and sigmoid(x) is never stored."
+    relieves = ("memory",)
+    pattern = op("mul", var("x"), op("sigmoid", var("x")))
+
+    def check(self, gm, node):
+        m = self.pattern.match(gm, node)
+        if m is None:
+            return None
+        x = info(m["x"])
+        if x is not None and not x.dtype.is_floating_point:
+            return Refused(f"{m['x'].name} is {x.dtype}; silu takes floating-point tensors")
+        return Found(m.nodes, f"{node.name} = x * sigmoid(x) -> silu(x)", x=m["x"])
+
+    def rewrite(self, gm, found):
+        mul = found.nodes[-1]
+        with gm.graph.inserting_before(mul):
+            new = call(gm.graph, mul, "silu", (found["x"],))
+        copy_meta(new, mul)
+        mul.replace_all_uses_with(new)
+        erase(gm, found.nodes)
+
+    def predict(self, gm, found, target):
+        mul = found.nodes[-1]  # its arithmetic moves into silu; its traffic goes
+        return saving(target, [mul], [NodeCost(node_cost(mul).flops, 0)],
+                      "sigmoid(x) is not written out and read back")
