@@ -8,7 +8,7 @@ from torch import nn
 from opswap.graph import op_kind
 from opswap.pipeline import OptimizeConfig, optimize
 from opswap.rules import registry
-from opswap.rules.base import Rule
+from opswap.rules.base import Found, Rule
 
 
 class _Burn(nn.Module):
@@ -30,12 +30,13 @@ class _Slowdown(Rule):
     chapter = 3
     exactness = "exact"
 
-    def match(self, gm):
-        return [self.site(n.name, [n], "wrap in a slow identity") for n in gm.graph.nodes
-                if op_kind(n) == "relu"]
+    anchors = ("relu",)
 
-    def rewrite(self, gm, site):
-        node = next(n for n in gm.graph.nodes if n.name == site.key)
+    def check(self, gm, n):
+        return Found((n,), "wrap in a slow identity")
+
+    def rewrite(self, gm, found):
+        node = found.nodes[0]
         name = f"burn_{node.name}"
         gm.add_submodule(name, _Burn())
         with gm.graph.inserting_after(node):
@@ -51,12 +52,14 @@ class _Wrong(Rule):
     chapter = 3
     exactness = "exact"
 
-    def match(self, gm):
-        return [self.site(n.name, [n], "scale by 1.01") for n in gm.graph.nodes
-                if op_kind(n) == "relu"][:1]
+    anchors = ("relu",)
 
-    def rewrite(self, gm, site):
-        node = next(n for n in gm.graph.nodes if n.name == site.key)
+    def check(self, gm, n):
+        first = next(m for m in gm.graph.nodes if op_kind(m) == "relu")
+        return Found((n,), "scale by 1.01") if n is first else None
+
+    def rewrite(self, gm, found):
+        node = found.nodes[0]
         with gm.graph.inserting_after(node):
             new = gm.graph.call_function(torch.mul, (node, 1.01))
         node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)

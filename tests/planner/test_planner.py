@@ -11,7 +11,7 @@ from opswap.errors import PlanError, RuleError
 from opswap.graph import capture, op_kind
 from opswap.planner import Plan, apply_plan, make_plan
 from opswap.rules import registry
-from opswap.rules.base import Estimate, Rule
+from opswap.rules.base import Estimate, Found, Refused, Rule
 
 
 class _DoubleRelu(Rule):
@@ -22,24 +22,22 @@ class _DoubleRelu(Rule):
     chapter = 3
     exactness = "exact"
 
-    def match(self, gm):
-        out = []
-        for n in gm.graph.nodes:
-            if op_kind(n) == "relu" and n.args and isinstance(n.args[0], torch.fx.Node) \
-                    and op_kind(n.args[0]) == "relu":
-                inner = n.args[0]
-                if len(inner.users) > 1:
-                    out.append(self.miss(inner, f"{inner.name} is also read elsewhere"))
-                else:
-                    out.append(self.site(f"{inner.name}+{n.name}", [inner, n], "drop a relu"))
-        return out
+    anchors = ("relu",)
 
-    def rewrite(self, gm, site):
-        outer = next(n for n in gm.graph.nodes if n.name == site.nodes[1])
+    def check(self, gm, n):
+        if n.args and isinstance(n.args[0], torch.fx.Node) and op_kind(n.args[0]) == "relu":
+            inner = n.args[0]
+            if len(inner.users) > 1:
+                return Refused(f"{inner.name} is also read elsewhere", inner)
+            return Found((inner, n), "drop a relu")
+        return None
+
+    def rewrite(self, gm, found):
+        outer = found.nodes[1]
         outer.replace_all_uses_with(outer.args[0])
         gm.graph.erase_node(outer)
 
-    def predict(self, gm, site, target):
+    def predict(self, gm, found, target):
         return Estimate(bytes_saved=8.0, time_saved_s=1e-9)
 
 
@@ -51,11 +49,13 @@ class _Broken(Rule):
     chapter = 3
     exactness = "exact"
 
-    def match(self, gm):
-        return [self.site(n.name, [n], "break it") for n in gm.graph.nodes if op_kind(n) == "relu"]
+    anchors = ("relu",)
 
-    def rewrite(self, gm, site):
-        node = next(n for n in gm.graph.nodes if n.name == site.key)
+    def check(self, gm, n):
+        return Found((n,), "break it")
+
+    def rewrite(self, gm, found):
+        node = found.nodes[0]
         node.replace_all_uses_with(node.args[0])  # change the graph, then fail
         raise RuntimeError("kernel exploded")
 
@@ -63,7 +63,7 @@ class _Broken(Rule):
 class _Slower(_DoubleRelu):
     name = "test.slower"
 
-    def predict(self, gm, site, target):
+    def predict(self, gm, found, target):
         return Estimate(time_saved_s=-1e-6, note="an extra copy")
 
 

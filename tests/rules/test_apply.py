@@ -6,8 +6,8 @@ from torch import nn
 
 from opswap.graph import capture, op_kind
 from opswap.rules import registry
-from opswap.rules.apply import apply_sites, find_site, rewrite_site
-from opswap.rules.base import Rule
+from opswap.rules.apply import apply_sites, rewrite_site
+from opswap.rules.base import Found, Rule, Site
 
 
 class _DropSecondRelu(Rule):
@@ -16,13 +16,15 @@ class _DropSecondRelu(Rule):
     chapter = 3
     exactness = "exact"
 
-    def match(self, gm):
-        return [self.site(n.name, [n], "drop a relu that follows a relu") for n in gm.graph.nodes
-                if op_kind(n) == "relu" and isinstance(n.args[0], torch.fx.Node)
-                and op_kind(n.args[0]) == "relu"]
+    anchors = ("relu",)
 
-    def rewrite(self, gm, site):
-        node = next(n for n in gm.graph.nodes if n.name == site.key)
+    def check(self, gm, n):
+        if isinstance(n.args[0], torch.fx.Node) and op_kind(n.args[0]) == "relu":
+            return Found((n,), "drop a relu that follows a relu")
+        return None
+
+    def rewrite(self, gm, found):
+        node = found.nodes[0]
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
 
@@ -35,10 +37,10 @@ class _Vandal(Rule):
     chapter = 3
     exactness = "exact"
 
-    def match(self, gm):
-        return [self.site("a", ["a"], "wreck a")]
+    def check(self, gm, n):
+        return Found((n,), "wreck a") if n.target == "a" else None
 
-    def rewrite(self, gm, site):
+    def rewrite(self, gm, found):
         gm.add_submodule("intruder", nn.Linear(7, 7))
         gm.a.weight = nn.Parameter(torch.zeros_like(gm.a.weight))
         gm.stray_attribute = 1
@@ -67,6 +69,14 @@ class Net(nn.Module):
         return torch.relu(torch.relu(self.a(x))) + torch.relu(torch.relu(x))
 
 
+def _site(c, name, key):
+    return next(s for s in registry.get(name).match(c.gm) if s.key == key)
+
+
+def _decision(name, key, anchor):
+    return registry.get(name), Site(name, key, (key,), "", {}, anchor)
+
+
 def _cap():
     torch.manual_seed(0)
     return capture(Net().eval(), (torch.randn(3, 7),))
@@ -75,8 +85,7 @@ def _cap():
 def test_rewrite_site_applies_and_recompiles():
     c = _cap()
     rule = registry.get("test.apply_drop_relu")
-    site = find_site(c.gm, rule, "relu_1")
-    gm, err = rewrite_site(c.gm, rule, site)
+    gm, err = rewrite_site(c.gm, rule, _site(c, rule.name, "relu_1").found)
     assert err is None and gm is c.gm
     assert sum(op_kind(n) == "relu" for n in gm.graph.nodes) == 3
     assert "relu_1" not in gm.code
@@ -88,7 +97,7 @@ def test_failed_rewrite_restores_graph_weights_and_modules():
     x = torch.randn(2, 7)
     expected = c.gm(x)
     gm, err = rewrite_site(c.gm, registry.get("test.apply_vandal"),
-                           find_site(c.gm, registry.get("test.apply_vandal"), "a"))
+                           _site(c, "test.apply_vandal", "a").found)
     assert "half-way" in err and "ValueError" in err
     assert set(gm.state_dict()) == keys
     assert not hasattr(gm, "intruder") and not hasattr(gm, "stray_attribute")
@@ -100,9 +109,9 @@ def test_apply_sites_works_on_a_copy_and_reports_each_decision():
     c = _cap()
     before = c.gm.code
     calls = []
-    out = apply_sites(c, [(registry.get("test.apply_drop_relu"), "relu_1"),
-                          (registry.get("test.apply_vandal"), "a"),
-                          (registry.get("test.apply_drop_relu"), "missing")],
+    out = apply_sites(c, [_decision("test.apply_drop_relu", "relu_1", "relu_1"),
+                          _decision("test.apply_vandal", "a", "a"),
+                          _decision("test.apply_drop_relu", "missing", "relu_1")],
                       progress=lambda: calls.append(1))
     assert [s.key for s in out.applied] == ["relu_1"]
     assert [f.key for f in out.failed] == ["a", "missing"]

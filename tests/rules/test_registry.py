@@ -103,10 +103,10 @@ class {cls}(Rule):
     chapter = 9
     exactness = "{exactness}"
 
-    def match(self, gm):
-        return []
+    def check(self, gm, node):
+        return None
 
-    def rewrite(self, gm, site):
+    def rewrite(self, gm, found):
         pass
 '''
 

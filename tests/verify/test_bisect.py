@@ -13,7 +13,7 @@ from opswap.graph.capture import capture
 from opswap.graph.ops import op_kind
 from opswap.planner import Decision, Plan, PlanSettings
 from opswap.rules import registry
-from opswap.rules.base import Rule, Site
+from opswap.rules.base import Found, Rule, Site
 from opswap.verify.bisect import find_culprit, rollback
 
 
@@ -25,12 +25,13 @@ class _ConvRule(Rule):
     exactness = "exact"
     factor: ClassVar[float] = 1.0
 
-    def match(self, gm):
-        return [self.site(n.name, [n], f"conv {n.target}") for n in gm.graph.nodes
-                if op_kind(n) == "conv"]
+    anchors = ("conv",)
 
-    def rewrite(self, gm, site):
-        conv = gm.get_submodule(next(n for n in gm.graph.nodes if n.name == site.key).target)
+    def check(self, gm, n):
+        return Found((n,), f"conv {n.target}")
+
+    def rewrite(self, gm, found):
+        conv = gm.get_submodule(found.nodes[0].target)
         with torch.no_grad():
             conv.weight.copy_(conv.weight * self.factor)
 

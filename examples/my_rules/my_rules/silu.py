@@ -13,13 +13,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from opswap.cost import NodeCost, node_cost, roofline_point
-from opswap.graph.ops import copy_meta, is_aten, op_kind, raw_name
+from opswap.graph.ops import copy_meta, is_aten
 from opswap.graph.shapes import info
-from opswap.rules import Estimate, Miss, Rule, Site, register
-from opswap.rules.base import node_by_name
+from opswap.rules import Estimate, Found, Refused, Rule, register
+from opswap.rules.pattern import op, var
 from opswap.targets import get_target
-
-_IN_PLACE = ("mul_", "imul", "__imul__", "sigmoid_")
 
 
 @register
@@ -34,51 +32,35 @@ class SiLU(Rule):
     targets = ("any",)
     description = ("x * sigmoid(x) written out (Swish) -> silu(x): one kernel that reads x "
                    "once, instead of a sigmoid and a mul that write and re-read its result.")
+    relieves = ("memory", "overhead")
+    # mul's operands match in either order; the same name twice is the same tensor. The base
+    # class refuses in-place writes read afterwards and sigmoids other ops also read.
+    pattern = op("mul", var("x"), op("sigmoid", var("x")))
 
-    def _check(self, gm: fx.GraphModule, mul: fx.Node):
-        """(x, sigmoid) or a reason; None when `mul` is not x * sigmoid(x)."""
-        if op_kind(mul) != "mul" or len(mul.args) != 2 or mul.kwargs:
+    def check(self, gm: fx.GraphModule, mul: fx.Node) -> Found | Refused | None:
+        m = self.pattern.match(gm, mul)
+        if m is None or mul.kwargs:
             return None
-        a, b = mul.args
-        pair = next(((x, s) for x, s in ((a, b), (b, a)) if isinstance(s, fx.Node)
-                     and op_kind(s) == "sigmoid" and s.args and s.args[0] is x), None)
-        if pair is None:
-            return None
-        x, sig = pair
-        if raw_name(mul) in _IN_PLACE or raw_name(sig) in _IN_PLACE:
-            return (f"{mul.name if raw_name(mul) in _IN_PLACE else sig.name} writes in place "
-                    f"into {x.name}, which silu would leave unchanged")
-        others = [u.name for u in sig.users if u is not mul]
-        if others:
-            return (f"{sig.name}'s output is also read by {', '.join(others[:3])}, so the "
-                    "sigmoid would still run")
+        x = m["x"]
         x_info = info(x)
         if x_info is None or not x_info.dtype.is_floating_point:
-            return f"{x.name} is not a floating-point tensor; silu takes only those"
-        return x, sig
+            return Refused(f"{x.name} is not a floating-point tensor; silu takes only those")
+        sig = m.nodes[0]
+        return Found(m.nodes, f"{x.name} * sigmoid({x.name}) -> silu({x.name})", dict(x=x),
+                     record=dict(x=x.name, sigmoid=sig.name, mul=mul.name))
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        def site_of(mul, checked) -> Site:
-            x, sig = checked
-            return self.site(f"{sig.name}+{mul.name}", [sig, mul],
-                             f"{x.name} * sigmoid({x.name}) -> silu({x.name})",
-                             x=x.name, sigmoid=sig.name, mul=mul.name)
-
-        return self.scan(gm, self._check, site_of)
-
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        mul, sig = node_by_name(gm, site.data["mul"]), node_by_name(gm, site.data["sigmoid"])
-        x = sig.args[0]  # not by name: x may be the output of a site rewritten before this one
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        sig, mul = found.nodes
         silu = torch.ops.aten.silu.default if is_aten(mul) else F.silu
         with gm.graph.inserting_before(mul):
-            new = gm.graph.call_function(silu, (x,))
+            new = gm.graph.call_function(silu, (found["x"],))
         copy_meta(new, mul)
         mul.replace_all_uses_with(new)
         gm.graph.erase_node(mul)
-        gm.graph.erase_node(sig)  # the check made sure the mul was its only reader
+        gm.graph.erase_node(sig)  # the base made sure the mul was its only reader
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        sig, mul = node_by_name(gm, site.data["sigmoid"]), node_by_name(gm, site.data["mul"])
+    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+        sig, mul = found.nodes
         dtype, target = info(mul).dtype, get_target(target)
         before = [node_cost(sig), node_cost(mul)]
         # silu does the same arithmetic, and moves what the sigmoid alone moved

@@ -4,10 +4,11 @@
     for rule in opswap.rules.all_rules():
         print(rule.name, rule.exactness, rule.targets)
 
-A new rule subclasses `Rule` and is added with `@register` (see rules/base.py).
+A new rule subclasses `Rule` (anchors, `check` answering `Found` or `Refused`, `rewrite`) and
+is added with `@register`: see docs/writing-a-rule.md.
 """
 
-from opswap.rules.base import Estimate, Miss, Rule, Site
+from opswap.rules.base import Estimate, Found, Miss, Refused, Rule, Site
 from opswap.rules.registry import all_rules, get, register, select
 
-__all__ = ["Estimate", "Miss", "Rule", "Site", "all_rules", "get", "register", "select"]
+__all__ = ["Estimate", "Found", "Miss", "Refused", "Rule", "Site", "all_rules", "get", "register", "select"]

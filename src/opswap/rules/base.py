@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch.fx as fx
 
@@ -88,7 +88,7 @@ class Refused:
 
 
 #: what a check answers at one node
-Verdict = Union[Found, Refused, None]
+Verdict = Found | Refused | None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from opswap.rules._cost import saving
 from opswap.rules._edits import drop_dead_attrs, erase, replace_weights
 from opswap.rules._matching import input_of, shared_reason
 from opswap.rules._weights import BatchNormParts, Weighted, batch_norm, fold_affine, weighted
-from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.base import Estimate, Found, Refused
 
 
 def fold(w: Weighted, bn: BatchNormParts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,39 +41,34 @@ def check_fold(gm: fx.GraphModule, src: fx.Node, bn_node: fx.Node,
     return w, bn
 
 
-def bn_saving(gm, site: Site, target, note: str) -> Estimate:
-    bn = node_by_name(gm, site.data["bn"])
-    return saving(target, [bn] if bn is not None else [], note=note)
+def bn_saving(target, found: Found, note: str) -> Estimate:
+    return saving(target, [found["bn_node"]], note=note)
 
 
-def fold_into(gm: fx.GraphModule, src: fx.Node, bn_node: fx.Node) -> None:
-    w, bn = check_fold(gm, src, bn_node, src.name)
+def fold_into(gm: fx.GraphModule, found: Found) -> None:
+    """Fold the BatchNorm of a Found from `bn_fold_check` into the op before it."""
+    w, bn = found["w"], found["bn"]
     weight, bias = fold(w, bn)
     new = replace_weights(gm, w, weight, bias)
     bn.out.replace_all_uses_with(new)
+    bn_node = found["bn_node"]
     dead = erase(gm, [bn.out, *bn_node.users, bn_node])
     drop_dead_attrs(gm, dead)
 
 
-def bn_fold_sites(rule: Rule, gm: fx.GraphModule, kinds: tuple[str, ...], role: str,
-                  check=None) -> list[Site | Miss]:
-    """Sites where an eval BatchNorm directly follows an op of `kinds` and can be folded
-    into its weights; `check(src, bn)` may add a refusal of its own."""
-    found: list[Site | Miss] = []
-    for node in gm.graph.nodes:
-        if op_kind(node) != "batch_norm":
-            continue
-        src = input_of(node)
-        if src is None or op_kind(src) not in kinds:
-            continue
-        reason = check(src, node) if check is not None else None
-        if reason is None:
-            checked = check_fold(gm, src, node, src.name)
-            reason = checked if isinstance(checked, str) else None
-        if reason is not None:
-            found.append(rule.miss(node, reason))
-            continue
-        found.append(rule.site(f"{src.name}+{node.name}", [src, node],
-                               f"fold BatchNorm {node.name} into {src.name}",
-                               **{role: src.name, "bn": node.name}))
-    return found
+def bn_fold_check(gm: fx.GraphModule, node: fx.Node, kinds: tuple[str, ...], role: str,
+                  check=None) -> Found | Refused | None:
+    """At a BatchNorm `node` that directly follows an op of `kinds`: the fold, or why not;
+    `check(src, bn)` may add a refusal of its own."""
+    src = input_of(node)
+    if src is None or op_kind(src) not in kinds:
+        return None
+    reason = check(src, node) if check is not None else None
+    if reason is not None:
+        return Refused(reason)
+    checked = check_fold(gm, src, node, src.name)
+    if isinstance(checked, str):
+        return Refused(checked)
+    w, bn = checked
+    return Found((src, node), f"fold BatchNorm {node.name} into {src.name}",
+                 dict(w=w, bn=bn, bn_node=node), record={role: src.name, "bn": node.name})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
-from opswap.rules.fusion._bn_fold import bn_fold_sites, bn_saving, fold_into
+from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.fusion._bn_fold import bn_fold_check, bn_saving, fold_into
 from opswap.rules.registry import register
 
 
@@ -28,12 +28,15 @@ class ConvBatchNorm(Rule):
                    "folded into its weight and bias; saves the BN's read and write of the conv "
                    "output.")
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        return bn_fold_sites(self, gm, ("conv", "conv_transpose"), "conv")
+    anchors = ("batch_norm",)
+    relieves = ("memory",)
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        fold_into(gm, node_by_name(gm, site.data["conv"]), node_by_name(gm, site.data["bn"]))
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
+        return bn_fold_check(gm, node, ("conv", "conv_transpose"), "conv")
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        return bn_saving(gm, site, target, "BatchNorm folded into the conv weights: one "
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        fold_into(gm, found)
+
+    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+        return bn_saving(target, found, "BatchNorm folded into the conv weights: one "
                          "read and one write of the conv output saved")

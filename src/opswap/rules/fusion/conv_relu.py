@@ -10,7 +10,7 @@ from opswap.rules._cost import saving
 from opswap.rules._edits import drop_dead_attrs, erase, install_module, swap_in_module
 from opswap.rules._matching import input_of, shared_reason
 from opswap.rules._weights import Weighted, batch_norm, weighted
-from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.fusion._bn_fold import check_fold, fold
 from opswap.rules.fusion._fused_conv_relu import FusedConvReLU
 from opswap.rules.registry import register
@@ -56,8 +56,10 @@ class ConvReLU(Rule):
                    "in the conv's epilogue (oneDNN on CPU, cuDNN on CUDA), so the conv output "
                    "is never written and re-read.")
 
-    def _check(self, gm: fx.GraphModule, relu: fx.Node):
-        """(conv, bn or None, Weighted, padding) or a reason; None when not a near-match."""
+    anchors = ("relu",)
+    relieves = ("memory",)
+
+    def check(self, gm: fx.GraphModule, relu: fx.Node) -> Found | Refused | None:
         prev = input_of(relu)
         if prev is None:
             return None
@@ -66,46 +68,38 @@ class ConvReLU(Rule):
         if conv is None or op_kind(conv) not in ("conv", "conv_transpose"):
             return None
         if op_kind(conv) == "conv_transpose":
-            return f"{conv.name} is a transposed convolution; there is no fused ReLU kernel for it"
+            return Refused(f"{conv.name} is a transposed convolution; there is no fused ReLU "
+                           "kernel for it")
         if bn is not None:
             checked = check_fold(gm, conv, bn, conv.name)
             if isinstance(checked, str):
-                return checked
+                return Refused(checked)
             w = checked[0]
             shared = shared_reason(bn, {relu}, "the ReLU cannot be fused into the conv")
         else:
             w = weighted(gm, conv)
             if isinstance(w, str):
-                return w
+                return Refused(w)
             shared = shared_reason(conv, {relu}, "the ReLU cannot be fused into it")
         if shared:
-            return shared
+            return Refused(shared)
         if w.transposed:
-            return f"{conv.name} is a transposed convolution; there is no fused ReLU kernel for it"
+            return Refused(f"{conv.name} is a transposed convolution; there is no fused ReLU "
+                           "kernel for it")
         padding = _zero_padding(w, conv)
         if isinstance(padding, str):
-            return padding
-        return conv, bn, w, padding
+            return Refused(padding)
+        chain = (conv, bn, relu) if bn is not None else (conv, relu)
+        what = (f"{conv.name} + BatchNorm {bn.name} + {relu.name}" if bn is not None
+                else f"{conv.name} + {relu.name}")
+        return Found(chain, f"fuse {what} into one conv with a ReLU epilogue",
+                     dict(conv=conv, bn=bn, w=w, padding=padding),
+                     record=dict(conv=conv.name, bn=bn.name if bn is not None else None,
+                                 relu=relu.name))
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        def check(gm, node):
-            return self._check(gm, node) if op_kind(node) == "relu" else None
-
-        def site_of(node, checked) -> Site:
-            conv, bn, _, _ = checked
-            chain = [conv, bn, node] if bn is not None else [conv, node]
-            what = f"{conv.name} + BatchNorm {bn.name} + {node.name}" if bn is not None \
-                else f"{conv.name} + {node.name}"
-            return self.site("+".join(n.name for n in chain), chain,
-                             f"fuse {what} into one conv with a ReLU epilogue",
-                             conv=conv.name, bn=bn.name if bn is not None else None,
-                             relu=node.name)
-
-        return self.scan(gm, check, site_of)
-
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        relu = node_by_name(gm, site.data["relu"])
-        conv, bn, w, padding = self._check(gm, relu)
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        conv, bn, w, padding = found["conv"], found["bn"], found["w"], found["padding"]
+        relu = found.nodes[-1]
         if bn is not None:
             weight, bias = fold(w, batch_norm(gm, bn))
         else:
@@ -126,9 +120,8 @@ class ConvReLU(Rule):
         copy_meta(new, relu)
         drop_dead_attrs(gm, erase(gm, [relu, bn] if bn is not None else [relu]))
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        relu = node_by_name(gm, site.data["relu"])
-        bn = node_by_name(gm, site.data["bn"]) if site.data.get("bn") else None
+    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+        relu, bn = found.nodes[-1], found["bn"]
         # the max(0, x) still runs, in the conv's epilogue, but moves no bytes
         epilogue = NodeCost(node_cost(relu).flops, 0)
         removed = [bn, relu] if bn is not None else [relu]

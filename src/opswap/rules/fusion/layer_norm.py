@@ -23,7 +23,7 @@ from opswap.graph.shapes import dynamic_dims, info
 from opswap.rules._cost import saving
 from opswap.rules._edits import swap_in_module
 from opswap.rules._matching import const, describe_source
-from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
 
@@ -231,6 +231,9 @@ class LayerNormFusion(Rule):
                    "by rsqrt, optional * weight + bias) -> nn.LayerNorm: one kernel reading x "
                    "once instead of 6-10 kernels, most reading and writing a tensor of x's size.")
 
+    anchors = ("div", "mul")
+    relieves = ("memory", "overhead")
+
     def _find(self, gm: fx.GraphModule, n: fx.Node) -> _LayerNorm | str | None:
         try:
             ln = _normalised(n)
@@ -266,33 +269,24 @@ class LayerNormFusion(Rule):
                         "so the pattern cannot become one op")
         return ln
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        found: list[Site | Miss] = []
-        taken: set[fx.Node] = set()
-        for node in gm.graph.nodes:
-            if node in taken or op_kind(node) not in ("div", "mul"):
-                continue
-            ln = self._find(gm, node)
-            if ln is None:
-                continue
-            if isinstance(ln, str):
-                found.append(self.miss(node, ln))
-                continue
-            taken.update(ln.nodes)
-            found += [self.miss(where, why) for where, why in ln.misses]
-            first = min(ln.nodes, key=lambda n: list(gm.graph.nodes).index(n))
-            affine = ("with weight and bias" if ln.weight is not None and ln.bias is not None
-                      else "with weight" if ln.weight is not None
-                      else "with bias" if ln.bias is not None else "without affine")
-            found.append(self.site(
-                f"{first.name}..{ln.out.name}", ln.nodes,
-                f"replace the written-out LayerNorm of {ln.x.name} ({len(ln.nodes)} ops, "
-                f"eps={ln.eps:g}, {affine}) by nn.LayerNorm", x=ln.x.name, out=ln.out.name,
-                norm=node.name, eps=ln.eps))
-        return found
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> list[Found | Refused] | None:
+        ln = self._find(gm, node)
+        if ln is None:
+            return None
+        if isinstance(ln, str):
+            return [Refused(ln)]
+        first = min(ln.nodes, key=lambda n: list(gm.graph.nodes).index(n))
+        affine = ("with weight and bias" if ln.weight is not None and ln.bias is not None
+                  else "with weight" if ln.weight is not None
+                  else "with bias" if ln.bias is not None else "without affine")
+        found = Found(ln.nodes, f"replace the written-out LayerNorm of {ln.x.name} "
+                      f"({len(ln.nodes)} ops, eps={ln.eps:g}, {affine}) by nn.LayerNorm",
+                      dict(ln=ln), key=f"{first.name}..{ln.out.name}", outputs=(ln.out,),
+                      record=dict(x=ln.x.name, out=ln.out.name, norm=node.name, eps=ln.eps))
+        return [*(Refused(why, where) for where, why in ln.misses), found]
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        ln = self._find(gm, node_by_name(gm, site.data["norm"]))
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        ln = found["ln"]
         x_info = info(ln.x)
         norm_shape = x_info.shape[len(x_info.shape) - len(ln.dims):]
         affine = ln.weight is not None or ln.bias is not None
@@ -307,10 +301,9 @@ class LayerNormFusion(Rule):
                     mod.bias.copy_(ln.bias)
         swap_in_module(gm, mod, (ln.x,), ln.out, ln.nodes, "layer_norm", ln.home)
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        norm = node_by_name(gm, site.data["norm"])
-        ln = self._find(gm, norm) if norm is not None else None
-        if not isinstance(ln, _LayerNorm) or info(ln.x) is None or info(ln.out) is None:
+    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+        ln = found["ln"]
+        if info(ln.x) is None or info(ln.out) is None:
             return Estimate(note="shapes unknown")
         x_info = info(ln.x)
         norm_numel = 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from opswap.graph.shapes import shape
-from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
-from opswap.rules.fusion._bn_fold import bn_fold_sites, bn_saving, fold_into
+from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.fusion._bn_fold import bn_fold_check, bn_saving, fold_into
 from opswap.rules.registry import register
 
 
@@ -36,12 +36,15 @@ class LinearBatchNorm(Rule):
     description = ("Linear + eval BatchNorm1d on [N, C] -> one Linear with the BN folded in; "
                    "saves the BN's read and write of the Linear output.")
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        return bn_fold_sites(self, gm, ("linear",), "linear", _output_is_2d)
+    anchors = ("batch_norm",)
+    relieves = ("memory",)
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        fold_into(gm, node_by_name(gm, site.data["linear"]), node_by_name(gm, site.data["bn"]))
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
+        return bn_fold_check(gm, node, ("linear",), "linear", _output_is_2d)
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        return bn_saving(gm, site, target, "BatchNorm folded into the Linear weights: one "
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        fold_into(gm, found)
+
+    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+        return bn_saving(target, found, "BatchNorm folded into the Linear weights: one "
                          "read and one write of the Linear output saved")

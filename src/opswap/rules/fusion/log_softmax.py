@@ -11,7 +11,7 @@ from opswap.graph.ops import arg, copy_meta, is_aten, module_of, op_kind, raw_na
 from opswap.rules._cost import saving
 from opswap.rules._edits import erase
 from opswap.rules._matching import input_of
-from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
 aten = torch.ops.aten
@@ -57,31 +57,27 @@ class LogSoftmax(Rule):
                    "(the probabilities are not written and re-read) and numerically more "
                    "stable (no log(0) = -inf for tiny probabilities).")
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        found: list[Site | Miss] = []
-        for node in gm.graph.nodes:
-            if op_kind(node) != "log" or raw_name(node) != "log":  # not log_: it writes in place
-                continue
-            sm = input_of(node)
-            if sm is None or op_kind(sm) != "softmax":
-                continue
-            checked = _softmax_dim(gm, sm)
-            if isinstance(checked, str):
-                found.append(self.miss(node, checked))
-                continue
-            shared = [u.name for u in sm.users if u is not node]
-            nodes = [node] if shared else [sm, node]
-            desc = f"replace log({sm.name}) by log_softmax"
-            if shared:
-                desc += f" ({sm.name} stays: {', '.join(shared[:3])} also read it)"
-            found.append(self.site(f"{sm.name}+{node.name}", nodes, desc, softmax=sm.name,
-                                   log=node.name, shared=bool(shared)))
-        return found
+    anchors = ("log",)
+    relieves = ("memory",)
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        log = node_by_name(gm, site.data["log"])
-        sm = input_of(log)
-        dim, dtype, half = _softmax_dim(gm, sm)
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
+        sm = input_of(node)
+        if sm is None or op_kind(sm) != "softmax":
+            return None
+        checked = _softmax_dim(gm, sm)
+        if isinstance(checked, str):
+            return Refused(checked)
+        shared = [u.name for u in sm.users if u is not node]
+        desc = f"replace log({sm.name}) by log_softmax"
+        if shared:
+            desc += f" ({sm.name} stays: {', '.join(shared[:3])} also read it)"
+        return Found((node,) if shared else (sm, node), desc,
+                     dict(sm=sm, dim=checked, shared=bool(shared)), key=f"{sm.name}+{node.name}",
+                     record=dict(softmax=sm.name, log=node.name, shared=bool(shared)))
+
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        log, sm = found.nodes[-1], found["sm"]
+        dim, dtype, half = found["dim"]
         x = input_of(sm)
         with gm.graph.inserting_before(log):
             if sm.op == "call_module" or not is_aten(sm):
@@ -96,12 +92,12 @@ class LogSoftmax(Rule):
         log.replace_all_uses_with(new)
         erase(gm, [log, sm])
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        log, sm = node_by_name(gm, site.data["log"]), node_by_name(gm, site.data["softmax"])
+    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+        log, sm = found.nodes[-1], found["sm"]
         c_sm, c_log = node_cost(sm), node_cost(log)
         # log_softmax reads x and writes the result: the bytes of the log alone
         fused = NodeCost(c_sm.flops + c_log.flops, c_log.bytes)
-        removed = [log] if site.data.get("shared") else [sm, log]
+        removed = [log] if found["shared"] else [sm, log]
         note = ("softmax kept for its other readers; the log becomes log_softmax"
-                if site.data.get("shared") else "softmax probabilities no longer written and re-read")
+                if found["shared"] else "softmax probabilities no longer written and re-read")
         return saving(target, removed, [fused], note)

@@ -17,7 +17,7 @@ from opswap.graph.shapes import info
 from opswap.rules._cost import saving
 from opswap.rules._edits import drop_dead_attrs, erase, new_const
 from opswap.rules._matching import const, describe_source, shared_reason
-from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
 aten = torch.ops.aten
@@ -53,9 +53,11 @@ class MatMulAdd(Rule):
     description = ("x @ W + b with constant W [K, N] and bias b -> linear(x, W^T, b): the bias "
                    "is added in the GEMM epilogue, so x @ W is not written out and re-read.")
 
-    def _check(self, gm: fx.GraphModule, add: fx.Node):
-        """(matmul, x, W, bias vector) or a reason; None when it is not a near-match."""
-        if op_kind(add) != "add" or len(add.args) != 2:
+    anchors = ("add",)
+    relieves = ("memory",)
+
+    def check(self, gm: fx.GraphModule, add: fx.Node) -> Found | Refused | None:
+        if len(add.args) != 2:
             return None
         pair = next(((a, b) for a, b in (add.args, add.args[::-1]) if isinstance(a, fx.Node)
                      and op_kind(a) == "matmul" and raw_name(a) in _MATMUL_NAMES), None)
@@ -70,41 +72,33 @@ class MatMulAdd(Rule):
         if w is None and b_t is None:
             return None  # x @ y + z with nothing constant: not a near-match
         if w is None:
-            return f"W of {mm.name} is not a constant: it is {describe_source(w_node)}"
+            return Refused(f"W of {mm.name} is not a constant: it is {describe_source(w_node)}")
         if b_t is None:
-            return f"the bias added by {add.name} is not a constant: it is {describe_source(b)}"
+            return Refused(f"the bias added by {add.name} is not a constant: it is {describe_source(b)}")
         if add.kwargs.get("alpha", 1) != 1:
-            return f"{add.name} scales its operand (alpha), which a linear's bias cannot express"
+            return Refused(f"{add.name} scales its operand (alpha), which a linear's bias cannot express")
         if w.dim() != 2:
-            return f"W of {mm.name} is {w.dim()}-D; a linear needs a 2-D weight"
+            return Refused(f"W of {mm.name} is {w.dim()}-D; a linear needs a 2-D weight")
         out = info(mm)
         if out is None:
-            return f"the shape of {mm.name} is unknown"
+            return Refused(f"the shape of {mm.name} is unknown")
         bias = _bias_vector(b_t, w.shape[1], len(out.shape), out.dtype)
         if isinstance(bias, str):
-            return bias
+            return Refused(bias)
         shared = shared_reason(mm, {add}, "the add cannot move into its epilogue")
         if shared:
-            return shared
-        return mm, x, w, bias
+            return Refused(shared)
+        return Found((mm, add), f"{mm.name} + {add.name} -> linear",
+                     dict(mm=mm, x=x, w=w, bias=bias, b_node=b),
+                     record=dict(matmul=mm.name, add=add.name))
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        def site_of(node, checked) -> Site:
-            mm = checked[0]
-            return self.site(f"{mm.name}+{node.name}", [mm, node],
-                             f"{mm.name} + {node.name} -> linear", matmul=mm.name,
-                             add=node.name)
-
-        return self.scan(gm, self._check, site_of)
-
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        add = node_by_name(gm, site.data["add"])
-        mm, x, w, bias = self._check(gm, add)
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        mm, add = found.nodes
+        x, w, bias, b_node = found["x"], found["w"], found["bias"], found["b_node"]
         w_node = mm.args[1]
         base = (str(w_node.target) if isinstance(w_node, fx.Node) and w_node.op == "get_attr"
                 else f"{mm.name}_weight")
         wt = new_const(gm, mm, f"{base}_t", w.detach().t().contiguous())
-        b_node = add.args[1] if add.args[0] is mm else add.args[0]
         b_given = const(gm, b_node) if isinstance(b_node, fx.Node) else None
         if b_node is not None and isinstance(b_node, fx.Node) and b_node.op == "get_attr" \
                 and b_given is not None and tuple(b_given.shape) == tuple(bias.shape):
@@ -118,8 +112,8 @@ class MatMulAdd(Rule):
         add.replace_all_uses_with(new)
         drop_dead_attrs(gm, erase(gm, [add, mm]))
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        add = node_by_name(gm, site.data["add"])
+    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+        add = found.nodes[-1]
         out = info(add)
         bias_bytes = out.nbytes // max(out.numel, 1) * out.shape[-1] if out and out.shape else 0
         # the add's arithmetic happens in the GEMM epilogue, which also reads the bias once

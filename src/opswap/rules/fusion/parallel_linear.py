@@ -22,7 +22,7 @@ from opswap.rules._cost import saving
 from opswap.rules._edits import drop_dead_attrs, erase, fresh_path, new_const
 from opswap.rules._matching import input_of
 from opswap.rules._weights import Weighted, weighted
-from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
 aten = torch.ops.aten
@@ -63,6 +63,17 @@ def _viewable(piece_shape, wide_last: int, out_shape) -> bool:
         return False
 
 
+def _in_graph_order(start: fx.Node, nodes: list[fx.Node]) -> list[fx.Node]:
+    """`nodes`, all after `start`, sorted by their place in the graph (walked from start)."""
+    todo, out, cur = set(nodes), [], start
+    while todo and cur.op != "root":
+        if cur in todo:
+            out.append(cur)
+            todo.discard(cur)
+        cur = cur.next
+    return out
+
+
 @register
 class ParallelLinear(Rule):
     """Linears reading the same input (Q, K, V) -> one wide Linear, then slices.
@@ -86,58 +97,54 @@ class ParallelLinear(Rule):
     # after merging, a BatchNorm would follow a slice, which linear_bn cannot fold
     after = ("fusion.matmul_add", "fusion.linear_bn")
 
-    def _groups(self, gm: fx.GraphModule):
-        """{input: [Weighted]} of mergeable linears, plus misses."""
-        misses: list[Miss] = []
-        groups: dict[fx.Node, list[Weighted]] = {}
-        readers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-        for node in gm.graph.nodes:
-            if op_kind(node) == "linear" and input_of(node) is not None:
-                readers[input_of(node)].append(node)
-        for x, nodes in readers.items():
-            if len(nodes) < 2:
-                continue
-            ok: list[Weighted] = []
-            for n in nodes:
-                w = weighted(gm, n)
-                if isinstance(w, str):
-                    misses.append(self.miss(n, f"{w}, so it cannot merge with the other Linears "
-                                               f"reading {x.name}"))
-                else:
-                    ok.append(w)
-            by_kind: dict[tuple, list[Weighted]] = defaultdict(list)
-            for w in ok:
-                by_kind[(w.weight.dtype, w.weight.device)].append(w)
-            main = max(by_kind.values(), key=len, default=[])
-            for w in ok:
-                if w not in main and main:
-                    ref = main[0]
-                    misses.append(self.miss(w.node, (
-                        f"{w.node.name} is {str(w.weight.dtype).removeprefix('torch.')} on "
-                        f"{w.weight.device} while {ref.node.name} is "
-                        f"{str(ref.weight.dtype).removeprefix('torch.')} on {ref.weight.device}; "
-                        "Linears merge only with the same dtype and device")))
-            if len(main) >= 2:
-                groups[x] = main
-        return groups, misses
+    anchors = ("linear",)
+    relieves = ("memory", "overhead")
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        groups, misses = self._groups(gm)
-        found: list[Site | Miss] = list(misses)
-        for x, members in groups.items():
-            names = [w.node.name for w in members]
-            zero = [w.node.name for w in members if w.bias is None]
-            desc = f"merge {', '.join(names)} (all reading {x.name}) into one Linear"
-            if zero and len(zero) < len(members):
-                desc += f"; {', '.join(zero)} get a zero bias"
-            found.append(self.site("+".join(names), [w.node for w in members], desc,
-                                   input=x.name, members=names))
-        return found
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> list[Found | Refused] | None:
+        """At the first Linear reading its input: the Linears that merge, and why others
+        reading the same input do not."""
+        x = input_of(node)
+        if x is None:
+            return None
+        nodes = _in_graph_order(x, [u for u in x.users
+                                    if op_kind(u) == "linear" and input_of(u) is x])
+        if len(nodes) < 2 or nodes[0] is not node:
+            return None
+        out: list[Found | Refused] = []
+        ok: list[Weighted] = []
+        for n in nodes:
+            w = weighted(gm, n)
+            if isinstance(w, str):
+                out.append(Refused(f"{w}, so it cannot merge with the other Linears reading "
+                                   f"{x.name}", n))
+            else:
+                ok.append(w)
+        by_kind: dict[tuple, list[Weighted]] = defaultdict(list)
+        for w in ok:
+            by_kind[(w.weight.dtype, w.weight.device)].append(w)
+        members = max(by_kind.values(), key=len, default=[])
+        for w in ok:
+            if w not in members and members:
+                ref = members[0]
+                out.append(Refused(
+                    f"{w.node.name} is {str(w.weight.dtype).removeprefix('torch.')} on "
+                    f"{w.weight.device} while {ref.node.name} is "
+                    f"{str(ref.weight.dtype).removeprefix('torch.')} on {ref.weight.device}; "
+                    "Linears merge only with the same dtype and device", w.node))
+        if len(members) < 2:
+            return out
+        names = [w.node.name for w in members]
+        zero = [w.node.name for w in members if w.bias is None]
+        desc = f"merge {', '.join(names)} (all reading {x.name}) into one Linear"
+        if zero and len(zero) < len(members):
+            desc += f"; {', '.join(zero)} get a zero bias"
+        member_nodes = tuple(w.node for w in members)
+        out.append(Found(member_nodes, desc, dict(x=x, members=members),
+                         outputs=member_nodes, record=dict(input=x.name, members=names)))
+        return out
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        groups, _ = self._groups(gm)
-        x = node_by_name(gm, site.data["input"])
-        members = [w for w in groups[x] if w.node.name in site.data["members"]]
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        x, members = found["x"], found["members"]
         weight = torch.cat([w.weight.detach() for w in members], 0)
         with_bias = any(w.bias is not None for w in members)
         bias = torch.cat([w.bias.detach() if w.bias is not None else
@@ -198,14 +205,13 @@ class ParallelLinear(Rule):
                 user.replace_input_with(piece, c)
             offset += n
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        nodes = [node_by_name(gm, n) for n in site.data["members"]]
-        x = node_by_name(gm, site.data["input"])
-        x_bytes = info(x).nbytes if x is not None and info(x) else 0
+    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+        nodes, x = list(found.nodes), found["x"]
+        x_bytes = info(x).nbytes if info(x) else 0
         gone = [node_cost(n) for n in nodes]
         # same FLOPs, same weights and outputs; x is read once instead of k times
         wide = NodeCost(sum(c.flops for c in gone),
                         sum(c.bytes for c in gone) - (len(nodes) - 1) * x_bytes)
         # the wide output is cut back into k outputs by one split (views: one dispatch)
         return saving(target, nodes, [wide, NodeCost(0, 0)], f"{len(nodes)} GEMMs -> 1: "
-                      f"{x.name if x else 'x'} read once instead of {len(nodes)} times")
+                      f"{x.name} read once instead of {len(nodes)} times")

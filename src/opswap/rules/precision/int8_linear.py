@@ -9,13 +9,13 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import arg, module_of, op_kind
+from opswap.graph.ops import arg, module_of
 from opswap.graph.shapes import info
 from opswap.rules._cost import op_time
 from opswap.rules._edits import install_module, swap_in_module
 from opswap.rules._matching import input_of
 from opswap.rules._weights import weighted
-from opswap.rules.base import Estimate, Miss, Rule, Site, node_by_name
+from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.rules.registry import register
 
@@ -93,44 +93,38 @@ class Int8DynamicLinear(Rule):
     description = ("float32 Linear -> int8 weights (per channel) and int8 inputs quantised per "
                    "row at run time, int32-accumulated integer GEMM (approx: ~1% error per layer).")
 
-    def _check(self, gm: fx.GraphModule, node: fx.Node):
-        if op_kind(node) != "linear" or isinstance(module_of(node), Int8Linear):
+    anchors = ("linear",)
+    relieves = ("compute", "memory")
+
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
+        if isinstance(module_of(node), Int8Linear):
             return None
         w = weighted(gm, node)
         if isinstance(w, str):
-            return w
+            return Refused(w)
         if w.weight.dtype != torch.float32:
-            return (f"{node.name}'s weight is {str(w.weight.dtype).removeprefix('torch.')}; "
-                    "int8 dynamic quantisation is offered for float32 layers")
+            dtype = str(w.weight.dtype).removeprefix("torch.")
+            return Refused(f"{node.name}'s weight is {dtype}; int8 dynamic quantisation is "
+                           "offered for float32 layers")
         n, k = w.weight.shape
         if k < MIN_IN_FEATURES or n < MIN_OUT_FEATURES:
-            return (f"{node.name} is {k} -> {n} features: below {MIN_IN_FEATURES} inputs or "
-                    f"{MIN_OUT_FEATURES} outputs the quantise and rescale passes cost more "
-                    "than the int8 GEMM saves")
+            return Refused(f"{node.name} is {k} -> {n} features: below {MIN_IN_FEATURES} "
+                           f"inputs or {MIN_OUT_FEATURES} outputs the quantise and rescale "
+                           "passes cost more than the int8 GEMM saves")
         x = input_of(node)
         xi = info(x) if x is not None else None
         if xi is None or xi.dtype != torch.float32:
-            return f"the input of {node.name} is not a float32 tensor of known shape"
+            return Refused(f"the input of {node.name} is not a float32 tensor of known shape")
         rows = xi.numel // max(k, 1)
         if rows < MIN_ROWS:
-            return (f"{node.name} runs on {rows} row(s) at the example shape: below {MIN_ROWS} "
-                    "rows the quantise and rescale ops around the int8 GEMM cost more than it "
-                    "saves")
-        return w
+            return Refused(f"{node.name} runs on {rows} row(s) at the example shape: below "
+                           f"{MIN_ROWS} rows the quantise and rescale ops around the int8 GEMM "
+                           "cost more than it saves")
+        return Found((node,), f"{node.name} ({k} -> {n}) in int8, input quantised per row",
+                     dict(w=w), record=dict(linear=node.name))
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        def site_of(node, w) -> Site:
-            n, k = w.weight.shape
-            return self.site(node.name, [node], f"{node.name} ({k} -> {n}) in int8, "
-                             "input quantised per row", linear=node.name)
-
-        return self.scan(gm, self._check, site_of)
-
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        node = node_by_name(gm, site.data["linear"])
-        w = self._check(gm, node)
-        if not hasattr(w, "weight"):
-            raise ValueError(f"{site.key} no longer qualifies: {w}")
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        node, w = found.nodes[0], found["w"]
         mod = Int8Linear(w.weight, w.bias)
         if node.op == "call_module":
             install_module(gm, node, mod, str(node.target))
@@ -138,11 +132,10 @@ class Int8DynamicLinear(Rule):
         swap_in_module(gm, mod, (input_of(node),), node, [node], f"{node.name}_int8",
                        home=arg(node, 1, "weight"))
 
-    def predict(self, gm: fx.GraphModule, site: Site, target) -> Estimate:
-        node = node_by_name(gm, site.data["linear"])
+    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+        node, w = found.nodes[0], found["w"]
         out = info(node)
-        w = weighted(gm, node)
-        if out is None or isinstance(w, str):
+        if out is None:
             return Estimate(note="shape unknown: no prediction")
         n, k = w.weight.shape
         m = max(1, out.numel // n)
