@@ -27,15 +27,20 @@ CL = torch.channels_last
 
 @dataclass
 class NhwcPlan:
-    """What converting one graph involves, by node name."""
+    """What converting one graph involves."""
 
-    convs: list[str] = field(default_factory=list)
-    entries: list[str] = field(default_factory=list)  # activations converted to NHWC
-    outputs: list[str] = field(default_factory=list)  # results converted back to contiguous
-    views: list[str] = field(default_factory=list)  # .view() inputs converted back
+    convs: list[fx.Node] = field(default_factory=list)
+    entries: list[fx.Node] = field(default_factory=list)  # activations converted to NHWC
+    outputs: list[fx.Node] = field(default_factory=list)  # results converted back to contiguous
+    views: list[fx.Node] = field(default_factory=list)  # .view() inputs converted back
+
+    def names(self) -> dict[str, list[str]]:
+        """The plan by node name, as a saved plan records it."""
+        return {"convs": [n.name for n in self.convs], "entries": [n.name for n in self.entries],
+                "outputs": [n.name for n in self.outputs], "views": [n.name for n in self.views]}
 
 
-def _is_conv4d(node: fx.Node) -> bool:
+def is_conv4d(node: fx.Node) -> bool:
     if op_kind(node) not in ("conv", "conv_transpose"):
         return False
     out, src = info(node), info(node.args[0]) if node.args else None
@@ -63,27 +68,27 @@ def _output_leaves(gm: fx.GraphModule) -> list[fx.Node]:
 
 def plan_nhwc(gm: fx.GraphModule) -> NhwcPlan:
     """Find the convs to convert and where the layout must change."""
-    convs = [n for n in gm.graph.nodes if _is_conv4d(n)]
-    plan = NhwcPlan(convs=[c.name for c in convs])
-    if not convs:
+    plan = NhwcPlan(convs=[n for n in gm.graph.nodes if is_conv4d(n)])
+    if not plan.convs:
         return plan
-    after = _downstream(convs)  # values computed from a conv output: NHWC once converted
-    for c in convs:
+    after = _downstream(plan.convs)  # values computed from a conv output: NHWC once converted
+    for c in plan.convs:
         src = c.args[0]
-        if src not in after and src.name not in plan.entries:
-            plan.entries.append(src.name)
+        if src not in after and src not in plan.entries:
+            plan.entries.append(src)
     for leaf in _output_leaves(gm):
         i = info(leaf)
         # every tensor output, not only 4-D ones: conv(x).flatten(2) of a channels-last
         # tensor has other strides too, and a caller's .view() of it would raise
-        if leaf in after and i is not None and len(i.shape) >= 2 and leaf.name not in plan.outputs:
-            plan.outputs.append(leaf.name)
+        if leaf in after and i is not None and len(i.shape) >= 2 and leaf not in plan.outputs:
+            plan.outputs.append(leaf)
     for n in after:
         if raw_name(n) == "view" and n.args and n.args[0] in after:
             i = info(n.args[0])
             if i is not None and len(i.shape) == 4:
-                plan.views.append(n.name)
-    plan.views.sort(key=[n.name for n in gm.graph.nodes].index)
+                plan.views.append(n)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    plan.views.sort(key=order.__getitem__)
     return plan
 
 
@@ -100,10 +105,9 @@ def nhwc_strides(shape, stride) -> bool:
     return True
 
 
-def already_nhwc(gm: fx.GraphModule, plan: NhwcPlan) -> bool:
+def already_nhwc(plan: NhwcPlan) -> bool:
     """True when every conv already produces channels-last output."""
-    for name in plan.convs:
-        conv = next(n for n in gm.graph.nodes if n.name == name)
+    for conv in plan.convs:
         meta = conv.meta.get("tensor_meta")
         if not isinstance(meta, TensorMetadata) or not nhwc_strides(meta.shape, meta.stride):
             return False
@@ -149,19 +153,16 @@ def _convert(gm: fx.GraphModule, node: fx.Node, readers: list[fx.Node], fmt) -> 
         r.replace_input_with(node, new)
 
 
-def rewrite_nhwc(gm: fx.GraphModule, names: dict[str, fx.Node], plan: NhwcPlan) -> None:
-    convs = [names[c] for c in plan.convs]
-    for c in convs:
+def rewrite_nhwc(gm: fx.GraphModule, plan: NhwcPlan) -> None:
+    for c in plan.convs:
         _to_channels_last(gm, c)
-    conv_set = set(convs)
-    for e in plan.entries:
-        node = names[e]
+    conv_set = set(plan.convs)
+    for node in plan.entries:
         _convert(gm, node, [u for u in node.users if u in conv_set], CL)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for o in plan.outputs:
-        _convert(gm, names[o], [out], torch.contiguous_format)
-    for v in plan.views:
-        view = names[v]
+        _convert(gm, o, [out], torch.contiguous_format)
+    for view in plan.views:
         _convert(gm, view.args[0], [view], torch.contiguous_format)
 
 
@@ -186,14 +187,14 @@ def check_runs(gm: fx.GraphModule) -> None:
         ) from e
 
 
-def traffic(plan: NhwcPlan, names: dict[str, fx.Node]) -> tuple[int, int]:
+def traffic(plan: NhwcPlan) -> tuple[int, int]:
     """(bytes the convs stop reordering, bytes the added conversions move)."""
 
     def nbytes(node) -> int:
         i = info(node)
         return i.nbytes if i is not None else 0
 
-    saved = sum(2 * (nbytes(names[c].args[0]) + nbytes(names[c])) for c in plan.convs)
-    paid = sum(2 * nbytes(names[n]) for n in plan.entries + plan.outputs)
-    paid += sum(2 * nbytes(names[v].args[0]) for v in plan.views)
+    saved = sum(2 * (nbytes(c.args[0]) + nbytes(c)) for c in plan.convs)
+    paid = sum(2 * nbytes(n) for n in plan.entries + plan.outputs)
+    paid += sum(2 * nbytes(v.args[0]) for v in plan.views)
     return saved, paid

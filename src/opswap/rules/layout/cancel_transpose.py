@@ -6,8 +6,15 @@ import torch.fx as fx
 
 from opswap.rules._cost import bytes_estimate
 from opswap.rules._matching import compose, perm_of
-from opswap.rules.base import Estimate, Miss, Site
-from opswap.rules.layout._base import Check, LayoutRule, chain_sites, fewer, replace_chain
+from opswap.rules.base import Estimate, Found
+from opswap.rules.layout._base import (
+    TRANSPOSE_KINDS,
+    LayoutRule,
+    chain_check,
+    chain_found,
+    fewer,
+    replace_chain,
+)
 from opswap.rules.registry import register
 
 
@@ -15,7 +22,7 @@ def _is_perm(node: fx.Node) -> bool:
     return perm_of(node) is not None
 
 
-def _composed(chain: list[fx.Node]) -> Check | None:
+def _composed(chain: list[fx.Node]) -> Found | None:
     total = perm_of(chain[0])
     for n in chain[1:]:
         total = compose(total, perm_of(n))
@@ -23,7 +30,7 @@ def _composed(chain: list[fx.Node]) -> Check | None:
     if len(chain) == 1 and not identity:
         return None
     what = "cancel out" if identity else f"compose to permute{tuple(total)}"
-    return Check(what, data={"perm": total, "identity": identity})
+    return chain_found(chain, what, {"perm": total, "identity": identity})
 
 
 @register
@@ -34,16 +41,17 @@ class CancelTranspose(LayoutRule):
         "becomes a single permute. Transposes are views, so this saves op dispatches, and a "
         "later copy no longer gathers a tensor that was only turned back."
     )
+    anchors = TRANSPOSE_KINDS
+    relieves = ("overhead",)
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        return chain_sites(self, gm, _is_perm, _composed)
+    def check(self, gm, node):
+        return chain_check(node, _is_perm, _composed)
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        identity = site.data["identity"]
-        replace_chain(gm, self._nodes(gm, site), None if identity else "permute",
-                       list(site.data["perm"]))
+    def rewrite(self, gm, found):
+        identity = found["identity"]
+        replace_chain(gm, found.nodes, None if identity else "permute", list(found["perm"]))
 
-    def _predict(self, gm, site, target) -> Estimate:
-        saved = len(site.nodes) - (0 if site.data["identity"] else 1)
+    def predict(self, gm, found, target) -> Estimate:
+        saved = len(found.nodes) - (0 if found["identity"] else 1)
         return bytes_estimate(0, target, f"transposes are views: no data moves; {fewer(saved)}",
                               views_saved=saved)

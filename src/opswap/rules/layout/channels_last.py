@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import torch.fx as fx
-
 from opswap.cost.units import human_unit
 from opswap.rules._cost import bytes_estimate
-from opswap.rules._matching import by_name
-from opswap.rules.base import Estimate, Miss, Site
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.layout import _nhwc as nhwc
 from opswap.rules.layout._base import LayoutRule
 from opswap.rules.registry import register
-
-
-def _nhwc_plan(site: Site) -> nhwc.NhwcPlan:
-    d = site.data
-    return nhwc.NhwcPlan(d["convs"], d["entries"], d["outputs"], d["views"])
 
 
 @register
@@ -31,26 +23,30 @@ class ChannelsLast(LayoutRule):
         "reorders its input and output every call. Pays only on a target that prefers "
         "channels_last; elsewhere the conversions are pure cost and the planner skips it."
     )
+    # one match for the whole graph, found at its first 4-D convolution
+    anchors = ("conv", "conv_transpose")
+    relieves = ("memory", "layout")
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
+    def check(self, gm, node):
+        if next((n for n in gm.graph.nodes if nhwc.is_conv4d(n)), None) is not node:
+            return None
         plan = nhwc.plan_nhwc(gm)
-        if not plan.convs:
-            return []  # nothing for the rule to do: not a near miss
-        if nhwc.already_nhwc(gm, plan):
-            return [self.miss("model", "every convolution already runs channels_last")]
-        desc = (f"{len(plan.convs)} conv(s) in NHWC; {', '.join(plan.entries)} converted in"
-                + (f", {', '.join(plan.outputs)} back" if plan.outputs else ""))
-        nodes = dict.fromkeys(plan.convs + plan.entries + plan.outputs + plan.views)
-        return [self.site("model", list(nodes), desc, convs=plan.convs, entries=plan.entries,
-                          outputs=plan.outputs, views=plan.views)]
+        if nhwc.already_nhwc(plan):
+            return Refused("every convolution already runs channels_last", "model")
+        names = plan.names()
+        desc = (f"{len(plan.convs)} conv(s) in NHWC; {', '.join(names['entries'])} converted in"
+                + (f", {', '.join(names['outputs'])} back" if plan.outputs else ""))
+        nodes = tuple(dict.fromkeys(plan.convs + plan.entries + plan.outputs + plan.views))
+        # nothing is consumed: every node stays, with other strides or a conversion beside it
+        return Found(nodes, desc, dict(plan=plan), key="model", kept=nodes, record=names)
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        nhwc.rewrite_nhwc(gm, by_name(gm), _nhwc_plan(site))
+    def rewrite(self, gm, found):
+        nhwc.rewrite_nhwc(gm, found["plan"])
         nhwc.check_runs(gm)
 
-    def _predict(self, gm, site, target) -> Estimate:
-        plan = _nhwc_plan(site)
-        saved, paid = nhwc.traffic(plan, by_name(gm))
+    def predict(self, gm, found, target) -> Estimate:
+        plan = found["plan"]
+        saved, paid = nhwc.traffic(plan)
         layout = getattr(target, "layout", None) or getattr(target, "preferred_layout", None)
         if layout != "channels_last":
             bw = getattr(target, "mem_bandwidth", None)

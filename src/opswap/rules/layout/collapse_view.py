@@ -20,8 +20,8 @@ from opswap.graph.ops import raw_name
 from opswap.graph.shapes import dynamic_dims, info, same_everywhere, shapes_seen
 from opswap.rules._cost import bytes_estimate
 from opswap.rules._edits import shape_args
-from opswap.rules.base import Estimate, Miss, Site
-from opswap.rules.layout._base import Check, LayoutRule, chain_sites, fewer, replace_chain
+from opswap.rules.base import Estimate, Found, Refused
+from opswap.rules.layout._base import LayoutRule, chain_check, chain_found, fewer, replace_chain
 from opswap.rules.registry import register
 
 _SHAPE_NAMES = {"view", "_unsafe_view", "reshape", "flatten", "squeeze", "unsqueeze",
@@ -143,19 +143,19 @@ def collapsed_shape(chain: list[fx.Node]) -> tuple[list | None, str | None]:
                   "reshape cannot follow at every batch or sequence length")
 
 
-def _collapsed(chain: list[fx.Node]) -> Check | None:
+def _collapsed(chain: list[fx.Node]) -> Found | Refused | None:
     if same_everywhere(chain[0].args[0], chain[-1]):  # at the example and every probe
-        return Check("leave the shape unchanged", data={"identity": True})
+        return chain_found(chain, "leave the shape unchanged", {"identity": True})
     if len(chain) == 1:
         return None
     shape, reason = collapsed_shape(chain)
     if reason:
-        return Check(why=reason)
+        return Refused(reason, chain[-1])
     src = chain[0].args[0].name
     shown = [a.name if isinstance(a, fx.Node) else
              "*".join(f"{src}.size({d})" for d in a) if isinstance(a, tuple) else a
              for a in shape]
-    return Check(f"as one reshape to {shown}", data={"identity": False})
+    return chain_found(chain, f"as one reshape to {shown}", {"identity": False}, shape=shape)
 
 
 @register
@@ -168,21 +168,21 @@ class CollapseView(LayoutRule):
         "They are views: this saves op dispatches, not memory traffic."
     )
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        return chain_sites(self, gm, is_shape_op, _collapsed)
+    anchors = ("view", "reshape", "flatten", "squeeze")
+    relieves = ("memory", "layout", "overhead")
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        chain = self._nodes(gm, site)
-        if site.data["identity"]:
+    def check(self, gm, node):
+        return chain_check(node, is_shape_op, _collapsed)
+
+    def rewrite(self, gm, found):
+        chain = found.nodes
+        if found["identity"]:
             replace_chain(gm, chain, None, None)
             return
-        shape, reason = collapsed_shape(chain)
-        if reason:
-            raise ValueError(reason)
         with gm.graph.inserting_before(chain[-1]):
-            shape = shape_args(gm.graph, chain[-1], chain[0].args[0], shape)
+            shape = shape_args(gm.graph, chain[-1], chain[0].args[0], found["shape"])
         replace_chain(gm, chain, "reshape", shape)
 
-    def _predict(self, gm, site, target) -> Estimate:
-        saved = len(site.nodes) - (0 if site.data["identity"] else 1)
+    def predict(self, gm, found, target) -> Estimate:
+        saved = len(found.nodes) - (0 if found["identity"] else 1)
         return bytes_estimate(0, target, f"views move no data; {fewer(saved)}", views_saved=saved)

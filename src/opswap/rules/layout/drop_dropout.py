@@ -10,8 +10,8 @@ from torch import nn
 from opswap.graph.ops import arg, is_aten, module_of, op_kind, raw_name
 from opswap.rules._cost import bytes_estimate
 from opswap.rules._edits import erase
-from opswap.rules.base import Estimate, Miss, Site
-from opswap.rules.layout._base import Check, LayoutRule, fewer
+from opswap.rules.base import Estimate, Found, Refused, Verdict
+from opswap.rules.layout._base import LayoutRule, fewer
 from opswap.rules.registry import register
 
 
@@ -48,17 +48,6 @@ def _module_path(node: fx.Node) -> str:
     return node.name
 
 
-def dropout_check(node: fx.Node) -> Check | None:
-    state = dropout_state(node)
-    if state is None:
-        return None
-    p, training, label = state
-    if isinstance(training, fx.Node) or isinstance(p, fx.Node):
-        return Check(why=f"Dropout {label}'s mode is decided at run time")
-    if training and p != 0:
-        return Check(why=f"Dropout {label} is in training mode: it zeroes activations at "
-                     "random; call .eval() to remove it")
-    return Check(f"Dropout {label} " + ("is in eval mode" if not training else "has p = 0"))
 
 
 @register
@@ -71,14 +60,27 @@ class DropDropout(LayoutRule):
         "either side fuse."
     )
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        return self._verdicts((n, dropout_check(n)) for n in gm.graph.nodes)
+    anchors = ("dropout",)
+    relieves = ("overhead",)
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        (node,) = self._nodes(gm, site)
+    def check(self, gm, node) -> Verdict:
+        state = dropout_state(node)
+        if state is None:
+            return None
+        p, training, label = state
+        if isinstance(training, fx.Node) or isinstance(p, fx.Node):
+            return Refused(f"Dropout {label}'s mode is decided at run time")
+        if training and p != 0:
+            return Refused(f"Dropout {label} is in training mode: it zeroes activations at "
+                           "random; call .eval() to remove it")
+        return Found((node,), f"Dropout {label} " + (
+            "is in eval mode" if not training else "has p = 0"))
+
+    def rewrite(self, gm, found):
+        (node,) = found.nodes
         node.replace_all_uses_with(node.args[0] if node.args else node.kwargs["input"])
         erase(gm, [node])
 
-    def _predict(self, gm, site, target) -> Estimate:
+    def predict(self, gm, found, target) -> Estimate:
         return bytes_estimate(0, target, f"eval-mode dropout returns its input: no data moves; "
                               f"{fewer(1)}", views_saved=1)

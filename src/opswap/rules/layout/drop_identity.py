@@ -12,8 +12,8 @@ from opswap.graph.shapes import info, strides_seen
 from opswap.rules._cost import bytes_estimate, moved_bytes
 from opswap.rules._edits import erase
 from opswap.rules._matching import aliases_reach_output, has_layout, storage_root, strides
-from opswap.rules.base import Estimate, Miss, Site
-from opswap.rules.layout._base import Check, LayoutRule, fewer
+from opswap.rules.base import Estimate, Found, Refused, Verdict
+from opswap.rules.layout._base import LayoutRule, fewer
 from opswap.rules.registry import register
 
 _CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
@@ -43,10 +43,10 @@ def _same_dtype_cast(node: fx.Node) -> bool:
     return dtype == src.dtype and not copy and not flags and fmt in (None, torch.preserve_format)
 
 
-def identity_check(gm: fx.GraphModule, node: fx.Node) -> Check | None:
+def identity_check(gm: fx.GraphModule, node: fx.Node) -> Verdict:
     """Whether `node` returns its input (or a copy nobody needs) and can go."""
     if node.op == "call_module":
-        return Check(f"{node.name} is an nn.Identity") if isinstance(
+        return Found((node,), f"{node.name} is an nn.Identity") if isinstance(
             module_of(node), nn.Identity) else None
     if node.op not in ("call_function", "call_method") or not node.args:
         return None
@@ -54,10 +54,11 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Check | None:
     if not isinstance(src, fx.Node):
         return None
     if name == "alias":
-        return Check(f"{node.name} is an alias of {src.name}")
+        return Found((node,), f"{node.name} is an alias of {src.name}")
     if op_kind(node) == "to" and name != "_to_copy":
-        ok = _same_dtype_cast(node)
-        return Check(f"{node.name} casts to the dtype {src.name} already has") if ok else None
+        if not _same_dtype_cast(node):
+            return None
+        return Found((node,), f"{node.name} casts to the dtype {src.name} already has")
     if name not in ("contiguous", "clone", "_to_copy"):
         return None
     if name == "_to_copy" and (set(node.kwargs) - {"dtype", "memory_format", "non_blocking"}
@@ -65,8 +66,8 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Check | None:
         return None  # a device or layout change
     i, s_in, s_out = info(src), strides(src), strides(node)
     if i is None or s_in is None or s_out is None:
-        return Check(why=f"the strides of {src.name} are not known, so {node.name} cannot "
-                     "be shown to be a no-op")
+        return Refused(f"the strides of {src.name} are not known, so {node.name} cannot "
+                       "be shown to be a no-op")
     root = storage_root(src)
     if name == "contiguous":
         fmt = arg(node, 1, "memory_format", torch.contiguous_format)
@@ -75,13 +76,13 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Check | None:
         other = next(((sh, st) for sh, st in strides_seen(src)[1:]
                       if not has_layout(sh, st, fmt)), None)
         if other is not None:
-            return Check(why=f"{src.name} is contiguous at the example's shape but not at "
-                         f"{list(other[0])} (strides {list(other[1])}), so {node.name} is a "
-                         "real copy there")
+            return Refused(f"{src.name} is contiguous at the example's shape but not at "
+                           f"{list(other[0])} (strides {list(other[1])}), so {node.name} is a "
+                           "real copy there")
         if root.op == "placeholder":
-            return Check(why=f"{node.name} lays out the model input {root.name}, which "
-                         "callers may pass with any strides")
-        return Check(f"{src.name} is already contiguous")
+            return Refused(f"{node.name} lays out the model input {root.name}, which "
+                           "callers may pass with any strides")
+        return Found((node,), f"{src.name} is already contiguous")
     # clone / _to_copy: a fresh copy. Dropping it only changes who shares memory.
     if info(node) is None or info(node).dtype != i.dtype:
         return None
@@ -89,12 +90,12 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Check | None:
         return None  # a copy that changes the layout is a real op: not a near miss
     writer = first_write(gm)
     if writer is not None:
-        return Check(why=f"the graph writes into tensors in place ({writer.name}), so "
-                     f"{node.name}'s copy may be protecting {src.name}")
+        return Refused(f"the graph writes into tensors in place ({writer.name}), so "
+                       f"{node.name}'s copy may be protecting {src.name}")
     if aliases_reach_output(node) and (
             root.op in ("placeholder", "get_attr") or aliases_reach_output(root, skip=node)):
-        return Check(why=f"without {node.name} the output would share memory with {root.name}")
-    return Check(f"nothing writes into {src.name} or its copy {node.name}")
+        return Refused(f"without {node.name} the output would share memory with {root.name}")
+    return Found((node,), f"nothing writes into {src.name} or its copy {node.name}")
 
 
 @register
@@ -106,17 +107,19 @@ class DropIdentity(LayoutRule):
         "strides, in a graph that writes nothing in place) are removed. A removed clone "
         "saves writing and re-reading its tensor; the others save a dispatch."
     )
+    anchors = ("identity", "to", "contiguous")
+    relieves = ("memory", "layout", "overhead")
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        return self._verdicts((n, identity_check(gm, n)) for n in gm.graph.nodes)
+    def check(self, gm, node):
+        return identity_check(gm, node)
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        (node,) = self._nodes(gm, site)
+    def rewrite(self, gm, found):
+        (node,) = found.nodes
         node.replace_all_uses_with(node.args[0])
         erase(gm, [node])
 
-    def _predict(self, gm, site, target) -> Estimate:
-        (node,) = self._nodes(gm, site)
+    def predict(self, gm, found, target) -> Estimate:
+        (node,) = found.nodes
         if raw_name(node) in ("clone", "_to_copy"):
             return bytes_estimate(moved_bytes([node]), target,
                              f"a copy no longer written and read back; {fewer(1)}",

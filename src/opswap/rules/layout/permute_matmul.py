@@ -12,8 +12,8 @@ from opswap.graph.shapes import info
 from opswap.rules._cost import bytes_estimate, moved_bytes
 from opswap.rules._edits import call, drop_dead_attrs, erase
 from opswap.rules._matching import matmul_reads_in_place, perm_of, strides
-from opswap.rules.base import Estimate, Miss, Site
-from opswap.rules.layout._base import Check, LayoutRule, fewer
+from opswap.rules.base import Estimate, Found, Refused, Verdict
+from opswap.rules.layout._base import TRANSPOSE_KINDS, LayoutRule, fewer
 from opswap.rules.registry import register
 
 MATMULS = {"matmul", "mm", "bmm", "__matmul__"}
@@ -23,7 +23,7 @@ def is_matmul(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and raw_name(node) in MATMULS
 
 
-def constant_transpose_check(gm, node: fx.Node, perm: list[int]) -> Check | None:
+def constant_transpose_check(gm, node: fx.Node, perm: list[int]) -> Verdict:
     """A transpose of a constant read by a matmul: as linear(x, W), or stored permuted."""
     mms = [u for u in node.users if is_matmul(u)]
     if not mms:
@@ -31,18 +31,19 @@ def constant_transpose_check(gm, node: fx.Node, perm: list[int]) -> Check | None
     w_node = node.args[0]
     w = attr_tensor(gm, w_node)
     if w is None:
-        return Check(why=f"{w_node.name} is not a tensor constant")
+        return Refused(f"{w_node.name} is not a tensor constant")
     mm = mms[0]
     if (len(node.users) == 1 and w.dim() == 2 and perm == [1, 0]
             and raw_name(mm) in ("matmul", "__matmul__", "mm") and len(mm.args) == 2
             and not mm.kwargs and mm.args[1] is node and mm.args[0] is not node):
-        return Check(f"{mm.name}: x @ {w_node.name}^T as linear(x, {w_node.name})",
-                     data={"mode": "linear", "key": f"linear:{mm.name}", "also": [mm.name]})
-    return Check(f"{node.name}: store {w_node.name} permuted by {tuple(perm)} once",
-                 data={"mode": "pretranspose", "key": f"pretranspose:{node.name}", "perm": perm})
+        return Found((node, mm), f"{mm.name}: x @ {w_node.name}^T as linear(x, {w_node.name})",
+                     {"mode": "linear"}, key=f"linear:{mm.name}", record={"mode": "linear"})
+    record = {"mode": "pretranspose", "perm": perm}
+    return Found((node,), f"{node.name}: store {w_node.name} permuted by {tuple(perm)} once",
+                 dict(record), key=f"pretranspose:{node.name}", record=record)
 
 
-def strided_operand_check(node: fx.Node, src: fx.Node) -> Check | None:
+def strided_operand_check(node: fx.Node, src: fx.Node) -> Verdict:
     """`transpose -> contiguous -> matmul`: can matmul read the transpose directly?"""
     fmt = arg(node, 1, "memory_format", torch.contiguous_format)
     users = list(node.users)
@@ -51,24 +52,25 @@ def strided_operand_check(node: fx.Node, src: fx.Node) -> Check | None:
         return None
     if not all(is_matmul(u) for u in users):
         others = ", ".join(u.name for u in users if not is_matmul(u))
-        return Check(why=f"{node.name}'s output is also read by {others}, which may need "
-                     "contiguous memory")
+        return Refused(f"{node.name}'s output is also read by {others}, which may need "
+                       "contiguous memory")
     i, st = info(src), strides(src)
     if i is None or st is None:
-        return Check(why=f"the strides of {src.name} are not known")
+        return Refused(f"the strides of {src.name} are not known")
     if not matmul_reads_in_place(i.shape, st):
-        return Check(why=f"torch.matmul would copy {src.name} itself (strides {st} are not "
-                     "a batch of row- or column-major matrices whose batch dims fold into "
-                     "one), so dropping the contiguous saves nothing")
+        return Refused(f"torch.matmul would copy {src.name} itself (strides {st} are not "
+                       "a batch of row- or column-major matrices whose batch dims fold into "
+                       "one), so dropping the contiguous saves nothing")
     for mm in users:
         for other in mm.args[:2]:
             o = info(other) if other is not node else None
             if o is not None and (len(o.shape) > len(i.shape) or (
                     len(o.shape) > 2 and o.shape[:-2] != i.shape[:-2])):
-                return Check(why=f"{mm.name} broadcasts {src.name} over other batch dims, "
-                             "which makes torch.matmul copy it")
-    return Check(f"{node.name}: {users[0].name} reads {src.name} strided, without the copy",
-                 data={"mode": "contiguous", "key": f"contiguous:{node.name}"})
+                return Refused(f"{mm.name} broadcasts {src.name} over other batch dims, "
+                               "which makes torch.matmul copy it")
+    return Found((node,), f"{node.name}: {users[0].name} reads {src.name} strided, without the "
+                 "copy", {"mode": "contiguous"}, key=f"contiguous:{node.name}",
+                 record={"mode": "contiguous"})
 
 
 @register
@@ -85,20 +87,21 @@ class PermuteMatmul(LayoutRule):
     # a chain of transposes of a constant is composed first, so one transpose is seen here
     after = ("layout.cancel_transpose",)
 
-    def match(self, gm: fx.GraphModule) -> list[Site | Miss]:
-        checks = []
-        for node in gm.graph.nodes:
-            perm = perm_of(node)
-            if perm is not None and node.args[0].op == "get_attr":
-                checks.append((node, constant_transpose_check(gm, node, perm)))
-            elif (raw_name(node) == "contiguous" and node.op != "call_module" and node.args
-                  and isinstance(node.args[0], fx.Node) and perm_of(node.args[0]) is not None):
-                checks.append((node, strided_operand_check(node, node.args[0])))
-        return self._verdicts(checks)
+    anchors = (*TRANSPOSE_KINDS, "contiguous")
+    relieves = ("memory", "layout", "overhead")
 
-    def rewrite(self, gm: fx.GraphModule, site: Site) -> None:
-        nodes = self._nodes(gm, site)
-        mode = site.data["mode"]
+    def check(self, gm, node):
+        perm = perm_of(node)
+        if perm is not None and node.args[0].op == "get_attr":
+            return constant_transpose_check(gm, node, perm)
+        if (raw_name(node) == "contiguous" and node.op != "call_module" and node.args
+                and isinstance(node.args[0], fx.Node) and perm_of(node.args[0]) is not None):
+            return strided_operand_check(node, node.args[0])
+        return None
+
+    def rewrite(self, gm, found):
+        nodes = found.nodes
+        mode = found["mode"]
         if mode == "contiguous":
             nodes[0].replace_all_uses_with(nodes[0].args[0])
             erase(gm, nodes)
@@ -114,7 +117,7 @@ class PermuteMatmul(LayoutRule):
             erase(gm, nodes)
             return
         w = attr_tensor(gm, w_node)
-        stored = w.detach().permute(site.data["perm"]).contiguous()
+        stored = w.detach().permute(found["perm"]).contiguous()
         attr = fresh_attr_name(gm, f"{w_node.target}_permuted")
         set_attr_tensor(gm, attr, stored, as_param=isinstance(w, nn.Parameter))
         with gm.graph.inserting_before(tr):
@@ -124,9 +127,9 @@ class PermuteMatmul(LayoutRule):
         erase(gm, [tr])
         drop_dead_attrs(gm, [w_node])
 
-    def _predict(self, gm, site, target) -> Estimate:
-        nodes = self._nodes(gm, site)
-        mode = site.data["mode"]
+    def predict(self, gm, found, target) -> Estimate:
+        nodes = found.nodes
+        mode = found["mode"]
         if mode == "contiguous":
             return bytes_estimate(moved_bytes(nodes), target, "the operand's copy is no longer "
                                   "written and read back; BLAS reads it through its transpose "
