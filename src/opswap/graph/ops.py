@@ -157,7 +157,7 @@ _alias("view", "view", "_unsafe_view", "unflatten")
 _alias("reshape", "reshape")
 _alias("flatten", "flatten")
 _alias("permute", "permute")
-_alias("transpose", "transpose", "t", "swapaxes", "swapdims")
+_alias("transpose", "transpose", "t", "swapaxes", "swapdims", "mT", "mH", "adjoint")
 _alias("contiguous", "contiguous", "clone")
 _alias("squeeze", "squeeze", "unsqueeze")
 _alias("expand", "expand", "expand_as", "repeat", "broadcast_to")
@@ -258,6 +258,8 @@ def op_kind(node: fx.Node) -> str:
     if node.op in ("placeholder", "output", "get_attr"):
         return node.op
     name = raw_name(node)
+    if name == "getattr" and node.args[1:2] in (("T",), ("mT",), ("mH",)):
+        return "transpose"  # FX traces x.T and x.mT as getattr(x, "T")
     kind = _NAME_KINDS.get(name) or _NAME_KINDS.get(name.rstrip("_"))
     return kind if kind else f"unknown:{name}"
 

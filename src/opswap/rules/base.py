@@ -46,34 +46,36 @@ Phase = Literal["early", "main", "late"]
 PHASES: tuple[str, ...] = ("early", "main", "late")
 
 
-@dataclass(eq=False)
 class Found:
     """What a rule's check found at one anchor: the rewrite's input.
 
     `nodes` are the nodes the rewrite consumes or changes. The last of them (or every
     node in `outputs`) is what the pattern hands on; the others must have no reader
-    outside `nodes`, except those in `kept`, which the rewrite leaves for their other
-    readers. `key` defaults to the node names joined by "+". `data` holds what the
-    rewrite needs, by name (`found["conv"]`); `record` the JSON facts a plan keeps.
+    outside `nodes`. Nodes in `kept` stay in the graph as they are (a change of layout
+    around them, a softmax kept for its other readers): they may have other readers and
+    may write in place. `key` defaults to the node names joined by "+". The keyword
+    arguments, or the `data` dict, hold what the rewrite needs, by name (`found["conv"]`);
+    `record` the JSON facts a plan keeps with the site.
     """
 
-    nodes: tuple[fx.Node, ...]
-    description: str
-    data: dict[str, Any] = field(default_factory=dict)
-    key: str = ""
-    outputs: tuple[fx.Node, ...] = ()
-    kept: tuple[fx.Node, ...] = ()
-    record: dict[str, Any] = field(default_factory=dict)
-    anchor: fx.Node | None = None  # set by the rule's loop
-
-    def __post_init__(self) -> None:
-        self.nodes = tuple(self.nodes)
-        self.outputs = tuple(self.outputs) or self.nodes[-1:]
-        self.kept = tuple(self.kept)
-        self.key = self.key or "+".join(n.name for n in self.nodes)
+    def __init__(self, nodes: Iterable[fx.Node], description: str,
+                 data: dict[str, Any] | None = None, *, key: str = "",
+                 outputs: Iterable[fx.Node] = (), kept: Iterable[fx.Node] = (),
+                 record: dict[str, Any] | None = None, **more: Any):
+        self.nodes = tuple(nodes)
+        self.description = description
+        self.data = {**(data or {}), **more}
+        self.key = key or "+".join(n.name for n in self.nodes)
+        self.outputs = tuple(outputs) or self.nodes[-1:]
+        self.kept = tuple(kept)
+        self.record = dict(record or {})
+        self.anchor: fx.Node | None = None  # set by the rule's loop
 
     def __getitem__(self, name: str) -> Any:
         return self.data[name]
+
+    def __repr__(self) -> str:
+        return f"<Found {self.key}: {self.description}>"
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class Refused:
     """A near-match and why it does not qualify, in a user's words. Falsy."""
 
     reason: str
-    where: fx.Node | None = None  # default: the anchor
+    where: fx.Node | str | None = None  # the node (or place) it concerns; default the anchor
 
     def __bool__(self) -> bool:
         return False
@@ -343,7 +345,8 @@ def unsafe(found: Found, writers: _Writers) -> str | None:
                     "this rewrite replaces")
     if not writers.nodes:
         return None
-    for n in found.nodes:
+    merged = [n for n in found.nodes if n not in found.kept]
+    for n in merged:
         if not writes_in_place(n):
             continue
         root = _written(n)
@@ -355,9 +358,13 @@ def unsafe(found: Found, writers: _Writers) -> str | None:
         if later:
             return (f"{n.name} writes into {root.name} in place, and {later[0].name} reads "
                     f"{root.name} afterwards")
+    # a write between the pattern's ops into what they read: into anything they read when
+    # ops merge, into the values they take from outside when every op is kept as it is
     first = min(writers.order(n) for n in found.nodes)
     last = max(writers.order(n) for n in found.nodes)
-    read = {storage_root(a) for n in found.nodes for a in n.all_input_nodes} | inside
+    outside = {storage_root(a) for n in found.nodes for a in n.all_input_nodes} - inside
+    read = outside | ({storage_root(a) for n in merged for a in n.all_input_nodes} | set(merged)
+                      if len(merged) > 1 else set())
     for w in writers.nodes:
         if w in inside or not first < writers.order(w) < last:
             continue

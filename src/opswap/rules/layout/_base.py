@@ -12,9 +12,8 @@ from opswap.graph.ops import copy_meta
 from opswap.rules._edits import call, erase
 from opswap.rules.base import Found, Refused, Rule, Verdict
 
-#: the op kinds of a transpose-like node (perm_of's). op_kind does not name `x.mT` and
-#: `x.T`, which FX traces to getattr calls and torch.export to aten.mT, so those count too
-TRANSPOSE_KINDS = ("transpose", "permute", "unknown:getattr", "unknown:mT")
+#: the op kinds of a transpose-like node (those perm_of reads: transpose, t, x.T, x.mT, permute)
+TRANSPOSE_KINDS = ("transpose", "permute")
 
 
 class LayoutRule(Rule):

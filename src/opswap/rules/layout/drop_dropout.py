@@ -53,6 +53,7 @@ def _module_path(node: fx.Node) -> str:
 @register
 class DropDropout(LayoutRule):
     name = "layout.drop_dropout"
+    phase = "early"  # a clean-up the other rules match better after
     description = (
         "Dropout in eval mode (nn.Dropout in eval, F.dropout(training=False), "
         "aten.dropout(x, p, False)) returns its input, so the op is removed. Nothing is "

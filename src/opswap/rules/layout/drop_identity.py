@@ -101,6 +101,7 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Verdict:
 @register
 class DropIdentity(LayoutRule):
     name = "layout.drop_identity"
+    phase = "early"  # a clean-up the other rules match better after
     description = (
         "Ops that return their input (nn.Identity, aten.alias, .contiguous() of a contiguous "
         "tensor, .to() the dtype it has) and copies nobody needs (a clone with the same "
