@@ -1,7 +1,5 @@
 """fusion.silu: x * sigmoid(x) -> silu(x)."""
 
-from __future__ import annotations
-
 from opswap.cost import NodeCost, node_cost
 from opswap.graph.ops import copy_meta
 from opswap.graph.shapes import info
@@ -14,10 +12,7 @@ from opswap.rules.registry import register
 
 @register
 class SiLU(Rule):
-    name = "fusion.silu"
-    family = "fusion"
-    chapter = 4
-    exactness = "exact"
+    name, family, chapter, exactness = "fusion.silu", "fusion", 4, "exact"
     description = "x * sigmoid(x) -> silu(x): one kernel, and sigmoid(x) is never stored."
     relieves = ("memory",)
     pattern = op("mul", var("x"), op("sigmoid", var("x")))
@@ -39,7 +34,6 @@ class SiLU(Rule):
         mul.replace_all_uses_with(new)
         erase(gm, found.nodes)
 
-    def predict(self, gm, found, target):
-        mul = found.nodes[-1]  # its arithmetic moves into silu; its traffic goes
-        return saving(target, [mul], [NodeCost(node_cost(mul).flops, 0)],
-                      "sigmoid(x) is not written out and read back")
+    def predict(self, gm, found, target):  # the mul's arithmetic moves into silu, its bytes go
+        mul = found.nodes[-1]
+        return saving(target, [mul], [NodeCost(node_cost(mul).flops, 0)], "sigmoid(x) not stored")
