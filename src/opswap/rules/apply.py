@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from opswap.graph.capture import Captured, copy_module, quiet_deepcopy
 from opswap.graph.purity import eliminate_dead_code
-from opswap.rules.base import Found, Rule, Site, node_by_name
+from opswap.rules.base import Found, Rule, Site
 
 
 @dataclass
@@ -81,10 +81,6 @@ def rewrite_site(gm: fx.GraphModule, rule: Rule, found: Found) -> tuple[fx.Graph
         snapshot.restore(gm)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return gm, f"{rule.name} raised {type(e).__name__}: {msg[:200]}".rstrip(": ")
-
-
-def nodes_present(gm: fx.GraphModule, site: Site) -> bool:
-    return all(node_by_name(gm, n) is not None for n in site.nodes)
 
 
 def apply_sites(
