@@ -67,9 +67,9 @@ def main() -> None:
         cap = capture(lin, (x,), method="fx")
         found = rule.match(cap.gm)
         sites = sites_of(found)
-        est = rule.predict(cap.gm, sites[0], target) if sites else None
+        est = rule.predict(cap.gm, sites[0].found, target) if sites else None
         # the roofline the rule uses for other targets, from this target's measured rates
-        roof = rule.predict(cap.gm, sites[0], dataclasses.replace(target, name="roofline")) \
+        roof = rule.predict(cap.gm, sites[0].found, dataclasses.replace(target, name="roofline")) \
             if sites else None
         refused = None if sites else "; ".join(m.reason for m in found if not hasattr(m, "key"))
         before = _fp32_time(target, cap.gm)

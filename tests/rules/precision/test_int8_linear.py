@@ -178,10 +178,10 @@ def test_on_this_cpu_the_prediction_is_the_sites_timing_elsewhere_the_roofline(m
     cap = capture(model, (torch.randn(4, 64, 2048),), method="fx")
     rule = rule_mod.Int8DynamicLinear()
     site = [f for f in rule.match(cap.gm) if hasattr(f, "key")][0]
-    here = rule.predict(cap.gm, site, get_target("cpu"))
+    here = rule.predict(cap.gm, site.found, get_target("cpu"))
     assert asked == [(256, 2048, 1024, True)]
     assert here.time_saved_s == pytest.approx(2e-3) and "timed at 256 x 2048 -> 1024" in here.note
-    roof = rule.predict(cap.gm, site, FIXED)
+    roof = rule.predict(cap.gm, site.found, FIXED)
     assert len(asked) == 1 and "int8 GEMM at the target's int8 rate" in roof.note
     # the roofline on the fixed profile: a quarter of the weight bytes and 4x the rate pay here
     assert roof.time_saved_s > 0
