@@ -401,22 +401,23 @@ _MY_RULES = Path(__file__).resolve().parent.parent / "examples" / "my_rules"
 
 _SWISH_SPEC = '''
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
-class Swish(nn.Module):
+class HardSwish(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 5, 3, padding=1)
 
     def forward(self, x):
         y = self.conv(x)
-        return y * torch.sigmoid(y)
+        return y * F.relu6(y + 3) / 6
 
 
 def build(batch: int = 2):
     torch.manual_seed(0)
-    return Swish().eval(), (torch.randn(batch, 3, 9, 7),)
+    return HardSwish().eval(), (torch.randn(batch, 3, 9, 7),)
 '''
 
 
@@ -432,26 +433,26 @@ def _opswap(*args, cwd, pythonpath=()):
 def test_rules_from_a_users_module_list_plan_and_reapply(tmp_path):
     spec = tmp_path / "swish.py"
     spec.write_text(_SWISH_SPEC)
-    listed = _opswap("rules", "--rules-from", "my_rules.silu", "--json", tmp_path / "r.json",
+    listed = _opswap("rules", "--rules-from", "my_rules.hardswish", "--json", tmp_path / "r.json",
                      cwd=_MY_RULES)
     assert listed.returncode == 0, listed.stderr
     rules = {r["name"]: r for r in json.loads((tmp_path / "r.json").read_text())}
-    assert rules["my_rules.silu"]["origin"] == "module my_rules.silu"
+    assert rules["my_rules.hardswish"]["origin"] == "module my_rules.hardswish"
     assert rules["fusion.conv_bn"]["origin"] == "opswap"
-    assert "my_rules.silu" in listed.stdout and "module my_rules.silu" in listed.stdout
+    assert "my_rules.hardswish" in listed.stdout and "module my_rules.hardswish" in listed.stdout
     plan = tmp_path / "plan.json"
-    made = _opswap("plan", f"{spec}:build", "--rules-from", "my_rules.silu", "--rules",
+    made = _opswap("plan", f"{spec}:build", "--rules-from", "my_rules.hardswish", "--rules",
                    "my_rules.*", "--out", plan, cwd=_MY_RULES)
     assert made.returncode == 0, made.stderr
-    assert [d["rule"] for d in json.loads(plan.read_text())["decisions"]] == ["my_rules.silu"]
+    assert [d["rule"] for d in json.loads(plan.read_text())["decisions"]] == ["my_rules.hardswish"]
     # re-applied at another batch size, against the user's module
     checked = _opswap("verify", f"{spec}:build", plan, "--set", "batch=5", "--rules-from",
-                      "my_rules.silu", cwd=_MY_RULES)
+                      "my_rules.hardswish", cwd=_MY_RULES)
     assert checked.returncode == 0 and "PASSED" in checked.stdout, checked.stdout + checked.stderr
     # without the module the plan names a rule opswap does not know: one line, how to fix
     missing = _opswap("apply", f"{spec}:build", plan, cwd=_MY_RULES)
     assert missing.returncode == 2
-    assert "my_rules.silu" in missing.stderr and "--rules-from MODULE" in missing.stderr
+    assert "my_rules.hardswish" in missing.stderr and "--rules-from MODULE" in missing.stderr
     assert "Traceback" not in missing.stderr
 
 
@@ -469,12 +470,12 @@ def test_installed_plugins_are_listed_and_a_broken_one_is_a_note(tmp_path):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: opswap-my-rules\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text(
-        "[opswap.rules]\nsilu = my_rules.silu\ngone = no_such_plugin_xyz\n")
+        "[opswap.rules]\nhardswish = my_rules.hardswish\ngone = no_such_plugin_xyz\n")
     out = _opswap("rules", "--json", tmp_path / "r.json", cwd=tmp_path,
                   pythonpath=(tmp_path, _MY_RULES))
     assert out.returncode == 0, out.stderr
     rules = {r["name"]: r for r in json.loads((tmp_path / "r.json").read_text())}
-    assert rules["my_rules.silu"]["origin"] == "entry point silu of opswap-my-rules 0.1.0"
+    assert rules["my_rules.hardswish"]["origin"] == "entry point hardswish of opswap-my-rules 0.1.0"
     assert {"fusion.conv_bn", "precision.int8_linear"} <= set(rules)
     note = [line for line in out.stdout.splitlines() if "no_such_plugin_xyz" in line]
     assert len(note) == 1 and "left out" in note[0] and "ModuleNotFoundError" in note[0]

@@ -114,14 +114,14 @@ def _rule_module(folder, module: str, *rules: tuple[str, str]) -> None:
         for i, (name, ex) in enumerate(rules)))
 
 
-class _Swish(nn.Module):
+class _HardSwish(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 5, 3, padding=1)
 
     def forward(self, x):
         y = self.conv(x)
-        return y * torch.sigmoid(y)
+        return y * torch.nn.functional.relu6(y + 3) / 6
 
 
 def test_an_installed_plugin_adds_its_rules_with_their_origin(fresh_registry, tmp_path,
@@ -129,17 +129,17 @@ def test_an_installed_plugin_adds_its_rules_with_their_origin(fresh_registry, tm
     from opswap.graph.capture import capture
     from opswap.planner import apply_plan, make_plan
 
-    _install(tmp_path, monkeypatch, {"silu": "my_rules.silu"}, dist="opswap-my-rules")
+    _install(tmp_path, monkeypatch, {"hardswish": "my_rules.hardswish"}, dist="opswap-my-rules")
     monkeypatch.syspath_prepend(str(EXAMPLE_PACKAGE))
     names = [r.name for r in registry.all_rules()]
-    assert "my_rules.silu" in names and set(names) > {"fusion.conv_bn", "fusion.conv_relu"}
-    assert registry.origin("my_rules.silu") == "entry point silu of opswap-my-rules 0.3.0"
+    assert "my_rules.hardswish" in names and set(names) > {"fusion.conv_bn", "fusion.conv_relu"}
+    assert registry.origin("my_rules.hardswish") == "entry point hardswish of opswap-my-rules 0.3.0"
     assert registry.origin("fusion.conv_bn") == "opswap" and registry.problems() == []
     # planned like a built-in rule (default: every rule), against the user's module
-    model, x = _Swish().eval(), torch.randn(2, 3, 9, 7)
+    model, x = _HardSwish().eval(), torch.randn(2, 3, 9, 7)
     captured = capture(model, (x,))
     plan = make_plan(captured)
-    assert [d.rule for d in plan.decisions].count("my_rules.silu") == 1
+    assert [d.rule for d in plan.decisions].count("my_rules.hardswish") == 1
     out = apply_plan(captured, plan).gm
     for xs in (x, torch.randn(1, 3, 9, 7), torch.randn(4, 3, 12, 5)):
         with torch.no_grad():

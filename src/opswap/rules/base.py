@@ -229,8 +229,9 @@ class Rule:
             anchor = node_by_name(gm, site.anchor)
             verdicts = self._verdicts(gm, anchor, _Writers(gm)) if anchor is not None else []
         else:  # a plan from before sites kept their anchor: look the key up in a full match
+            writers = _Writers(gm)
             verdicts = [v for node in list(gm.graph.nodes)
-                        for v in self._verdicts(gm, node, _Writers(gm))]
+                        for v in self._verdicts(gm, node, writers) if isinstance(v, Found)]
         for v in verdicts:
             if isinstance(v, Found) and v.key == site.key:
                 return v
@@ -331,22 +332,12 @@ def _readers(root: fx.Node) -> list[fx.Node]:
 
 
 def unsafe(found: Found, writers: _Writers) -> str | None:
-    """Why `found` may not be rewritten whatever the rule: a value it consumes is read
-    outside the pattern, it would drop an in-place write that is read afterwards, or an
-    in-place write falls between its ops into a value they read. None when safe."""
+    """Why `found` may not be rewritten whatever the rule: it would drop an in-place write
+    into an input or one read afterwards, a value it consumes is read outside the pattern,
+    or an in-place write falls between its ops into a value they read. None when safe."""
     inside = set(found.nodes)
-    for n in found.nodes:
-        if n in found.outputs or n in found.kept:
-            continue
-        others = [u for u in n.users if u not in inside]
-        if others:
-            names = ", ".join(u.name for u in others[:3])
-            return (f"{n.name}'s output is also read by {names}, outside the ops "
-                    "this rewrite replaces")
-    if not writers.nodes:
-        return None
     merged = [n for n in found.nodes if n not in found.kept]
-    for n in merged:
+    for n in merged if writers.nodes else ():
         if not writes_in_place(n):
             continue
         root = _written(n)
@@ -358,6 +349,16 @@ def unsafe(found: Found, writers: _Writers) -> str | None:
         if later:
             return (f"{n.name} writes into {root.name} in place, and {later[0].name} reads "
                     f"{root.name} afterwards")
+    for n in found.nodes:
+        if n in found.outputs or n in found.kept:
+            continue
+        others = [u for u in n.users if u not in inside]
+        if others:
+            names = ", ".join(u.name for u in others[:3])
+            return (f"{n.name}'s output is also read by {names}, outside the ops "
+                    "this rewrite replaces")
+    if not writers.nodes:
+        return None
     # a write between the pattern's ops into what they read: into anything they read when
     # ops merge, into the values they take from outside when every op is kept as it is
     first = min(writers.order(n) for n in found.nodes)
