@@ -95,6 +95,8 @@ class Rule:
     exactness: ClassVar[Exactness]
     targets: ClassVar[tuple[str, ...]] = ("any",)
     description: ClassVar[str] = ""
+    #: the bottlenecks it relieves, as "bound:category" (e.g. "memory:elementwise")
+    relieves: ClassVar[tuple[str, ...]] = ()
     #: where the rule runs in a plan: "late" for a change of the whole model's layout
     #: that must see every other rewrite done, "early" for clean-ups others rely on
     phase: ClassVar[Phase] = "main"

@@ -52,6 +52,7 @@ class ConvReLU(Rule):
     targets = ("cpu", "cuda")
     # conv_bn refuses a conv that already has a fused ReLU: it must fold first
     after = ("fusion.conv_bn",)
+    relieves = ("memory:elementwise", "memory:activation")
     description = ("Conv (+ eval BatchNorm, folded) + ReLU -> FusedConvReLU: the ReLU is applied "
                    "in the conv's epilogue (oneDNN on CPU, cuDNN on CUDA), so the conv output "
                    "is never written and re-read.")

@@ -33,6 +33,7 @@ class LinearBatchNorm(Rule):
     family = "fusion"
     chapter = 4
     exactness = "exact"
+    relieves = ("memory:normalization",)
     description = ("Linear + eval BatchNorm1d on [N, C] -> one Linear with the BN folded in; "
                    "saves the BN's read and write of the Linear output.")
 

@@ -79,6 +79,7 @@ class ParallelLinear(Rule):
     family = "fusion"
     chapter = 4
     exactness = "exact"
+    relieves = ("memory:matmul",)
     description = ("Several Linears reading the same input (e.g. Q, K, V projections) -> one "
                    "Linear with stacked weights and a slice per reader: the input is read once, "
                    "and one larger GEMM replaces k small ones.")

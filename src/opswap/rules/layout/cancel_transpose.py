@@ -29,6 +29,7 @@ def _composed(chain: list[fx.Node]) -> Check | None:
 @register
 class CancelTranspose(LayoutRule):
     name = "layout.cancel_transpose"
+    relieves = ("memory:data-movement",)
     description = (
         "Transpose/permute chains: one that composes to the identity is removed, any other "
         "becomes a single permute. Transposes are views, so this saves op dispatches, and a "

@@ -24,6 +24,7 @@ class ChannelsLast(LayoutRule):
     targets = ("cpu", "cuda")
     # converts the whole graph: it must see every other rewrite's final convolutions
     phase = "late"
+    relieves = ("memory:conv",)
     description = (
         "Runs a CNN in channels-last (NHWC) memory format: conv weights stored NHWC, the 4-D "
         "inputs of the first convs converted once, 4-D outputs converted back. On backends "

@@ -161,6 +161,7 @@ def _collapsed(chain: list[fx.Node]) -> Check | None:
 @register
 class CollapseView(LayoutRule):
     name = "layout.collapse_view"
+    relieves = ("memory:data-movement",)
     description = (
         "Chains of view/reshape/flatten/(un)squeeze become one reshape to the final shape, "
         "and a view to the shape a tensor already has is removed. All of them keep elements "

@@ -100,6 +100,7 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Check | None:
 @register
 class DropIdentity(LayoutRule):
     name = "layout.drop_identity"
+    relieves = ("memory:data-movement",)
     description = (
         "Ops that return their input (nn.Identity, aten.alias, .contiguous() of a contiguous "
         "tensor, .to() the dtype it has) and copies nobody needs (a clone with the same "

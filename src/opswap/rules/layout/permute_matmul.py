@@ -74,6 +74,7 @@ def strided_operand_check(node: fx.Node, src: fx.Node) -> Check | None:
 @register
 class PermuteMatmul(LayoutRule):
     name = "layout.permute_matmul"
+    relieves = ("memory:data-movement",)
     description = (
         "A transposed constant feeding a matmul (x @ W.t()) becomes linear(x, W), or the "
         "constant is stored pre-transposed, so no transpose runs per call and a batched "
