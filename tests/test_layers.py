@@ -1,12 +1,16 @@
 """The packages stay in layers, and no modules import each other in a circle.
 
 Every module of src/opswap is read with `ast` (no import is run), and every import in
-it counts: at the top, inside functions, in try blocks. A module may import from its own
-layer or from one below; `LAYERS` lists them from the bottom, with no exceptions. The
-one kind of import that may point up is one under `if TYPE_CHECKING:`: it never runs, so
-it neither loads the higher layer nor closes a cycle, and it is left out of both checks.
+it counts: at the top, inside functions, in try blocks, and an
+`importlib.import_module("opswap.x")` with the name written out. A module may import
+from its own layer or from one below; `LAYERS` lists them from the bottom, with no
+exceptions. The one kind of import that may point up is one under `if TYPE_CHECKING:`:
+it never runs, so it neither loads the higher layer nor closes a cycle, and it is left
+out of both checks.
 
-A new top-level package or module must be given its place in `LAYERS`.
+kernels sit under graph (they import nothing of opswap's, and models.checkpoint loads
+them); backends sit above verify and under bench, which times what they export. A new
+top-level package or module must be given its place in `LAYERS`.
 """
 
 from __future__ import annotations
@@ -76,6 +80,12 @@ def _imports(name: str, path: Path) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             found.extend((a.name, node.lineno) for a in node.names
                          if a.name == "opswap" or a.name.startswith("opswap."))
+        elif (isinstance(node, ast.Call) and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"):
+            named = node.args[0].value  # importlib.import_module("opswap.x")
+            if named == "opswap" or named.startswith("opswap."):
+                found.append((named, node.lineno))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -173,8 +183,10 @@ def test_the_reader_sees_imports_inside_functions_and_skips_type_checking_ones(t
             "    from opswap.api import optimize\n"
             "def f():\n"
             "    import opswap.graph.ops\n"
-            "    from opswap.rules import registry\n")
+            "    from opswap.rules import registry\n"
+            "    return importlib.import_module('opswap.verify.outputs')\n")
     path = tmp_path / "probe.py"
     path.write_text(code)
     got = {m for m, _ in _imports("opswap.targets.probe", path)}
-    assert got == {"opswap.errors", "opswap.graph.ops", "opswap.rules.registry"}
+    assert got == {"opswap.errors", "opswap.graph.ops", "opswap.rules.registry",
+                   "opswap.verify.outputs"}

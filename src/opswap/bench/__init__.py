@@ -18,8 +18,3 @@ __all__ = [
     "peak_memory",
     "profile_ops",
 ]
-
-# `opswap.bench(reference, candidate, example_inputs, ...)` calls opswap.api.bench
-from opswap._callable import make_callable  # noqa: E402
-
-make_callable(__name__, "bench")
