@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     import opswap.rules.precision.int8_linear as rule_mod
-    from opswap.bench.timing import benchmark, describe_device
+    from opswap.bench.timing import benchmark, describe_device, with_timer
     from opswap.graph.capture import capture
     from opswap.rules.base import sites_of
     from opswap.rules.precision._int8_module import Int8Linear
@@ -53,7 +53,7 @@ def main() -> None:
     except ImportError:
         quantize_ = None
     dev = torch.device(args.device)
-    target = get_target(args.target or ("cpu" if dev.type == "cpu" else "h200"))
+    target = with_timer(get_target(args.target or ("cpu" if dev.type == "cpu" else "h200")))
     rule = Int8DynamicLinear()
     rows = []
     torch.manual_seed(0)
@@ -86,7 +86,8 @@ def main() -> None:
             res = benchmark(fns, min_time_s=0.5, max_time_s=4.0, rel_width=0.1, device=dev)
         r = res.ratio("float32", "int8")
         if est is not None and est.note.startswith("timed"):  # the rule's own timing
-            t32, t8 = rule_mod.time_on_this_cpu(m, k, n, True, torch.get_num_threads())
+            t32, t8 = rule_mod.time_on_this_cpu(m, k, n, True, torch.get_num_threads(),
+                                                target.timer)
             pred = t32 / t8
         else:
             pred = (before / (before - est.time_saved_s)

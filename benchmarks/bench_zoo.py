@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from opswap.api import capture
 from opswap.bench.timing import benchmark
-from opswap.graph import capture
 from opswap.models import list_hf_types, list_zoo, load
 
 

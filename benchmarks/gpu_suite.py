@@ -187,9 +187,9 @@ def capture_cost(device: str, dtype: str) -> list[dict]:
     each launches (profiler) and the device's per-op dispatch cost."""
     import tempfile
 
+    from opswap.api import capture
     from opswap.backends.pt2 import export, load
     from opswap.bench.timing import benchmark
-    from opswap.graph.capture import capture
     from opswap.models import load as load_spec
     from opswap.targets.cpu import measure_dispatch
 

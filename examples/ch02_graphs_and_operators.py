@@ -9,9 +9,11 @@ from collections import Counter
 
 from rich.console import Console
 
+from opswap.api import capture
 from opswap.cost.analyze import analyze, render
-from opswap.graph import capture, category, compute_nodes
+from opswap.graph import category, compute_nodes
 from opswap.models import load
+from opswap.report.advice import advised
 from opswap.targets import get_target
 
 
@@ -21,7 +23,7 @@ def main(spec: str, target: str) -> None:
     print(f"{spec}: captured with {captured.method}, "
           f"{sum(1 for _ in compute_nodes(captured.gm))} compute nodes")
     print("ops per category:", dict(Counter(category(n) for n in compute_nodes(captured.gm))))
-    result = analyze(captured, get_target(target))
+    result = advised(analyze(captured, get_target(target)))
     render(result, Console(), top=12)
 
 

@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from opswap.graph import capture
+from opswap.api import capture
 from opswap.planner import apply_plan, make_plan
 
 

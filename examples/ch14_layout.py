@@ -10,7 +10,7 @@ with its reason; for an H100, which prefers NHWC, it is applied.
 import torch
 from torch import nn
 
-from opswap.graph import capture
+from opswap.api import capture
 from opswap.planner import apply_plan, make_plan
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import opswap
-from opswap.graph.capture import capture
+from opswap.api import capture
 from opswap.graph.ops import op_kind
 from opswap.verify import Tolerance, compare_layers, verify
 

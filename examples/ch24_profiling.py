@@ -9,8 +9,8 @@ import sys
 
 import torch
 
+from opswap.api import capture
 from opswap.bench import format_ops, profile_ops
-from opswap.graph import capture
 from opswap.models import load
 from opswap.pipeline import measure_rules
 from opswap.planner import apply_plan, make_plan

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opswap.api import capture
 from opswap.api import verify as api_verify
 from opswap.errors import CaptureError, VerificationError
-from opswap.graph.capture import capture
 from opswap.pipeline import OptimizeConfig, optimize
 from opswap.planner import apply_plan, make_plan
 from opswap.report.model_io import load_model

@@ -15,14 +15,21 @@ functions in opswap.api; `opswap.rules` is the rules package (`all_rules()`).
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from opswap import api as _api
+from opswap import bench, rules, verify
 
 # opswap.kernels registers torch.ops.opswap.*: a saved model.pt2 that calls them then
 # loads with a plain torch.export.load
-from opswap import bench, rules, verify  # noqa: E402
-from opswap import kernels as _kernels  # noqa: E402, F401
-from opswap.api import analyze, apply, load, optimize, plan  # noqa: E402
-from opswap.deploy import load_optimized  # noqa: E402
+from opswap import kernels as _kernels  # noqa: F401
+from opswap._callable import make_callable
+from opswap._version import __version__ as __version__
+from opswap.api import analyze, apply, load, optimize, plan
+from opswap.deploy import load_optimized
 
 __all__ = ["analyze", "apply", "bench", "load", "load_optimized", "optimize", "plan", "rules",
            "verify"]
+
+# `opswap.verify(reference, candidate, example_inputs, ...)` calls opswap.api.verify, and
+# `opswap.bench(...)` opswap.api.bench
+make_callable(verify, _api.verify)
+make_callable(bench, _api.bench)

@@ -8,18 +8,18 @@ a module whose class defines `__call__` is both, with no import-order tricks.
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
+from collections.abc import Callable
 
 
-def make_callable(package: str, api_function: str) -> None:
-    """Let `package(...)` call `opswap.api.<api_function>(...)`."""
-    module = sys.modules[package]
+def make_callable(package: types.ModuleType, function: Callable) -> None:
+    """Let `package(...)` call `function(...)`. The root package does this for
+    opswap.verify and opswap.bench once it has the API functions: a package stays below
+    the API it is called as."""
 
     class _CallablePackage(types.ModuleType):
         def __call__(self, *args, **kwargs):
-            return getattr(importlib.import_module("opswap.api"), api_function)(*args, **kwargs)
+            return function(*args, **kwargs)
 
-    _CallablePackage.__name__ = f"{package.rsplit('.', 1)[-1]}_package"
-    module.__class__ = _CallablePackage
+    _CallablePackage.__name__ = f"{package.__name__.rsplit('.', 1)[-1]}_package"
+    package.__class__ = _CallablePackage

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opswap.graph.capture import as_inputs, capture
+from opswap.graph.capture import Captured, Method, as_inputs
+from opswap.graph.capture import capture as _capture
 from opswap.graph.copies import preserved_state, private_copy
 from opswap.graph.inputs import fresh
 from opswap.graph.keywords import KeywordCall, keyword_call, positional
@@ -27,6 +28,15 @@ from opswap.models import load as _load
 from opswap.pipeline import OptimizeConfig, Result, guarded
 from opswap.pipeline import optimize as _optimize
 from opswap.planner import Plan, apply_plan, make_plan
+from opswap.verify.outputs import capture_check
+
+
+def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
+            dynamic: str | None = "auto") -> Captured:
+    """Capture `model` as graph.capture.capture does, checking that the graph reproduces
+    the module's outputs (the verifier's comparison, which also measures a low-precision
+    model's own rounding)."""
+    return _capture(model, example_inputs, method, dynamic=dynamic, check=capture_check)
 
 
 def load(spec: str, weights: str | None = None, **overrides) -> LoadedModel:
@@ -36,18 +46,24 @@ def load(spec: str, weights: str | None = None, **overrides) -> LoadedModel:
 
 
 def analyze(model: nn.Module, example_inputs, target: str = "cpu"):
-    """Per-op FLOPs, bytes, intensity and bound of `model` on `target` (an Analysis)."""
+    """Per-op FLOPs, bytes, intensity and bound of `model` on `target` (an Analysis whose
+    bottleneck sentences name the rules that would relieve them)."""
     from opswap.cost.analyze import analyze as _analyze
+    from opswap.report.advice import advised
     from opswap.targets import get_target
 
-    return _analyze(capture(*keyword_call(model, example_inputs)), get_target(target))
+    return advised(_analyze(capture(*keyword_call(model, example_inputs)), get_target(target)))
 
 
 def plan(model: nn.Module, example_inputs, *, target: str = "cpu",
          rules: list[str] | str | None = None, exactness: str = "exact") -> Plan:
     """Choose replacements for `model`; the Plan can be saved, edited and re-applied."""
-    return make_plan(capture(*keyword_call(model, example_inputs)), target=target, rules=rules,
-                     exactness=exactness, model_name=type(model).__name__)
+    from opswap.bench.timing import with_timer
+    from opswap.targets import get_target
+
+    return make_plan(capture(*keyword_call(model, example_inputs)),
+                     target=with_timer(get_target(target)), rules=rules, exactness=exactness,
+                     model_name=type(model).__name__)
 
 
 def apply(model: nn.Module, example_inputs, plan: Plan | str, *,

@@ -193,9 +193,10 @@ def analyze(spec: Spec, target: TargetOpt = "cpu", sets: SetOpt = None, json_pat
             dynamic: DynamicOpt = "auto", weights: WeightsOpt = None,
             top: Annotated[int, typer.Option(metavar="N", help="Rows to show (all are in --json).")] = 40) -> None:
     """Per-op FLOPs, bytes, intensity and bound against a target; totals and bottlenecks."""
+    from opswap.api import capture
     from opswap.cost.analyze import analyze as _analyze
     from opswap.cost.analyze import render
-    from opswap.graph import capture
+    from opswap.report.advice import advised
     from opswap.targets import get_target
 
     _check_outputs(json_path)
@@ -204,7 +205,7 @@ def analyze(spec: Spec, target: TargetOpt = "cpu", sets: SetOpt = None, json_pat
     captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
     for note in captured.notes:
         _note(note)
-    result = _analyze(captured, tgt, model_name=spec)
+    result = advised(_analyze(captured, tgt, model_name=spec))
     render(result, console, top=top)
     _write_json(json_path, result.to_json())
 
@@ -321,15 +322,17 @@ def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
          weights: WeightsOpt = None, rules_from: RulesFromOpt = None,
          json_path: JsonOpt = None) -> None:
     """Match the rules on a model and write plan.json (sites chosen, misses, settings)."""
-    from opswap.graph import capture
+    from opswap.api import capture
+    from opswap.bench.timing import with_timer
     from opswap.planner import make_plan
+    from opswap.targets import get_target
 
     _check_outputs(json_path, out)
     _rules_from(rules_from)
     loaded = _load(spec, sets, weights)
     captured = capture(loaded.module, loaded.example_inputs, dynamic=dynamic)
-    p = make_plan(captured, target=target, rules=_rule_patterns(rules), exactness=exactness,
-                  model_name=spec)
+    p = make_plan(captured, target=with_timer(get_target(target)), rules=_rule_patterns(rules),
+                  exactness=exactness, model_name=spec)
     _print_plan(p)
     p.save(out)
     console.print(Text(f"wrote {out}"))
@@ -338,7 +341,7 @@ def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
 
 def _applied(spec: str, plan_path: Path, sets, dynamic: str = "auto", weights: Path | None = None,
              allow_looser: bool = True):
-    from opswap.graph import capture
+    from opswap.api import capture
     from opswap.planner import Plan, apply_plan, check_exactness
     from opswap.rules import registry
 

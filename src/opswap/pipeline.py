@@ -228,7 +228,7 @@ class Result:
 
 
 def _version() -> str:
-    from opswap import __version__
+    from opswap._version import __version__
 
     return __version__
 
@@ -326,8 +326,13 @@ def measure_rules(captured: Captured, plan: Plan, applied, *, device: str = "cpu
     """Leave-one-out timing of every rule `applied` (the result of `apply_plan(captured,
     plan)`) carried out: each candidate without one rule is planned again with the plan's
     own settings, and all are timed in one run (bench.attribution)."""
+    from opswap.bench.timing import with_timer
+    from opswap.targets import get_target
+
+    target = with_timer(get_target(plan.settings.target))
+
     def replan(without=frozenset()):
-        return make_plan(captured, target=plan.settings.target, rules=plan.settings.rules,
+        return make_plan(captured, target=target, rules=plan.settings.rules,
                          exactness=plan.settings.exactness, exclude_rules=set(without))
 
     return _attribute(captured, plan, applied, replan, device, min_time_s)
@@ -363,11 +368,12 @@ def optimize(
     `model_settings` (the loader's settings: sizes, batch, --set overrides, attention
     implementation) are recorded in result.json and the report.
     """
+    from opswap.bench.timing import with_timer
     from opswap.cost.analyze import analyze
     from opswap.targets import get_target
     from opswap.verify.bisect import rollback
     from opswap.verify.layers import compare_layers
-    from opswap.verify.outputs import verify
+    from opswap.verify.outputs import capture_check, verify
 
     config = config or OptimizeConfig()
     if config.exactness not in EXACTNESS_ORDER:
@@ -382,7 +388,7 @@ def optimize(
                                 f"{config.samples!r}.")
     step = progress or (lambda stage: None)
     name = name or type(model).__name__
-    target = get_target(config.target)
+    target = with_timer(get_target(config.target))
     _tolerance(config)  # parse the budget and the baselines before any long work
     compare = parse_compare(config.compare) if config.bench else []
     hooks = user_hooks(model)
@@ -400,7 +406,8 @@ def optimize(
         # time and verify where the user deploys; the user's module stays where it is
         model, example_inputs = _to_device(model, example_inputs, config.device)
     step("capture")
-    captured: Captured = capture(model, example_inputs, dynamic=config.dynamic)
+    captured: Captured = capture(model, example_inputs, dynamic=config.dynamic,
+                                 check=capture_check)
     tol = _tolerance(config, captured.rounding)
     step("analyze")
     before = analyze(captured, target)

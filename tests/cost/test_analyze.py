@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from opswap.cost import Analysis, analyze, render
 from opswap.graph.capture import capture
+from opswap.report.advice import advised
 from opswap.targets import Target, get_target
 
 HEAVY = ("conv", "matmul", "attention", "rnn")
@@ -310,8 +311,9 @@ def test_predicted_time_follows_the_ops_a_rewrite_removes():
 
 
 def _advice(a: Analysis, module: str) -> str:
-    """The bottleneck sentence of the row that calls nn.`module` (aten.`module` in export)."""
-    lines = dict(zip((r.name for r in a.top(len(a.rows))), a.bottlenecks(len(a.rows)),
+    """The bottleneck sentence of the row that calls nn.`module` (aten.`module` in export),
+    with the rules that relieve it joined in (report.advice)."""
+    lines = dict(zip((r.name for r in a.top(len(a.rows))), advised(a).bottlenecks(len(a.rows)),
                      strict=True))
     row = next(r for r in a.rows if r.op in (module, f"aten.{module.lower()}")
                and r.name in lines)

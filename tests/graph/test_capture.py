@@ -2,8 +2,9 @@ import pytest
 import torch
 from torch import nn
 
+from opswap.api import capture
 from opswap.errors import CaptureError
-from opswap.graph import capture, info
+from opswap.graph import info
 
 
 class Branchy(nn.Module):

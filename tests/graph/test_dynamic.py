@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from opswap.api import capture
 from opswap.errors import CaptureError
-from opswap.graph.capture import capture
 from opswap.graph.dynamic import at, detect, export_shapes, parse, step_rows, variants
 from opswap.graph.shapes import dynamic_dims, shapes_seen
 

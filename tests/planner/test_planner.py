@@ -293,13 +293,15 @@ def test_bottleneck_advice_names_only_installed_rules():
     from opswap.cost.analyze import analyze
     from opswap.graph.capture import capture
     from opswap.models import load
+    from opswap.report.advice import advised
     from opswap.rules import registry
     from opswap.targets import get_target
 
     installed = {r.name for r in registry.all_rules()}
     for spec in ("zoo:resnet", "zoo:bert"):
         m = load(spec)
-        for sentence in analyze(capture(m.module, m.example_inputs), get_target("cpu")).bottlenecks(8):
+        a = advised(analyze(capture(m.module, m.example_inputs), get_target("cpu")))
+        for sentence in a.bottlenecks(8):
             assert "no opswap rule does this" in sentence or "opswap rules that do" in sentence
             if "opswap rules that do" in sentence:
                 named = sentence.split("where they match: ")[1].rstrip(".").split(", ")
@@ -307,16 +309,16 @@ def test_bottleneck_advice_names_only_installed_rules():
 
 
 def test_bottleneck_advice_names_the_int8_rule_where_it_runs_and_how_to_plan_it():
-    from opswap.cost.analyze import _hint
+    from opswap.report.advice import RuleAdvice
 
     class Row:  # the two fields the advice reads
         bound, category = "compute", "matmul"
 
     from opswap.targets import get_target
 
-    cpu = _hint(Row(), get_target("cpu"))
+    cpu = RuleAdvice()(Row(), get_target("cpu"))
     assert "precision.int8_linear (approx: plan it with --exactness approx)" in cpu
-    gpu = _hint(Row(), get_target("h200"))
+    gpu = RuleAdvice()(Row(), get_target("h200"))
     assert "int8_linear" not in gpu and "no opswap rule does this on h200 yet" in gpu
 
 

@@ -44,7 +44,7 @@ class HardSwish(Rule):
     targets = ("any",)
     description = ("x * relu6(x + 3) / 6 written out -> hardswish(x): one kernel that reads x "
                    "once, instead of four that write and re-read tensors of its size.")
-    relieves = ("memory", "overhead")
+    relieves = ("memory:activation", "memory:elementwise")
     # the mul takes its operands in either order; the same name twice is the same tensor.
     # The base class refuses in-place writes read afterwards and values other ops read.
     pattern = op("div", op("mul", var("x"), op(("relu6", "hardtanh"),

@@ -2,7 +2,8 @@
 
 from opswap.bench.memory import MemoryResult, peak_memory
 from opswap.bench.profile import OpTime, format_ops, profile_ops
-from opswap.bench.timing import BenchResult, ModelBench, Ratio, Stats, bench_models, benchmark
+from opswap.bench.stats import BenchResult, ModelBench, Ratio, Stats
+from opswap.bench.timing import bench_models, benchmark
 
 __all__ = [
     "BenchResult",
@@ -17,8 +18,3 @@ __all__ = [
     "peak_memory",
     "profile_ops",
 ]
-
-# `opswap.bench(reference, candidate, example_inputs, ...)` calls opswap.api.bench
-from opswap._callable import make_callable  # noqa: E402
-
-make_callable(__name__, "bench")

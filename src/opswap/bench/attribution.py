@@ -152,7 +152,7 @@ class Attribution:
 
 def reconcile(att: Attribution, race=None, pruned=()) -> Attribution:
     """Put `att` on one scale (see the module): the total from `race` (a
-    bench.timing.BenchResult holding "captured" and "opswap"), or from `att`'s own run when
+    bench.stats.BenchResult holding "captured" and "opswap"), or from `att`'s own run when
     the race timed not both, divided among the rules not in `pruned`. Changes `att` in
     place and returns it."""
     if race is not None and {"captured", "opswap"} <= set(race.stats):
@@ -196,7 +196,8 @@ def attribute(full: Callable, none: Callable, without: dict[str, tuple[Callable,
     noisy machine the run goes on (up to `max_time_s`) until each ratio to `full` has a
     95% interval narrower than `rel_width` of it. With `copy` (a model that writes into its
     inputs), every call runs on a fresh copy of them."""
-    from opswap.bench.timing import benchmark, resolve_device
+    from opswap.bench.device import resolve_device
+    from opswap.bench.timing import benchmark
     from opswap.graph.copies import preserved_state
 
     dev = resolve_device(device)

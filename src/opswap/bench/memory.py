@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from opswap.bench._quiet import native_stderr_silenced
-from opswap.bench.timing import resolve_device
+from opswap.bench.device import resolve_device
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 from torch.autograd import DeviceType
 
 from opswap.bench._quiet import native_stderr_silenced
-from opswap.bench.timing import resolve_device
+from opswap.bench.device import resolve_device
 
 _SKIP = ("ProfilerStep", "[memory]", "[OutOfMemory]", "Activity Buffer Request")  # profiler's own
 

@@ -185,8 +185,9 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
     speed-up's 95% interval is narrower than `rel_width` of it or `max_time_s` passed.
     Unverified variants are listed without a time. A variant whose interval is still wider
     than `rel_width` when time runs out is `settled=False`. Returns the timings and the raw
-    bench.timing.BenchResult."""
-    from opswap.bench.timing import benchmark, narrow
+    bench.stats.BenchResult."""
+    from opswap.bench.stats import narrow
+    from opswap.bench.timing import benchmark
     from opswap.graph.copies import preserved_state
 
     runnable = [v for v in variants if v.fn is not None and v.verified]
@@ -218,7 +219,7 @@ def model_bench(res, variants: list[Variant], inputs: tuple, device: torch.devic
     so that they are the race's own numbers, with each model's peak memory over one call
     measured after the timing."""
     from opswap.bench.memory import peak_memory
-    from opswap.bench.timing import ModelBench, narrow
+    from opswap.bench.stats import ModelBench, narrow
     from opswap.graph.copies import preserved_state
 
     if opt not in res.stats:
@@ -297,10 +298,10 @@ class Race:
     timings: list[VariantTiming]
     winner: VariantTiming
     artifacts: dict[str, Any]
-    benchmark: Any  # bench.timing.ModelBench, or None when opswap's variant was not timed
+    benchmark: Any  # bench.stats.ModelBench, or None when opswap's variant was not timed
     # the verification the saved file passed ({"variant", "shapes"}), None when it passed none
     verified_as: dict[str, Any] | None = None
-    result: Any = None  # the raw bench.timing.BenchResult of the race
+    result: Any = None  # the raw bench.stats.BenchResult of the race
     settled: bool | None = None  # every interval narrowed in time
 
 
@@ -311,7 +312,7 @@ def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device)
     or at the example's only when `shapes` is False (compiled variants would recompile
     for each new shape)."""
     from opswap.backends.pt2 import export_artifact
-    from opswap.bench.timing import resolve_device
+    from opswap.bench.device import resolve_device
     from opswap.graph.copies import preserved_state
 
     dev = resolve_device(device)

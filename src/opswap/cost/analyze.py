@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,9 @@ from opswap.graph.shapes import infos
 from opswap.targets import Target, dtype_key, get_target
 
 _TENSOR_CORE_CATEGORIES = ("conv", "matmul", "attention", "rnn")
+
+#: (row, target) -> the clause of a bottleneck sentence that names the rules relieving it
+Advice = Callable[["OpRow", Target], str]
 
 
 @dataclass
@@ -79,7 +83,8 @@ class Analysis:
     notes: list[str] = field(default_factory=list)
     #: the costed graph, which the advice matches rules on (None: advice by op category only)
     gm: fx.GraphModule | None = field(default=None, repr=False, compare=False)
-    _found: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: what names the rules that relieve a row's bottleneck (report.advice.advised sets it)
+    advice: Advice | None = field(default=None, repr=False, compare=False)
 
     @property
     def intensity(self) -> float:
@@ -97,15 +102,9 @@ class Analysis:
         return sorted(costed, key=lambda r: r.est_time_s, reverse=True)[:n]
 
     def bottlenecks(self, n: int = 5) -> list[str]:
-        """One sentence for each of the n costliest ops: what bounds it and what would help."""
-        return [_sentence(r, self.target, self._matches if self.gm is not None else None)
-                for r in self.top(n)]
-
-    def _matches(self, rule) -> list:
-        """The rule's sites and misses on the costed graph, matched once per rule."""
-        if rule.name not in self._found:
-            self._found[rule.name] = rule.match(self.gm)
-        return self._found[rule.name]
+        """One sentence for each of the n costliest ops: what bounds it and what would help
+        (with `advice`, the rules that would do it)."""
+        return [_sentence(r, self.target, self.advice) for r in self.top(n)]
 
     def to_json(self) -> dict:
         return {
@@ -283,83 +282,48 @@ def _row(node: fx.Node, target: Target, tf32: bool) -> OpRow:
 # --------------------------------------------------------------------------- bottleneck sentences
 
 
-# (bound, category) -> (what would help, the opswap rules that do it where they match).
-# Advice names only rules that are installed and whose match takes the node (Analysis.gm);
-# where none does, it says so, with a near miss's reason when a rule has one at the node.
-_REMEDIES: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
-    ("compute", "conv"): ("fewer FLOPs (Winograd, depthwise-separable) or a lower-precision "
-                          "peak would cut its time", ()),
-    ("compute", "matmul"): ("lower precision (bf16, int8 weights) would raise the ceiling "
-                            "it hits", ("precision.int8_linear",)),
-    ("compute", "attention"): ("a fused attention kernel in lower precision would raise the "
-                               "ceiling it hits", ()),
-    ("compute", "rnn"): ("lower precision would raise the ceiling it hits", ()),
-    ("memory", "elementwise"): ("fusing it into its producer would save most of its traffic",
-                                ("fusion.conv_relu", "fusion.matmul_add", "fusion.layer_norm")),
-    ("memory", "activation"): ("fusing it into its producer would save most of its traffic",
-                               ("fusion.conv_relu",)),
-    ("memory", "normalization"): ("folding or fusing it would save most of its traffic",
-                                  ("fusion.conv_bn", "fusion.linear_bn", "fusion.layer_norm")),
-    ("memory", "softmax"): ("fusing it with its neighbours would save traffic",
-                            ("fusion.log_softmax",)),
-    ("memory", "data-movement"): ("a layout that avoids this copy would save its traffic",
-                                  ("layout.cancel_transpose", "layout.collapse_view",
-                                   "layout.drop_identity", "layout.permute_matmul")),
-    ("memory", "conv"): ("it moves a lot for little work: a larger batch, a channels-last "
-                         "layout or smaller weights would help", ("layout.channels_last",)),
-    ("memory", "matmul"): ("it moves a lot for little work: a larger batch, merged sibling "
-                           "matmuls or smaller weights would help",
-                           ("fusion.parallel_linear", "precision.int8_linear")),
-    ("memory", "embedding"): ("a smaller table dtype would cut the rows it gathers", ()),
+# (bound, category) -> what would help. Which opswap rules do it is theirs to say (each
+# rule's `relieves` names the "bound:category" it helps); report.advice joins the two.
+_REMEDIES: dict[tuple[str, str], str] = {
+    ("compute", "conv"): "fewer FLOPs (Winograd, depthwise-separable) or a lower-precision "
+                         "peak would cut its time",
+    ("compute", "matmul"): "lower precision (bf16, int8 weights) would raise the ceiling it hits",
+    ("compute", "attention"): "a fused attention kernel in lower precision would raise the "
+                              "ceiling it hits",
+    ("compute", "rnn"): "lower precision would raise the ceiling it hits",
+    ("memory", "elementwise"): "fusing it into its producer would save most of its traffic",
+    ("memory", "activation"): "fusing it into its producer would save most of its traffic",
+    ("memory", "normalization"): "folding or fusing it would save most of its traffic",
+    ("memory", "softmax"): "fusing it with its neighbours would save traffic",
+    ("memory", "data-movement"): "a layout that avoids this copy would save its traffic",
+    ("memory", "conv"): "it moves a lot for little work: a larger batch, a channels-last "
+                        "layout or smaller weights would help",
+    ("memory", "matmul"): "it moves a lot for little work: a larger batch, merged sibling "
+                          "matmuls or smaller weights would help",
+    ("memory", "embedding"): "a smaller table dtype would cut the rows it gathers",
 }
 
 
-def _hint(r: OpRow, target: Target, matches=None) -> str:
-    """What would help the op of row `r`, and the opswap rules that would do it.
+def bottleneck(r: OpRow) -> str:
+    """The "bound:category" key of a row's bottleneck, as a rule's `relieves` names it."""
+    return f"{r.bound}:{r.category}"
 
-    `matches(rule)` gives a rule's sites and misses on the graph: a rule is named only
-    when one of its sites takes the node, and a miss at the node says why the rule does
-    not take it. Without it (no graph), the rules are named by the op's category alone.
-    """
-    from opswap.rules import registry
-    from opswap.rules.base import Miss, Site
 
-    what, rules = _REMEDIES.get((r.bound, r.category), (
+def remedy(r: OpRow) -> str:
+    """What would help the op of row `r`, in words."""
+    return _REMEDIES.get((r.bound, r.category), (
         "fusing it with its neighbours would save most of its traffic" if r.bound == "memory"
-        else "a cheaper formula would cut its FLOPs", ()))
-    installed = {x.name: x for x in registry.all_rules()}
-    have = [installed[x] for x in rules if x in installed
-            and (installed[x].applies_to(target.name) or installed[x].applies_to(target.kind))]
-    if not have:
-        return f"{what}; no opswap rule does this{' on ' + target.name if rules else ''} yet"
-    why_not: list[str] = []
-    if matches is not None:
-        # PReLU is an activation, but conv_relu takes only a ReLU: ask each rule's own match
-        taking = []
-        for rule in have:
-            found = matches(rule)
-            if any(isinstance(f, Site) and r.name in f.nodes for f in found):
-                taking.append(rule)
-                continue
-            why_not += [f"{rule.name} does not take it ({f.reason.rstrip('.')})" for f in found
-                        if isinstance(f, Miss) and f.where == r.name][:1]
-        have = taking
-    if have:
-        names = [x.name + (f" ({x.exactness}: plan it with --exactness {x.exactness})"
-                           if x.exactness != "exact" else "") for x in have]
-        return f"{what}; opswap rules that do this where they match: {', '.join(names)}"
-    if why_not:
-        return f"{what}; no opswap rule does this here: {'; '.join(why_not)}"
-    return f"{what}; no opswap rule does this for {r.op} yet"
+        else "a cheaper formula would cut its FLOPs"))
 
 
-def _sentence(r: OpRow, target: Target, matches=None) -> str:
+def _sentence(r: OpRow, target: Target, advice: Advice | None = None) -> str:
     intensity = "inf" if math.isinf(r.intensity) else f"{r.intensity:.1f}"
     ridge = target.ridge_point(r.dtype)
+    rules = f"; {advice(r, target)}" if advice is not None else ""
     return (
         f"{r.label} ({r.op}) is {r.bound}-bound: {r.share:.0%} of the estimated time, "
         f"{human_unit(r.flops, 'FLOP')} at {intensity} FLOP/byte (ridge {ridge:.1f} on "
-        f"{target.name}); {_hint(r, target, matches)}."
+        f"{target.name}); {remedy(r)}{rules}."
     )
 
 

@@ -6,7 +6,9 @@ Models with Python control flow on tensor values, in-place writes into proxies o
 other untraceable code (most Hugging Face models) fall back to torch.export in
 non-strict mode, which produces ATen-level nodes that still carry their
 `nn_module_stack`. The capture works on a deep copy: rewriting the graph never
-touches the user's module.
+touches the user's module. Whether a graph reproduces its module is for the verifier to
+say: the caller hands `capture` that comparison (a `Check`; verify.outputs.capture_check,
+which opswap.api.capture passes).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import linecache
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.fx as fx
@@ -34,9 +36,24 @@ from opswap.graph.dynamic import Dynamic, detect, probes, variants
 from opswap.graph.inputs import fresh, writes
 from opswap.graph.shapes import propagate
 
-__all__ = ["Captured", "as_inputs", "capture", "copy_module", "quiet_deepcopy"]
+__all__ = ["Captured", "Check", "as_inputs", "capture", "copy_module", "quiet_deepcopy"]
 
 Method = Literal["auto", "fx", "export"]
+
+
+class Check(Protocol):
+    """How `capture` compares a graph with the module it came from."""
+
+    def rounding(self, model: nn.Module, inputs: tuple) -> float | None:
+        """The model's own low-precision rounding on `inputs` (None for a float32 model)."""
+        ...
+
+    def differs(self, model: nn.Module, gm: fx.GraphModule, inputs: tuple,
+                rounding: float | None, variants: list | None = None) -> str | None:
+        """Why `gm` does not give `model`'s outputs on samples like `inputs` (and, with
+        `variants`, at those other shapes), judged at the model's `rounding`; None when
+        it does."""
+        ...
 
 
 @dataclass
@@ -169,32 +186,27 @@ def _run(model: nn.Module, inputs: tuple, copy: bool = True):
 
 
 def _reproduces(model: nn.Module, gm: fx.GraphModule, inputs: tuple, dyn: Dynamic,
-                rounding: float | None, name: str) -> tuple[str | None, Dynamic]:
+                rounding: float | None, name: str, check: Check) -> tuple[str | None, Dynamic]:
     """(None, axes kept) when the graph gives the module's outputs at the example and at
     every other shape it still claims; an axis at whose other sizes the graph differs is
     dropped from the claim, with a note. (reason, dyn) when it differs at the example."""
-    from opswap.verify.outputs import verify
-    from opswap.verify.tolerance import Tolerance
-
-    tol = Tolerance.for_exactness("exact").at_rounding(rounding)
-    v = verify(model, gm, inputs, samples=2, tolerance=tol)
-    if not v.passed:
-        return v.reasons[0], dyn
+    why = check.differs(model, gm, inputs, rounding)
+    if why is not None:
+        return why, dyn
     kept = Dynamic([], list(dyn.notes))
     for axis in dyn.axes:
-        one = Dynamic([axis])
-        v = verify(model, gm, inputs, samples=1, tolerance=tol, variants=variants(inputs, one))
-        if v.passed:
+        why = check.differs(model, gm, inputs, rounding, variants(inputs, Dynamic([axis])))
+        if why is None:
             kept.axes.append(axis)
         else:
             kept.notes.append(f"{axis.name} kept static: the {name} graph differs from the "
-                              f"model at other {axis.name} sizes ({v.reasons[0]})"
+                              f"model at other {axis.name} sizes ({why})"
                               + _size_one_hint(axis, name))
     return None, kept
 
 
 def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
-            dynamic: str | None = "auto", check: bool = True) -> Captured:
+            dynamic: str | None = "auto", check: Check | None = None) -> Captured:
     """Capture `model` on `example_inputs` as an FX GraphModule with shapes on every node.
 
     `method="auto"` tries FX symbolic tracing and falls back to torch.export
@@ -204,11 +216,14 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
     `dynamic` says which input sizes stay symbolic (see graph.dynamic: "auto", "none",
     "batch,seq", ...).
 
-    With `check`, a capture must reproduce the module's outputs at the example and at
-    the other claimed shapes; one that does not (FX turns `y += 1` on a tensor another
-    output views into an out-of-place add) falls back to the next method, and when none
-    does the model is refused with the reason. Raises CaptureError naming the first
-    untraceable line when no method works.
+    With a `check` (the verifier's comparison; opswap.api.capture passes it), a capture
+    must reproduce the module's outputs at the example and at the other claimed shapes;
+    one that does not (FX turns `y += 1` on a tensor another output views into an
+    out-of-place add) falls back to the next method, and when none does the model is
+    refused with the reason. The check also measures the model's own rounding
+    (`Captured.rounding`); without one, the first method that traces is taken and
+    `rounding` is None. Raises CaptureError naming the first untraceable line when no
+    method works.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"Expected a torch.nn.Module to capture, got {type(model).__name__}.")
@@ -246,9 +261,7 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
         notes.append(f"The model writes into its input{'s' if len(written) > 1 else ''} "
                      f"{', '.join(str(i) for i in written)}; opswap runs it on a fresh copy of "
                      "the inputs each time (timings include that copy for every variant).")
-    from opswap.verify.rounding import own_rounding
-
-    rounding = own_rounding(model, inputs)
+    rounding = check.rounding(model, inputs) if check is not None else None
     order = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
     for how in order:
         build = _fx if how == "fx" else _export
@@ -265,8 +278,8 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
         here = _narrowed(dyn, failed, name)
         if here is not dyn:
             propagate(gm, inputs, probes(inputs, here))
-        if check:
-            why, checked = _reproduces(model, gm, inputs, here, rounding, name)
+        if check is not None:
+            why, checked = _reproduces(model, gm, inputs, here, rounding, name, check)
             if why is not None:
                 errors.append(f"the {name} graph does not reproduce the model ({why})")
                 continue

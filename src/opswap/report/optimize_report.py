@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from opswap.bench.timing import UNSETTLED, describe_speedup
+from opswap.bench.stats import UNSETTLED, describe_speedup
 from opswap.bench.variants import UNSETTLED_MARGIN
 from opswap.cost.units import human, human_unit
 from opswap.report import plots
+from opswap.report.advice import advised
 from opswap.report.document import Block, Bullets, Heading, Image, Para, Table, to_html, to_markdown
 
 
@@ -352,7 +353,7 @@ def _analysis(result) -> list[Block]:
     blocks: list[Block] = [Heading("Where the time goes (cost model)")]
     blocks.append(Image("categories.png", plots.category_time(cats, tb, ta, "Estimated time per op category"),
                         f"Roofline estimate per category on {result.target}, before and after."))
-    sentences = before.bottlenecks(5)
+    sentences = advised(before).bottlenecks(5)
     if sentences:
         blocks.append(Para("Top bottlenecks of the original model:"))
         blocks.append(Bullets(sentences))

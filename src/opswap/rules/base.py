@@ -180,8 +180,8 @@ class Rule:
     #: a fixed pattern (rules/pattern.py) for `check` to match; its root's kinds are
     #: the anchors unless the rule names its own
     pattern: ClassVar[Op | None] = None
-    #: the bottlenecks a site of this rule relieves ("memory", "compute", "overhead",
-    #: "layout"), which `opswap analyze` joins with the ops that spend the time
+    #: the bottlenecks a site relieves, as "bound:category" ("memory:elementwise"), which
+    #: `opswap analyze` joins with the ops that spend the time (report/advice.py)
     relieves: ClassVar[tuple[str, ...]] = ()
     #: where the rule runs in a plan: "late" for a change of the whole model's layout
     #: that must see every other rewrite done, "early" for clean-ups others rely on

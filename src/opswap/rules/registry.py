@@ -221,13 +221,12 @@ def _import_user_module(name: str):
 def rule_modules() -> list[str]:
     """Dotted names of the modules that hold rules: the public modules of each family
     subpackage of opswap.rules, in name order."""
-    import opswap.rules as package
-
+    package = __name__.rpartition(".")[0]  # this module's package, opswap.rules
     found = []
-    for fam in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+    for fam in sorted(pkgutil.iter_modules([os.path.dirname(__file__)]), key=lambda m: m.name):
         if not fam.ispkg or fam.name.startswith("_"):
             continue
-        family = importlib.import_module(f"{package.__name__}.{fam.name}")
+        family = importlib.import_module(f"{package}.{fam.name}")
         for mod in sorted(pkgutil.iter_modules(family.__path__), key=lambda m: m.name):
             if not mod.name.startswith("_"):
                 found.append(f"{family.__name__}.{mod.name}")

@@ -8,7 +8,7 @@ limits it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -41,6 +41,10 @@ def dtype_key(dtype: torch.dtype | str) -> str:
     return "float32"
 
 
+#: times functions side by side on this machine: {name: fn} -> {name: fastest seconds per call}
+Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
+
+
 @dataclass(frozen=True)
 class Target:
     """A hardware profile: peak FLOP/s per precision, memory bandwidth and preferences."""
@@ -61,6 +65,9 @@ class Target:
     dispatch_s: float = 0.0
     # the same for an op that moves no data (a view, an alias): dispatch, no kernel
     view_dispatch_s: float = 0.0
+    # for rules that measure a site on this machine rather than estimate it: a CPU target's
+    # timer runs on this machine's CPU (bench.timing.with_timer sets it; None: estimate only)
+    timer: Timer | None = field(default=None, repr=False, compare=False)
 
     def op_overhead(self, moves_data: bool) -> float:
         """The fixed cost of one op: a kernel's dispatch (and launch), or a view's."""
@@ -82,6 +89,7 @@ class Target:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["timer"]
         d["peak_flops"] = dict(self.peak_flops)
         d["dtypes"] = list(self.dtypes)
         d["notes"] = list(self.notes)

@@ -27,8 +27,3 @@ __all__ = [
     "rollback",
     "verify",
 ]
-
-# `opswap.verify(reference, candidate, example_inputs, ...)` calls opswap.api.verify
-from opswap._callable import make_callable  # noqa: E402
-
-make_callable(__name__, "verify")

@@ -29,6 +29,7 @@ from opswap.errors import VerificationError
 from opswap.graph.copies import preserved_state
 from opswap.graph.inputs import fresh  # an in-place op in one model must not feed the other
 from opswap.verify.metrics import Metrics, combine, compare
+from opswap.verify.rounding import own_rounding
 from opswap.verify.samples import make_samples, refresh_floats
 from opswap.verify.tolerance import Tolerance, as_tolerance
 
@@ -256,3 +257,23 @@ def _shape_label(sample: tuple) -> str:
     shapes = [x for x in pytree.tree_leaves(list(sample)) if isinstance(x, torch.Tensor)]
     return "example shape " + ", ".join("x".join(map(str, x.shape)) or "scalar"
                                         for x in shapes[:3]) + (", ..." if len(shapes) > 3 else "")
+
+
+class CaptureCheck:
+    """The comparison `graph.capture.capture` checks a graph with: the module's outputs at
+    the exact tolerance, loosened to a low-precision model's own rounding."""
+
+    def rounding(self, model: nn.Module, inputs: tuple) -> float | None:
+        return own_rounding(model, inputs)
+
+    def differs(self, model: nn.Module, gm: Callable, inputs: tuple, rounding: float | None,
+                variants: list | None = None) -> str | None:
+        tol = Tolerance.for_exactness("exact").at_rounding(rounding)
+        # two samples at the example; one is enough beside the other shapes
+        v = verify(model, gm, inputs, samples=2 if variants is None else 1, tolerance=tol,
+                   variants=variants or ())
+        return None if v.passed else v.reasons[0]
+
+
+#: the check opswap's stages hand to graph.capture.capture
+capture_check = CaptureCheck()

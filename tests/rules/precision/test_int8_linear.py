@@ -34,7 +34,7 @@ FIXED = Target(name="fixed-cpu", description="test profile", kind="cpu",
 @pytest.fixture
 def int8_pays(monkeypatch):
     """For tests of verification and saving: this machine's timing says int8 pays."""
-    monkeypatch.setattr(rule_mod, "time_on_this_cpu", lambda m, k, n, b, t: (2e-3, 1e-3))
+    monkeypatch.setattr(rule_mod, "time_on_this_cpu", lambda m, k, n, b, t, timer: (2e-3, 1e-3))
 
 
 class MLP(nn.Module):
@@ -165,11 +165,12 @@ def test_on_this_cpu_the_prediction_is_the_sites_timing_elsewhere_the_roofline(m
     """Which way the timing goes is a benchmark's business (benchmarks/bench_int8_linear.py
     checks the verdicts against its own timings); here: the `cpu` target's prediction is
     exactly the timing of the site's shape, and another target's is the roofline."""
+    from opswap.bench.timing import with_timer
     from opswap.targets import get_target
 
     asked = []
 
-    def timed(m, k, n, bias, threads):
+    def timed(m, k, n, bias, threads, timer):
         asked.append((m, k, n, bias))
         return 3e-3, 1e-3
 
@@ -178,7 +179,7 @@ def test_on_this_cpu_the_prediction_is_the_sites_timing_elsewhere_the_roofline(m
     cap = capture(model, (torch.randn(4, 64, 2048),), method="fx")
     rule = rule_mod.Int8DynamicLinear()
     site = [f for f in rule.match(cap.gm) if hasattr(f, "key")][0]
-    here = rule.predict(cap.gm, site.found, get_target("cpu"))
+    here = rule.predict(cap.gm, site.found, with_timer(get_target("cpu")))
     assert asked == [(256, 2048, 1024, True)]
     assert here.time_saved_s == pytest.approx(2e-3) and "timed at 256 x 2048 -> 1024" in here.note
     roof = rule.predict(cap.gm, site.found, FIXED)

@@ -24,12 +24,12 @@ class ConvBatchNorm(Rule):
     chapter = 4
     exactness = "exact"
     targets = ("any",)
+    relieves = ("memory:normalization",)
     description = ("Conv (1d/2d/3d, also transposed) + eval BatchNorm -> one conv with the BN "
                    "folded into its weight and bias; saves the BN's read and write of the conv "
                    "output.")
 
     anchors = ("batch_norm",)
-    relieves = ("memory",)
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
         return bn_fold_check(gm, node, ("conv", "conv_transpose"), "conv")

@@ -52,12 +52,12 @@ class ConvReLU(Rule):
     targets = ("cpu", "cuda")
     # conv_bn refuses a conv that already has a fused ReLU: it must fold first
     after = ("fusion.conv_bn",)
+    relieves = ("memory:elementwise", "memory:activation")
     description = ("Conv (+ eval BatchNorm, folded) + ReLU -> FusedConvReLU: the ReLU is applied "
                    "in the conv's epilogue (oneDNN on CPU, cuDNN on CUDA), so the conv output "
                    "is never written and re-read.")
 
     anchors = ("relu",)
-    relieves = ("memory",)
 
     def check(self, gm: fx.GraphModule, relu: fx.Node) -> Found | Refused | None:
         prev = input_of(relu)

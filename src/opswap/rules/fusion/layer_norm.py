@@ -227,12 +227,12 @@ class LayerNormFusion(Rule):
     family = "fusion"
     chapter = 4
     exactness = "exact"
+    relieves = ("memory:elementwise", "memory:normalization")
     description = ("Hand-written LayerNorm (mean, variance, sub, div by sqrt(var + eps) or mul "
                    "by rsqrt, optional * weight + bias) -> nn.LayerNorm: one kernel reading x "
                    "once instead of 6-10 kernels, most reading and writing a tensor of x's size.")
 
     anchors = ("div", "mul")
-    relieves = ("memory", "overhead")
 
     def _find(self, gm: fx.GraphModule, n: fx.Node) -> _LayerNorm | str | None:
         try:

@@ -33,11 +33,11 @@ class LinearBatchNorm(Rule):
     family = "fusion"
     chapter = 4
     exactness = "exact"
+    relieves = ("memory:normalization",)
     description = ("Linear + eval BatchNorm1d on [N, C] -> one Linear with the BN folded in; "
                    "saves the BN's read and write of the Linear output.")
 
     anchors = ("batch_norm",)
-    relieves = ("memory",)
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
         return bn_fold_check(gm, node, ("linear",), "linear", _output_is_2d)

@@ -53,12 +53,12 @@ class LogSoftmax(Rule):
     family = "fusion"
     chapter = 4
     exactness = "exact"
+    relieves = ("memory:softmax",)
     description = ("log(softmax(x, dim)) -> log_softmax(x, dim): one kernel instead of two "
                    "(the probabilities are not written and re-read) and numerically more "
                    "stable (no log(0) = -inf for tiny probabilities).")
 
     anchors = ("log",)
-    relieves = ("memory",)
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
         sm = input_of(node)

@@ -50,11 +50,11 @@ class MatMulAdd(Rule):
     family = "fusion"
     chapter = 4
     exactness = "exact"
+    relieves = ("memory:elementwise",)
     description = ("x @ W + b with constant W [K, N] and bias b -> linear(x, W^T, b): the bias "
                    "is added in the GEMM epilogue, so x @ W is not written out and re-read.")
 
     anchors = ("add",)
-    relieves = ("memory",)
 
     def check(self, gm: fx.GraphModule, add: fx.Node) -> Found | Refused | None:
         if len(add.args) != 2:

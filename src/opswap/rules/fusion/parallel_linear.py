@@ -90,6 +90,7 @@ class ParallelLinear(Rule):
     family = "fusion"
     chapter = 4
     exactness = "exact"
+    relieves = ("memory:matmul",)
     description = ("Several Linears reading the same input (e.g. Q, K, V projections) -> one "
                    "Linear with stacked weights and a slice per reader: the input is read once, "
                    "and one larger GEMM replaces k small ones.")
@@ -98,7 +99,6 @@ class ParallelLinear(Rule):
     after = ("fusion.matmul_add", "fusion.linear_bn")
 
     anchors = ("linear",)
-    relieves = ("memory", "overhead")
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> list[Found | Refused] | None:
         """At the first Linear reading its input: the Linears that merge, and why others

@@ -14,7 +14,7 @@ from opswap.rules.registry import register
 class SiLU(Rule):
     name, family, chapter, exactness = "fusion.silu", "fusion", 4, "exact"
     description = "x * sigmoid(x) -> silu(x): one kernel, and sigmoid(x) is never stored."
-    relieves = ("memory",)
+    relieves = ("memory:activation", "memory:elementwise")
     pattern = op("mul", var("x"), op("sigmoid", var("x")))
 
     def check(self, gm, node):

@@ -36,13 +36,13 @@ def _composed(chain: list[fx.Node]) -> Found | None:
 @register
 class CancelTranspose(LayoutRule):
     name = "layout.cancel_transpose"
+    relieves = ("memory:data-movement",)
     description = (
         "Transpose/permute chains: one that composes to the identity is removed, any other "
         "becomes a single permute. Transposes are views, so this saves op dispatches, and a "
         "later copy no longer gathers a tensor that was only turned back."
     )
     anchors = TRANSPOSE_KINDS
-    relieves = ("overhead",)
 
     def check(self, gm, node):
         return chain_check(node, _is_perm, _composed)

@@ -16,6 +16,7 @@ class ChannelsLast(LayoutRule):
     targets = ("cpu", "cuda")
     # converts the whole graph: it must see every other rewrite's final convolutions
     phase = "late"
+    relieves = ("memory:conv",)
     description = (
         "Runs a CNN in channels-last (NHWC) memory format: conv weights stored NHWC, the 4-D "
         "inputs of the first convs converted once, 4-D outputs converted back. On backends "
@@ -25,7 +26,6 @@ class ChannelsLast(LayoutRule):
     )
     # one match for the whole graph, found at its first 4-D convolution
     anchors = ("conv", "conv_transpose")
-    relieves = ("memory", "layout")
 
     def check(self, gm, node):
         if next((n for n in gm.graph.nodes if nhwc.is_conv4d(n)), None) is not node:

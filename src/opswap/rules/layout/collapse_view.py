@@ -161,6 +161,7 @@ def _collapsed(chain: list[fx.Node]) -> Found | Refused | None:
 @register
 class CollapseView(LayoutRule):
     name = "layout.collapse_view"
+    relieves = ("memory:data-movement",)
     description = (
         "Chains of view/reshape/flatten/(un)squeeze become one reshape to the final shape, "
         "and a view to the shape a tensor already has is removed. All of them keep elements "
@@ -169,7 +170,6 @@ class CollapseView(LayoutRule):
     )
 
     anchors = ("view", "reshape", "flatten", "squeeze")
-    relieves = ("memory", "layout", "overhead")
 
     def check(self, gm, node):
         return chain_check(node, is_shape_op, _collapsed)

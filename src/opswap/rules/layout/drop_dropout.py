@@ -62,7 +62,6 @@ class DropDropout(LayoutRule):
     )
 
     anchors = ("dropout",)
-    relieves = ("overhead",)
 
     def check(self, gm, node) -> Verdict:
         state = dropout_state(node)

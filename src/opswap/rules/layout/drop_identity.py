@@ -102,6 +102,7 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Verdict:
 class DropIdentity(LayoutRule):
     name = "layout.drop_identity"
     phase = "early"  # a clean-up the other rules match better after
+    relieves = ("memory:data-movement",)
     description = (
         "Ops that return their input (nn.Identity, aten.alias, .contiguous() of a contiguous "
         "tensor, .to() the dtype it has) and copies nobody needs (a clone with the same "
@@ -109,7 +110,6 @@ class DropIdentity(LayoutRule):
         "saves writing and re-reading its tensor; the others save a dispatch."
     )
     anchors = ("identity", "to", "contiguous")
-    relieves = ("memory", "layout", "overhead")
 
     def check(self, gm, node):
         return identity_check(gm, node)

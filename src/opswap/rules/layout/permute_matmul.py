@@ -76,6 +76,7 @@ def strided_operand_check(node: fx.Node, src: fx.Node) -> Verdict:
 @register
 class PermuteMatmul(LayoutRule):
     name = "layout.permute_matmul"
+    relieves = ("memory:data-movement",)
     description = (
         "A transposed constant feeding a matmul (x @ W.t()) becomes linear(x, W), or the "
         "constant is stored pre-transposed, so no transpose runs per call and a batched "
@@ -88,7 +89,6 @@ class PermuteMatmul(LayoutRule):
     after = ("layout.cancel_transpose",)
 
     anchors = (*TRANSPOSE_KINDS, "contiguous")
-    relieves = ("memory", "layout", "overhead")
 
     def check(self, gm, node):
         perm = perm_of(node)

@@ -18,6 +18,7 @@ from opswap.rules._weights import weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.rules.registry import register
+from opswap.targets.base import Timer
 
 #: below this many input features the quantise/rescale passes cost more than the GEMM saves
 MIN_IN_FEATURES = 64
@@ -39,24 +40,21 @@ def _passes(m: int, k: int, n: int) -> list[NodeCost]:
 
 
 @lru_cache(maxsize=256)
-def time_on_this_cpu(m: int, k: int, n: int, bias: bool, threads: int) -> tuple[float, float]:
-    """(float32 Linear, Int8Linear) seconds at this shape on this machine: the fastest of
-    interleaved rounds over about a tenth of a second. The fastest, not the median: with
-    only a few rounds of a large layer, another process on the machine (a parallel test
-    run, a compile) can fill most of them, and interference only ever adds time. Cached
-    per shape and thread count: a model with 48 such Linears has a handful of shapes."""
-    from opswap.bench.timing import benchmark
-
+def time_on_this_cpu(m: int, k: int, n: int, bias: bool, threads: int,
+                     timer: Timer) -> tuple[float, float]:
+    """(float32 Linear, Int8Linear) seconds at this shape on this machine, by the target's
+    `timer` (bench.timing.fastest: the fastest of interleaved rounds over about a tenth of
+    a second). Cached per shape and thread count: a model with 48 such Linears has a
+    handful of shapes."""
     g = torch.Generator().manual_seed(m * 31 + k * 7 + n)
     w = torch.randn(n, k, generator=g) / k**0.5
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(m, k, generator=g)
     q = Int8Linear(w, b)
     with torch.inference_mode():
-        res = benchmark({"float32": lambda: torch.nn.functional.linear(x, w, b),
-                         "int8": lambda: q(x)}, warmup=2, repeats=5, min_time_s=0.1,
-                        max_time_s=1.0)
-    return res["float32"].min, res["int8"].min
+        res = timer({"float32": lambda: torch.nn.functional.linear(x, w, b),
+                     "int8": lambda: q(x)})
+    return res["float32"], res["int8"]
 
 
 def _is_this_cpu(target) -> bool:
@@ -90,11 +88,11 @@ class Int8DynamicLinear(Rule):
     exactness = "approx"
     targets = ("cpu",)
     after = ("fusion.*",)
+    relieves = ("compute:matmul", "memory:matmul")
     description = ("float32 Linear -> int8 weights (per channel) and int8 inputs quantised per "
                    "row at run time, int32-accumulated integer GEMM (approx: ~1% error per layer).")
 
     anchors = ("linear",)
-    relieves = ("compute", "memory")
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
         if isinstance(module_of(node), Int8Linear):
@@ -140,8 +138,9 @@ class Int8DynamicLinear(Rule):
         n, k = w.weight.shape
         m = max(1, out.numel // n)
         before = node_cost(node)
-        if _is_this_cpu(target):
-            t32, t8 = time_on_this_cpu(m, k, n, w.bias is not None, torch.get_num_threads())
+        if _is_this_cpu(target) and getattr(target, "timer", None) is not None:
+            t32, t8 = time_on_this_cpu(m, k, n, w.bias is not None, torch.get_num_threads(),
+                                       target.timer)
             return Estimate(0.0, float(3 * k * n), t32 - t8,
                             f"timed at {m} x {k} -> {n} on this CPU: float32 {t32 * 1e6:.0f} us, "
                             f"int8 {t8 * 1e6:.0f} us")

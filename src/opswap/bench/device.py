@@ -1,0 +1,45 @@
+"""The device a timing runs on: resolved from what the user typed, and described in words."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from opswap.errors import OpswapError
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def resolve_device(device) -> torch.device:
+    """A torch.device from 'cpu', 'cuda', 'cuda:1' or a device; errors in words."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise OpswapError(f"Unknown device {device!r}; use cpu or cuda.") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OpswapError("CUDA was asked for but torch sees no GPU; time on --device cpu.")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise OpswapError(f"Timing on {dev.type!r} is not supported; use cpu or cuda.")
+    return dev
+
+
+def describe_device(device) -> str:
+    """'cpu: <model>, N threads' or 'cuda: <GPU name>'."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(dev)}"
+    n = torch.get_num_threads()
+    return f"cpu: {_cpu_name()}, {n} thread{'s' if n != 1 else ''}"
