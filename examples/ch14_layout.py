@@ -50,7 +50,7 @@ def main() -> None:
         for m in plan.misses:
             print(f"  miss  {m.rule:<24} {m.where}: {m.reason}")
         for s in plan.skipped:
-            print(f"  skip  {s['rule']:<24} {s['key']}: {s['reason']}")
+            print(f"  skip  {s.rule:<24} {s.where}: {s.reason}")
         applied = apply_plan(captured, plan)
         fresh = torch.randn_like(x)
         with torch.no_grad():

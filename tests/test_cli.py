@@ -504,7 +504,7 @@ def build(batch=32):
 
 def test_apply_refuses_an_approx_decision_in_an_exact_plan_unless_allowed(tmp_path, capsys,
                                                                          monkeypatch):
-    from opswap.report.model_io import load_model
+    from opswap import artifact
 
     # this machine's timing says int8 pays, so the approx rule is planned
     monkeypatch.setattr("opswap.rules.precision.int8_linear.time_on_this_cpu",
@@ -527,7 +527,7 @@ def test_apply_refuses_an_approx_decision_in_an_exact_plan_unless_allowed(tmp_pa
     assert "--allow-looser" in err
     assert not (out / "model.pt2").exists() and not (out / "model_state.pt").exists()
     assert run("apply", spec, str(plan), "--allow-looser", "--out", str(out)) == 0
-    saved = load_model(out)
+    saved = artifact.load(out)
     user = _load_user(tmp_path)
     for rows in (32, 9, 57):  # the example's batch and others, against the user's module
         x = torch.randn(rows, 160)

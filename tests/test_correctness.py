@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opswap import artifact
 from opswap.api import capture
 from opswap.api import verify as api_verify
 from opswap.errors import CaptureError, VerificationError
 from opswap.pipeline import OptimizeConfig, optimize
 from opswap.planner import apply_plan, make_plan
-from opswap.report.model_io import load_model
 
 QUICK = dict(bench=False, layers=False, measure_rules=False)
 
@@ -246,7 +246,7 @@ def test_saved_model_runs_at_other_shapes(tmp_path):
     x = torch.randn(2, 3, 12, 12)
     r = _optimized(m, (x,), [])
     r.save(tmp_path)
-    loaded = load_model(tmp_path)
+    loaded = artifact.load(tmp_path)
     assert not (tmp_path / "model_shapes.txt").exists()
     _matches(m, loaded, (x,), (torch.randn(1, 3, 12, 12),), (torch.randn(5, 3, 12, 12),),
              rel=1e-4)

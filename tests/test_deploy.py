@@ -13,9 +13,9 @@ from torch import nn
 
 import opswap
 from opswap import report
+from opswap.artifact import RUN_FILES
 from opswap.errors import OpswapError
 from opswap.pipeline import OptimizeConfig, optimize
-from opswap.report.run_folder import RUN_FILES
 
 _QUICK = OptimizeConfig(bench=False, layers=False, samples=1)
 

@@ -92,7 +92,7 @@ def test_rule_that_measures_slower_is_pruned():
     r = optimize(m, (torch.randn(3, 16),),
                  OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1, compare="none"))
     assert not r.applied, "the slow identity should have been dropped after measuring"
-    assert any(s["rule"] == "test.slowdown" and "measured slower" in s["reason"]
+    assert any(s.rule == "test.slowdown" and "measured slower" in s.reason
                for s in r.plan.skipped)
     assert r.verification.passed
 

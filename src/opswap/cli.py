@@ -310,9 +310,9 @@ def _print_plan(plan) -> None:
             mt.add_row(Text(m.rule), Text(m.where), Text(m.reason))
         console.print(mt)
     for f in plan.failed:
-        _note(f"{f.rule} at {f.key}: {f.reason}", "failed", "red")
+        _note(f"{f.rule} at {f.where}: {f.reason}", "failed", "red")
     for s in plan.skipped:
-        _note(f"{s['rule']} at {s['key']}: {s['reason']}", "skipped")
+        _note(f"{s.rule} at {s.where}: {s.reason}", "skipped")
 
 
 @app.command()
@@ -354,7 +354,7 @@ def _applied(spec: str, plan_path: Path, sets, dynamic: str = "auto", weights: P
     # exactness); only apply, which saves the result, refuses looser decisions
     applied = apply_plan(captured, p, allow_looser=allow_looser)
     for f in applied.failed:
-        _note(f"{f.rule} at {f.key}: {f.reason}", "not applied", "red")
+        _note(f"{f.rule} at {f.where}: {f.reason}", "not applied", "red")
     return loaded, captured, p, applied
 
 
@@ -386,7 +386,7 @@ def apply(spec: Spec, plan_path: PlanArg,
     """Re-apply a plan to a model; optionally save the optimized model. Exit status 1 when
     decisions of the plan could not be applied (the model is saved without them); 2 when a
     decision's rule is looser than the plan's exactness and --allow-looser is not given."""
-    from opswap.report.model_io import save_model
+    from opswap.artifact import save_model
 
     _check_outputs(json_path, out, out_dir=True)
     _rules_from(rules_from)
@@ -396,7 +396,7 @@ def apply(spec: Spec, plan_path: PlanArg,
     _print_inputs(loaded.module)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        files = save_model(applied.gm, captured.example_inputs, p, out, dynamic=captured.dynamic)
+        files = save_model(applied.gm, captured.example_inputs, out, dynamic=captured.dynamic)
         console.print(Text(f"saved {files['model']}"))
     _partial(p, applied, f"saved {files['model']} with the {{n}} that did" if out is not None
              else "nothing was saved (no --out)")

@@ -2,28 +2,28 @@
 
 Each stage is a plain function of the previous stage's value; `optimize` strings
 them together, rolls back sites that break the accuracy budget, and returns a
-`Result` that can write plan.json, result.json, the report and the model.
+`Result` (opswap.result) that can write plan.json, result.json, the report and the model
+(opswap.artifact).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import platform
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from opswap.artifact import SAVES as _SAVES
+from opswap.artifact import file_claim
 from opswap.bench.attribution import Attribution, attribute, reconcile
 from opswap.bench.variants import parse_compare
 from opswap.bench.variants import run as run_variants
 from opswap.graph.capture import Captured, capture
 from opswap.graph.copies import describe_hooks, private_copy, user_hooks
 from opswap.planner import Plan, apply_plan, make_plan
-from opswap.rules.base import EXACTNESS_ORDER, Site
+from opswap.result import Result
+from opswap.rules.base import EXACTNESS_ORDER, Skipped
 
 
 @dataclass
@@ -45,209 +45,6 @@ class OptimizeConfig:
     dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
     compare: str = "compile"  # baselines raced beside opswap's result: compile, or none
     keep_hooks: bool = False  # refuse a model with hooks rather than optimize it without them
-
-
-# which module a winning variant saves
-_SAVES = {"input": "input", "compile": "input", "captured": "captured",
-          "opswap": "candidate", "opswap+compile": "candidate"}
-
-
-@dataclass
-class Result:
-    """Everything one optimize run found, decided, checked and measured."""
-
-    model: str
-    target: str
-    config: OptimizeConfig
-    reference: nn.Module
-    candidate: nn.Module
-    example_inputs: tuple
-    plan: Plan
-    applied: list[Site]
-    failed: list[Any]
-    rolled_back: list[Any]
-    verification: Any
-    analysis_before: Any
-    analysis_after: Any
-    layers: Any = None
-    benchmark: Any = None
-    rule_timings: list[Any] = field(default_factory=list)  # attribution.rules
-    attribution: Any = None  # bench.attribution.Attribution: per-rule savings and the total
-    notes: list[str] = field(default_factory=list)
-    dynamic: Any = None  # graph.dynamic.Dynamic: the sizes the saved model keeps symbolic
-    variants: list[Any] = field(default_factory=list)  # bench.variants.VariantTiming, raced
-    best: str = "opswap"  # the variant saved: input, captured, opswap, compile, opswap+compile
-    captured_gm: Any = None  # the capture with no rewrite
-    # backends.pt2.Artifact of "input" and "candidate": the files the race timed
-    artifacts: dict[str, Any] = field(default_factory=dict)
-    # the verification the saved file passed: {"variant", "shapes"} from the race, or None
-    # when the file the winner saves passed none (then no model.pt2 is written)
-    verified_as: dict[str, Any] | None = None
-    settled: bool | None = None  # every interval of the race narrowed in the time allowed
-    # what ran: the inputs' names, shapes and dtypes, threads, device, the model's settings
-    run_info: dict[str, Any] = field(default_factory=dict)
-    created: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
-
-    def to_json(self) -> dict[str, Any]:
-        est = {d.site.key: d.estimate.to_json() for d in self.plan.decisions}
-        return {
-            "model": self.model,
-            "target": self.target,
-            "created": self.created,
-            "versions": {"opswap": _version(), "torch": torch.__version__,
-                         "python": platform.python_version()},
-            "capture_method": self.plan.capture_method,
-            "run": self.run_info,
-            "settings": {"rules": self.config.rules, "exactness": self.config.exactness,
-                         "budget": self.config.budget, "samples": self.config.samples,
-                         "dynamic": self.config.dynamic},
-            "dynamic": self.dynamic.to_json() if self.dynamic is not None else None,
-            "applied": [
-                {"rule": s.rule, "site": s.key, "description": s.description,
-                 "estimate": est.get(s.key)}
-                for s in self.applied
-            ],
-            "misses": [m.to_json() for m in self.plan.misses],
-            "failed": [f.to_json() for f in self.failed],
-            "rolled_back": [r.to_json() if hasattr(r, "to_json") else r for r in self.rolled_back],
-            "skipped": self.plan.skipped,
-            "verification": self.verification.to_json(),
-            "benchmark": self.benchmark.to_json() if self.benchmark is not None else None,
-            "rule_timings": [t.to_json() for t in self.rule_timings],
-            "attribution": self.attribution.to_json() if self.attribution is not None else None,
-            "variants": [v.to_json() for v in self.variants],
-            "best": self.best,
-            "timings_settled": self.settled,
-            "deploy": self.deploy(),
-            "analysis": {
-                "before": _totals(self.analysis_before),
-                "after": _totals(self.analysis_after),
-            },
-            "notes": self.notes,
-        }
-
-    def __repr__(self) -> str:
-        """One line (print(result) once dumped ~55 KB of modules): the model, what was
-        applied, the verdict with its max_abs and cosine, and the saved variant's speed-up."""
-        n = len(self.plan.decisions)
-        applied = f"applied {len(self.applied)} of {n} decision{'s' if n != 1 else ''}"
-        if self.rolled_back:
-            applied += f", {len(self.rolled_back)} rolled back"
-        v = self.verification
-        verdict = (f"verification {'PASSED' if v.passed else 'FAILED'} "
-                   f"(max_abs {v.max_abs:.3g}, cosine {v.cosine:.6f})")
-        best = next((t for t in self.variants if t.name == self.best), None)
-        if best is None or best.speedup_vs_input is None:
-            timed = "not timed"
-        else:
-            timed = f"best {self.best} {best.speedup_vs_input:.2f}x the input"
-        return f"Result(model={self.model!r}, target={self.target!r}, {applied}, {verdict}, {timed})"
-
-    @property
-    def _saved_kind(self) -> str:
-        return _SAVES.get(self.best, "candidate")
-
-    @property
-    def saved_artifact(self):
-        """The backends.pt2.Artifact written as model.pt2 (the file the race timed), or None
-        when there was no race or the winner's graph did not export."""
-        art = self.artifacts.get("candidate" if self._saved_kind == "candidate" else "input")
-        return art if art is not None and art.path is not None else None
-
-    @property
-    def saved_module(self) -> nn.Module:
-        """The module saved as model.pt2: the winner of the race as reloaded from the file
-        that was timed; the input itself when nothing opswap made beat it."""
-        art = self.saved_artifact
-        if art is not None and art.module is not None:
-            return art.module
-        return self.candidate if self._saved_kind == "candidate" else self.reference
-
-    def deploy(self) -> dict[str, Any]:
-        """What model.pt2 holds and how to run it."""
-        kind = self._saved_kind
-        compiled = self.best.endswith("compile")
-        holds = {"input": "your model, unchanged (as exported; its time is the `captured` "
-                          "row): nothing opswap made beat your model in this run",
-                 "captured": "your model as exported, with no rewrite",
-                 "candidate": "opswap's optimized model"}[kind]
-        how = "opswap.load_optimized(DIR)" + (" (compiles it with torch.compile)"
-                                              if compiled else "")
-        if kind == "input":
-            cap = next((v for v in self.variants if v.name == "captured" and v.ms is not None), None)
-            if cap is not None and cap.slower:
-                # The file is the input as exported; where that export ran slower than the
-                # module itself, the module is what to keep.
-                holds += (f"; as exported it ran at {cap.speedup_vs_input:.2f}x of your module, "
-                          "so keep running your own module")
-                how = "your own module, as it is (model.pt2 is its slower export)"
-        verified_as = self.verified_as
-        if not self.variants:  # no race: what is saved is the candidate verified in memory
-            verified_as = {"variant": "opswap (in memory, before export; not raced)",
-                           "shapes": list(getattr(self.verification, "shapes", []) or [])}
-        artifact = "model.pt2"
-        if self.variants and verified_as is None:
-            artifact = None
-            holds = ("nothing: the file your model's export would be (the `captured` row) "
-                     "did not pass verification, so no model.pt2 is written")
-            how = "your own module, as it is"
-        return {"variant": self.best, "artifact": artifact, "holds": holds,
-                "compile": compiled, "how": how, "timed": self.saved_artifact is not None,
-                "verified_as": verified_as, "run_under": "torch.inference_mode()"}
-
-    def save(self, out_dir: str | Path) -> dict[str, Path]:
-        """Write plan.json, result.json, report.md, report.html and the optimized model.
-        `out_dir` then holds exactly this run: it is written beside it and swapped in, and
-        the files an earlier run wrote there are removed (report.run_folder)."""
-        from opswap.report.run_folder import write_run
-
-        return write_run(out_dir, self._write)
-
-    def _write(self, out: Path) -> dict[str, Path]:
-        from opswap.report import write_reports
-        from opswap.report.model_io import save_model
-
-        paths = {"plan": self.plan.save(out / "plan.json")}
-        if not self.variants or self.verified_as is not None:
-            # only a file that passed verification at every shape it claims is saved
-            artifact = self.saved_artifact
-            if artifact is None:  # no race: exported here, and the claim follows the file
-                from opswap.backends.pt2 import export_artifact
-
-                artifact = export_artifact(self.saved_module, tuple(self.example_inputs),
-                                           self.dynamic, out)
-                self.dynamic = file_claim(self.dynamic, artifact, self.notes)
-            paths.update(save_model(self.saved_module, self.example_inputs, self.plan, out,
-                                    dynamic=self.dynamic, artifact=artifact))
-        data = self.to_json()
-        data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
-        paths["result"] = out / "result.json"
-        paths["result"].write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
-        paths.update(write_reports(self, out))
-        return paths
-
-
-def _version() -> str:
-    from opswap._version import __version__
-
-    return __version__
-
-
-def _json_default(o):
-    if isinstance(o, float | int):
-        return o
-    if isinstance(o, torch.dtype):
-        return str(o)
-    if isinstance(o, Path):
-        return str(o)
-    return repr(o)
-
-
-def _totals(analysis) -> dict[str, Any] | None:
-    if analysis is None:
-        return None
-    return {"total_flops": analysis.total_flops, "total_bytes": analysis.total_bytes,
-            "est_time_s": analysis.est_time_s, "ops": len(analysis.rows)}
 
 
 def _tolerance(config: OptimizeConfig, rounding: float | None = None):
@@ -296,17 +93,6 @@ def _run_info(model, captured: Captured, config: OptimizeConfig,
             "model_settings": settings,
             "attn_implementation": settings.get("attn_implementation"),
             "compare": config.compare, "seed": config.seed}
-
-
-def file_claim(dynamic, artifact, notes: list[str]):
-    """The axes the saved file keeps dynamic: `dynamic` less those torch.export specialised
-    in `artifact` (a backends.pt2.Artifact), with a note when it is narrower."""
-    kept = getattr(artifact, "kept", None)
-    if dynamic is None or kept is None or len(kept.axes) >= len(dynamic.axes):
-        return dynamic
-    if artifact.note and artifact.note not in notes:
-        notes.append(artifact.note + " (the optimized module in memory takes them dynamic)")
-    return kept
 
 
 def guarded(gm, captured: Captured, model) -> nn.Module:
@@ -462,11 +248,11 @@ def optimize(
             pruned_check = check(pruned_applied)
             if pruned_check.passed:
                 for t in slow:
-                    pruned.skipped.append({
-                        "rule": t.rule, "key": f"all {t.sites} site{'s' if t.sites != 1 else ''}",
-                        "reason": f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
-                                  f"{t.without_ms:.3f} ms without (interval of the ratio "
-                                  f"{t.ci_low:.2f}-{t.ci_high:.2f})"})
+                    pruned.skipped.append(Skipped(
+                        t.rule, f"all {t.sites} site{'s' if t.sites != 1 else ''}",
+                        f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
+                        f"{t.without_ms:.3f} ms without (interval of the ratio "
+                        f"{t.ci_low:.2f}-{t.ci_high:.2f})"))
                 plan, applied, verification = pruned, pruned_applied, pruned_check
                 pruned_rules = {t.rule for t in slow}
                 attribution.note = ("measured before pruning " + ", ".join(t.rule for t in slow)

@@ -19,8 +19,18 @@ from typing import Any
 from opswap.errors import PlanError
 from opswap.graph.capture import Captured, copy_module
 from opswap.rules import registry
-from opswap.rules.apply import Applied, Failure, apply_sites, rewrite_site
-from opswap.rules.base import EXACTNESS_ORDER, Estimate, Miss, Rule, Site, misses_of, sites_of
+from opswap.rules.apply import Applied, apply_sites, rewrite_site
+from opswap.rules.base import (
+    EXACTNESS_ORDER,
+    Estimate,
+    Failure,
+    Miss,
+    Rule,
+    Site,
+    Skipped,
+    misses_of,
+    sites_of,
+)
 from opswap.rules.order import ordered
 
 PLAN_VERSION = 1
@@ -56,7 +66,7 @@ class Plan:
     decisions: list[Decision] = field(default_factory=list)
     misses: list[Miss] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
-    skipped: list[dict[str, str]] = field(default_factory=list)  # not worth it, with why
+    skipped: list[Skipped] = field(default_factory=list)  # not worth it, with why
     capture_method: str = ""
     fingerprint: str = ""  # of the graph it was made on (graph_fingerprint); "" = unchecked
     notes: list[str] = field(default_factory=list)  # what the settings could not give
@@ -71,7 +81,7 @@ class Plan:
             "decisions": [d.to_json() for d in self.decisions],
             "misses": [m.to_json() for m in self.misses],
             "failed": [f.to_json() for f in self.failed],
-            "skipped": self.skipped,
+            "skipped": [s.to_json() for s in self.skipped],
             "notes": self.notes,
         }
 
@@ -92,9 +102,9 @@ class Plan:
                 model=data.get("model", ""),
                 settings=PlanSettings(**data.get("settings", {})),
                 decisions=decisions,
-                misses=[Miss(**m) for m in data.get("misses", [])],
-                failed=[Failure(**f) for f in data.get("failed", [])],
-                skipped=list(data.get("skipped", [])),
+                misses=[Miss.from_json(m) for m in data.get("misses", [])],
+                failed=[Failure.from_json(f) for f in data.get("failed", [])],
+                skipped=[Skipped.from_json(s) for s in data.get("skipped", [])],
                 capture_method=data.get("capture_method", ""),
                 fingerprint=data.get("fingerprint", ""),
                 notes=[str(n) for n in data.get("notes", [])],
@@ -302,7 +312,7 @@ def make_plan(
                 continue  # overlaps a site of this rule already applied
             why = exclude_sites.get((rule.name, site.key))
             if why is not None:
-                plan.skipped.append({"rule": rule.name, "key": site.key, "reason": why})
+                plan.skipped.append(Skipped(rule.name, site.key, why))
                 continue
             # the match itself while the graph is as it was matched, else its anchor again
             match = rule.replay(gm, site.kept() if changed else site)
@@ -312,8 +322,8 @@ def make_plan(
             est = rule.predict(gm, match, tgt)
             where = site_module(gm, site)
             if est.time_saved_s is not None and est.time_saved_s < 0:
-                plan.skipped.append({"rule": rule.name, "key": site.key,
-                                     "reason": f"predicted slower on {tgt.name}: {est.note}"})
+                plan.skipped.append(Skipped(rule.name, site.key,
+                                            f"predicted slower on {tgt.name}: {est.note}"))
                 continue
             gm, err = rewrite_site(gm, rule, match)
             if err:

@@ -149,7 +149,7 @@ def test_predicted_slower_is_skipped_with_reason():
     _, c = _cap()
     p = make_plan(c, rules=["test.slower"])
     assert not p.decisions
-    assert "predicted slower" in p.skipped[0]["reason"] and "extra copy" in p.skipped[0]["reason"]
+    assert "predicted slower" in p.skipped[0].reason and "extra copy" in p.skipped[0].reason
 
 
 def test_exactness_filters_rules():
@@ -229,6 +229,39 @@ def test_a_later_decision_is_named_by_its_index():
         **data["decisions"][0]["site"], "data": "conv"}}]
     with pytest.raises(PlanError, match='decision 1: site data must be an object, got "conv"'):
         Plan.from_json(data)
+
+
+# a plan.json as opswap wrote it before misses, failures and skips shared one record
+_OLD_PLAN = {
+    "version": 1, "model": "m", "capture_method": "fx", "fingerprint": "",
+    "settings": {"target": "cpu", "rules": [], "exactness": "exact"},
+    "decisions": [{"rule": "test.double_relu", "site": {"rule": "test.double_relu",
+                   "key": "relu+relu_1", "nodes": ["relu", "relu_1"],
+                   "description": "drop a relu", "data": {}},
+                   "estimate": {"flops_saved": 0.0, "bytes_saved": 0.0, "time_saved_s": None,
+                                "note": ""}, "module": ""}],
+    "misses": [{"rule": "test.double_relu", "where": "relu_2", "reason": "read elsewhere"}],
+    "failed": [{"rule": "test.raises", "key": "relu_3", "reason": "kernel exploded"}],
+    "skipped": [{"rule": "test.slower", "key": "relu_4", "reason": "predicted slower on cpu"},
+                {"rule": "fusion.conv_relu", "key": "all 2 sites",
+                 "reason": "measured slower on cpu: 1.000 ms with it, 0.900 ms without"}],
+    "notes": [],
+}
+
+
+def test_a_plan_json_of_the_earlier_shape_loads_and_is_written_alike(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_OLD_PLAN))
+    p = Plan.load(path)
+    assert [(m.kind, m.rule, m.where) for m in p.misses] == [("miss", "test.double_relu", "relu_2")]
+    assert [(f.kind, f.where, f.reason) for f in p.failed] == [
+        ("failure", "relu_3", "kernel exploded")]
+    assert [(s.kind, s.rule, s.where) for s in p.skipped] == [
+        ("skipped", "test.slower", "relu_4"), ("skipped", "fusion.conv_relu", "all 2 sites")]
+    assert p.to_json() == _OLD_PLAN  # the same file back, key for key
+    bad = {**_OLD_PLAN, "skipped": [{"rule": "test.slower", "reason": "no key"}]}
+    with pytest.raises(PlanError, match="malformed"):
+        Plan.from_json(bad)
 
 
 def test_optional_fields_may_be_absent():

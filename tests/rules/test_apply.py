@@ -114,7 +114,7 @@ def test_apply_sites_works_on_a_copy_and_reports_each_decision():
                           _decision("test.apply_drop_relu", "missing", "relu_1")],
                       progress=lambda: calls.append(1))
     assert [s.key for s in out.applied] == ["relu_1"]
-    assert [f.key for f in out.failed] == ["a", "missing"]
+    assert [f.where for f in out.failed] == ["a", "missing"]
     assert out.failed[1].reason == "site not found in this model"
     assert c.gm.code == before and len(calls) == 3
     x = torch.randn(4, 7)

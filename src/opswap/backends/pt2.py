@@ -4,7 +4,7 @@ What a user deploys is the file, not the module opswap holds in memory, and the 
 can differ: torch.export traces through Python modules and keeps only registered
 ops, so a module that picks a fused kernel in its forward would be saved as the
 plain ops. So the race times the program reloaded from the file it will save
-(`export_artifact`), and `Result.save` copies that very file.
+(`export_artifact`), and `artifact.save` copies that very file.
 
 Loading runs no pickled code (models.checkpoint's checks) and needs `import opswap`
 first, which registers opswap's own ops (`torch.ops.opswap.*`).
@@ -156,14 +156,13 @@ def _dynamic_export(model: nn.Module, inputs: tuple, shapes, dynamic):
     return other if _admits(other, inputs, dynamic) else ep
 
 
-def load(path: str | Path, *, lean: bool = True) -> nn.Module:
-    """The module of a saved program, loaded with models.checkpoint's no-pickle checks;
-    `lean` swaps the per-call guard function for the quick input check described above."""
+def load(path: str | Path) -> nn.Module:
+    """The module of a saved program, loaded with models.checkpoint's no-pickle checks, with
+    the quick input check described above in place of the per-call guard function: the one
+    loader of a saved model.pt2 (the race's, and artifact.load's)."""
     from opswap.models.checkpoint import program_module, read_program
 
     program = read_program(str(path))
-    if not lean:
-        return program_module(program)
     try:  # check_guards: torch >= 2.9, where module() builds the _guards_fn this replaces
         module = program_module(program, check_guards=False)
     except TypeError:
@@ -193,16 +192,19 @@ def _compiled_guards(program, module: nn.Module):
 
 def _lean(module: nn.Module, name: str, names: list[str], holds, each) -> nn.Module:
     """`module` (built without torch's guard function) with one pre-hook that checks the
-    inputs: count (positional, or by the recorded names), rank, dtype, the fixed sizes,
-    then `holds`, every guard of the program compiled into one function."""
+    inputs: count (positional, or by the recorded names), then rank, dtype and the fixed
+    sizes (graph.dynamic.check_inputs, the in-memory result's check too), then `holds`,
+    every guard of the program compiled into one function."""
     from opswap.backends.guards import refusal
     from opswap.errors import InputError
+    from opswap.graph.dynamic import Expected, check_inputs
 
     expected = []
-    for node in (n for n in module.graph.nodes if n.op == "placeholder"):
+    for arg, node in zip(names, (n for n in module.graph.nodes if n.op == "placeholder"),
+                         strict=True):
         val = node.meta["val"]  # a tensor (_compiled_guards)
         static = tuple((d, int(s)) for d, s in enumerate(val.shape) if isinstance(s, int))
-        expected.append((val.dim(), val.dtype, static))
+        expected.append(Expected(arg, val.dim(), val.dtype, static))
     n = len(names)
     listed = ", ".join(names)
 
@@ -230,16 +232,7 @@ def _lean(module: nn.Module, name: str, names: list[str], holds, each) -> nn.Mod
             out = (args, {})
         if len(args) != n:
             raise InputError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
-        for x, arg, (rank, dtype, static) in zip(args, names, expected, strict=True):
-            if not isinstance(x, torch.Tensor) or x.dim() != rank or x.dtype != dtype:
-                got = (f"{type(x).__name__}" if not isinstance(x, torch.Tensor)
-                       else f"{x.dim()}-D {x.dtype}")
-                raise InputError(f"{name}: input {arg} must be a {rank}-D {dtype} tensor, got {got}.")
-            for d, size in static:
-                if x.shape[d] != size:
-                    raise InputError(
-                        f"{name}: input {arg} must have size {size} in dim {d} (it was exported "
-                        f"with that size fixed), got {tuple(x.shape)}.")
+        check_inputs(name, args, expected, "it was exported with that size fixed")
         if holds is not None and not holds(*args):
             raise InputError(refusal(name, args, names, each))
         return out

@@ -331,21 +331,54 @@ def export_shapes(inputs: tuple, dyn: Dynamic):
     return tuple(pytree.tree_unflatten(per_leaf, spec))
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What one input must be: a tensor of `rank` and `dtype` whose sizes in `fixed`
+    ((dim, size) pairs) are those; with `rank` None, anything (a non-tensor input)."""
+
+    name: str
+    rank: int | None
+    dtype: torch.dtype | None = None
+    fixed: tuple[tuple[int, int], ...] = ()
+
+
+def check_inputs(what: str, got: list[Any] | tuple[Any, ...], want: list[Expected],
+                 why_fixed: str, advice: str = "") -> None:
+    """Refuse in one sentence (InputError) the first of `got`, a call's inputs one for one
+    with `want`, that is not what `want` says: another rank or dtype, or another size in a
+    fixed dim. `why_fixed` says in a few words why a size is fixed; `advice` ends the
+    sentence on a fixed size. The one input check of opswap's results: the in-memory
+    result (`guard`) and the saved model.pt2 (backends.pt2) both call it."""
+    for x, e in zip(got, want, strict=True):
+        if e.rank is None:
+            continue
+        if not isinstance(x, torch.Tensor) or x.dim() != e.rank or x.dtype != e.dtype:
+            kind = (f"a {x.dim()}-D {x.dtype} tensor" if isinstance(x, torch.Tensor)
+                    else f"a {type(x).__name__}")
+            raise InputError(f"{what}: input {e.name} must be a {e.rank}-D {e.dtype} tensor, "
+                             f"got {kind}.")
+        for d, n in e.fixed:
+            if x.shape[d] != n:
+                raise InputError(f"{what}: input {e.name} must have size {n} in dim {d} "
+                                 f"({why_fixed}), got {tuple(x.shape)}"
+                                 + (f"; {advice}" if advice else "") + ".")
+
+
 def guard(module: torch.nn.Module, inputs: tuple, dyn: Dynamic,
           what: str = "the optimized model", hint: str = "") -> torch.nn.Module:
     """`module` (opswap's in-memory result) with a check before each call that refuses, in
     one sentence, inputs it was never claimed at: another number of inputs, another rank
-    or dtype, or another size in a dim the capture kept static. The saved model.pt2 checks
-    the same on load (backends.pt2). The check stands aside while torch.compile or
-    torch.export traces the module, so that it never specialises a symbolic size."""
+    or dtype, or another size in a dim the capture kept static (`check_inputs`, which the
+    saved model.pt2 runs too). The check stands aside while torch.compile or torch.export
+    traces the module, so that it never specialises a symbolic size."""
     leaves, spec = pytree.tree_flatten(list(inputs))
     moving = {d for a in dyn.axes for d in a.dims}
     names = [n.name for n in getattr(getattr(module, "graph", None), "nodes", ())
              if n.op == "placeholder"]
     names = names if len(names) == len(leaves) else [f"input {i}" for i in range(len(leaves))]
-    want = [(names[i], x.dim(), x.dtype,
-             tuple((d, int(n)) for d, n in enumerate(x.shape) if (i, d) not in moving))
-            if isinstance(x, torch.Tensor) else (names[i], None, None, ())
+    want = [Expected(names[i], x.dim(), x.dtype,
+                     tuple((d, int(n)) for d, n in enumerate(x.shape) if (i, d) not in moving))
+            if isinstance(x, torch.Tensor) else Expected(names[i], None)
             for i, x in enumerate(leaves)]
 
     def check(_mod, args):
@@ -356,20 +389,9 @@ def guard(module: torch.nn.Module, inputs: tuple, dyn: Dynamic,
             raise InputError(f"{what} takes {len(want)} input(s) ({', '.join(names)}) as it "
                              f"was optimized, got {len(args)} argument(s) of another form"
                              + (f"; it {hint}" if hint else "") + ".")
-        for x, (name, rank, dtype, fixed) in zip(got, want, strict=True):
-            if rank is None:
-                continue
-            if not isinstance(x, torch.Tensor) or x.dim() != rank or x.dtype != dtype:
-                kind = (f"a {x.dim()}-D {x.dtype} tensor" if isinstance(x, torch.Tensor)
-                        else f"a {type(x).__name__}")
-                raise InputError(f"{what}: input {name} must be a {rank}-D {dtype} tensor, "
-                                 f"got {kind}.")
-            for d, n in fixed:
-                if x.shape[d] != n:
-                    raise InputError(
-                        f"{what}: input {name} must have size {n} in dim {d} (the model was "
-                        f"optimized with that size static), got {tuple(x.shape)}; optimize it "
-                        "again with an example of that size, or name the dim in --dynamic.")
+        check_inputs(what, got, want, "the model was optimized with that size static",
+                     "optimize it again with an example of that size, or name the dim in "
+                     "--dynamic")
 
     module.register_forward_pre_hook(check)
     return module

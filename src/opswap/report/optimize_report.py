@@ -270,13 +270,11 @@ def _misses(result) -> list[Block]:
 
 
 def _problems(result) -> list[Block]:
-    items = [f"failed: `{f.rule}` at `{f.key}`: {f.reason}" for f in result.failed]
-    for r in result.rolled_back:
-        j = r.to_json() if hasattr(r, "to_json") else r
-        items.append(f"rolled back: `{j.get('rule')}` at `{j.get('site', j.get('key'))}`: "
-                     f"{j.get('reason', '')}")
-    items += [f"skipped: `{s['rule']}` at `{s['key']}`: {s['reason']}" for s in result.plan.skipped
-              if not s["reason"].startswith("rolled back")]  # listed above already
+    items = [f"failed: `{f.rule}` at `{f.where}`: {f.reason}" for f in result.failed]
+    items += [f"rolled back: `{r.decision.rule}` at `{r.decision.site.key}`: {r.reason}"
+              for r in result.rolled_back]
+    items += [f"skipped: `{s.rule}` at `{s.where}`: {s.reason}" for s in result.plan.skipped
+              if not s.reason.startswith("rolled back")]  # listed above already
     if not items:
         return []
     return [Heading("Failed, rolled back, skipped"), Bullets(items)]

@@ -13,19 +13,7 @@ import torch.fx as fx
 
 from opswap.graph.capture import Captured, copy_module, quiet_deepcopy
 from opswap.graph.purity import eliminate_dead_code
-from opswap.rules.base import Found, Rule, Site
-
-
-@dataclass
-class Failure:
-    """A decision that could not be carried out, and why."""
-
-    rule: str
-    key: str
-    reason: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"rule": self.rule, "key": self.key, "reason": self.reason}
+from opswap.rules.base import Failure, Found, Rule, Site
 
 
 @dataclass

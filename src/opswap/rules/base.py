@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import torch.fx as fx
 
@@ -128,16 +128,59 @@ class Site:
         }
 
 
+OutcomeKind = Literal["miss", "failure", "skipped"]
+
+
 @dataclass(frozen=True)
-class Miss:
-    """A place where a rule nearly applied, and why it did not, in a user's words."""
+class Outcome:
+    """A place a rule left as it was, and why, in a user's words: a `Miss` (the rule nearly
+    applied), a `Failure` (a decision that could not be carried out) or a `Skipped` (a site
+    the plan left out: predicted slower, rolled back, measured slower). `where` is the
+    place a miss names, or the site's key. Each kind is a subclass that fixes `kind`, so
+    that `Miss(rule, where, reason)` reads as it always did."""
 
     rule: str
     where: str
     reason: str
+    kind: ClassVar[OutcomeKind]
 
     def to_json(self) -> dict[str, str]:
-        return {"rule": self.rule, "where": self.where, "reason": self.reason}
+        """plan.json's and result.json's form: a miss says `where`, the others `key`."""
+        return {"rule": self.rule, self._where_field(): self.where, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Self:
+        """The record `to_json` wrote (plan.json's form since its first version)."""
+        fields = {"rule", cls._where_field(), "reason"}
+        if not isinstance(data, dict) or set(data) != fields:
+            raise TypeError(f"a {cls.kind} must hold exactly {', '.join(sorted(fields))}; "
+                            f"got {data!r}")
+        return cls(data["rule"], data[cls._where_field()], data["reason"])
+
+    @classmethod
+    def _where_field(cls) -> str:
+        return "where" if cls.kind == "miss" else "key"
+
+
+@dataclass(frozen=True)
+class Miss(Outcome):
+    """A place where a rule nearly applied, and why it did not."""
+
+    kind: ClassVar[OutcomeKind] = "miss"
+
+
+@dataclass(frozen=True)
+class Failure(Outcome):
+    """A decision that could not be carried out at site key `where`, and why."""
+
+    kind: ClassVar[OutcomeKind] = "failure"
+
+
+@dataclass(frozen=True)
+class Skipped(Outcome):
+    """A site (key `where`, or a count of sites) the plan left out, and why."""
+
+    kind: ClassVar[OutcomeKind] = "skipped"
 
 
 @dataclass(frozen=True)

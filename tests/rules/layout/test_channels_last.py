@@ -76,7 +76,7 @@ def test_channels_last_skipped_where_nchw_is_preferred():
     captured = capture(SmallCNN().eval(), (torch.randn(SHAPE),), method="fx")
     plan = make_plan(captured, rules=["layout.channels_last"], target=NCHW_CPU)
     assert not plan.decisions
-    assert len(plan.skipped) == 1 and "prefers contiguous" in plan.skipped[0]["reason"]
+    assert len(plan.skipped) == 1 and "prefers contiguous" in plan.skipped[0].reason
 
 
 def test_the_estimate_states_bytes_with_units():
@@ -85,7 +85,7 @@ def test_the_estimate_states_bytes_with_units():
 
     captured = capture(SmallCNN().eval(), (torch.randn(8, 5, 7, 13),), method="fx")
     plan = make_plan(captured, rules=["layout.channels_last"], target=NHWC_CPU)
-    notes = [d.estimate.note for d in plan.decisions] + [s["reason"] for s in plan.skipped]
+    notes = [d.estimate.note for d in plan.decisions] + [s.reason for s in plan.skipped]
     assert notes and all("conv(s) stop reordering" in n for n in notes), notes
     assert all(re.search(r"\(\d+(\.\d)? [kMG]B\)", n) for n in notes), notes
     assert not any(re.search(r"\d{4,} B\b", n) for n in notes), notes

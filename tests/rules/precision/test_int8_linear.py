@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import opswap.rules.precision.int8_linear as rule_mod
+from opswap import artifact
 from opswap.errors import RuleError
 from opswap.graph.capture import capture
 from opswap.models import load
@@ -129,7 +130,7 @@ def test_optimize_verifies_against_approx_tolerance_and_saves_the_int8_model(tmp
             xb = torch.randn(b, 16, 768)
             for w, g in zip(model(xb), loaded(xb), strict=True):
                 assert _rel(g, w) < 0.03
-    if r._saved_kind == "candidate":  # the file holds the integer GEMM when opswap's model won
+    if artifact.saved_kind(r) == "candidate":  # the file holds the integer GEMM when opswap's model won
         ep = torch.export.load(tmp_path / "model.pt2")
         assert any("_int_mm" in str(n.target) for n in ep.graph.nodes)
 

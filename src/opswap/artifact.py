@@ -1,0 +1,356 @@
+"""What an optimize run leaves on disk, and loading its model back: the one module for both.
+
+    import opswap
+    from opswap import artifact
+    paths = artifact.save(result, "out/resnet")   # what result.save("out/resnet") does
+    model = artifact.load("out/resnet")           # what opswap.load_optimized does
+
+`save(result, DIR)` writes plan.json, the model, result.json (`describe(result)`) and the
+report (report.md, report.html and its plots, which opswap.report renders into DIR). The
+model is DIR/model.pt2, the variant that won the race (`deploy`), the very file that was
+timed, with model_shapes.txt beside it when the file keeps fewer sizes dynamic than the
+capture did; where torch.export fails, the weights go to model_state.pt (a plain
+state_dict, `torch.load(..., weights_only=True)`), model_state.txt says why, and plan.json
+re-creates the structure: `opswap apply SPEC plan.json`. No model file is written when
+the file the winner saves passed no verification.
+
+DIR then holds exactly this run, never a mix with an earlier one: everything is written
+into a temporary folder beside DIR (the same filesystem, so each file moves in with an
+atomic rename) and moved in only once all of it is written, so that a save that fails
+leaves DIR as it was. Before the move, the files an earlier run wrote that this one does
+not (its model.pt2 when this run could only write model_state.pt) are removed. Only the
+names opswap writes (`RUN_FILES`) are ever removed: a user's own files in DIR stay. The
+model file moves in first and result.json last, so that a reader never finds a
+result.json beside a model it does not describe.
+
+`load(DIR)` is the one loader of a saved model.pt2: backends.pt2's, which runs no pickled
+code, registers opswap's ops first (by `import opswap`) and checks each call against the
+program's guards compiled into one cheap function (backends.guards). When the winner was
+a compiled variant, the loaded graph is handed to torch.compile, as it was when timed.
+Run it under `torch.inference_mode()` (or `torch.no_grad()`): with autograd recording,
+the fused kernels give way to differentiable ones and most of the speed-up is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from opswap.errors import OpswapError
+
+if TYPE_CHECKING:
+    from opswap.backends.pt2 import Artifact
+    from opswap.cost.analyze import Analysis
+    from opswap.graph.dynamic import Dynamic
+    from opswap.result import Result
+
+#: every name `save` writes (report.optimize_report's plots included)
+RUN_FILES = frozenset({
+    "plan.json", "result.json", "report.md", "report.html", "model.pt2", "model_state.pt",
+    "model_state.txt", "model_shapes.txt", "latency.png", "layer_errors.png",
+    "categories.png", "roofline.png"})
+_FIRST = ("model.pt2", "model_state.pt")
+_LAST = ("result.json",)
+
+#: which module a winning variant saves: the input, the plain capture or opswap's candidate
+SAVES = {"input": "input", "compile": "input", "captured": "captured",
+         "opswap": "candidate", "opswap+compile": "candidate"}
+
+
+def saved_kind(result: Result) -> str:
+    """Which module the run's winner saves: "input", "captured" or "candidate"."""
+    return SAVES.get(result.best, "candidate")
+
+
+def saved_artifact(result: Result) -> Artifact | None:
+    """The backends.pt2.Artifact written as model.pt2 (the file the race timed), or None
+    when there was no race or the winner's graph did not export."""
+    art = result.artifacts.get("candidate" if saved_kind(result) == "candidate" else "input")
+    return art if art is not None and art.path is not None else None
+
+
+def saved_module(result: Result) -> nn.Module:
+    """The module saved as model.pt2: the winner of the race as reloaded from the file
+    that was timed; the input itself when nothing opswap made beat it."""
+    art = saved_artifact(result)
+    if art is not None and art.module is not None:
+        return art.module
+    return result.candidate if saved_kind(result) == "candidate" else result.reference
+
+
+def deploy(result: Result) -> dict[str, Any]:
+    """What model.pt2 holds and how to run it (result.json's `deploy`)."""
+    kind = saved_kind(result)
+    compiled = result.best.endswith("compile")
+    holds = {"input": "your model, unchanged (as exported; its time is the `captured` "
+                      "row): nothing opswap made beat your model in this run",
+             "captured": "your model as exported, with no rewrite",
+             "candidate": "opswap's optimized model"}[kind]
+    how = "opswap.load_optimized(DIR)" + (" (compiles it with torch.compile)"
+                                          if compiled else "")
+    if kind == "input":
+        cap = next((v for v in result.variants if v.name == "captured" and v.ms is not None),
+                   None)
+        if cap is not None and cap.slower:
+            # The file is the input as exported; where that export ran slower than the
+            # module itself, the module is what to keep.
+            holds += (f"; as exported it ran at {cap.speedup_vs_input:.2f}x of your module, "
+                      "so keep running your own module")
+            how = "your own module, as it is (model.pt2 is its slower export)"
+    verified_as = result.verified_as
+    if not result.variants:  # no race: what is saved is the candidate verified in memory
+        verified_as = {"variant": "opswap (in memory, before export; not raced)",
+                       "shapes": list(result.verification.shapes)}
+    artifact: str | None = "model.pt2"
+    if result.variants and verified_as is None:
+        artifact = None
+        holds = ("nothing: the file your model's export would be (the `captured` row) "
+                 "did not pass verification, so no model.pt2 is written")
+        how = "your own module, as it is"
+    return {"variant": result.best, "artifact": artifact, "holds": holds,
+            "compile": compiled, "how": how, "timed": saved_artifact(result) is not None,
+            "verified_as": verified_as, "run_under": "torch.inference_mode()"}
+
+
+def describe(result: Result) -> dict[str, Any]:
+    """What result.json holds: the run's settings, what was applied, missed, failed, rolled
+    back and skipped, the verification, the timings and what model.pt2 holds."""
+    est = {d.site.key: d.estimate.to_json() for d in result.plan.decisions}
+    config = result.config
+    return {
+        "model": result.model,
+        "target": result.target,
+        "created": result.created,
+        "versions": {"opswap": _version(), "torch": torch.__version__,
+                     "python": platform.python_version()},
+        "capture_method": result.plan.capture_method,
+        "run": result.run_info,
+        "settings": {"rules": config.rules, "exactness": config.exactness,
+                     "budget": config.budget, "samples": config.samples,
+                     "dynamic": config.dynamic},
+        "dynamic": result.dynamic.to_json() if result.dynamic is not None else None,
+        "applied": [
+            {"rule": s.rule, "site": s.key, "description": s.description,
+             "estimate": est.get(s.key)}
+            for s in result.applied
+        ],
+        "misses": [m.to_json() for m in result.plan.misses],
+        "failed": [f.to_json() for f in result.failed],
+        "rolled_back": [r.to_json() for r in result.rolled_back],
+        "skipped": [s.to_json() for s in result.plan.skipped],
+        "verification": result.verification.to_json(),
+        "benchmark": result.benchmark.to_json() if result.benchmark is not None else None,
+        "rule_timings": [t.to_json() for t in result.rule_timings],
+        "attribution": result.attribution.to_json() if result.attribution is not None else None,
+        "variants": [v.to_json() for v in result.variants],
+        "best": result.best,
+        "timings_settled": result.settled,
+        "deploy": deploy(result),
+        "analysis": {
+            "before": _totals(result.analysis_before),
+            "after": _totals(result.analysis_after),
+        },
+        "notes": result.notes,
+    }
+
+
+def save(result: Result, out_dir: str | Path) -> dict[str, Path]:
+    """Write the run into `out_dir` (see the module's docstring): plan.json, result.json,
+    report.md, report.html and the model; returns the paths by kind."""
+    return write_run(out_dir, lambda out: _write(result, out))
+
+
+def _write(result: Result, out: Path) -> dict[str, Path]:
+    from opswap.report import write_reports
+
+    paths = {"plan": result.plan.save(out / "plan.json")}
+    if not result.variants or result.verified_as is not None:
+        # only a file that passed verification at every shape it claims is saved
+        art = saved_artifact(result)
+        if art is None:  # no race: exported here, and the claim follows the file
+            from opswap.backends.pt2 import export_artifact
+
+            art = export_artifact(saved_module(result), tuple(result.example_inputs),
+                                  result.dynamic, out)
+            result.dynamic = file_claim(result.dynamic, art, result.notes)
+        paths.update(save_model(saved_module(result), result.example_inputs, out,
+                                dynamic=result.dynamic, artifact=art))
+    data = describe(result)
+    data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
+    paths["result"] = out / "result.json"
+    paths["result"].write_text(json.dumps(data, indent=2, default=json_default) + "\n")
+    paths.update(write_reports(result, out))
+    return paths
+
+
+def save_model(model: nn.Module, example_inputs: tuple, out: str | Path,
+               dynamic: Dynamic | None = None, artifact: Artifact | None = None
+               ) -> dict[str, Path]:
+    """Write `model` as OUT/model.pt2 (dynamic along `dynamic`'s axes), or its weights as
+    OUT/model_state.pt when it does not export; the other form an earlier save left in OUT
+    is removed. With `artifact` (a backends.pt2.Artifact of this model, the file the race
+    timed), that very file is copied instead of exporting again."""
+    from opswap.backends.pt2 import export_artifact
+
+    out = Path(out)
+    path = out / "model.pt2"
+    if artifact is None or artifact.path is None:
+        artifact = export_artifact(model, tuple(example_inputs), dynamic, out)
+    note_path = out / "model_shapes.txt"
+    if artifact.path is not None:
+        _partial_then_replace(path, artifact.copy_to)
+        if artifact.note:
+            note_path.write_text(artifact.note + "\n")
+        elif note_path.exists():
+            note_path.unlink()
+        _remove(out, "model_state.pt", "model_state.txt")  # an earlier save's fallback
+        return {"model": path}
+    # export can fail on any construct; the state_dict always works
+    path = out / "model_state.pt"
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _partial_then_replace(path, lambda p: torch.save(state, str(p)))
+    _remove(out, "model.pt2", "model_shapes.txt")  # an earlier save's model, not this one
+    (out / "model_state.txt").write_text(
+        "model.pt2 could not be written because torch.export failed on the optimized "
+        f"model: {artifact.error}\n"
+        "model_state.pt holds its weights (torch.load(path, weights_only=True)); rebuild "
+        "the module with `opswap apply SPEC plan.json`.\n"
+    )
+    return {"model": path}
+
+
+def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
+    """The model saved in `directory` (or a model.pt2 path), ready to run. `compile=None`
+    follows the run (torch.compile when a compiled variant won, as result.json's
+    `deploy.compile` says; no compile without a result.json); True / False force it on
+    or off."""
+    from opswap.backends.pt2 import load as load_program
+
+    path = Path(directory)
+    folder = path.parent if path.suffix == ".pt2" else path
+    pt2 = path if path.suffix == ".pt2" else path / "model.pt2"
+    if not pt2.is_file():
+        state = folder / "model_state.pt"
+        if state.is_file():
+            raise OpswapError(
+                f"{folder} holds model_state.pt but no model.pt2 (the model did not export, "
+                f"see model_state.txt); rebuild it with `opswap apply SPEC {folder}/plan.json`.")
+        raise OpswapError(f"No saved model at {pt2}; `opswap optimize SPEC --out DIR` writes "
+                          f"DIR/model.pt2.")
+    result = folder / "result.json"
+    if compile is None:
+        compile = _compiled(result) if result.is_file() else False
+    module = load_program(pt2)
+    if compile:
+        return torch.compile(module)
+    return module
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+               int: "a number", float: "a number", type(None): "null"}
+
+
+def _compiled(result: Path) -> bool:
+    """Whether the run in result.json saved a compiled variant (its `deploy.compile`)."""
+    try:
+        data = json.loads(result.read_text())
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError) as e:
+        raise OpswapError(f"{result} is not readable JSON ({e}); rerun opswap optimize.") from e
+
+    def refuse(what: str) -> OpswapError:
+        return OpswapError(f"{result} is not an opswap result ({what}); rerun opswap optimize, "
+                           f"or pass compile=True or False to load model.pt2 without it.")
+
+    if not isinstance(data, dict):
+        raise refuse(f"it holds {_JSON_TYPES.get(type(data), 'a value')}, not an object")
+    deploy = data.get("deploy")
+    if deploy is None:  # a result.json from before `deploy` was written
+        return False
+    if not isinstance(deploy, dict):
+        raise refuse(f"its deploy is {_JSON_TYPES.get(type(deploy), 'a value')}, not an object")
+    flag = deploy.get("compile", False)
+    if not isinstance(flag, bool):
+        raise refuse(f"its deploy.compile is {json.dumps(flag)}, not true or false")
+    return flag
+
+
+def file_claim(dynamic: Dynamic | None, artifact: Artifact | None,
+               notes: list[str]) -> Dynamic | None:
+    """The axes the saved file keeps dynamic: `dynamic` less those torch.export specialised
+    in `artifact`, with a note when it is narrower."""
+    kept = artifact.kept if artifact is not None else None
+    if dynamic is None or kept is None or len(kept.axes) >= len(dynamic.axes):
+        return dynamic
+    if artifact is not None and artifact.note and artifact.note not in notes:
+        notes.append(artifact.note + " (the optimized module in memory takes them dynamic)")
+    return kept
+
+
+def write_run(out_dir: str | Path, write: Callable[[Path], dict[str, Path]]) -> dict[str, Path]:
+    """Call `write(folder)` on a fresh temporary folder beside `out_dir`, then swap what it
+    wrote into `out_dir`; returns `write`'s paths as they lie in `out_dir`."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OpswapError(f"{out} is a file; save the run into a folder (a new or an earlier "
+                          f"run's one).")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        paths = write(tmp)
+        written = {p.name for p in tmp.iterdir()}
+        out.mkdir(exist_ok=True)
+        for name in RUN_FILES - written:
+            stale = out / name
+            if stale.is_file() or stale.is_symlink():
+                stale.unlink()
+        for name in sorted(written, key=lambda n: (n not in _FIRST, n in _LAST, n)):
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {k: out / Path(v).name for k, v in paths.items()}
+
+
+def _partial_then_replace(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(p)` into a file beside `path`, renamed to `path` once complete."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _remove(out: Path, *names: str) -> None:
+    for name in names:
+        (out / name).unlink(missing_ok=True)
+
+
+def json_default(o: object) -> object:
+    """How result.json writes a value JSON has no type for."""
+    if isinstance(o, float | int):
+        return o
+    if isinstance(o, torch.dtype | Path):
+        return str(o)
+    return repr(o)
+
+
+def _version() -> str:
+    from opswap._version import __version__
+
+    return __version__
+
+
+def _totals(analysis: Analysis | None) -> dict[str, Any] | None:
+    if analysis is None:
+        return None
+    return {"total_flops": analysis.total_flops, "total_bytes": analysis.total_bytes,
+            "est_time_s": analysis.est_time_s, "ops": len(analysis.rows)}
