@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("backends",)),
     ("bench", ("bench",)),
     ("report", ("report",)),
-    ("pipeline", ("pipeline",)),
+    ("artifact", ("artifact", "result")),
+    ("pipeline", ("pipeline", "stages")),
     ("api", ("api", "deploy", "")),
     ("cli", ("cli",)),
 ]
