@@ -1,8 +1,9 @@
-"""The whole flow in one place: load -> capture -> analyze -> plan -> apply -> verify -> bench.
+"""The whole flow in one place: capture -> analyze -> plan and verify -> prune -> race.
 
-Each stage is a plain function of the previous stage's value; `optimize` strings
-them together, rolls back sites that break the accuracy budget, and returns a
-`Result` that can write plan.json, result.json, the report and the model.
+`optimize` is a driver that reads as its list of stages; each stage is a function of
+the run's settings and the previous stages' values and returns a typed value (a
+dataclass below). The result is a `Result` that can write plan.json, result.json,
+the report and the model.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,17 +20,25 @@ import torch
 from torch import nn
 
 from opswap.bench.attribution import Attribution, attribute, reconcile
-from opswap.bench.variants import parse_compare
+from opswap.bench.variants import Race, parse_compare
 from opswap.bench.variants import run as run_variants
+from opswap.errors import CaptureError, OpswapError, RuleError, VerificationError
 from opswap.graph.capture import Captured, capture
 from opswap.graph.copies import describe_hooks, private_copy, user_hooks
 from opswap.planner import Plan, apply_plan, make_plan
+from opswap.rules.apply import Applied
 from opswap.rules.base import EXACTNESS_ORDER, Site
+from opswap.rules.registry import parse_patterns
+from opswap.targets import Target, get_target
+from opswap.verify.bisect import Rollback, rollback
+from opswap.verify.outputs import Verification, verify
+from opswap.verify.tolerance import Tolerance, tolerance_for
 
 
 @dataclass
 class OptimizeConfig:
-    """Settings of one `optimize` run; the CLI flags map onto these fields."""
+    """Settings of one `optimize` run; the CLI flags map onto these fields. A setting the
+    run could not use is refused when the config is made, in one sentence."""
 
     target: str = "cpu"
     rules: list[str] = field(default_factory=list)  # glob patterns; empty = every rule
@@ -45,6 +55,18 @@ class OptimizeConfig:
     dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
     compare: str = "compile"  # baselines raced beside opswap's result: compile, or none
     keep_hooks: bool = False  # refuse a model with hooks rather than optimize it without them
+
+    def __post_init__(self) -> None:
+        self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
+        if self.exactness not in EXACTNESS_ORDER:
+            raise RuleError(f"exactness must be exact, approx or lossy; got {self.exactness!r}.")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) \
+                or self.samples < 1:
+            raise VerificationError(f"samples must be at least 1 (the example itself); got "
+                                    f"{self.samples!r}.")
+        tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now
+        if self.bench:
+            parse_compare(self.compare)  # so does a typo in the baselines
 
 
 # which module a winning variant saves
@@ -250,24 +272,11 @@ def _totals(analysis) -> dict[str, Any] | None:
             "est_time_s": analysis.est_time_s, "ops": len(analysis.rows)}
 
 
-def _tolerance(config: OptimizeConfig, rounding: float | None = None):
-    """The exactness's thresholds, loosened to a low-precision model's own rounding, with
-    the user's budget (which is never loosened) on top."""
-    from opswap.verify.tolerance import Tolerance, parse_budget
-
-    tol = Tolerance.for_exactness(config.exactness).at_rounding(rounding)
-    if config.budget:
-        tol = parse_budget(config.budget, base=tol)
-    return tol
-
-
 def _to_device(model: nn.Module, example_inputs, device: str):
     """The (private) model and the inputs on `device`."""
     from torch.utils import _pytree as pytree
 
     if device.startswith("cuda") and not torch.cuda.is_available():
-        from opswap.errors import OpswapError
-
         raise OpswapError(f"--device {device} was asked for, but torch sees no CUDA device here.")
     moved = model.to(device)
     inputs = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
@@ -345,13 +354,185 @@ def _attribute(captured: Captured, plan: Plan, applied, replan, device: str,
                      min_time_s=min_time_s, copy=bool(captured.writes_inputs))
 
 
+# --------------------------------------------------------------------------- the stages
+
+
+@dataclass
+class Run:
+    """What the capture stage settled for the stages after it: the settings, the target,
+    the private reference, its capture, the tolerance, and the rules and sites taken out
+    so far (by rollback and pruning; every plan made afresh leaves them out)."""
+
+    config: OptimizeConfig
+    name: str
+    target: Target
+    reference: nn.Module
+    captured: Captured
+    tolerance: Tolerance
+    hooks: list[Any]
+    excluded_rules: set[str] = field(default_factory=set)
+    excluded_sites: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def replan(self, without: set[str] | frozenset[str] = frozenset()) -> Plan:
+        """A plan made afresh, without the excluded rules and sites and `without`'s rules."""
+        return make_plan(self.captured, target=self.target, rules=self.config.rules,
+                         exactness=self.config.exactness, model_name=self.name,
+                         exclude_rules=self.excluded_rules | set(without),
+                         exclude_sites=self.excluded_sites)
+
+    def check(self, fn, variants=None) -> Verification:
+        """`fn` against the model itself, not only its capture, at every shape the capture
+        claims (or at `variants`' shapes)."""
+        return verify(self.reference, fn, self.captured.example_inputs,
+                      samples=self.config.samples, tolerance=self.tolerance,
+                      seed=self.config.seed,
+                      variants=self.captured.variants() if variants is None else variants)
+
+
+@dataclass
+class Checked:
+    """A plan, what applying it gave, its verification, and what was rolled back."""
+
+    plan: Plan
+    applied: Applied
+    verification: Verification
+    rolled_back: list[Rollback] = field(default_factory=list)
+
+
+@dataclass
+class Pruned(Checked):
+    """The checked plan after leave-one-out timing: the rules the model ran faster
+    without are dropped (when the plan without them still passes)."""
+
+    attribution: Attribution | None = None
+    pruned_rules: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Raced:
+    """The race of variants (None with bench off), the sizes the saved file keeps
+    dynamic, and the notes the race left."""
+
+    race: Race | None
+    dynamic: Any
+    notes: list[str] = field(default_factory=list)
+
+
+def capture_stage(model: nn.Module, example_inputs, config: OptimizeConfig, name: str,
+                  step: Callable[[str], None]) -> Run:
+    """The private reference (on `config.device`) and its capture, with the target and the
+    tolerance resolved once for every later stage."""
+    target = get_target(config.target)
+    hooks = user_hooks(model)
+    if hooks and config.keep_hooks:
+        # FX tracing and torch.export leave module hooks out of the graph (the module call
+        # they hang on becomes a node or is inlined), so no result of opswap runs them
+        raise CaptureError(
+            f"keep_hooks=True asks to keep {describe_hooks(hooks)}, but the graph opswap "
+            "optimizes and saves does not run module hooks; remove them (or move what they "
+            "do into forward), or leave keep_hooks off to optimize the model without them.")
+    model = private_copy(model)  # the reference opswap runs: weight-computing hooks kept
+    if config.device != "cpu":
+        # time and verify where the user deploys; the user's module stays where it is
+        model, example_inputs = _to_device(model, example_inputs, config.device)
+    step("capture")
+    captured = capture(model, example_inputs, dynamic=config.dynamic)
+    tol = tolerance_for(config.exactness, config.budget, captured.rounding)
+    return Run(config, name, target, model, captured, tol, hooks)
+
+
+def plan_and_verify(run: Run, step: Callable[[str], None]) -> Checked:
+    """Plan, apply and verify; while verification fails, bisect to the sites that break it,
+    take them out and plan again, so that sites depending on a rolled-back one are
+    matched afresh."""
+    step("plan")
+    plan = run.replan()
+    step("apply")
+    applied = apply_plan(run.captured, plan)
+    step("verify")
+    out = Checked(plan, applied, run.check(applied.gm))
+    for _ in range(_MAX_REPLANS):
+        if out.verification.passed or not run.config.rollback or not out.plan.decisions:
+            break
+        step("rollback")
+        _, removed = rollback(run.captured, out.plan, run.reference, run.tolerance,
+                              samples=run.config.samples, seed=run.config.seed)
+        if not removed:
+            break
+        for r in removed:
+            run.excluded_sites[(r.decision.rule, r.decision.site.key)] = f"rolled back: {r.reason}"
+        plan = run.replan()
+        applied = apply_plan(run.captured, plan)
+        out = Checked(plan, applied, run.check(applied.gm), out.rolled_back + removed)
+    return out
+
+
+def prune(run: Run, checked: Checked, step: Callable[[str], None]) -> Pruned:
+    """Time the result without each rule (when timing is on and it passed), and drop the
+    rules it measures faster without, if the plan without them passes too."""
+    out = Pruned(checked.plan, checked.applied, checked.verification, checked.rolled_back)
+    config = run.config
+    if not (config.bench and config.measure_rules and checked.applied.applied
+            and checked.verification.passed):
+        return out
+    step("measure")
+    out.attribution = _attribute(run.captured, checked.plan, checked.applied, run.replan,
+                                 config.device)
+    slow = [t for t in out.attribution.rules if t.slower]
+    if not (config.prune_slow and slow):
+        return out
+    step("prune")
+    plan = run.replan({t.rule for t in slow})
+    applied = apply_plan(run.captured, plan)
+    verification = run.check(applied.gm)
+    if not verification.passed:
+        return out
+    run.excluded_rules.update(t.rule for t in slow)
+    for t in slow:
+        plan.skipped.append({
+            "rule": t.rule, "key": f"all {t.sites} site{'s' if t.sites != 1 else ''}",
+            "reason": f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
+                      f"{t.without_ms:.3f} ms without (interval of the ratio "
+                      f"{t.ci_low:.2f}-{t.ci_high:.2f})"})
+    out.plan, out.applied, out.verification = plan, applied, verification
+    out.pruned_rules = {t.rule for t in slow}
+    out.attribution.note = ("measured before pruning " + ", ".join(t.rule for t in slow)
+                            + ", which the model ran faster without")
+    return out
+
+
+def race(run: Run, pruned: Pruned, step: Callable[[str], None]) -> Raced:
+    """Race opswap's result against the input and `config.compare`'s baselines, each
+    verified at the sizes it claims; the winner is what the run saves."""
+    if not run.config.bench:
+        return Raced(None, run.captured.dynamic)
+    from opswap.graph.dynamic import variants as at_sizes
+
+    step("race")
+
+    def check_variant(fn, shapes):
+        # shapes: the Dynamic whose sizes the variant claims (a file's own), or False
+        return run.check(fn, at_sizes(run.captured.example_inputs, shapes) if shapes else ())
+
+    raced = run_variants(run.reference, run.captured, pruned.applied.gm, check_variant,
+                         compare=parse_compare(run.config.compare), device=run.config.device)
+    notes: list[str] = []
+    saved = raced.artifacts.get("candidate" if _SAVES.get(raced.winner.name) == "candidate"
+                                else "input")
+    dynamic = file_claim(run.captured.dynamic, saved, notes)
+    if pruned.attribution is not None:
+        # one scale for the report: the total is the race's, shared among the rules kept
+        reconcile(pruned.attribution, raced.result, pruned.pruned_rules)
+    return Raced(raced, dynamic, notes)
+
+
 def optimize(
     model: nn.Module,
     example_inputs,
     config: OptimizeConfig | None = None,
     *,
     name: str | None = None,
-    progress=None,
+    progress: Callable[[str], None] | None = None,
     model_settings: dict[str, Any] | None = None,
 ) -> Result:
     """Run the whole flow on `model` and return a Result.
@@ -364,166 +545,45 @@ def optimize(
     implementation) are recorded in result.json and the report.
     """
     from opswap.cost.analyze import analyze
-    from opswap.targets import get_target
-    from opswap.verify.bisect import rollback
     from opswap.verify.layers import compare_layers
-    from opswap.verify.outputs import verify
 
     config = config or OptimizeConfig()
-    if config.exactness not in EXACTNESS_ORDER:
-        from opswap.errors import RuleError
-
-        raise RuleError(f"exactness must be exact, approx or lossy; got {config.exactness!r}.")
-    if isinstance(config.samples, bool) or not isinstance(config.samples, int) \
-            or config.samples < 1:
-        from opswap.errors import VerificationError
-
-        raise VerificationError(f"samples must be at least 1 (the example itself); got "
-                                f"{config.samples!r}.")
     step = progress or (lambda stage: None)
-    name = name or type(model).__name__
-    target = get_target(config.target)
-    _tolerance(config)  # parse the budget and the baselines before any long work
-    compare = parse_compare(config.compare) if config.bench else []
-    hooks = user_hooks(model)
-    if hooks and config.keep_hooks:
-        from opswap.errors import CaptureError
-
-        # FX tracing and torch.export leave module hooks out of the graph (the module call
-        # they hang on becomes a node or is inlined), so no result of opswap runs them
-        raise CaptureError(
-            f"keep_hooks=True asks to keep {describe_hooks(hooks)}, but the graph opswap "
-            "optimizes and saves does not run module hooks; remove them (or move what they "
-            "do into forward), or leave keep_hooks off to optimize the model without them.")
-    model = private_copy(model)  # the reference opswap runs: weight-computing hooks kept
-    if config.device != "cpu":
-        # time and verify where the user deploys; the user's module stays where it is
-        model, example_inputs = _to_device(model, example_inputs, config.device)
-    step("capture")
-    captured: Captured = capture(model, example_inputs, dynamic=config.dynamic)
-    tol = _tolerance(config, captured.rounding)
+    run = capture_stage(model, example_inputs, config, name or type(model).__name__, step)
     step("analyze")
-    before = analyze(captured, target)
-    excluded_rules: set[str] = set()
-    excluded_sites: dict[tuple[str, str], str] = {}
-
-    def replan(without: set[str] = frozenset()) -> Plan:
-        return make_plan(captured, target=target, rules=config.rules,
-                         exactness=config.exactness, model_name=name,
-                         exclude_rules=excluded_rules | set(without),
-                         exclude_sites=excluded_sites)
-
-    step("plan")
-    plan = replan()
-    step("apply")
-    applied = apply_plan(captured, plan)
-    step("verify")
-
-    def check(candidate) -> Any:
-        # against the model itself, not only its capture, at every shape the capture claims
-        return verify(model, candidate.gm, captured.example_inputs, samples=config.samples,
-                      tolerance=tol, seed=config.seed, variants=captured.variants())
-
-    verification = check(applied)
-    rolled_back: list[Any] = []
-    for _ in range(_MAX_REPLANS):
-        if verification.passed or not config.rollback or not plan.decisions:
-            break
-        step("rollback")
-        _, removed = rollback(captured, plan, model, tol, samples=config.samples,
-                              seed=config.seed)
-        if not removed:
-            break
-        rolled_back += removed
-        for r in removed:
-            excluded_sites[(r.decision.rule, r.decision.site.key)] = f"rolled back: {r.reason}"
-        # plan again, so that sites depending on a rolled-back one are matched afresh
-        plan = replan()
-        applied = apply_plan(captured, plan)
-        verification = check(applied)
-    attribution: Attribution | None = None
-    pruned_rules: set[str] = set()
-    if config.bench and config.measure_rules and applied.applied and verification.passed:
-        step("measure")
-        attribution = _attribute(captured, plan, applied, replan, config.device)
-        slow = [t for t in attribution.rules if t.slower]
-        if config.prune_slow and slow:
-            step("prune")
-            excluded_rules.update(t.rule for t in slow)
-            pruned = replan()
-            pruned_applied = apply_plan(captured, pruned)
-            pruned_check = check(pruned_applied)
-            if pruned_check.passed:
-                for t in slow:
-                    pruned.skipped.append({
-                        "rule": t.rule, "key": f"all {t.sites} site{'s' if t.sites != 1 else ''}",
-                        "reason": f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
-                                  f"{t.without_ms:.3f} ms without (interval of the ratio "
-                                  f"{t.ci_low:.2f}-{t.ci_high:.2f})"})
-                plan, applied, verification = pruned, pruned_applied, pruned_check
-                pruned_rules = {t.rule for t in slow}
-                attribution.note = ("measured before pruning " + ", ".join(t.rule for t in slow)
-                                    + ", which the model ran faster without")
-            else:
-                excluded_rules.difference_update(t.rule for t in slow)
+    before = analyze(run.captured, run.target)
+    checked = plan_and_verify(run, step)
+    pruned = prune(run, checked, step)
     layers = None
     if config.layers:
         step("layers")
-        layers = compare_layers(captured, applied, captured.example_inputs)
-    after = analyze(applied.captured, target)
-    raced: list[Any] = []
-    artifacts: dict[str, Any] = {}
-    winner = "opswap"
-    bench = verified_as = settled = None
-    dynamic, notes = captured.dynamic, []
-    if config.bench:
-        step("race")
+        layers = compare_layers(run.captured, pruned.applied, run.captured.example_inputs)
+    after = analyze(pruned.applied.captured, run.target)
+    raced = race(run, pruned, step)
+    return _result(run, pruned, raced, before, after, layers,
+                   _run_info(run.reference, run.captured, config, model_settings))
 
-        def check_variant(fn, shapes):
-            # shapes: the Dynamic whose sizes the variant claims (a file's own), or False
-            from opswap.graph.dynamic import variants as at_sizes
 
-            return verify(model, fn, captured.example_inputs, samples=config.samples,
-                          tolerance=tol, seed=config.seed,
-                          variants=at_sizes(captured.example_inputs, shapes) if shapes else ())
-
-        race = run_variants(model, captured, applied.gm, check_variant, compare=compare,
-                            device=config.device)
-        raced, winner, artifacts, bench = (race.timings, race.winner.name, race.artifacts,
-                                           race.benchmark)
-        verified_as, settled = race.verified_as, race.settled
-        saved = artifacts.get("candidate" if _SAVES.get(winner) == "candidate" else "input")
-        dynamic = file_claim(dynamic, saved, notes)
-        if attribution is not None:
-            # one scale for the report: the total is the race's, shared among the rules kept
-            reconcile(attribution, race.result, pruned_rules)
+def _result(run: Run, pruned: Pruned, raced: Raced, before, after, layers,
+            run_info: dict[str, Any]) -> Result:
+    """The stages' values gathered into one Result."""
+    r, hooks = raced.race, run.hooks
     return Result(
-        model=name,
-        target=target.name,
-        config=config,
-        reference=model,
-        candidate=guarded(applied.gm, captured, model),
-        example_inputs=captured.example_inputs,
-        plan=plan,
-        applied=applied.applied,
-        failed=plan.failed + applied.failed,
-        rolled_back=rolled_back,
-        verification=verification,
-        analysis_before=before,
-        analysis_after=after,
-        layers=layers,
-        benchmark=bench,
-        rule_timings=attribution.rules if attribution is not None else [],
-        attribution=attribution,
+        model=run.name, target=run.target.name, config=run.config, reference=run.reference,
+        candidate=guarded(pruned.applied.gm, run.captured, run.reference),
+        example_inputs=run.captured.example_inputs, plan=pruned.plan,
+        applied=pruned.applied.applied, failed=pruned.plan.failed + pruned.applied.failed,
+        rolled_back=pruned.rolled_back, verification=pruned.verification,
+        analysis_before=before, analysis_after=after, layers=layers,
+        benchmark=r.benchmark if r else None,
+        rule_timings=pruned.attribution.rules if pruned.attribution is not None else [],
+        attribution=pruned.attribution,
         notes=([f"The model has {describe_hooks(hooks)}; opswap verified, optimized and "
                 "timed a copy without them (keep_hooks=True refuses the model instead)."]
-               if hooks else []) + list(captured.notes) + list(plan.notes) + notes,
-        dynamic=dynamic,
-        variants=raced,
-        best=winner,
-        captured_gm=captured.gm,
-        artifacts=artifacts,
-        verified_as=verified_as,
-        settled=settled,
-        run_info=_run_info(model, captured, config, model_settings),
+               if hooks else []) + list(run.captured.notes) + list(pruned.plan.notes)
+              + raced.notes,
+        dynamic=raced.dynamic, variants=r.timings if r else [],
+        best=r.winner.name if r else "opswap", captured_gm=run.captured.gm,
+        artifacts=r.artifacts if r else {}, verified_as=r.verified_as if r else None,
+        settled=r.settled if r else None, run_info=run_info,
     )
