@@ -33,6 +33,7 @@ import datetime as _dt
 import gc
 import math
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -227,6 +228,14 @@ def resolve_device(device) -> torch.device:
     elif dev.type != "cpu":
         raise OpswapError(f"Timing on {dev.type!r} is not supported; use cpu or cuda.")
     return dev
+
+
+def check_device(device: str) -> None:
+    """Refuse, in one sentence, a device name opswap cannot run on (cpu, cuda or cuda:N),
+    and CUDA on a machine without a GPU, before any work."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise OpswapError(f"Unknown device {device!r}; use cpu, cuda or cuda:N.")
+    resolve_device(device)
 
 
 def describe_device(device) -> str:
