@@ -26,10 +26,12 @@ def note(text: str, label: str = "note", style: str = "yellow") -> None:
 
 
 def line(text: str, style: str | None = None) -> None:
+    """One line printed as written."""
     cli.console.print(Text(text, style=style or ""))
 
 
 def write_json(path: Path | None, data) -> None:
+    """Write `data` to --json's path, if one was given, and say so."""
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +125,7 @@ def plan(p) -> None:
 
 
 def not_applied(applied) -> None:
+    """One line per decision of a replayed plan that could not be applied."""
     for f in applied.failed:
         note(f"{f.rule} at {f.key}: {f.reason}", "not applied", "red")
 
