@@ -133,3 +133,30 @@ def test_print_of_a_result_is_a_short_summary_not_the_modules():
     best = next(v for v in raced.variants if v.name == raced.best)
     assert f"best {raced.best} {best.speedup_vs_input:.2f}x the input" in repr(raced)
     assert len(repr(raced)) < 300
+
+
+@pytest.mark.parametrize("settings, error, says", [
+    ({"exactness": "loose"}, "RuleError", "exactness must be exact, approx or lossy; got 'loose'."),
+    ({"samples": 0}, "VerificationError", "samples must be at least 1"),
+    ({"samples": True}, "VerificationError", "samples must be at least 1"),
+    ({"samples": 2.5}, "VerificationError", "samples must be at least 1"),
+    ({"budget": "cosine<=0.9"}, "VerificationError", "wrong side"),
+    ({"budget": "speed>=2"}, "VerificationError", "Unknown metric 'speed'"),
+    ({"compare": "compiled"}, "OpswapError", "Unknown baseline 'compiled'"),
+    ({"device": "bogus"}, "OpswapError", "Unknown device 'bogus'; use cpu, cuda or cuda:N."),
+])
+def test_config_refuses_a_bad_setting_itself_in_one_sentence(settings, error, says):
+    from opswap import errors
+
+    with pytest.raises(getattr(errors, error)) as caught:
+        OptimizeConfig(**settings)
+    message = str(caught.value)
+    assert says in message
+    assert message.endswith(".") and "\n" not in message
+
+
+def test_config_reads_rule_patterns_and_skips_the_baselines_without_timing():
+    assert OptimizeConfig(rules=" fusion.*, ,layout.drop_*,").rules == ["fusion.*", "layout.drop_*"]
+    assert OptimizeConfig(rules=["fusion.conv_bn,fusion.linear_bn"]).rules == [
+        "fusion.conv_bn", "fusion.linear_bn"]
+    OptimizeConfig(bench=False, compare="compiled")  # no race, so no baseline to read

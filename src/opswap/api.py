@@ -11,13 +11,25 @@ keyword inputs, or an (args, kwargs) pair. Keyword inputs are taken through a
 graph.keywords.KeywordCall: the optimized module (and the saved model) then takes
 the tensors positionally, the positional ones first and the keyword ones in the
 order given, with the non-tensor values baked in; result.notes says which.
+
+This module is the one place that composes the stages: each `opswap` command calls
+one function here (`analyze`, `plan`, `replay`, `verify_plan`, `bench_plan`,
+`optimize_loaded`, ...) and prints what it returns.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
 
+from opswap import planner
+from opswap.bench.device import check_device as check_device  # the CLI checks it first
+from opswap.bench.timing import with_timer
 from opswap.graph.capture import Captured, Method, as_inputs
 from opswap.graph.capture import capture as _capture
 from opswap.graph.copies import preserved_state, private_copy
@@ -25,10 +37,14 @@ from opswap.graph.inputs import fresh
 from opswap.graph.keywords import KeywordCall, keyword_call, positional
 from opswap.models import LoadedModel
 from opswap.models import load as _load
-from opswap.pipeline import OptimizeConfig, Result, guarded
+from opswap.pipeline import OptimizeConfig, Result
 from opswap.pipeline import optimize as _optimize
-from opswap.planner import Plan, apply_plan, make_plan
-from opswap.verify.outputs import capture_check
+from opswap.planner import Plan, apply_plan
+from opswap.rules.apply import Applied
+from opswap.stages import guarded
+from opswap.targets import Target, get_target
+from opswap.verify.outputs import Verification, capture_check
+from opswap.verify.tolerance import Tolerance, tolerance_for
 
 
 def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
@@ -45,25 +61,67 @@ def load(spec: str, weights: str | None = None, **overrides) -> LoadedModel:
     return _load(spec, {k: str(v) for k, v in overrides.items()}, weights=weights)
 
 
-def analyze(model: nn.Module, example_inputs, target: str = "cpu"):
-    """Per-op FLOPs, bytes, intensity and bound of `model` on `target` (an Analysis whose
-    bottleneck sentences name the rules that would relieve them)."""
+def analyze(model: nn.Module, example_inputs, target: str | Target = "cpu", *,
+            dynamic: str = "auto", name: str | None = None):
+    """Per-op FLOPs, bytes, intensity and bound of `model` on `target` (an Analysis, whose
+    notes hold the capture's, and whose bottleneck sentences name the rules that would
+    relieve them); `name` names the model in its title."""
     from opswap.cost.analyze import analyze as _analyze
     from opswap.report.advice import advised
-    from opswap.targets import get_target
 
-    return advised(_analyze(capture(*keyword_call(model, example_inputs)), get_target(target)))
+    captured = capture(*keyword_call(model, example_inputs), dynamic=dynamic)
+    return advised(_analyze(captured, get_target(target), model_name=name))
 
 
-def plan(model: nn.Module, example_inputs, *, target: str = "cpu",
-         rules: list[str] | str | None = None, exactness: str = "exact") -> Plan:
+def plan(model: nn.Module, example_inputs, *, target: str | Target = "cpu",
+         rules: list[str] | str | None = None, exactness: str = "exact",
+         dynamic: str = "auto", name: str | None = None) -> Plan:
     """Choose replacements for `model`; the Plan can be saved, edited and re-applied."""
-    from opswap.bench.timing import with_timer
-    from opswap.targets import get_target
+    captured = capture(*keyword_call(model, example_inputs), dynamic=dynamic)
+    return planner.make_plan(captured, target=with_timer(get_target(target)), rules=rules,
+                             exactness=exactness, model_name=name or type(model).__name__)
 
-    return make_plan(capture(*keyword_call(model, example_inputs)),
-                     target=with_timer(get_target(target)), rules=rules, exactness=exactness,
-                     model_name=type(model).__name__)
+
+def read_plan(plan: Plan | str | Path, *, allow_looser: bool = True) -> Plan:
+    """A Plan from plan.json (a Plan passes through). Without `allow_looser`, a decision
+    looser than the plan's exactness is refused now, before any model is loaded."""
+    from opswap.rules import registry
+
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    if not allow_looser:
+        planner.check_exactness(plan, [registry.get(d.rule) for d in plan.decisions])
+    return plan
+
+
+@dataclass
+class Replay:
+    """A plan replayed on a model: the plan, the capture, what applying it gave (its
+    `failed` lists the decisions that could not be applied) and the files written."""
+
+    plan: Plan
+    captured: Captured
+    applied: Applied
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+def replay(model: nn.Module, example_inputs, plan: Plan | str | Path, *,
+           dynamic: str = "auto", allow_looser: bool = True,
+           out: str | Path | None = None) -> Replay:
+    """Apply `plan` to a capture of `model` at the sizes `dynamic` keeps symbolic; with
+    `out`, save the result there (model.pt2, or its weights when it does not export).
+    The decisions that do not apply are left out and listed, the rest applied."""
+    from opswap.artifact import save_model
+
+    plan = read_plan(plan, allow_looser=allow_looser)
+    captured = capture(*keyword_call(model, example_inputs), dynamic=dynamic)
+    applied = apply_plan(captured, plan, allow_looser=allow_looser)
+    files: dict[str, Path] = {}
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        files = save_model(applied.gm, captured.example_inputs, Path(out),
+                           dynamic=captured.dynamic)
+    return Replay(plan, captured, applied, files)
 
 
 def apply(model: nn.Module, example_inputs, plan: Plan | str, *,
@@ -72,11 +130,78 @@ def apply(model: nn.Module, example_inputs, plan: Plan | str, *,
     which takes keyword inputs positionally (see the module doc) and refuses inputs outside
     the sizes it was captured at. A decision looser than the plan's exactness is refused
     unless `allow_looser`."""
-    if not isinstance(plan, Plan):
-        plan = Plan.load(plan)
     model, inputs = keyword_call(model, example_inputs)
-    captured = capture(model, inputs)
-    return guarded(apply_plan(captured, plan, allow_looser=allow_looser).gm, captured, model)
+    done = replay(model, inputs, plan, allow_looser=allow_looser)
+    return guarded(done.applied.gm, done.captured, model)
+
+
+@dataclass
+class PlanCheck:
+    """A replayed plan's verification against the model, the tolerance it was held to,
+    and, when it failed, the first layer where the two diverge."""
+
+    replay: Replay
+    verification: Verification
+    tolerance: Tolerance
+    first_divergence: Any = None  # verify.layers.Divergence
+
+
+def verify_plan(model: nn.Module, example_inputs, plan: Plan | str | Path, *,
+                budget: str | None = None, samples: int = 3,
+                dynamic: str = "auto") -> PlanCheck:
+    """Verify what `plan` makes of `model` against (a copy of) the model itself, at every
+    shape the capture claims, with the plan's exactness defaults (loosened to the model's
+    own rounding) and `budget` on top. Every decision is judged as the plan holds it."""
+    from opswap.verify.layers import compare_layers
+    from opswap.verify.outputs import verify as _verify
+
+    model, inputs = keyword_call(model, example_inputs)
+    done = replay(model, inputs, plan, dynamic=dynamic)
+    captured = done.captured
+    tol = tolerance_for(done.plan.settings.exactness, budget, captured.rounding)
+    v = _verify(private_copy(model), done.applied.gm, captured.example_inputs,
+                samples=samples, tolerance=tol, variants=captured.variants())
+    first = None
+    if not v.passed:
+        first = compare_layers(captured, done.applied,
+                               captured.example_inputs).first_divergence(tol)
+    return PlanCheck(done, v, tol, first)
+
+
+@dataclass
+class PlanBench:
+    """A replayed plan timed against the model: the replay and the bench.timing.ModelBench."""
+
+    replay: Replay
+    benchmark: Any
+
+
+def bench_plan(model: nn.Module, example_inputs, plan: Plan | str | Path, *,
+               device: str = "cpu", dynamic: str = "auto") -> PlanBench:
+    """Time (a copy of) `model` and what `plan` makes of it side by side on `device`."""
+    from opswap.bench.timing import bench_models
+
+    model, inputs = keyword_call(model, example_inputs)
+    done = replay(model, inputs, plan, dynamic=dynamic)
+    return PlanBench(done, bench_models(private_copy(model), done.applied.gm,
+                                        done.captured.example_inputs, device=device))
+
+
+def timing_note(target: str | Target, device: str) -> str | None:
+    """A sentence when times measured on `device` are not times on `target` (a plan made
+    for an H200 timed on this CPU); None when they are."""
+    from opswap.bench.timing import describe_device
+
+    tgt = get_target(target)
+    here = describe_device(device)
+    dev = device.split(":")[0]
+    same = (tgt.kind == "cpu" and dev == "cpu") or (
+        tgt.kind == dev and re.search(rf"\b{re.escape(tgt.name.lower())}\b",
+                                      here.lower()) is not None)
+    if same:
+        return None
+    return (f"the plan is made for {tgt.name} ({tgt.description}), but times are measured "
+            f"here, on {here}.")
 
 
 def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
@@ -93,16 +218,13 @@ def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
     from opswap.graph.dynamic import detect, variants
     from opswap.verify.outputs import verify as _verify
     from opswap.verify.rounding import own_rounding
-    from opswap.verify.tolerance import Tolerance, parse_budget
 
     reference, inputs = keyword_call(reference, example_inputs)
     candidate = positional(candidate, reference)
     reference, candidate = _private(reference), _private(candidate)
     inputs = fresh(as_inputs(inputs))  # the caller's tensors are never run on
-    tol = Tolerance.for_exactness(exactness).at_rounding(
-        own_rounding(reference, inputs) if isinstance(reference, nn.Module) else None)
-    if budget:
-        tol = parse_budget(budget, base=tol)
+    tol = tolerance_for(exactness, budget, own_rounding(reference, inputs)
+                        if isinstance(reference, nn.Module) else None)
 
     def run(xs):
         with torch.no_grad(), preserved_state(reference):
@@ -138,9 +260,7 @@ def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
     `model` is never called nor changed; `result.candidate` is the optimized module and
     `result.saved_module` the race's winner, which `result.save` writes. The user's hooks
     are left out, with a note; `keep_hooks=True` refuses a model that has any instead."""
-    if isinstance(rules, str):
-        rules = [r.strip() for r in rules.split(",") if r.strip()]
-    config = OptimizeConfig(target=target, rules=list(rules or []), exactness=exactness,
+    config = OptimizeConfig(target=target, rules=rules or [], exactness=exactness,
                             budget=budget, samples=samples, bench=bench, device=device,
                             dynamic=dynamic, keep_hooks=keep_hooks, compare=compare)
     name = name or type(model).__name__
@@ -148,6 +268,51 @@ def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
     result = _optimize(model, example_inputs, config, name=name)
     note_inputs(result, model)
     return result
+
+
+def optimize_loaded(loaded: LoadedModel, config: OptimizeConfig, *, name: str | None = None,
+                    progress=None) -> Result:
+    """`optimize` on a loaded spec with settings already checked (the CLI's flow): the
+    loader's settings go into result.json, and its notes (keyword inputs, the weights file
+    read) into result.notes."""
+    from opswap.models.weights import describe_record
+
+    result = _optimize(loaded.module, loaded.example_inputs, config, name=name or loaded.spec,
+                       progress=progress, model_settings=loaded.settings)
+    note_inputs(result, loaded.module)
+    if loaded.settings.get("weights"):
+        result.notes.insert(0, describe_record(loaded.settings["weights"]).capitalize() + ".")
+    return result
+
+
+def load_rules(modules: list[str] | None) -> list[str]:
+    """Load the rules @register'ed in `modules` (names on the Python path or .py files);
+    returns one sentence per installed plugin that was left out (the built-in rules work
+    without them)."""
+    from opswap.rules import registry
+
+    for module in modules or []:
+        registry.load_module(module)
+    return registry.problems()
+
+
+def list_rules() -> list[dict[str, Any]]:
+    """Every rule's info (name, family, chapter, exactness, targets, description) and its
+    origin: opswap, a --rules-from module or an installed package."""
+    from opswap.rules import registry
+
+    return [{**r.info(), "origin": registry.origin(r.name)} for r in registry.all_rules()]
+
+
+def list_models() -> dict[str, Any]:
+    """The built-in zoo (name, description, chapters) and the Hugging Face model types
+    `hf:` builds from a config, with the kind of each type checked end to end."""
+    from opswap.models import list_hf_types, list_zoo
+    from opswap.models.hf import hf_kinds
+
+    return {"zoo": [{"name": z.name, "description": z.description, "chapters": list(z.chapters)}
+                    for z in list_zoo()],
+            "hf": list(list_hf_types()), "hf_kinds": hf_kinds()}
 
 
 def note_inputs(result: Result, model: nn.Module) -> None:

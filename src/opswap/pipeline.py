@@ -1,34 +1,48 @@
-"""The whole flow in one place: load -> capture -> analyze -> plan -> apply -> verify -> bench.
+"""The whole flow in one place: capture -> analyze -> plan and verify -> prune -> race.
 
-Each stage is a plain function of the previous stage's value; `optimize` strings
-them together, rolls back sites that break the accuracy budget, and returns a
-`Result` (opswap.result) that can write plan.json, result.json, the report and the model
-(opswap.artifact).
+`optimize` is a driver that reads as its list of stages (opswap.stages: each a function
+of the run's settings and the previous stages' values, returning a typed value). The
+result is a `Result` (opswap.result) that can write plan.json, result.json, the report and
+the model (opswap.artifact).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
-from opswap.artifact import SAVES as _SAVES
-from opswap.artifact import file_claim
-from opswap.bench.attribution import Attribution, attribute, reconcile
+from opswap.artifact import SAVES, file_claim
+from opswap.bench.attribution import Attribution
+from opswap.bench.device import check_device
 from opswap.bench.variants import parse_compare
-from opswap.bench.variants import run as run_variants
-from opswap.graph.capture import Captured, capture
-from opswap.graph.copies import describe_hooks, private_copy, user_hooks
-from opswap.planner import Plan, apply_plan, make_plan
+from opswap.errors import RuleError, VerificationError
+from opswap.graph.capture import Captured
+from opswap.graph.copies import describe_hooks
+from opswap.planner import Plan, make_plan
 from opswap.result import Result
-from opswap.rules.base import EXACTNESS_ORDER, Skipped
+from opswap.rules.base import EXACTNESS_ORDER
+from opswap.rules.registry import parse_patterns
+from opswap.stages import (
+    Pruned,
+    Run,
+    capture_stage,
+    guarded,
+    leave_one_out,
+    plan_and_verify,
+    prune,
+    race,
+    run_info,
+)
+from opswap.verify.tolerance import tolerance_for
 
 
 @dataclass
 class OptimizeConfig:
-    """Settings of one `optimize` run; the CLI flags map onto these fields."""
+    """Settings of one `optimize` run; the CLI flags map onto these fields. A setting the
+    run could not use is refused when the config is made, in one sentence."""
 
     target: str = "cpu"
     rules: list[str] = field(default_factory=list)  # glob patterns; empty = every rule
@@ -46,65 +60,18 @@ class OptimizeConfig:
     compare: str = "compile"  # baselines raced beside opswap's result: compile, or none
     keep_hooks: bool = False  # refuse a model with hooks rather than optimize it without them
 
-
-def _tolerance(config: OptimizeConfig, rounding: float | None = None):
-    """The exactness's thresholds, loosened to a low-precision model's own rounding, with
-    the user's budget (which is never loosened) on top."""
-    from opswap.verify.tolerance import Tolerance, parse_budget
-
-    tol = Tolerance.for_exactness(config.exactness).at_rounding(rounding)
-    if config.budget:
-        tol = parse_budget(config.budget, base=tol)
-    return tol
-
-
-def _to_device(model: nn.Module, example_inputs, device: str):
-    """The (private) model and the inputs on `device`."""
-    from torch.utils import _pytree as pytree
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        from opswap.errors import OpswapError
-
-        raise OpswapError(f"--device {device} was asked for, but torch sees no CUDA device here.")
-    moved = model.to(device)
-    inputs = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
-                             example_inputs)
-    return moved, inputs
-
-
-def _run_info(model, captured: Captured, config: OptimizeConfig,
-              model_settings: dict[str, Any] | None) -> dict[str, Any]:
-    """What this run ran, for result.json and the report: enough to reproduce a figure."""
-    import inspect
-
-    from opswap.bench.timing import describe_device, resolve_device
-
-    try:
-        names = [p for p in inspect.signature(model.forward).parameters][:len(captured.example_inputs)]
-    except (TypeError, ValueError):
-        names = []
-    names += [f"input{i}" for i in range(len(names), len(captured.example_inputs))]
-    inputs = [{"name": n, "shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", "")}
-              if isinstance(x, torch.Tensor) else {"name": n, "shape": [], "dtype": type(x).__name__}
-              for n, x in zip(names, captured.example_inputs, strict=True)]
-    settings = dict(model_settings or {})
-    return {"inputs": inputs, "threads": torch.get_num_threads(),
-            "device": describe_device(resolve_device(config.device)),
-            "model_settings": settings,
-            "attn_implementation": settings.get("attn_implementation"),
-            "compare": config.compare, "seed": config.seed}
-
-
-def guarded(gm, captured: Captured, model) -> nn.Module:
-    """The in-memory result, refusing in one sentence a call outside what was claimed."""
-    from opswap.graph.dynamic import guard
-    from opswap.graph.keywords import KeywordCall
-
-    hint = model.describe() if isinstance(model, KeywordCall) else ""
-    return guard(gm, captured.example_inputs, captured.dynamic, hint=hint)
-
-
-_MAX_REPLANS = 4  # rollback + plan again rounds; each round removes at least one site
+    def __post_init__(self) -> None:
+        self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
+        if self.exactness not in EXACTNESS_ORDER:
+            raise RuleError(f"exactness must be exact, approx or lossy; got {self.exactness!r}.")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) \
+                or self.samples < 1:
+            raise VerificationError(f"samples must be at least 1 (the example itself); got "
+                                    f"{self.samples!r}.")
+        tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now
+        check_device(self.device)  # so do a device name and CUDA without a GPU
+        if self.bench:
+            parse_compare(self.compare)  # so does a typo in the baselines
 
 
 def measure_rules(captured: Captured, plan: Plan, applied, *, device: str = "cpu",
@@ -121,19 +88,7 @@ def measure_rules(captured: Captured, plan: Plan, applied, *, device: str = "cpu
         return make_plan(captured, target=target, rules=plan.settings.rules,
                          exactness=plan.settings.exactness, exclude_rules=set(without))
 
-    return _attribute(captured, plan, applied, replan, device, min_time_s)
-
-
-def _attribute(captured: Captured, plan: Plan, applied, replan, device: str,
-               min_time_s: float = 0.5) -> Attribution:
-    """Leave-one-out timing of every applied rule (bench.attribution)."""
-    without = {}
-    for rule in dict.fromkeys(s.rule for s in applied.applied):
-        trial = apply_plan(captured, replan({rule}))
-        mine = [d for d in plan.decisions if d.rule == rule]
-        without[rule] = (trial.gm, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine))
-    return attribute(applied.gm, captured.gm, without, captured.example_inputs, device,
-                     min_time_s=min_time_s, copy=bool(captured.writes_inputs))
+    return leave_one_out(captured, plan, applied, replan, device, min_time_s)
 
 
 def optimize(
@@ -142,7 +97,7 @@ def optimize(
     config: OptimizeConfig | None = None,
     *,
     name: str | None = None,
-    progress=None,
+    progress: Callable[[str], None] | None = None,
     model_settings: dict[str, Any] | None = None,
 ) -> Result:
     """Run the whole flow on `model` and return a Result.
@@ -154,169 +109,51 @@ def optimize(
     `model_settings` (the loader's settings: sizes, batch, --set overrides, attention
     implementation) are recorded in result.json and the report.
     """
-    from opswap.bench.timing import with_timer
     from opswap.cost.analyze import analyze
-    from opswap.targets import get_target
-    from opswap.verify.bisect import rollback
     from opswap.verify.layers import compare_layers
-    from opswap.verify.outputs import capture_check, verify
 
     config = config or OptimizeConfig()
-    if config.exactness not in EXACTNESS_ORDER:
-        from opswap.errors import RuleError
-
-        raise RuleError(f"exactness must be exact, approx or lossy; got {config.exactness!r}.")
-    if isinstance(config.samples, bool) or not isinstance(config.samples, int) \
-            or config.samples < 1:
-        from opswap.errors import VerificationError
-
-        raise VerificationError(f"samples must be at least 1 (the example itself); got "
-                                f"{config.samples!r}.")
     step = progress or (lambda stage: None)
-    name = name or type(model).__name__
-    target = with_timer(get_target(config.target))
-    _tolerance(config)  # parse the budget and the baselines before any long work
-    compare = parse_compare(config.compare) if config.bench else []
-    hooks = user_hooks(model)
-    if hooks and config.keep_hooks:
-        from opswap.errors import CaptureError
-
-        # FX tracing and torch.export leave module hooks out of the graph (the module call
-        # they hang on becomes a node or is inlined), so no result of opswap runs them
-        raise CaptureError(
-            f"keep_hooks=True asks to keep {describe_hooks(hooks)}, but the graph opswap "
-            "optimizes and saves does not run module hooks; remove them (or move what they "
-            "do into forward), or leave keep_hooks off to optimize the model without them.")
-    model = private_copy(model)  # the reference opswap runs: weight-computing hooks kept
-    if config.device != "cpu":
-        # time and verify where the user deploys; the user's module stays where it is
-        model, example_inputs = _to_device(model, example_inputs, config.device)
-    step("capture")
-    captured: Captured = capture(model, example_inputs, dynamic=config.dynamic,
-                                 check=capture_check)
-    tol = _tolerance(config, captured.rounding)
+    run = capture_stage(model, example_inputs, config, name or type(model).__name__, step)
     step("analyze")
-    before = analyze(captured, target)
-    excluded_rules: set[str] = set()
-    excluded_sites: dict[tuple[str, str], str] = {}
-
-    def replan(without: set[str] = frozenset()) -> Plan:
-        return make_plan(captured, target=target, rules=config.rules,
-                         exactness=config.exactness, model_name=name,
-                         exclude_rules=excluded_rules | set(without),
-                         exclude_sites=excluded_sites)
-
-    step("plan")
-    plan = replan()
-    step("apply")
-    applied = apply_plan(captured, plan)
-    step("verify")
-
-    def check(candidate) -> Any:
-        # against the model itself, not only its capture, at every shape the capture claims
-        return verify(model, candidate.gm, captured.example_inputs, samples=config.samples,
-                      tolerance=tol, seed=config.seed, variants=captured.variants())
-
-    verification = check(applied)
-    rolled_back: list[Any] = []
-    for _ in range(_MAX_REPLANS):
-        if verification.passed or not config.rollback or not plan.decisions:
-            break
-        step("rollback")
-        _, removed = rollback(captured, plan, model, tol, samples=config.samples,
-                              seed=config.seed)
-        if not removed:
-            break
-        rolled_back += removed
-        for r in removed:
-            excluded_sites[(r.decision.rule, r.decision.site.key)] = f"rolled back: {r.reason}"
-        # plan again, so that sites depending on a rolled-back one are matched afresh
-        plan = replan()
-        applied = apply_plan(captured, plan)
-        verification = check(applied)
-    attribution: Attribution | None = None
-    pruned_rules: set[str] = set()
-    if config.bench and config.measure_rules and applied.applied and verification.passed:
-        step("measure")
-        attribution = _attribute(captured, plan, applied, replan, config.device)
-        slow = [t for t in attribution.rules if t.slower]
-        if config.prune_slow and slow:
-            step("prune")
-            excluded_rules.update(t.rule for t in slow)
-            pruned = replan()
-            pruned_applied = apply_plan(captured, pruned)
-            pruned_check = check(pruned_applied)
-            if pruned_check.passed:
-                for t in slow:
-                    pruned.skipped.append(Skipped(
-                        t.rule, f"all {t.sites} site{'s' if t.sites != 1 else ''}",
-                        f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
-                        f"{t.without_ms:.3f} ms without (interval of the ratio "
-                        f"{t.ci_low:.2f}-{t.ci_high:.2f})"))
-                plan, applied, verification = pruned, pruned_applied, pruned_check
-                pruned_rules = {t.rule for t in slow}
-                attribution.note = ("measured before pruning " + ", ".join(t.rule for t in slow)
-                                    + ", which the model ran faster without")
-            else:
-                excluded_rules.difference_update(t.rule for t in slow)
+    before = analyze(run.captured, run.target)
+    checked = plan_and_verify(run, step)
+    pruned = prune(run, checked, step)
     layers = None
     if config.layers:
         step("layers")
-        layers = compare_layers(captured, applied, captured.example_inputs)
-    after = analyze(applied.captured, target)
-    raced: list[Any] = []
-    artifacts: dict[str, Any] = {}
-    winner = "opswap"
-    bench = verified_as = settled = None
-    dynamic, notes = captured.dynamic, []
-    if config.bench:
-        step("race")
+        layers = compare_layers(run.captured, pruned.applied, run.captured.example_inputs)
+    after = analyze(pruned.applied.captured, run.target)
+    raced = race(run, pruned, step)
+    return _result(run, pruned, raced, before, after, layers,
+                   run_info(run.reference, run.captured, config, model_settings))
 
-        def check_variant(fn, shapes):
-            # shapes: the Dynamic whose sizes the variant claims (a file's own), or False
-            from opswap.graph.dynamic import variants as at_sizes
 
-            return verify(model, fn, captured.example_inputs, samples=config.samples,
-                          tolerance=tol, seed=config.seed,
-                          variants=at_sizes(captured.example_inputs, shapes) if shapes else ())
-
-        race = run_variants(model, captured, applied.gm, check_variant, compare=compare,
-                            device=config.device)
-        raced, winner, artifacts, bench = (race.timings, race.winner.name, race.artifacts,
-                                           race.benchmark)
-        verified_as, settled = race.verified_as, race.settled
-        saved = artifacts.get("candidate" if _SAVES.get(winner) == "candidate" else "input")
+def _result(run: Run, pruned: Pruned, raced, before, after, layers,
+            info: dict[str, Any]) -> Result:
+    """The stages' values gathered into one Result; `raced` is the race, None untimed."""
+    dynamic, notes = run.captured.dynamic, []
+    if raced is not None:
+        saved = raced.artifacts.get("candidate" if SAVES.get(raced.winner.name) == "candidate"
+                                    else "input")
         dynamic = file_claim(dynamic, saved, notes)
-        if attribution is not None:
-            # one scale for the report: the total is the race's, shared among the rules kept
-            reconcile(attribution, race.result, pruned_rules)
+    hooks = run.hooks
     return Result(
-        model=name,
-        target=target.name,
-        config=config,
-        reference=model,
-        candidate=guarded(applied.gm, captured, model),
-        example_inputs=captured.example_inputs,
-        plan=plan,
-        applied=applied.applied,
-        failed=plan.failed + applied.failed,
-        rolled_back=rolled_back,
-        verification=verification,
-        analysis_before=before,
-        analysis_after=after,
-        layers=layers,
-        benchmark=bench,
-        rule_timings=attribution.rules if attribution is not None else [],
-        attribution=attribution,
+        model=run.name, target=run.target.name, config=run.config, reference=run.reference,
+        candidate=guarded(pruned.applied.gm, run.captured, run.reference),
+        example_inputs=run.captured.example_inputs, plan=pruned.plan,
+        applied=pruned.applied.applied, failed=pruned.plan.failed + pruned.applied.failed,
+        rolled_back=pruned.rolled_back, verification=pruned.verification,
+        analysis_before=before, analysis_after=after, layers=layers,
+        benchmark=raced.benchmark if raced else None,
+        rule_timings=pruned.attribution.rules if pruned.attribution is not None else [],
+        attribution=pruned.attribution,
         notes=([f"The model has {describe_hooks(hooks)}; opswap verified, optimized and "
                 "timed a copy without them (keep_hooks=True refuses the model instead)."]
-               if hooks else []) + list(captured.notes) + list(plan.notes) + notes,
-        dynamic=dynamic,
-        variants=raced,
-        best=winner,
-        captured_gm=captured.gm,
-        artifacts=artifacts,
-        verified_as=verified_as,
-        settled=settled,
-        run_info=_run_info(model, captured, config, model_settings),
+               if hooks else []) + list(run.captured.notes) + list(pruned.plan.notes) + notes,
+        dynamic=dynamic, variants=raced.timings if raced else [],
+        best=raced.winner.name if raced else "opswap", captured_gm=run.captured.gm,
+        artifacts=raced.artifacts if raced else {},
+        verified_as=raced.verified_as if raced else None,
+        settled=raced.settled if raced else None, run_info=info,
     )

@@ -32,6 +32,7 @@ from opswap.rules.base import (
     sites_of,
 )
 from opswap.rules.order import ordered
+from opswap.targets.base import Target
 
 PLAN_VERSION = 1
 
@@ -268,7 +269,7 @@ def _ordered(rules: list[Rule]) -> list[Rule]:
 def make_plan(
     captured: Captured,
     *,
-    target=None,
+    target: Target | str | None = None,
     rules: list[str] | str | None = None,
     exactness: str = "exact",
     model_name: str = "model",
@@ -278,7 +279,7 @@ def make_plan(
 ) -> Plan:
     """Choose (rule, site) decisions for `captured` by simulating the rules in order.
 
-    `target` is a Target (or its name); rules not expected to pay there are left out,
+    `target` is a Target (a name is looked up; None: this machine's CPU); rules not expected to pay there are left out,
     and a site whose predicted time saving is negative is skipped with the reason.
     `exclude_rules` (names) and `exclude_sites` ((rule, site key) -> reason) take
     rules and sites out, as rollback and pruning do; planning again rather than
@@ -289,8 +290,8 @@ def make_plan(
     exclude_sites = exclude_sites or {}
     from opswap.targets import get_target
 
-    tgt = get_target(target or "cpu") if target is None or isinstance(target, str) else target
-    patterns = [p.strip() for p in rules.split(",")] if isinstance(rules, str) else list(rules or [])
+    tgt = get_target("cpu" if target is None else target)  # a Target passes through
+    patterns = list(registry.parse_patterns(rules))
     chosen = _ordered(registry.select(patterns or None, exactness, None))
     chosen = [r for r in chosen if (r.applies_to(tgt.name) or r.applies_to(tgt.kind))
               and r.name not in exclude_rules]

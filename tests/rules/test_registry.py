@@ -257,3 +257,26 @@ def test_a_module_executed_again_replaces_its_own_rules(fresh_registry, tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))  # where reload() finds it again
     module = importlib.reload(sys.modules["again_rules"])
     assert registry.get("mine.again").__class__ is module.R0 is not type(first)
+
+
+@pytest.mark.parametrize("given, patterns", [
+    (None, ()),
+    ("", ()),
+    (" , ,", ()),
+    ([], ()),
+    ("fusion.*", ("fusion.*",)),
+    (" fusion.* ,layout.drop_*, ", ("fusion.*", "layout.drop_*")),
+    ("fusion.conv_bn,,layout.*", ("fusion.conv_bn", "layout.*")),
+    (["fusion.*", " layout.drop_dropout "], ("fusion.*", "layout.drop_dropout")),
+    (["fusion.conv_bn,fusion.linear_bn", ""], ("fusion.conv_bn", "fusion.linear_bn")),
+    (("precision.?nt8_*",), ("precision.?nt8_*",)),
+])
+def test_parse_patterns_strips_spaces_drops_empty_items_and_keeps_globs(given, patterns):
+    assert registry.parse_patterns(given) == patterns
+
+
+def test_select_takes_a_string_or_a_list_of_patterns_alike():
+    names = {r.name for r in registry.select(" fusion.conv_bn , layout.drop_*")}
+    assert names == {r.name for r in registry.select(["fusion.conv_bn", "layout.drop_*"])}
+    assert "fusion.conv_bn" in names and all(
+        n == "fusion.conv_bn" or n.startswith("layout.drop_") for n in names)

@@ -3,7 +3,7 @@ import torch
 
 from opswap.errors import VerificationError
 from opswap.verify.metrics import compare
-from opswap.verify.tolerance import Tolerance, as_tolerance, parse_budget
+from opswap.verify.tolerance import Tolerance, as_tolerance, parse_budget, tolerance_for
 
 
 def test_defaults_are_ordered():
@@ -82,3 +82,17 @@ def test_as_tolerance_and_str():
     t = Tolerance.for_exactness("approx")
     assert parse_budget(str(t)) == t
     assert t.to_json()["cosine_min"] == 0.999
+
+
+def test_tolerance_for_loosens_to_the_rounding_and_puts_the_budget_on_top():
+    assert tolerance_for("approx") == Tolerance.for_exactness("approx")
+    loose = tolerance_for("exact", rounding=1e-3)  # a bfloat16 model's own rounding
+    assert loose == Tolerance.for_exactness("exact").at_rounding(1e-3)
+    assert loose.rel_l2_max == pytest.approx(4e-3)
+    # the budget's thresholds are the user's: the rounding never loosens them
+    strict = tolerance_for("exact", "rel_l2<=1e-6", rounding=1e-3)
+    assert strict.rel_l2_max == 1e-6 and strict.cosine_min == loose.cosine_min
+    with pytest.raises(VerificationError, match="Unknown exactness"):
+        tolerance_for("loose")
+    with pytest.raises(VerificationError, match="Cannot read the budget term"):
+        tolerance_for("exact", "cosine")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import re
 
 import torch
 
@@ -43,3 +44,11 @@ def describe_device(device) -> str:
         return f"cuda: {torch.cuda.get_device_name(dev)}"
     n = torch.get_num_threads()
     return f"cpu: {_cpu_name()}, {n} thread{'s' if n != 1 else ''}"
+
+
+def check_device(device: str) -> None:
+    """Refuse, in one sentence, a device name opswap cannot run on (cpu, cuda or cuda:N),
+    and CUDA on a machine without a GPU, before any work."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise OpswapError(f"Unknown device {device!r}; use cpu, cuda or cuda:N.")
+    resolve_device(device)

@@ -281,3 +281,12 @@ def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], path: s
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in tensors.values()})
     return {"file": path, "tensors": len(tensors), "keys": fit.describe() or "as saved",
             "file_dtypes": dtypes}
+
+
+def describe_record(record: Mapping[str, Any]) -> str:
+    """One line on the weights file a model was given, from the record its loader keeps in
+    settings["weights"]: 'weights: FILE (N tensors, stored as float32)'."""
+    n = record["tensors"]
+    keys = f", keys read with {record['keys']}" if record["keys"] != "as saved" else ""
+    return (f"weights: {record['file']} ({n} tensor{'' if n == 1 else 's'}{keys}, "
+            f"stored as {', '.join(record['file_dtypes'])})")

@@ -28,6 +28,7 @@ import inspect
 import os
 import pkgutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from opswap.errors import RuleError
@@ -270,16 +271,25 @@ def get(name: str) -> Rule:
         ) from None
 
 
+def parse_patterns(patterns: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Rule glob patterns from a comma-separated string ('fusion.*, layout.drop_*') or a
+    list of them (each item may itself hold commas): stripped, empty items dropped, in
+    the order given. None or nothing means every rule (an empty tuple)."""
+    if patterns is None:
+        return ()
+    items = [patterns] if isinstance(patterns, str) else list(patterns)
+    return tuple(p.strip() for item in items for p in str(item).split(",") if p.strip())
+
+
 def select(
-    patterns: list[str] | str | None = None,
+    patterns: str | Iterable[str] | None = None,
     exactness: str = "exact",
     target: str | None = None,
 ) -> list[Rule]:
     """Rules whose name matches one of the glob patterns (default: all), no looser than
     `exactness`, and expected to pay on `target` (None: any)."""
     _load()
-    if isinstance(patterns, str):
-        patterns = [p.strip() for p in patterns.split(",") if p.strip()]
+    patterns = parse_patterns(patterns)
     if exactness not in EXACTNESS_ORDER:
         raise RuleError(f"exactness must be one of exact, approx, lossy; got {exactness!r}.")
     limit = EXACTNESS_ORDER[exactness]

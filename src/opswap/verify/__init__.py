@@ -6,7 +6,7 @@ from opswap.verify.layers import Divergence, LayerReport, LayerRow, compare_laye
 from opswap.verify.metrics import Metrics, combine, compare
 from opswap.verify.outputs import OutputCheck, Verification, verify
 from opswap.verify.samples import make_samples
-from opswap.verify.tolerance import Tolerance, as_tolerance, parse_budget
+from opswap.verify.tolerance import Tolerance, as_tolerance, parse_budget, tolerance_for
 
 __all__ = [
     "Divergence",
@@ -25,5 +25,6 @@ __all__ = [
     "make_samples",
     "parse_budget",
     "rollback",
+    "tolerance_for",
     "verify",
 ]

@@ -170,6 +170,16 @@ def parse_budget(budget: str, base: Tolerance | None = None) -> Tolerance:
     return replace(base or Tolerance(), **changes)
 
 
+def tolerance_for(exactness: str, budget: str | None = None,
+                  rounding: float | None = None) -> Tolerance:
+    """The tolerance a run verifies against: the exactness's thresholds, loosened to a
+    low-precision model's own `rounding` (see `Tolerance.at_rounding`), with the user's
+    `budget` on top (its thresholds are never loosened). Raises VerificationError for an
+    unknown exactness or a budget it cannot read."""
+    tol = Tolerance.for_exactness(exactness).at_rounding(rounding)
+    return parse_budget(budget, base=tol) if budget else tol
+
+
 def as_tolerance(spec: Tolerance | str | None, default: str = "exact") -> Tolerance:
     """A Tolerance from a Tolerance, an exactness name, a budget string or None (`default`)."""
     if spec is None:

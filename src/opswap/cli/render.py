@@ -1,0 +1,266 @@
+"""What the commands print: tables and lines of text, from the values opswap.api returns
+(or their JSON). Every cell and line that holds a name, a site or a reason is Text, not
+markup: square brackets in them ("[torch.float16]") must print as written."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from opswap import cli
+
+
+def n(count: int, singular: str, plural: str | None = None) -> str:
+    """'1 replacement', '3 replacements'."""
+    return f"{count} {singular if count == 1 else plural or singular + 's'}"
+
+
+def note(text: str, label: str = "note", style: str = "yellow") -> None:
+    """One line `label: text`, the text printed as written (no rich markup)."""
+    cli.console.print(Text.assemble((f"{label}:", style), " ", str(text)), soft_wrap=True)
+
+
+def line(text: str, style: str | None = None) -> None:
+    """One line printed as written."""
+    cli.console.print(Text(text, style=style or ""))
+
+
+def write_json(path: Path | None, data) -> None:
+    """Write `data` to --json's path, if one was given, and say so."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    line(f"wrote {path}", "dim")
+
+
+def rules(rows: list[dict], wide: bool) -> None:
+    """The rules as a table of first sentences, or (wide) each described whole."""
+    console = cli.console
+    if wide:
+        for r in rows:
+            where = f", from {r['origin']}" if r["origin"] != "opswap" else ""
+            console.print(Text.assemble((r["name"], "bold"), f"  ({r['family']}, ch. {r['chapter']}, "
+                                        f"{r['exactness']}, targets {','.join(r['targets'])}{where})"))
+            console.print(Padding(Text(" ".join(r["description"].split())), (0, 0, 1, 4)))
+        return
+    table = Table(title=n(len(rows), "rule"))
+    # on a narrow terminal the family (the name's first part) gives its room to the text
+    cols = ("name", "family", "ch.", "exactness", "targets", "what it does")
+    if console.width < 120:
+        cols = tuple(c for c in cols if c != "family")
+    if any(r["origin"] != "opswap" for r in rows):
+        cols += ("from",)
+    for col in cols:
+        table.add_column(col, overflow="fold", no_wrap=col == "name")
+    cut = False
+    for r in rows:
+        first = _first_sentence(r["description"])
+        cut |= first != " ".join(r["description"].split())
+        cells = {"name": Text(r["name"]), "family": r["family"], "ch.": str(r["chapter"]),
+                 "exactness": r["exactness"], "targets": ",".join(r["targets"]),
+                 "what it does": Text(first), "from": Text(r["origin"])}
+        table.add_row(*(cells[c] for c in cols))
+    console.print(table)
+    if cut:
+        console.print("descriptions stop at their first sentence; `opswap rules --wide` prints "
+                      "them whole", style="dim", markup=False)
+
+
+def _first_sentence(text: str) -> str:
+    words = " ".join(text.split())
+    m = re.search(r"(?<!e\.g)(?<!i\.e)(?<!etc)\.\s(?=[A-Z(])", words)
+    return words[:m.start() + 1] + " ..." if m else words
+
+
+def models(data: dict) -> None:
+    """The zoo and the Hugging Face kinds, from api.list_models()."""
+    table = Table(title="zoo: (built-in reference models)")
+    table.add_column("spec")
+    table.add_column("chapters")
+    table.add_column("what it holds", overflow="fold")
+    for z in data["zoo"]:
+        table.add_row(f"zoo:{z['name']}", ",".join(map(str, z["chapters"])), z["description"])
+    cli.console.print(table)
+    hf = Table(title="hf: (Hugging Face types checked end to end; small configs, random weights)")
+    hf.add_column("kind")
+    hf.add_column("specs", overflow="fold")
+    for kind in ("encoder", "decoder", "encoder-decoder", "vision", "vision-text"):
+        names = [t for t, k in data["hf_kinds"].items() if k == kind]
+        if names:
+            hf.add_row(kind, ", ".join(f"hf:{t}" for t in names))
+    cli.console.print(hf)
+    cli.console.print("Any other type transformers knows is tried the same way; --set size=full "
+                      "builds its default sizes, --set mask=none drops the padded attention mask.")
+
+
+def plan(p) -> None:
+    """The decisions, the near misses, and the failed and skipped sites of a Plan."""
+    from opswap.cost.units import human, human_unit
+
+    table = Table(title="plan: " + n(len(p.decisions), "replacement"))
+    for col in ("#", "rule", "module", "site", "what", "pred. bytes saved", "pred. FLOPs saved"):
+        table.add_column(col, overflow="fold")
+    for i, d in enumerate(p.decisions):
+        table.add_row(str(i), Text(d.rule), Text(d.module or "-"), Text(d.site.key),
+                      Text(d.site.description),
+                      human_unit(d.estimate.bytes_saved, "B"), human(d.estimate.flops_saved))
+    cli.console.print(table)
+    if p.misses:
+        mt = Table(title=n(len(p.misses), "near miss", "near misses"))
+        for col in ("rule", "where", "why not"):
+            mt.add_column(col, overflow="fold")
+        for m in p.misses:
+            mt.add_row(Text(m.rule), Text(m.where), Text(m.reason))
+        cli.console.print(mt)
+    for f in p.failed:
+        note(f"{f.rule} at {f.where}: {f.reason}", "failed", "red")
+    for s in p.skipped:
+        note(f"{s.rule} at {s.where}: {s.reason}", "skipped")
+
+
+def not_applied(applied) -> None:
+    """One line per decision of a replayed plan that could not be applied."""
+    for f in applied.failed:
+        note(f"{f.rule} at {f.where}: {f.reason}", "not applied", "red")
+
+
+def partial(p, applied, done: str) -> None:
+    """The line that goes with exit status 1 when part of a plan did not apply; `done` says
+    what the command did with the rest ('{n}' stands for their number)."""
+    if applied.failed:
+        rest = done.format(n=len(applied.applied))
+        note(f"{len(applied.failed)} of {n(len(p.decisions), 'decision')} could not be "
+             f"applied (listed above); {rest}; exit status 1.", "partial plan", "red")
+
+
+def inputs(module) -> None:
+    """Say which positional order a model given keyword inputs is captured in."""
+    from opswap.graph.keywords import KeywordCall
+
+    if isinstance(module, KeywordCall):
+        note("the model takes keyword inputs; the optimized model " + module.describe(),
+             "inputs", "cyan")
+
+
+def verification(check, budget: str | None, samples: int) -> None:
+    """An api.PlanCheck: the metrics, the tolerance and where it came from, the samples,
+    the reasons of a failure and the first layer that diverges."""
+    v, data = check.verification, check.verification.to_json()
+    cols = ("max_abs", "max_rel", "cosine", "sqnr_db", "rel_l2")
+    table = Table(title="verification " + ("PASSED" if v.passed else "FAILED"))
+    for col in cols:
+        table.add_column(col, justify="right")
+    table.add_row(*(f"{data[c]:.3g}" if isinstance(data[c], float) else str(data[c]) for c in cols))
+    cli.console.print(table)
+    source = f"budget {budget} over the" if budget else "the"
+    line(f"tolerance: {tolerance_text(data['tolerance'])} ({source} "
+         f"{check.replay.plan.settings.exactness} defaults); {_samples_text(v, samples)}")
+    for r in getattr(v, "reasons", []):
+        line(str(r), "red")
+    if check.first_divergence is not None:
+        line(f"first divergence: {check.first_divergence}")
+
+
+def _samples_text(v, asked: int) -> str:
+    """'5 samples: 3 at the example shape 2x3x32x32, one at each of batch 1, batch 3'."""
+    first, others = (v.shapes[0], v.shapes[1:]) if v.shapes else ("example shape", [])
+    text = f"{n(v.samples, 'sample')}: {asked} at the {first}"
+    return text + (f", one at each of {', '.join(others)}" if others else "")
+
+
+def tolerance_text(tol: dict) -> str:
+    """'cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100' from Tolerance.to_json(), every
+    threshold as set (0.9999999999 stays that, not a rounded 1)."""
+    from opswap.report.optimize_report import tolerance_text
+
+    return tolerance_text(tol)
+
+
+def bench(data: dict) -> None:
+    """One ModelBench.to_json() as a line: both times, the speed-up and its interval."""
+    from opswap.report.optimize_report import interval
+
+    line(f"reference {data['ref_ms']:.3f} ms (IQR {data['ref_iqr_ms']:.3f}), optimized "
+         f"{data['opt_ms']:.3f} ms (IQR {data['opt_iqr_ms']:.3f}), speedup "
+         f"{interval(data['speedup_of_medians'], data['speedup_ci'], data['settled'])} "
+         f"(ratio of the medians, 95% interval; IQR of the per-round ratios "
+         f"{data['spread']:.2f}), {n(data['rounds'], 'interleaved round')} on "
+         f"{data['device']}")
+    if data["settled"] is False:
+        unsettled(race=False)
+
+
+def unsettled(race: bool = True) -> None:
+    """The warning for timings whose intervals stayed wide (a busy machine)."""
+    from opswap.report.optimize_report import unsettled_warning
+
+    note(unsettled_warning(race).replace("**", ""), "warning", "red")
+
+
+def summary(data: dict) -> None:
+    """An optimize run's result.json, in a few lines and the table of variants."""
+    from opswap.report.optimize_report import interval
+
+    console = cli.console
+    v, b = data["verification"], data["benchmark"]
+    console.print(Text.assemble((data["model"], "bold"), f" on {data['target']}: "
+                                f"{n(len(data['applied']), 'replacement')}, "
+                                f"{n(len(data['misses']), 'near miss', 'near misses')}, "
+                                f"{len(data['rolled_back'])} rolled back"))
+    dyn = data.get("dynamic") or {}
+    axes = ", ".join(f"{a['name']} (example {a['size']})" for a in dyn.get("axes", []))
+    console.print(f"  dynamic sizes: {axes or 'none (the example shapes only)'}", markup=False)
+    status = ("PASSED", "green") if v["passed"] else ("FAILED", "red")
+    console.print(Text.assemble("  verification ", status,
+                                f": cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}, "
+                                f"sqnr {v['sqnr_db']:.1f} dB ({n(v['samples'], 'sample')}, "
+                                f"tolerance {tolerance_text(v['tolerance'])})"))
+    if b:
+        console.print(f"  your model -> opswap's model.pt2: {b['ref_ms']:.3f} ms -> "
+                      f"{b['opt_ms']:.3f} ms, "
+                      f"{interval(b['speedup_of_medians'], b.get('speedup_ci'), b.get('settled'))} "
+                      f"(ratio of medians, 95% interval; {b['device']})", markup=False)
+    run = data.get("run") or {}
+    if run.get("inputs"):
+        shapes = ", ".join(f"{i['name']} {i['dtype']}{list(i['shape'])}" for i in run["inputs"])
+        console.print(f"  inputs: {shapes}; {run.get('threads')} threads", markup=False)
+    for text in data.get("notes") or []:
+        console.print(f"  note: {text}", markup=False)
+    if data.get("variants"):
+        _variants(data)
+
+
+def _variants(data: dict) -> None:
+    from opswap.report.optimize_report import interval
+
+    table = Table(title="variants, timed in one interleaved run")
+    for col in ("variant", "ms", "IQR ms", "vs input [95% interval]", "verified", "compile s",
+                "note"):
+        table.add_column(col, overflow="fold")
+    for v in data["variants"]:
+        ms = f"{v['ms']:.3f}" if v["ms"] is not None else "-"
+        iqr = f"{v['iqr_ms']:.3f}" if v["iqr_ms"] is not None else "-"
+        sp = ("1.00x (the yardstick)" if v["name"] == "input" else
+              interval(v["speedup_vs_input"], v.get("speedup_ci"), v.get("settled"))
+              if v["speedup_vs_input"] is not None else "-")
+        comp = f"{v['compile_s']:.1f}" if v["compile_s"] is not None else ""
+        name = v["name"] + (" (saved)" if v["name"] == data["best"] else "")
+        table.add_row(Text(name), ms, iqr, Text(sp), "yes" if v["verified"] else "no", comp,
+                      Text(v["note"] or ""))
+    cli.console.print(table)
+    if data.get("timings_settled") is False:
+        unsettled()
+    deploy = data["deploy"]
+    line(f"  saved: {deploy['variant']}, {deploy['holds']}")
+    if deploy.get("verified_as"):
+        shapes = deploy["verified_as"].get("shapes") or []
+        line(f"  verified as: {deploy['verified_as']['variant']}"
+             + (f", at {', '.join(shapes)}" if shapes else ""))
+    use = "use" if deploy["how"].startswith("your own") else "load it with"
+    line(f"  {use} {deploy['how']}; run it under {deploy['run_under']}")

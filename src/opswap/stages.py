@@ -1,0 +1,245 @@
+"""The stages of one optimize run, each a function returning a typed value, and what they
+share: `capture_stage` settles the `Run` (the private reference, its capture, the
+target and the tolerance, resolved once); `plan_and_verify` plans, applies, verifies
+and rolls back (`Checked`); `prune` times the rules and drops the slow ones (`Pruned`);
+`race` races the variants (a bench.variants.Race). pipeline.optimize strings them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from opswap.bench.attribution import Attribution, attribute, reconcile
+from opswap.bench.timing import with_timer
+from opswap.bench.variants import Race, parse_compare
+from opswap.bench.variants import run as run_variants
+from opswap.errors import CaptureError
+from opswap.graph.capture import Captured, capture
+from opswap.graph.copies import describe_hooks, private_copy, user_hooks
+from opswap.planner import Plan, apply_plan, make_plan
+from opswap.rules.apply import Applied
+from opswap.rules.base import Skipped
+from opswap.targets import Target, get_target
+from opswap.verify.bisect import Rollback, rollback
+from opswap.verify.outputs import Verification, capture_check, verify
+from opswap.verify.tolerance import Tolerance, tolerance_for
+
+if TYPE_CHECKING:
+    from opswap.pipeline import OptimizeConfig
+
+
+def _to_device(model: nn.Module, example_inputs, device: str):
+    """The (private) model and the inputs on `device`."""
+    from torch.utils import _pytree as pytree
+
+    moved = model.to(device)
+    inputs = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                             example_inputs)
+    return moved, inputs
+
+
+def run_info(model, captured: Captured, config: OptimizeConfig,
+             model_settings: dict[str, Any] | None) -> dict[str, Any]:
+    """What this run ran, for result.json and the report: enough to reproduce a figure."""
+    import inspect
+
+    from opswap.bench.timing import describe_device, resolve_device
+
+    try:
+        names = [p for p in inspect.signature(model.forward).parameters][:len(captured.example_inputs)]
+    except (TypeError, ValueError):
+        names = []
+    names += [f"input{i}" for i in range(len(names), len(captured.example_inputs))]
+    inputs = [{"name": n, "shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", "")}
+              if isinstance(x, torch.Tensor) else {"name": n, "shape": [], "dtype": type(x).__name__}
+              for n, x in zip(names, captured.example_inputs, strict=True)]
+    settings = dict(model_settings or {})
+    return {"inputs": inputs, "threads": torch.get_num_threads(),
+            "device": describe_device(resolve_device(config.device)),
+            "model_settings": settings,
+            "attn_implementation": settings.get("attn_implementation"),
+            "compare": config.compare, "seed": config.seed}
+
+
+def guarded(gm, captured: Captured, model) -> nn.Module:
+    """The in-memory result, refusing in one sentence a call outside what was claimed."""
+    from opswap.graph.dynamic import guard
+    from opswap.graph.keywords import KeywordCall
+
+    hint = model.describe() if isinstance(model, KeywordCall) else ""
+    return guard(gm, captured.example_inputs, captured.dynamic, hint=hint)
+
+
+_MAX_REPLANS = 4  # rollback + plan again rounds; each round removes at least one site
+
+
+def leave_one_out(captured: Captured, plan: Plan, applied: Applied, replan, device: str,
+                  min_time_s: float = 0.5) -> Attribution:
+    """Leave-one-out timing of every rule `applied` carried out (bench.attribution): the
+    candidate without each rule comes from `replan(without={rule})`."""
+    without = {}
+    for rule in dict.fromkeys(s.rule for s in applied.applied):
+        trial = apply_plan(captured, replan({rule}))
+        mine = [d for d in plan.decisions if d.rule == rule]
+        without[rule] = (trial.gm, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine))
+    return attribute(applied.gm, captured.gm, without, captured.example_inputs, device,
+                     min_time_s=min_time_s, copy=bool(captured.writes_inputs))
+
+
+@dataclass
+class Run:
+    """What the capture stage settled for the stages after it: the settings, the target,
+    the private reference, its capture, the tolerance, and the rules and sites taken out
+    so far (by rollback and pruning; every plan made afresh leaves them out)."""
+
+    config: OptimizeConfig
+    name: str
+    target: Target
+    reference: nn.Module
+    captured: Captured
+    tolerance: Tolerance
+    hooks: list[Any]
+    excluded_rules: set[str] = field(default_factory=set)
+    excluded_sites: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def replan(self, without: set[str] | frozenset[str] = frozenset()) -> Plan:
+        """A plan made afresh, without the excluded rules and sites and `without`'s rules."""
+        return make_plan(self.captured, target=self.target, rules=self.config.rules,
+                         exactness=self.config.exactness, model_name=self.name,
+                         exclude_rules=self.excluded_rules | set(without),
+                         exclude_sites=self.excluded_sites)
+
+    def check(self, fn, variants=None) -> Verification:
+        """`fn` against the model itself, not only its capture, at every shape the capture
+        claims (or at `variants`' shapes)."""
+        return verify(self.reference, fn, self.captured.example_inputs,
+                      samples=self.config.samples, tolerance=self.tolerance,
+                      seed=self.config.seed,
+                      variants=self.captured.variants() if variants is None else variants)
+
+
+@dataclass
+class Checked:
+    """A plan, what applying it gave, its verification, and what was rolled back."""
+
+    plan: Plan
+    applied: Applied
+    verification: Verification
+    rolled_back: list[Rollback] = field(default_factory=list)
+
+
+@dataclass
+class Pruned(Checked):
+    """The checked plan after leave-one-out timing: the rules the model ran faster
+    without are dropped (when the plan without them still passes)."""
+
+    attribution: Attribution | None = None
+    pruned_rules: set[str] = field(default_factory=set)
+
+
+def capture_stage(model: nn.Module, example_inputs, config: OptimizeConfig, name: str,
+                  step: Callable[[str], None]) -> Run:
+    """The private reference (on `config.device`) and its capture, with the target and the
+    tolerance resolved once for every later stage."""
+    target = with_timer(get_target(config.target))
+    hooks = user_hooks(model)
+    if hooks and config.keep_hooks:
+        # FX tracing and torch.export leave module hooks out of the graph (the module call
+        # they hang on becomes a node or is inlined), so no result of opswap runs them
+        raise CaptureError(
+            f"keep_hooks=True asks to keep {describe_hooks(hooks)}, but the graph opswap "
+            "optimizes and saves does not run module hooks; remove them (or move what they "
+            "do into forward), or leave keep_hooks off to optimize the model without them.")
+    model = private_copy(model)  # the reference opswap runs: weight-computing hooks kept
+    if config.device != "cpu":
+        # time and verify where the user deploys; the user's module stays where it is
+        model, example_inputs = _to_device(model, example_inputs, config.device)
+    step("capture")
+    captured = capture(model, example_inputs, dynamic=config.dynamic, check=capture_check)
+    tol = tolerance_for(config.exactness, config.budget, captured.rounding)
+    return Run(config, name, target, model, captured, tol, hooks)
+
+
+def plan_and_verify(run: Run, step: Callable[[str], None]) -> Checked:
+    """Plan, apply and verify; while verification fails, bisect to the sites that break it,
+    take them out and plan again, so that sites depending on a rolled-back one are
+    matched afresh."""
+    step("plan")
+    plan = run.replan()
+    step("apply")
+    applied = apply_plan(run.captured, plan)
+    step("verify")
+    out = Checked(plan, applied, run.check(applied.gm))
+    for _ in range(_MAX_REPLANS):
+        if out.verification.passed or not run.config.rollback or not out.plan.decisions:
+            break
+        step("rollback")
+        _, removed = rollback(run.captured, out.plan, run.reference, run.tolerance,
+                              samples=run.config.samples, seed=run.config.seed)
+        if not removed:
+            break
+        for r in removed:
+            run.excluded_sites[(r.decision.rule, r.decision.site.key)] = f"rolled back: {r.reason}"
+        plan = run.replan()
+        applied = apply_plan(run.captured, plan)
+        out = Checked(plan, applied, run.check(applied.gm), out.rolled_back + removed)
+    return out
+
+
+def prune(run: Run, checked: Checked, step: Callable[[str], None]) -> Pruned:
+    """Time the result without each rule (when timing is on and it passed), and drop the
+    rules it measures faster without, if the plan without them passes too."""
+    out = Pruned(checked.plan, checked.applied, checked.verification, checked.rolled_back)
+    config = run.config
+    if not (config.bench and config.measure_rules and checked.applied.applied
+            and checked.verification.passed):
+        return out
+    step("measure")
+    out.attribution = leave_one_out(run.captured, checked.plan, checked.applied, run.replan,
+                                    config.device)
+    slow = [t for t in out.attribution.rules if t.slower]
+    if not (config.prune_slow and slow):
+        return out
+    step("prune")
+    plan = run.replan({t.rule for t in slow})
+    applied = apply_plan(run.captured, plan)
+    verification = run.check(applied.gm)
+    if not verification.passed:
+        return out
+    run.excluded_rules.update(t.rule for t in slow)
+    for t in slow:
+        plan.skipped.append(Skipped(
+            t.rule, f"all {t.sites} site{'s' if t.sites != 1 else ''}",
+            f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
+            f"{t.without_ms:.3f} ms without (interval of the ratio "
+            f"{t.ci_low:.2f}-{t.ci_high:.2f})"))
+    out.plan, out.applied, out.verification = plan, applied, verification
+    out.pruned_rules = {t.rule for t in slow}
+    out.attribution.note = ("measured before pruning " + ", ".join(t.rule for t in slow)
+                            + ", which the model ran faster without")
+    return out
+
+
+def race(run: Run, pruned: Pruned, step: Callable[[str], None]) -> Race | None:
+    """Race opswap's result against the input and `config.compare`'s baselines, each
+    verified at the sizes it claims; the winner is what the run saves. None with timing off."""
+    if not run.config.bench:
+        return None
+    from opswap.graph.dynamic import variants as at_sizes
+
+    step("race")
+
+    def check_variant(fn, shapes):
+        # shapes: the Dynamic whose sizes the variant claims (a file's own), or False
+        return run.check(fn, at_sizes(run.captured.example_inputs, shapes) if shapes else ())
+
+    raced = run_variants(run.reference, run.captured, pruned.applied.gm, check_variant,
+                         compare=parse_compare(run.config.compare), device=run.config.device)
+    if pruned.attribution is not None:
+        # one scale for the report: the total is the race's, shared among the rules kept
+        reconcile(pruned.attribution, raced.result, pruned.pruned_rules)
+    return raced
