@@ -186,7 +186,7 @@ def no_model(monkeypatch):
     def _load(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr("opswap.cli._load", _load)
+    monkeypatch.setattr("opswap.cli.commands._load", _load)
 
 
 @pytest.mark.parametrize("args, says", [
@@ -230,7 +230,7 @@ def test_error_message_is_printed_verbatim(monkeypatch, capsys):
     def _load(*args, **kwargs):
         raise OpswapError(message)
 
-    monkeypatch.setattr("opswap.cli._load", _load)
+    monkeypatch.setattr("opswap.cli.commands._load", _load)
     assert run("analyze", "zoo:resnet") == 2
     assert capsys.readouterr().err == f"error: {message}\n"
 
@@ -276,7 +276,7 @@ def test_rules_wide_prints_whole_descriptions(monkeypatch, capsys):
 
     from opswap.rules.registry import all_rules
 
-    monkeypatch.setattr("opswap.cli.console", Console(width=80))
+    monkeypatch.setattr("opswap.cli.consoles.console", Console(width=80))
     assert run("rules") == 0
     table = capsys.readouterr().out
     assert "--wide" in " ".join(table.split())  # the table says how to see the rest
@@ -329,7 +329,7 @@ def test_optimize_for_a_gpu_target_on_cpu_says_so_before_loading(monkeypatch, ca
     def _load(*args, **kwargs):
         raise OpswapError("stop after the checks.")
 
-    monkeypatch.setattr("opswap.cli._load", _load)
+    monkeypatch.setattr("opswap.cli.commands._load", _load)
     assert run("optimize", "zoo:resnet", "--target", "h200") == 2
     assert "the plan is made for h200" in " ".join(capsys.readouterr().out.split())
 

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from opswap import cli
+from opswap.cli import consoles
 from opswap.errors import OpswapError
 
 EXIT_STATUS = (
@@ -117,12 +117,12 @@ def main(argv: list[str] | None = None) -> None:
         rc = app(args=argv, standalone_mode=False)
     except OpswapError as e:
         # Text, not markup: a message holding "[torch.float16]" must print as written
-        cli.err.print(Text.assemble(("error:", "bold red"), " ", str(e)), soft_wrap=True)
+        consoles.err.print(Text.assemble(("error:", "bold red"), " ", str(e)), soft_wrap=True)
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
-        cli.err.print("aborted")
+        consoles.err.print("aborted")
         sys.exit(130)
     except _click_errors() as e:  # usage errors: click's message, exit status 2
         e.show()

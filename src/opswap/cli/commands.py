@@ -1,5 +1,5 @@
 """The commands: each checks its arguments, calls one function of opswap.api and prints
-what it returns (opswap.cli.render). A spec is loaded through `opswap.cli._load`."""
+what it returns (opswap.cli.render). A spec is loaded through `_load` here."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from opswap import api, cli
-from opswap.cli import render
+from opswap import api
+from opswap.cli import consoles, render
 from opswap.cli.app import app, check_outputs, overrides
 
 Spec = Annotated[str, typer.Argument(metavar="SPEC", help="Model: zoo:NAME, hf:TYPE, hf:PATH, torchvision:NAME, "
@@ -62,11 +62,11 @@ def analyze(spec: Spec, target: TargetOpt = "cpu", sets: SetOpt = None, json_pat
 
     check_outputs(json_path)
     tgt = api.get_target(target)
-    loaded = cli._load(spec, sets, weights)
+    loaded = _load(spec, sets, weights)
     result = api.analyze(loaded.module, loaded.example_inputs, tgt, dynamic=dynamic, name=spec)
     for text in result.notes:
         render.note(text)
-    render_analysis(result, cli.console, top=top)
+    render_analysis(result, consoles.console, top=top)
     render.write_json(json_path, result.to_json())
 
 
@@ -100,7 +100,7 @@ def plan(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
     """Match the rules on a model and write plan.json (sites chosen, misses, settings)."""
     check_outputs(json_path, out)
     _rules_from(rules_from)
-    loaded = cli._load(spec, sets, weights)
+    loaded = _load(spec, sets, weights)
     p = api.plan(loaded.module, loaded.example_inputs, target=target, rules=rules,
                  exactness=exactness, dynamic=dynamic, name=spec)
     render.plan(p)
@@ -122,11 +122,11 @@ def apply(spec: Spec, plan_path: PlanArg,
     check_outputs(json_path, out, out_dir=True)
     _rules_from(rules_from)
     p = api.read_plan(plan_path, allow_looser=allow_looser)  # a refusal costs no loading
-    loaded = cli._load(spec, sets, weights)
+    loaded = _load(spec, sets, weights)
     done = api.replay(loaded.module, loaded.example_inputs, p, dynamic=dynamic,
                       allow_looser=allow_looser, out=out)
     render.not_applied(done.applied)
-    cli.console.print(f"applied {len(done.applied.applied)} of {render.n(len(p.decisions), 'decision')}")
+    consoles.console.print(f"applied {len(done.applied.applied)} of {render.n(len(p.decisions), 'decision')}")
     render.inputs(loaded.module)
     if out is not None:
         render.line(f"saved {done.files['model']}")
@@ -149,7 +149,7 @@ def verify(spec: Spec, plan_path: PlanArg,
     check_outputs(json_path)
     _rules_from(rules_from)
     p = api.read_plan(plan_path)
-    loaded = cli._load(spec, sets, weights)
+    loaded = _load(spec, sets, weights)
     check = api.verify_plan(loaded.module, loaded.example_inputs, p, budget=budget,
                             samples=samples, dynamic=dynamic)
     render.not_applied(check.replay.applied)
@@ -173,7 +173,7 @@ def bench(spec: Spec, plan_path: PlanArg,
     _rules_from(rules_from)
     p = api.read_plan(plan_path)
     _timed_where(p.settings.target, device)
-    loaded = cli._load(spec, sets, weights)
+    loaded = _load(spec, sets, weights)
     timed = api.bench_plan(loaded.module, loaded.example_inputs, p, device=device,
                            dynamic=dynamic)
     render.not_applied(timed.replay.applied)
@@ -207,14 +207,14 @@ def optimize(spec: Spec, target: TargetOpt = "cpu", rules: RulesOpt = None,
     if not no_bench:
         _timed_where(target, device)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TimeElapsedColumn(), console=cli.err, transient=True) as progress:
+                  TimeElapsedColumn(), console=consoles.err, transient=True) as progress:
         task = progress.add_task("load", total=len(_STAGES))
 
         def step(stage: str) -> None:
             done = _STAGES.index(stage) if stage in _STAGES else None
             progress.update(task, description=stage, completed=done)
 
-        loaded = cli._load(spec, sets, weights)
+        loaded = _load(spec, sets, weights)
         result = api.optimize_loaded(loaded, config, name=spec, progress=step)
         step("report")
         paths = result.save(out)

@@ -12,7 +12,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from opswap import cli
+from opswap.cli import consoles
 
 
 def n(count: int, singular: str, plural: str | None = None) -> str:
@@ -22,12 +22,12 @@ def n(count: int, singular: str, plural: str | None = None) -> str:
 
 def note(text: str, label: str = "note", style: str = "yellow") -> None:
     """One line `label: text`, the text printed as written (no rich markup)."""
-    cli.console.print(Text.assemble((f"{label}:", style), " ", str(text)), soft_wrap=True)
+    consoles.console.print(Text.assemble((f"{label}:", style), " ", str(text)), soft_wrap=True)
 
 
 def line(text: str, style: str | None = None) -> None:
     """One line printed as written."""
-    cli.console.print(Text(text, style=style or ""))
+    consoles.console.print(Text(text, style=style or ""))
 
 
 def write_json(path: Path | None, data) -> None:
@@ -41,7 +41,7 @@ def write_json(path: Path | None, data) -> None:
 
 def rules(rows: list[dict], wide: bool) -> None:
     """The rules as a table of first sentences, or (wide) each described whole."""
-    console = cli.console
+    console = consoles.console
     if wide:
         for r in rows:
             where = f", from {r['origin']}" if r["origin"] != "opswap" else ""
@@ -86,7 +86,7 @@ def models(data: dict) -> None:
     table.add_column("what it holds", overflow="fold")
     for z in data["zoo"]:
         table.add_row(f"zoo:{z['name']}", ",".join(map(str, z["chapters"])), z["description"])
-    cli.console.print(table)
+    consoles.console.print(table)
     hf = Table(title="hf: (Hugging Face types checked end to end; small configs, random weights)")
     hf.add_column("kind")
     hf.add_column("specs", overflow="fold")
@@ -94,8 +94,8 @@ def models(data: dict) -> None:
         names = [t for t, k in data["hf_kinds"].items() if k == kind]
         if names:
             hf.add_row(kind, ", ".join(f"hf:{t}" for t in names))
-    cli.console.print(hf)
-    cli.console.print("Any other type transformers knows is tried the same way; --set size=full "
+    consoles.console.print(hf)
+    consoles.console.print("Any other type transformers knows is tried the same way; --set size=full "
                       "builds its default sizes, --set mask=none drops the padded attention mask.")
 
 
@@ -110,14 +110,14 @@ def plan(p) -> None:
         table.add_row(str(i), Text(d.rule), Text(d.module or "-"), Text(d.site.key),
                       Text(d.site.description),
                       human_unit(d.estimate.bytes_saved, "B"), human(d.estimate.flops_saved))
-    cli.console.print(table)
+    consoles.console.print(table)
     if p.misses:
         mt = Table(title=n(len(p.misses), "near miss", "near misses"))
         for col in ("rule", "where", "why not"):
             mt.add_column(col, overflow="fold")
         for m in p.misses:
             mt.add_row(Text(m.rule), Text(m.where), Text(m.reason))
-        cli.console.print(mt)
+        consoles.console.print(mt)
     for f in p.failed:
         note(f"{f.rule} at {f.where}: {f.reason}", "failed", "red")
     for s in p.skipped:
@@ -157,7 +157,7 @@ def verification(check, budget: str | None, samples: int) -> None:
     for col in cols:
         table.add_column(col, justify="right")
     table.add_row(*(f"{data[c]:.3g}" if isinstance(data[c], float) else str(data[c]) for c in cols))
-    cli.console.print(table)
+    consoles.console.print(table)
     source = f"budget {budget} over the" if budget else "the"
     line(f"tolerance: {tolerance_text(data['tolerance'])} ({source} "
          f"{check.replay.plan.settings.exactness} defaults); {_samples_text(v, samples)}")
@@ -207,7 +207,7 @@ def summary(data: dict) -> None:
     """An optimize run's result.json, in a few lines and the table of variants."""
     from opswap.report.optimize_report import interval
 
-    console = cli.console
+    console = consoles.console
     v, b = data["verification"], data["benchmark"]
     console.print(Text.assemble((data["model"], "bold"), f" on {data['target']}: "
                                 f"{n(len(data['applied']), 'replacement')}, "
@@ -253,7 +253,7 @@ def _variants(data: dict) -> None:
         name = v["name"] + (" (saved)" if v["name"] == data["best"] else "")
         table.add_row(Text(name), ms, iqr, Text(sp), "yes" if v["verified"] else "no", comp,
                       Text(v["note"] or ""))
-    cli.console.print(table)
+    consoles.console.print(table)
     if data.get("timings_settled") is False:
         unsettled()
     deploy = data["deploy"]
