@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -104,9 +105,13 @@ def replace_weights(gm: fx.GraphModule, w: Weighted, weight: torch.Tensor,
     """
     node = w.node
     if node.op == "call_module":
-        mod = copy.deepcopy(w.module)
-        mod.weight = nn.Parameter(weight, requires_grad=w.module.weight.requires_grad)
-        mod.bias = None if bias is None else nn.Parameter(bias, requires_grad=mod.weight.requires_grad)
+        module = cast(nn.Module, w.module)  # a call_module site's Weighted carries its module
+        mod = copy.deepcopy(module)
+        grad = cast(torch.Tensor, module.weight).requires_grad
+        mod.weight = nn.Parameter(weight, requires_grad=grad)
+        # torch's stubs type Module.__setattr__ without None, which a parameter slot accepts
+        mod.bias = None if bias is None else nn.Parameter(  # type: ignore[assignment]
+            bias, requires_grad=mod.weight.requires_grad)
         return install_module(gm, node, mod, str(node.target))
     _write_attr(gm, w, 1, "weight", weight)
     if bias is not None:
@@ -234,7 +239,7 @@ def drop_dead_attrs(gm: fx.GraphModule, nodes) -> None:
                 owner and str(m.target).startswith(owner + "."))) for m in gm.graph.nodes):
             continue
         *parents, leaf = target.split(".")
-        obj = gm
+        obj: object = gm
         for p in parents:
             obj = getattr(obj, p, None)
         if obj is not None and hasattr(obj, leaf):

@@ -10,6 +10,9 @@ reason strings a user reads are built by the rules from these answers.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
 import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import TensorMetadata
@@ -81,7 +84,7 @@ def const(gm: fx.GraphModule, value, depth: int = 6) -> torch.Tensor | None:
     with torch.no_grad():
         if value.op == "call_method":
             return getattr(args[0], str(value.target))(*args[1:], **value.kwargs)
-        return value.target(*args, **value.kwargs)
+        return cast(Callable[..., Any], value.target)(*args, **value.kwargs)
 
 
 def describe_source(node) -> str:
@@ -127,8 +130,9 @@ def perm_of(node: fx.Node) -> list[int] | None:
             return ident if name == "t" else None
         ident[-2], ident[-1] = ident[-1], ident[-2]
         return ident
+    dims: list[object]
     if name == "permute":
-        dims = list(node.args[1:]) or list(node.kwargs.get("dims") or ())
+        dims = list(node.args[1:]) or list(cast(Sequence[object], node.kwargs.get("dims") or ()))
         if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
             dims = list(dims[0])
     else:
@@ -136,10 +140,10 @@ def perm_of(node: fx.Node) -> list[int] | None:
                 arg(node, 2, "dim1", node.kwargs.get("axis1"))]
     if not dims or not all(isinstance(d, int) for d in dims) or rank == 0:
         return None
-    dims = [d % rank for d in dims]
+    perm = [cast(int, d) % rank for d in dims]
     if name == "permute":
-        return dims if sorted(dims) == ident else None
-    ident[dims[0]], ident[dims[1]] = ident[dims[1]], ident[dims[0]]
+        return perm if sorted(perm) == ident else None
+    ident[perm[0]], ident[perm[1]] = ident[perm[1]], ident[perm[0]]
     return ident
 
 

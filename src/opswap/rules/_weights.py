@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -88,8 +89,8 @@ def weighted(gm: fx.GraphModule, node: fx.Node) -> Weighted | str:
             if not isinstance(mod, nn.Linear):
                 return f"{node.name} is a {type(mod).__name__}, not an nn.Linear"
             return Weighted(node, mod.weight, mod.bias, mod)
-        if getattr(mod, "fused_activation", None):
-            return (f"{node.name} already applies a fused {mod.fused_activation}, so nothing "
+        if fused := getattr(mod, "fused_activation", None):
+            return (f"{node.name} already applies a fused {fused}, so nothing "
                     "after it can be folded into its weights")
         if not isinstance(mod, nn.modules.conv._ConvNd):
             return f"{node.name} is a {type(mod).__name__}, not a standard convolution"
@@ -180,6 +181,7 @@ def batch_norm(gm: fx.GraphModule, node: fx.Node) -> BatchNormParts | str:
         return BatchNormParts(node, node, mod.running_mean, mod.running_var, float(mod.eps),
                               mod.weight, mod.bias)
     name = raw_name(node)
+    order: dict[str, int | None]
     if node.target is F.batch_norm:
         order = dict(mean=1, var=2, weight=3, bias=4, training=5, eps=7)
     elif name == "batch_norm":
@@ -200,7 +202,7 @@ def batch_norm(gm: fx.GraphModule, node: fx.Node) -> BatchNormParts | str:
         return f"BatchNorm {node.name}'s training flag is computed at run time"
     if get["mean"] is None or get["var"] is None:
         return f"BatchNorm {node.name} has no running statistics, so it uses batch statistics"
-    tensors = {}
+    tensors: dict[str, torch.Tensor | None] = {}
     for k in ("mean", "var", "weight", "bias"):
         if get[k] is None:
             tensors[k] = None
@@ -217,8 +219,9 @@ def batch_norm(gm: fx.GraphModule, node: fx.Node) -> BatchNormParts | str:
     out = _bn_out(node)
     if isinstance(out, str):
         return out
-    return BatchNormParts(node, out, tensors["mean"], tensors["var"], float(eps),
-                          tensors["weight"], tensors["bias"])
+    # mean and var were checked above to be given and constant
+    mean, var = cast(torch.Tensor, tensors["mean"]), cast(torch.Tensor, tensors["var"])
+    return BatchNormParts(node, out, mean, var, float(eps), tensors["weight"], tensors["bias"])
 
 
 # --------------------------------------------------------------------------- folding

@@ -8,6 +8,7 @@ neither the user's model nor the caller's capture is ever changed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch.fx as fx
 
@@ -48,7 +49,7 @@ class _Snapshot:
             for table, saved in ((m._parameters, params), (m._buffers, buffers),
                                  (m._modules, children)):
                 table.clear()
-                table.update(saved)
+                table.update(cast("dict[str, Any]", saved))  # each saved copy of its table
             for extra in set(m.__dict__) - attrs:  # plain attributes a rewrite added
                 delattr(m, extra)
         gm.graph = self.graph  # the setter re-links the graph to gm and recompiles
@@ -80,7 +81,7 @@ def apply_sites(
     decision whose site no longer exists (an earlier rewrite removed it, or the
     model changed since the plan was written) is reported, not guessed at.
     """
-    gm = copy_module(captured.gm)
+    gm = cast(fx.GraphModule, copy_module(captured.gm))
     out = Applied(captured.derived(gm))
     dirty = False
     last_rule = None

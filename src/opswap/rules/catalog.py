@@ -34,7 +34,7 @@ def builtin_rules() -> list[Rule]:
 
 
 def summary(rules: list[Rule]) -> str:
-    counts = Counter(r.exactness for r in rules)
+    counts: Counter[str] = Counter(r.exactness for r in rules)
     parts = [f"{counts[e]} {e}" for e in EXACTNESS_ORDER if counts[e]]
     return (f"{len(rules)} rules are installed ({', '.join(parts)}); `opswap rules` lists "
             "them.\n")

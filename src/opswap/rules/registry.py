@@ -194,6 +194,8 @@ def _import_user_module(name: str):
         if key in sys.modules:
             return sys.modules[key]
         spec = importlib.util.spec_from_file_location(key, path)
+        # a path ending in .py always gets a spec with the source loader
+        assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[key] = module
         try:
@@ -305,7 +307,7 @@ def select(
     if patterns and not chosen:
         looser = sorted({r.exactness for r in all_rules()
                          if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)},
-                        key=EXACTNESS_ORDER.get)
+                        key=EXACTNESS_ORDER.__getitem__)
         if looser:
             raise RuleError(
                 f"{','.join(patterns)} selects only {looser[0]} rules, which exactness "

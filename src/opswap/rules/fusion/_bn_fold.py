@@ -4,6 +4,8 @@ it runs without conv_bn)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx as fx
 
@@ -18,7 +20,7 @@ from opswap.rules.base import Estimate, Found, Refused
 def fold(w: Weighted, bn: BatchNormParts) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight and bias of `w` followed by `bn`."""
     weight, bias = fold_affine(w, *bn.scale_shift())
-    return weight, bias
+    return weight, cast(torch.Tensor, bias)  # a BatchNorm always has a shift, so a bias
 
 
 def check_fold(gm: fx.GraphModule, src: fx.Node, bn_node: fx.Node,

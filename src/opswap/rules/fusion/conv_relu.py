@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import cast
+
+import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
@@ -9,7 +12,7 @@ from opswap.graph.ops import arg, copy_meta, op_kind
 from opswap.rules._cost import saving
 from opswap.rules._edits import drop_dead_attrs, erase, install_module, swap_in_module
 from opswap.rules._matching import input_of, shared_reason
-from opswap.rules._weights import Weighted, batch_norm, weighted
+from opswap.rules._weights import BatchNormParts, Weighted, batch_norm, weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.fusion._bn_fold import check_fold, fold
 from opswap.rules.fusion._fused_conv_relu import FusedConvReLU
@@ -70,6 +73,7 @@ class ConvReLU(Rule):
         if op_kind(conv) == "conv_transpose":
             return Refused(f"{conv.name} is a transposed convolution; there is no fused ReLU "
                            "kernel for it")
+        w: Weighted | str
         if bn is not None:
             checked = check_fold(gm, conv, bn, conv.name)
             if isinstance(checked, str):
@@ -100,8 +104,10 @@ class ConvReLU(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         conv, bn, w, padding = found["conv"], found["bn"], found["w"], found["padding"]
         relu = found.nodes[-1]
+        bias: torch.Tensor | None
         if bn is not None:
-            weight, bias = fold(w, batch_norm(gm, bn))
+            # check read this BatchNorm's parts, so they are still there
+            weight, bias = fold(w, cast(BatchNormParts, batch_norm(gm, bn)))
         else:
             weight = w.weight.detach().clone()
             bias = None if w.bias is None else w.bias.detach().clone()

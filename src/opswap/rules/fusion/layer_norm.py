@@ -12,6 +12,7 @@ of x (the mean and var are small); nn.LayerNorm reads x once and writes y once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -19,7 +20,7 @@ from torch import nn
 
 from opswap.cost import NodeCost, node_cost
 from opswap.graph.ops import arg, op_kind
-from opswap.graph.shapes import dynamic_dims, info
+from opswap.graph.shapes import TensorInfo, dynamic_dims, info
 from opswap.rules._cost import saving
 from opswap.rules._edits import swap_in_module
 from opswap.rules._matching import const, describe_source
@@ -60,14 +61,14 @@ def _population(var: fx.Node) -> bool:
         return not var.args[2]
     if "unbiased" in var.kwargs:
         return not var.kwargs["unbiased"]
-    return var.kwargs.get("correction", 1) == 0
+    return bool(var.kwargs.get("correction", 1) == 0)
 
 
 def _number(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _split_const(node: fx.Node) -> tuple[fx.Node, object]:
+def _split_const(node: fx.Node) -> tuple[object, object]:
     """(tensor operand, other operand) of a binary op whose other operand is 'the
     second thing' (a number or a node)."""
     a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
@@ -79,7 +80,8 @@ def _root(node: fx.Node, kind: str, power: float) -> fx.Node:
     if op_kind(node) == kind:
         return arg(node, 0, "input")
     if op_kind(node) == "pow" and _number(node.args[1]) == power:
-        return node.args[0]
+        # with a number for exponent, the traced base is a node
+        return cast(fx.Node, node.args[0])
     raise _NotLN
 
 
@@ -143,7 +145,7 @@ def _normalised(n: fx.Node) -> _LayerNorm:
         if not pairs:
             raise _NotLN
         d, s = pairs[0]
-        ve = _root(s, "rsqrt", -0.5)
+        ve = _root(cast(fx.Node, s), "rsqrt", -0.5)  # _is_root checked it is a node
     else:
         raise _NotLN
     if ve is None or not isinstance(d, fx.Node) or op_kind(d) != "sub":
@@ -156,13 +158,14 @@ def _normalised(n: fx.Node) -> _LayerNorm:
     eps = 0.0
     if op_kind(ve) == "add":
         v, e = _split_const(ve)
-        eps = _number(e)
-        if eps is None or not isinstance(v, fx.Node):
+        number = _number(e)
+        if number is None or not isinstance(v, fx.Node):
             raise _NotLN
-        extra = [ve]
+        eps, extra = number, [ve]
     else:
         v, extra = ve, []
-    nodes = [n, s, *extra, d, d.args[1]]
+    # s is a node: only a node has a root read off it above
+    nodes = [n, cast(fx.Node, s), *extra, d, cast(fx.Node, d.args[1])]
     _variance(v, x, dims, nodes)
     return _LayerNorm(x, list(dict.fromkeys(nodes)), n, dims, eps)
 
@@ -287,7 +290,7 @@ class LayerNormFusion(Rule):
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         ln = found["ln"]
-        x_info = info(ln.x)
+        x_info = cast(TensorInfo, info(ln.x))  # check read the shape of x
         norm_shape = x_info.shape[len(x_info.shape) - len(ln.dims):]
         affine = ln.weight is not None or ln.bias is not None
         mod = nn.LayerNorm(norm_shape, eps=ln.eps, elementwise_affine=affine,
@@ -303,9 +306,9 @@ class LayerNormFusion(Rule):
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         ln = found["ln"]
-        if info(ln.x) is None or info(ln.out) is None:
+        x_info, out_info = info(ln.x), info(ln.out)
+        if x_info is None or out_info is None:
             return Estimate(note="shapes unknown")
-        x_info = info(ln.x)
         norm_numel = 1
         for s in x_info.shape[len(x_info.shape) - len(ln.dims):]:
             norm_numel *= s
@@ -313,6 +316,6 @@ class LayerNormFusion(Rule):
         params = n_params * norm_numel * (x_info.nbytes // max(x_info.numel, 1))
         # the same arithmetic in one kernel that reads x (and the parameters) and writes y
         fused = NodeCost(sum(node_cost(n).flops for n in ln.nodes),
-                         x_info.nbytes + info(ln.out).nbytes + params)
+                         x_info.nbytes + out_info.nbytes + params)
         return saving(target, ln.nodes, [fused], f"{len(ln.nodes)} kernels -> 1: the "
                       "intermediates of x's size are no longer written and re-read")

@@ -158,7 +158,7 @@ class ParallelLinear(Rule):
             lin = nn.Linear(weight.shape[1], weight.shape[0], bias=with_bias,
                             dtype=weight.dtype, device=weight.device)
             lin.weight = nn.Parameter(weight, requires_grad=grad)
-            if with_bias:
+            if bias is not None:
                 lin.bias = nn.Parameter(bias, requires_grad=grad)
             target = fresh_path(gm, name)
             gm.add_submodule(target, lin)
@@ -166,7 +166,8 @@ class ParallelLinear(Rule):
                 wide = gm.graph.call_module(target, (x,))
         else:
             wn = new_const(gm, first, f"{name}.weight", weight)
-            args = (x, wn, new_const(gm, first, f"{name}.bias", bias)) if with_bias else (x, wn)
+            args = ((x, wn, new_const(gm, first, f"{name}.bias", bias)) if bias is not None
+                    else (x, wn))
             fn = aten.linear.default if any(is_aten(w.node) for w in members) else F.linear
             with gm.graph.inserting_before(first):
                 wide = gm.graph.call_function(fn, args)
@@ -207,7 +208,8 @@ class ParallelLinear(Rule):
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         nodes, x = list(found.nodes), found["x"]
-        x_bytes = info(x).nbytes if info(x) else 0
+        x_info = info(x)
+        x_bytes = x_info.nbytes if x_info else 0
         gone = [node_cost(n) for n in nodes]
         # same FLOPs, same weights and outputs; x is read once instead of k times
         wide = NodeCost(sum(c.flops for c in gone),

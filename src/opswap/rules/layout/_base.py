@@ -4,7 +4,7 @@ that merge runs of view-like ops."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch.fx as fx
 
@@ -79,7 +79,7 @@ def chain_found(chain: list[fx.Node], what: str, record: dict[str, Any], **data:
 
 def replace_chain(gm: fx.GraphModule, chain: list[fx.Node], op: str | None, arg) -> None:
     """Make the chain's readers read `op(chain input, arg)`, or the input itself (op None)."""
-    src, last = chain[0].args[0], chain[-1]
+    src, last = cast(fx.Node, chain[0].args[0]), chain[-1]
     if op is None:
         last.replace_all_uses_with(src)
     else:

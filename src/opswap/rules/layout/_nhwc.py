@@ -11,6 +11,7 @@ which BatchNorm, activations, pooling and additions preserve.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -73,7 +74,7 @@ def plan_nhwc(gm: fx.GraphModule) -> NhwcPlan:
         return plan
     after = _downstream(plan.convs)  # values computed from a conv output: NHWC once converted
     for c in plan.convs:
-        src = c.args[0]
+        src = cast(fx.Node, c.args[0])  # is_conv4d read its shape
         if src not in after and src not in plan.entries:
             plan.entries.append(src)
     for leaf in _output_leaves(gm):
@@ -123,15 +124,16 @@ def _restrided(w: torch.Tensor) -> torch.Tensor:
 
 def _to_channels_last(gm: fx.GraphModule, conv: fx.Node) -> None:
     if conv.op == "call_module":
-        mod = module_of(conv)
-        w = mod.weight
-        mod.weight = nn.Parameter(_restrided(w), requires_grad=w.requires_grad)
+        mod = cast(nn.Module, module_of(conv))
+        weight = cast(torch.Tensor, mod.weight)
+        mod.weight = nn.Parameter(_restrided(weight), requires_grad=weight.requires_grad)
         return
     w_node = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
     w = attr_tensor(gm, w_node) if isinstance(w_node, fx.Node) else None
     if w is None or w.dim() != 4:
         return  # a weight computed at run time: the conv adapts it itself
-    set_attr_tensor(gm, str(w_node.target), _restrided(w), as_param=isinstance(w, nn.Parameter))
+    target = str(cast(fx.Node, w_node).target)  # w was read from this node
+    set_attr_tensor(gm, target, _restrided(w), as_param=isinstance(w, nn.Parameter))
 
 
 def _convert(gm: fx.GraphModule, node: fx.Node, readers: list[fx.Node], fmt) -> None:
@@ -163,7 +165,7 @@ def rewrite_nhwc(gm: fx.GraphModule, plan: NhwcPlan) -> None:
     for o in plan.outputs:
         _convert(gm, o, [out], torch.contiguous_format)
     for view in plan.views:
-        _convert(gm, view.args[0], [view], torch.contiguous_format)
+        _convert(gm, cast(fx.Node, view.args[0]), [view], torch.contiguous_format)
 
 
 def check_runs(gm: fx.GraphModule) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch.fx as fx
 
 from opswap.rules._cost import bytes_estimate
@@ -23,9 +25,10 @@ def _is_perm(node: fx.Node) -> bool:
 
 
 def _composed(chain: list[fx.Node]) -> Found | None:
-    total = perm_of(chain[0])
+    # every node of the chain passed _is_perm, so each has a permutation
+    total = cast("list[int]", perm_of(chain[0]))
     for n in chain[1:]:
-        total = compose(total, perm_of(n))
+        total = compose(total, cast("list[int]", perm_of(n)))
     identity = total == sorted(total)
     if len(chain) == 1 and not identity:
         return None

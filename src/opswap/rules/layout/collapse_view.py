@@ -13,6 +13,8 @@ from a size that is only known at run time.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx as fx
 
@@ -151,7 +153,8 @@ def _collapsed(chain: list[fx.Node]) -> Found | Refused | None:
     shape, reason = collapsed_shape(chain)
     if reason:
         return Refused(reason, chain[-1])
-    src = chain[0].args[0].name
+    assert shape is not None  # collapsed_shape gives either a shape or a reason
+    src = cast(fx.Node, chain[0].args[0]).name
     shown = [a.name if isinstance(a, fx.Node) else
              "*".join(f"{src}.size({d})" for d in a) if isinstance(a, tuple) else a
              for a in shape]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch.fx as fx
 from torch import nn
@@ -30,7 +32,9 @@ def dropout_state(node: fx.Node) -> tuple[object, object, str] | None:
         p, training = arg(node, 1, "p", 0.5), arg(node, 2, "train", True)
     else:
         try:
-            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+            # a call_method's target is a method name, which signature() refuses (TypeError)
+            target = cast(Callable[..., Any], node.target)
+            bound = inspect.signature(target).bind(*node.args, **node.kwargs)
             bound.apply_defaults()
             p, training = bound.arguments.get("p", 0.5), bound.arguments.get("training", True)
         except (TypeError, ValueError):

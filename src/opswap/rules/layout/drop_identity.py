@@ -84,7 +84,7 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Verdict:
                            "callers may pass with any strides")
         return Found((node,), f"{src.name} is already contiguous")
     # clone / _to_copy: a fresh copy. Dropping it only changes who shares memory.
-    if info(node) is None or info(node).dtype != i.dtype:
+    if (out := info(node)) is None or out.dtype != i.dtype:
         return None
     if s_in != s_out or [st for _, st in strides_seen(src)] != [st for _, st in strides_seen(node)]:
         return None  # a copy that changes the layout is a real op: not a near miss

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -28,7 +30,7 @@ def constant_transpose_check(gm, node: fx.Node, perm: list[int]) -> Verdict:
     mms = [u for u in node.users if is_matmul(u)]
     if not mms:
         return None
-    w_node = node.args[0]
+    w_node = cast(fx.Node, node.args[0])  # perm_of found a node there
     w = attr_tensor(gm, w_node)
     if w is None:
         return Refused(f"{w_node.name} is not a tensor constant")
@@ -145,5 +147,6 @@ class PermuteMatmul(LayoutRule):
                 else "no data moved per call before either")
         if len(tr.args[0].users) > 1:
             note += f"; {tr.args[0].name} is also read elsewhere, so both layouts are stored"
-        return bytes_estimate(2 * i.nbytes if copied else 0, target, f"{note}; {fewer(1)}",
+        moved = 2 * i.nbytes if copied and i is not None else 0
+        return bytes_estimate(moved, target, f"{note}; {fewer(1)}",
                               kernels_saved=1 if copied else 0, views_saved=0 if copied else 1)
