@@ -40,7 +40,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -251,7 +251,7 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
         compile = _compiled(result) if result.is_file() else False
     module = load_program(pt2)
     if compile:
-        return torch.compile(module)
+        return cast(nn.Module, torch.compile(module))  # an OptimizedModule for a module
     return module
 
 

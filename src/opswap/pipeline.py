@@ -21,6 +21,7 @@ from opswap.bench.variants import parse_compare
 from opswap.errors import RuleError, VerificationError
 from opswap.graph.capture import Captured
 from opswap.graph.copies import describe_hooks
+from opswap.graph.dynamic import Dynamic
 from opswap.planner import Plan, make_plan
 from opswap.result import Result
 from opswap.rules.base import EXACTNESS_ORDER
@@ -45,7 +46,8 @@ class OptimizeConfig:
     run could not use is refused when the config is made, in one sentence."""
 
     target: str = "cpu"
-    rules: list[str] = field(default_factory=list)  # glob patterns; empty = every rule
+    # glob patterns, or one comma-separated string of them (made a list); empty = every rule
+    rules: list[str] | str = field(default_factory=list)
     exactness: str = "exact"  # loosest rule class allowed: exact < approx < lossy
     budget: str | None = None  # e.g. "cosine>=0.9999"; default follows exactness
     samples: int = 3  # random input samples verification runs on
@@ -132,7 +134,8 @@ def optimize(
 def _result(run: Run, pruned: Pruned, raced, before, after, layers,
             info: dict[str, Any]) -> Result:
     """The stages' values gathered into one Result; `raced` is the race, None untimed."""
-    dynamic, notes = run.captured.dynamic, []
+    dynamic: Dynamic | None = run.captured.dynamic
+    notes: list[str] = []
     if raced is not None:
         saved = raced.artifacts.get("candidate" if SAVES.get(raced.winner.name) == "candidate"
                                     else "input")

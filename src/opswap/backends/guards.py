@@ -22,6 +22,7 @@ import ast
 import inspect
 import re
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -37,7 +38,7 @@ _NODES = (ast.Expression, ast.Compare, ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.C
 _SIZE = re.compile(r"(\w+)\.size\(\)\[(\d+)\]")
 
 
-def guards_code(program, module: torch.nn.Module) -> tuple[list[str], list[str]] | None:
+def guards_code(program, module: torch.fx.GraphModule) -> tuple[list[str], list[str]] | None:
     """The guards torch's `module()` checks, as expressions over `L['name']`, and the input
     names in placeholder order; None where this torch does not say (torch < 2.9 has no
     `_guards_code`) or the inputs are not plain positional tensors."""
@@ -51,7 +52,7 @@ def guards_code(program, module: torch.nn.Module) -> tuple[list[str], list[str]]
     code = getattr(program, "_guards_code", None)
     if code is None or not all(helpers) or not program.example_inputs:
         return None
-    paths_of, input_guards, ep_match, gm_match = helpers
+    paths_of, input_guards, ep_match, gm_match = cast(list[Callable[..., Any]], helpers)
     try:
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
         sig = inspect.signature(module.forward)
@@ -112,10 +113,10 @@ def compile_guards(guards: list[str], names: list[str], known: frozenset[str] = 
         text = ast.unparse(tree)
         if text not in known and text not in shown:
             shown.append(text)
-    namespace = {k: SYMPY_INTERP[k] for k in _NAMES if k in SYMPY_INTERP}
+    namespace: dict[str, Any] = {k: SYMPY_INTERP[k] for k in _NAMES if k in SYMPY_INTERP}
     namespace.update(math=math, torch=torch)
     params = ", ".join(names)
-    each = []
+    each: list[tuple[str, Callable[..., bool]]] = []
     if not shown:
         return None, each
     body = " and ".join(f"({s})" for s in shown)

@@ -35,10 +35,10 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 
 @dataclass
@@ -149,7 +149,8 @@ def _dynamic_export(model: nn.Module, inputs: tuple, shapes, dynamic):
     if not hasattr(_config, "backed_size_oblivious") or _admits(ep, inputs, dynamic):
         return ep
     try:
-        with _config.patch(backed_size_oblivious=True):
+        # torch's config modules gain `patch` at import (install_config_module)
+        with _config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             other = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
     except Exception:  # e.g. a data-dependent branch it cannot decide
         return ep
@@ -164,7 +165,8 @@ def load(path: str | Path) -> nn.Module:
 
     program = read_program(str(path))
     try:  # check_guards: torch >= 2.9, where module() builds the _guards_fn this replaces
-        module = program_module(program, check_guards=False)
+        # module() builds a GraphModule (torch.export._unlift)
+        module = cast(fx.GraphModule, program_module(program, check_guards=False))
     except TypeError:
         return program_module(program)
     compiled = _compiled_guards(program, module)
@@ -173,7 +175,7 @@ def load(path: str | Path) -> nn.Module:
     return _lean(module, Path(path).name, *compiled)
 
 
-def _compiled_guards(program, module: nn.Module):
+def _compiled_guards(program, module: fx.GraphModule):
     """(input names, the all-guards predicate, each guard) or None (see backends.guards)."""
     from opswap.backends import guards
 
@@ -190,7 +192,7 @@ def _compiled_guards(program, module: nn.Module):
     return None if compiled is None else (names, *compiled)
 
 
-def _lean(module: nn.Module, name: str, names: list[str], holds, each) -> nn.Module:
+def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> nn.Module:
     """`module` (built without torch's guard function) with one pre-hook that checks the
     inputs: count (positional, or by the recorded names), then rank, dtype and the fixed
     sizes (graph.dynamic.check_inputs, the in-memory result's check too), then `holds`,
@@ -237,7 +239,9 @@ def _lean(module: nn.Module, name: str, names: list[str], holds, each) -> nn.Mod
             raise InputError(refusal(name, args, names, each))
         return out
 
-    module.validate_inputs = False  # torch's pre-hook re-walks the input pytree: ~40 µs
+    # torch's pre-hook re-walks the input pytree: ~40 µs (Module.__setattr__'s stub takes
+    # only tensors and modules)
+    module.validate_inputs = False  # type: ignore[assignment]
     module.register_forward_pre_hook(check, with_kwargs=True)
     return module
 

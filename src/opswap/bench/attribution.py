@@ -30,7 +30,7 @@ the left-out one is matched on the graph as it then is.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,7 +187,7 @@ def reconcile(att: Attribution, race=None, pruned=()) -> Attribution:
     return att
 
 
-def attribute(full: Callable, none: Callable, without: dict[str, tuple[Callable, int, float]],
+def attribute(full: Callable, none: Callable, without: Mapping[str, tuple[Callable, int, float]],
               inputs: tuple, device="cpu", *, min_time_s: float = 0.5, max_time_s: float = 8.0,
               rel_width: float = 0.06, copy: bool = False) -> Attribution:
     """Time `full` (the candidate), `none` (the capture with no rule) and, per rule,

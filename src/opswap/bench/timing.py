@@ -177,7 +177,7 @@ def benchmark(
             if gc_was_enabled:
                 gc.enable()
 
-    if settled is False and len(rounds) >= 3:
+    if settled is False and rel_width is not None and len(rounds) >= 3:
         settled = _narrow(rounds, names, rel_width)  # the last rounds may have narrowed it
     stats = {n: Stats(n, [rd[n] for rd in rounds], inner[n]) for n in names}
     return BenchResult(stats, rounds, order, describe_device(dev), warmup, settled, rel_width)

@@ -29,7 +29,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -191,7 +191,7 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
     from opswap.graph.copies import preserved_state
 
     runnable = [v for v in variants if v.fn is not None and v.verified]
-    fns = {v.name: caller(v.fn, inputs, copy) for v in runnable}
+    fns = {v.name: caller(cast(Callable, v.fn), inputs, copy) for v in runnable}
     mods = [v.fn for v in runnable]
     with torch.inference_mode(), preserved_state(*mods):
         res = benchmark(fns, warmup=3, repeats=15, min_time_s=min_time_s, max_time_s=max_time_s,
@@ -230,7 +230,8 @@ def model_bench(res, variants: list[Variant], inputs: tuple, device: torch.devic
     with torch.inference_mode(), preserved_state(by["input"].fn, by[opt].fn):
         for name in ("input", opt):
             try:
-                peaks[name] = peak_memory(caller(by[name].fn, inputs, copy), device=device).peak_bytes
+                fn = cast(Callable, by[name].fn)  # raced, so it has a function
+                peaks[name] = peak_memory(caller(fn, inputs, copy), device=device).peak_bytes
             except Exception as e:  # memory is a bonus; the timing stands without it
                 notes.append(f"peak memory not measured: {type(e).__name__}: {str(e)[:120]}")
                 break
@@ -265,14 +266,15 @@ def best(timings: list[VariantTiming], files_ok: set[str] | None = None) -> Vari
     is conservative: a variant must clear UNSETTLED_MARGIN at its interval's lower end, and
     the highest lower end wins, not the lowest median."""
     by = {t.name: t for t in timings}
+    # a timing that is faster has its ms and ci_low (the casts below)
     faster = [t for t in timings if t.verified and t.name != "input" and t.ms is not None
               and (files_ok is None or t.name in files_ok) and t.faster
-              and (t.settled is not False or t.ci_low > UNSETTLED_MARGIN)]
+              and (t.settled is not False or cast(float, t.ci_low) > UNSETTLED_MARGIN)]
     if not faster:
         return by["input"]
     if any(t.settled is False for t in timings if t.ms is not None):
-        return max(faster, key=lambda t: t.ci_low)
-    return min(faster, key=lambda t: t.ms)
+        return max(faster, key=lambda t: cast(float, t.ci_low))
+    return min(faster, key=lambda t: cast(float, t.ms))
 
 
 def saved_verification(variants: list[Variant]) -> dict[str, dict[str, Any] | None]:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.text import Text
 
 from opswap.cli import consoles
 from opswap.errors import OpswapError
+
+if TYPE_CHECKING:
+    from click.exceptions import ClickException
 
 EXIT_STATUS = (
     "Exit status, the same for every command: 0 when everything asked for was done and "
@@ -100,9 +103,9 @@ def check_outputs(json_path: Path | None, out: Path | None = None, *, out_dir: b
             raise OpswapError(f"{opt} {path} lies under {parent}, which is a file; name another path.")
 
 
-def _click_errors() -> tuple[type[Exception], ...]:
+def _click_errors() -> tuple[type[ClickException], ...]:
     """ClickException of the click copy newer typer vendors and of the click package that
-    older typer runs on; either may be absent."""
+    older typer runs on; either may be absent (the two classes have the same interface)."""
     found = []
     for module in ("typer._click.exceptions", "click.exceptions"):
         try:

@@ -51,7 +51,7 @@ def rules(rows: list[dict], wide: bool) -> None:
         return
     table = Table(title=n(len(rows), "rule"))
     # on a narrow terminal the family (the name's first part) gives its room to the text
-    cols = ("name", "family", "ch.", "exactness", "targets", "what it does")
+    cols: tuple[str, ...] = ("name", "family", "ch.", "exactness", "targets", "what it does")
     if console.width < 120:
         cols = tuple(c for c in cols if c != "family")
     if any(r["origin"] != "opswap" for r in rows):

@@ -341,7 +341,7 @@ def render(analysis: Analysis, console=None, *, top: int | None = None,
     Ops that cost nothing (views, eval dropout) are left out unless show_free;
     `top` keeps only the costliest rows (shown in graph order).
     """
-    from rich.console import Console
+    from rich.console import Console, JustifyMethod
     from rich.markup import escape
     from rich.table import Table
 
@@ -356,9 +356,11 @@ def render(analysis: Analysis, console=None, *, top: int | None = None,
 
     t = Table(title=escape(f"{a.model} on {a.target.name} ({a.target.description})"),
               title_justify="left")
-    for col, justify in (("name", "left"), ("op", "left"), ("category", "left"),
-                         ("shapes", "left"), ("FLOPs", "right"), ("bytes", "right"),
-                         ("intensity", "right"), ("bound", "left"), ("share", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("name", "left"), ("op", "left"), ("category", "left"), ("shapes", "left"),
+        ("FLOPs", "right"), ("bytes", "right"), ("intensity", "right"), ("bound", "left"),
+        ("share", "right"))
+    for col, justify in columns:
         t.add_column(col, justify=justify, overflow="fold")
     for r in rows:
         bound = {"compute": "[magenta]compute[/]", "memory": "[cyan]memory[/]"}.get(r.bound, "-")

@@ -17,6 +17,8 @@ Conventions:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -57,8 +59,9 @@ def conv_flops(x_shape, w_shape, out_shape, transposed: bool = False) -> int:
 def _conv(node: fx.Node, kind: str) -> int:
     mod = module_of(node)
     x, out = shape_of(node.args[0]), shape_of(node)
+    w: tuple[int, ...] | None
     if mod is not None:
-        w = tuple(mod.weight.shape)
+        w = tuple(cast(torch.Tensor, mod.weight).shape)
     else:
         w = shape_of(arg(node, 1, "weight"))
     if x is None or w is None or out is None:
@@ -80,7 +83,7 @@ def _einsum(node: fx.Node) -> int:
     lhs, _, rhs = eq.replace(" ", "").partition("->")
     sizes: dict[str, int] = {}
     for term, s in zip(lhs.split(","), shapes, strict=False):
-        for letter, n in zip(term, s, strict=False):
+        for letter, n in zip(term, cast(tuple[int, ...], s), strict=False):  # no None here
             sizes[letter] = int(n)
     total = prod(sizes.values())
     contracted = set(sizes) - set(rhs) if "->" in eq else set()
@@ -111,7 +114,7 @@ def _linear(node: fx.Node) -> int:
     if isinstance(mod, nn.Bilinear):
         return 2 * out_numel(node) * mod.in1_features * mod.in2_features
     if mod is not None:
-        k = mod.in_features
+        k = cast(int, mod.in_features)
     else:
         w = shape_of(arg(node, 1, "weight"))
         if not w:
@@ -192,7 +195,7 @@ def _module_flops_measured(node: fx.Node) -> int | None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    mod = module_of(node)
+    mod = cast(nn.Module, module_of(node))  # a call_module node (node_flops)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             def fake(v):
@@ -246,7 +249,8 @@ def node_flops(node: fx.Node) -> int:
     if kind == "embedding_bag":
         ins = tensor_inputs(node, skip=(0,)) if module_of(node) is None else tensor_inputs(node)
         mod = module_of(node)
-        dim = mod.embedding_dim if mod is not None else (shape_of(node.args[0]) or (0, 0))[-1]
+        dim = (cast(int, mod.embedding_dim) if mod is not None
+               else (shape_of(node.args[0]) or (0, 0))[-1])
         return (ins[0][1].numel if ins else 0) * dim
     if kind == "upsample":
         return upsample(node)

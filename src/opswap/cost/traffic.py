@@ -18,6 +18,7 @@ An embedding reads only the rows it gathers (plus the indices), not the table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -111,7 +112,7 @@ def _getitem(node: fx.Node) -> Traffic:
     src = node.args[0] if node.args else None
     index = node.args[1] if len(node.args) > 1 else None
     src_info = tinfo(src)
-    if src_info is None or len(out_infos(src)) > 1:
+    if src_info is None or len(out_infos(cast(fx.Node, src))) > 1:  # src: a node here
         return _FREE  # picking one output of a tuple-returning op
     items = index if isinstance(index, (list, tuple)) else (index,)
     tensor_index = [i for i in items if isinstance(i, fx.Node) and tinfo(i) is not None]
@@ -138,7 +139,7 @@ def _embedding(node: fx.Node) -> Traffic:
     index_bytes = sum(ti.nbytes for _, ti in idx)
     if op_kind(node) == "embedding_bag":
         mod = module_of(node)
-        table = mod.weight if mod is not None else tinfo(node.args[0])
+        table = cast(torch.Tensor, mod.weight) if mod is not None else tinfo(node.args[0])
         row = (table.shape[-1] if table is not None else 0) * _itemsize_of(node)
         gathered = (idx[0][1].numel if idx else 0) * row
     else:

@@ -17,7 +17,7 @@ import linecache
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar, cast
 
 import torch
 import torch.fx as fx
@@ -39,6 +39,7 @@ from opswap.graph.shapes import propagate
 __all__ = ["Captured", "Check", "as_inputs", "capture", "copy_module", "quiet_deepcopy"]
 
 Method = Literal["auto", "fx", "export"]
+_M = TypeVar("_M", bound=nn.Module)
 
 
 class Check(Protocol):
@@ -95,7 +96,7 @@ class Captured:
                         self.probes, self.rounding, list(self.writes_inputs))
 
 
-def copy_module(module: nn.Module) -> nn.Module:
+def copy_module(module: _M) -> _M:
     """A private deep copy of a module (weights included; the user's hooks dropped)."""
     return private_copy(module)
 
@@ -113,7 +114,7 @@ def _where(exc: BaseException) -> str:
     if not user:
         return ""
     f = user[-1]
-    src = (f.line or linecache.getline(f.filename, f.lineno)).strip()
+    src = (f.line or linecache.getline(f.filename, cast(int, f.lineno))).strip()
     return f"{os.path.basename(f.filename)}:{f.lineno}: `{src}`"
 
 
@@ -262,7 +263,9 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
                      f"{', '.join(str(i) for i in written)}; opswap runs it on a fresh copy of "
                      "the inputs each time (timings include that copy for every variant).")
     rounding = check.rounding(model, inputs) if check is not None else None
-    order = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
+    orders: dict[str, tuple[Literal["fx", "export"], ...]] = {
+        "auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}
+    order = orders[method]
     for how in order:
         build = _fx if how == "fx" else _export
         name = "FX symbolic tracing" if how == "fx" else "torch.export"

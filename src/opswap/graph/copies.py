@@ -20,6 +20,7 @@ import copy
 import functools
 import importlib
 import warnings
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ _HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
 # parametrisation classes torch.nn.utils.parametrizations registers, by the name users know
 _PARAMETRIZATIONS = {"_WeightNorm": "weight_norm", "_SpectralNorm": "spectral_norm",
                      "_Orthogonal": "orthogonal"}
+_M = TypeVar("_M", bound=nn.Module)
 
 
 @functools.cache
@@ -145,7 +147,7 @@ def _detached(module: nn.Module) -> dict[int, torch.Tensor]:
     return memo
 
 
-def private_copy(module: nn.Module, *, keep_hooks: bool = False) -> nn.Module:
+def private_copy(module: _M, *, keep_hooks: bool = False) -> _M:
     """A deep copy of `module` (weights included) that opswap may run and change; the
     user's forward/backward hooks are dropped unless `keep_hooks`, the hooks and
     parametrisations that compute weights are kept."""
@@ -162,8 +164,9 @@ def private_copy(module: nn.Module, *, keep_hooks: bool = False) -> nn.Module:
                     dropped.append(key)
             for table in _HOOK_FLAGS:
                 flags = getattr(m, table, None)
-                for key in dropped if flags else ():
-                    flags.pop(key, None)
+                if flags:
+                    for key in dropped:
+                        flags.pop(key, None)
     return out
 
 
@@ -197,8 +200,8 @@ def _unparametrize(m: nn.Module) -> list[tuple[str, str]]:
     user's module would lose its weight."""
     found = []
     with torch.no_grad():
-        for name, plist in m.parametrizations.items():
-            original = plist.original if plist.is_tensor else plist.original0
+        for name, plist in cast(nn.ModuleDict, m.parametrizations).items():
+            original = cast(torch.Tensor, plist.original if plist.is_tensor else plist.original0)
             value = getattr(m, name).detach().clone()
             found.append((name, _parametrization_kind(plist), value,
                           isinstance(original, nn.Parameter), original.requires_grad))

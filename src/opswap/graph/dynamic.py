@@ -210,8 +210,8 @@ def _resize(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     keeps the run of ones it had at its end."""
     cur = x.shape[dim]
     if n <= cur:
-        last = dim in (-1, x.dim() - 1)
-        start = cur - n if n < cur and last and step_rows(x) == "tail" else 0
+        last_dim = dim in (-1, x.dim() - 1)
+        start = cur - n if n < cur and last_dim and step_rows(x) == "tail" else 0
         y = x.narrow(dim, start, n)
     else:
         last = x.narrow(dim, cur - 1, 1)

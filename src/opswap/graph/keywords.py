@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import keyword
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -85,10 +85,10 @@ def _fresh(wish: str, fallback: str, taken: set[str]) -> str:
 # A layout is one (kind, key, param) per argument of the call: kind "arg" (key "#i") or
 # "kw" (key: the keyword); param is the forward parameter feeding it, None for a constant.
 Layout = tuple[tuple[str, str, str | None], ...]
-_CLASSES: dict[Layout, type] = {}
+_CLASSES: dict[Layout, type[KeywordCall]] = {}
 
 
-def _class_for(layout: Layout) -> type:
+def _class_for(layout: Layout) -> type[KeywordCall]:
     """The KeywordCall subclass whose forward has one named parameter per input: FX traces
     a module's class forward and names placeholders after its parameters, and `*inputs`
     would reach the model as one tuple proxy."""
@@ -109,8 +109,8 @@ def _class_for(layout: Layout) -> type:
               f"    return self.model({', '.join(call)})\n")
     namespace: dict[str, Any] = {}
     exec(compile(source, "<opswap.graph.keywords>", "exec"), namespace)  # noqa: S102
-    cls = type("KeywordCall", (KeywordCall,), {"forward": namespace["forward"],
-                                               "__module__": __name__, "_layout": layout})
+    cls = cast(type[KeywordCall], type("KeywordCall", (KeywordCall,), {
+        "forward": namespace["forward"], "__module__": __name__, "_layout": layout}))
     _CLASSES[layout] = cls
     return cls
 
@@ -136,6 +136,8 @@ class KeywordCall(nn.Module):
     """
 
     _layout: Layout = ()
+    model: nn.Module
+    bound: dict[str, Any]
 
     @staticmethod
     def wrap(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -230,7 +231,8 @@ def raw_name(node: fx.Node) -> str:
 
 
 def _owner(node: fx.Node) -> nn.Module:
-    return node.graph.owning_module
+    # the nodes opswap reads live in a GraphModule's graph
+    return cast(fx.GraphModule, node.graph.owning_module)
 
 
 def module_of(node: fx.Node) -> nn.Module | None:
@@ -260,8 +262,8 @@ def op_kind(node: fx.Node) -> str:
     name = raw_name(node)
     if name == "getattr" and node.args[1:2] in (("T",), ("mT",), ("mH",)):
         return "transpose"  # FX traces x.T and x.mT as getattr(x, "T")
-    kind = _NAME_KINDS.get(name) or _NAME_KINDS.get(name.rstrip("_"))
-    return kind if kind else f"unknown:{name}"
+    found = _NAME_KINDS.get(name) or _NAME_KINDS.get(name.rstrip("_"))
+    return found if found else f"unknown:{name}"
 
 
 def category(node: fx.Node) -> str:
@@ -299,12 +301,13 @@ def copy_meta(new: fx.Node, old: fx.Node) -> None:
 # --------------------------------------------------------------------------- tensors of a node
 
 
-def attr_tensor(gm: nn.Module, node_or_value) -> torch.Tensor | None:
-    """The constant tensor behind a get_attr node (or the value itself if already a tensor)."""
+def attr_tensor(gm: nn.Module | None, node_or_value) -> torch.Tensor | None:
+    """The constant tensor behind a get_attr node (or the value itself if already a tensor);
+    None for a node of a graph no module owns (`gm` None)."""
     if isinstance(node_or_value, torch.Tensor):
         return node_or_value
     if isinstance(node_or_value, fx.Node) and node_or_value.op == "get_attr":
-        obj = gm
+        obj: Any = gm
         for part in str(node_or_value.target).split("."):
             obj = getattr(obj, part, None)
             if obj is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from opswap.errors import SpecError
 from opswap.models._common import LoadedModel, parse_overrides, parse_value
@@ -71,7 +72,7 @@ def with_weights(loaded: LoadedModel, path: str, tensors: dict | None = None) ->
         tensors = read_state_dict(path)
 
     sizes = dict(loaded.settings)
-    config = getattr(loaded.module, "config", None)
+    config: Any = getattr(loaded.module, "config", None)
     if hasattr(config, "to_dict"):
         sizes.update({k: v for k, v in config.to_dict().items() if k not in sizes})
     record = load_weights(loaded.module, tensors, path, loaded.spec, sizes)

@@ -223,6 +223,7 @@ def _transformer(f: _Fields, out: dict[str, Any], old: dict[int, int]) -> None:
     """Hidden size, heads (query and key-value), head size, feed-forward and expert sizes."""
     name, h0 = f.first("hidden_size", _HIDDEN)
     if name is not None:
+        assert h0 is not None  # first() finds a name and its int together
         hidden = min(h0, HIDDEN)
         out[name] = old[h0] = hidden
         _, heads0 = f.first("num_attention_heads", _HEADS)

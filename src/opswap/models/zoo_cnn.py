@@ -7,6 +7,8 @@ model's docstring, and tests/models/test_zoo.py counts them in the graph.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -24,8 +26,9 @@ def realistic_batchnorm(model: nn.Module) -> None:
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 n = m.num_features
-                m.running_mean.copy_(torch.randn(n) * 0.2)
-                m.running_var.copy_(torch.rand(n) * 1.5 + 0.5)
+                # the zoo's BatchNorm layers track running statistics
+                cast(torch.Tensor, m.running_mean).copy_(torch.randn(n) * 0.2)
+                cast(torch.Tensor, m.running_var).copy_(torch.rand(n) * 1.5 + 0.5)
                 if m.affine:
                     m.weight.copy_(torch.rand(n) * 1.0 + 0.5)
                     m.bias.copy_(torch.randn(n) * 0.1)

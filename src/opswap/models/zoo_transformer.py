@@ -66,6 +66,8 @@ class DecomposedLayerNorm(nn.Module):
 
 
 class BertEmbeddings(nn.Module):
+    position_ids: torch.Tensor  # a buffer
+
     def __init__(self, vocab: int, hidden: int, max_positions: int, dropout: float):
         super().__init__()
         self.word = nn.Embedding(vocab, hidden)
@@ -213,6 +215,10 @@ def _rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:
 
 class CausalSelfAttention(nn.Module):
     """Separate Q, K, V (no bias), rotary positions, causal mask from a buffer, softmax, @ v."""
+
+    future_mask: torch.Tensor  # buffers
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, hidden: int, heads: int, max_positions: int, rope_base: float):
         super().__init__()

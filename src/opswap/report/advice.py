@@ -9,6 +9,7 @@ the bottlenecks it relieves (`Rule.relieves`, "bound:category" keys such as
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch.fx as fx
 
@@ -33,7 +34,8 @@ class RuleAdvice:
 
     def _matches(self, rule: Rule) -> list:
         if rule.name not in self._found:
-            self._found[rule.name] = rule.match(self.gm)
+            # called only with a graph (__call__)
+            self._found[rule.name] = rule.match(cast(fx.GraphModule, self.gm))
         return self._found[rule.name]
 
     def __call__(self, r: OpRow, target: Target) -> str:

@@ -24,6 +24,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -157,7 +158,7 @@ def _memory_bytes() -> int:
         return 0
 
 
-def preferred_layout() -> str:
+def preferred_layout() -> Literal["channels_last", "contiguous"]:
     """channels_last where oneDNN runs the convolutions: its NHWC kernels avoid the
     reorders an NCHW conv pays on every call (measured here, batch 8, layout.channels_last
     alone: zoo:resnet 4.25 -> 3.07 ms, zoo:mobilenet 2.46 -> 1.94 ms). Not measured per

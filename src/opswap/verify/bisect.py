@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from opswap.errors import VerificationError
 from opswap.graph.capture import Captured
@@ -31,6 +31,18 @@ def _prefix(plan: Plan, k: int) -> Plan:
     p = copy.copy(plan)
     p.decisions = list(plan.decisions[:k])
     return p
+
+
+@overload
+def find_culprit(
+    plan: Plan, check: Callable[[Plan], bool], *, passing: int = 0, failing: int
+) -> int: ...
+
+
+@overload
+def find_culprit(
+    plan: Plan, check: Callable[[Plan], bool], *, passing: int = 0, failing: None = None
+) -> int | None: ...
 
 
 def find_culprit(

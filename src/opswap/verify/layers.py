@@ -122,6 +122,7 @@ class LayerReport:
             shown = shown[:max_rows]
         for i, r in shown:
             m = r.metrics
+            assert m is not None  # shown holds only rows with metrics
             flag = " <--" if mark is not None and mark.index == i else ""
             lines.append(f"{i:>3}  {r.name[:24]:<24} {r.op[:14]:<14} {r.module[:20]:<20} "
                          f"{r.paired_by:<8} {m.max_abs:>9.2e} {m.cosine:>12.9f} "
