@@ -9,7 +9,7 @@ from torch import nn
 from opswap.graph import op_kind
 from opswap.pipeline import OptimizeConfig
 from opswap.rules import registry
-from opswap.rules.base import Rule
+from opswap.rules.base import Found, Rule
 from opswap.stages import Checked, Pruned, Run, capture_stage, plan_and_verify, prune, race
 from opswap.targets import Target
 from opswap.verify.tolerance import tolerance_for
@@ -23,12 +23,14 @@ class _Scale(Rule):
     chapter = 3
     exactness = "exact"
 
-    def match(self, gm):
-        return [self.site(n.name, [n], "scale by 1.01") for n in gm.graph.nodes
-                if op_kind(n) == "relu"][:1]
+    anchors = ("relu",)
 
-    def rewrite(self, gm, site):
-        node = next(n for n in gm.graph.nodes if n.name == site.key)
+    def check(self, gm, n):
+        first = next(m for m in gm.graph.nodes if op_kind(m) == "relu")
+        return Found((n,), "scale by 1.01") if n is first else None
+
+    def rewrite(self, gm, found):
+        node = found.nodes[0]
         with gm.graph.inserting_after(node):
             new = gm.graph.call_function(torch.mul, (node, 1.01))
         node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)

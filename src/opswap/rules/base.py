@@ -124,7 +124,7 @@ class Site:
             "nodes": list(self.nodes),
             "description": self.description,
             "data": self.data,
-            "anchor": self.anchor,
+            **({"anchor": self.anchor} if self.anchor else {}),  # plans from before have none
         }
 
 
