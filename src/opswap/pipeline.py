@@ -17,13 +17,15 @@ from torch import nn
 from opswap.artifact import SAVES, file_claim
 from opswap.bench.attribution import Attribution
 from opswap.bench.device import check_device
-from opswap.bench.variants import parse_compare
+from opswap.bench.variants import Race, parse_compare
+from opswap.cost.analyze import Analysis
 from opswap.errors import RuleError, VerificationError
 from opswap.graph.capture import Captured
 from opswap.graph.copies import describe_hooks
 from opswap.graph.dynamic import Dynamic
 from opswap.planner import Plan, make_plan
 from opswap.result import Result
+from opswap.rules.apply import Applied
 from opswap.rules.base import EXACTNESS_ORDER
 from opswap.rules.registry import parse_patterns
 from opswap.stages import (
@@ -76,7 +78,7 @@ class OptimizeConfig:
             parse_compare(self.compare)  # so does a typo in the baselines
 
 
-def measure_rules(captured: Captured, plan: Plan, applied, *, device: str = "cpu",
+def measure_rules(captured: Captured, plan: Plan, applied: Applied, *, device: str = "cpu",
                   min_time_s: float = 0.5) -> Attribution:
     """Leave-one-out timing of every rule `applied` (the result of `apply_plan(captured,
     plan)`) carried out: each candidate without one rule is planned again with the plan's
@@ -86,7 +88,7 @@ def measure_rules(captured: Captured, plan: Plan, applied, *, device: str = "cpu
 
     target = with_timer(get_target(plan.settings.target))
 
-    def replan(without=frozenset()):
+    def replan(without: set[str] | frozenset[str] = frozenset()) -> Plan:
         return make_plan(captured, target=target, rules=plan.settings.rules,
                          exactness=plan.settings.exactness, exclude_rules=set(without))
 
@@ -95,7 +97,7 @@ def measure_rules(captured: Captured, plan: Plan, applied, *, device: str = "cpu
 
 def optimize(
     model: nn.Module,
-    example_inputs,
+    example_inputs: Any,
     config: OptimizeConfig | None = None,
     *,
     name: str | None = None,
@@ -131,7 +133,8 @@ def optimize(
                    run_info(run.reference, run.captured, config, model_settings))
 
 
-def _result(run: Run, pruned: Pruned, raced, before, after, layers,
+def _result(run: Run, pruned: Pruned, raced: Race | None, before: Analysis, after: Analysis,
+            layers: Any,
             info: dict[str, Any]) -> Result:
     """The stages' values gathered into one Result; `raced` is the race, None untimed."""
     dynamic: Dynamic | None = run.captured.dynamic

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch.fx as fx
 
 from opswap.errors import PlanError
 from opswap.graph.capture import Captured, copy_module
@@ -191,7 +194,7 @@ def _check_plan(data: Any) -> None:
         _need(estimate.get("note", ""), _STR, f"{at} estimate note")
 
 
-def site_module(gm, site: Site) -> str:
+def site_module(gm: fx.GraphModule, site: Site) -> str:
     """The innermost module holding every node of a site (the common prefix of their module
     paths), so a site of an exported graph reads `model.encoder.layer.0.attention`, not
     `linear, linear_1, linear_2`; "" when the nodes carry no module path."""
@@ -211,7 +214,7 @@ def site_module(gm, site: Site) -> str:
     return ".".join(common)
 
 
-def graph_fingerprint(gm) -> str:
+def graph_fingerprint(gm: fx.GraphModule) -> str:
     """A short hash of what a plan depends on: the graph's ops in order and its weights'
     shapes, not the input sizes (a plan made at batch 2 applies at batch 8)."""
     import hashlib
@@ -273,7 +276,7 @@ def make_plan(
     rules: list[str] | str | None = None,
     exactness: str = "exact",
     model_name: str = "model",
-    progress=None,
+    progress: Callable[[str], None] | None = None,
     exclude_rules: set[str] | frozenset[str] = frozenset(),
     exclude_sites: dict[tuple[str, str], str] | None = None,
 ) -> Plan:
@@ -354,7 +357,7 @@ def check_exactness(plan: Plan, rules: list[Rule]) -> None:
                 f"set the plan's settings.exactness to {rule.exactness}.")
 
 
-def apply_plan(captured: Captured, plan: Plan, *, progress=None,
+def apply_plan(captured: Captured, plan: Plan, *, progress: Callable[[], None] | None = None,
                allow_looser: bool = False) -> Applied:
     """Replay `plan` on a copy of `captured`; the capture itself is left untouched. A plan
     whose fingerprint says it was made for another graph is refused (PlanError), and so is

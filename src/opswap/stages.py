@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from opswap.pipeline import OptimizeConfig
 
 
-def _to_device(model: nn.Module, example_inputs, device: str):
+def _to_device(model: nn.Module, example_inputs: tuple[Any, ...], device: str
+               ) -> tuple[nn.Module, tuple[Any, ...]]:
     """The (private) model and the inputs on `device`."""
     from torch.utils import _pytree as pytree
 
@@ -43,7 +44,7 @@ def _to_device(model: nn.Module, example_inputs, device: str):
     return moved, inputs
 
 
-def run_info(model, captured: Captured, config: OptimizeConfig,
+def run_info(model: nn.Module, captured: Captured, config: OptimizeConfig,
              model_settings: dict[str, Any] | None) -> dict[str, Any]:
     """What this run ran, for result.json and the report: enough to reproduce a figure."""
     import inspect
@@ -66,7 +67,7 @@ def run_info(model, captured: Captured, config: OptimizeConfig,
             "compare": config.compare, "seed": config.seed}
 
 
-def guarded(gm, captured: Captured, model) -> nn.Module:
+def guarded(gm: nn.Module, captured: Captured, model: nn.Module) -> nn.Module:
     """The in-memory result, refusing in one sentence a call outside what was claimed."""
     from opswap.graph.dynamic import guard
     from opswap.graph.keywords import KeywordCall
@@ -78,7 +79,8 @@ def guarded(gm, captured: Captured, model) -> nn.Module:
 _MAX_REPLANS = 4  # rollback + plan again rounds; each round removes at least one site
 
 
-def leave_one_out(captured: Captured, plan: Plan, applied: Applied, replan, device: str,
+def leave_one_out(captured: Captured, plan: Plan, applied: Applied,
+                  replan: Callable[[set[str]], Plan], device: str,
                   min_time_s: float = 0.5) -> Attribution:
     """Leave-one-out timing of every rule `applied` carried out (bench.attribution): the
     candidate without each rule comes from `replan(without={rule})`."""
@@ -114,7 +116,7 @@ class Run:
                          exclude_rules=self.excluded_rules | set(without),
                          exclude_sites=self.excluded_sites)
 
-    def check(self, fn, variants=None) -> Verification:
+    def check(self, fn: Callable[..., Any], variants: Any = None) -> Verification:
         """`fn` against the model itself, not only its capture, at every shape the capture
         claims (or at `variants`' shapes)."""
         # looked up when called, so that a test can stand in for the verifier
@@ -143,7 +145,7 @@ class Pruned(Checked):
     pruned_rules: set[str] = field(default_factory=set)
 
 
-def capture_stage(model: nn.Module, example_inputs, config: OptimizeConfig, name: str,
+def capture_stage(model: nn.Module, example_inputs: Any, config: OptimizeConfig, name: str,
                   step: Callable[[str], None]) -> Run:
     """The private reference (on `config.device`) and its capture, with the target and the
     tolerance resolved once for every later stage."""
@@ -235,7 +237,7 @@ def race(run: Run, pruned: Pruned, step: Callable[[str], None]) -> Race | None:
 
     step("race")
 
-    def check_variant(fn, shapes):
+    def check_variant(fn: Callable[..., Any], shapes: Any) -> Verification:
         # shapes: the Dynamic whose sizes the variant claims (a file's own), or False
         return run.check(fn, at_sizes(run.captured.example_inputs, shapes) if shapes else ())
 

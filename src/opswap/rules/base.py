@@ -309,7 +309,7 @@ class Rule:
         return Site(self.name, found.key, tuple(n.name for n in found.nodes),
                     found.description, dict(found.record), anchor, found)
 
-    def miss(self, where, reason: str) -> Miss:
+    def miss(self, where: fx.Node | str, reason: str) -> Miss:
         w = where.name if isinstance(where, fx.Node) else str(where)
         return Miss(self.name, w, reason)
 
@@ -428,7 +428,8 @@ def misses_of(found: list[Site | Miss]) -> list[Miss]:
 
 
 def node_by_name(gm: fx.GraphModule, name: str) -> fx.Node | None:
-    for n in gm.graph.nodes:
-        if n.name == name:
-            return n
+    node: fx.Node
+    for node in gm.graph.nodes:
+        if node.name == name:
+            return node
     return None

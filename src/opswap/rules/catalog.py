@@ -58,10 +58,10 @@ def order_text(rules: list[Rule]) -> str:
 
 
 def _fill(text: str, rules: list[Rule]) -> str:
-    def block(m: re.Match) -> str:
+    def block(m: re.Match[str]) -> str:
         kind, arg = m.group(2), m.group(3)
         body = summary(rules) if kind == "summary" else table(rules, arg or "")
-        return m.group(1) + body + m.group(5)
+        return str(m.group(1)) + body + str(m.group(5))
 
     return _BLOCK.sub(block, text)
 

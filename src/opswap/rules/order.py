@@ -66,7 +66,7 @@ def ordered(rules: Iterable[Rule]) -> list[Rule]:
         for then in edges[first]:
             waiting[then] += 1
 
-    def key(name: str):
+    def key(name: str) -> tuple[int, int, str]:
         r = by_name[name]
         return (PHASES.index(r.phase), r.chapter, r.name)
 
