@@ -67,19 +67,29 @@ def main() -> None:
 
     result = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "device": {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-                   "machine": platform.machine()},
+        "device": {
+            "cpu": cpu_model(),
+            "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+        },
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "cpu_target": {"peak_flops": dict(target.peak_flops), "mem_bandwidth": target.mem_bandwidth,
-                       "ridge_point": target.ridge_point("float32"), "source": target.source},
+        "cpu_target": {
+            "peak_flops": dict(target.peak_flops),
+            "mem_bandwidth": target.mem_bandwidth,
+            "ridge_point": target.ridge_point("float32"),
+            "source": target.source,
+        },
         "matmul": matmul,
         "bandwidth": bandwidth,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"cpu target: {target.peak() / 1e9:.1f} GFLOP/s, {target.mem_bandwidth / 1e9:.1f} GB/s, "
-          f"ridge {target.ridge_point():.1f} FLOP/byte -> {out}")
+    print(
+        f"cpu target: {target.peak() / 1e9:.1f} GFLOP/s, {target.mem_bandwidth / 1e9:.1f} GB/s, "
+        f"ridge {target.ridge_point():.1f} FLOP/byte -> {out}"
+    )
 
 
 if __name__ == "__main__":

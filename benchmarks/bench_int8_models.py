@@ -45,8 +45,12 @@ def _first(out):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--specs", nargs="*", default=SPECS,
-                    help="model specs, with --set overrides as SPEC?key=value&key=value")
+    ap.add_argument(
+        "--specs",
+        nargs="*",
+        default=SPECS,
+        help="model specs, with --set overrides as SPEC?key=value&key=value",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args()
@@ -59,6 +63,7 @@ def main() -> None:
     try:
         import torchao
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
         tao = torchao.__version__
     except ImportError:
         tao = None
@@ -67,19 +72,27 @@ def main() -> None:
         name, sets = _split(spec)
         m = load(name, overrides=sets)
         xs = m.example_inputs
-        row: dict = {"model": name, "set": sets,
-                     "inputs": [list(t.shape) for t in xs if isinstance(t, torch.Tensor)]}
+        row: dict = {
+            "model": name,
+            "set": sets,
+            "inputs": [list(t.shape) for t in xs if isinstance(t, torch.Tensor)],
+        }
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.time()
-            r = optimize(m.module, xs, OptimizeConfig(compare="none", exactness="approx",
-                                                      samples=2, layers=False), name=name)
+            r = optimize(
+                m.module,
+                xs,
+                OptimizeConfig(compare="none", exactness="approx", samples=2, layers=False),
+                name=name,
+            )
             r.save(tmp)
             row["optimize_s"] = round(time.time() - t0, 1)
             row["int8_sites"] = sum(d.rule == "precision.int8_linear" for d in r.plan.decisions)
             row["rules"] = sorted({d.rule for d in r.plan.decisions})
             row["saved"] = r.best
-            row["verification"] = {k: r.to_json()["verification"][k]
-                                   for k in ("passed", "cosine", "rel_l2", "sqnr_db")}
+            row["verification"] = {
+                k: r.to_json()["verification"][k] for k in ("passed", "cosine", "rel_l2", "sqnr_db")
+            }
             fns = {"input": m.module, "opswap": opswap.load_optimized(tmp, compile=False)}
             if tao:
                 q = copy.deepcopy(m.module)
@@ -98,29 +111,56 @@ def main() -> None:
                 errs = {}
                 for k, f in fns.items():
                     out = _first(f(*xs))
-                    errs[k] = {"rel_l2": float((out - ref).norm() / ref.norm()),
-                               "cosine": float(torch.nn.functional.cosine_similarity(
-                                   out.flatten(), ref.flatten(), dim=0))}
-                res = benchmark({k: (lambda f=f, a=xs: f(*a)) for k, f in fns.items()},
-                                min_time_s=2.0, max_time_s=20.0, rel_width=0.1)
+                    errs[k] = {
+                        "rel_l2": float((out - ref).norm() / ref.norm()),
+                        "cosine": float(
+                            torch.nn.functional.cosine_similarity(
+                                out.flatten(), ref.flatten(), dim=0
+                            )
+                        ),
+                    }
+                res = benchmark(
+                    {k: (lambda f=f, a=xs: f(*a)) for k, f in fns.items()},
+                    min_time_s=2.0,
+                    max_time_s=20.0,
+                    rel_width=0.1,
+                )
             variants = []
             for k in fns:
                 rr = res.ratio("input", k)
-                variants.append({"name": k, "ms": res[k].median * 1e3,
-                                 "speedup_vs_input": rr.of_medians,
-                                 "speedup_ci": [rr.ci_low, rr.ci_high], **errs[k]})
+                variants.append(
+                    {
+                        "name": k,
+                        "ms": res[k].median * 1e3,
+                        "speedup_vs_input": rr.of_medians,
+                        "speedup_ci": [rr.ci_low, rr.ci_high],
+                        **errs[k],
+                    }
+                )
             row["variants"] = variants
             peers = [v for v in variants if not v["name"].startswith(("opswap", "input"))]
             best_peer = min(peers, key=lambda v: v["ms"]) if peers else None
-            best_ours = min((v for v in variants if v["name"].startswith("opswap")),
-                            key=lambda v: v["ms"])
+            best_ours = min(
+                (v for v in variants if v["name"].startswith("opswap")), key=lambda v: v["ms"]
+            )
             row["strongest_peer"] = best_peer["name"] if best_peer else None
-            row["ours_over_strongest_peer"] = (best_peer["ms"] / best_ours["ms"]
-                                               if best_peer else None)
+            row["ours_over_strongest_peer"] = (
+                best_peer["ms"] / best_ours["ms"] if best_peer else None
+            )
         rows.append(row)
-        print(json.dumps({"model": name, "int8_sites": row["int8_sites"],
-                          "variants": {v["name"]: round(v["speedup_vs_input"], 2) for v in row["variants"]},
-                          "vs_peer": row["ours_over_strongest_peer"]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "model": name,
+                    "int8_sites": row["int8_sites"],
+                    "variants": {
+                        v["name"]: round(v["speedup_vs_input"], 2) for v in row["variants"]
+                    },
+                    "vs_peer": row["ours_over_strongest_peer"],
+                }
+            ),
+            flush=True,
+        )
     from _results import write_results
 
     write_results(args.out, "int8_models_cpu.json", describe_device("cpu"), rows, torchao=tao)

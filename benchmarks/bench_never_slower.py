@@ -25,8 +25,23 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-HF = ["bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2", "vit", "resnet",
-      "mobilenet_v2", "convnext", "t5", "bart", "clip", "deit"]
+HF = [
+    "bert",
+    "roberta",
+    "distilbert",
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "vit",
+    "resnet",
+    "mobilenet_v2",
+    "convnext",
+    "t5",
+    "bart",
+    "clip",
+    "deit",
+]
 
 
 def main() -> None:
@@ -47,36 +62,63 @@ def main() -> None:
         try:
             m = load(spec)
             t0 = time.time()
-            r = optimize(m.module, m.example_inputs,
-                         OptimizeConfig(device=args.device, compare=args.compare, layers=False,
-                                        samples=2), name=spec)
+            r = optimize(
+                m.module,
+                m.example_inputs,
+                OptimizeConfig(device=args.device, compare=args.compare, layers=False, samples=2),
+                name=spec,
+            )
             data = r.to_json()
             by = {v["name"]: v for v in data["variants"]}
             saved = by[data["best"]]
-            row.update({
-                "seconds": round(time.time() - t0, 1), "applied": len(data["applied"]),
-                "best": data["best"], "saved_is_input": data["best"] == "input",
-                "input_ms": by["input"]["ms"], "saved_ms": saved["ms"],
-                "saved_speedup_vs_input": saved["speedup_vs_input"],
-                "saved_speedup_ci": saved["speedup_ci"],
-                "opswap_speedup_vs_input": by["opswap"]["speedup_vs_input"],
-                "opswap_speedup_ci": by["opswap"]["speedup_ci"],
-                "never_slower": data["best"] == "input" or saved["speedup_ci"][0] > 1.0,
-                "run": data["run"],
-                "variants": data["variants"], "deploy": data["deploy"]})
+            row.update(
+                {
+                    "seconds": round(time.time() - t0, 1),
+                    "applied": len(data["applied"]),
+                    "best": data["best"],
+                    "saved_is_input": data["best"] == "input",
+                    "input_ms": by["input"]["ms"],
+                    "saved_ms": saved["ms"],
+                    "saved_speedup_vs_input": saved["speedup_vs_input"],
+                    "saved_speedup_ci": saved["speedup_ci"],
+                    "opswap_speedup_vs_input": by["opswap"]["speedup_vs_input"],
+                    "opswap_speedup_ci": by["opswap"]["speedup_ci"],
+                    "never_slower": data["best"] == "input" or saved["speedup_ci"][0] > 1.0,
+                    "run": data["run"],
+                    "variants": data["variants"],
+                    "deploy": data["deploy"],
+                }
+            )
         except Exception as e:  # one model failing must not lose the other rows
             row["error"] = f"{type(e).__name__}: {e}"
             row["traceback"] = traceback.format_exc()[-2000:]
-        print(json.dumps({k: row.get(k) for k in ("model", "best", "saved_speedup_vs_input",
-                                                  "opswap_speedup_vs_input", "never_slower",
-                                                  "error")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: row.get(k)
+                    for k in (
+                        "model",
+                        "best",
+                        "saved_speedup_vs_input",
+                        "opswap_speedup_vs_input",
+                        "never_slower",
+                        "error",
+                    )
+                }
+            ),
+            flush=True,
+        )
         rows.append(row)
-    out = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-           "device": describe_device(args.device), "torch": torch.__version__,
-           "python": platform.python_version(), "compare": args.compare,
-           "peer": "input (eager, the model as given), timed in the same interleaved run",
-           "rows": rows,
-           "all_never_slower": all(r.get("never_slower") for r in rows)}
+    out = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": describe_device(args.device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "compare": args.compare,
+        "peer": "input (eager, the model as given), timed in the same interleaved run",
+        "rows": rows,
+        "all_never_slower": all(r.get("never_slower") for r in rows),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"never_slower_{args.device.split(':')[0]}.json"
     path.write_text(json.dumps(out, indent=2, default=str) + "\n")

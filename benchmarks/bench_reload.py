@@ -57,14 +57,28 @@ def recheck(spec: str, folder: str, min_time_s: float) -> dict:
         ref, out = m.module(*args), saved(*args)
         flat_r = [t for t in torch.utils._pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
         flat_o = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        max_abs = max(((a.float() - b.float()).abs().max().item()
-                       for a, b in zip(flat_r, flat_o, strict=True)), default=0.0)
-        res = benchmark({"input": lambda: m.module(*args), "saved": lambda: saved(*args)},
-                        warmup=5, repeats=15, min_time_s=min_time_s)
+        max_abs = max(
+            (
+                (a.float() - b.float()).abs().max().item()
+                for a, b in zip(flat_r, flat_o, strict=True)
+            ),
+            default=0.0,
+        )
+        res = benchmark(
+            {"input": lambda: m.module(*args), "saved": lambda: saved(*args)},
+            warmup=5,
+            repeats=15,
+            min_time_s=min_time_s,
+        )
     r = res.ratio("input", "saved")
-    return {"input_ms": res["input"].median * 1e3, "saved_ms": res["saved"].median * 1e3,
-            "speedup": r.of_medians, "ci": [r.ci_low, r.ci_high], "rounds": r.n,
-            "max_abs_diff": max_abs}
+    return {
+        "input_ms": res["input"].median * 1e3,
+        "saved_ms": res["saved"].median * 1e3,
+        "speedup": r.of_medians,
+        "ci": [r.ci_low, r.ci_high],
+        "rounds": r.n,
+        "max_abs_diff": max_abs,
+    }
 
 
 def main() -> None:
@@ -85,9 +99,25 @@ def main() -> None:
         for spec in specs:
             folder = Path(tmp) / spec.replace(":", "_").replace("/", "_")
             row: dict = {"model": spec}
-            run = subprocess.run([sys.executable, "-m", "opswap.cli", "optimize", spec, "--out",
-                                  str(folder), "--compare", "none", "--target", "cpu"],
-                                 cwd=ROOT, env=env, capture_output=True, text=True)
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "opswap.cli",
+                    "optimize",
+                    spec,
+                    "--out",
+                    str(folder),
+                    "--compare",
+                    "none",
+                    "--target",
+                    "cpu",
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             row["optimize_exit"] = run.returncode
             result = folder / "result.json"
             if not result.is_file():
@@ -98,49 +128,91 @@ def main() -> None:
             data = json.loads(result.read_text())
             by = {v["name"]: v for v in data["variants"]}
             best = by[data["best"]]
-            row.update({"best": data["best"], "reported_speedup": best["speedup_vs_input"],
-                        "reported_ci": best.get("speedup_ci"), "run": data["run"]})
+            row.update(
+                {
+                    "best": data["best"],
+                    "reported_speedup": best["speedup_vs_input"],
+                    "reported_ci": best.get("speedup_ci"),
+                    "run": data["run"],
+                }
+            )
             if data["best"] == "input":
                 row["note"] = "the input itself was saved: nothing to re-time"
             else:
-                chk = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--recheck",
-                                      spec, str(folder), "--min-time", str(args.min_time)],
-                                     cwd=ROOT, env=env, capture_output=True, text=True)
+                chk = subprocess.run(
+                    [
+                        sys.executable,
+                        str(Path(__file__).resolve()),
+                        "--recheck",
+                        spec,
+                        str(folder),
+                        "--min-time",
+                        str(args.min_time),
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 if chk.returncode:
                     row["error"] = chk.stderr[-1500:]
                 else:
                     again = json.loads(chk.stdout.strip().splitlines()[-1])
                     lo, hi = row["reported_ci"]
-                    row.update({"recheck": again,
-                                "within_reported": lo <= again["speedup"] <= hi,
-                                "not_below_reported": again["speedup"] >= lo,
-                                "recheck_over_reported": again["speedup"] / row["reported_speedup"],
-                                "intervals_overlap": again["ci"][0] <= hi and lo <= again["ci"][1]})
+                    row.update(
+                        {
+                            "recheck": again,
+                            "within_reported": lo <= again["speedup"] <= hi,
+                            "not_below_reported": again["speedup"] >= lo,
+                            "recheck_over_reported": again["speedup"] / row["reported_speedup"],
+                            "intervals_overlap": again["ci"][0] <= hi and lo <= again["ci"][1],
+                        }
+                    )
             rows.append(row)
-            print(json.dumps({k: row.get(k) for k in ("model", "best", "reported_speedup",
-                                                      "reported_ci", "within_reported",
-                                                      "not_below_reported",
-                                                      "intervals_overlap", "error")}
-                             | {"recheck": (row.get("recheck") or {}).get("speedup")}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: row.get(k)
+                        for k in (
+                            "model",
+                            "best",
+                            "reported_speedup",
+                            "reported_ci",
+                            "within_reported",
+                            "not_below_reported",
+                            "intervals_overlap",
+                            "error",
+                        )
+                    }
+                    | {"recheck": (row.get("recheck") or {}).get("speedup")}
+                ),
+                flush=True,
+            )
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
     from opswap.bench.timing import describe_device
+
     checked = [r for r in rows if "recheck" in r]
-    out = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-           "device": describe_device("cpu"), "torch": torch.__version__,
-           "python": platform.python_version(),
-           "method": "optimize in one process (its race times model.pt2 as reloaded); then a "
-                     "fresh process times opswap.load_optimized(DIR) against the input, "
-                     "interleaved, ratio of medians with a 95% paired bootstrap interval",
-           "rows": rows,
-           "checked": len(checked),
-           "all_within_reported": all(r["within_reported"] for r in checked),
-           "all_overlap": all(r["intervals_overlap"] for r in checked),
-           "all_not_below_reported": all(r["not_below_reported"] for r in checked),
-           "recheck_over_reported_range": [min((r["recheck_over_reported"] for r in checked), default=None),
-                                           max((r["recheck_over_reported"] for r in checked), default=None)],
-           "errors": [r["model"] for r in rows if "error" in r]}
+    out = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": describe_device("cpu"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "method": "optimize in one process (its race times model.pt2 as reloaded); then a "
+        "fresh process times opswap.load_optimized(DIR) against the input, "
+        "interleaved, ratio of medians with a 95% paired bootstrap interval",
+        "rows": rows,
+        "checked": len(checked),
+        "all_within_reported": all(r["within_reported"] for r in checked),
+        "all_overlap": all(r["intervals_overlap"] for r in checked),
+        "all_not_below_reported": all(r["not_below_reported"] for r in checked),
+        "recheck_over_reported_range": [
+            min((r["recheck_over_reported"] for r in checked), default=None),
+            max((r["recheck_over_reported"] for r in checked), default=None),
+        ],
+        "errors": [r["model"] for r in rows if "error" in r],
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "reload_cpu.json"
     path.write_text(json.dumps(out, indent=2, default=str) + "\n")

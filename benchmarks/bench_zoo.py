@@ -42,14 +42,23 @@ def main() -> None:
         capture_s = time.perf_counter() - t0
         with torch.inference_mode():
             r = benchmark({"forward": lambda m=m: m.module(*m.example_inputs)}, min_time_s=0.3)
-        row = {"model": spec, "load_s": round(load_s, 3), "capture_s": round(capture_s, 3),
-               "capture_method": c.method, "forward_ms": r.stats["forward"].median_ms}
+        row = {
+            "model": spec,
+            "load_s": round(load_s, 3),
+            "capture_s": round(capture_s, 3),
+            "capture_method": c.method,
+            "forward_ms": r.stats["forward"].median_ms,
+        }
         print(json.dumps(row), flush=True)
         rows.append(row)
     from _results import write_results
 
-    write_results(args.out, "bench_zoo.json", f"cpu: {platform.processor() or platform.machine()}, "
-                  f"{torch.get_num_threads()} threads", rows)
+    write_results(
+        args.out,
+        "bench_zoo.json",
+        f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        rows,
+    )
 
 
 if __name__ == "__main__":

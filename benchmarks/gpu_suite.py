@@ -53,14 +53,32 @@ def env() -> dict:
 def run_tests(out: Path, workers: int, paths: list[str]) -> dict:
     log = out / "pytest.log"
     t0 = time.time()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
-           *[str(ROOT / p) for p in paths]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        str(workers),
+        *[str(ROOT / p) for p in paths],
+    ]
     with open(log, "w") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        rc = subprocess.call(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        )
     tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
-    return {"returncode": rc, "summary": tail[0] if tail else "", "paths": paths,
-            "seconds": round(time.time() - t0, 1)}
+    return {
+        "returncode": rc,
+        "summary": tail[0] if tail else "",
+        "paths": paths,
+        "seconds": round(time.time() - t0, 1),
+    }
 
 
 def ceilings() -> dict:
@@ -76,8 +94,12 @@ def ceilings() -> dict:
     x = torch.empty(2 * 1024**3 // 4, device=dev)  # 2 GiB
     y = torch.empty_like(x)
     torch.backends.cuda.matmul.allow_tf32 = False
-    r = benchmark({"bf16": lambda: a @ b, "fp32": lambda: af @ bf, "copy": lambda: y.copy_(x)},
-                  device=dev, warmup=3, repeats=10)
+    r = benchmark(
+        {"bf16": lambda: a @ b, "fp32": lambda: af @ bf, "copy": lambda: y.copy_(x)},
+        device=dev,
+        warmup=3,
+        repeats=10,
+    )
     med = {k: r.stats[k].median_s for k in ("bf16", "fp32", "copy")}
     t = get_target("h200")
     return {
@@ -110,24 +132,35 @@ def optimize_models(device: str, target: str) -> list[dict]:
         row: dict = {"model": spec, "overrides": sets, "device": device}
         try:
             m = load(spec, sets)
-            res = optimize(m.module, m.example_inputs,
-                           OptimizeConfig(target=target, device=device, layers=False),
-                           name=spec)
+            res = optimize(
+                m.module,
+                m.example_inputs,
+                OptimizeConfig(target=target, device=device, layers=False),
+                name=spec,
+            )
             data = res.to_json()
-            row.update({
-                "applied": len(data["applied"]),
-                "rules": sorted({a["rule"] for a in data["applied"]}),
-                "verification": {k: data["verification"][k]
-                                 for k in ("passed", "cosine", "max_abs", "rel_l2")},
-                "benchmark": data["benchmark"],
-                "skipped": data["skipped"],
-                "rolled_back": data["rolled_back"],
-            })
+            row.update(
+                {
+                    "applied": len(data["applied"]),
+                    "rules": sorted({a["rule"] for a in data["applied"]}),
+                    "verification": {
+                        k: data["verification"][k]
+                        for k in ("passed", "cosine", "max_abs", "rel_l2")
+                    },
+                    "benchmark": data["benchmark"],
+                    "skipped": data["skipped"],
+                    "rolled_back": data["rolled_back"],
+                }
+            )
         except Exception as e:  # one model failing must not lose the others' figures
             row["error"] = f"{type(e).__name__}: {e}"
             row["traceback"] = traceback.format_exc()[-2000:]
-        print(json.dumps({k: row.get(k) for k in ("model", "device", "applied", "benchmark", "error")}),
-              flush=True)
+        print(
+            json.dumps(
+                {k: row.get(k) for k in ("model", "device", "applied", "benchmark", "error")}
+            ),
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -135,13 +168,31 @@ def optimize_models(device: str, target: str) -> list[dict]:
 # Sizes of the issue's measurements: a ResNet-50-like CNN at batch 64 (224x224) and a
 # BERT-base-like encoder at batch 32, sequence 128, both in bfloat16.
 VARIANT_MODELS = [
-    ("hf:resnet", {"depths": "[3,4,6,3]", "hidden_sizes": "[256,512,1024,2048]",
-                   "embedding_size": "64", "layer_type": "bottleneck", "image_size": "224",
-                   "batch": "64"}),
-    ("hf:bert", {"num_hidden_layers": "12", "hidden_size": "768", "num_attention_heads": "12",
-                 "intermediate_size": "3072", "max_position_embeddings": "512",
-                 "vocab_size": "30522", "batch": "32", "seq": "128",
-                 "attn_implementation": "sdpa"}),
+    (
+        "hf:resnet",
+        {
+            "depths": "[3,4,6,3]",
+            "hidden_sizes": "[256,512,1024,2048]",
+            "embedding_size": "64",
+            "layer_type": "bottleneck",
+            "image_size": "224",
+            "batch": "64",
+        },
+    ),
+    (
+        "hf:bert",
+        {
+            "num_hidden_layers": "12",
+            "hidden_size": "768",
+            "num_attention_heads": "12",
+            "intermediate_size": "3072",
+            "max_position_embeddings": "512",
+            "vocab_size": "30522",
+            "batch": "32",
+            "seq": "128",
+            "attn_implementation": "sdpa",
+        },
+    ),
 ]
 
 
@@ -159,22 +210,38 @@ def variants_table(device: str, target: str, dtype: str) -> list[dict]:
             module = m.module.to(dt_)
             inputs = tuple(x.to(dt_) if x.is_floating_point() else x for x in m.example_inputs)
             t0 = time.time()
-            res = optimize(module, inputs, OptimizeConfig(target=target, device=device,
-                                                          layers=False, samples=2), name=spec)
+            res = optimize(
+                module,
+                inputs,
+                OptimizeConfig(target=target, device=device, layers=False, samples=2),
+                name=spec,
+            )
             data = res.to_json()
-            row.update({"seconds": round(time.time() - t0, 1), "variants": data["variants"],
-                        "best": data["best"], "applied": len(data["applied"]),
-                        "rules": sorted({a["rule"] for a in data["applied"]}),
-                        "verification": {k: data["verification"][k] for k in
-                                         ("passed", "cosine", "rel_l2", "shapes")},
-                        "tolerance": data["verification"]["tolerance"],
-                        "dynamic": data["dynamic"], "rolled_back": data["rolled_back"],
-                        "skipped": data["skipped"]})
+            row.update(
+                {
+                    "seconds": round(time.time() - t0, 1),
+                    "variants": data["variants"],
+                    "best": data["best"],
+                    "applied": len(data["applied"]),
+                    "rules": sorted({a["rule"] for a in data["applied"]}),
+                    "verification": {
+                        k: data["verification"][k] for k in ("passed", "cosine", "rel_l2", "shapes")
+                    },
+                    "tolerance": data["verification"]["tolerance"],
+                    "dynamic": data["dynamic"],
+                    "rolled_back": data["rolled_back"],
+                    "skipped": data["skipped"],
+                }
+            )
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"
             row["traceback"] = traceback.format_exc()[-3000:]
-        print(json.dumps({k: row.get(k) for k in ("model", "best", "variants", "error")},
-                         default=str), flush=True)
+        print(
+            json.dumps(
+                {k: row.get(k) for k in ("model", "best", "variants", "error")}, default=str
+            ),
+            flush=True,
+        )
         rows.append(row)
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
@@ -194,42 +261,68 @@ def capture_cost(device: str, dtype: str) -> list[dict]:
     from opswap.targets.cpu import measure_dispatch
 
     dt_ = getattr(torch, dtype)
-    rows = [{"dispatch_s": measure_dispatch(device), "view_dispatch_s":
-             measure_dispatch(device, view=True), "device": device}]
+    rows = [
+        {
+            "dispatch_s": measure_dispatch(device),
+            "view_dispatch_s": measure_dispatch(device, view=True),
+            "device": device,
+        }
+    ]
     for spec, sets in VARIANT_MODELS:
         row: dict = {"model": spec, "dtype": dtype}
         try:
             m = load_spec(spec, sets)
             module = m.module.to(dt_).to(device)
-            inputs = tuple((x.to(dt_) if x.is_floating_point() else x).to(device)
-                           for x in m.example_inputs)
+            inputs = tuple(
+                (x.to(dt_) if x.is_floating_point() else x).to(device) for x in m.example_inputs
+            )
             cap = capture(module, inputs)  # FX where it traces, else torch.export
             row["capture_method"] = cap.method
             ep, _ = export(module, inputs, None)
             path = Path(tempfile.mkdtemp()) / "m.pt2"
             torch.export.save(ep, str(path))
-            fns = {"eager": module, f"captured ({cap.method})": cap.gm,
-                   "export.module()": ep.module(),
-                   "reloaded, trimmed": load(path)}
+            fns = {
+                "eager": module,
+                f"captured ({cap.method})": cap.gm,
+                "export.module()": ep.module(),
+                "reloaded, trimmed": load(path),
+            }
             with torch.inference_mode():
-                res = benchmark({k: (lambda f=f, xs=inputs: f(*xs)) for k, f in fns.items()},
-                                warmup=3, repeats=15, min_time_s=1.0, device=device)
+                res = benchmark(
+                    {k: (lambda f=f, xs=inputs: f(*xs)) for k, f in fns.items()},
+                    warmup=3,
+                    repeats=15,
+                    min_time_s=1.0,
+                    device=device,
+                )
                 row["ms"] = {k: res[k].median * 1e3 for k in fns}
                 row["iqr_ms"] = {k: res[k].iqr * 1e3 for k in fns}
                 kernels = {}
                 for k, f in fns.items():
                     from torch.profiler import ProfilerActivity, profile
+
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                         f(*inputs)
                         torch.cuda.synchronize()
                     ev = prof.key_averages()
-                    gpu = [e for e in ev if getattr(e, "device_type", None) is not None
-                           and "CUDA" in str(e.device_type)]
+                    gpu = [
+                        e
+                        for e in ev
+                        if getattr(e, "device_type", None) is not None
+                        and "CUDA" in str(e.device_type)
+                    ]
                     kernels[k] = {
                         "cuda_kernels": sum(e.count for e in gpu),
-                        "cuda_time_ms": sum(getattr(e, "self_device_time_total", 0) for e in gpu) / 1e3,
-                        "top": sorted(((e.key, round(getattr(e, "self_device_time_total", 0) / 1e3, 3))
-                                       for e in gpu), key=lambda t: -t[1])[:8]}
+                        "cuda_time_ms": sum(getattr(e, "self_device_time_total", 0) for e in gpu)
+                        / 1e3,
+                        "top": sorted(
+                            (
+                                (e.key, round(getattr(e, "self_device_time_total", 0) / 1e3, 3))
+                                for e in gpu
+                            ),
+                            key=lambda t: -t[1],
+                        )[:8],
+                    }
                 row["profile"] = kernels
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"
@@ -244,9 +337,20 @@ def int8_tables(out: Path) -> dict:
     """benchmarks/bench_int8_linear.py on each device here; its JSON files land in `out`."""
     done = {}
     for dev in (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]:
-        run = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_int8_linear.py"),
-                              "--device", dev, "--out", str(out)], capture_output=True, text=True,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=900)
+        run = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks/bench_int8_linear.py"),
+                "--device",
+                dev,
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
+            timeout=900,
+        )
         done[dev] = {"rc": run.returncode, "tail": (run.stdout + run.stderr)[-3000:]}
         if dev == "cpu" and (out / "int8_linear_cpu.json").is_file():
             # the GPU machine's host CPU, kept apart from the development machine's table
@@ -257,21 +361,36 @@ def int8_tables(out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results")))
+    ap.add_argument(
+        "--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results"))
+    )
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--tests", nargs="*", default=["tests"],
-                    help="test paths to run (default: the whole suite)")
+    ap.add_argument(
+        "--tests", nargs="*", default=["tests"], help="test paths to run (default: the whole suite)"
+    )
     ap.add_argument("--no-cpu", action="store_true", help="skip the optimize runs on the host CPU")
     ap.add_argument("--no-optimize", action="store_true", help="skip the per-model optimize runs")
-    ap.add_argument("--no-variants", action="store_true",
-                    help="skip the bf16 variants race (ResNet-50-like, BERT-base-like)")
-    ap.add_argument("--no-capture-cost", action="store_true",
-                    help="skip timing eager against its FX capture and exported program")
-    ap.add_argument("--int8", action="store_true",
-                    help="also run benchmarks/bench_int8_linear.py on the GPU and on the host CPU")
+    ap.add_argument(
+        "--no-variants",
+        action="store_true",
+        help="skip the bf16 variants race (ResNet-50-like, BERT-base-like)",
+    )
+    ap.add_argument(
+        "--no-capture-cost",
+        action="store_true",
+        help="skip timing eager against its FX capture and exported program",
+    )
+    ap.add_argument(
+        "--int8",
+        action="store_true",
+        help="also run benchmarks/bench_int8_linear.py on the GPU and on the host CPU",
+    )
     ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--name", default="gpu_suite.json",
-                    help="file name of the results (e.g. cpu_suite.json for a run without a GPU)")
+    ap.add_argument(
+        "--name",
+        default="gpu_suite.json",
+        help="file name of the results (e.g. cpu_suite.json for a run without a GPU)",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT / "src"))

@@ -18,8 +18,10 @@ def main(out_dir: str) -> None:
     for miss in result.plan.misses:
         print(f"missed   {miss.rule:<22} {miss.where}: {miss.reason}")
     v, b = result.verification, result.benchmark
-    print(f"verification {'passed' if v.passed else 'FAILED'}: cosine {v.cosine:.8f}, "
-          f"max abs {v.max_abs:.2e}")
+    print(
+        f"verification {'passed' if v.passed else 'FAILED'}: cosine {v.cosine:.8f}, "
+        f"max abs {v.max_abs:.2e}"
+    )
     print(f"latency {b.ref_ms:.3f} ms -> {b.opt_ms:.3f} ms ({b.speedup:.2f}x, {b.device})")
     paths = result.save(out_dir)
     print("report:", paths["report_html"])

@@ -29,8 +29,14 @@ class FusionDemo(nn.Module):
     def __init__(self, c: int = 32, h: int = 64, heads: int = 4):
         super().__init__()
         self.heads = heads
-        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), _bn(nn.BatchNorm2d, c), nn.ReLU(),
-                                  nn.Conv2d(c, c, 3, padding=1), _bn(nn.BatchNorm2d, c), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1),
+            _bn(nn.BatchNorm2d, c),
+            nn.ReLU(),
+            nn.Conv2d(c, c, 3, padding=1),
+            _bn(nn.BatchNorm2d, c),
+            nn.ReLU(),
+        )
         self.side = nn.Conv2d(c, c, 1)
         self.side_bn = _bn(nn.BatchNorm2d, c)
         self.embed = nn.Parameter(torch.randn(c, h) / c**0.5)  # used as tokens @ embed + bias
@@ -52,7 +58,9 @@ class FusionDemo(nn.Module):
         a = torch.softmax(q @ k.transpose(-2, -1) / (h // self.heads) ** 0.5, dim=-1) @ v
         t = t + a.transpose(1, 2).reshape(b, n, h)
         m = t.mean(-1, keepdim=True)
-        t = (t - m) / torch.sqrt(((t - m) ** 2).mean(-1, keepdim=True) + 1e-5) * self.gamma + self.beta
+        t = (t - m) / torch.sqrt(
+            ((t - m) ** 2).mean(-1, keepdim=True) + 1e-5
+        ) * self.gamma + self.beta
         z = torch.relu(self.fc_bn(self.fc(t.mean(1))))  # z: [B, h]
         m = z.mean(-1, keepdim=True)
         z = (z - m) / torch.sqrt(z.var(-1, keepdim=True) + 1e-5)  # unbiased: not a LayerNorm
@@ -91,8 +99,10 @@ def main() -> None:
         ref, out = model(fresh), applied.gm(fresh)
     print(f"max abs error vs the original on fresh inputs: {(out - ref).abs().max().item():.2e}")
     ref_ms, opt_ms = _median_ms(captured.gm, applied.gm, x)
-    print(f"CPU latency (median, alternating calls): {ref_ms:.2f} ms -> {opt_ms:.2f} ms "
-          f"({ref_ms / opt_ms:.2f}x)")
+    print(
+        f"CPU latency (median, alternating calls): {ref_ms:.2f} ms -> {opt_ms:.2f} ms "
+        f"({ref_ms / opt_ms:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

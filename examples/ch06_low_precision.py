@@ -42,13 +42,17 @@ def main() -> None:
         if m.rule == "precision.int8_linear":
             print(f"  not {m.where}: {m.reason}")
     v = r.verification
-    print(f"verification {'PASSED' if v.passed else 'FAILED'} against the approx tolerance: "
-          f"cosine {v.cosine:.6f}, rel_l2 {v.rel_l2:.2e}, SQNR {v.sqnr_db:.1f} dB "
-          f"({', '.join(v.shapes)})")
+    print(
+        f"verification {'PASSED' if v.passed else 'FAILED'} against the approx tolerance: "
+        f"cosine {v.cosine:.6f}, rel_l2 {v.rel_l2:.2e}, SQNR {v.sqnr_db:.1f} dB "
+        f"({', '.join(v.shapes)})"
+    )
     b = r.benchmark
-    print(f"float32 {b.ref_ms:.2f} ms -> int8 {b.opt_ms:.2f} ms: "
-          f"{b.speedup_of_medians:.2f}x [{b.speedup_ci[0]:.2f}-{b.speedup_ci[1]:.2f}] "
-          f"on {b.device}; saved: {r.best}")
+    print(
+        f"float32 {b.ref_ms:.2f} ms -> int8 {b.opt_ms:.2f} ms: "
+        f"{b.speedup_of_medians:.2f}x [{b.speedup_ci[0]:.2f}-{b.speedup_ci[1]:.2f}] "
+        f"on {b.device}; saved: {r.best}"
+    )
 
     with tempfile.TemporaryDirectory() as out:
         r.save(out)
@@ -58,12 +62,15 @@ def main() -> None:
             err = (loaded(x1) - model(x1)).norm() / model(x1).norm()
         print(f"model.pt2 reloaded, at batch 3: relative L2 error {err:.2e}")
 
-    strict = opswap.optimize(model, (x,), exactness="approx", compare="none", samples=2,
-                             budget="sqnr_db>=60")
+    strict = opswap.optimize(
+        model, (x,), exactness="approx", compare="none", samples=2, budget="sqnr_db>=60"
+    )
     left = sum(d.rule == "precision.int8_linear" for d in strict.plan.decisions)
-    print(f"with --budget sqnr_db>=60 (int8 gives ~40 dB): {len(strict.rolled_back)} "
-          f"rolled back, {left} int8 sites left, verification "
-          f"{'PASSED' if strict.verification.passed else 'FAILED'}")
+    print(
+        f"with --budget sqnr_db>=60 (int8 gives ~40 dB): {len(strict.rolled_back)} "
+        f"rolled back, {left} int8 sites left, verification "
+        f"{'PASSED' if strict.verification.passed else 'FAILED'}"
+    )
 
 
 if __name__ == "__main__":

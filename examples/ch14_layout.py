@@ -18,8 +18,11 @@ class LayoutDemo(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 16, 3, padding=1, stride=2), nn.ReLU(),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1, stride=2),
+            nn.ReLU(),
         )
         self.proj = nn.Parameter(torch.randn(24, 16) / 4)  # [out, in], used as x @ W.t()
         self.drop = nn.Dropout(0.1)

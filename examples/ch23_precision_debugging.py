@@ -52,8 +52,10 @@ def main() -> None:
     convs = [n.target for n in cand.graph.nodes if op_kind(n) == "conv"]
     victim = convs[-2]  # deep enough that the error has layers to travel through
     cand.set_submodule(victim, LowPrecision(cand.get_submodule(victim), dtype))
-    print(f"model: zoo:resnet ({ref.method} graph, {len(convs)} convs); "
-          f"candidate runs {victim} in {args.dtype}\n")
+    print(
+        f"model: zoo:resnet ({ref.method} graph, {len(convs)} convs); "
+        f"candidate runs {victim} in {args.dtype}\n"
+    )
 
     v = verify(ref.gm, cand, ref.example_inputs, samples=3, tolerance="exact")
     print(f"worst over 3 inputs: {v.metrics}")

@@ -30,11 +30,15 @@ def main(spec: str) -> None:
     att = measure_rules(captured, plan, applied, min_time_s=0.2)
     print(f"  ({att.method})")
     for t in att.rules:
-        print(f"  {t.rule:<26} {t.sites:>3} sites  predicted {t.predicted_saved_s * 1e6:8.1f} us"
-              f"  measured {t.measured_saved_s * 1e6:8.1f} us  "
-              f"[{t.ci_low:.2f}-{t.ci_high:.2f}]  {t.verdict}")
-    print(f"  sum of the rules {att.sum_saved_ms * 1e3:.1f} us; all rules together "
-          f"{att.total_saved_ms * 1e3:.1f} us")
+        print(
+            f"  {t.rule:<26} {t.sites:>3} sites  predicted {t.predicted_saved_s * 1e6:8.1f} us"
+            f"  measured {t.measured_saved_s * 1e6:8.1f} us  "
+            f"[{t.ci_low:.2f}-{t.ci_high:.2f}]  {t.verdict}"
+        )
+    print(
+        f"  sum of the rules {att.sum_saved_ms * 1e3:.1f} us; all rules together "
+        f"{att.total_saved_ms * 1e3:.1f} us"
+    )
 
 
 if __name__ == "__main__":

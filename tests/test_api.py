@@ -12,8 +12,17 @@ def _state(m):
 
 
 def test_public_surface():
-    assert set(opswap.__all__) == {"analyze", "apply", "bench", "load", "load_optimized",
-                                   "optimize", "plan", "rules", "verify"}
+    assert set(opswap.__all__) == {
+        "analyze",
+        "apply",
+        "bench",
+        "load",
+        "load_optimized",
+        "optimize",
+        "plan",
+        "rules",
+        "verify",
+    }
     for name in opswap.__all__:
         assert getattr(opswap, name) is not None
     # importing a subpackage must not hide the API function of the same name
@@ -27,8 +36,9 @@ def test_public_surface():
 def test_optimize_leaves_the_model_alone_and_reports(tmp_path):
     loaded = opswap.load("zoo:resnet")
     before = _state(loaded.module)
-    result = opswap.optimize(loaded.module, loaded.example_inputs, target="cpu", samples=2,
-                             compare="none")
+    result = opswap.optimize(
+        loaded.module, loaded.example_inputs, target="cpu", samples=2, compare="none"
+    )
     after = _state(loaded.module)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -92,19 +102,23 @@ def test_optimize_takes_keyword_inputs(tmp_path):
     model = _keyword_model()
     before = _state(model)
     x, mask = torch.randn(4, 3, 8, 8), torch.rand(4, 4)
-    result = opswap.optimize(model, {"x": x, "mask": mask, "scale": 0.5}, samples=2,
-                             compare="none", bench=False)
+    result = opswap.optimize(
+        model, {"x": x, "mask": mask, "scale": 0.5}, samples=2, compare="none", bench=False
+    )
     assert result.verification.passed, result.verification.reasons
     assert "fusion.conv_bn" in {s.rule for s in result.applied}
     assert any(s.startswith("batch") for s in result.verification.shapes)
-    assert result.notes[0] == ("The model takes keyword inputs; the optimized model (and "
-                               "model.pt2) takes its inputs positionally in this order: x, "
-                               "mask (scale=0.5 bound as a constant).")
+    assert result.notes[0] == (
+        "The model takes keyword inputs; the optimized model (and "
+        "model.pt2) takes its inputs positionally in this order: x, "
+        "mask (scale=0.5 bound as a constant)."
+    )
     assert all(torch.equal(before[k], v) for k, v in _state(model).items())
     x7, mask7 = torch.randn(7, 3, 8, 8), torch.rand(7, 4)  # another batch size
     with torch.no_grad():
-        torch.testing.assert_close(result.candidate(x7, mask7), model(x7, mask=mask7, scale=0.5),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            result.candidate(x7, mask7), model(x7, mask=mask7, scale=0.5), rtol=1e-4, atol=1e-5
+        )
     # the API's other entry points take the same keyword inputs
     inputs = ((x,), {"mask": mask, "scale": 0.5})
     assert opswap.verify(model, result.candidate, inputs).passed
@@ -113,14 +127,18 @@ def test_optimize_takes_keyword_inputs(tmp_path):
     assert plan.model == "_Keywords" and plan.decisions
     candidate = opswap.apply(model, inputs, plan)
     with torch.no_grad():
-        torch.testing.assert_close(candidate(x7, mask7), model(x7, mask=mask7, scale=0.5),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            candidate(x7, mask7), model(x7, mask=mask7, scale=0.5), rtol=1e-4, atol=1e-5
+        )
     assert opswap.analyze(model, inputs).total_flops > 0
 
 
 def test_verify_catches_a_wrong_constant():
     model = _keyword_model()
     x, mask = torch.randn(4, 3, 8, 8), torch.rand(4, 4)
-    wrong = opswap.apply(model, {"x": x, "mask": mask, "scale": 2.0},
-                         opswap.plan(model, {"x": x, "mask": mask, "scale": 2.0}))
+    wrong = opswap.apply(
+        model,
+        {"x": x, "mask": mask, "scale": 2.0},
+        opswap.plan(model, {"x": x, "mask": mask, "scale": 2.0}),
+    )
     assert not opswap.verify(model, wrong, {"x": x, "mask": mask, "scale": 0.5}).passed

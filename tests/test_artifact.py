@@ -92,8 +92,9 @@ class _Mlp(nn.Module):
 def saved_run(tmp_path_factory):
     torch.manual_seed(0)
     model = _Mlp().eval()
-    result = optimize(model, (torch.randn(4, 8),), OptimizeConfig(bench=False, layers=False,
-                                                                  samples=1))
+    result = optimize(
+        model, (torch.randn(4, 8),), OptimizeConfig(bench=False, layers=False, samples=1)
+    )
     out = tmp_path_factory.mktemp("run")
     paths = artifact.save(result, out)
     return model, result, out, paths
@@ -139,6 +140,7 @@ def _writer(**files):
         for name, text in files.items():
             (folder / name).write_text(text)
         return {name.split(".")[0]: folder / name for name in files}
+
     return write
 
 
@@ -178,4 +180,3 @@ def test_a_file_in_the_folders_place_is_refused(tmp_path):
     (tmp_path / "run").write_text("a file")
     with pytest.raises(OpswapError, match="is a file"):
         write_run(tmp_path / "run", _writer(**{"plan.json": "1"}))
-

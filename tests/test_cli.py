@@ -24,8 +24,9 @@ def run(*args):
 
 
 def test_help_lists_commands():
-    out = subprocess.run([sys.executable, "-m", "opswap.cli", "--help"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "opswap.cli", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0
     for cmd in ("analyze", "rules", "plan", "apply", "verify", "bench", "optimize", "models"):
         assert cmd in out.stdout
@@ -134,8 +135,11 @@ def test_optimize_writes_everything(tmp_path):
 def test_samples_below_one_are_refused(cmd, tmp_path, capsys):
     plan = tmp_path / "p.json"
     assert run("plan", "zoo:resnet", "--out", str(plan)) == 0
-    args = ("optimize", "zoo:resnet", "--out", str(tmp_path / "o")) if cmd == "optimize" \
+    args = (
+        ("optimize", "zoo:resnet", "--out", str(tmp_path / "o"))
+        if cmd == "optimize"
         else ("verify", "zoo:resnet", str(plan))
+    )
     capsys.readouterr()
     assert run(*args, "--samples", "0") == 2
     err = capsys.readouterr().err
@@ -144,8 +148,20 @@ def test_samples_below_one_are_refused(cmd, tmp_path, capsys):
 
 def test_dynamic_option_is_recorded(tmp_path):
     out = tmp_path / "o"
-    assert run("optimize", "zoo:resnet", "--out", str(out), "--samples", "1", "--no-bench",
-               "--dynamic", "none") == 0
+    assert (
+        run(
+            "optimize",
+            "zoo:resnet",
+            "--out",
+            str(out),
+            "--samples",
+            "1",
+            "--no-bench",
+            "--dynamic",
+            "none",
+        )
+        == 0
+    )
     data = json.loads((out / "result.json").read_text())
     assert data["dynamic"]["axes"] == [] and data["settings"]["dynamic"] == "none"
 
@@ -156,11 +172,14 @@ def test_models_lists_zoo(capsys):
     assert "zoo:resnet" in out and "hf:bert" in out
 
 
-@pytest.mark.parametrize("args, says", [
-    (("optimize", "zoo:resnet", "--exprot", "onnx"), "No such option: --exprot"),
-    (("optimize",), "Missing argument"),
-    (("bogus",), "No such command 'bogus'"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("optimize", "zoo:resnet", "--exprot", "onnx"), "No such option: --exprot"),
+        (("optimize",), "Missing argument"),
+        (("bogus",), "No such command 'bogus'"),
+    ],
+)
 def test_usage_errors_are_one_message_and_exit_2(capsys, args, says):
     assert run(*args) == 2
     err = capsys.readouterr().err
@@ -189,15 +208,31 @@ def no_model(monkeypatch):
     monkeypatch.setattr("opswap.cli.commands._load", _load)
 
 
-@pytest.mark.parametrize("args, says", [
-    (("optimize", "zoo:resnet", "--out", "FILE"), "--out FILE is an existing file"),
-    (("plan", "zoo:resnet", "--out", "DIR"), "--out DIR is an existing directory"),
-    (("apply", "zoo:resnet", "missing.json", "--out", "FILE"), "--out FILE is an existing file"),
-    (("plan", "zoo:resnet", "--out", "FILE/plan.json"), "lies under FILE, which is a file"),
-] + [((*cmd, "--json", "DIR"), "--json DIR is an existing directory") for cmd in (
-    ("analyze", "zoo:resnet"), ("rules",), ("models",), ("plan", "zoo:resnet"),
-    ("apply", "zoo:resnet", "missing.json"), ("verify", "zoo:resnet", "missing.json"),
-    ("bench", "zoo:resnet", "missing.json"), ("optimize", "zoo:resnet"))])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("optimize", "zoo:resnet", "--out", "FILE"), "--out FILE is an existing file"),
+        (("plan", "zoo:resnet", "--out", "DIR"), "--out DIR is an existing directory"),
+        (
+            ("apply", "zoo:resnet", "missing.json", "--out", "FILE"),
+            "--out FILE is an existing file",
+        ),
+        (("plan", "zoo:resnet", "--out", "FILE/plan.json"), "lies under FILE, which is a file"),
+    ]
+    + [
+        ((*cmd, "--json", "DIR"), "--json DIR is an existing directory")
+        for cmd in (
+            ("analyze", "zoo:resnet"),
+            ("rules",),
+            ("models",),
+            ("plan", "zoo:resnet"),
+            ("apply", "zoo:resnet", "missing.json"),
+            ("verify", "zoo:resnet", "missing.json"),
+            ("bench", "zoo:resnet", "missing.json"),
+            ("optimize", "zoo:resnet"),
+        )
+    ],
+)
 def test_bad_output_paths_fail_before_any_work(tmp_path, capsys, no_model, args, says):
     (tmp_path / "f.txt").write_text("keep me\n")
     (tmp_path / "d").mkdir()
@@ -210,7 +245,9 @@ def test_bad_output_paths_fail_before_any_work(tmp_path, capsys, no_model, args,
     assert (tmp_path / "f.txt").read_text() == "keep me\n"
 
 
-@pytest.mark.parametrize("args", [("optimize", "zoo:resnet"), ("bench", "zoo:resnet", "missing.json")])
+@pytest.mark.parametrize(
+    "args", [("optimize", "zoo:resnet"), ("bench", "zoo:resnet", "missing.json")]
+)
 def test_bogus_device_fails_before_loading(capsys, no_model, args):
     assert run(*args, "--device", "bogus") == 2
     err = capsys.readouterr().err
@@ -224,8 +261,10 @@ def test_cuda_without_gpu_fails_before_loading(capsys, no_model):
 
 
 def test_error_message_is_printed_verbatim(monkeypatch, capsys):
-    message = ("fused attention takes dtype in [torch.float16, torch.bfloat16]: got torch.float32 "
-               "at layer [3] of the encoder; pass --set dtype=float16 or drop the rule from --rules.")
+    message = (
+        "fused attention takes dtype in [torch.float16, torch.bfloat16]: got torch.float32 "
+        "at layer [3] of the encoder; pass --set dtype=float16 or drop the rule from --rules."
+    )
 
     def _load(*args, **kwargs):
         raise OpswapError(message)
@@ -237,8 +276,20 @@ def test_error_message_is_printed_verbatim(monkeypatch, capsys):
 
 def test_apply_rejects_a_hand_edited_plan(tmp_path, capsys, no_model):
     plan = tmp_path / "bad_plan.json"
-    plan.write_text(json.dumps({"version": 1, "settings": {"exactness": "exact"}, "decisions": [
-        {"rule": "fusion.conv_bn", "site": {"key": "conv+bn", "nodes": ["conv", "bn"], "data": []}}]}))
+    plan.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "settings": {"exactness": "exact"},
+                "decisions": [
+                    {
+                        "rule": "fusion.conv_bn",
+                        "site": {"key": "conv+bn", "nodes": ["conv", "bn"], "data": []},
+                    }
+                ],
+            }
+        )
+    )
     assert run("apply", "zoo:resnet", str(plan)) == 2
     err = capsys.readouterr().err
     assert f"{plan}: decision 0: site data must be an object, got a list" in err
@@ -296,9 +347,11 @@ def test_a_gpu_target_timed_here_says_so(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "timing: the plan is made for h200" in out and "measured here, on cpu:" in out
     # bench prints the spread, the interval and the rounds
-    assert re.search(r"reference [\d.]+ ms \(IQR [\d.]+\), optimized [\d.]+ ms \(IQR [\d.]+\), "
-                     r"speedup (at least )?[\d.]+x \[[\d.]+-[\d.]+\].*\d+ interleaved rounds",
-                     out), out
+    assert re.search(
+        r"reference [\d.]+ ms \(IQR [\d.]+\), optimized [\d.]+ ms \(IQR [\d.]+\), "
+        r"speedup (at least )?[\d.]+x \[[\d.]+-[\d.]+\].*\d+ interleaved rounds",
+        out,
+    ), out
     assert run("plan", "zoo:resnet", *SMALL, "--out", str(plan)) == 0
     capsys.readouterr()
     assert run("bench", "zoo:resnet", *SMALL, str(plan)) == 0
@@ -306,7 +359,8 @@ def test_a_gpu_target_timed_here_says_so(tmp_path, capsys):
 
 
 def test_bench_on_a_busy_machine_prints_its_interval_and_says_it_did_not_settle(
-        tmp_path, capsys, monkeypatch):
+    tmp_path, capsys, monkeypatch
+):
     from opswap.bench import timing
     from opswap.bench.noisy import busy
 
@@ -320,8 +374,11 @@ def test_bench_on_a_busy_machine_prints_its_interval_and_says_it_did_not_settle(
     data = json.loads((tmp_path / "b.json").read_text())
     lo, hi = data["speedup_ci"]
     # the interval is printed, its lower end first, then the median
-    assert re.search(rf"speedup (at least )?{lo:.2f}x \[{lo:.2f}-{hi:.2f}\](, within noise)?, "
-                     rf"median {data['speedup_of_medians']:.2f}x", out), out
+    assert re.search(
+        rf"speedup (at least )?{lo:.2f}x \[{lo:.2f}-{hi:.2f}\](, within noise)?, "
+        rf"median {data['speedup_of_medians']:.2f}x",
+        out,
+    ), out
     assert data["settled"] is False
 
 
@@ -340,9 +397,11 @@ def test_verify_prints_tolerance_and_samples(tmp_path, capsys):
     capsys.readouterr()
     assert run("verify", "zoo:resnet", *SMALL, str(plan), "--samples", "2") == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert ("tolerance: cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100 (the exact defaults); "
-            "5 samples: 2 at the example shape 2x3x16x16, one at each of batch 1, batch 3, "
-            "dim0_2 17") in out
+    assert (
+        "tolerance: cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100 (the exact defaults); "
+        "5 samples: 2 at the example shape 2x3x16x16, one at each of batch 1, batch 3, "
+        "dim0_2 17"
+    ) in out
 
 
 @pytest.fixture
@@ -367,11 +426,15 @@ def test_a_partly_applicable_plan_exits_1_everywhere(cmd, partial_plan, tmp_path
     assert run(cmd, "zoo:resnet", *SMALL, str(plan), *extra) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "not applied: fusion.conv_bn at conv9+bn9 [torch.float16, torch.bfloat16]: " in out
-    done = {"apply": f"saved {tmp_path / 'm' / 'model.pt2'} with the {n - 1} that did",
-            "verify": f"verified the model with the {n - 1} that did",
-            "bench": f"timed the model with the {n - 1} that did"}[cmd]
-    assert (f"partial plan: 1 of {n} decisions could not be applied (listed above); {done}; "
-            "exit status 1.") in out
+    done = {
+        "apply": f"saved {tmp_path / 'm' / 'model.pt2'} with the {n - 1} that did",
+        "verify": f"verified the model with the {n - 1} that did",
+        "bench": f"timed the model with the {n - 1} that did",
+    }[cmd]
+    assert (
+        f"partial plan: 1 of {n} decisions could not be applied (listed above); {done}; "
+        "exit status 1."
+    ) in out
     if cmd == "apply":
         assert (tmp_path / "m" / "model.pt2").exists()
 
@@ -384,13 +447,28 @@ def test_plan_cells_keep_square_brackets(monkeypatch, tmp_path, capsys):
 
     def with_miss(*args, **kwargs):
         p = real(*args, **kwargs)
-        p.misses.append(Miss("fusion.sdpa", "layer [3]", "takes dtype in [torch.float16, "
-                                                         "torch.bfloat16], got torch.float32"))
+        p.misses.append(
+            Miss(
+                "fusion.sdpa",
+                "layer [3]",
+                "takes dtype in [torch.float16, torch.bfloat16], got torch.float32",
+            )
+        )
         return p
 
     monkeypatch.setattr(plan_module, "make_plan", with_miss)
-    assert run("plan", "zoo:resnet", *SMALL, "--rules", "fusion.linear_bn",
-               "--out", str(tmp_path / "p.json")) == 0
+    assert (
+        run(
+            "plan",
+            "zoo:resnet",
+            *SMALL,
+            "--rules",
+            "fusion.linear_bn",
+            "--out",
+            str(tmp_path / "p.json"),
+        )
+        == 0
+    )
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "[torch.float16, torch.bfloat16]" in out and "layer [3]" in out
 
@@ -399,7 +477,7 @@ def test_plan_cells_keep_square_brackets(monkeypatch, tmp_path, capsys):
 
 _MY_RULES = Path(__file__).resolve().parent.parent / "examples" / "my_rules"
 
-_SWISH_SPEC = '''
+_SWISH_SPEC = """
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -418,7 +496,7 @@ class HardSwish(nn.Module):
 def build(batch: int = 2):
     torch.manual_seed(0)
     return HardSwish().eval(), (torch.randn(batch, 3, 9, 7),)
-'''
+"""
 
 
 def _opswap(*args, cwd, pythonpath=()):
@@ -426,28 +504,52 @@ def _opswap(*args, cwd, pythonpath=()):
     -P: like the `opswap` script, and unlike `python -m`, no current directory on sys.path."""
     # a wide console, so that a table cell (a rule's name) is printed whole
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-P", "-m", "opswap.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "opswap.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+    )
 
 
 def test_rules_from_a_users_module_list_plan_and_reapply(tmp_path):
     spec = tmp_path / "swish.py"
     spec.write_text(_SWISH_SPEC)
-    listed = _opswap("rules", "--rules-from", "my_rules.hardswish", "--json", tmp_path / "r.json",
-                     cwd=_MY_RULES)
+    listed = _opswap(
+        "rules", "--rules-from", "my_rules.hardswish", "--json", tmp_path / "r.json", cwd=_MY_RULES
+    )
     assert listed.returncode == 0, listed.stderr
     rules = {r["name"]: r for r in json.loads((tmp_path / "r.json").read_text())}
     assert rules["my_rules.hardswish"]["origin"] == "module my_rules.hardswish"
     assert rules["fusion.conv_bn"]["origin"] == "opswap"
     assert "my_rules.hardswish" in listed.stdout and "module my_rules.hardswish" in listed.stdout
     plan = tmp_path / "plan.json"
-    made = _opswap("plan", f"{spec}:build", "--rules-from", "my_rules.hardswish", "--rules",
-                   "my_rules.*", "--out", plan, cwd=_MY_RULES)
+    made = _opswap(
+        "plan",
+        f"{spec}:build",
+        "--rules-from",
+        "my_rules.hardswish",
+        "--rules",
+        "my_rules.*",
+        "--out",
+        plan,
+        cwd=_MY_RULES,
+    )
     assert made.returncode == 0, made.stderr
     assert [d["rule"] for d in json.loads(plan.read_text())["decisions"]] == ["my_rules.hardswish"]
     # re-applied at another batch size, against the user's module
-    checked = _opswap("verify", f"{spec}:build", plan, "--set", "batch=5", "--rules-from",
-                      "my_rules.hardswish", cwd=_MY_RULES)
+    checked = _opswap(
+        "verify",
+        f"{spec}:build",
+        plan,
+        "--set",
+        "batch=5",
+        "--rules-from",
+        "my_rules.hardswish",
+        cwd=_MY_RULES,
+    )
     assert checked.returncode == 0 and "PASSED" in checked.stdout, checked.stdout + checked.stderr
     # without the module the plan names a rule opswap does not know: one line, how to fix
     missing = _opswap("apply", f"{spec}:build", plan, cwd=_MY_RULES)
@@ -470,9 +572,11 @@ def test_installed_plugins_are_listed_and_a_broken_one_is_a_note(tmp_path):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: opswap-my-rules\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text(
-        "[opswap.rules]\nhardswish = my_rules.hardswish\ngone = no_such_plugin_xyz\n")
-    out = _opswap("rules", "--json", tmp_path / "r.json", cwd=tmp_path,
-                  pythonpath=(tmp_path, _MY_RULES))
+        "[opswap.rules]\nhardswish = my_rules.hardswish\ngone = no_such_plugin_xyz\n"
+    )
+    out = _opswap(
+        "rules", "--json", tmp_path / "r.json", cwd=tmp_path, pythonpath=(tmp_path, _MY_RULES)
+    )
     assert out.returncode == 0, out.stderr
     rules = {r["name"]: r for r in json.loads((tmp_path / "r.json").read_text())}
     assert rules["my_rules.hardswish"]["origin"] == "entry point hardswish of opswap-my-rules 0.1.0"
@@ -490,7 +594,7 @@ def test_every_command_that_plans_or_lists_takes_rules_from(capsys):
 
 # --- issue 13.12: a decision looser than the plan's exactness -------------------------------
 
-_MLP = '''
+_MLP = """
 import torch
 from torch import nn
 
@@ -499,21 +603,35 @@ def build(batch=32):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(160, 96), nn.ReLU(), nn.Linear(96, 72))
     return model, (torch.randn(batch, 160),)
-'''
+"""
 
 
-def test_apply_refuses_an_approx_decision_in_an_exact_plan_unless_allowed(tmp_path, capsys,
-                                                                         monkeypatch):
+def test_apply_refuses_an_approx_decision_in_an_exact_plan_unless_allowed(
+    tmp_path, capsys, monkeypatch
+):
     from opswap import artifact
 
     # this machine's timing says int8 pays, so the approx rule is planned
-    monkeypatch.setattr("opswap.rules.precision.int8_linear.time_on_this_cpu",
-                        lambda m, k, n, b, t, timer: (2e-3, 1e-3))
+    monkeypatch.setattr(
+        "opswap.rules.precision.int8_linear.time_on_this_cpu",
+        lambda m, k, n, b, t, timer: (2e-3, 1e-3),
+    )
     (tmp_path / "mlp.py").write_text(_MLP)
     spec = f"{tmp_path / 'mlp.py'}:build"
     plan = tmp_path / "plan.json"
-    assert run("plan", spec, "--exactness", "approx", "--rules", "precision.int8_linear",
-               "--out", str(plan)) == 0
+    assert (
+        run(
+            "plan",
+            spec,
+            "--exactness",
+            "approx",
+            "--rules",
+            "precision.int8_linear",
+            "--out",
+            str(plan),
+        )
+        == 0
+    )
     data = json.loads(plan.read_text())
     assert [d["rule"] for d in data["decisions"]] == ["precision.int8_linear"] * 2
     data["settings"]["exactness"] = "exact"  # the approx decisions now sit in an exact plan

@@ -99,8 +99,14 @@ def test_zero_or_negative_samples_are_refused():
 class ConvBN(nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                                  nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+        )
 
     def forward(self, x):
         return self.body(x)
@@ -124,8 +130,9 @@ def test_exact_folds_of_a_bfloat16_model_are_kept():
     # judged against the model's own bf16 rounding, not float32's 1e-5
     assert r.verification.tolerance.rel_l2_max > 1e-4
     # a budget the user gives is kept as written
-    strict = optimize(m, (x,), OptimizeConfig(rules=["fusion.conv_bn"], budget="rel_l2<=1e-6",
-                                              **QUICK))
+    strict = optimize(
+        m, (x,), OptimizeConfig(rules=["fusion.conv_bn"], budget="rel_l2<=1e-6", **QUICK)
+    )
     assert strict.verification.tolerance.rel_l2_max == 1e-6
 
 
@@ -203,12 +210,10 @@ def test_parallel_linear_views_at_other_lengths():
 
         def forward(self, x):
             b, s = x.size(0), x.size(1)
-            return (self.q(x).view(b, s * 8) + self.k(x).view(b, s * 8)
-                    + self.v(x).view(b, s * 8))
+            return self.q(x).view(b, s * 8) + self.k(x).view(b, s * 8) + self.v(x).view(b, s * 8)
 
     m = QKV().eval()
-    r = _optimized(m, (torch.randn(2, 1, 8),), ["fusion.parallel_linear"],
-                   dynamic="batch,0:1=seq")
+    r = _optimized(m, (torch.randn(2, 1, 8),), ["fusion.parallel_linear"], dynamic="batch,0:1=seq")
     assert len(r.applied) == 1
     _matches(m, r.candidate, (torch.randn(3, 4, 8),))
 
@@ -225,8 +230,7 @@ def test_channels_last_returns_contiguous_outputs_of_any_rank():
     m = Head().eval()
     x = torch.randn(2, 3, 10, 10)
     captured = capture(m, (x,))
-    plan = make_plan(captured, rules=["layout.channels_last"],
-                     target=_nhwc_target())
+    plan = make_plan(captured, rules=["layout.channels_last"], target=_nhwc_target())
     assert len(plan.decisions) == 1
     out = apply_plan(captured, plan).gm(x)
     assert out.is_contiguous()
@@ -236,9 +240,16 @@ def test_channels_last_returns_contiguous_outputs_of_any_rank():
 def _nhwc_target():
     from opswap.targets import Target
 
-    return Target(name="cpu", description="test CPU", kind="cpu",
-                  peak_flops={"float32": 1e12}, mem_bandwidth=50e9, memory_bytes=0,
-                  dtypes=("float32",), layout="channels_last")
+    return Target(
+        name="cpu",
+        description="test CPU",
+        kind="cpu",
+        peak_flops={"float32": 1e12},
+        mem_bandwidth=50e9,
+        memory_bytes=0,
+        dtypes=("float32",),
+        layout="channels_last",
+    )
 
 
 def test_saved_model_runs_at_other_shapes(tmp_path):
@@ -248,8 +259,7 @@ def test_saved_model_runs_at_other_shapes(tmp_path):
     r.save(tmp_path)
     loaded = artifact.load(tmp_path)
     assert not (tmp_path / "model_shapes.txt").exists()
-    _matches(m, loaded, (x,), (torch.randn(1, 3, 12, 12),), (torch.randn(5, 3, 12, 12),),
-             rel=1e-4)
+    _matches(m, loaded, (x,), (torch.randn(1, 3, 12, 12),), (torch.randn(5, 3, 12, 12),), rel=1e-4)
 
 
 def test_verification_catches_a_candidate_wrong_only_at_other_batches():

@@ -101,9 +101,18 @@ def test_a_save_that_fails_leaves_the_earlier_run_as_it_was(earlier_run, monkeyp
         torch.testing.assert_close(opswap.load_optimized(out)(x), model(x))
 
 
-@pytest.mark.parametrize("text", ["[1]", "null", '"deploy"', '{"deploy": "yes"}',
-                                  '{"deploy": [true]}', '{"deploy": {"compile": "no"}}',
-                                  '{"deploy": {"compile": 1}}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[1]",
+        "null",
+        '"deploy"',
+        '{"deploy": "yes"}',
+        '{"deploy": [true]}',
+        '{"deploy": {"compile": "no"}}',
+        '{"deploy": {"compile": 1}}',
+    ],
+)
 def test_a_result_json_of_another_shape_is_refused(earlier_run, text):
     model, out = earlier_run
     (out / "result.json").write_text(text)
@@ -131,19 +140,28 @@ def test_transformers_outputs_load_in_a_fresh_process(tmp_path):
 
     from opswap.models import load
 
-    cfg = BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                     intermediate_size=24, max_position_embeddings=40, num_labels=3)
+    cfg = BertConfig(
+        vocab_size=60,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=40,
+        num_labels=3,
+    )
     torch.manual_seed(0)
     BertForSequenceClassification(cfg).save_pretrained(tmp_path / "ckpt")
     spec = tmp_path / "spec.py"
-    spec.write_text(textwrap.dedent(f"""
+    spec.write_text(
+        textwrap.dedent(f"""
         import torch
         from transformers import AutoModelForSequenceClassification
 
         def model():
             m = AutoModelForSequenceClassification.from_pretrained({str(tmp_path / "ckpt")!r})
             return m.eval(), (torch.randint(0, 60, (2, 12)),)
-    """))
+    """)
+    )
     loaded = load(f"{spec}:model")
     optimize(loaded.module, loaded.example_inputs, _QUICK).save(tmp_path / "out")
     ids = torch.randint(0, 60, (3, 9), generator=torch.Generator().manual_seed(5))
@@ -156,8 +174,9 @@ def test_transformers_outputs_load_in_a_fresh_process(tmp_path):
         torch.save({{"type": type(out).__name__, "logits": out.logits}},
                    {str(tmp_path / "got.pt")!r})
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     got = torch.load(tmp_path / "got.pt")
     assert got["type"] == "SequenceClassifierOutput"

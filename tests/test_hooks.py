@@ -41,20 +41,29 @@ def _reloaded(m):
     weight_norm's cached `weight` is stale until its pre-hook runs again."""
     with torch.no_grad():
         m(torch.randn(2, 6))
-    sd = {k: v + torch.randn_like(v) if k.endswith(("weight_g", "weight_v")) else v
-          for k, v in m.state_dict().items()}
+    sd = {
+        k: v + torch.randn_like(v) if k.endswith(("weight_g", "weight_v")) else v
+        for k, v in m.state_dict().items()
+    }
     m.load_state_dict(sd)
     return m
 
 
 def _state(m):
-    return ({k: v.clone() for k, v in m.state_dict().items()}, weight_hooks(m),
-            parametrize.is_parametrized(m.fc2), len(m.fc1._forward_pre_hooks))
+    return (
+        {k: v.clone() for k, v in m.state_dict().items()},
+        weight_hooks(m),
+        parametrize.is_parametrized(m.fc2),
+        len(m.fc1._forward_pre_hooks),
+    )
 
 
 def _same_state(a, b):
-    return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
-            and a[1:] == b[1:])
+    return (
+        a[0].keys() == b[0].keys()
+        and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+        and a[1:] == b[1:]
+    )
 
 
 def _agrees(module, fn, batches=(1, 4, 7)):
@@ -74,8 +83,9 @@ def test_the_saved_model_uses_the_weights_the_module_computes(tmp_path):
     with torch.inference_mode():
         _agrees(m, opswap.load_optimized(tmp_path))
     assert r.verification.passed
-    assert any("fc1.weight (weight_norm)" in n and "fc2.weight (spectral_norm)" in n
-               for n in r.notes)
+    assert any(
+        "fc1.weight (weight_norm)" in n and "fc2.weight (spectral_norm)" in n for n in r.notes
+    )
 
 
 def test_verify_compares_with_the_module_as_the_user_calls_it():
@@ -88,14 +98,18 @@ def test_verify_compares_with_the_module_as_the_user_calls_it():
         fc1.bias.copy_(m.fc1.bias)
     stale.fc1 = fc1
     assert not opswap.verify(m, stale, (torch.randn(4, 6),)).passed
-    assert opswap.verify(m, opswap.optimize(m, (torch.randn(4, 6),), bench=False,
-                                            samples=1).candidate, (torch.randn(4, 6),)).passed
+    assert opswap.verify(
+        m,
+        opswap.optimize(m, (torch.randn(4, 6),), bench=False, samples=1).candidate,
+        (torch.randn(4, 6),),
+    ).passed
 
 
 def test_a_fresh_weight_norm_model_is_optimized():
     torch.manual_seed(0)
-    m = nn.Sequential(_old_weight_norm(nn.Linear(6, 8)), nn.ReLU(),
-                      torch.nn.utils.spectral_norm(nn.Linear(8, 3))).eval()
+    m = nn.Sequential(
+        _old_weight_norm(nn.Linear(6, 8)), nn.ReLU(), torch.nn.utils.spectral_norm(nn.Linear(8, 3))
+    ).eval()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     r = opswap.optimize(m, (torch.randn(3, 6),), bench=False, samples=2)
     assert r.verification.passed
@@ -133,14 +147,17 @@ def test_keep_hooks_with_only_weight_hooks_optimizes():
 
 def test_a_fold_into_a_weight_normed_conv_uses_the_computed_weight():
     torch.manual_seed(0)
-    m = nn.Sequential(_old_weight_norm(nn.Conv2d(3, 8, 3, padding=1)), nn.BatchNorm2d(8),
-                      nn.ReLU())
+    m = nn.Sequential(_old_weight_norm(nn.Conv2d(3, 8, 3, padding=1)), nn.BatchNorm2d(8), nn.ReLU())
     m(torch.randn(4, 3, 9, 9))  # train-mode calls give BatchNorm statistics of its own
     m.eval()
     with torch.no_grad():
         m(torch.randn(1, 3, 9, 9))
-    m.load_state_dict({k: v * 1.5 + 0.1 if k.endswith(("weight_g", "weight_v")) else v
-                       for k, v in m.state_dict().items()})
+    m.load_state_dict(
+        {
+            k: v * 1.5 + 0.1 if k.endswith(("weight_g", "weight_v")) else v
+            for k, v in m.state_dict().items()
+        }
+    )
     r = opswap.optimize(m, (torch.randn(2, 3, 9, 9),), bench=False, samples=2)
     assert "fusion.conv_bn" in [s.rule for s in r.applied]
     for shape in ((1, 3, 9, 9), (3, 3, 12, 7)):

@@ -19,8 +19,9 @@ class _ConvReLU(nn.Module):
         self.conv = nn.Conv2d(3, 5, 3, padding=1)
 
     def forward(self, x):
-        return torch.ops.opswap.conv_relu(x, self.conv.weight, self.conv.bias, [1, 1], [1, 1],
-                                          [1, 1], 1)
+        return torch.ops.opswap.conv_relu(
+            x, self.conv.weight, self.conv.bias, [1, 1], [1, 1], [1, 1], 1
+        )
 
 
 def test_a_plain_torch_export_load_works_after_import_opswap(tmp_path):
@@ -35,7 +36,9 @@ def test_a_plain_torch_export_load_works_after_import_opswap(tmp_path):
         program = torch.export.load({str(path)!r})
         torch.save(program.module()(torch.load({str(tmp_path / "x.pt")!r})), {str(tmp_path / "y.pt")!r})
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     with torch.no_grad():
         want = torch.relu(model.conv(x))

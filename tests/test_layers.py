@@ -58,7 +58,8 @@ MODULES = _modules()
 
 def _type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(name: str, path: Path) -> list[tuple[str, int]]:
@@ -79,11 +80,18 @@ def _imports(name: str, path: Path) -> list[tuple[str, int]]:
                 visit(child)
             return
         if isinstance(node, ast.Import):
-            found.extend((a.name, node.lineno) for a in node.names
-                         if a.name == "opswap" or a.name.startswith("opswap."))
-        elif (isinstance(node, ast.Call) and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"):
+            found.extend(
+                (a.name, node.lineno)
+                for a in node.names
+                if a.name == "opswap" or a.name.startswith("opswap.")
+            )
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+        ):
             named = node.args[0].value  # importlib.import_module("opswap.x")
             if named == "opswap" or named.startswith("opswap."):
                 found.append((named, node.lineno))
@@ -110,8 +118,9 @@ def layer_of(module: str) -> tuple[int, str]:
     for i, (layer, members) in enumerate(LAYERS):
         if top in members:
             return i, layer
-    raise AssertionError(f"{module} is in no layer: give opswap.{top} its place in "
-                         "tests/test_layers.py's LAYERS")
+    raise AssertionError(
+        f"{module} is in no layer: give opswap.{top} its place in tests/test_layers.py's LAYERS"
+    )
 
 
 def test_every_module_has_a_layer():
@@ -126,8 +135,10 @@ def test_no_module_imports_from_a_layer_above_its_own():
         for imported, line in imports:
             there, there_name = layer_of(imported)
             if there > here:
-                wrong.append(f"{module} (layer {here_name}) imports {imported} (layer "
-                             f"{there_name}, above it) at line {line}")
+                wrong.append(
+                    f"{module} (layer {here_name}) imports {imported} (layer "
+                    f"{there_name}, above it) at line {line}"
+                )
     assert not wrong, "imports that point up:\n" + "\n".join(wrong)
 
 
@@ -178,16 +189,22 @@ def test_no_modules_import_each_other_in_a_circle():
 
 
 def test_the_reader_sees_imports_inside_functions_and_skips_type_checking_ones(tmp_path):
-    code = ("from typing import TYPE_CHECKING\n"
-            "from opswap.errors import OpswapError\n"
-            "if TYPE_CHECKING:\n"
-            "    from opswap.api import optimize\n"
-            "def f():\n"
-            "    import opswap.graph.ops\n"
-            "    from opswap.rules import registry\n"
-            "    return importlib.import_module('opswap.verify.outputs')\n")
+    code = (
+        "from typing import TYPE_CHECKING\n"
+        "from opswap.errors import OpswapError\n"
+        "if TYPE_CHECKING:\n"
+        "    from opswap.api import optimize\n"
+        "def f():\n"
+        "    import opswap.graph.ops\n"
+        "    from opswap.rules import registry\n"
+        "    return importlib.import_module('opswap.verify.outputs')\n"
+    )
     path = tmp_path / "probe.py"
     path.write_text(code)
     got = {m for m, _ in _imports("opswap.targets.probe", path)}
-    assert got == {"opswap.errors", "opswap.graph.ops", "opswap.rules.registry",
-                   "opswap.verify.outputs"}
+    assert got == {
+        "opswap.errors",
+        "opswap.graph.ops",
+        "opswap.rules.registry",
+        "opswap.verify.outputs",
+    }

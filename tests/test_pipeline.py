@@ -89,11 +89,13 @@ def test_rule_that_breaks_the_budget_is_rolled_back():
 
 def test_rule_that_measures_slower_is_pruned():
     m = _model()
-    r = optimize(m, (torch.randn(3, 16),),
-                 OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1, compare="none"))
+    r = optimize(
+        m,
+        (torch.randn(3, 16),),
+        OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1, compare="none"),
+    )
     assert not r.applied, "the slow identity should have been dropped after measuring"
-    assert any(s.rule == "test.slowdown" and "measured slower" in s.reason
-               for s in r.plan.skipped)
+    assert any(s.rule == "test.slowdown" and "measured slower" in s.reason for s in r.plan.skipped)
     assert r.verification.passed
 
 
@@ -108,9 +110,13 @@ def test_result_json_contract():
 
 def test_rules_are_timed_one_by_one():
     m = _model()
-    r = optimize(m, (torch.randn(3, 16),),
-                 OptimizeConfig(rules=["test.slowdown"], layers=False, samples=1, prune_slow=False,
-                                compare="none"))
+    r = optimize(
+        m,
+        (torch.randn(3, 16),),
+        OptimizeConfig(
+            rules=["test.slowdown"], layers=False, samples=1, prune_slow=False, compare="none"
+        ),
+    )
     (t,) = r.rule_timings
     assert t.rule == "test.slowdown" and t.sites == 1
     assert t.without_ms < t.with_ms and not t.pays  # the slow identity costs time
@@ -128,23 +134,33 @@ def test_print_of_a_result_is_a_short_summary_not_the_modules():
     assert "applied 0 of 0 decisions, 1 rolled back" in text
     assert f"verification PASSED (max_abs {r.verification.max_abs:.3g}" in text
     assert "not timed" in text and "Linear" not in text  # no module dump
-    raced = optimize(_model(), (torch.randn(5, 16),),
-                     OptimizeConfig(layers=False, samples=1, compare="none", measure_rules=False))
+    raced = optimize(
+        _model(),
+        (torch.randn(5, 16),),
+        OptimizeConfig(layers=False, samples=1, compare="none", measure_rules=False),
+    )
     best = next(v for v in raced.variants if v.name == raced.best)
     assert f"best {raced.best} {best.speedup_vs_input:.2f}x the input" in repr(raced)
     assert len(repr(raced)) < 300
 
 
-@pytest.mark.parametrize("settings, error, says", [
-    ({"exactness": "loose"}, "RuleError", "exactness must be exact, approx or lossy; got 'loose'."),
-    ({"samples": 0}, "VerificationError", "samples must be at least 1"),
-    ({"samples": True}, "VerificationError", "samples must be at least 1"),
-    ({"samples": 2.5}, "VerificationError", "samples must be at least 1"),
-    ({"budget": "cosine<=0.9"}, "VerificationError", "wrong side"),
-    ({"budget": "speed>=2"}, "VerificationError", "Unknown metric 'speed'"),
-    ({"compare": "compiled"}, "OpswapError", "Unknown baseline 'compiled'"),
-    ({"device": "bogus"}, "OpswapError", "Unknown device 'bogus'; use cpu, cuda or cuda:N."),
-])
+@pytest.mark.parametrize(
+    "settings, error, says",
+    [
+        (
+            {"exactness": "loose"},
+            "RuleError",
+            "exactness must be exact, approx or lossy; got 'loose'.",
+        ),
+        ({"samples": 0}, "VerificationError", "samples must be at least 1"),
+        ({"samples": True}, "VerificationError", "samples must be at least 1"),
+        ({"samples": 2.5}, "VerificationError", "samples must be at least 1"),
+        ({"budget": "cosine<=0.9"}, "VerificationError", "wrong side"),
+        ({"budget": "speed>=2"}, "VerificationError", "Unknown metric 'speed'"),
+        ({"compare": "compiled"}, "OpswapError", "Unknown baseline 'compiled'"),
+        ({"device": "bogus"}, "OpswapError", "Unknown device 'bogus'; use cpu, cuda or cuda:N."),
+    ],
+)
 def test_config_refuses_a_bad_setting_itself_in_one_sentence(settings, error, says):
     from opswap import errors
 
@@ -158,5 +174,7 @@ def test_config_refuses_a_bad_setting_itself_in_one_sentence(settings, error, sa
 def test_config_reads_rule_patterns_and_skips_the_baselines_without_timing():
     assert OptimizeConfig(rules=" fusion.*, ,layout.drop_*,").rules == ["fusion.*", "layout.drop_*"]
     assert OptimizeConfig(rules=["fusion.conv_bn,fusion.linear_bn"]).rules == [
-        "fusion.conv_bn", "fusion.linear_bn"]
+        "fusion.conv_bn",
+        "fusion.linear_bn",
+    ]
     OptimizeConfig(bench=False, compare="compiled")  # no race, so no baseline to read

@@ -18,17 +18,23 @@ from opswap.pipeline import OptimizeConfig, optimize
 # lack (an encoder-decoder, a vision-text model): optimize of all 57 checked types would
 # add some 20 minutes to CI (tests/models/test_hf_kinds.py covers a sample of each kind)
 _PRESETS = list_hf_presets()
-_EXTRA = [next(t for t, k in hf_kinds().items() if k == kind)
-          for kind in ("encoder-decoder", "vision-text")]
+_EXTRA = [
+    next(t for t, k in hf_kinds().items() if k == kind)
+    for kind in ("encoder-decoder", "vision-text")
+]
 SPECS = [f"zoo:{z.name}" for z in list_zoo()] + [f"hf:{t}" for t in _PRESETS + _EXTRA]
 
 
 def _shapes(example, dynamic) -> list[tuple[str, tuple]]:
     out = [("example", example)]
     for axis in dynamic.axes:
-        sizes = ([1, axis.size + 3] if axis.name == "batch" else
-                 [max(1, axis.size - 5), axis.probe] if axis.name == "seq" else
-                 [axis.probe, axis.size + 2 * axis.step])  # image sizes: not below the example
+        sizes = (
+            [1, axis.size + 3]
+            if axis.name == "batch"
+            else [max(1, axis.size - 5), axis.probe]
+            if axis.name == "seq"
+            else [axis.probe, axis.size + 2 * axis.step]
+        )  # image sizes: not below the example
         out += [(f"{axis.name} {n}", at(example, axis, n)) for n in sizes if n != axis.size]
     return out
 
@@ -44,8 +50,7 @@ def test_saved_model_matches_the_input_at_other_shapes(spec, tmp_path):
         pytest.importorskip("transformers")
     loaded = load(spec)
     module, example = loaded.module, loaded.example_inputs
-    r = optimize(module, example, OptimizeConfig(bench=False, layers=False, samples=2),
-                 name=spec)
+    r = optimize(module, example, OptimizeConfig(bench=False, layers=False, samples=2), name=spec)
     assert r.verification.passed, r.verification.reasons
     names = {a.name for a in r.dynamic.axes}
     assert "batch" in names, r.dynamic.notes

@@ -12,8 +12,9 @@ CODE = ["src", "tests", "examples", "benchmarks"]
 
 
 def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_the_code_is_formatted_and_lint_clean():

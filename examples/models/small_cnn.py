@@ -17,9 +17,18 @@ class SmallCNN(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         cin = 3
-        for cout, stride in ((width, 1), (width, 1), (2 * width, 2), (2 * width, 1), (4 * width, 2)):
-            layers += [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
-                       nn.ReLU(inplace=True)]
+        for cout, stride in (
+            (width, 1),
+            (width, 1),
+            (2 * width, 2),
+            (2 * width, 1),
+            (4 * width, 2),
+        ):
+            layers += [
+                nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True),
+            ]
             cin = cout
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)

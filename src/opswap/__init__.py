@@ -26,8 +26,17 @@ from opswap._version import __version__ as __version__
 from opswap.api import analyze, apply, load, optimize, plan
 from opswap.deploy import load_optimized
 
-__all__ = ["analyze", "apply", "bench", "load", "load_optimized", "optimize", "plan", "rules",
-           "verify"]
+__all__ = [
+    "analyze",
+    "apply",
+    "bench",
+    "load",
+    "load_optimized",
+    "optimize",
+    "plan",
+    "rules",
+    "verify",
+]
 
 # `opswap.verify(reference, candidate, example_inputs, ...)` calls opswap.api.verify, and
 # `opswap.bench(...)` opswap.api.bench

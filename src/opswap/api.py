@@ -47,8 +47,9 @@ from opswap.verify.outputs import Verification, capture_check
 from opswap.verify.tolerance import Tolerance, tolerance_for
 
 
-def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
-            dynamic: str | None = "auto") -> Captured:
+def capture(
+    model: nn.Module, example_inputs, method: Method = "auto", *, dynamic: str | None = "auto"
+) -> Captured:
     """Capture `model` as graph.capture.capture does, checking that the graph reproduces
     the module's outputs (the verifier's comparison, which also measures a low-precision
     model's own rounding)."""
@@ -61,8 +62,14 @@ def load(spec: str, weights: str | None = None, **overrides) -> LoadedModel:
     return _load(spec, {k: str(v) for k, v in overrides.items()}, weights=weights)
 
 
-def analyze(model: nn.Module, example_inputs, target: str | Target = "cpu", *,
-            dynamic: str = "auto", name: str | None = None):
+def analyze(
+    model: nn.Module,
+    example_inputs,
+    target: str | Target = "cpu",
+    *,
+    dynamic: str = "auto",
+    name: str | None = None,
+):
     """Per-op FLOPs, bytes, intensity and bound of `model` on `target` (an Analysis, whose
     notes hold the capture's, and whose bottleneck sentences name the rules that would
     relieve them); `name` names the model in its title."""
@@ -73,13 +80,25 @@ def analyze(model: nn.Module, example_inputs, target: str | Target = "cpu", *,
     return advised(_analyze(captured, get_target(target), model_name=name))
 
 
-def plan(model: nn.Module, example_inputs, *, target: str | Target = "cpu",
-         rules: list[str] | str | None = None, exactness: str = "exact",
-         dynamic: str = "auto", name: str | None = None) -> Plan:
+def plan(
+    model: nn.Module,
+    example_inputs,
+    *,
+    target: str | Target = "cpu",
+    rules: list[str] | str | None = None,
+    exactness: str = "exact",
+    dynamic: str = "auto",
+    name: str | None = None,
+) -> Plan:
     """Choose replacements for `model`; the Plan can be saved, edited and re-applied."""
     captured = capture(*keyword_call(model, example_inputs), dynamic=dynamic)
-    return planner.make_plan(captured, target=with_timer(get_target(target)), rules=rules,
-                             exactness=exactness, model_name=name or type(model).__name__)
+    return planner.make_plan(
+        captured,
+        target=with_timer(get_target(target)),
+        rules=rules,
+        exactness=exactness,
+        model_name=name or type(model).__name__,
+    )
 
 
 def read_plan(plan: Plan | str | Path, *, allow_looser: bool = True) -> Plan:
@@ -105,9 +124,15 @@ class Replay:
     files: dict[str, Path] = field(default_factory=dict)
 
 
-def replay(model: nn.Module, example_inputs, plan: Plan | str | Path, *,
-           dynamic: str = "auto", allow_looser: bool = True,
-           out: str | Path | None = None) -> Replay:
+def replay(
+    model: nn.Module,
+    example_inputs,
+    plan: Plan | str | Path,
+    *,
+    dynamic: str = "auto",
+    allow_looser: bool = True,
+    out: str | Path | None = None,
+) -> Replay:
     """Apply `plan` to a capture of `model` at the sizes `dynamic` keeps symbolic; with
     `out`, save the result there (model.pt2, or its weights when it does not export).
     The decisions that do not apply are left out and listed, the rest applied."""
@@ -119,13 +144,13 @@ def replay(model: nn.Module, example_inputs, plan: Plan | str | Path, *,
     files: dict[str, Path] = {}
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
-        files = save_model(applied.gm, captured.example_inputs, Path(out),
-                           dynamic=captured.dynamic)
+        files = save_model(applied.gm, captured.example_inputs, Path(out), dynamic=captured.dynamic)
     return Replay(plan, captured, applied, files)
 
 
-def apply(model: nn.Module, example_inputs, plan: Plan | str, *,
-          allow_looser: bool = False) -> nn.Module:
+def apply(
+    model: nn.Module, example_inputs, plan: Plan | str, *, allow_looser: bool = False
+) -> nn.Module:
     """Apply a Plan (or a path to plan.json) to a copy of `model`; returns the new module,
     which takes keyword inputs positionally (see the module doc) and refuses inputs outside
     the sizes it was captured at. A decision looser than the plan's exactness is refused
@@ -146,9 +171,15 @@ class PlanCheck:
     first_divergence: Any = None  # verify.layers.Divergence
 
 
-def verify_plan(model: nn.Module, example_inputs, plan: Plan | str | Path, *,
-                budget: str | None = None, samples: int = 3,
-                dynamic: str = "auto") -> PlanCheck:
+def verify_plan(
+    model: nn.Module,
+    example_inputs,
+    plan: Plan | str | Path,
+    *,
+    budget: str | None = None,
+    samples: int = 3,
+    dynamic: str = "auto",
+) -> PlanCheck:
     """Verify what `plan` makes of `model` against (a copy of) the model itself, at every
     shape the capture claims, with the plan's exactness defaults (loosened to the model's
     own rounding) and `budget` on top. Every decision is judged as the plan holds it."""
@@ -159,12 +190,19 @@ def verify_plan(model: nn.Module, example_inputs, plan: Plan | str | Path, *,
     done = replay(model, inputs, plan, dynamic=dynamic)
     captured = done.captured
     tol = tolerance_for(done.plan.settings.exactness, budget, captured.rounding)
-    v = _verify(private_copy(model), done.applied.gm, captured.example_inputs,
-                samples=samples, tolerance=tol, variants=captured.variants())
+    v = _verify(
+        private_copy(model),
+        done.applied.gm,
+        captured.example_inputs,
+        samples=samples,
+        tolerance=tol,
+        variants=captured.variants(),
+    )
     first = None
     if not v.passed:
-        first = compare_layers(captured, done.applied,
-                               captured.example_inputs).first_divergence(tol)
+        first = compare_layers(captured, done.applied, captured.example_inputs).first_divergence(
+            tol
+        )
     return PlanCheck(done, v, tol, first)
 
 
@@ -176,15 +214,25 @@ class PlanBench:
     benchmark: Any
 
 
-def bench_plan(model: nn.Module, example_inputs, plan: Plan | str | Path, *,
-               device: str = "cpu", dynamic: str = "auto") -> PlanBench:
+def bench_plan(
+    model: nn.Module,
+    example_inputs,
+    plan: Plan | str | Path,
+    *,
+    device: str = "cpu",
+    dynamic: str = "auto",
+) -> PlanBench:
     """Time (a copy of) `model` and what `plan` makes of it side by side on `device`."""
     from opswap.bench.timing import bench_models
 
     model, inputs = keyword_call(model, example_inputs)
     done = replay(model, inputs, plan, dynamic=dynamic)
-    return PlanBench(done, bench_models(private_copy(model), done.applied.gm,
-                                        done.captured.example_inputs, device=device))
+    return PlanBench(
+        done,
+        bench_models(
+            private_copy(model), done.applied.gm, done.captured.example_inputs, device=device
+        ),
+    )
 
 
 def timing_note(target: str | Target, device: str) -> str | None:
@@ -196,17 +244,27 @@ def timing_note(target: str | Target, device: str) -> str | None:
     here = describe_device(device)
     dev = device.split(":")[0]
     same = (tgt.kind == "cpu" and dev == "cpu") or (
-        tgt.kind == dev and re.search(rf"\b{re.escape(tgt.name.lower())}\b",
-                                      here.lower()) is not None)
+        tgt.kind == dev
+        and re.search(rf"\b{re.escape(tgt.name.lower())}\b", here.lower()) is not None
+    )
     if same:
         return None
-    return (f"the plan is made for {tgt.name} ({tgt.description}), but times are measured "
-            f"here, on {here}.")
+    return (
+        f"the plan is made for {tgt.name} ({tgt.description}), but times are measured "
+        f"here, on {here}."
+    )
 
 
-def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
-           exactness: str = "exact", budget: str | None = None, samples: int = 3,
-           dynamic: str = "auto"):
+def verify(
+    reference: nn.Module,
+    candidate: nn.Module,
+    example_inputs,
+    *,
+    exactness: str = "exact",
+    budget: str | None = None,
+    samples: int = 3,
+    dynamic: str = "auto",
+):
     """Compare candidate with reference on random samples shaped like `example_inputs`, and
     at the other batch sizes and sequence lengths `dynamic` marks (see graph.dynamic).
     Both run as private copies: neither module is called nor changed. A copy keeps the
@@ -223,16 +281,18 @@ def verify(reference: nn.Module, candidate: nn.Module, example_inputs, *,
     candidate = positional(candidate, reference)
     reference, candidate = _private(reference), _private(candidate)
     inputs = fresh(as_inputs(inputs))  # the caller's tensors are never run on
-    tol = tolerance_for(exactness, budget, own_rounding(reference, inputs)
-                        if isinstance(reference, nn.Module) else None)
+    tol = tolerance_for(
+        exactness,
+        budget,
+        own_rounding(reference, inputs) if isinstance(reference, nn.Module) else None,
+    )
 
     def run(xs):
         with torch.no_grad(), preserved_state(reference):
             reference(*fresh(xs))
 
     shapes = variants(inputs, detect(run, inputs, dynamic))
-    return _verify(reference, candidate, inputs, samples=samples, tolerance=tol,
-                   variants=shapes)
+    return _verify(reference, candidate, inputs, samples=samples, tolerance=tol, variants=shapes)
 
 
 def _private(fn):
@@ -246,23 +306,42 @@ def bench(reference: nn.Module, candidate: nn.Module, example_inputs, *, device:
 
     reference, inputs = keyword_call(reference, example_inputs)
     candidate = positional(candidate, reference)
-    return bench_models(_private(reference), _private(candidate), as_inputs(inputs),
-                        device=device)
+    return bench_models(_private(reference), _private(candidate), as_inputs(inputs), device=device)
 
 
-def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
-             rules: list[str] | str | None = None, exactness: str = "exact",
-             budget: str | None = None, samples: int = 3, bench: bool = True,
-             device: str = "cpu", dynamic: str = "auto", keep_hooks: bool = False,
-             compare: str = "compile", name: str | None = None) -> Result:
+def optimize(
+    model: nn.Module,
+    example_inputs,
+    *,
+    target: str = "cpu",
+    rules: list[str] | str | None = None,
+    exactness: str = "exact",
+    budget: str | None = None,
+    samples: int = 3,
+    bench: bool = True,
+    device: str = "cpu",
+    dynamic: str = "auto",
+    keep_hooks: bool = False,
+    compare: str = "compile",
+    name: str | None = None,
+) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
     bench, and the race of variants against `compare`'s baselines ("compile" or "none").
     `model` is never called nor changed; `result.candidate` is the optimized module and
     `result.saved_module` the race's winner, which `result.save` writes. The user's hooks
     are left out, with a note; `keep_hooks=True` refuses a model that has any instead."""
-    config = OptimizeConfig(target=target, rules=rules or [], exactness=exactness,
-                            budget=budget, samples=samples, bench=bench, device=device,
-                            dynamic=dynamic, keep_hooks=keep_hooks, compare=compare)
+    config = OptimizeConfig(
+        target=target,
+        rules=rules or [],
+        exactness=exactness,
+        budget=budget,
+        samples=samples,
+        bench=bench,
+        device=device,
+        dynamic=dynamic,
+        keep_hooks=keep_hooks,
+        compare=compare,
+    )
     name = name or type(model).__name__
     model, example_inputs = keyword_call(model, example_inputs)
     result = _optimize(model, example_inputs, config, name=name)
@@ -270,15 +349,22 @@ def optimize(model: nn.Module, example_inputs, *, target: str = "cpu",
     return result
 
 
-def optimize_loaded(loaded: LoadedModel, config: OptimizeConfig, *, name: str | None = None,
-                    progress=None) -> Result:
+def optimize_loaded(
+    loaded: LoadedModel, config: OptimizeConfig, *, name: str | None = None, progress=None
+) -> Result:
     """`optimize` on a loaded spec with settings already checked (the CLI's flow): the
     loader's settings go into result.json, and its notes (keyword inputs, the weights file
     read) into result.notes."""
     from opswap.models.weights import describe_record
 
-    result = _optimize(loaded.module, loaded.example_inputs, config, name=name or loaded.spec,
-                       progress=progress, model_settings=loaded.settings)
+    result = _optimize(
+        loaded.module,
+        loaded.example_inputs,
+        config,
+        name=name or loaded.spec,
+        progress=progress,
+        model_settings=loaded.settings,
+    )
     note_inputs(result, loaded.module)
     if loaded.settings.get("weights"):
         result.notes.insert(0, describe_record(loaded.settings["weights"]).capitalize() + ".")
@@ -310,15 +396,20 @@ def list_models() -> dict[str, Any]:
     from opswap.models import list_hf_types, list_zoo
     from opswap.models.hf import hf_kinds
 
-    return {"zoo": [{"name": z.name, "description": z.description, "chapters": list(z.chapters)}
-                    for z in list_zoo()],
-            "hf": list(list_hf_types()), "hf_kinds": hf_kinds()}
+    return {
+        "zoo": [
+            {"name": z.name, "description": z.description, "chapters": list(z.chapters)}
+            for z in list_zoo()
+        ],
+        "hf": list(list_hf_types()),
+        "hf_kinds": hf_kinds(),
+    }
 
 
 def note_inputs(result: Result, model: nn.Module) -> None:
     """Record in result.notes the positional order a KeywordCall model's result takes."""
     if isinstance(model, KeywordCall):
-        what = ("takes keyword inputs" if model.keywords else
-                "was given inputs that are not tensors")
-        result.notes.insert(0, f"The model {what}; the optimized model (and model.pt2) "
-                               + model.describe() + ".")
+        what = "takes keyword inputs" if model.keywords else "was given inputs that are not tensors"
+        result.notes.insert(
+            0, f"The model {what}; the optimized model (and model.pt2) " + model.describe() + "."
+        )

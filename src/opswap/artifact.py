@@ -54,16 +54,33 @@ if TYPE_CHECKING:
     from opswap.result import Result
 
 #: every name `save` writes (report.optimize_report's plots included)
-RUN_FILES = frozenset({
-    "plan.json", "result.json", "report.md", "report.html", "model.pt2", "model_state.pt",
-    "model_state.txt", "model_shapes.txt", "latency.png", "layer_errors.png",
-    "categories.png", "roofline.png"})
+RUN_FILES = frozenset(
+    {
+        "plan.json",
+        "result.json",
+        "report.md",
+        "report.html",
+        "model.pt2",
+        "model_state.pt",
+        "model_state.txt",
+        "model_shapes.txt",
+        "latency.png",
+        "layer_errors.png",
+        "categories.png",
+        "roofline.png",
+    }
+)
 _FIRST = ("model.pt2", "model_state.pt")
 _LAST = ("result.json",)
 
 #: which module a winning variant saves: the input, the plain capture or opswap's candidate
-SAVES = {"input": "input", "compile": "input", "captured": "captured",
-         "opswap": "candidate", "opswap+compile": "candidate"}
+SAVES = {
+    "input": "input",
+    "compile": "input",
+    "captured": "captured",
+    "opswap": "candidate",
+    "opswap+compile": "candidate",
+}
 
 
 def saved_kind(result: Result) -> str:
@@ -91,34 +108,47 @@ def deploy(result: Result) -> dict[str, Any]:
     """What model.pt2 holds and how to run it (result.json's `deploy`)."""
     kind = saved_kind(result)
     compiled = result.best.endswith("compile")
-    holds = {"input": "your model, unchanged (as exported; its time is the `captured` "
-                      "row): nothing opswap made beat your model in this run",
-             "captured": "your model as exported, with no rewrite",
-             "candidate": "opswap's optimized model"}[kind]
-    how = "opswap.load_optimized(DIR)" + (" (compiles it with torch.compile)"
-                                          if compiled else "")
+    holds = {
+        "input": "your model, unchanged (as exported; its time is the `captured` "
+        "row): nothing opswap made beat your model in this run",
+        "captured": "your model as exported, with no rewrite",
+        "candidate": "opswap's optimized model",
+    }[kind]
+    how = "opswap.load_optimized(DIR)" + (" (compiles it with torch.compile)" if compiled else "")
     if kind == "input":
-        cap = next((v for v in result.variants if v.name == "captured" and v.ms is not None),
-                   None)
+        cap = next((v for v in result.variants if v.name == "captured" and v.ms is not None), None)
         if cap is not None and cap.slower:
             # The file is the input as exported; where that export ran slower than the
             # module itself, the module is what to keep.
-            holds += (f"; as exported it ran at {cap.speedup_vs_input:.2f}x of your module, "
-                      "so keep running your own module")
+            holds += (
+                f"; as exported it ran at {cap.speedup_vs_input:.2f}x of your module, "
+                "so keep running your own module"
+            )
             how = "your own module, as it is (model.pt2 is its slower export)"
     verified_as = result.verified_as
     if not result.variants:  # no race: what is saved is the candidate verified in memory
-        verified_as = {"variant": "opswap (in memory, before export; not raced)",
-                       "shapes": list(result.verification.shapes)}
+        verified_as = {
+            "variant": "opswap (in memory, before export; not raced)",
+            "shapes": list(result.verification.shapes),
+        }
     artifact: str | None = "model.pt2"
     if result.variants and verified_as is None:
         artifact = None
-        holds = ("nothing: the file your model's export would be (the `captured` row) "
-                 "did not pass verification, so no model.pt2 is written")
+        holds = (
+            "nothing: the file your model's export would be (the `captured` row) "
+            "did not pass verification, so no model.pt2 is written"
+        )
         how = "your own module, as it is"
-    return {"variant": result.best, "artifact": artifact, "holds": holds,
-            "compile": compiled, "how": how, "timed": saved_artifact(result) is not None,
-            "verified_as": verified_as, "run_under": "torch.inference_mode()"}
+    return {
+        "variant": result.best,
+        "artifact": artifact,
+        "holds": holds,
+        "compile": compiled,
+        "how": how,
+        "timed": saved_artifact(result) is not None,
+        "verified_as": verified_as,
+        "run_under": "torch.inference_mode()",
+    }
 
 
 def describe(result: Result) -> dict[str, Any]:
@@ -130,17 +160,28 @@ def describe(result: Result) -> dict[str, Any]:
         "model": result.model,
         "target": result.target,
         "created": result.created,
-        "versions": {"opswap": _version(), "torch": torch.__version__,
-                     "python": platform.python_version()},
+        "versions": {
+            "opswap": _version(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         "capture_method": result.plan.capture_method,
         "run": result.run_info,
-        "settings": {"rules": config.rules, "exactness": config.exactness,
-                     "budget": config.budget, "samples": config.samples,
-                     "dynamic": config.dynamic},
+        "settings": {
+            "rules": config.rules,
+            "exactness": config.exactness,
+            "budget": config.budget,
+            "samples": config.samples,
+            "dynamic": config.dynamic,
+        },
         "dynamic": result.dynamic.to_json() if result.dynamic is not None else None,
         "applied": [
-            {"rule": s.rule, "site": s.key, "description": s.description,
-             "estimate": est.get(s.key)}
+            {
+                "rule": s.rule,
+                "site": s.key,
+                "description": s.description,
+                "estimate": est.get(s.key),
+            }
             for s in result.applied
         ],
         "misses": [m.to_json() for m in result.plan.misses],
@@ -179,11 +220,19 @@ def _write(result: Result, out: Path) -> dict[str, Path]:
         if art is None:  # no race: exported here, and the claim follows the file
             from opswap.backends.pt2 import export_artifact
 
-            art = export_artifact(saved_module(result), tuple(result.example_inputs),
-                                  result.dynamic, out)
+            art = export_artifact(
+                saved_module(result), tuple(result.example_inputs), result.dynamic, out
+            )
             result.dynamic = file_claim(result.dynamic, art, result.notes)
-        paths.update(save_model(saved_module(result), result.example_inputs, out,
-                                dynamic=result.dynamic, artifact=art))
+        paths.update(
+            save_model(
+                saved_module(result),
+                result.example_inputs,
+                out,
+                dynamic=result.dynamic,
+                artifact=art,
+            )
+        )
     data = describe(result)
     data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
     paths["result"] = out / "result.json"
@@ -192,9 +241,13 @@ def _write(result: Result, out: Path) -> dict[str, Path]:
     return paths
 
 
-def save_model(model: nn.Module, example_inputs: tuple, out: str | Path,
-               dynamic: Dynamic | None = None, artifact: Artifact | None = None
-               ) -> dict[str, Path]:
+def save_model(
+    model: nn.Module,
+    example_inputs: tuple,
+    out: str | Path,
+    dynamic: Dynamic | None = None,
+    artifact: Artifact | None = None,
+) -> dict[str, Path]:
     """Write `model` as OUT/model.pt2 (dynamic along `dynamic`'s axes), or its weights as
     OUT/model_state.pt when it does not export; the other form an earlier save left in OUT
     is removed. With `artifact` (a backends.pt2.Artifact of this model, the file the race
@@ -243,9 +296,11 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
         if state.is_file():
             raise OpswapError(
                 f"{folder} holds model_state.pt but no model.pt2 (the model did not export, "
-                f"see model_state.txt); rebuild it with `opswap apply SPEC {folder}/plan.json`.")
-        raise OpswapError(f"No saved model at {pt2}; `opswap optimize SPEC --out DIR` writes "
-                          f"DIR/model.pt2.")
+                f"see model_state.txt); rebuild it with `opswap apply SPEC {folder}/plan.json`."
+            )
+        raise OpswapError(
+            f"No saved model at {pt2}; `opswap optimize SPEC --out DIR` writes DIR/model.pt2."
+        )
     result = folder / "result.json"
     if compile is None:
         compile = _compiled(result) if result.is_file() else False
@@ -255,8 +310,15 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
     return module
 
 
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-               int: "a number", float: "a number", type(None): "null"}
+_JSON_TYPES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    type(None): "null",
+}
 
 
 def _compiled(result: Path) -> bool:
@@ -267,8 +329,10 @@ def _compiled(result: Path) -> bool:
         raise OpswapError(f"{result} is not readable JSON ({e}); rerun opswap optimize.") from e
 
     def refuse(what: str) -> OpswapError:
-        return OpswapError(f"{result} is not an opswap result ({what}); rerun opswap optimize, "
-                           f"or pass compile=True or False to load model.pt2 without it.")
+        return OpswapError(
+            f"{result} is not an opswap result ({what}); rerun opswap optimize, "
+            f"or pass compile=True or False to load model.pt2 without it."
+        )
 
     if not isinstance(data, dict):
         raise refuse(f"it holds {_JSON_TYPES.get(type(data), 'a value')}, not an object")
@@ -283,8 +347,9 @@ def _compiled(result: Path) -> bool:
     return flag
 
 
-def file_claim(dynamic: Dynamic | None, artifact: Artifact | None,
-               notes: list[str]) -> Dynamic | None:
+def file_claim(
+    dynamic: Dynamic | None, artifact: Artifact | None, notes: list[str]
+) -> Dynamic | None:
     """The axes the saved file keeps dynamic: `dynamic` less those torch.export specialised
     in `artifact`, with a note when it is narrower."""
     kept = artifact.kept if artifact is not None else None
@@ -300,8 +365,9 @@ def write_run(out_dir: str | Path, write: Callable[[Path], dict[str, Path]]) -> 
     wrote into `out_dir`; returns `write`'s paths as they lie in `out_dir`."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise OpswapError(f"{out} is a file; save the run into a folder (a new or an earlier "
-                          f"run's one).")
+        raise OpswapError(
+            f"{out} is a file; save the run into a folder (a new or an earlier run's one)."
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
@@ -352,5 +418,9 @@ def _version() -> str:
 def _totals(analysis: Analysis | None) -> dict[str, Any] | None:
     if analysis is None:
         return None
-    return {"total_flops": analysis.total_flops, "total_bytes": analysis.total_bytes,
-            "est_time_s": analysis.est_time_s, "ops": len(analysis.rows)}
+    return {
+        "total_flops": analysis.total_flops,
+        "total_bytes": analysis.total_bytes,
+        "est_time_s": analysis.est_time_s,
+        "ops": len(analysis.rows),
+    }

@@ -68,18 +68,24 @@ class OptimizeConfig:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
         if self.exactness not in EXACTNESS_ORDER:
             raise RuleError(f"exactness must be exact, approx or lossy; got {self.exactness!r}.")
-        if isinstance(self.samples, bool) or not isinstance(self.samples, int) \
-                or self.samples < 1:
-            raise VerificationError(f"samples must be at least 1 (the example itself); got "
-                                    f"{self.samples!r}.")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise VerificationError(
+                f"samples must be at least 1 (the example itself); got {self.samples!r}."
+            )
         tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now
         check_device(self.device)  # so do a device name and CUDA without a GPU
         if self.bench:
             parse_compare(self.compare)  # so does a typo in the baselines
 
 
-def measure_rules(captured: Captured, plan: Plan, applied: Applied, *, device: str = "cpu",
-                  min_time_s: float = 0.5) -> Attribution:
+def measure_rules(
+    captured: Captured,
+    plan: Plan,
+    applied: Applied,
+    *,
+    device: str = "cpu",
+    min_time_s: float = 0.5,
+) -> Attribution:
     """Leave-one-out timing of every rule `applied` (the result of `apply_plan(captured,
     plan)`) carried out: each candidate without one rule is planned again with the plan's
     own settings, and all are timed in one run (bench.attribution)."""
@@ -89,8 +95,13 @@ def measure_rules(captured: Captured, plan: Plan, applied: Applied, *, device: s
     target = with_timer(get_target(plan.settings.target))
 
     def replan(without: set[str] | frozenset[str] = frozenset()) -> Plan:
-        return make_plan(captured, target=target, rules=plan.settings.rules,
-                         exactness=plan.settings.exactness, exclude_rules=set(without))
+        return make_plan(
+            captured,
+            target=target,
+            rules=plan.settings.rules,
+            exactness=plan.settings.exactness,
+            exclude_rules=set(without),
+        )
 
     return leave_one_out(captured, plan, applied, replan, device, min_time_s)
 
@@ -129,37 +140,70 @@ def optimize(
         layers = compare_layers(run.captured, pruned.applied, run.captured.example_inputs)
     after = analyze(pruned.applied.captured, run.target)
     raced = race(run, pruned, step)
-    return _result(run, pruned, raced, before, after, layers,
-                   run_info(run.reference, run.captured, config, model_settings))
+    return _result(
+        run,
+        pruned,
+        raced,
+        before,
+        after,
+        layers,
+        run_info(run.reference, run.captured, config, model_settings),
+    )
 
 
-def _result(run: Run, pruned: Pruned, raced: Race | None, before: Analysis, after: Analysis,
-            layers: Any,
-            info: dict[str, Any]) -> Result:
+def _result(
+    run: Run,
+    pruned: Pruned,
+    raced: Race | None,
+    before: Analysis,
+    after: Analysis,
+    layers: Any,
+    info: dict[str, Any],
+) -> Result:
     """The stages' values gathered into one Result; `raced` is the race, None untimed."""
     dynamic: Dynamic | None = run.captured.dynamic
     notes: list[str] = []
     if raced is not None:
-        saved = raced.artifacts.get("candidate" if SAVES.get(raced.winner.name) == "candidate"
-                                    else "input")
+        saved = raced.artifacts.get(
+            "candidate" if SAVES.get(raced.winner.name) == "candidate" else "input"
+        )
         dynamic = file_claim(dynamic, saved, notes)
     hooks = run.hooks
     return Result(
-        model=run.name, target=run.target.name, config=run.config, reference=run.reference,
+        model=run.name,
+        target=run.target.name,
+        config=run.config,
+        reference=run.reference,
         candidate=guarded(pruned.applied.gm, run.captured, run.reference),
-        example_inputs=run.captured.example_inputs, plan=pruned.plan,
-        applied=pruned.applied.applied, failed=pruned.plan.failed + pruned.applied.failed,
-        rolled_back=pruned.rolled_back, verification=pruned.verification,
-        analysis_before=before, analysis_after=after, layers=layers,
+        example_inputs=run.captured.example_inputs,
+        plan=pruned.plan,
+        applied=pruned.applied.applied,
+        failed=pruned.plan.failed + pruned.applied.failed,
+        rolled_back=pruned.rolled_back,
+        verification=pruned.verification,
+        analysis_before=before,
+        analysis_after=after,
+        layers=layers,
         benchmark=raced.benchmark if raced else None,
         rule_timings=pruned.attribution.rules if pruned.attribution is not None else [],
         attribution=pruned.attribution,
-        notes=([f"The model has {describe_hooks(hooks)}; opswap verified, optimized and "
-                "timed a copy without them (keep_hooks=True refuses the model instead)."]
-               if hooks else []) + list(run.captured.notes) + list(pruned.plan.notes) + notes,
-        dynamic=dynamic, variants=raced.timings if raced else [],
-        best=raced.winner.name if raced else "opswap", captured_gm=run.captured.gm,
+        notes=(
+            [
+                f"The model has {describe_hooks(hooks)}; opswap verified, optimized and "
+                "timed a copy without them (keep_hooks=True refuses the model instead)."
+            ]
+            if hooks
+            else []
+        )
+        + list(run.captured.notes)
+        + list(pruned.plan.notes)
+        + notes,
+        dynamic=dynamic,
+        variants=raced.timings if raced else [],
+        best=raced.winner.name if raced else "opswap",
+        captured_gm=run.captured.gm,
         artifacts=raced.artifacts if raced else {},
         verified_as=raced.verified_as if raced else None,
-        settled=raced.settled if raced else None, run_info=info,
+        settled=raced.settled if raced else None,
+        run_info=info,
     )

@@ -59,8 +59,12 @@ class Decision:
     module: str = ""  # the module path the site lies in (model.encoder.layer.0.attention)
 
     def to_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "site": self.site.to_json(), "estimate": self.estimate.to_json(),
-                "module": self.module}
+        return {
+            "rule": self.rule,
+            "site": self.site.to_json(),
+            "estimate": self.estimate.to_json(),
+            "module": self.module,
+        }
 
 
 @dataclass
@@ -98,10 +102,19 @@ class Plan:
             decisions = []
             for d in data["decisions"]:
                 s = d["site"]
-                site = Site(d["rule"], s["key"], tuple(s.get("nodes", ())),
-                            s.get("description", ""), s.get("data", {}), s.get("anchor", ""))
-                decisions.append(Decision(d["rule"], site, Estimate(**d.get("estimate", {})),
-                                          str(d.get("module", ""))))
+                site = Site(
+                    d["rule"],
+                    s["key"],
+                    tuple(s.get("nodes", ())),
+                    s.get("description", ""),
+                    s.get("data", {}),
+                    s.get("anchor", ""),
+                )
+                decisions.append(
+                    Decision(
+                        d["rule"], site, Estimate(**d.get("estimate", {})), str(d.get("module", ""))
+                    )
+                )
             return cls(
                 model=data.get("model", ""),
                 settings=PlanSettings(**data.get("settings", {})),
@@ -114,8 +127,10 @@ class Plan:
                 notes=[str(n) for n in data.get("notes", [])],
             )
         except (KeyError, TypeError, AttributeError) as e:  # fields _check_plan leaves alone
-            raise PlanError(f"The plan is malformed ({type(e).__name__}: {e}); "
-                            "regenerate it with `opswap plan`.") from e
+            raise PlanError(
+                f"The plan is malformed ({type(e).__name__}: {e}); "
+                "regenerate it with `opswap plan`."
+            ) from e
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -127,7 +142,9 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
         if not path.is_file():
-            raise PlanError(f"No plan file at {path}; write one with `opswap plan SPEC --out {path}`.")
+            raise PlanError(
+                f"No plan file at {path}; write one with `opswap plan SPEC --out {path}`."
+            )
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -140,7 +157,7 @@ class Plan:
     def without(self, index: int) -> Plan:
         """A copy of the plan with decision `index` removed (used when rolling back)."""
         p = copy.copy(self)
-        p.decisions = self.decisions[:index] + self.decisions[index + 1:]
+        p.decisions = self.decisions[:index] + self.decisions[index + 1 :]
         return p
 
 
@@ -152,7 +169,10 @@ _STRS = ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x
 _INT = ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
 _NUM = ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool))
 _NUM_OR_NULL = ("a number or null", lambda v: v is None or _NUM[1](v))
-_EXACTNESS = ("one of " + ", ".join(EXACTNESS_ORDER), lambda v: isinstance(v, str) and v in EXACTNESS_ORDER)
+_EXACTNESS = (
+    "one of " + ", ".join(EXACTNESS_ORDER),
+    lambda v: isinstance(v, str) and v in EXACTNESS_ORDER,
+)
 
 
 def _need(value: Any, kind: tuple[str, Any], name: str) -> Any:
@@ -160,8 +180,15 @@ def _need(value: Any, kind: tuple[str, Any], name: str) -> Any:
     want, ok = kind
     if ok(value):
         return value
-    got = ("but it is missing" if value is _MISSING else "got an object" if isinstance(value, dict)
-           else "got a list" if isinstance(value, list) else f"got {json.dumps(value, default=repr)}")
+    got = (
+        "but it is missing"
+        if value is _MISSING
+        else "got an object"
+        if isinstance(value, dict)
+        else "got a list"
+        if isinstance(value, list)
+        else f"got {json.dumps(value, default=repr)}"
+    )
     raise PlanError(f"{name} must be {want}, {got}; regenerate the plan with `opswap plan`.")
 
 
@@ -170,8 +197,10 @@ def _check_plan(data: Any) -> None:
     _need(data, _OBJ, "A plan")
     version = _need(data.get("version", PLAN_VERSION), _INT, "The plan's version")
     if version > PLAN_VERSION:
-        raise PlanError(f"This plan has version {version}; this opswap reads up to "
-                        f"{PLAN_VERSION}: upgrade opswap.")
+        raise PlanError(
+            f"This plan has version {version}; this opswap reads up to "
+            f"{PLAN_VERSION}: upgrade opswap."
+        )
     settings = _need(data.get("settings", {}), _OBJ, "settings")
     _need(settings.get("exactness", "exact"), _EXACTNESS, "settings.exactness")
     _need(settings.get("target", "cpu"), _STR, "settings.target")
@@ -201,7 +230,9 @@ def site_module(gm: fx.GraphModule, site: Site) -> str:
     from opswap.cost.analyze import module_path
     from opswap.rules.base import node_by_name
 
-    paths = [module_path(n) for n in (node_by_name(gm, name) for name in site.nodes) if n is not None]
+    paths = [
+        module_path(n) for n in (node_by_name(gm, name) for name in site.nodes) if n is not None
+    ]
     parts = [p.split(".") for p in paths if p]
     if not parts:
         return ""
@@ -235,21 +266,29 @@ def _missing_classes(exactness: str) -> list[str]:
     level = EXACTNESS_ORDER.get(exactness, 0)
     allowed = [c for c, rank in EXACTNESS_ORDER.items() if rank <= level]
     present = {r.exactness for r in registry.all_rules()}
-    return [f"no {c} rules are installed, so --exactness {exactness} plans only the "
-            f"{', '.join(sorted(k for k in present if k in allowed))} rules"
-            for c in allowed if c != "exact" and c not in present]
+    return [
+        f"no {c} rules are installed, so --exactness {exactness} plans only the "
+        f"{', '.join(sorted(k for k in present if k in allowed))} rules"
+        for c in allowed
+        if c != "exact" and c not in present
+    ]
 
 
 def _looser_rules(exactness: str, patterns: list[str]) -> list[str]:
     """A sentence naming the installed rules this exactness leaves out (among those the
     patterns select), so that a user sees that `--exactness approx` would add them."""
     level = EXACTNESS_ORDER.get(exactness, 0)
-    left_out = [r for r in registry.select(patterns or None, "lossy")
-                if EXACTNESS_ORDER[r.exactness] > level]
-    return [f"{cls} rules not considered at --exactness {exactness} (--exactness {cls} plans "
-            f"them): {', '.join(names)}"
-            for cls in ("approx", "lossy")
-            if (names := [r.name for r in left_out if r.exactness == cls])]
+    left_out = [
+        r
+        for r in registry.select(patterns or None, "lossy")
+        if EXACTNESS_ORDER[r.exactness] > level
+    ]
+    return [
+        f"{cls} rules not considered at --exactness {exactness} (--exactness {cls} plans "
+        f"them): {', '.join(names)}"
+        for cls in ("approx", "lossy")
+        if (names := [r.name for r in left_out if r.exactness == cls])
+    ]
 
 
 def check_plan_fits(captured: Captured, plan: Plan) -> None:
@@ -260,7 +299,8 @@ def check_plan_fits(captured: Captured, plan: Plan) -> None:
         raise PlanError(
             f"This plan was made for {plan.model or 'another model'} (graph "
             f"{plan.fingerprint}), and this model's graph differs ("
-            f"{graph_fingerprint(captured.gm)}); make a plan for it with `opswap plan`.")
+            f"{graph_fingerprint(captured.gm)}); make a plan for it with `opswap plan`."
+        )
 
 
 def _ordered(rules: list[Rule]) -> list[Rule]:
@@ -296,10 +336,17 @@ def make_plan(
     tgt = get_target("cpu" if target is None else target)  # a Target passes through
     patterns = list(registry.parse_patterns(rules))
     chosen = _ordered(registry.select(patterns or None, exactness, None))
-    chosen = [r for r in chosen if (r.applies_to(tgt.name) or r.applies_to(tgt.kind))
-              and r.name not in exclude_rules]
-    plan = Plan(model_name, PlanSettings(tgt.name, patterns, exactness),
-                capture_method=captured.method, fingerprint=graph_fingerprint(captured.gm))
+    chosen = [
+        r
+        for r in chosen
+        if (r.applies_to(tgt.name) or r.applies_to(tgt.kind)) and r.name not in exclude_rules
+    ]
+    plan = Plan(
+        model_name,
+        PlanSettings(tgt.name, patterns, exactness),
+        capture_method=captured.method,
+        fingerprint=graph_fingerprint(captured.gm),
+    )
     plan.notes += _missing_classes(exactness) + _looser_rules(exactness, patterns)
     gm = copy_module(captured.gm)
     seen_misses: set[tuple[str, str, str]] = set()
@@ -326,8 +373,9 @@ def make_plan(
             est = rule.predict(gm, match, tgt)
             where = site_module(gm, site)
             if est.time_saved_s is not None and est.time_saved_s < 0:
-                plan.skipped.append(Skipped(rule.name, site.key,
-                                            f"predicted slower on {tgt.name}: {est.note}"))
+                plan.skipped.append(
+                    Skipped(rule.name, site.key, f"predicted slower on {tgt.name}: {est.note}")
+                )
                 continue
             gm, err = rewrite_site(gm, rule, match)
             if err:
@@ -354,11 +402,17 @@ def check_exactness(plan: Plan, rules: list[Rule]) -> None:
                 f"Decision {i} applies {rule.name}, an {rule.exactness} rule, but the plan "
                 f"allows exactness {plan.settings.exactness}; pass --allow-looser to "
                 f"`opswap apply` (allow_looser=True to apply_plan) to apply it anyway, or "
-                f"set the plan's settings.exactness to {rule.exactness}.")
+                f"set the plan's settings.exactness to {rule.exactness}."
+            )
 
 
-def apply_plan(captured: Captured, plan: Plan, *, progress: Callable[[], None] | None = None,
-               allow_looser: bool = False) -> Applied:
+def apply_plan(
+    captured: Captured,
+    plan: Plan,
+    *,
+    progress: Callable[[], None] | None = None,
+    allow_looser: bool = False,
+) -> Applied:
     """Replay `plan` on a copy of `captured`; the capture itself is left untouched. A plan
     whose fingerprint says it was made for another graph is refused (PlanError), and so is
     a decision whose rule is looser than the plan's exactness unless `allow_looser`."""

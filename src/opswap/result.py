@@ -102,11 +102,15 @@ class Result:
         if self.rolled_back:
             applied += f", {len(self.rolled_back)} rolled back"
         v = self.verification
-        verdict = (f"verification {'PASSED' if v.passed else 'FAILED'} "
-                   f"(max_abs {v.max_abs:.3g}, cosine {v.cosine:.6f})")
+        verdict = (
+            f"verification {'PASSED' if v.passed else 'FAILED'} "
+            f"(max_abs {v.max_abs:.3g}, cosine {v.cosine:.6f})"
+        )
         best = next((t for t in self.variants if t.name == self.best), None)
         if best is None or best.speedup_vs_input is None:
             timed = "not timed"
         else:
             timed = f"best {self.best} {best.speedup_vs_input:.2f}x the input"
-        return f"Result(model={self.model!r}, target={self.target!r}, {applied}, {verdict}, {timed})"
+        return (
+            f"Result(model={self.model!r}, target={self.target!r}, {applied}, {verdict}, {timed})"
+        )

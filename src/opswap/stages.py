@@ -33,38 +33,53 @@ if TYPE_CHECKING:
     from opswap.pipeline import OptimizeConfig
 
 
-def _to_device(model: nn.Module, example_inputs: tuple[Any, ...], device: str
-               ) -> tuple[nn.Module, tuple[Any, ...]]:
+def _to_device(
+    model: nn.Module, example_inputs: tuple[Any, ...], device: str
+) -> tuple[nn.Module, tuple[Any, ...]]:
     """The (private) model and the inputs on `device`."""
     from torch.utils import _pytree as pytree
 
     moved = model.to(device)
-    inputs = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
-                             example_inputs)
+    inputs = pytree.tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example_inputs
+    )
     return moved, inputs
 
 
-def run_info(model: nn.Module, captured: Captured, config: OptimizeConfig,
-             model_settings: dict[str, Any] | None) -> dict[str, Any]:
+def run_info(
+    model: nn.Module,
+    captured: Captured,
+    config: OptimizeConfig,
+    model_settings: dict[str, Any] | None,
+) -> dict[str, Any]:
     """What this run ran, for result.json and the report: enough to reproduce a figure."""
     import inspect
 
     from opswap.bench.timing import describe_device, resolve_device
 
     try:
-        names = [p for p in inspect.signature(model.forward).parameters][:len(captured.example_inputs)]
+        names = [p for p in inspect.signature(model.forward).parameters][
+            : len(captured.example_inputs)
+        ]
     except (TypeError, ValueError):
         names = []
     names += [f"input{i}" for i in range(len(names), len(captured.example_inputs))]
-    inputs = [{"name": n, "shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", "")}
-              if isinstance(x, torch.Tensor) else {"name": n, "shape": [], "dtype": type(x).__name__}
-              for n, x in zip(names, captured.example_inputs, strict=True)]
+    inputs = [
+        {"name": n, "shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", "")}
+        if isinstance(x, torch.Tensor)
+        else {"name": n, "shape": [], "dtype": type(x).__name__}
+        for n, x in zip(names, captured.example_inputs, strict=True)
+    ]
     settings = dict(model_settings or {})
-    return {"inputs": inputs, "threads": torch.get_num_threads(),
-            "device": describe_device(resolve_device(config.device)),
-            "model_settings": settings,
-            "attn_implementation": settings.get("attn_implementation"),
-            "compare": config.compare, "seed": config.seed}
+    return {
+        "inputs": inputs,
+        "threads": torch.get_num_threads(),
+        "device": describe_device(resolve_device(config.device)),
+        "model_settings": settings,
+        "attn_implementation": settings.get("attn_implementation"),
+        "compare": config.compare,
+        "seed": config.seed,
+    }
 
 
 def guarded(gm: nn.Module, captured: Captured, model: nn.Module) -> nn.Module:
@@ -79,9 +94,14 @@ def guarded(gm: nn.Module, captured: Captured, model: nn.Module) -> nn.Module:
 _MAX_REPLANS = 4  # rollback + plan again rounds; each round removes at least one site
 
 
-def leave_one_out(captured: Captured, plan: Plan, applied: Applied,
-                  replan: Callable[[set[str]], Plan], device: str,
-                  min_time_s: float = 0.5) -> Attribution:
+def leave_one_out(
+    captured: Captured,
+    plan: Plan,
+    applied: Applied,
+    replan: Callable[[set[str]], Plan],
+    device: str,
+    min_time_s: float = 0.5,
+) -> Attribution:
     """Leave-one-out timing of every rule `applied` carried out (bench.attribution): the
     candidate without each rule comes from `replan(without={rule})`."""
     without = {}
@@ -89,8 +109,15 @@ def leave_one_out(captured: Captured, plan: Plan, applied: Applied,
         trial = apply_plan(captured, replan({rule}))
         mine = [d for d in plan.decisions if d.rule == rule]
         without[rule] = (trial.gm, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine))
-    return attribute(applied.gm, captured.gm, without, captured.example_inputs, device,
-                     min_time_s=min_time_s, copy=bool(captured.writes_inputs))
+    return attribute(
+        applied.gm,
+        captured.gm,
+        without,
+        captured.example_inputs,
+        device,
+        min_time_s=min_time_s,
+        copy=bool(captured.writes_inputs),
+    )
 
 
 @dataclass
@@ -111,19 +138,29 @@ class Run:
 
     def replan(self, without: set[str] | frozenset[str] = frozenset()) -> Plan:
         """A plan made afresh, without the excluded rules and sites and `without`'s rules."""
-        return make_plan(self.captured, target=self.target, rules=self.config.rules,
-                         exactness=self.config.exactness, model_name=self.name,
-                         exclude_rules=self.excluded_rules | set(without),
-                         exclude_sites=self.excluded_sites)
+        return make_plan(
+            self.captured,
+            target=self.target,
+            rules=self.config.rules,
+            exactness=self.config.exactness,
+            model_name=self.name,
+            exclude_rules=self.excluded_rules | set(without),
+            exclude_sites=self.excluded_sites,
+        )
 
     def check(self, fn: Callable[..., Any], variants: Any = None) -> Verification:
         """`fn` against the model itself, not only its capture, at every shape the capture
         claims (or at `variants`' shapes)."""
         # looked up when called, so that a test can stand in for the verifier
-        return outputs.verify(self.reference, fn, self.captured.example_inputs,
-                      samples=self.config.samples, tolerance=self.tolerance,
-                      seed=self.config.seed,
-                      variants=self.captured.variants() if variants is None else variants)
+        return outputs.verify(
+            self.reference,
+            fn,
+            self.captured.example_inputs,
+            samples=self.config.samples,
+            tolerance=self.tolerance,
+            seed=self.config.seed,
+            variants=self.captured.variants() if variants is None else variants,
+        )
 
 
 @dataclass
@@ -145,8 +182,13 @@ class Pruned(Checked):
     pruned_rules: set[str] = field(default_factory=set)
 
 
-def capture_stage(model: nn.Module, example_inputs: Any, config: OptimizeConfig, name: str,
-                  step: Callable[[str], None]) -> Run:
+def capture_stage(
+    model: nn.Module,
+    example_inputs: Any,
+    config: OptimizeConfig,
+    name: str,
+    step: Callable[[str], None],
+) -> Run:
     """The private reference (on `config.device`) and its capture, with the target and the
     tolerance resolved once for every later stage."""
     target = with_timer(get_target(config.target))
@@ -157,7 +199,8 @@ def capture_stage(model: nn.Module, example_inputs: Any, config: OptimizeConfig,
         raise CaptureError(
             f"keep_hooks=True asks to keep {describe_hooks(hooks)}, but the graph opswap "
             "optimizes and saves does not run module hooks; remove them (or move what they "
-            "do into forward), or leave keep_hooks off to optimize the model without them.")
+            "do into forward), or leave keep_hooks off to optimize the model without them."
+        )
     model = private_copy(model)  # the reference opswap runs: weight-computing hooks kept
     if config.device != "cpu":
         # time and verify where the user deploys; the user's module stays where it is
@@ -182,8 +225,14 @@ def plan_and_verify(run: Run, step: Callable[[str], None]) -> Checked:
         if out.verification.passed or not run.config.rollback or not out.plan.decisions:
             break
         step("rollback")
-        _, removed = rollback(run.captured, out.plan, run.reference, run.tolerance,
-                              samples=run.config.samples, seed=run.config.seed)
+        _, removed = rollback(
+            run.captured,
+            out.plan,
+            run.reference,
+            run.tolerance,
+            samples=run.config.samples,
+            seed=run.config.seed,
+        )
         if not removed:
             break
         for r in removed:
@@ -199,12 +248,17 @@ def prune(run: Run, checked: Checked, step: Callable[[str], None]) -> Pruned:
     rules it measures faster without, if the plan without them passes too."""
     out = Pruned(checked.plan, checked.applied, checked.verification, checked.rolled_back)
     config = run.config
-    if not (config.bench and config.measure_rules and checked.applied.applied
-            and checked.verification.passed):
+    if not (
+        config.bench
+        and config.measure_rules
+        and checked.applied.applied
+        and checked.verification.passed
+    ):
         return out
     step("measure")
-    out.attribution = leave_one_out(run.captured, checked.plan, checked.applied, run.replan,
-                                    config.device)
+    out.attribution = leave_one_out(
+        run.captured, checked.plan, checked.applied, run.replan, config.device
+    )
     slow = [t for t in out.attribution.rules if t.slower]
     if not (config.prune_slow and slow):
         return out
@@ -216,15 +270,22 @@ def prune(run: Run, checked: Checked, step: Callable[[str], None]) -> Pruned:
         return out
     run.excluded_rules.update(t.rule for t in slow)
     for t in slow:
-        plan.skipped.append(Skipped(
-            t.rule, f"all {t.sites} site{'s' if t.sites != 1 else ''}",
-            f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
-            f"{t.without_ms:.3f} ms without (interval of the ratio "
-            f"{t.ci_low:.2f}-{t.ci_high:.2f})"))
+        plan.skipped.append(
+            Skipped(
+                t.rule,
+                f"all {t.sites} site{'s' if t.sites != 1 else ''}",
+                f"measured slower on {t.device}: {t.with_ms:.3f} ms with it, "
+                f"{t.without_ms:.3f} ms without (interval of the ratio "
+                f"{t.ci_low:.2f}-{t.ci_high:.2f})",
+            )
+        )
     out.plan, out.applied, out.verification = plan, applied, verification
     out.pruned_rules = {t.rule for t in slow}
-    out.attribution.note = ("measured before pruning " + ", ".join(t.rule for t in slow)
-                            + ", which the model ran faster without")
+    out.attribution.note = (
+        "measured before pruning "
+        + ", ".join(t.rule for t in slow)
+        + ", which the model ran faster without"
+    )
     return out
 
 
@@ -241,8 +302,14 @@ def race(run: Run, pruned: Pruned, step: Callable[[str], None]) -> Race | None:
         # shapes: the Dynamic whose sizes the variant claims (a file's own), or False
         return run.check(fn, at_sizes(run.captured.example_inputs, shapes) if shapes else ())
 
-    raced = run_variants(run.reference, run.captured, pruned.applied.gm, check_variant,
-                         compare=parse_compare(run.config.compare), device=run.config.device)
+    raced = run_variants(
+        run.reference,
+        run.captured,
+        pruned.applied.gm,
+        check_variant,
+        compare=parse_compare(run.config.compare),
+        device=run.config.device,
+    )
     if pruned.attribution is not None:
         # one scale for the report: the total is the race's, shared among the rules kept
         reconcile(pruned.attribution, raced.result, pruned.pruned_rules)

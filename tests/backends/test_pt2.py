@@ -69,15 +69,21 @@ def _ids(*shape, seed=0):
 def branchy(tmp_path_factory):
     torch.manual_seed(0)
     model = _Branchy().eval()
-    path = _save(model, (_ids(2, 32),), ({0: Dim.AUTO, 1: Dim.AUTO},),
-                 tmp_path_factory.mktemp("branchy") / "model.pt2")
+    path = _save(
+        model,
+        (_ids(2, 32),),
+        ({0: Dim.AUTO, 1: Dim.AUTO},),
+        tmp_path_factory.mktemp("branchy") / "model.pt2",
+    )
     return model, path
 
 
 def test_a_guard_on_a_size_refuses_the_other_branch(branchy):
     model, path = branchy
     lean = load(path)
-    with pytest.raises(InputError, match=r"input ids has size 8 in dim 1.*ids\.size\(\)\[1\] >= 17"):
+    with pytest.raises(
+        InputError, match=r"input ids has size 8 in dim 1.*ids\.size\(\)\[1\] >= 17"
+    ):
         lean(_ids(2, 8))
     with pytest.raises(Exception, match="Guard failed"):  # torch's own loader agrees
         _torchs(path)(_ids(2, 8))
@@ -113,13 +119,20 @@ def test_batch_one_runs_where_verification_ran_it(tmp_path):
 
 def test_a_relation_between_inputs_is_checked(tmp_path):
     model = _Cat()
-    path = _save(model, (torch.randn(3, 4), torch.randn(3, 5)),
-                 ({0: Dim.AUTO, 1: Dim.AUTO}, {0: Dim.AUTO, 1: Dim.AUTO}), tmp_path / "cat.pt2")
+    path = _save(
+        model,
+        (torch.randn(3, 4), torch.randn(3, 5)),
+        ({0: Dim.AUTO, 1: Dim.AUTO}, {0: Dim.AUTO, 1: Dim.AUTO}),
+        tmp_path / "cat.pt2",
+    )
     lean = load(path)
     x, y = torch.randn(6, 2), torch.randn(6, 7)
     torch.testing.assert_close(lean(x, y), model(x, y))
-    with pytest.raises(InputError, match=r"input x has size 6 in dim 0.*input y has size 5 in dim 0"
-                                         r"|input y has size 5 in dim 0.*input x has size 6 in dim 0"):
+    with pytest.raises(
+        InputError,
+        match=r"input x has size 6 in dim 0.*input y has size 5 in dim 0"
+        r"|input y has size 5 in dim 0.*input x has size 6 in dim 0",
+    ):
         lean(x, torch.randn(5, 7))
 
 

@@ -64,7 +64,8 @@ def test_attribution_times_everything_in_one_run_against_one_full_candidate():
     loo = [max(t.without_ms - t.with_ms, 0.0) for t in att.rules]
     if sum(loo):  # in proportion to the leave-one-out savings
         assert [t.measured_saved_s * 1e3 for t in att.rules] == pytest.approx(
-            [att.total_saved_ms * x / sum(loo) for x in loo])
+            [att.total_saved_ms * x / sum(loo) for x in loo]
+        )
     assert att.rules[0].sites == 3 and att.rules[0].predicted_saved_s == 1e-6
     j = att.to_json()
     assert {"method", "total_saved_ms", "sum_saved_ms", "rules"} <= set(j)
@@ -94,8 +95,11 @@ def _model():
 def test_sites_that_depended_on_a_rolled_back_one_are_planned_afresh():
     # a budget no fold can meet: every BatchNorm fold is rolled back, and the Conv+ReLU
     # fusions planned on the folded graph must be matched again, not lost as "not found"
-    r = optimize(_model(), (torch.randn(2, 3, 10, 10),),
-                 OptimizeConfig(budget="max_abs<=0", samples=1, bench=False, layers=False))
+    r = optimize(
+        _model(),
+        (torch.randn(2, 3, 10, 10),),
+        OptimizeConfig(budget="max_abs<=0", samples=1, bench=False, layers=False),
+    )
     assert r.verification.passed
     assert not [f for f in r.failed if "not found" in f.reason]
     rolled = {(x.decision.rule, x.decision.site.key) for x in r.rolled_back}
@@ -106,9 +110,12 @@ def test_sites_that_depended_on_a_rolled_back_one_are_planned_afresh():
 
 
 def test_run_settings_are_recorded():
-    r = optimize(_model(), (torch.randn(2, 3, 10, 10),),
-                 OptimizeConfig(samples=1, bench=False, layers=False),
-                 model_settings={"batch": 2, "attn_implementation": "eager"})
+    r = optimize(
+        _model(),
+        (torch.randn(2, 3, 10, 10),),
+        OptimizeConfig(samples=1, bench=False, layers=False),
+        model_settings={"batch": 2, "attn_implementation": "eager"},
+    )
     run = r.to_json()["run"]
     assert run["inputs"] == [{"name": "x", "shape": [2, 3, 10, 10], "dtype": "float32"}]
     assert run["threads"] == torch.get_num_threads() and run["device"]
@@ -123,10 +130,14 @@ def test_rules_and_race_agree_on_a_machine_busier_in_one_run_than_the_other(monk
 
     # the leave-one-out run sees 5x the load the race sees (a neighbour that then left), and
     # every sample has its jitter: the figures must still agree with the race
-    monkeypatch.setattr(timing, "_Timer", busy(seed=4, load=(5.0, 1.0),
-                                               jitter=((0.8, 1.0), (0.2, 3.0))))
-    r = optimize(_model(), (torch.randn(2, 3, 10, 10),),
-                 OptimizeConfig(samples=1, layers=False, compare="none", prune_slow=False))
+    monkeypatch.setattr(
+        timing, "_Timer", busy(seed=4, load=(5.0, 1.0), jitter=((0.8, 1.0), (0.2, 3.0)))
+    )
+    r = optimize(
+        _model(),
+        (torch.randn(2, 3, 10, 10),),
+        OptimizeConfig(samples=1, layers=False, compare="none", prune_slow=False),
+    )
     assert r.rule_timings
     timed = {v.name: v for v in r.variants}
     model_ms, saved = timed["captured"].ms, timed["captured"].ms - timed["opswap"].ms
@@ -140,8 +151,11 @@ def test_rules_and_race_agree_on_a_machine_busier_in_one_run_than_the_other(monk
         s_lo, s_hi = row["measured_saved_ci_ms"]
         assert s_lo <= row["measured_saved_s"] * 1e3 <= s_hi < model_ms
     # the report's table: every row carries its interval
-    (table,) = [b for b in build_report(r) if isinstance(b, Table)
-                and any(h.startswith("measured saving") for h in b.headers)]
+    (table,) = [
+        b
+        for b in build_report(r)
+        if isinstance(b, Table) and any(h.startswith("measured saving") for h in b.headers)
+    ]
     col = next(i for i, h in enumerate(table.headers) if h.startswith("measured saving"))
     assert len(table.rows) == len(r.rule_timings) + 2
     assert all(re.search(r"\[-?[\d.]+--?[\d.]+\]", row[col]) for row in table.rows), table.rows

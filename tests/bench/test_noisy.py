@@ -17,8 +17,14 @@ def test_a_busy_machine_runs_the_functions_and_never_settles(monkeypatch):
     calls = []
     monkeypatch.setattr(timing, "_Timer", busy(seed=1))
     t0 = time.perf_counter()
-    res = timing.benchmark({"a": lambda: calls.append(_work()), "b": _work}, warmup=1,
-                           repeats=15, min_time_s=0.5, max_time_s=8.0, rel_width=0.1)
+    res = timing.benchmark(
+        {"a": lambda: calls.append(_work()), "b": _work},
+        warmup=1,
+        repeats=15,
+        min_time_s=0.5,
+        max_time_s=8.0,
+        rel_width=0.1,
+    )
     took = time.perf_counter() - t0
     assert calls and res.settled is False  # half the samples 20x slower: no narrow interval
     lo, hi = timing.bootstrap_ratio([r["a"] for r in res.rounds], [r["b"] for r in res.rounds])

@@ -42,11 +42,13 @@ def test_cuda_profile_ranks_by_kernel_time():
     ops = profile_ops(lambda: torch.softmax(a @ a, -1), device="cuda", repeats=3)
     mm = next(o for o in ops if o.name == "aten::mm")
     assert mm.device_self_ms > 0 and mm.self_ms == mm.device_self_ms
-    kernels = profile_ops(lambda: torch.softmax(a @ a, -1), device="cuda", repeats=3,
-                          kernels=True)
+    kernels = profile_ops(lambda: torch.softmax(a @ a, -1), device="cuda", repeats=3, kernels=True)
     assert kernels and not {o.name for o in kernels} & {o.name for o in ops}
     assert all(o.device_self_ms > 0 for o in kernels)
     # operators and kernels account for the same device time, each without double counting
     total_ops = sum(o.device_self_ms for o in ops)
     total_kernels = sum(o.device_self_ms for o in kernels)
-    assert total_ops == pytest.approx(total_kernels, rel=0.3), (format_ops(ops), format_ops(kernels))
+    assert total_ops == pytest.approx(total_kernels, rel=0.3), (
+        format_ops(ops),
+        format_ops(kernels),
+    )

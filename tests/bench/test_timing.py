@@ -17,8 +17,9 @@ def _work(n: int) -> int:
 
 
 def test_structure_and_fast_functions_get_many_inner_calls():
-    res = benchmark({"a": lambda: None, "b": lambda: _work(10)}, warmup=1, repeats=4,
-                    min_time_s=0.0)
+    res = benchmark(
+        {"a": lambda: None, "b": lambda: _work(10)}, warmup=1, repeats=4, min_time_s=0.0
+    )
     assert set(res.stats) == {"a", "b"} and len(res.rounds) >= 4
     for s in res.stats.values():
         assert s.n == len(res.rounds) and s.inner > 10  # a no-op is far below 1 ms
@@ -35,14 +36,18 @@ def test_rounds_are_interleaved_and_rotated():
     assert res.order[:4] == [["x", "y", "z"], ["y", "z", "x"], ["z", "x", "y"], ["x", "y", "z"]]
     # the calls really happened in that order: the tail of the log is the timed rounds
     timed = [n for order in res.order for n in order for _ in range(res[n].inner)]
-    assert log[-len(timed):] == timed
+    assert log[-len(timed) :] == timed
     # warm-up came first, also interleaved
     assert log[:6] == ["x", "y", "z", "y", "z", "x"]
 
 
 def test_three_times_the_work_gets_a_higher_median():
-    res = benchmark({"once": lambda: _work(2000), "thrice": lambda: _work(6000)},
-                    warmup=1, repeats=7, min_time_s=0.0)
+    res = benchmark(
+        {"once": lambda: _work(2000), "thrice": lambda: _work(6000)},
+        warmup=1,
+        repeats=7,
+        min_time_s=0.0,
+    )
     assert res["thrice"].median > res["once"].median
     r = res.ratio("thrice", "once")
     assert r.paired > 1.0 and r.of_medians > 1.0 and r.n == len(res.rounds)
@@ -61,11 +66,13 @@ def test_ratio_arithmetic():
 
 
 def test_min_time_adds_rounds_and_max_time_stops_them():
-    res = benchmark({"f": lambda: _work(100)}, warmup=0, repeats=2, min_time_s=0.05,
-                    target_sample_s=1e-3)
+    res = benchmark(
+        {"f": lambda: _work(100)}, warmup=0, repeats=2, min_time_s=0.05, target_sample_s=1e-3
+    )
     assert len(res.rounds) > 2
-    res = benchmark({"f": lambda: _work(100)}, warmup=0, repeats=1000, min_time_s=0.0,
-                    max_time_s=0.0)
+    res = benchmark(
+        {"f": lambda: _work(100)}, warmup=0, repeats=1000, min_time_s=0.0, max_time_s=0.0
+    )
     assert len(res.rounds) == 3
 
 
@@ -82,8 +89,9 @@ class Small(nn.Module):
 def test_bench_models_report():
     m = Small().train()
     before = copy.deepcopy(m.state_dict())
-    b = bench_models(m, copy.deepcopy(m), (torch.randn(8, 32),), warmup=1, repeats=3,
-                     min_time_s=0.0)
+    b = bench_models(
+        m, copy.deepcopy(m), (torch.randn(8, 32),), warmup=1, repeats=3, min_time_s=0.0
+    )
     data = json.loads(json.dumps(b.to_json()))
     for key in ("ref_ms", "opt_ms", "speedup", "device", "torch", "spread", "rounds"):
         assert key in data
@@ -102,8 +110,7 @@ def test_bench_models_runs_in_inference_mode():
         seen.append(torch.is_inference_mode_enabled())
         return x * 2
 
-    bench_models(probe, probe, torch.randn(4), warmup=1, repeats=2, min_time_s=0.0,
-                 memory=False)
+    bench_models(probe, probe, torch.randn(4), warmup=1, repeats=2, min_time_s=0.0, memory=False)
     assert seen and all(seen)
 
 
@@ -120,8 +127,12 @@ def test_devices():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_events_timing():
     a = torch.randn(1024, 1024, device="cuda")
-    res = benchmark({"mm": lambda: a @ a, "mm3": lambda: (a @ a, a @ a, a @ a)}, device="cuda",
-                    repeats=5, min_time_s=0.0)
+    res = benchmark(
+        {"mm": lambda: a @ a, "mm3": lambda: (a @ a, a @ a, a @ a)},
+        device="cuda",
+        repeats=5,
+        min_time_s=0.0,
+    )
     assert res.device.startswith("cuda: ")
     assert res["mm3"].median > res["mm"].median
 
@@ -143,15 +154,30 @@ def test_rel_width_keeps_timing_until_the_interval_is_narrow_or_time_is_up():
     fns = {"a": lambda: sum(range(200)), "b": lambda: sum(range(300))}
     # no minimum time: the plain run stops at `repeats` rounds, the loose one at the first
     # interval check past them (every 10 rounds), whatever the machine's load
-    loose = benchmark(fns, warmup=1, repeats=15, min_time_s=0.0, max_time_s=5.0,
-                      rel_width=100.0, target_sample_s=1e-4)
-    plain = benchmark(fns, warmup=1, repeats=15, min_time_s=0.0, max_time_s=5.0,
-                      target_sample_s=1e-4)
+    loose = benchmark(
+        fns,
+        warmup=1,
+        repeats=15,
+        min_time_s=0.0,
+        max_time_s=5.0,
+        rel_width=100.0,
+        target_sample_s=1e-4,
+    )
+    plain = benchmark(
+        fns, warmup=1, repeats=15, min_time_s=0.0, max_time_s=5.0, target_sample_s=1e-4
+    )
     assert len(plain.rounds) == 15 and plain.settled is None
     assert len(loose.rounds) == 20 and loose.settled is True
     t0 = _time.perf_counter()
-    tight = benchmark(fns, warmup=1, repeats=15, min_time_s=0.05, max_time_s=0.6,
-                      rel_width=1e-12, target_sample_s=1e-4)
+    tight = benchmark(
+        fns,
+        warmup=1,
+        repeats=15,
+        min_time_s=0.05,
+        max_time_s=0.6,
+        rel_width=1e-12,
+        target_sample_s=1e-4,
+    )
     took = _time.perf_counter() - t0
     assert took >= 0.6 and len(tight.rounds) > len(loose.rounds)  # ran to the cap, not further
     assert took < 5.0

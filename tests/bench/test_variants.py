@@ -14,8 +14,17 @@ from opswap.pipeline import OptimizeConfig, optimize
 
 def _t(name, ms, lo, hi, verified=True):
     # lo, hi: the bootstrap interval of the speed-up (the quartiles are not what decides)
-    return VariantTiming(name, ms, 0.01, 1.0 / ms if ms else None, lo - 0.1, hi + 0.1, verified,
-                         ci_low=lo, ci_high=hi)
+    return VariantTiming(
+        name,
+        ms,
+        0.01,
+        1.0 / ms if ms else None,
+        lo - 0.1,
+        hi + 0.1,
+        verified,
+        ci_low=lo,
+        ci_high=hi,
+    )
 
 
 def test_parse_compare():
@@ -30,8 +39,10 @@ def test_best_is_the_input_unless_beaten_beyond_noise():
     inp = _t("input", 1.0, 1.0, 1.0)
     assert best([inp, _t("opswap", 0.9, 0.95, 1.2)]).name == "input"  # within noise
     assert best([inp, _t("opswap", 1.2, 0.7, 0.9)]).name == "input"  # slower
-    assert best([inp, _t("opswap", 0.8, 1.1, 1.3), _t("opswap+compile", 0.5, 1.8, 2.2)]).name \
+    assert (
+        best([inp, _t("opswap", 0.8, 1.1, 1.3), _t("opswap+compile", 0.5, 1.8, 2.2)]).name
         == "opswap+compile"
+    )
     # an unverified variant never wins, however fast
     assert best([inp, _t("opswap", 0.1, 9, 11, verified=False)]).name == "input"
 
@@ -60,8 +71,9 @@ def test_race_times_only_verified_variants():
 
 def test_optimize_races_torch_compile_and_records_the_winner(tmp_path):
     m = Small().eval()
-    r = optimize(m, (torch.randn(4, 16),), OptimizeConfig(samples=1, layers=False,
-                                                          measure_rules=False))
+    r = optimize(
+        m, (torch.randn(4, 16),), OptimizeConfig(samples=1, layers=False, measure_rules=False)
+    )
     names = [v.name for v in r.variants]
     assert names == ["input", "captured", "opswap", "compile", "opswap+compile"]
     timed = {v.name: v for v in r.variants}
@@ -79,8 +91,11 @@ def test_optimize_races_torch_compile_and_records_the_winner(tmp_path):
 
 def test_when_nothing_beats_the_input_the_input_is_saved(tmp_path):
     m = Small().eval()
-    r = optimize(m, (torch.randn(4, 16),), OptimizeConfig(samples=1, layers=False,
-                                                          measure_rules=False, compare="none"))
+    r = optimize(
+        m,
+        (torch.randn(4, 16),),
+        OptimizeConfig(samples=1, layers=False, measure_rules=False, compare="none"),
+    )
     r.best = "input"  # what `best` returns when nothing is faster beyond noise
     art = r.saved_artifact
     assert art is r.artifacts["input"] and r.saved_module is art.module  # the file timed
@@ -89,8 +104,13 @@ def test_when_nothing_beats_the_input_the_input_is_saved(tmp_path):
     assert (tmp_path / "model.pt2").read_bytes() == art.path.read_bytes()
     # where the export of the input ran slower than the module, the advice is to keep the module
     import dataclasses
-    r.variants = [dataclasses.replace(v, speedup_vs_input=0.9, ci_low=0.85, ci_high=0.95)
-                  if v.name == "captured" else v for v in r.variants]
+
+    r.variants = [
+        dataclasses.replace(v, speedup_vs_input=0.9, ci_low=0.85, ci_high=0.95)
+        if v.name == "captured"
+        else v
+        for v in r.variants
+    ]
     d = r.deploy()
     assert "0.90x" in d["holds"] and d["how"].startswith("your own module")
 
@@ -112,8 +132,9 @@ def test_the_saved_file_is_the_one_timed_and_keeps_the_fused_kernel(tmp_path):
     torch.manual_seed(0)
     m = ConvNet().eval()
     x = torch.randn(2, 3, 12, 12)
-    r = optimize(m, (x,), OptimizeConfig(samples=1, layers=False, measure_rules=False,
-                                         compare="none"))
+    r = optimize(
+        m, (x,), OptimizeConfig(samples=1, layers=False, measure_rules=False, compare="none")
+    )
     assert any(s.rule == "fusion.conv_relu" for s in r.applied)
     timed = {v.name: v for v in r.variants}
     assert "reloaded from model.pt2" in timed["opswap"].note
@@ -133,8 +154,9 @@ def test_the_saved_file_is_the_one_timed_and_keeps_the_fused_kernel(tmp_path):
 
 def _u(name, ms, lo, hi):
     # a timing whose interval did not narrow before the race's time ran out
-    return VariantTiming(name, ms, 0.01, 1.0 / ms, lo, hi, True, ci_low=lo, ci_high=hi,
-                         settled=False)
+    return VariantTiming(
+        name, ms, 0.01, 1.0 / ms, lo, hi, True, ci_low=lo, ci_high=hi, settled=False
+    )
 
 
 def test_on_a_busy_machine_the_choice_is_conservative():
@@ -142,8 +164,9 @@ def test_on_a_busy_machine_the_choice_is_conservative():
     # a lower end just above 1 on an interval that holds anything is not a speed-up
     assert best([inp, _u("opswap", 0.07, 1.02, 38.4)]).name == "input"
     # the highest lower end wins, not the lowest median
-    assert best([inp, _u("opswap", 0.07, 1.07, 38.4), _u("compile", 0.2, 1.3, 9.0)]).name \
-        == "compile"
+    assert (
+        best([inp, _u("opswap", 0.07, 1.07, 38.4), _u("compile", 0.2, 1.3, 9.0)]).name == "compile"
+    )
     # settled and clear of 1 by any amount: the fastest median, as before
     assert best([inp, _t("opswap", 0.9, 1.01, 1.09)]).name == "opswap"
 
@@ -178,10 +201,13 @@ def _faked_race(**speedups):
     def fake(vs, inputs, device, **kw):
         timings, res = real(vs, inputs, device, **kw)
         base = next(t for t in timings if t.name == "input").ms
-        return [dataclasses.replace(t, ms=base / s, speedup_vs_input=s, ci_low=0.9 * s,
-                                    ci_high=1.1 * s)
-                if (s := speedups.get(t.name.replace("+", "_"))) and t.ms is not None else t
-                for t in timings], res
+        return [
+            dataclasses.replace(t, ms=base / s, speedup_vs_input=s, ci_low=0.9 * s, ci_high=1.1 * s)
+            if (s := speedups.get(t.name.replace("+", "_"))) and t.ms is not None
+            else t
+            for t in timings
+        ], res
+
     return fake
 
 
@@ -207,6 +233,7 @@ def _captured_fails(monkeypatch):
         if getattr(fn, "_injected_wrong", False):
             return dataclasses.replace(out, passed=False, reasons=["injected: wrong output"])
         return out
+
     monkeypatch.setattr(variants, "build", tagged)
     monkeypatch.setattr(outputs, "verify", check)
 
@@ -225,8 +252,10 @@ def test_a_compiled_winner_saves_a_file_verified_at_every_claimed_shape(monkeypa
     r = optimize(m, (x,), config)
     assert not {v.name: v for v in r.variants}["captured"].verified
     assert r.best == "opswap"  # the next fastest whose file passed
-    assert r.to_json()["deploy"]["verified_as"] == {"variant": "opswap",
-                                                    "shapes": r.verification.shapes}
+    assert r.to_json()["deploy"]["verified_as"] == {
+        "variant": "opswap",
+        "shapes": r.verification.shapes,
+    }
     monkeypatch.undo()
     # with the export verified (at every shape it claims), compile wins and says so
     monkeypatch.setattr(variants, "race", _faked_race(compile=10.0, opswap=2.0))
@@ -250,8 +279,11 @@ def test_nothing_is_saved_as_a_file_that_failed_verification(monkeypatch, tmp_pa
     m = ConvNet().eval()
     monkeypatch.setattr(variants, "race", _faked_race(opswap=0.5))  # the input wins
     _captured_fails(monkeypatch)
-    r = optimize(m, (torch.randn(2, 3, 12, 12),), OptimizeConfig(
-        samples=1, layers=False, measure_rules=False, compare="none"))
+    r = optimize(
+        m,
+        (torch.randn(2, 3, 12, 12),),
+        OptimizeConfig(samples=1, layers=False, measure_rules=False, compare="none"),
+    )
     assert r.best == "input"
     paths = r.save(tmp_path)
     assert "model" not in paths and not (tmp_path / "model.pt2").exists()

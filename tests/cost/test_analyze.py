@@ -23,9 +23,14 @@ HEAVY = ("conv", "matmul", "attention", "rnn")
 
 # ridge point: 100 GFLOP/s / 10 GB/s = 10 FLOP per byte
 FAKE = Target(
-    name="fake", description="test target", kind="cpu",
-    peak_flops={"float32": 100e9, "float16": 400e9}, mem_bandwidth=10e9,
-    memory_bytes=2**30, dtypes=("float32", "float16"), source="made up for tests",
+    name="fake",
+    description="test target",
+    kind="cpu",
+    peak_flops={"float32": 100e9, "float16": 400e9},
+    mem_bandwidth=10e9,
+    memory_bytes=2**30,
+    dtypes=("float32", "float16"),
+    source="made up for tests",
 )
 
 
@@ -34,7 +39,9 @@ class SmallCNN(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
         self.block = nn.Sequential(
-            nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.Conv2d(16, 32, 1), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1, groups=16),
+            nn.Conv2d(16, 32, 1),
+            nn.ReLU(),
             nn.MaxPool2d(2),
         )
         self.up = nn.ConvTranspose2d(32, 8, 2, stride=2)
@@ -90,8 +97,11 @@ def cnn_analysis() -> Analysis:
 
 
 @pytest.mark.parametrize("method", ("fx", "export"))
-@pytest.mark.parametrize("make,shape", [(SmallCNN, (2, 3, 12, 10)), (TinyEncoderLayer, (3, 9, 32))],
-                         ids=["cnn", "encoder-layer"])
+@pytest.mark.parametrize(
+    "make,shape",
+    [(SmallCNN, (2, 3, 12, 10)), (TinyEncoderLayer, (3, 9, 32))],
+    ids=["cnn", "encoder-layer"],
+)
 def test_model_flops_agree_with_flop_counter(make, shape, method):
     model = make().eval()
     x = torch.randn(*shape)
@@ -106,8 +116,12 @@ def test_model_flops_agree_with_flop_counter(make, shape, method):
 def test_bert_flops_agree_with_flop_counter_via_export():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(
-        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=48, max_position_embeddings=40,
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=40,
     )
     model = transformers.BertModel(cfg).eval()
     ids = torch.randint(0, 97, (2, 11))
@@ -188,12 +202,21 @@ def test_bottleneck_sentences(cnn_analysis):
 
 def test_to_json(cnn_analysis):
     d = cnn_analysis.to_json()
-    assert {"model", "target", "total_flops", "total_bytes", "ops", "categories",
-            "bottlenecks"} <= set(d)
+    assert {
+        "model",
+        "target",
+        "total_flops",
+        "total_bytes",
+        "ops",
+        "categories",
+        "bottlenecks",
+    } <= set(d)
     assert d["model"] == "SmallCNN" and d["target"] == "fake"
     assert analyze(capture(nn.ReLU(), (torch.randn(3),)), FAKE, model_name="x").model == "x"
     for op in d["ops"]:
-        assert {"name", "op", "category", "flops", "bytes", "intensity", "bound", "share"} <= set(op)
+        assert {"name", "op", "category", "flops", "bytes", "intensity", "bound", "share"} <= set(
+            op
+        )
     assert sum(op["flops"] for op in d["ops"]) == d["total_flops"]
     text = json.dumps(d, allow_nan=False)  # strict JSON: no inf / nan
     assert json.loads(text)["categories"]["conv"]["count"] == 4  # 3 convs + 1 transposed
@@ -204,7 +227,17 @@ def test_render_prints_tables_and_bottlenecks(cnn_analysis):
     render(cnn_analysis, console)
     out = console.export_text()
     header = next(line for line in out.splitlines() if "intensity" in line)
-    for col in ("name", "op", "category", "shapes", "FLOPs", "bytes", "intensity", "bound", "share"):
+    for col in (
+        "name",
+        "op",
+        "category",
+        "shapes",
+        "FLOPs",
+        "bytes",
+        "intensity",
+        "bound",
+        "share",
+    ):
         assert col in header
     assert "stem.0" in out and "Conv2d" in out and "2x3x12x10 -> 2x16x12x10" in out
     assert "By category" in out and "Bottlenecks" in out
@@ -278,8 +311,9 @@ def test_tf32_rates_fp32_matmuls_at_the_tensor_core_peak():
     launch = get_target("h100").dispatch_s  # every op also pays its launch
     assert launch > 0
     assert plain.est_time_s == pytest.approx(plain.flops / 67e12 + launch)
-    assert tf32.est_time_s == pytest.approx(max(tf32.flops / 494.5e12, tf32.bytes / 3.35e12)
-                                            + launch)
+    assert tf32.est_time_s == pytest.approx(
+        max(tf32.flops / 494.5e12, tf32.bytes / 3.35e12) + launch
+    )
 
 
 def test_predicted_time_follows_the_ops_a_rewrite_removes():
@@ -303,8 +337,7 @@ def test_predicted_time_follows_the_ops_a_rewrite_removes():
     (d,) = plan.decisions
     assert d.estimate.time_saved_s > 0
     before, after = analyze(c, target), analyze(apply_plan(c, plan).captured, target)
-    assert before.est_time_s - after.est_time_s == pytest.approx(d.estimate.time_saved_s,
-                                                                 rel=0.05)
+    assert before.est_time_s - after.est_time_s == pytest.approx(d.estimate.time_saved_s, rel=0.05)
 
 
 # --------------------------------------------------------------------------- advice
@@ -313,10 +346,10 @@ def test_predicted_time_follows_the_ops_a_rewrite_removes():
 def _advice(a: Analysis, module: str) -> str:
     """The bottleneck sentence of the row that calls nn.`module` (aten.`module` in export),
     with the rules that relieve it joined in (report.advice)."""
-    lines = dict(zip((r.name for r in a.top(len(a.rows))), advised(a).bottlenecks(len(a.rows)),
-                     strict=True))
-    row = next(r for r in a.rows if r.op in (module, f"aten.{module.lower()}")
-               and r.name in lines)
+    lines = dict(
+        zip((r.name for r in a.top(len(a.rows))), advised(a).bottlenecks(len(a.rows)), strict=True)
+    )
+    row = next(r for r in a.rows if r.op in (module, f"aten.{module.lower()}") and r.name in lines)
     return lines[row.name]
 
 
@@ -336,11 +369,11 @@ class _ConvAct(nn.Module):
 @pytest.mark.parametrize("shape", [(2, 4, 33, 35), (1, 4, 17, 9)])
 def test_advice_names_only_rules_whose_match_takes_the_node(method, shape):
     x = torch.randn(*shape)
-    prelu = _advice(analyze(capture(_ConvAct(nn.PReLU()).eval(), (x,), method=method), FAKE),
-                    "PReLU")
+    prelu = _advice(
+        analyze(capture(_ConvAct(nn.PReLU()).eval(), (x,), method=method), FAKE), "PReLU"
+    )
     assert "conv_relu" not in prelu and "no opswap rule does this" in prelu, prelu
-    relu = _advice(analyze(capture(_ConvAct(nn.ReLU()).eval(), (x,), method=method), FAKE),
-                   "ReLU")
+    relu = _advice(analyze(capture(_ConvAct(nn.ReLU()).eval(), (x,), method=method), FAKE), "ReLU")
     assert "opswap rules that do this where they match: fusion.conv_relu" in relu, relu
 
 

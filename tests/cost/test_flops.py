@@ -62,8 +62,9 @@ def test_conv2d_exact_count(method):
 
 @pytest.mark.parametrize("method", FLAVOURS)
 def test_depthwise_and_grouped_conv(method):
-    dw = only_node(nn.Conv2d(8, 8, 3, groups=8, padding=1), (torch.randn(2, 8, 10, 10),), "conv",
-                   method)
+    dw = only_node(
+        nn.Conv2d(8, 8, 3, groups=8, padding=1), (torch.randn(2, 8, 10, 10),), "conv", method
+    )
     # each output channel sees one input channel: 2 * N * C * H * W * k*k
     assert node_cost(dw).flops == 2 * 2 * 8 * 10 * 10 * 9
     g = only_node(nn.Conv2d(6, 4, 3, groups=2), (torch.randn(1, 6, 7, 9),), "conv", method)
@@ -84,16 +85,24 @@ def test_linear_counts_products_not_bias(method):
 
 @pytest.mark.parametrize("method", FLAVOURS)
 def test_bmm(method):
-    node = only_node(Fn(lambda s, a, b: torch.bmm(a, b), 2),
-                     (torch.randn(4, 5, 7), torch.randn(4, 7, 3)), "matmul", method)
+    node = only_node(
+        Fn(lambda s, a, b: torch.bmm(a, b), 2),
+        (torch.randn(4, 5, 7), torch.randn(4, 7, 3)),
+        "matmul",
+        method,
+    )
     assert node_cost(node).flops == 2 * 4 * 5 * 3 * 7
 
 
 @pytest.mark.parametrize("method", FLAVOURS)
 def test_sdpa_hand_count(method):
     q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 12, 8), torch.randn(2, 4, 12, 6)
-    node = only_node(Fn(lambda s, q, k, v: F.scaled_dot_product_attention(q, k, v), 3), (q, k, v),
-                     "attention", method)
+    node = only_node(
+        Fn(lambda s, q, k, v: F.scaled_dot_product_attention(q, k, v), 3),
+        (q, k, v),
+        "attention",
+        method,
+    )
     # Q K^T: 2*B*H*Sq*Sk*D, then P V: 2*B*H*Sq*Sk*Dv
     assert node_cost(node).flops == 2 * 2 * 4 * 16 * 12 * 8 + 2 * 2 * 4 * 16 * 12 * 6
     assert sdpa_flops(q.shape, k.shape, v.shape) == node_cost(node).flops
@@ -102,8 +111,9 @@ def test_sdpa_hand_count(method):
 @pytest.mark.parametrize("method", FLAVOURS)
 def test_matrix_vector_matmul(method):
     # FlopCounterMode has no formula for aten.mv, so this one is checked by hand.
-    node = only_node(Fn(lambda s, a, b: a @ b, 2), (torch.randn(3, 5, 7), torch.randn(7)),
-                     "matmul", method)
+    node = only_node(
+        Fn(lambda s, a, b: a @ b, 2), (torch.randn(3, 5, 7), torch.randn(7)), "matmul", method
+    )
     assert node_cost(node).flops == 2 * 3 * 5 * 7
 
 
@@ -171,8 +181,10 @@ def test_matmul_agrees_with_flop_counter(name, fn, shapes, method):
 def test_sdpa_agrees_with_flop_counter_gqa_and_mask(method):
     q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
     mask = torch.rand(9, 7) > 0.3
-    model = Fn(lambda s, q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m,
-                                                                    enable_gqa=True), 4)
+    model = Fn(
+        lambda s, q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
+        4,
+    )
     assert graph_flops(model, (q, k, v, mask), method) == counted(model, q, k, v, mask)
 
 
@@ -271,8 +283,12 @@ class Zoo(nn.Module):
 
 @pytest.mark.parametrize("method", FLAVOURS)
 def test_many_op_families_are_costed(method):
-    xs = (torch.randn(2, 4, 5, 6), torch.randint(0, 30, (9,)), torch.tensor([0, 4]),
-          torch.randn(2, 6))
+    xs = (
+        torch.randn(2, 4, 5, 6),
+        torch.randint(0, 30, (9,)),
+        torch.tensor([0, 4]),
+        torch.randn(2, 6),
+    )
     c = capture(Zoo().eval(), xs, method=method)
     costs = {n.name: (op_kind(n), node_cost(n)) for n in compute_nodes(c.gm)}
     for _, cost in costs.values():

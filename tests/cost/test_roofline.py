@@ -10,8 +10,13 @@ from opswap.cost import roofline_point
 from opswap.targets import Target
 
 T = Target(
-    name="t", description="", kind="cpu", peak_flops={"float32": 1e12, "bfloat16": 4e12},
-    mem_bandwidth=1e11, memory_bytes=1, dtypes=("float32", "bfloat16"),
+    name="t",
+    description="",
+    kind="cpu",
+    peak_flops={"float32": 1e12, "bfloat16": 4e12},
+    mem_bandwidth=1e11,
+    memory_bytes=1,
+    dtypes=("float32", "bfloat16"),
 )  # ridge 10 FLOP/byte in float32, 40 in bfloat16
 
 

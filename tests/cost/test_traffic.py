@@ -46,8 +46,9 @@ def test_linear_reads_input_and_weights_writes_output(method):
 
 @pytest.mark.parametrize("method", FLAVOURS)
 def test_batch_norm_reads_running_stats_not_counter(method):
-    (cost,) = by_kind(nn.Sequential(nn.BatchNorm2d(6)), (torch.randn(2, 6, 5, 3),), method,
-                      "batch_norm")
+    (cost,) = by_kind(
+        nn.Sequential(nn.BatchNorm2d(6)), (torch.randn(2, 6, 5, 3),), method, "batch_norm"
+    )
     act = 2 * 6 * 5 * 3 * F32
     assert cost.read == act + 4 * 6 * F32  # weight, bias, running mean and var
     assert cost.written >= act
@@ -68,8 +69,11 @@ class Views(nn.Module):
 @pytest.mark.parametrize("method", FLAVOURS)
 def test_views_move_no_bytes(method):
     found = costs(Views(), (torch.randn(3, 40),), method)
-    views = {name: c for name, (_, kind, c) in found.items()
-             if kind in ("view", "transpose", "permute", "squeeze", "slice", "split", "expand")}
+    views = {
+        name: c
+        for name, (_, kind, c) in found.items()
+        if kind in ("view", "transpose", "permute", "squeeze", "slice", "split", "expand")
+    }
     assert len(views) >= 7
     for name, cost in views.items():
         assert cost.bytes == 0, name
@@ -162,7 +166,8 @@ def test_elementwise_broadcast_reads_each_input_once(method):
 
 def test_half_precision_halves_bytes():
     lin32 = by_kind(nn.Sequential(nn.Linear(8, 8)), (torch.randn(4, 8),), "fx", "linear")[0]
-    lin16 = by_kind(nn.Sequential(nn.Linear(8, 8)).half(), (torch.randn(4, 8).half(),), "fx",
-                    "linear")[0]
+    lin16 = by_kind(
+        nn.Sequential(nn.Linear(8, 8)).half(), (torch.randn(4, 8).half(),), "fx", "linear"
+    )[0]
     assert lin16.bytes * 2 == lin32.bytes
     assert lin16.flops == lin32.flops

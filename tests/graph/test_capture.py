@@ -99,15 +99,30 @@ def test_a_whisper_model_at_batch_1_is_captured_without_a_printed_traceback(capf
 
     torch.manual_seed(0)
     config = transformers.WhisperConfig(
-        vocab_size=96, num_mel_bins=12, encoder_layers=1, decoder_layers=1, d_model=24,
-        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=40,
-        decoder_ffn_dim=40, max_source_positions=14, max_target_positions=12, use_cache=False,
-        pad_token_id=1, bos_token_id=2, eos_token_id=2, decoder_start_token_id=2,
-        attn_implementation="eager")
+        vocab_size=96,
+        num_mel_bins=12,
+        encoder_layers=1,
+        decoder_layers=1,
+        d_model=24,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=40,
+        decoder_ffn_dim=40,
+        max_source_positions=14,
+        max_target_positions=12,
+        use_cache=False,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        attn_implementation="eager",
+    )
     model = transformers.WhisperModel(config).eval()
     # whisper takes exactly 2 * max_source_positions frames; batch 1, 5 decoder tokens
-    inputs = {"input_features": torch.randn(1, 12, 28),
-              "decoder_input_ids": torch.randint(0, 96, (1, 5))}
+    inputs = {
+        "input_features": torch.randn(1, 12, 28),
+        "decoder_input_ids": torch.randint(0, 96, (1, 5)),
+    }
     capfd.readouterr()
     c = capture(*keyword_call(model, inputs))
     out, err = capfd.readouterr()

@@ -76,6 +76,7 @@ def test_writing_a_parameter_is_refused():
 # recomputing `weight` from weight_g/weight_v), the old spectral_norm (likewise from
 # weight_orig and its u/v), and torch.nn.utils.parametrize (`weight` a property).
 
+
 def _old_weight_norm(m):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # deprecated in favour of parametrizations
@@ -85,10 +86,15 @@ def _old_weight_norm(m):
 def _weighted():
     """One module of each weight-computing kind, in eval mode, with one plain hook."""
     torch.manual_seed(0)
-    m = nn.Sequential(_old_weight_norm(nn.Linear(6, 5)), nn.ReLU(),
-                      torch.nn.utils.spectral_norm(nn.Linear(5, 7)), nn.Tanh(),
-                      parametrizations.weight_norm(nn.Linear(7, 4)), nn.ReLU(),
-                      parametrizations.spectral_norm(nn.Linear(4, 3)))
+    m = nn.Sequential(
+        _old_weight_norm(nn.Linear(6, 5)),
+        nn.ReLU(),
+        torch.nn.utils.spectral_norm(nn.Linear(5, 7)),
+        nn.Tanh(),
+        parametrizations.weight_norm(nn.Linear(7, 4)),
+        nn.ReLU(),
+        parametrizations.spectral_norm(nn.Linear(4, 3)),
+    )
     for _ in range(3):  # train-mode calls move the spectral norms' u/v away from their start
         m(torch.randn(2, 6))
     return m.eval()
@@ -97,23 +103,32 @@ def _weighted():
 def _stale(m):
     """`m` after load_state_dict with other weight_g/weight_v: the old weight_norm's cached
     `weight` no longer is g * v / |v| until the module is called again."""
-    sd = {k: v + torch.randn_like(v) if k.endswith(("weight_g", "weight_v")) else v
-          for k, v in m.state_dict().items()}
+    sd = {
+        k: v + torch.randn_like(v) if k.endswith(("weight_g", "weight_v")) else v
+        for k, v in m.state_dict().items()
+    }
     m.load_state_dict(sd)
     return m
 
 
 def _snapshot(m):
-    return ({k: v.clone() for k, v in m.state_dict().items()}, weight_hooks(m),
-            [type(x).__name__ for x in m.modules()])
+    return (
+        {k: v.clone() for k, v in m.state_dict().items()},
+        weight_hooks(m),
+        [type(x).__name__ for x in m.modules()],
+    )
 
 
 def test_weight_hooks_are_classified_apart_from_user_hooks():
     m = _weighted()
     m[0].register_forward_hook(lambda *a: None)
     assert [path for path, _ in weight_hooks(m)] == ["0", "2", "4", "6"]
-    assert [kind for _, kind in weight_hooks(m)] == ["weight_norm", "spectral_norm",
-                                                     "weight_norm", "spectral_norm"]
+    assert [kind for _, kind in weight_hooks(m)] == [
+        "weight_norm",
+        "spectral_norm",
+        "weight_norm",
+        "spectral_norm",
+    ]
     assert count_hooks(m) == 1 and user_hooks(m) == [("0", "forward hook")]
 
 
@@ -136,8 +151,12 @@ def test_materialise_stores_what_the_module_computes_in_eval_mode():
     before = _snapshot(m)
     c = private_copy(m)
     done = materialise_weights(c)
-    assert done == ["0.weight (weight_norm)", "2.weight (spectral_norm)",
-                    "4.weight (weight_norm)", "6.weight (spectral_norm)"]
+    assert done == [
+        "0.weight (weight_norm)",
+        "2.weight (spectral_norm)",
+        "4.weight (weight_norm)",
+        "6.weight (spectral_norm)",
+    ]
     assert weight_hooks(c) == []
     assert all(type(x).__module__.startswith("torch.nn.modules") for x in c.modules())
     assert all(isinstance(c[i].weight, nn.Parameter) for i in (0, 2, 4, 6))

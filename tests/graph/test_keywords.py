@@ -48,8 +48,9 @@ def test_wrap_records_the_order_and_binds_constants():
     assert isinstance(wrapper, KeywordCall) and wrapper.model is model
     assert wrapper.order == ["x", "mask"] and wrapper.bound == {"scale": 0.5}
     assert inputs[0] is x and inputs[1] is mask
-    assert wrapper.describe() == ("takes its inputs positionally in this order: x, mask "
-                                  "(scale=0.5 bound as a constant)")
+    assert wrapper.describe() == (
+        "takes its inputs positionally in this order: x, mask (scale=0.5 bound as a constant)"
+    )
     with torch.no_grad():
         assert torch.equal(wrapper(x, mask), model(x, mask=mask, scale=0.5))
 
@@ -134,16 +135,21 @@ def test_names_python_cannot_spell_and_positional_constants():
     wrapper, inputs = keyword_call(Odd(), ((x, True), {"class": c, "my-key": s}))
     assert len(inputs) == 3 and wrapper.bound == {"#1": True}
     assert wrapper.order == ["x", "class", "my-key"]
-    assert wrapper.describe().endswith("order: x, class, my-key (argument 1=True bound as a constant)")
+    assert wrapper.describe().endswith(
+        "order: x, class, my-key (argument 1=True bound as a constant)"
+    )
     torch.testing.assert_close(wrapper(*inputs), x * 2 + c - s)
     gm = fx.symbolic_trace(wrapper)
     torch.testing.assert_close(gm(*inputs), x * 2 + c - s)
 
 
-@pytest.mark.parametrize("value, words", [
-    ([torch.ones(2)], "keyword 'cache' input in the example inputs is a list holding tensors"),
-    (object(), "is a object"),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ([torch.ones(2)], "keyword 'cache' input in the example inputs is a list holding tensors"),
+        (object(), "is a object"),
+    ],
+)
 def test_values_that_are_neither_tensors_nor_constants(value, words):
     with pytest.raises(OpswapError, match=words):
         keyword_call(_model(), {"x": torch.ones(2, 6), "cache": value})

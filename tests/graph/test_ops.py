@@ -46,11 +46,34 @@ def test_taxonomy_same_in_both_flavours(method):
     gm = capture(m, inputs, method=method).gm
     cats = {category(n) for n in compute_nodes(gm)}
     kinds = {op_kind(n) for n in compute_nodes(gm)}
-    for want in ("conv", "normalization", "pooling", "matmul", "embedding", "rnn",
-                 "activation", "softmax", "reduction", "data-movement", "elementwise"):
+    for want in (
+        "conv",
+        "normalization",
+        "pooling",
+        "matmul",
+        "embedding",
+        "rnn",
+        "activation",
+        "softmax",
+        "reduction",
+        "data-movement",
+        "elementwise",
+    ):
         assert want in cats, (method, want, cats)
-    for want in ("conv", "batch_norm", "gelu", "max_pool", "mean", "linear", "embedding",
-                 "transpose", "reshape", "softmax", "add", "sum"):
+    for want in (
+        "conv",
+        "batch_norm",
+        "gelu",
+        "max_pool",
+        "mean",
+        "linear",
+        "embedding",
+        "transpose",
+        "reshape",
+        "softmax",
+        "add",
+        "sum",
+    ):
         assert want in kinds, (method, want, kinds)
     assert cats <= set(CATEGORIES)
 

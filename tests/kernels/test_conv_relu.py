@@ -18,10 +18,18 @@ def _rel(a, b):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 3), cin=st.integers(1, 9), cout=st.integers(1, 9),
-       hw=st.tuples(st.integers(3, 11), st.integers(3, 11)), k=st.sampled_from([1, 2, 3]),
-       stride=st.integers(1, 2), pad=st.integers(0, 1), dil=st.integers(1, 2),
-       bias=st.booleans(), nhwc=st.booleans())
+@given(
+    n=st.integers(1, 3),
+    cin=st.integers(1, 9),
+    cout=st.integers(1, 9),
+    hw=st.tuples(st.integers(3, 11), st.integers(3, 11)),
+    k=st.sampled_from([1, 2, 3]),
+    stride=st.integers(1, 2),
+    pad=st.integers(0, 1),
+    dil=st.integers(1, 2),
+    bias=st.booleans(),
+    nhwc=st.booleans(),
+)
 def test_op_matches_reference_on_odd_shapes(n, cin, cout, hw, k, stride, pad, dil, bias, nhwc):
     torch.manual_seed(n * 100 + cin * 10 + cout)
     if (k - 1) * dil + 1 > min(hw) + 2 * pad:
@@ -61,8 +69,10 @@ def test_new_weights_are_seen_by_the_cached_kernel():
     with torch.no_grad():
         w.mul_(-1)  # in place: same tensor, new version
     with torch.inference_mode():
-        assert _rel(direct(x, w, None, [1, 1], [1, 1], [1, 1], 1),
-                    F.relu(F.conv2d(x, w, None, 1, 1))) <= 1e-5
+        assert (
+            _rel(direct(x, w, None, [1, 1], [1, 1], [1, 1], 1), F.relu(F.conv2d(x, w, None, 1, 1)))
+            <= 1e-5
+        )
     del w
     import gc
 
@@ -73,8 +83,9 @@ def test_new_weights_are_seen_by_the_cached_kernel():
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_export_keeps_the_op_and_the_saved_program_runs_it(tmp_path, dynamic):
     torch.manual_seed(1)
-    m = FusedConvReLU(torch.randn(8, 3, 3, 3), torch.randn(8), (1, 1), (1, 1), (1, 1), 1,
-                      requires_grad=False)
+    m = FusedConvReLU(
+        torch.randn(8, 3, 3, 3), torch.randn(8), (1, 1), (1, 1), (1, 1), 1, requires_grad=False
+    )
     x = torch.randn(2, 3, 9, 9)
     shapes = ({0: torch.export.Dim.AUTO},) if dynamic else None
     ep = torch.export.export(m, (x,), dynamic_shapes=shapes, strict=False)
@@ -90,8 +101,7 @@ def test_export_keeps_the_op_and_the_saved_program_runs_it(tmp_path, dynamic):
 
 
 def test_compile_keeps_the_op():
-    m = FusedConvReLU(torch.randn(4, 3, 3, 3), None, (1, 1), (1, 1), (1, 1), 1,
-                      requires_grad=False)
+    m = FusedConvReLU(torch.randn(4, 3, 3, 3), None, (1, 1), (1, 1), (1, 1), 1, requires_grad=False)
     x = torch.randn(2, 3, 6, 6)
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
     with torch.inference_mode():

@@ -26,8 +26,13 @@ def _bound(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=30, deadline=None)
-@given(lead=st.sampled_from([(1,), (3,), (17,), (2, 5), (1, 1, 9)]), k=st.sampled_from([8, 13, 64, 100]),
-       n=st.sampled_from([1, 16, 33]), bias=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 50.0]))
+@given(
+    lead=st.sampled_from([(1,), (3,), (17,), (2, 5), (1, 1, 9)]),
+    k=st.sampled_from([8, 13, 64, 100]),
+    n=st.sampled_from([1, 16, 33]),
+    bias=st.booleans(),
+    scale=st.sampled_from([1e-3, 1.0, 50.0]),
+)
 def test_kernel_matches_reference_and_stays_inside_the_rounding_bound(lead, k, n, bias, scale):
     torch.manual_seed(k * 7 + n)
     x = torch.randn(*lead, k) * scale
@@ -74,7 +79,8 @@ def test_zero_rows_and_zero_weights_give_the_bias_not_nan():
 
 @pytest.mark.parametrize("rows, k, n", [(9, 64, 16), (37, 100, 33)])
 def test_a_row_holding_inf_gives_float32s_inf_a_nan_row_nan_and_the_other_rows_are_untouched(
-        rows, k, n):
+    rows, k, n
+):
     torch.manual_seed(rows)
     clean = torch.randn(rows, k)
     w, b = torch.randn(n, k) * 0.1, torch.randn(n)
@@ -92,8 +98,9 @@ def test_a_row_holding_inf_gives_float32s_inf_a_nan_row_nan_and_the_other_rows_a
     assert torch.isfinite(got[finite]).all()
     torch.testing.assert_close(got[finite], direct(clean[finite], wq, ws, b))
     torch.testing.assert_close(reference(x, wq, ws, b), got, equal_nan=True)
-    torch.testing.assert_close(int8_linear(x.reshape(1, rows, k), wq, ws, b)[0], got,
-                               equal_nan=True)
+    torch.testing.assert_close(
+        int8_linear(x.reshape(1, rows, k), wq, ws, b)[0], got, equal_nan=True
+    )
 
 
 def test_typical_error_is_about_one_percent():
@@ -110,8 +117,9 @@ def test_registered_op_passes_torch_library_checks_and_exports_as_one_node():
     x = torch.randn(3, 7, 64)
     wq, ws = quantize_weight(torch.randn(32, 64))
     for b in (None, torch.randn(32)):
-        torch.library.opcheck(int8_linear, (x, wq, ws, b),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            int8_linear, (x, wq, ws, b), test_utils=("test_schema", "test_faketensor")
+        )
         torch.testing.assert_close(int8_linear(x, wq, ws, b), direct(x, wq, ws, b))
 
     class OneOp(torch.nn.Module):
@@ -134,7 +142,8 @@ def test_export_keeps_the_integer_gemm_and_reloads(tmp_path):
     # the integer GEMM and int8 weights survive export: the file runs what was timed
     assert any(n.op == "call_function" and "_int_mm" in str(n.target) for n in ep.graph.nodes)
     assert any(t.dtype == torch.int8 for t in ep.state_dict.values()) or any(
-        t.dtype == torch.int8 for t in ep.constants.values())
+        t.dtype == torch.int8 for t in ep.constants.values()
+    )
     path = tmp_path / "m.pt2"
     torch.export.save(ep, path)
     loaded = load(path)

@@ -85,7 +85,7 @@ def test_archive_without_program_is_refused(tmp_path):
         load(str(path))
 
 
-_OUTPUTS = '''
+_OUTPUTS = """
 import dataclasses, pathlib
 import torch
 
@@ -96,7 +96,7 @@ pathlib.Path(__file__).with_name("imported.txt").write_text("the file's module w
 class Pair:
     low: torch.Tensor
     high: torch.Tensor
-'''
+"""
 
 
 def test_an_output_class_torch_cannot_read_back_is_named_and_not_imported(tmp_path):
@@ -134,9 +134,18 @@ def test_an_output_class_torch_cannot_read_back_is_named_and_not_imported(tmp_pa
             except SpecError as e:
                 print(e)
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=tmp_path)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     ours, torchs = run.stdout.strip().splitlines()
     assert "returns pair_outputs.Pair" in ours and "import the module" in ours

@@ -23,13 +23,16 @@ def write(tmp_path, body: str, name: str = "mymodel.py"):
 
 
 def test_function_returning_module_and_inputs(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         def build(width=8, batch=2):
             '''A two-layer MLP.'''
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(5, width), nn.Dropout(0.5), nn.ReLU(), nn.Linear(width, 3))
             return model, (torch.randn(batch, 5),)
-    """)
+    """,
+    )
     loaded = load(f"{path}:build")
     assert loaded.source == "file" and loaded.name == "mymodel:build"
     assert loaded.description == "A two-layer MLP."
@@ -43,20 +46,25 @@ def test_function_returning_module_and_inputs(tmp_path):
 
 
 def test_module_with_example_inputs_function(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         def model():
             return nn.Conv2d(3, 4, 3)
 
         def example_inputs(batch=1, size=9):
             return torch.randn(batch, 3, size, size)
-    """)
+    """,
+    )
     loaded = load(f"{path}:model", {"size": "12"})
     assert loaded.example_inputs[0].shape == (1, 3, 12, 12)
     assert loaded.module(*loaded.example_inputs).shape == (1, 4, 10, 10)
 
 
 def test_module_with_example_inputs_attribute(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         example_inputs = (torch.randn(2, 4), torch.randn(2, 4))
 
         class Add(nn.Module):
@@ -65,7 +73,8 @@ def test_module_with_example_inputs_attribute(tmp_path):
 
         def make():
             return Add()
-    """)
+    """,
+    )
     loaded = load(f"{path}:make")
     a, b = loaded.example_inputs
     torch.testing.assert_close(loaded.module(a, b), a + b)
@@ -93,10 +102,15 @@ def test_missing_file_and_function(tmp_path):
         ("def f():\n    return 3\n", "returned int; it must return an nn.Module"),
         ("def f():\n    return nn.Linear(2, 2), 'x'\n", "tensor or a tuple of tensors.*got str"),
         ("def f():\n    return nn.Linear(2, 2), ()\n", "got tuple \\(empty\\)"),
-        ("def f():\n    return nn.Linear(2, 2), (torch.ones(2), object())\n",
-         "got tuple of Tensor, object"),
+        (
+            "def f():\n    return nn.Linear(2, 2), (torch.ones(2), object())\n",
+            "got tuple of Tensor, object",
+        ),
         ("def f():\n    raise RuntimeError('boom')\n", "f\\(\\) in .* raised RuntimeError: boom"),
-        ("import not_a_module_anywhere\ndef f():\n    pass\n", "Importing .* failed with ModuleNotFoundError"),
+        (
+            "import not_a_module_anywhere\ndef f():\n    pass\n",
+            "Importing .* failed with ModuleNotFoundError",
+        ),
     ],
 )
 def test_wrong_results_and_failures(tmp_path, body, words):
@@ -106,19 +120,25 @@ def test_wrong_results_and_failures(tmp_path, body, words):
 
 
 def test_unknown_override_names_parameters(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         def build(width=8):
             return nn.Linear(3, width), torch.randn(1, 3)
-    """)
+    """,
+    )
     with pytest.raises(SpecError, match="Unknown override 'depth'.*accepted keys: width"):
         load(f"{path}:build", {"depth": "2"})
 
 
 def test_kwargs_function_accepts_any_override(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         def build(**opts):
             return nn.Linear(3, int(opts.get('width', 2))), torch.randn(1, 3)
-    """)
+    """,
+    )
     assert load(f"{path}:build", {"width": "5"}).module.out_features == 5
 
 
@@ -145,18 +165,25 @@ class Masked(nn.Module):
 """
 
 
-@pytest.mark.parametrize("returns", [
-    "Masked(width), (x,), {'mask': mask, 'scale': 0.5}",
-    "Masked(width), {'x': x, 'mask': mask, 'scale': 0.5}",
-    "Masked(width), ((x,), {'mask': mask, 'scale': 0.5})",
-])
+@pytest.mark.parametrize(
+    "returns",
+    [
+        "Masked(width), (x,), {'mask': mask, 'scale': 0.5}",
+        "Masked(width), {'x': x, 'mask': mask, 'scale': 0.5}",
+        "Masked(width), ((x,), {'mask': mask, 'scale': 0.5})",
+    ],
+)
 def test_function_returning_keyword_inputs(tmp_path, returns):
-    path = write(tmp_path, KEYWORD_MODEL + f"""
+    path = write(
+        tmp_path,
+        KEYWORD_MODEL
+        + f"""
 def build(width=3, batch=2):
     torch.manual_seed(0)
     x, mask = torch.randn(batch, 4), torch.rand(batch, width) > 0.5
     return {returns}
-""")
+""",
+    )
     loaded = load(f"{path}:build", {"batch": "4"})
     assert loaded.settings["inputs"] == ["x", "mask"]
     assert loaded.settings["constants"] == {"scale": 0.5}
@@ -170,13 +197,17 @@ def build(width=3, batch=2):
 
 
 def test_example_inputs_function_may_return_keywords(tmp_path):
-    path = write(tmp_path, KEYWORD_MODEL + """
+    path = write(
+        tmp_path,
+        KEYWORD_MODEL
+        + """
 def model():
     return Masked(2)
 
 def example_inputs(batch=1):
     return {"x": torch.randn(batch, 4), "scale": 3.0}
-""")
+""",
+    )
     loaded = load(f"{path}:model", {"batch": "5"})
     assert loaded.settings["inputs"] == ["x"] and loaded.settings["constants"] == {"scale": 3.0}
     (x,) = loaded.example_inputs
@@ -184,33 +215,49 @@ def example_inputs(batch=1):
 
 
 def test_keyword_inputs_holding_tensors_in_a_list_are_refused(tmp_path):
-    path = write(tmp_path, KEYWORD_MODEL + """
+    path = write(
+        tmp_path,
+        KEYWORD_MODEL
+        + """
 def build():
     return Masked(2), (torch.randn(1, 4),), {"mask": [torch.ones(1, 2, dtype=torch.bool)]}
-""")
-    with pytest.raises(SpecError, match="keyword 'mask' input in build\\(\\) in .* is a list "
-                                        "holding tensors; .*pass the tensors one by one"):
+""",
+    )
+    with pytest.raises(
+        SpecError,
+        match="keyword 'mask' input in build\\(\\) in .* is a list "
+        "holding tensors; .*pass the tensors one by one",
+    ):
         load(f"{path}:build")
 
 
 def test_a_training_mode_module_is_loaded_for_inference_and_says_so(tmp_path):
     # one policy: every spec is loaded for inference (eval mode), and the loader says when
     # it changed the mode; opswap.optimize on a module keeps the mode it was given
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         def build():
             return nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train(), (torch.randn(2, 4),)
-    """)
+    """,
+    )
     loaded = load(f"{path}:build")
     assert not loaded.module.training and loaded.settings["mode"].startswith("eval:")
-    quiet = write(tmp_path, """
+    quiet = write(
+        tmp_path,
+        """
         def build():
             return nn.Sequential(nn.Linear(4, 4)).eval(), (torch.randn(2, 4),)
-    """, name="quiet.py")
+    """,
+        name="quiet.py",
+    )
     assert "mode" not in load(f"{quiet}:build").settings
 
 
 def test_positional_constants_are_bound_not_refused(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 import torch
 from torch import nn
 
@@ -226,7 +273,8 @@ class Gate(nn.Module):
 def build():
     torch.manual_seed(0)
     return Gate(), (torch.randn(2, 4), True, 2.0)
-""")
+""",
+    )
     loaded = load(f"{path}:build")
     (x,) = loaded.example_inputs
     user = loaded.module.model

@@ -22,16 +22,50 @@ pytestmark = pytest.mark.hf
 TEXT = {"bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2"}
 VISION = {"vit", "resnet", "mobilenet_v2", "convnext"}
 ATTENTION = TEXT | {"vit"}
-REQUIRED = {"bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "gpt2", "llama",
-            "mistral", "qwen2", "phi", "gemma", "opt", "gpt_neox", "falcon", "t5", "bart", "vit",
-            "resnet", "convnext", "mobilenet_v2", "swin", "deit", "clip", "siglip"}
+REQUIRED = {
+    "bert",
+    "roberta",
+    "distilbert",
+    "albert",
+    "electra",
+    "deberta-v2",
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "phi",
+    "gemma",
+    "opt",
+    "gpt_neox",
+    "falcon",
+    "t5",
+    "bart",
+    "vit",
+    "resnet",
+    "convnext",
+    "mobilenet_v2",
+    "swin",
+    "deit",
+    "clip",
+    "siglip",
+}
 
 
 def test_supported_types_cover_the_required_ones():
     types = list_hf_types()
-    assert types[:len(TEXT | VISION)] == ["bert", "roberta", "distilbert", "gpt2", "llama",
-                                          "mistral", "qwen2", "vit", "resnet", "mobilenet_v2",
-                                          "convnext"]  # the presets first
+    assert types[: len(TEXT | VISION)] == [
+        "bert",
+        "roberta",
+        "distilbert",
+        "gpt2",
+        "llama",
+        "mistral",
+        "qwen2",
+        "vit",
+        "resnet",
+        "mobilenet_v2",
+        "convnext",
+    ]  # the presets first
     assert REQUIRED <= set(types) and len(types) == len(set(types)) >= 25
     kinds = hf_kinds()
     assert list(kinds) == types
@@ -94,8 +128,9 @@ def test_sdpa_override_gives_fused_attention():
 
 def test_deterministic_weights_and_inputs():
     a, b = load("hf:llama"), load("hf:llama")
-    for (ka, va), (kb, vb) in zip(a.module.state_dict().items(), b.module.state_dict().items(),
-                                  strict=True):
+    for (ka, va), (kb, vb) in zip(
+        a.module.state_dict().items(), b.module.state_dict().items(), strict=True
+    ):
         assert ka == kb and torch.equal(va, vb), ka
     assert torch.equal(a.example_inputs[0], b.example_inputs[0])
     c = load("hf:llama", {"seed": "3"})
@@ -103,8 +138,16 @@ def test_deterministic_weights_and_inputs():
 
 
 def test_overrides_reach_config_and_inputs():
-    loaded = load("hf:bert", {"num_hidden_layers": "3", "batch": "3", "seq": "11",
-                              "hidden_dropout_prob": "0", "vocab_size": "500"})
+    loaded = load(
+        "hf:bert",
+        {
+            "num_hidden_layers": "3",
+            "batch": "3",
+            "seq": "11",
+            "hidden_dropout_prob": "0",
+            "vocab_size": "500",
+        },
+    )
     config = loaded.module.config
     assert config.num_hidden_layers == 3 and len(loaded.module.model.encoder.layer) == 3
     assert config.hidden_dropout_prob == 0.0 and config.vocab_size == 500
@@ -133,7 +176,9 @@ def test_image_size_and_list_overrides():
 
 
 def test_bad_overrides():
-    with pytest.raises(SpecError, match=r"Unknown override 'layers' for hf:bert.*batch.*BertConfig.*hidden_size"):
+    with pytest.raises(
+        SpecError, match=r"Unknown override 'layers' for hf:bert.*batch.*BertConfig.*hidden_size"
+    ):
         load("hf:bert", {"layers": "3"})
     with pytest.raises(SpecError, match="Unknown override 'to_dict'"):
         load("hf:bert", {"to_dict": "1"})  # a config method, not a field
@@ -146,7 +191,9 @@ def test_bad_overrides():
 
 
 def test_unknown_type_lists_supported():
-    with pytest.raises(SpecError, match=r"Unknown Hugging Face model type 'bret'.*bert.*gpt2.*llama.*vit"):
+    with pytest.raises(
+        SpecError, match=r"Unknown Hugging Face model type 'bret'.*bert.*gpt2.*llama.*vit"
+    ):
         load("hf:bret")
 
 
@@ -171,8 +218,11 @@ def _check_round_trip(original, path):
     assert loaded.module.input_names == original.module.input_names
     gen = torch.Generator().manual_seed(11)
     x, *rest = original.example_inputs
-    fresh = (torch.randint(0, 1000, x.shape, generator=gen) if not x.is_floating_point()
-             else torch.randn(x.shape, generator=gen))
+    fresh = (
+        torch.randint(0, 1000, x.shape, generator=gen)
+        if not x.is_floating_point()
+        else torch.randn(x.shape, generator=gen)
+    )
     with torch.no_grad():
         for a, b in zip(loaded.module(fresh, *rest), original.module(fresh, *rest), strict=True):
             torch.testing.assert_close(a, b)
@@ -232,9 +282,15 @@ def _tiny_lm(kind: str):
     import transformers as tf
 
     if kind == "llama":
-        config = tf.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2,
-                                intermediate_size=128, max_position_embeddings=128)
+        config = tf.LlamaConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=128,
+        )
         model_class = tf.LlamaForCausalLM
     else:
         config = tf.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128)
@@ -258,8 +314,19 @@ def test_a_saved_causal_lm_optimizes_and_the_result_matches_it(tmp_path, kind):
     loaded = load(f"hf:{tmp_path / kind}")
     assert loaded.settings["use_cache"] is False  # noted, as the checkpoint said true
     try:
-        main(["optimize", f"hf:{tmp_path / kind}", "--compare", "none", "--samples", "1",
-              "--no-bench", "--out", str(tmp_path / "out")])
+        main(
+            [
+                "optimize",
+                f"hf:{tmp_path / kind}",
+                "--compare",
+                "none",
+                "--samples",
+                "1",
+                "--no-bench",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     except SystemExit as e:
         assert e.code in (0, None), e.code
     result = json.loads((tmp_path / "out" / "result.json").read_text())
@@ -273,11 +340,23 @@ def test_a_saved_causal_lm_optimizes_and_the_result_matches_it(tmp_path, kind):
     torch.testing.assert_close(got, want)
     # and in a fresh process, as a user deploys it
     torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
-    code = ("import sys, torch, opswap; m = opswap.load_optimized(sys.argv[1]); "
-            "d = torch.load(sys.argv[2]); torch.save(m(d['ids'], d['mask'])[0], sys.argv[3])")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "out"),
-                    str(tmp_path / "inputs.pt"), str(tmp_path / "logits.pt")], check=True,
-                   capture_output=True, timeout=300)
+    code = (
+        "import sys, torch, opswap; m = opswap.load_optimized(sys.argv[1]); "
+        "d = torch.load(sys.argv[2]); torch.save(m(d['ids'], d['mask'])[0], sys.argv[3])"
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(tmp_path / "out"),
+            str(tmp_path / "inputs.pt"),
+            str(tmp_path / "logits.pt"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), want)
     assert json.loads((tmp_path / kind / "config.json").read_text())["use_cache"] is True
 
@@ -319,7 +398,7 @@ def test_an_unknown_model_type_is_one_line(tmp_path, capsys):
 def test_a_truncated_safetensors_file_is_one_line(tmp_path, capsys):
     path = _checkpoint(tmp_path)
     data = (path / "model.safetensors").read_bytes()
-    (path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(SpecError, match=r"model.safetensors"):
         load(f"hf:{path}")
     assert "model.safetensors" in _refused(f"hf:{path}", capsys)
@@ -332,8 +411,11 @@ def test_missing_tensors_are_refused_by_name_unless_asked_for(tmp_path, capsys):
     state = load_file(path / "model.safetensors")
     dropped = sorted(k for k in state if k.startswith("model.layers.1.mlp."))
     assert dropped
-    save_file({k: v for k, v in state.items() if k not in dropped}, path / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in state.items() if k not in dropped},
+        path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     with pytest.raises(SpecError) as e:
         load(f"hf:{path}")
     assert f"{len(dropped)} missing" in str(e.value) and dropped[0] in str(e.value)

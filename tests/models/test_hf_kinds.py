@@ -94,7 +94,9 @@ def test_the_mask_reaches_an_encoder():
     real[1, 0] = (ids[1, 0] + 7) % 1000
     torch.testing.assert_close(hidden(padded), hidden(ids))
     assert not torch.allclose(hidden(real), hidden(ids))  # the check can tell a change
-    assert not torch.allclose(hidden(padded, torch.ones_like(mask)), hidden(ids, torch.ones_like(mask)))
+    assert not torch.allclose(
+        hidden(padded, torch.ones_like(mask)), hidden(ids, torch.ones_like(mask))
+    )
 
 
 def test_mask_none_leaves_the_mask_out():
@@ -109,7 +111,11 @@ def test_mask_none_leaves_the_mask_out():
 def test_every_checked_type_has_a_small_consistent_config():
     for model_type in list_hf_types():
         config = hf_config(model_type)
-        for c in (config, getattr(config, "text_config", None), getattr(config, "vision_config", None)):
+        for c in (
+            config,
+            getattr(config, "text_config", None),
+            getattr(config, "vision_config", None),
+        ):
             if c is None:
                 continue
             hidden = getattr(c, "hidden_size", None)

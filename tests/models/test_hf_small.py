@@ -34,7 +34,9 @@ def test_a_shrunk_vision_config_runs_on_its_own_example_and_another_batch(model_
 def test_efficientnet_keeps_its_last_width_with_the_width_coefficient():
     config = hf_config("efficientnet")
     assert config.width_coefficient < 2.0
-    assert config.hidden_dim == 1280 * config.width_coefficient  # round_filters(1280), a multiple of 8
+    assert (
+        config.hidden_dim == 1280 * config.width_coefficient
+    )  # round_filters(1280), a multiple of 8
 
 
 def test_group_counts_divide_every_shrunk_width():

@@ -72,10 +72,23 @@ def test_loaded_model_fields():
 
 @pytest.mark.parametrize(
     "text, value",
-    [("true", True), ("False", False), ("yes", True), ("off", False), ("none", None),
-     ("null", None), ("12", 12), ("-3", -3), ("0.5", 0.5), ("1e-5", 1e-5),
-     ("[16, 32]", [16, 32]), ('{"a": 1}', {"a": 1}), ("gelu_new", "gelu_new"),
-     ("[unclosed", "[unclosed"), (" 7 ", 7)],
+    [
+        ("true", True),
+        ("False", False),
+        ("yes", True),
+        ("off", False),
+        ("none", None),
+        ("null", None),
+        ("12", 12),
+        ("-3", -3),
+        ("0.5", 0.5),
+        ("1e-5", 1e-5),
+        ("[16, 32]", [16, 32]),
+        ('{"a": 1}', {"a": 1}),
+        ("gelu_new", "gelu_new"),
+        ("[unclosed", "[unclosed"),
+        (" 7 ", 7),
+    ],
 )
 def test_parse_value_examples(text, value):
     assert parse_value(text) == value
@@ -92,9 +105,26 @@ def test_parse_value_floats_round_trip(x):
     assert parse_value(repr(x)) == x
 
 
-@given(st.text(alphabet=st.characters(categories=["L"]), min_size=1).filter(
-    lambda s: s.strip().lower() not in {"true", "false", "yes", "no", "on", "off", "none", "null",
-                                        "nan", "inf", "infinity"}))
+@given(
+    st.text(alphabet=st.characters(categories=["L"]), min_size=1).filter(
+        lambda s: (
+            s.strip().lower()
+            not in {
+                "true",
+                "false",
+                "yes",
+                "no",
+                "on",
+                "off",
+                "none",
+                "null",
+                "nan",
+                "inf",
+                "infinity",
+            }
+        )
+    )
+)
 def test_parse_value_words_stay_strings(word):
     assert parse_value(word) == word.strip()
 

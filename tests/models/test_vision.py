@@ -11,8 +11,9 @@ from opswap.errors import SpecError
 from opswap.models import load, vision
 
 
-@pytest.mark.parametrize("package, hint", [("torchvision", "pip install torchvision"),
-                                           ("timm", "pip install timm")])
+@pytest.mark.parametrize(
+    "package, hint", [("torchvision", "pip install torchvision"), ("timm", "pip install timm")]
+)
 def test_missing_package_gives_install_hint(monkeypatch, package, hint):
     monkeypatch.setitem(sys.modules, package, None)  # makes `import package` fail
     with pytest.raises(SpecError, match=f"{package}: models need {package}.*{hint}"):
@@ -29,7 +30,9 @@ def test_broken_package_is_reported_not_raised(monkeypatch):
         load("torchvision:resnet18")
 
 
-@pytest.mark.parametrize("spec, key", [("torchvision:resnet18", "in_chans"), ("timm:resnet18", "depth")])
+@pytest.mark.parametrize(
+    "spec, key", [("torchvision:resnet18", "in_chans"), ("timm:resnet18", "depth")]
+)
 def test_unknown_override_is_refused_before_import(monkeypatch, spec, key):
     monkeypatch.setitem(sys.modules, spec.split(":")[0], None)
     with pytest.raises(SpecError, match=f"Unknown override '{key}'.*batch, image_size"):

@@ -85,18 +85,23 @@ def test_shape_mismatch_names_the_sizes_to_set(tmp_path):
     assert str(e.value) == (
         "w.safetensors does not fit hf:bert (its keys read with 'model.' added): 1 shape "
         "mismatch (model.embeddings.word_embeddings.weight: file 1200x64, model 1000x64) — "
-        "build the model with the file's sizes, e.g. --set vocab_size=1200.")
+        "build the model with the file's sizes, e.g. --set vocab_size=1200."
+    )
     assert torch.equal(  # and the hint is right
-        _outputs(load("hf:bert", {"vocab_size": "1200"}, weights=path)), _outputs(source))
+        _outputs(load("hf:bert", {"vocab_size": "1200"}, weights=path)), _outputs(source)
+    )
 
 
 @pytest.mark.hf
 def test_more_layers_in_the_file(tmp_path):
     path = _save(load("hf:bert", {"num_hidden_layers": "3"}).module, tmp_path / "w.pt")
-    with pytest.raises(SpecError, match=r"w.pt does not fit hf:bert: 16 unexpected keys "
-                       r"\(model.encoder.layer.2.attention.self.query.weight, .*, \.\.\.\), the "
-                       r"file has 3 model.encoder.layer blocks, the model 2 — build the model "
-                       r"with the file's sizes, e.g. --set num_hidden_layers=3\.$"):
+    with pytest.raises(
+        SpecError,
+        match=r"w.pt does not fit hf:bert: 16 unexpected keys "
+        r"\(model.encoder.layer.2.attention.self.query.weight, .*, \.\.\.\), the "
+        r"file has 3 model.encoder.layer blocks, the model 2 — build the model "
+        r"with the file's sizes, e.g. --set num_hidden_layers=3\.$",
+    ):
         load("hf:bert", weights=path)
 
 
@@ -118,8 +123,11 @@ def test_missing_and_unexpected_keys(tmp_path):
 
 def test_file_of_another_architecture(tmp_path):
     save_file({"encoder.weight": torch.randn(2, 2)}, str(tmp_path / "w.safetensors"))
-    with pytest.raises(SpecError, match=r"does not fit zoo:resnet: \d+ missing keys .*1 "
-                       r"unexpected key \(encoder.weight\)"):
+    with pytest.raises(
+        SpecError,
+        match=r"does not fit zoo:resnet: \d+ missing keys .*1 "
+        r"unexpected key \(encoder.weight\)",
+    ):
         load("zoo:resnet", weights=tmp_path / "w.safetensors")
 
 
@@ -137,8 +145,11 @@ def test_pickle_with_objects_is_refused_without_running_them(tmp_path):
     marker = tmp_path / "ran"
     path = tmp_path / "w.pt"
     torch.save({"fc.weight": torch.ones(2), "payload": Payload(str(marker))}, path)
-    with pytest.raises(SpecError, match=r"^w.pt holds a pickled [\w.]*open, which opswap does "
-                       r"not unpickle; save model.state_dict\(\) alone"):
+    with pytest.raises(
+        SpecError,
+        match=r"^w.pt holds a pickled [\w.]*open, which opswap does "
+        r"not unpickle; save model.state_dict\(\) alone",
+    ):
         load("zoo:resnet", weights=path)
     assert not marker.exists()
 
@@ -146,8 +157,11 @@ def test_pickle_with_objects_is_refused_without_running_them(tmp_path):
 def test_non_tensor_values_are_refused(tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save({"state_dict": {"fc.weight": torch.ones(2)}, "epoch": 3}, path)
-    with pytest.raises(SpecError, match=r"ckpt.pt holds 'state_dict' \(a dict\) besides tensors "
-                       r"\(a training checkpoint\?\); save model.state_dict\(\) alone\."):
+    with pytest.raises(
+        SpecError,
+        match=r"ckpt.pt holds 'state_dict' \(a dict\) besides tensors "
+        r"\(a training checkpoint\?\); save model.state_dict\(\) alone\.",
+    ):
         load("zoo:resnet", weights=path)
 
 
@@ -163,15 +177,17 @@ def test_unreadable_and_missing_files(tmp_path):
 
 
 def test_pt2_specs_carry_their_weights(tmp_path):
-    with pytest.raises(SpecError, match="model.pt2 is a saved program that carries its own "
-                       "weights; drop --weights"):
+    with pytest.raises(
+        SpecError, match="model.pt2 is a saved program that carries its own weights; drop --weights"
+    ):
         load(str(tmp_path / "model.pt2"), weights=tmp_path / "w.pt")
 
 
 def test_weights_take_the_models_dtype(tmp_path):
     source = load("zoo:resnet", {"seed": "2"})
-    half = {k: v.half() if v.is_floating_point() else v
-            for k, v in source.module.state_dict().items()}
+    half = {
+        k: v.half() if v.is_floating_point() else v for k, v in source.module.state_dict().items()
+    }
     save_file(half, str(tmp_path / "w16.safetensors"))
     loaded = load("zoo:resnet", weights=tmp_path / "w16.safetensors")
     weight = loaded.module.state_dict()["fc.weight"]
@@ -183,13 +199,16 @@ def test_weights_take_the_models_dtype(tmp_path):
 def test_prefix_choice():
     model = ["model.a.weight", "model.b.weight", "model.c.bias"]
     assert best_fit(["a.weight", "b.weight", "c.bias"], model).describe() == "'model.' added"
-    assert best_fit(["module.model.a.weight", "module.model.b.weight"], model).describe() \
+    assert (
+        best_fit(["module.model.a.weight", "module.model.b.weight"], model).describe()
         == "'module.' removed"
+    )
     assert best_fit(model, model).describe() == ""
 
 
 def test_file_spec_with_keyword_inputs_takes_bare_weights(tmp_path):
-    (tmp_path / "m.py").write_text(textwrap.dedent("""
+    (tmp_path / "m.py").write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
 
@@ -204,7 +223,8 @@ def test_file_spec_with_keyword_inputs_takes_bare_weights(tmp_path):
         def build(seed=0):
             torch.manual_seed(seed)
             return Net(), (torch.randn(2, 4),), {"scale": 2.0}
-    """))
+    """)
+    )
     source = load(f"{tmp_path / 'm.py'}:build", {"seed": "4"})
     torch.save(source.module.model.state_dict(), tmp_path / "net.pt")  # the user's own model
     loaded = load(f"{tmp_path / 'm.py'}:build", weights=tmp_path / "net.pt")
@@ -216,8 +236,19 @@ def test_cli_weights(tmp_path, capsys):
     source = load("zoo:resnet", {"seed": "9"})
     path = _save(source.module, tmp_path / "w.safetensors")
     plan = tmp_path / "plan.json"
-    assert _run("plan", "zoo:resnet", "--weights", str(path), "--rules", "fusion.conv_bn",
-                "--out", str(plan)) == 0
+    assert (
+        _run(
+            "plan",
+            "zoo:resnet",
+            "--weights",
+            str(path),
+            "--rules",
+            "fusion.conv_bn",
+            "--out",
+            str(plan),
+        )
+        == 0
+    )
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long paths
     assert f"weights: {path} (" in out
     assert _run("verify", "zoo:resnet", str(plan), "--weights", str(path), "--samples", "1") == 0
@@ -244,7 +275,7 @@ def test_hint_tells_sizes_that_share_a_value_apart(tmp_path):
     with pytest.raises(SpecError) as e:
         load("hf:bert", weights=path)
     msg = str(e.value)
-    hint = msg[msg.index("e.g. ") + 5:]
+    hint = msg[msg.index("e.g. ") + 5 :]
     assert hint.endswith(" (and num_attention_heads, which the weights do not show).")
     assert set(re.findall(r"--set (\w+=\d+)", hint)) == {f"{k}={v}" for k, v in sizes.items()}
     assert load("hf:bert", sizes, weights=path).settings["weights"]["keys"] == "as saved"

@@ -115,16 +115,21 @@ def test_symbolic_trace_matches_eager(name):
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_deterministic_and_seeded(name):
     a, b = load(f"zoo:{name}"), load(f"zoo:{name}")
-    for (ka, va), (kb, vb) in zip(a.module.state_dict().items(), b.module.state_dict().items(),
-                                  strict=True):
+    for (ka, va), (kb, vb) in zip(
+        a.module.state_dict().items(), b.module.state_dict().items(), strict=True
+    ):
         assert ka == kb
         assert torch.equal(va, vb), ka
     for x, y in zip(a.example_inputs, b.example_inputs, strict=True):
         assert torch.equal(x, y)
     c = load(f"zoo:{name}", {"seed": "7"})
-    differs = [not torch.equal(va, vc) for va, vc in
-               zip(a.module.state_dict().values(), c.module.state_dict().values(), strict=True)
-               if va.is_floating_point()]
+    differs = [
+        not torch.equal(va, vc)
+        for va, vc in zip(
+            a.module.state_dict().values(), c.module.state_dict().values(), strict=True
+        )
+        if va.is_floating_point()
+    ]
     assert any(differs)
 
 
@@ -144,8 +149,12 @@ def test_loading_does_not_disturb_global_rng():
         ("bert", {"seq": 17, "hidden": 48, "heads": 3, "num_labels": 5}, [(2, 17)], (2, 5)),
         ("gpt", {"batch": 3, "seq": 9, "vocab": 301}, [(3, 9)], (3, 9, 301)),
         ("seq", {"batch": 2, "seq": 7, "features": 5}, [(2, 7, 5)], (2, 5)),
-        ("recsys", {"batch": 3, "tag_bag": 5, "dense_features": 6},
-         [(3,), (3,), (3, 4), (3, 5), (3, 6)], (3, 1)),
+        (
+            "recsys",
+            {"batch": 3, "tag_bag": 5, "dense_features": 6},
+            [(3,), (3,), (3, 4), (3, 5), (3, 6)],
+            (3, 1),
+        ),
         ("largekernel", {"image_size": 45, "num_classes": 4}, [(2, 3, 45, 45)], (2, 4)),
     ],
 )
@@ -192,8 +201,9 @@ def test_resnet_patterns():
     assert chains(gm, "add", "relu") == 3
     assert chains(gm, "linear", "batch_norm") == 1
     assert chains(gm, "adaptive_avg_pool", "flatten") == 1
-    strided = [n for n in gm.graph.nodes
-               if op_kind(n) == "conv" and submodule(gm, n).stride == (2, 2)]
+    strided = [
+        n for n in gm.graph.nodes if op_kind(n) == "conv" and submodule(gm, n).stride == (2, 2)
+    ]
     assert len(strided) == 2  # the block's first conv and its downsample shortcut
     assert [op_kind(n) for n in gm.graph.nodes][-2] == "linear"
     for m in loaded.module.modules():
@@ -209,8 +219,11 @@ def test_mobilenet_patterns():
     assert chains(gm, "conv", "batch_norm") == 11
     assert chains(gm, "conv", "batch_norm", "relu6") == 3
     assert chains(gm, "conv", "batch_norm", "hardswish") == 5
-    depthwise = [n for n in gm.graph.nodes if op_kind(n) == "conv"
-                 and submodule(gm, n).groups == submodule(gm, n).in_channels > 1]
+    depthwise = [
+        n
+        for n in gm.graph.nodes
+        if op_kind(n) == "conv" and submodule(gm, n).groups == submodule(gm, n).in_channels > 1
+    ]
     assert len(depthwise) == 3
     assert all(submodule(gm, n).kernel_size == (3, 3) for n in depthwise)
     assert chains(gm, "adaptive_avg_pool", "conv", "relu", "conv", "hardsigmoid", "mul") == 2
@@ -231,15 +244,26 @@ def test_bert_patterns():
     assert chains(gm, "softmax", "log") == 1
     assert chains(gm, "view", "reshape", "linear") == 2
     # the pooler: x @ w + b on raw parameters
-    raw = [n for n in gm.graph.nodes if op_kind(n) == "matmul"
-           and any(a.op == "get_attr" for a in n.args if isinstance(a, fx.Node))
-           and len(n.users) == 1 and op_kind(next(iter(n.users))) == "add"]
+    raw = [
+        n
+        for n in gm.graph.nodes
+        if op_kind(n) == "matmul"
+        and any(a.op == "get_attr" for a in n.args if isinstance(a, fx.Node))
+        and len(n.users) == 1
+        and op_kind(next(iter(n.users))) == "add"
+    ]
     assert len(raw) == 1
     add = next(iter(raw[0].users))
     assert any(isinstance(a, fx.Node) and a.op == "get_attr" for a in add.args)
-    cancelling = [n for n in gm.graph.nodes if op_kind(n) == "transpose" and n.args[1:] == (0, 1)
-                  and len(n.users) == 1 and op_kind(next(iter(n.users))) == "transpose"
-                  and next(iter(n.users)).args[1:] == (0, 1)]
+    cancelling = [
+        n
+        for n in gm.graph.nodes
+        if op_kind(n) == "transpose"
+        and n.args[1:] == (0, 1)
+        and len(n.users) == 1
+        and op_kind(next(iter(n.users))) == "transpose"
+        and next(iter(n.users)).args[1:] == (0, 1)
+    ]
     assert len(cancelling) == 1
 
 
@@ -344,6 +368,9 @@ def test_largekernel_patterns():
 def test_attention_scale_is_one_over_sqrt_head_dim():
     # Guards the constant a SDPA rewrite relies on: scores are divided by sqrt(d).
     _, cap = graph_of("zoo:bert", hidden=48, heads=3)
-    divs = [n for n in cap.gm.graph.nodes if op_kind(n) == "div"
-            and op_kind(n.args[0]) == "matmul" and isinstance(n.args[1], float)]
+    divs = [
+        n
+        for n in cap.gm.graph.nodes
+        if op_kind(n) == "div" and op_kind(n.args[0]) == "matmul" and isinstance(n.args[1], float)
+    ]
     assert divs and all(math.isclose(n.args[1], math.sqrt(16)) for n in divs)

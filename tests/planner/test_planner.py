@@ -192,26 +192,34 @@ def _edited(**changes):
     return data
 
 
-@pytest.mark.parametrize("changes, says", [
-    ({"settings.exactness": "bogus"},
-     'settings.exactness must be one of exact, approx, lossy, got "bogus"'),
-    ({"decisions.0.site.data": [1, 2]}, "decision 0: site data must be an object, got a list"),
-    ({"decisions": {"0": "x"}}, "decisions must be a list, got an object"),
-    ({"decisions": None}, "decisions must be a list, got null"),
-    ({"version": "1"}, 'version must be an integer, got "1"'),
-    ({"settings.target": 3}, "settings.target must be a string, got 3"),
-    ({"settings.rules": "fusion.*"}, "settings.rules must be a list of strings"),
-    ({"decisions.0": "test.double_relu"}, "decision 0 must be an object"),
-    ({"decisions.0.rule": None}, "decision 0: rule must be a string, got null"),
-    ({"decisions.0.site": "relu"}, "decision 0: site must be an object"),
-    ({"decisions.0.site.key": 7}, "decision 0: site key must be a string, got 7"),
-    ({"decisions.0.site.nodes": ["relu", 1]}, "decision 0: site nodes must be a list of strings"),
-    ({"decisions.0.site.description": {}}, "decision 0: site description must be a string"),
-    ({"decisions.0.estimate": []}, "decision 0: estimate must be an object, got a list"),
-    ({"decisions.0.estimate.flops_saved": "lots"}, "flops_saved must be a number"),
-    ({"decisions.0.estimate.bytes_saved": True}, "bytes_saved must be a number, got true"),
-    ({"decisions.0.estimate.time_saved_s": "1ms"}, "time_saved_s must be a number or null"),
-])
+@pytest.mark.parametrize(
+    "changes, says",
+    [
+        (
+            {"settings.exactness": "bogus"},
+            'settings.exactness must be one of exact, approx, lossy, got "bogus"',
+        ),
+        ({"decisions.0.site.data": [1, 2]}, "decision 0: site data must be an object, got a list"),
+        ({"decisions": {"0": "x"}}, "decisions must be a list, got an object"),
+        ({"decisions": None}, "decisions must be a list, got null"),
+        ({"version": "1"}, 'version must be an integer, got "1"'),
+        ({"settings.target": 3}, "settings.target must be a string, got 3"),
+        ({"settings.rules": "fusion.*"}, "settings.rules must be a list of strings"),
+        ({"decisions.0": "test.double_relu"}, "decision 0 must be an object"),
+        ({"decisions.0.rule": None}, "decision 0: rule must be a string, got null"),
+        ({"decisions.0.site": "relu"}, "decision 0: site must be an object"),
+        ({"decisions.0.site.key": 7}, "decision 0: site key must be a string, got 7"),
+        (
+            {"decisions.0.site.nodes": ["relu", 1]},
+            "decision 0: site nodes must be a list of strings",
+        ),
+        ({"decisions.0.site.description": {}}, "decision 0: site description must be a string"),
+        ({"decisions.0.estimate": []}, "decision 0: estimate must be an object, got a list"),
+        ({"decisions.0.estimate.flops_saved": "lots"}, "flops_saved must be a number"),
+        ({"decisions.0.estimate.bytes_saved": True}, "bytes_saved must be a number, got true"),
+        ({"decisions.0.estimate.time_saved_s": "1ms"}, "time_saved_s must be a number or null"),
+    ],
+)
 def test_hand_edited_plan_names_the_bad_field(tmp_path, changes, says):
     data = _edited(**changes)
     with pytest.raises(PlanError, match=re.escape(says)) as info:
@@ -219,32 +227,53 @@ def test_hand_edited_plan_names_the_bad_field(tmp_path, changes, says):
     assert str(info.value).endswith("regenerate the plan with `opswap plan`.")
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(PlanError, match=re.escape(f"{path}: ")):  # Plan.load: same check, with the file
+    with pytest.raises(
+        PlanError, match=re.escape(f"{path}: ")
+    ):  # Plan.load: same check, with the file
         Plan.load(path)
 
 
 def test_a_later_decision_is_named_by_its_index():
     data = _edited()
-    data["decisions"] = [data["decisions"][0], {**data["decisions"][0], "site": {
-        **data["decisions"][0]["site"], "data": "conv"}}]
+    data["decisions"] = [
+        data["decisions"][0],
+        {**data["decisions"][0], "site": {**data["decisions"][0]["site"], "data": "conv"}},
+    ]
     with pytest.raises(PlanError, match='decision 1: site data must be an object, got "conv"'):
         Plan.from_json(data)
 
 
 # a plan.json as opswap wrote it before misses, failures and skips shared one record
 _OLD_PLAN = {
-    "version": 1, "model": "m", "capture_method": "fx", "fingerprint": "",
+    "version": 1,
+    "model": "m",
+    "capture_method": "fx",
+    "fingerprint": "",
     "settings": {"target": "cpu", "rules": [], "exactness": "exact"},
-    "decisions": [{"rule": "test.double_relu", "site": {"rule": "test.double_relu",
-                   "key": "relu+relu_1", "nodes": ["relu", "relu_1"],
-                   "description": "drop a relu", "data": {}},
-                   "estimate": {"flops_saved": 0.0, "bytes_saved": 0.0, "time_saved_s": None,
-                                "note": ""}, "module": ""}],
+    "decisions": [
+        {
+            "rule": "test.double_relu",
+            "site": {
+                "rule": "test.double_relu",
+                "key": "relu+relu_1",
+                "nodes": ["relu", "relu_1"],
+                "description": "drop a relu",
+                "data": {},
+            },
+            "estimate": {"flops_saved": 0.0, "bytes_saved": 0.0, "time_saved_s": None, "note": ""},
+            "module": "",
+        }
+    ],
     "misses": [{"rule": "test.double_relu", "where": "relu_2", "reason": "read elsewhere"}],
     "failed": [{"rule": "test.raises", "key": "relu_3", "reason": "kernel exploded"}],
-    "skipped": [{"rule": "test.slower", "key": "relu_4", "reason": "predicted slower on cpu"},
-                {"rule": "fusion.conv_relu", "key": "all 2 sites",
-                 "reason": "measured slower on cpu: 1.000 ms with it, 0.900 ms without"}],
+    "skipped": [
+        {"rule": "test.slower", "key": "relu_4", "reason": "predicted slower on cpu"},
+        {
+            "rule": "fusion.conv_relu",
+            "key": "all 2 sites",
+            "reason": "measured slower on cpu: 1.000 ms with it, 0.900 ms without",
+        },
+    ],
     "notes": [],
 }
 
@@ -255,9 +284,12 @@ def test_a_plan_json_of_the_earlier_shape_loads_and_is_written_alike(tmp_path):
     p = Plan.load(path)
     assert [(m.kind, m.rule, m.where) for m in p.misses] == [("miss", "test.double_relu", "relu_2")]
     assert [(f.kind, f.where, f.reason) for f in p.failed] == [
-        ("failure", "relu_3", "kernel exploded")]
+        ("failure", "relu_3", "kernel exploded")
+    ]
     assert [(s.kind, s.rule, s.where) for s in p.skipped] == [
-        ("skipped", "test.slower", "relu_4"), ("skipped", "fusion.conv_relu", "all 2 sites")]
+        ("skipped", "test.slower", "relu_4"),
+        ("skipped", "fusion.conv_relu", "all 2 sites"),
+    ]
     assert p.to_json() == _OLD_PLAN  # the same file back, key for key
     bad = {**_OLD_PLAN, "skipped": [{"rule": "test.slower", "reason": "no key"}]}
     with pytest.raises(PlanError, match="malformed"):
@@ -265,7 +297,9 @@ def test_a_plan_json_of_the_earlier_shape_loads_and_is_written_alike(tmp_path):
 
 
 def test_optional_fields_may_be_absent():
-    p = Plan.from_json({"decisions": [{"rule": "test.double_relu", "site": {"key": "relu+relu_1"}}]})
+    p = Plan.from_json(
+        {"decisions": [{"rule": "test.double_relu", "site": {"key": "relu+relu_1"}}]}
+    )
     assert p.settings.exactness == "exact" and p.decisions[0].site.nodes == ()
     assert p.decisions[0].estimate.time_saved_s is None
 
@@ -309,17 +343,20 @@ def test_looser_exactness_without_rules_says_so(monkeypatch):
     c = capture(m.module, m.example_inputs)
     exact, approx = make_plan(c, exactness="exact"), make_plan(c, exactness="approx")
     # an exact plan names the looser rules it left out and the flag that adds them
-    assert any("precision.int8_linear" in n and "--exactness approx plans them" in n
-               for n in exact.notes), exact.notes
+    assert any(
+        "precision.int8_linear" in n and "--exactness approx plans them" in n for n in exact.notes
+    ), exact.notes
     assert not any("no approx rules" in n for n in approx.notes)
     # with only exact rules installed, a looser setting says it plans only those
     exact_only = [r for r in reg.all_rules() if r.exactness == "exact"]
     monkeypatch.setattr(plan_mod.registry, "all_rules", lambda: exact_only)
     assert plan_mod._missing_classes("approx") == [
-        "no approx rules are installed, so --exactness approx plans only the exact rules"]
+        "no approx rules are installed, so --exactness approx plans only the exact rules"
+    ]
     assert plan_mod._missing_classes("lossy") == [
         "no approx rules are installed, so --exactness lossy plans only the exact rules",
-        "no lossy rules are installed, so --exactness lossy plans only the exact rules"]
+        "no lossy rules are installed, so --exactness lossy plans only the exact rules",
+    ]
 
 
 def test_bottleneck_advice_names_only_installed_rules():

@@ -11,21 +11,33 @@ from opswap.report.document import Heading, Image, Table, to_html, to_markdown
 @pytest.fixture(scope="module")
 def result():
     m = load("zoo:bert")
-    return optimize(m.module, m.example_inputs, OptimizeConfig(samples=2, compare="none"),
-                    name="zoo:bert")
+    return optimize(
+        m.module, m.example_inputs, OptimizeConfig(samples=2, compare="none"), name="zoo:bert"
+    )
 
 
 def test_report_sections(result):
     blocks = build_report(result)
     headings = [b.text for b in blocks if isinstance(b, Heading)]
-    for h in ("Variants, timed in one run", "What changed and why", "Predicted next to measured", "Near misses",
-              "Verification", "Error layer by layer", "Where the time goes (cost model)",
-              "Environment"):
+    for h in (
+        "Variants, timed in one run",
+        "What changed and why",
+        "Predicted next to measured",
+        "Near misses",
+        "Verification",
+        "Error layer by layer",
+        "Where the time goes (cost model)",
+        "Environment",
+    ):
         assert h in headings
     changes = next(b for b in blocks if isinstance(b, Table) and "module: site" in b.headers)
     assert len(changes.rows) == len(result.plan.decisions) > 0
     assert {img.filename for img in blocks if isinstance(img, Image)} >= {
-        "latency.png", "layer_errors.png", "categories.png", "roofline.png"}
+        "latency.png",
+        "layer_errors.png",
+        "categories.png",
+        "roofline.png",
+    }
 
 
 def test_markdown_and_html_agree(result, tmp_path):
@@ -82,8 +94,12 @@ def busy_result():
     mp.setattr(timing, "_Timer", busy(seed=5))
     try:
         m, x = _small()
-        yield optimize(m, x, OptimizeConfig(samples=1, layers=False, compare="none",
-                                            prune_slow=False), name="small")
+        yield optimize(
+            m,
+            x,
+            OptimizeConfig(samples=1, layers=False, compare="none", prune_slow=False),
+            name="small",
+        )
     finally:
         mp.undo()
 
@@ -93,8 +109,11 @@ def test_a_busy_machine_is_said_and_the_lower_end_leads(busy_result, tmp_path):
     assert "timings did not settle: the machine is busy" in md
     data = busy_result.to_json()
     assert data["timings_settled"] is False
-    (table,) = [b for b in build_report(busy_result) if isinstance(b, Table)
-                and "vs input [95%]" in b.headers]
+    (table,) = [
+        b
+        for b in build_report(busy_result)
+        if isinstance(b, Table) and "vs input [95%]" in b.headers
+    ]
     col = table.headers.index("vs input [95%]")
     for v, row in zip(data["variants"], table.rows, strict=True):
         if v["name"] == "input" or v["ms"] is None:
@@ -108,18 +127,26 @@ def test_a_busy_machine_is_said_and_the_lower_end_leads(busy_result, tmp_path):
 def test_measured_over_predicted_is_shown_wherever_both_exist(busy_result):
     att = busy_result.attribution
     assert att is not None and att.rules
-    (table,) = [b for b in build_report(busy_result) if isinstance(b, Table)
-                and "measured / predicted" in b.headers]
+    (table,) = [
+        b
+        for b in build_report(busy_result)
+        if isinstance(b, Table) and "measured / predicted" in b.headers
+    ]
     col = table.headers.index("measured / predicted")
     for t, row in zip(att.rules, table.rows, strict=False):
         if t.predicted_saved_s and not getattr(t, "pruned", False):
             assert row[col] != "-" and row[col].startswith(
-                f"{t.measured_saved_s / t.predicted_saved_s:.1f}x"), row
+                f"{t.measured_saved_s / t.predicted_saved_s:.1f}x"
+            ), row
 
 
 def test_the_tolerance_prints_as_set(tmp_path):
     m, x = _small()
-    r = optimize(m, x, OptimizeConfig(samples=1, layers=False, bench=False,
-                                      budget="cosine>=0.9999999999"), name="small")
+    r = optimize(
+        m,
+        x,
+        OptimizeConfig(samples=1, layers=False, bench=False, budget="cosine>=0.9999999999"),
+        name="small",
+    )
     md = write_reports(r, tmp_path)["report_md"].read_text()
     assert "cosine>=0.9999999999" in md and not re.search(r"cosine>=1\b", md)

@@ -19,6 +19,7 @@ def figures(monkeypatch):
         fig.canvas.draw()
         kept.append(fig)
         return b""
+
     monkeypatch.setattr(plots, "_png", keep)
     yield kept
     for f in kept:
@@ -39,13 +40,19 @@ def _texts(fig):
             for tick in axis.get_major_ticks() + axis.get_minor_ticks():
                 if lo - 1e-9 * abs(hi) <= tick.get_loc() <= hi * (1 + 1e-9):
                     texts.append(tick.label1)
-    return [(t.get_text(), t.get_window_extent(r)) for t in texts
-            if t.get_visible() and t.get_text().strip()]
+    return [
+        (t.get_text(), t.get_window_extent(r))
+        for t in texts
+        if t.get_visible() and t.get_text().strip()
+    ]
 
 
 def _overlaps(fig):
-    return [(a, b) for (a, ea), (b, eb) in itertools.combinations(_texts(fig), 2)
-            if ea.overlaps(eb) and ea.width > 0 and eb.width > 0]
+    return [
+        (a, b)
+        for (a, ea), (b, eb) in itertools.combinations(_texts(fig), 2)
+        if ea.overlaps(eb) and ea.width > 0 and eb.width > 0
+    ]
 
 
 def _inside(fig):
@@ -55,17 +62,26 @@ def _inside(fig):
 
 def test_layer_error_labels_do_not_collide(figures):
     names = [f"layers_{i // 9}_attention_output_dense_{i}" for i in range(140)]
-    plots.layer_errors(names, [1e-7 * (1 + i % 5) for i in range(140)], 1e-5, 70,
-                       "Relative L2 error per layer (candidate vs reference)")
+    plots.layer_errors(
+        names,
+        [1e-7 * (1 + i % 5) for i in range(140)],
+        1e-5,
+        70,
+        "Relative L2 error per layer (candidate vs reference)",
+    )
     (fig,) = figures
     assert not _overlaps(fig), _overlaps(fig)[:5]
     assert not _inside(fig)
 
 
 def test_latency_labels_clear_the_whiskers(figures):
-    plots.latency_bars(["input", "captured", "opswap", "compile(input)"], [7.4, 7.1, 2.4, 2.3],
-                       [3.0, 0.2, 0.9, 0.1], "hf:some-very-long-model-name-from-a-local-directory on "
-                       "cpu: Intel(R) Xeon(R) Processor, 2 threads, measured in one run")
+    plots.latency_bars(
+        ["input", "captured", "opswap", "compile(input)"],
+        [7.4, 7.1, 2.4, 2.3],
+        [3.0, 0.2, 0.9, 0.1],
+        "hf:some-very-long-model-name-from-a-local-directory on "
+        "cpu: Intel(R) Xeon(R) Processor, 2 threads, measured in one run",
+    )
     (fig,) = figures
     assert not _overlaps(fig), _overlaps(fig)
     assert not _inside(fig)

@@ -19,26 +19,44 @@ from opswap.pipeline import OptimizeConfig, optimize
 from opswap.report import write_reports
 
 # What the machine's closed network needs: no background connections, no sandbox as root.
-_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def _chromium() -> str:
-    for name in (os.environ.get("OPSWAP_CHROMIUM", ""), "chromium", "chromium-browser",
-                 "google-chrome", "google-chrome-stable"):
+    for name in (
+        os.environ.get("OPSWAP_CHROMIUM", ""),
+        "chromium",
+        "chromium-browser",
+        "google-chrome",
+        "google-chrome-stable",
+    ):
         path = name and shutil.which(name)
         if path:
             return path
     if os.environ.get("OPSWAP_REQUIRE_BROWSER") == "1":
-        pytest.fail("no Chromium binary found and OPSWAP_REQUIRE_BROWSER=1: install Debian's "
-                    "chromium package or set OPSWAP_CHROMIUM to the browser's path")
-    pytest.skip("no Chromium binary on this machine (apt-get install chromium, or set OPSWAP_CHROMIUM)")
+        pytest.fail(
+            "no Chromium binary found and OPSWAP_REQUIRE_BROWSER=1: install Debian's "
+            "chromium package or set OPSWAP_CHROMIUM to the browser's path"
+        )
+    pytest.skip(
+        "no Chromium binary on this machine (apt-get install chromium, or set OPSWAP_CHROMIUM)"
+    )
 
 
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory) -> Path:
     m = load("zoo:bert")
-    r = optimize(m.module, m.example_inputs, OptimizeConfig(samples=2, compare="none"), name="zoo:bert")
+    r = optimize(
+        m.module, m.example_inputs, OptimizeConfig(samples=2, compare="none"), name="zoo:bert"
+    )
     out = tmp_path_factory.mktemp("report")
     write_reports(r, out)
     return out

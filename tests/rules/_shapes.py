@@ -15,13 +15,23 @@ def other_shapes(captured) -> list[tuple[str, tuple]]:
     multiple of its step) at size + step and size + 2 steps."""
     out = []
     for axis in captured.dynamic.axes:
-        sizes = ((1 if axis.size != 1 else 2, axis.size + 2) if axis.name in ("batch", "seq")
-                 else (axis.size + axis.step, axis.size + 2 * axis.step))
+        sizes = (
+            (1 if axis.size != 1 else 2, axis.size + 2)
+            if axis.name in ("batch", "seq")
+            else (axis.size + axis.step, axis.size + 2 * axis.step)
+        )
         for n in dict.fromkeys(sizes):
             xs = at(captured.example_inputs, axis, n)
-            xs = tuple(pytree.tree_map(
-                lambda t: torch.randn_like(t) if isinstance(t, torch.Tensor)
-                and t.is_floating_point() else t, list(xs)))
+            xs = tuple(
+                pytree.tree_map(
+                    lambda t: (
+                        torch.randn_like(t)
+                        if isinstance(t, torch.Tensor) and t.is_floating_point()
+                        else t
+                    ),
+                    list(xs),
+                )
+            )
             out.append((f"{axis.name} {n}", xs))
     return out
 

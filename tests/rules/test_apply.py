@@ -96,8 +96,9 @@ def test_failed_rewrite_restores_graph_weights_and_modules():
     keys = set(c.gm.state_dict())
     x = torch.randn(2, 7)
     expected = c.gm(x)
-    gm, err = rewrite_site(c.gm, registry.get("test.apply_vandal"),
-                           _site(c, "test.apply_vandal", "a").found)
+    gm, err = rewrite_site(
+        c.gm, registry.get("test.apply_vandal"), _site(c, "test.apply_vandal", "a").found
+    )
     assert "half-way" in err and "ValueError" in err
     assert set(gm.state_dict()) == keys
     assert not hasattr(gm, "intruder") and not hasattr(gm, "stray_attribute")
@@ -109,10 +110,15 @@ def test_apply_sites_works_on_a_copy_and_reports_each_decision():
     c = _cap()
     before = c.gm.code
     calls = []
-    out = apply_sites(c, [_decision("test.apply_drop_relu", "relu_1", "relu_1"),
-                          _decision("test.apply_vandal", "a", "a"),
-                          _decision("test.apply_drop_relu", "missing", "relu_1")],
-                      progress=lambda: calls.append(1))
+    out = apply_sites(
+        c,
+        [
+            _decision("test.apply_drop_relu", "relu_1", "relu_1"),
+            _decision("test.apply_vandal", "a", "a"),
+            _decision("test.apply_drop_relu", "missing", "relu_1"),
+        ],
+        progress=lambda: calls.append(1),
+    )
     assert [s.key for s in out.applied] == ["relu_1"]
     assert [f.where for f in out.failed] == ["a", "missing"]
     assert out.failed[1].reason == "site not found in this model"

@@ -14,8 +14,7 @@ from opswap.rules.order import ordered
 
 def rule(name: str, chapter: int = 4, **decl) -> Rule:
     """A Rule instance with the given declarations (never registered)."""
-    attrs = dict(name=name, family=name.split(".")[0], chapter=chapter, exactness="exact",
-                 **decl)
+    attrs = dict(name=name, family=name.split(".")[0], chapter=chapter, exactness="exact", **decl)
     return type("R_" + name.replace(".", "_"), (Rule,), attrs)()
 
 
@@ -24,8 +23,13 @@ def names(rules) -> list[str]:
 
 
 def test_without_declarations_the_order_is_phase_chapter_name():
-    rs = [rule("b.z", 14), rule("a.y", 4), rule("a.x", 4), rule("c.w", 2, phase="late"),
-          rule("c.v", 30, phase="early")]
+    rs = [
+        rule("b.z", 14),
+        rule("a.y", 4),
+        rule("a.x", 4),
+        rule("c.w", 2, phase="late"),
+        rule("c.v", 30, phase="early"),
+    ]
     assert names(ordered(rs)) == ["c.v", "a.x", "a.y", "b.z", "c.w"]
 
 
@@ -38,8 +42,12 @@ def test_after_and_before_move_a_rule_past_its_name():
 
 
 def test_globs_name_whole_families_and_never_the_rule_itself():
-    rs = [rule("layout.a", 14, before=("fusion.*",)), rule("fusion.b"), rule("fusion.c"),
-          rule("fusion.d", after=("fusion.*",))]
+    rs = [
+        rule("layout.a", 14, before=("fusion.*",)),
+        rule("fusion.b"),
+        rule("fusion.c"),
+        rule("fusion.d", after=("fusion.*",)),
+    ]
     got = names(ordered(rs))
     assert got == ["layout.a", "fusion.b", "fusion.c", "fusion.d"]
 
@@ -50,8 +58,12 @@ def test_declarations_naming_rules_outside_the_plan_are_ignored():
 
 
 def test_a_cycle_is_an_error_naming_its_rules():
-    rs = [rule("f.a", after=("f.c",)), rule("f.b", after=("f.a",)), rule("f.c", after=("f.b",)),
-          rule("f.d")]
+    rs = [
+        rule("f.a", after=("f.c",)),
+        rule("f.b", after=("f.a",)),
+        rule("f.c", after=("f.b",)),
+        rule("f.d"),
+    ]
     with pytest.raises(RuleError, match="cycle") as e:
         ordered(rs)
     msg = str(e.value)

@@ -24,8 +24,11 @@ def test_every_rule_module_holds_exactly_one_rule_named_after_it():
     assert modules, "no rule modules found"
     for dotted in modules:
         mod = importlib.import_module(dotted)
-        own = [c for _, c in inspect.getmembers(mod, inspect.isclass)
-               if issubclass(c, Rule) and c.__module__ == dotted and hasattr(c, "name")]
+        own = [
+            c
+            for _, c in inspect.getmembers(mod, inspect.isclass)
+            if issubclass(c, Rule) and c.__module__ == dotted and hasattr(c, "name")
+        ]
         assert len(own) == 1, (dotted, own)
         family, stem = dotted.split(".")[-2:]
         assert own[0].name == f"{family}.{stem}", (dotted, own[0].name)
@@ -49,7 +52,8 @@ def test_every_rule_declares_a_known_phase_and_orders_against_real_rules():
         assert r.phase in PHASES
         for pattern in (*r.after, *r.before):
             assert any(fnmatch.fnmatchcase(n, pattern) for n in found if n != r.name), (
-                f"{r.name} orders itself against {pattern!r}, which names no rule")
+                f"{r.name} orders itself against {pattern!r}, which names no rule"
+            )
 
 
 def test_unknown_rule_names_the_command_that_lists_them():
@@ -88,7 +92,7 @@ def _install(tmp_path, monkeypatch, entry_points: dict[str, str], dist="opswap-t
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
-_RULE_SOURCE = '''
+_RULE_SOURCE = """
 from opswap.rules import Rule, register
 
 
@@ -104,14 +108,17 @@ class {cls}(Rule):
 
     def rewrite(self, gm, found):
         pass
-'''
+"""
 
 
 def _rule_module(folder, module: str, *rules: tuple[str, str]) -> None:
     """A module of the user's holding one rule class per (name, exactness)."""
-    (folder / f"{module}.py").write_text("".join(
-        _RULE_SOURCE.format(cls=f"R{i}", name=name, exactness=ex)
-        for i, (name, ex) in enumerate(rules)))
+    (folder / f"{module}.py").write_text(
+        "".join(
+            _RULE_SOURCE.format(cls=f"R{i}", name=name, exactness=ex)
+            for i, (name, ex) in enumerate(rules)
+        )
+    )
 
 
 class _HardSwish(nn.Module):
@@ -124,8 +131,9 @@ class _HardSwish(nn.Module):
         return y * torch.nn.functional.relu6(y + 3) / 6
 
 
-def test_an_installed_plugin_adds_its_rules_with_their_origin(fresh_registry, tmp_path,
-                                                              monkeypatch):
+def test_an_installed_plugin_adds_its_rules_with_their_origin(
+    fresh_registry, tmp_path, monkeypatch
+):
     from opswap.graph.capture import capture
     from opswap.planner import apply_plan, make_plan
 
@@ -146,17 +154,26 @@ def test_an_installed_plugin_adds_its_rules_with_their_origin(fresh_registry, tm
             torch.testing.assert_close(out(xs), model(xs), rtol=1e-5, atol=1e-6)
 
 
-def test_a_broken_plugin_is_one_sentence_and_leaves_the_other_rules(fresh_registry, tmp_path,
-                                                                   monkeypatch):
+def test_a_broken_plugin_is_one_sentence_and_leaves_the_other_rules(
+    fresh_registry, tmp_path, monkeypatch
+):
     builtin = set(registry._RULES)  # all_rules() now would look for plugins before _install
     _rule_module(tmp_path, "plugin_bad_class", ("mine.maybe", "sometimes"))
     # the first rule is valid, the second is not: the whole plugin stays out
     _rule_module(tmp_path, "plugin_half", ("mine.good", "exact"), ("mine.bad", "often"))
     _rule_module(tmp_path, "plugin_ok", ("mine.fine", "exact"))
     (tmp_path / "plugin_empty.py").write_text("X = 1\n")
-    _install(tmp_path, monkeypatch, {"gone": "plugin_missing_xyz", "bad": "plugin_bad_class",
-                                     "half": "plugin_half", "empty": "plugin_empty",
-                                     "ok": "plugin_ok"})
+    _install(
+        tmp_path,
+        monkeypatch,
+        {
+            "gone": "plugin_missing_xyz",
+            "bad": "plugin_bad_class",
+            "half": "plugin_half",
+            "empty": "plugin_empty",
+            "ok": "plugin_ok",
+        },
+    )
     names = {r.name for r in registry.all_rules()}
     assert names == builtin | {"mine.fine"}
     problems = registry.problems()
@@ -185,7 +202,8 @@ def test_a_module_named_by_the_user_loads_its_rules(fresh_registry, tmp_path, mo
     # a file path works too
     _rule_module(tmp_path, "other_rules", ("mine.three", "exact"))
     assert [r.name for r in registry.load_module(str(tmp_path / "other_rules.py"))] == [
-        "mine.three"]
+        "mine.three"
+    ]
 
 
 def test_a_module_that_cannot_load_is_one_sentence(fresh_registry, tmp_path, monkeypatch):
@@ -194,11 +212,13 @@ def test_a_module_that_cannot_load_is_one_sentence(fresh_registry, tmp_path, mon
     (tmp_path / "raises_rules.py").write_text("import no_such_dependency_xyz\n")
     (tmp_path / "no_rules.py").write_text("X = 1\n")
     _rule_module(tmp_path, "half_rules", ("mine.good", "exact"), ("fusion.conv_bn", "exact"))
-    for module, words in (("missing_rules_xyz", "no module named 'missing_rules_xyz'"),
-                          ("raises_rules", "ModuleNotFoundError"),
-                          ("no_rules", "registers no rule"),
-                          ("half_rules", "two rules are named 'fusion.conv_bn'"),
-                          ("nowhere.py", "no such file")):
+    for module, words in (
+        ("missing_rules_xyz", "no module named 'missing_rules_xyz'"),
+        ("raises_rules", "ModuleNotFoundError"),
+        ("no_rules", "registers no rule"),
+        ("half_rules", "two rules are named 'fusion.conv_bn'"),
+        ("nowhere.py", "no such file"),
+    ):
         with pytest.raises(RuleError, match=re.escape(words)) as e:
             registry.load_module(module)
         assert "\n" not in str(e.value) and module in str(e.value)
@@ -238,11 +258,14 @@ def test_an_unknown_rule_says_how_to_load_a_users_own():
 def test_a_users_rule_named_like_a_built_in_one_is_refused_before_the_built_ins_load(tmp_path):
     # in a fresh process: the user's module is imported before anything asked the registry
     _rule_module(tmp_path, "clash_rules", ("fusion.conv_bn", "exact"))
-    code = ("import opswap.rules.registry as r\n"
-            "try:\n    import clash_rules\nexcept TypeError as e:\n    print('refused:', e)\n"
-            "print(type(r.get('fusion.conv_bn')).__module__, len(r.all_rules()))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+    code = (
+        "import opswap.rules.registry as r\n"
+        "try:\n    import clash_rules\nexcept TypeError as e:\n    print('refused:', e)\n"
+        "print(type(r.get('fusion.conv_bn')).__module__, len(r.all_rules()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     refused, owner = out.stdout.splitlines()
     assert "two rules are named 'fusion.conv_bn'" in refused
@@ -259,18 +282,21 @@ def test_a_module_executed_again_replaces_its_own_rules(fresh_registry, tmp_path
     assert registry.get("mine.again").__class__ is module.R0 is not type(first)
 
 
-@pytest.mark.parametrize("given, patterns", [
-    (None, ()),
-    ("", ()),
-    (" , ,", ()),
-    ([], ()),
-    ("fusion.*", ("fusion.*",)),
-    (" fusion.* ,layout.drop_*, ", ("fusion.*", "layout.drop_*")),
-    ("fusion.conv_bn,,layout.*", ("fusion.conv_bn", "layout.*")),
-    (["fusion.*", " layout.drop_dropout "], ("fusion.*", "layout.drop_dropout")),
-    (["fusion.conv_bn,fusion.linear_bn", ""], ("fusion.conv_bn", "fusion.linear_bn")),
-    (("precision.?nt8_*",), ("precision.?nt8_*",)),
-])
+@pytest.mark.parametrize(
+    "given, patterns",
+    [
+        (None, ()),
+        ("", ()),
+        (" , ,", ()),
+        ([], ()),
+        ("fusion.*", ("fusion.*",)),
+        (" fusion.* ,layout.drop_*, ", ("fusion.*", "layout.drop_*")),
+        ("fusion.conv_bn,,layout.*", ("fusion.conv_bn", "layout.*")),
+        (["fusion.*", " layout.drop_dropout "], ("fusion.*", "layout.drop_dropout")),
+        (["fusion.conv_bn,fusion.linear_bn", ""], ("fusion.conv_bn", "fusion.linear_bn")),
+        (("precision.?nt8_*",), ("precision.?nt8_*",)),
+    ],
+)
 def test_parse_patterns_strips_spaces_drops_empty_items_and_keeps_globs(given, patterns):
     assert registry.parse_patterns(given) == patterns
 
@@ -279,4 +305,5 @@ def test_select_takes_a_string_or_a_list_of_patterns_alike():
     names = {r.name for r in registry.select(" fusion.conv_bn , layout.drop_*")}
     assert names == {r.name for r in registry.select(["fusion.conv_bn", "layout.drop_*"])}
     assert "fusion.conv_bn" in names and all(
-        n == "fusion.conv_bn" or n.startswith("layout.drop_") for n in names)
+        n == "fusion.conv_bn" or n.startswith("layout.drop_") for n in names
+    )

@@ -68,20 +68,39 @@ def test_unknown_target_names_the_known_ones():
     assert isinstance(e.value, ValueError)
 
 
-@pytest.mark.parametrize("given,key", [
-    (torch.float16, "float16"), ("fp16", "float16"), ("half", "float16"),
-    (torch.bfloat16, "bfloat16"), ("bf16", "bfloat16"), ("torch.float32", "float32"),
-    (torch.float8_e4m3fn, "float8"), (torch.float8_e5m2, "float8"), (torch.int8, "int8"),
-    (torch.uint8, "int8"), (torch.int64, "float32"), ("tf32", "tf32"), (torch.float64, "float64"),
-])
+@pytest.mark.parametrize(
+    "given,key",
+    [
+        (torch.float16, "float16"),
+        ("fp16", "float16"),
+        ("half", "float16"),
+        (torch.bfloat16, "bfloat16"),
+        ("bf16", "bfloat16"),
+        ("torch.float32", "float32"),
+        (torch.float8_e4m3fn, "float8"),
+        (torch.float8_e5m2, "float8"),
+        (torch.int8, "int8"),
+        (torch.uint8, "int8"),
+        (torch.int64, "float32"),
+        ("tf32", "tf32"),
+        (torch.float64, "float64"),
+    ],
+)
 def test_dtype_key(given, key):
     assert dtype_key(given) == key
 
 
 def test_round_trip_and_register():
-    t = Target(name="edge-npu", description="an NPU", kind="npu",
-               peak_flops={"float32": 1e12, "int8": 8e12}, mem_bandwidth=5e10,
-               memory_bytes=2**31, dtypes=("float32", "int8"), source="vendor sheet")
+    t = Target(
+        name="edge-npu",
+        description="an NPU",
+        kind="npu",
+        peak_flops={"float32": 1e12, "int8": 8e12},
+        mem_bandwidth=5e10,
+        memory_bytes=2**31,
+        dtypes=("float32", "int8"),
+        source="vendor sheet",
+    )
     assert Target.from_dict(json.loads(json.dumps(t.to_dict()))) == t
     register_target(t)
     assert get_target("EDGE-NPU") is t and "edge-npu" in list_targets()

@@ -85,8 +85,9 @@ def _plan(captured, bad_at: set[int], n_noop: int = 16) -> Plan:
 
 
 def _fake_plan(n: int) -> Plan:
-    return Plan("fake", PlanSettings(),
-                [Decision("r", Site("r", str(i), (str(i),), "")) for i in range(n)])
+    return Plan(
+        "fake", PlanSettings(), [Decision("r", Site("r", str(i), (str(i),), "")) for i in range(n)]
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -140,8 +141,11 @@ def test_rollback_removes_exactly_the_culprits(fake_rules, captured, monkeypatch
 def test_rollback_keeps_a_passing_plan(fake_rules, captured, monkeypatch):
     applies = []
     real_apply = bisect_mod.apply_plan
-    monkeypatch.setattr(bisect_mod, "apply_plan",
-                        lambda cap, plan, **kw: applies.append(1) or real_apply(cap, plan, **kw))
+    monkeypatch.setattr(
+        bisect_mod,
+        "apply_plan",
+        lambda cap, plan, **kw: applies.append(1) or real_apply(cap, plan, **kw),
+    )
     plan = _plan(captured, set(), 8)
     kept, removed = rollback(captured, plan, captured.gm, "exact")
     assert removed == [] and kept.decisions == plan.decisions and len(applies) == 1

@@ -159,8 +159,11 @@ def test_export_module_pairing_when_names_change(model_and_input, captures):
     cap = captures["export"]
     cand = copy.deepcopy(cap.gm)
     _perturb(cand, "c3.weight", 1.01)
-    conv = next(n for n in cand.graph.nodes if n.meta.get("nn_module_stack")
-                and list(n.meta["nn_module_stack"].values())[-1][0] == "c3")
+    conv = next(
+        n
+        for n in cand.graph.nodes
+        if n.meta.get("nn_module_stack") and list(n.meta["nn_module_stack"].values())[-1][0] == "c3"
+    )
     conv.name = "renamed_conv"  # a rewrite that replaced the node under a new name
     cand.recompile()
     report = compare_layers(cap.gm, cand, x)
@@ -186,8 +189,9 @@ def test_applied_candidate_supplies_its_sites(model_and_input, captures):
     x = model_and_input[1]
     cap = captures["fx"]
     folded = _fold_bn(cap.gm)
-    applied = Applied(type(cap)(folded, "fx", x),
-                      [Site("test.fold", "c1", ("c1", "bn"), "fold bn into c1")])
+    applied = Applied(
+        type(cap)(folded, "fx", x), [Site("test.fold", "c1", ("c1", "bn"), "fold bn into c1")]
+    )
     report = compare_layers(cap, applied, x)
     assert report.first_divergence() is None
     assert {r.name: r for r in report.rows}["bn"].paired_by == "consumer"

@@ -46,8 +46,17 @@ def test_output_names_and_json():
     names = [o.name for o in v.outputs]
     assert names == ["output['logits']", "output['hidden'][0]", "output['hidden'][1]"]
     data = json.loads(json.dumps(v.to_json()))
-    for key in ("max_abs", "max_rel", "cosine", "sqnr_db", "rel_l2", "passed", "reasons",
-                "outputs", "tolerance"):
+    for key in (
+        "max_abs",
+        "max_rel",
+        "cosine",
+        "sqnr_db",
+        "rel_l2",
+        "passed",
+        "reasons",
+        "outputs",
+        "tolerance",
+    ):
         assert key in data
     assert data["passed"] is True
 

@@ -104,7 +104,10 @@ def test_an_extreme_sample_is_large_and_on_request_non_finite_structure_kept():
     flat = odd.reshape(-1)  # +inf, -inf and NaN, each once, in three different rows
     assert int(torch.isposinf(flat).sum()) == 1 and int(torch.isneginf(flat).sum()) == 1
     assert int(torch.isnan(flat).sum()) == 1
-    rows = {int(i) // odd.shape[-1] for i in torch.nonzero(~torch.isfinite(odd.contiguous()).reshape(-1))}
+    rows = {
+        int(i) // odd.shape[-1]
+        for i in torch.nonzero(~torch.isfinite(odd.contiguous()).reshape(-1))
+    }
     assert len(rows) == 3
 
 

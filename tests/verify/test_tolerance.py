@@ -56,9 +56,21 @@ def test_parse_budget_overrides_base():
     assert base.with_budget("max_abs<=0.5").max_abs == 0.5
 
 
-@pytest.mark.parametrize("bad", ["", "cosine", "cosine<=0.9", "rel_l2>=1e-3", "accuracy>=0.9",
-                                 "cosine>=high", "cosine>=2", "max_abs<=-1", "cosine>=0.9,,x",
-                                 "cosine 0.9"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "cosine",
+        "cosine<=0.9",
+        "rel_l2>=1e-3",
+        "accuracy>=0.9",
+        "cosine>=high",
+        "cosine>=2",
+        "max_abs<=-1",
+        "cosine>=0.9,,x",
+        "cosine 0.9",
+    ],
+)
 def test_bad_budget_is_one_clear_error(bad):
     with pytest.raises(VerificationError) as info:
         parse_budget(bad)

@@ -42,14 +42,18 @@ class HardSwish(Rule):
     chapter = 9  # activations
     exactness = "exact"
     targets = ("any",)
-    description = ("x * relu6(x + 3) / 6 written out -> hardswish(x): one kernel that reads x "
-                   "once, instead of four that write and re-read tensors of its size.")
+    description = (
+        "x * relu6(x + 3) / 6 written out -> hardswish(x): one kernel that reads x "
+        "once, instead of four that write and re-read tensors of its size."
+    )
     relieves = ("memory:activation", "memory:elementwise")
     # the mul takes its operands in either order; the same name twice is the same tensor.
     # The base class refuses in-place writes read afterwards and values other ops read.
-    pattern = op("div", op("mul", var("x"), op(("relu6", "hardtanh"),
-                                                 op("add", var("x"), const("three")))),
-                 const("six"))
+    pattern = op(
+        "div",
+        op("mul", var("x"), op(("relu6", "hardtanh"), op("add", var("x"), const("three")))),
+        const("six"),
+    )
 
     def check(self, gm: fx.GraphModule, div: fx.Node) -> Found | Refused | None:
         m = self.pattern.match(gm, div)
@@ -62,8 +66,12 @@ class HardSwish(Rule):
         x_info = info(x)
         if x_info is None or not x_info.dtype.is_floating_point:
             return Refused(f"{x.name} is not a floating-point tensor; hardswish takes only those")
-        return Found(m.nodes, f"{x.name} * relu6({x.name} + 3) / 6 -> hardswish({x.name})",
-                     x=x, record=dict(x=x.name, out=div.name))
+        return Found(
+            m.nodes,
+            f"{x.name} * relu6({x.name} + 3) / 6 -> hardswish({x.name})",
+            x=x,
+            record=dict(x=x.name, out=div.name),
+        )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         div = found.nodes[-1]
@@ -82,10 +90,11 @@ class HardSwish(Rule):
         after = NodeCost(sum(c.flops for c in before), before[0].bytes)
 
         def seconds(c: NodeCost) -> float:
-            return roofline_point(c.flops, c.bytes, target, dtype).time_s + \
-                target.op_overhead(True)
+            return roofline_point(c.flops, c.bytes, target, dtype).time_s + target.op_overhead(True)
 
-        return Estimate(flops_saved=0.0,
-                        bytes_saved=float(sum(c.bytes for c in before) - after.bytes),
-                        time_saved_s=sum(map(seconds, before)) - seconds(after),
-                        note=f"one hardswish kernel instead of {len(before)}")
+        return Estimate(
+            flops_saved=0.0,
+            bytes_saved=float(sum(c.bytes for c in before) - after.bytes),
+            time_saved_s=sum(map(seconds, before)) - seconds(after),
+            note=f"one hardswish kernel instead of {len(before)}",
+        )

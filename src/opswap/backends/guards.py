@@ -27,14 +27,43 @@ from typing import Any, cast
 import torch
 
 # sympy's printed functions that can appear in a guard; pure functions of ints
-_CALLS = {"math": {"floor", "ceil", "trunc", "sqrt"},
-          "torch": {"sym_max", "sym_min", "sym_float", "sym_int", "sym_sqrt", "sym_not",
-                    "sym_ite"}}
+_CALLS = {
+    "math": {"floor", "ceil", "trunc", "sqrt"},
+    "torch": {"sym_max", "sym_min", "sym_float", "sym_int", "sym_sqrt", "sym_not", "sym_ite"},
+}
 _NAMES = {"IsNonOverlappingAndDenseIndicator", "cast_symbool_to_symint_guardless"}
-_NODES = (ast.Expression, ast.Compare, ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Constant,
-          ast.Load, ast.And, ast.Or, ast.Not, ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Mult,
-          ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt,
-          ast.GtE, ast.Name, ast.Call, ast.Attribute, ast.Subscript, ast.Tuple)
+_NODES = (
+    ast.Expression,
+    ast.Compare,
+    ast.BoolOp,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.Constant,
+    ast.Load,
+    ast.And,
+    ast.Or,
+    ast.Not,
+    ast.USub,
+    ast.UAdd,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.FloorDiv,
+    ast.Mod,
+    ast.Pow,
+    ast.Eq,
+    ast.NotEq,
+    ast.Lt,
+    ast.LtE,
+    ast.Gt,
+    ast.GtE,
+    ast.Name,
+    ast.Call,
+    ast.Attribute,
+    ast.Subscript,
+    ast.Tuple,
+)
 _SIZE = re.compile(r"(\w+)\.size\(\)\[(\d+)\]")
 
 
@@ -46,9 +75,15 @@ def guards_code(program, module: torch.fx.GraphModule) -> tuple[list[str], list[
         import torch.export._unlift as unlift
     except ImportError:
         return None
-    helpers = [getattr(unlift, n, None) for n in (
-        "_get_input_paths", "_get_input_guards_for_graph", "_force_ep_signature_match",
-        "_force_gm_signature_match")]
+    helpers = [
+        getattr(unlift, n, None)
+        for n in (
+            "_get_input_paths",
+            "_get_input_guards_for_graph",
+            "_force_ep_signature_match",
+            "_force_gm_signature_match",
+        )
+    ]
     code = getattr(program, "_guards_code", None)
     if code is None or not all(helpers) or not program.example_inputs:
         return None
@@ -57,8 +92,9 @@ def guards_code(program, module: torch.fx.GraphModule) -> tuple[list[str], list[
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
         sig = inspect.signature(module.forward)
         paths = paths_of(program.example_inputs, sig)
-        if len(paths) != len(placeholders) or any(len(p) != 1 or not hasattr(p[0], "key")
-                                                  for p in paths):
+        if len(paths) != len(placeholders) or any(
+            len(p) != 1 or not hasattr(p[0], "key") for p in paths
+        ):
             return None
         guards = list(input_guards(placeholders, program.range_constraints, paths))
         guards += gm_match(ep_match(list(code), paths), sig)
@@ -77,19 +113,25 @@ def _allowed(tree: ast.AST, inputs: set[str]) -> bool:
             return False
         if isinstance(node, ast.Attribute):
             base = node.value.id if isinstance(node.value, ast.Name) else None
-            if not (base in inputs and node.attr in ("size", "stride")
-                    or base in _CALLS and node.attr in _CALLS[base]):
+            if not (
+                base in inputs
+                and node.attr in ("size", "stride")
+                or base in _CALLS
+                and node.attr in _CALLS[base]
+            ):
                 return False
         if isinstance(node, ast.Call):
             f = node.func
-            if node.keywords or not (isinstance(f, ast.Name) and f.id in _NAMES
-                                     or isinstance(f, ast.Attribute)):
+            if node.keywords or not (
+                isinstance(f, ast.Name) and f.id in _NAMES or isinstance(f, ast.Attribute)
+            ):
                 return False
     return True
 
 
-def compile_guards(guards: list[str], names: list[str], known: frozenset[str] = frozenset()
-                   ) -> tuple[Callable[..., bool] | None, list[tuple[str, Callable[..., bool]]]] | None:
+def compile_guards(
+    guards: list[str], names: list[str], known: frozenset[str] = frozenset()
+) -> tuple[Callable[..., bool] | None, list[tuple[str, Callable[..., bool]]]] | None:
     """One function of the inputs (positionally) that is True when every guard holds (None
     when there is none to check), and each guard (as written over the input names) with
     its own predicate, to say which failed; None when a guard is not plain size

@@ -82,12 +82,15 @@ def _specialised(ep, inputs: tuple, dynamic) -> list:
     leaves = pytree.tree_leaves(list(inputs))
     if len(vals) != len(leaves):
         return []
+
     def fixed(n) -> bool:  # an int, or a SymInt whose expression came out a number
         return isinstance(n, int) or not getattr(getattr(n, "node", None), "expr", n).free_symbols
 
-    return [a for a in dynamic.axes
-            if any(isinstance(vals[i], torch.Tensor) and fixed(vals[i].shape[d])
-                   for i, d in a.dims)]
+    return [
+        a
+        for a in dynamic.axes
+        if any(isinstance(vals[i], torch.Tensor) and fixed(vals[i].shape[d]) for i, d in a.dims)
+    ]
 
 
 def export(model: nn.Module, inputs: tuple, dynamic=None):
@@ -103,17 +106,20 @@ def export(model: nn.Module, inputs: tuple, dynamic=None):
     try:
         ep = _dynamic_export(model, inputs, shapes, dynamic)
     except Exception as e:
-        note = ("model.pt2 accepts only the example's input shapes: exporting with "
-                f"dynamic {', '.join(a.name for a in dynamic.axes)} failed ({_first_line(e)})")
+        note = (
+            "model.pt2 accepts only the example's input shapes: exporting with "
+            f"dynamic {', '.join(a.name for a in dynamic.axes)} failed ({_first_line(e)})"
+        )
         return torch.export.export(model, inputs, strict=False), note, Dynamic()
     fixed = _specialised(ep, inputs, dynamic)
     if not fixed:
         return ep, None, dynamic
     kept = Dynamic([a for a in dynamic.axes if a not in fixed], list(dynamic.notes))
-    note = (f"model.pt2 keeps {', '.join(a.name for a in fixed)} static at the example's "
-            f"size: torch.export specialised {'it' if len(fixed) == 1 else 'them'}"
-            + (f"; it stays dynamic in {', '.join(a.name for a in kept.axes)}"
-               if kept.axes else ""))
+    note = (
+        f"model.pt2 keeps {', '.join(a.name for a in fixed)} static at the example's "
+        f"size: torch.export specialised {'it' if len(fixed) == 1 else 'them'}"
+        + (f"; it stays dynamic in {', '.join(a.name for a in kept.axes)}" if kept.axes else "")
+    )
     shapes = export_shapes(inputs, kept)
     return _dynamic_export(model, inputs, shapes, kept), note, kept
 
@@ -186,8 +192,12 @@ def _compiled_guards(program, module: fx.GraphModule):
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in placeholders):
         return None  # a non-tensor input: torch's guards compare its value
-    fixed = frozenset(f"{arg}.size()[{d}] == {s}" for arg, n in zip(names, placeholders, strict=True)
-                      for d, s in enumerate(n.meta["val"].shape) if isinstance(s, int))
+    fixed = frozenset(
+        f"{arg}.size()[{d}] == {s}"
+        for arg, n in zip(names, placeholders, strict=True)
+        for d, s in enumerate(n.meta["val"].shape)
+        if isinstance(s, int)
+    )
     compiled = guards.compile_guards(code, names, fixed)  # _lean checks the fixed sizes
     return None if compiled is None else (names, *compiled)
 
@@ -202,8 +212,9 @@ def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> n
     from opswap.graph.dynamic import Expected, check_inputs
 
     expected = []
-    for arg, node in zip(names, (n for n in module.graph.nodes if n.op == "placeholder"),
-                         strict=True):
+    for arg, node in zip(
+        names, (n for n in module.graph.nodes if n.op == "placeholder"), strict=True
+    ):
         val = node.meta["val"]  # a tensor (_compiled_guards)
         static = tuple((d, int(s)) for d, s in enumerate(val.shape) if isinstance(s, int))
         expected.append(Expected(arg, val.dim(), val.dtype, static))
@@ -221,8 +232,9 @@ def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> n
             given[i] = v
         missing = [names[i] for i, v in enumerate(given) if v is None]
         if missing:
-            raise InputError(f"{name} is missing input(s) {', '.join(missing)} (it takes "
-                            f"{listed}).")
+            raise InputError(
+                f"{name} is missing input(s) {', '.join(missing)} (it takes {listed})."
+            )
         return tuple(given)
 
     def check(_mod, args, kwargs):
@@ -246,8 +258,13 @@ def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> n
     return module
 
 
-def export_artifact(model: nn.Module, inputs: tuple, dynamic=None,
-                    directory: str | Path | None = None, name: str = "model.pt2") -> Artifact:
+def export_artifact(
+    model: nn.Module,
+    inputs: tuple,
+    dynamic=None,
+    directory: str | Path | None = None,
+    name: str = "model.pt2",
+) -> Artifact:
     """Export `model`, save it under `directory` (a fresh temporary one by default) and
     reload it; never raises for a model that does not export."""
     directory = Path(directory or tempfile.mkdtemp(prefix="opswap-"))
@@ -269,5 +286,6 @@ def export_artifact(model: nn.Module, inputs: tuple, dynamic=None,
     try:
         return Artifact(path, load(path), note=note, kept=kept)
     except Exception as e:
-        return Artifact(path, None, note=note, error=f"reloading {name} failed: {_first_line(e)}",
-                        kept=kept)
+        return Artifact(
+            path, None, note=note, error=f"reloading {name} failed: {_first_line(e)}", kept=kept
+        )

@@ -36,16 +36,19 @@ from typing import Any
 
 import torch
 
-METHOD = ("leave one out, scaled to the total: each rule is timed by leaving it out (the "
-          "candidate planned without it against the full candidate, in one interleaved run); "
-          "the total saving of all rules is {source}, and it is divided among the rules in "
-          "proportion to their leave-one-out savings (floored at zero), each share with its "
-          "part of the total's 95% interval, so the rules add up to the total")
+METHOD = (
+    "leave one out, scaled to the total: each rule is timed by leaving it out (the "
+    "candidate planned without it against the full candidate, in one interleaved run); "
+    "the total saving of all rules is {source}, and it is divided among the rules in "
+    "proportion to their leave-one-out savings (floored at zero), each share with its "
+    "part of the total's 95% interval, so the rules add up to the total"
+)
 
-_SOURCES = {"race": "the race's own (captured against opswap, in the run that picked "
-                    "what is saved)",
-            "leave-one-out": "the leave-one-out run's (the capture with no rule against the "
-                             "full candidate)"}
+_SOURCES = {
+    "race": "the race's own (captured against opswap, in the run that picked what is saved)",
+    "leave-one-out": "the leave-one-out run's (the capture with no rule against the "
+    "full candidate)",
+}
 
 
 @dataclass
@@ -99,15 +102,22 @@ class RuleTiming:
         return "pays" if self.pays else "slower" if self.slower else "within noise"
 
     def to_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "sites": self.sites,
-                "predicted_saved_s": self.predicted_saved_s,
-                "measured_saved_s": self.measured_saved_s,
-                "measured_saved_ci_ms": list(self.share_ci_ms) if self.share_ci_ms else None,
-                "loo_saved_s": self.loo_saved_s, "pruned": self.pruned, "with_ms": self.with_ms,
-                "without_ms": self.without_ms,
-                "ratio_quartiles": [self.ratio_q1, self.ratio_q3],
-                "ratio_ci": [self.ci_low, self.ci_high], "pays": self.pays,
-                "verdict": self.verdict, "device": self.device}
+        return {
+            "rule": self.rule,
+            "sites": self.sites,
+            "predicted_saved_s": self.predicted_saved_s,
+            "measured_saved_s": self.measured_saved_s,
+            "measured_saved_ci_ms": list(self.share_ci_ms) if self.share_ci_ms else None,
+            "loo_saved_s": self.loo_saved_s,
+            "pruned": self.pruned,
+            "with_ms": self.with_ms,
+            "without_ms": self.without_ms,
+            "ratio_quartiles": [self.ratio_q1, self.ratio_q3],
+            "ratio_ci": [self.ci_low, self.ci_high],
+            "pays": self.pays,
+            "verdict": self.verdict,
+            "device": self.device,
+        }
 
 
 @dataclass
@@ -139,15 +149,22 @@ class Attribution:
         return sum(t.measured_saved_s for t in self.rules if not t.pruned) * 1e3
 
     def to_json(self) -> dict[str, Any]:
-        return {"method": self.method, "source": self.source, "full_ms": self.full_ms,
-                "none_ms": self.none_ms, "model_ms": self.model_ms,
-                "total_saved_ms": self.total_saved_ms,
-                "total_saved_ci_ms": list(self.total_ci_ms) if self.total_ci_ms else None,
-                "ratio": self.ratio, "ratio_ci": list(self.ratio_ci) if self.ratio_ci else None,
-                "sum_saved_ms": self.sum_saved_ms,
-                "loo_total_saved_ms": self.none_ms - self.full_ms,
-                "device": self.device, "note": self.note,
-                "rules": [t.to_json() for t in self.rules]}
+        return {
+            "method": self.method,
+            "source": self.source,
+            "full_ms": self.full_ms,
+            "none_ms": self.none_ms,
+            "model_ms": self.model_ms,
+            "total_saved_ms": self.total_saved_ms,
+            "total_saved_ci_ms": list(self.total_ci_ms) if self.total_ci_ms else None,
+            "ratio": self.ratio,
+            "ratio_ci": list(self.ratio_ci) if self.ratio_ci else None,
+            "sum_saved_ms": self.sum_saved_ms,
+            "loo_total_saved_ms": self.none_ms - self.full_ms,
+            "device": self.device,
+            "note": self.note,
+            "rules": [t.to_json() for t in self.rules],
+        }
 
 
 def reconcile(att: Attribution, race=None, pruned=()) -> Attribution:
@@ -157,8 +174,12 @@ def reconcile(att: Attribution, race=None, pruned=()) -> Attribution:
     place and returns it."""
     if race is not None and {"captured", "opswap"} <= set(race.stats):
         r = race.ratio("captured", "opswap")
-        model_ms, ratio, ci, source = (race["captured"].median * 1e3, r.of_medians,
-                                       (r.ci_low, r.ci_high), "race")
+        model_ms, ratio, ci, source = (
+            race["captured"].median * 1e3,
+            r.of_medians,
+            (r.ci_low, r.ci_high),
+            "race",
+        )
     else:
         model_ms, source = att.none_ms, "leave-one-out"
         ratio = att.none_ms / att.full_ms if att.full_ms else math.nan
@@ -187,9 +208,18 @@ def reconcile(att: Attribution, race=None, pruned=()) -> Attribution:
     return att
 
 
-def attribute(full: Callable, none: Callable, without: Mapping[str, tuple[Callable, int, float]],
-              inputs: tuple, device="cpu", *, min_time_s: float = 0.5, max_time_s: float = 8.0,
-              rel_width: float = 0.06, copy: bool = False) -> Attribution:
+def attribute(
+    full: Callable,
+    none: Callable,
+    without: Mapping[str, tuple[Callable, int, float]],
+    inputs: tuple,
+    device="cpu",
+    *,
+    min_time_s: float = 0.5,
+    max_time_s: float = 8.0,
+    rel_width: float = 0.06,
+    copy: bool = False,
+) -> Attribution:
     """Time `full` (the candidate), `none` (the capture with no rule) and, per rule,
     `without[rule] = (candidate without it, its site count, its predicted saving in s)`
     in one interleaved run, in inference mode with buffers put back afterwards; on a
@@ -208,15 +238,38 @@ def attribute(full: Callable, none: Callable, without: Mapping[str, tuple[Callab
         fns[f"without {rule}"] = caller(fn, inputs, copy)
     mods = [full, none, *(fn for fn, _, _ in without.values())]
     with torch.inference_mode(), preserved_state(*mods):
-        res = benchmark(fns, warmup=3, repeats=15, min_time_s=min_time_s, max_time_s=max_time_s,
-                        rel_width=rel_width, device=dev)
+        res = benchmark(
+            fns,
+            warmup=3,
+            repeats=15,
+            min_time_s=min_time_s,
+            max_time_s=max_time_s,
+            rel_width=rel_width,
+            device=dev,
+        )
     full_ms = res["full"].median * 1e3
     total = res.ratio("none", "full")
-    out = Attribution(full_ms, res["none"].median * 1e3, res.device,
-                      none_over_full_ci=(total.ci_low, total.ci_high))
+    out = Attribution(
+        full_ms,
+        res["none"].median * 1e3,
+        res.device,
+        none_over_full_ci=(total.ci_low, total.ci_high),
+    )
     for rule, (_, sites, predicted) in without.items():
         key = f"without {rule}"
         r = res.ratio(key, "full")
-        out.rules.append(RuleTiming(rule, sites, predicted, full_ms, res[key].median * 1e3,
-                                    res.device, r.q1, r.q3, r.ci_low, r.ci_high))
+        out.rules.append(
+            RuleTiming(
+                rule,
+                sites,
+                predicted,
+                full_ms,
+                res[key].median * 1e3,
+                res.device,
+                r.q1,
+                r.q3,
+                r.ci_low,
+                r.ci_high,
+            )
+        )
     return reconcile(out)

@@ -32,8 +32,12 @@ class MemoryResult:
     method: str  # "cuda-allocator" | "profiler"
 
     def to_json(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "allocated_bytes": self.allocated_bytes,
-                "device": self.device, "method": self.method}
+        return {
+            "peak_bytes": self.peak_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "device": self.device,
+            "method": self.method,
+        }
 
 
 def _replay(sizes: list[int]) -> tuple[int, int]:
@@ -88,13 +92,16 @@ def peak_memory(fn: Callable[[], Any], *, device="cpu") -> MemoryResult:
         peak = torch.cuda.max_memory_allocated(dev) - before
         allocated = torch.cuda.memory_stats(dev).get(key, 0) - start_allocs
         del out
-        return MemoryResult(int(peak), int(allocated), f"cuda: {torch.cuda.get_device_name(dev)}",
-                            "cuda-allocator")
+        return MemoryResult(
+            int(peak), int(allocated), f"cuda: {torch.cuda.get_device_name(dev)}", "cuda-allocator"
+        )
 
     from torch.profiler import ProfilerActivity, profile
 
-    with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU],
-                                           profile_memory=True) as prof:
+    with (
+        native_stderr_silenced(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         out = fn()
     del out
     events = _cpu_events_tree(prof)

@@ -32,8 +32,11 @@ import torch
 _TICK = 0.05
 
 
-def busy(seed: int = 0, load: Sequence[float] = (1.0,),
-         jitter: Sequence[tuple[float, float]] = ((0.5, 1.0), (0.5, 20.0))) -> type:
+def busy(
+    seed: int = 0,
+    load: Sequence[float] = (1.0,),
+    jitter: Sequence[tuple[float, float]] = ((0.5, 1.0), (0.5, 20.0)),
+) -> type:
     """A bench.timing._Timer replacement simulating a busy machine (see the module)."""
     rng = random.Random(seed)
     calls = {"n": 0}

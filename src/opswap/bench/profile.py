@@ -79,8 +79,10 @@ def profile_ops(
     for _ in range(warmup):
         fn()
     sync()
-    with native_stderr_silenced(), profile(activities=activities,
-                                           record_shapes=record_shapes) as prof:
+    with (
+        native_stderr_silenced(),
+        profile(activities=activities, record_shapes=record_shapes) as prof,
+    ):
         for _ in range(repeats):
             fn()
         sync()

@@ -77,13 +77,20 @@ class Stats:
         return statistics.fmean(self.samples)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "median_ms": self.median * 1e3, "iqr_ms": self.iqr * 1e3,
-                "min_ms": self.min * 1e3, "mean_ms": self.mean * 1e3, "n": self.n,
-                "inner": self.inner}
+        return {
+            "name": self.name,
+            "median_ms": self.median * 1e3,
+            "iqr_ms": self.iqr * 1e3,
+            "min_ms": self.min * 1e3,
+            "mean_ms": self.mean * 1e3,
+            "n": self.n,
+            "inner": self.inner,
+        }
 
 
-def bootstrap_ratio(a: list[float], b: list[float], *, level: float = 0.95,
-                    resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+def bootstrap_ratio(
+    a: list[float], b: list[float], *, level: float = 0.95, resamples: int = 1000, seed: int = 0
+) -> tuple[float, float]:
     """Interval of median(a) / median(b) over paired samples (round i gives a[i] and b[i]),
     by resampling the rounds with replacement; seeded, so a run's report is reproducible."""
     import random
@@ -161,14 +168,25 @@ class BenchResult:
         q1, q3 = _quartiles(per_round)
         pairs = [(r[a], r[b]) for r in self.rounds if r[b] > 0]
         lo, hi = bootstrap_ratio([x for x, _ in pairs], [y for _, y in pairs])
-        return Ratio(statistics.median(per_round), self.stats[a].median / self.stats[b].median,
-                     q1, q3, len(per_round), lo, hi)
+        return Ratio(
+            statistics.median(per_round),
+            self.stats[a].median / self.stats[b].median,
+            q1,
+            q3,
+            len(per_round),
+            lo,
+            hi,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"device": self.device, "warmup": self.warmup, "rounds": len(self.rounds),
-                "settled": self.settled, "rel_width": self.rel_width,
-                "stats": {k: s.to_json() for k, s in self.stats.items()}}
-
+        return {
+            "device": self.device,
+            "warmup": self.warmup,
+            "rounds": len(self.rounds),
+            "settled": self.settled,
+            "rel_width": self.rel_width,
+            "stats": {k: s.to_json() for k, s in self.stats.items()},
+        }
 
 
 @dataclass
@@ -188,7 +206,8 @@ class ModelBench:
     ref_peak_bytes: int | None = None
     opt_peak_bytes: int | None = None
     date: str = field(
-        default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+        default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    )
     notes: list[str] = field(default_factory=list)
     speedup_q1: float | None = None  # quartiles of the per-round speed-ups: the noise
     speedup_q3: float | None = None
@@ -198,20 +217,41 @@ class ModelBench:
 
     @property
     def within_noise(self) -> bool:
-        return self.speedup_ci is None or not (self.speedup_ci[0] > 1.0
-                                               or self.speedup_ci[1] < 1.0)
+        return self.speedup_ci is None or not (self.speedup_ci[0] > 1.0 or self.speedup_ci[1] < 1.0)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in (
-            "speedup_q1", "speedup_q3", "speedup_ci", "within_noise", "settled", "rel_width",
-            "ref_ms", "opt_ms", "speedup", "speedup_of_medians", "spread", "ref_iqr_ms",
-            "opt_iqr_ms", "rounds", "device", "torch", "ref_peak_bytes", "opt_peak_bytes",
-            "date", "notes")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "speedup_q1",
+                "speedup_q3",
+                "speedup_ci",
+                "within_noise",
+                "settled",
+                "rel_width",
+                "ref_ms",
+                "opt_ms",
+                "speedup",
+                "speedup_of_medians",
+                "spread",
+                "ref_iqr_ms",
+                "opt_iqr_ms",
+                "rounds",
+                "device",
+                "torch",
+                "ref_peak_bytes",
+                "opt_peak_bytes",
+                "date",
+                "notes",
+            )
+        }
 
     def __str__(self) -> str:
-        text = (f"{self.ref_ms:.3f} ms -> {self.opt_ms:.3f} ms, speedup "
-                f"{describe_speedup(self.speedup_of_medians, self.speedup_ci, self.settled)} "
-                f"({self.rounds} rounds) on {self.device}")
+        text = (
+            f"{self.ref_ms:.3f} ms -> {self.opt_ms:.3f} ms, speedup "
+            f"{describe_speedup(self.speedup_of_medians, self.speedup_ci, self.settled)} "
+            f"({self.rounds} rounds) on {self.device}"
+        )
         return text + (f"; {UNSETTLED}" if self.settled is False else "")
 
 

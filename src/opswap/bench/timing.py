@@ -143,7 +143,7 @@ def benchmark(
     k = len(names)
 
     def rotated(r: int) -> list[str]:
-        return names[r % k:] + names[:r % k]
+        return names[r % k :] + names[: r % k]
 
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         for r in range(warmup):
@@ -163,8 +163,15 @@ def benchmark(
             r = 0
             while r < max_rounds:
                 elapsed = timer.now() - t_start
-                if r >= repeats and elapsed >= min_time_s and (
-                        rel_width is None or r % _CHECK_EVERY == 0 and _narrow(rounds, names, rel_width)):
+                if (
+                    r >= repeats
+                    and elapsed >= min_time_s
+                    and (
+                        rel_width is None
+                        or r % _CHECK_EVERY == 0
+                        and _narrow(rounds, names, rel_width)
+                    )
+                ):
                     settled = None if rel_width is None else True
                     break
                 if r >= min(repeats, 3) and elapsed >= max_time_s:
@@ -202,6 +209,7 @@ def with_timer(target: Target) -> Target:
 
 # --------------------------------------------------------------------------- models
 
+
 def _first_device(model) -> torch.device | None:
     if isinstance(model, nn.Module):
         for t in list(model.parameters()) + list(model.buffers()):
@@ -218,8 +226,10 @@ def _on(model, dev: torch.device, notes: list[str], label: str):
     try:
         moved = copy.deepcopy(model).to(dev)
     except Exception as e:
-        raise OpswapError(f"Could not move the {label} model to {dev} ({type(e).__name__}: "
-                          f"{str(e).strip()[:200]}); move it yourself before timing.") from e
+        raise OpswapError(
+            f"Could not move the {label} model to {dev} ({type(e).__name__}: "
+            f"{str(e).strip()[:200]}); move it yourself before timing."
+        ) from e
     notes.append(f"the {label} model was copied from {where} to {dev} for timing")
     return moved
 
@@ -250,16 +260,22 @@ def bench_models(
     from opswap.graph.inputs import caller, fresh, writes
     from opswap.verify.outputs import eval_mode
 
-    args = inputs if isinstance(inputs, tuple) else (
-        tuple(inputs) if isinstance(inputs, list) else (inputs,))
+    args = (
+        inputs
+        if isinstance(inputs, tuple)
+        else (tuple(inputs) if isinstance(inputs, list) else (inputs,))
+    )
     if device is None:
         tensors = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
         first = tensors[0] if tensors else None
         device = first.device if first is not None else "cpu"
     dev = resolve_device(device)
     # a private copy: on the same device .to() hands back the caller's own tensors
-    args = fresh(tuple(pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor)
-                                       else x, list(args))))
+    args = fresh(
+        tuple(
+            pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, list(args))
+        )
+    )
     notes: list[str] = []
     ref, cand = _on(reference, dev, notes, "reference"), _on(candidate, dev, notes, "candidate")
     # (version counters of tensors made outside inference mode count its writes too)
@@ -269,10 +285,15 @@ def bench_models(
         notes.append("the model writes into its inputs: each call ran on a fresh copy of them")
 
     with torch.inference_mode(), eval_mode(ref, cand), preserved_state(ref, cand):
-        res = benchmark({"reference": caller(ref, args, copy),
-                         "candidate": caller(cand, args, copy)},
-                        warmup=warmup, repeats=repeats, min_time_s=min_time_s,
-                        max_time_s=max_time_s, rel_width=rel_width, device=dev)
+        res = benchmark(
+            {"reference": caller(ref, args, copy), "candidate": caller(cand, args, copy)},
+            warmup=warmup,
+            repeats=repeats,
+            min_time_s=min_time_s,
+            max_time_s=max_time_s,
+            rel_width=rel_width,
+            device=dev,
+        )
         ref_peak = opt_peak = None
         if memory:
             try:
@@ -283,11 +304,21 @@ def bench_models(
     r = res.ratio("reference", "candidate")
     s_ref, s_opt = res["reference"], res["candidate"]
     return ModelBench(
-        ref_ms=s_ref.median * 1e3, opt_ms=s_opt.median * 1e3, speedup=r.paired,
-        speedup_of_medians=r.of_medians, spread=r.spread, speedup_q1=r.q1, speedup_q3=r.q3,
+        ref_ms=s_ref.median * 1e3,
+        opt_ms=s_opt.median * 1e3,
+        speedup=r.paired,
+        speedup_of_medians=r.of_medians,
+        spread=r.spread,
+        speedup_q1=r.q1,
+        speedup_q3=r.q3,
         speedup_ci=(r.ci_low, r.ci_high),
         ref_iqr_ms=s_ref.iqr * 1e3,
-        opt_iqr_ms=s_opt.iqr * 1e3, rounds=len(res.rounds), device=res.device,
-        ref_peak_bytes=ref_peak, opt_peak_bytes=opt_peak, notes=notes,
-        settled=res.settled, rel_width=rel_width,
+        opt_iqr_ms=s_opt.iqr * 1e3,
+        rounds=len(res.rounds),
+        device=res.device,
+        ref_peak_bytes=ref_peak,
+        opt_peak_bytes=opt_peak,
+        notes=notes,
+        settled=res.settled,
+        rel_width=rel_width,
     )

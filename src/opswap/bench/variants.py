@@ -93,12 +93,19 @@ class VariantTiming:
         return self.ci_high is not None and not math.isnan(self.ci_high) and self.ci_high < 1.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "ms": self.ms, "iqr_ms": self.iqr_ms,
-                "speedup_vs_input": self.speedup_vs_input,
-                "speedup_ci": [self.ci_low, self.ci_high],
-                "speedup_quartiles": [self.ratio_q1, self.ratio_q3],
-                "within_noise": self.within_noise, "settled": self.settled,
-                "verified": self.verified, "compile_s": self.compile_s, "note": self.note}
+        return {
+            "name": self.name,
+            "ms": self.ms,
+            "iqr_ms": self.iqr_ms,
+            "speedup_vs_input": self.speedup_vs_input,
+            "speedup_ci": [self.ci_low, self.ci_high],
+            "speedup_quartiles": [self.ratio_q1, self.ratio_q3],
+            "within_noise": self.within_noise,
+            "settled": self.settled,
+            "verified": self.verified,
+            "compile_s": self.compile_s,
+            "note": self.note,
+        }
 
 
 def parse_compare(compare) -> list[str]:
@@ -106,14 +113,18 @@ def parse_compare(compare) -> list[str]:
     list / comma-separated string of baseline names."""
     if compare is None:
         return ["compile"]
-    items = [c.strip().lower() for c in (compare.split(",") if isinstance(compare, str)
-                                         else compare) if str(c).strip()]
+    items = [
+        c.strip().lower()
+        for c in (compare.split(",") if isinstance(compare, str) else compare)
+        if str(c).strip()
+    ]
     if items in ([], ["none"]):
         return []
     bad = [c for c in items if c not in BASELINES]
     if bad:
-        raise OpswapError(f"Unknown baseline {bad[0]!r} for --compare; use "
-                          f"{', '.join(BASELINES)} or none.")
+        raise OpswapError(
+            f"Unknown baseline {bad[0]!r} for --compare; use {', '.join(BASELINES)} or none."
+        )
     return list(dict.fromkeys(items))
 
 
@@ -135,9 +146,15 @@ def _compiled(name: str, module, inputs: tuple, saves: str) -> Variant:
         return Variant(name, fn, saves, compiled=True, compile_s=time.perf_counter() - t0)
     except Exception as e:  # a model Dynamo or Inductor cannot take: the race goes on
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        return Variant(name, None, saves, compiled=True, verified=False,
-                       reasons=[f"torch.compile failed: {type(e).__name__}: {first}"],
-                       note="torch.compile failed")
+        return Variant(
+            name,
+            None,
+            saves,
+            compiled=True,
+            verified=False,
+            reasons=[f"torch.compile failed: {type(e).__name__}: {first}"],
+            note="torch.compile failed",
+        )
 
 
 def _saved_form(artifact, in_memory) -> tuple[Any, str, Any]:
@@ -152,8 +169,15 @@ def _saved_form(artifact, in_memory) -> tuple[Any, str, Any]:
     return in_memory, f"timed in memory: model.pt2 cannot hold it ({why})", None
 
 
-def build(model, captured_gm, candidate_gm, inputs: tuple, compare: list[str],
-          device: torch.device, artifacts: dict[str, Any] | None = None) -> list[Variant]:
+def build(
+    model,
+    captured_gm,
+    candidate_gm,
+    inputs: tuple,
+    compare: list[str],
+    device: torch.device,
+    artifacts: dict[str, Any] | None = None,
+) -> list[Variant]:
     """The variants of one run. `model` is opswap's private copy of the input; compiled
     variants compile private copies, so the models timed elsewhere stay eager.
     `artifacts` maps "input" and "candidate" to their backends.pt2.Artifact."""
@@ -162,24 +186,34 @@ def build(model, captured_gm, candidate_gm, inputs: tuple, compare: list[str],
     artifacts = artifacts or {}
     cap_fn, cap_note, cap_art = _saved_form(artifacts.get("input"), captured_gm)
     opt_fn, opt_note, opt_art = _saved_form(artifacts.get("candidate"), candidate_gm)
-    out = [Variant("input", model, "input", verified=True),
-           Variant("captured", cap_fn, "input", note=cap_note, artifact=cap_art),
-           Variant("opswap", opt_fn, "candidate", note=opt_note, artifact=opt_art)]
+    out = [
+        Variant("input", model, "input", verified=True),
+        Variant("captured", cap_fn, "input", note=cap_note, artifact=cap_art),
+        Variant("opswap", opt_fn, "candidate", note=opt_note, artifact=opt_art),
+    ]
     if "compile" in compare:
         why = compile_unavailable(device)
         if why is not None:
-            out += [Variant(n, None, s, compiled=True, verified=False, reasons=[why], note=why)
-                    for n, s in (("compile", "input"), ("opswap+compile", "candidate"))]
+            out += [
+                Variant(n, None, s, compiled=True, verified=False, reasons=[why], note=why)
+                for n, s in (("compile", "input"), ("opswap+compile", "candidate"))
+            ]
         else:
             out.append(_compiled("compile", private_copy(model), inputs, "input"))
-            out.append(_compiled("opswap+compile", private_copy(opt_fn), inputs,
-                                 "candidate"))
+            out.append(_compiled("opswap+compile", private_copy(opt_fn), inputs, "candidate"))
     return out
 
 
-def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
-         min_time_s: float = 0.5, max_time_s: float = 8.0, rel_width: float = 0.1,
-         copy: bool = False):
+def race(
+    variants: list[Variant],
+    inputs: tuple,
+    device: torch.device,
+    *,
+    min_time_s: float = 0.5,
+    max_time_s: float = 8.0,
+    rel_width: float = 0.1,
+    copy: bool = False,
+):
     """Time every verified variant in one interleaved loop (inference mode; buffers put
     back afterwards), for at least `min_time_s` and, on a noisy machine, until every
     speed-up's 95% interval is narrower than `rel_width` of it or `max_time_s` passed.
@@ -194,27 +228,65 @@ def race(variants: list[Variant], inputs: tuple, device: torch.device, *,
     fns = {v.name: caller(cast(Callable, v.fn), inputs, copy) for v in runnable}
     mods = [v.fn for v in runnable]
     with torch.inference_mode(), preserved_state(*mods):
-        res = benchmark(fns, warmup=3, repeats=15, min_time_s=min_time_s, max_time_s=max_time_s,
-                        rel_width=rel_width, device=device)
+        res = benchmark(
+            fns,
+            warmup=3,
+            repeats=15,
+            min_time_s=min_time_s,
+            max_time_s=max_time_s,
+            rel_width=rel_width,
+            device=device,
+        )
     base = res["input"].median
     out = []
     for v in variants:
         if v.name not in fns:
-            out.append(VariantTiming(v.name, None, None, None, None, None, False, v.compile_s,
-                                     v.note or "; ".join(v.reasons)[:200]))
+            out.append(
+                VariantTiming(
+                    v.name,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    False,
+                    v.compile_s,
+                    v.note or "; ".join(v.reasons)[:200],
+                )
+            )
             continue
         s = res[v.name]
         r = res.ratio("input", v.name)
-        settled = True if v.name == "input" else narrow(r.ci_low, r.ci_high, r.of_medians,
-                                                        rel_width)
-        out.append(VariantTiming(v.name, s.median * 1e3, s.iqr * 1e3, base / s.median,
-                                 r.q1, r.q3, True, v.compile_s, v.note, r.ci_low, r.ci_high,
-                                 settled))
+        settled = (
+            True if v.name == "input" else narrow(r.ci_low, r.ci_high, r.of_medians, rel_width)
+        )
+        out.append(
+            VariantTiming(
+                v.name,
+                s.median * 1e3,
+                s.iqr * 1e3,
+                base / s.median,
+                r.q1,
+                r.q3,
+                True,
+                v.compile_s,
+                v.note,
+                r.ci_low,
+                r.ci_high,
+                settled,
+            )
+        )
     return out, res
 
 
-def model_bench(res, variants: list[Variant], inputs: tuple, device: torch.device,
-                opt: str = "opswap", copy: bool = False):
+def model_bench(
+    res,
+    variants: list[Variant],
+    inputs: tuple,
+    device: torch.device,
+    opt: str = "opswap",
+    copy: bool = False,
+):
     """The input-against-candidate figures (result.json's `benchmark`) read off the race,
     so that they are the race's own numbers, with each model's peak memory over one call
     measured after the timing."""
@@ -237,13 +309,26 @@ def model_bench(res, variants: list[Variant], inputs: tuple, device: torch.devic
                 break
     ref, cand = res["input"], res[opt]
     return ModelBench(
-        ref_ms=ref.median * 1e3, opt_ms=cand.median * 1e3, speedup=r.paired,
-        speedup_of_medians=r.of_medians, spread=r.spread, speedup_q1=r.q1, speedup_q3=r.q3,
-        speedup_ci=(r.ci_low, r.ci_high), ref_iqr_ms=ref.iqr * 1e3, opt_iqr_ms=cand.iqr * 1e3,
-        rounds=len(res.rounds), device=res.device, ref_peak_bytes=peaks.get("input"),
-        opt_peak_bytes=peaks.get(opt), notes=notes, rel_width=res.rel_width,
-        settled=None if res.rel_width is None else narrow(r.ci_low, r.ci_high, r.of_medians,
-                                                          res.rel_width))
+        ref_ms=ref.median * 1e3,
+        opt_ms=cand.median * 1e3,
+        speedup=r.paired,
+        speedup_of_medians=r.of_medians,
+        spread=r.spread,
+        speedup_q1=r.q1,
+        speedup_q3=r.q3,
+        speedup_ci=(r.ci_low, r.ci_high),
+        ref_iqr_ms=ref.iqr * 1e3,
+        opt_iqr_ms=cand.iqr * 1e3,
+        rounds=len(res.rounds),
+        device=res.device,
+        ref_peak_bytes=peaks.get("input"),
+        opt_peak_bytes=peaks.get(opt),
+        notes=notes,
+        rel_width=res.rel_width,
+        settled=None
+        if res.rel_width is None
+        else narrow(r.ci_low, r.ci_high, r.of_medians, res.rel_width),
+    )
 
 
 # A variant whose interval did not narrow in time must beat the input by this much at the
@@ -252,8 +337,13 @@ UNSETTLED_MARGIN = 1.05
 
 # The variant whose verification covers the file a winner saves: a compiled winner saves
 # the plain export it compiles, and `input` saves the input's export.
-FILE_OF = {"input": "captured", "captured": "captured", "compile": "captured",
-           "opswap": "opswap", "opswap+compile": "opswap"}
+FILE_OF = {
+    "input": "captured",
+    "captured": "captured",
+    "compile": "captured",
+    "opswap": "opswap",
+    "opswap+compile": "opswap",
+}
 
 
 def best(timings: list[VariantTiming], files_ok: set[str] | None = None) -> VariantTiming:
@@ -267,9 +357,16 @@ def best(timings: list[VariantTiming], files_ok: set[str] | None = None) -> Vari
     the highest lower end wins, not the lowest median."""
     by = {t.name: t for t in timings}
     # a timing that is faster has its ms and ci_low (the casts below)
-    faster = [t for t in timings if t.verified and t.name != "input" and t.ms is not None
-              and (files_ok is None or t.name in files_ok) and t.faster
-              and (t.settled is not False or cast(float, t.ci_low) > UNSETTLED_MARGIN)]
+    faster = [
+        t
+        for t in timings
+        if t.verified
+        and t.name != "input"
+        and t.ms is not None
+        and (files_ok is None or t.name in files_ok)
+        and t.faster
+        and (t.settled is not False or cast(float, t.ci_low) > UNSETTLED_MARGIN)
+    ]
     if not faster:
         return by["input"]
     if any(t.settled is False for t in timings if t.ms is not None):
@@ -287,8 +384,9 @@ def saved_verification(variants: list[Variant]) -> dict[str, dict[str, Any] | No
     out: dict[str, dict[str, Any] | None] = {}
     for v in variants:
         f = by.get(FILE_OF.get(v.name, v.name))
-        out[v.name] = ({"variant": f.name, "shapes": list(f.shapes)}
-                       if f is not None and f.verified else None)
+        out[v.name] = (
+            {"variant": f.name, "shapes": list(f.shapes)} if f is not None and f.verified else None
+        )
     return out
 
 
@@ -320,16 +418,22 @@ def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device)
     dev = resolve_device(device)
     inputs = captured.example_inputs
     with preserved_state(model, candidate_gm):
-        artifacts = {"input": export_artifact(model, inputs, captured.dynamic),
-                     "candidate": export_artifact(candidate_gm, inputs, captured.dynamic)}
+        artifacts = {
+            "input": export_artifact(model, inputs, captured.dynamic),
+            "candidate": export_artifact(candidate_gm, inputs, captured.dynamic),
+        }
     variants = build(model, captured.gm, candidate_gm, inputs, compare, dev, artifacts)
     for v in variants:
         if v.verified is not None:
             continue
         # a compiled variant would recompile at each new shape; a file at the sizes it keeps
-        shapes = (False if v.compiled else
-                  v.artifact.kept if v.artifact is not None and v.artifact.kept is not None
-                  else captured.dynamic)
+        shapes = (
+            False
+            if v.compiled
+            else v.artifact.kept
+            if v.artifact is not None and v.artifact.kept is not None
+            else captured.dynamic
+        )
         check = verify_fn(v.fn, shapes=shapes)
         v.verified, v.reasons = check.passed, list(check.reasons)
         v.shapes = list(getattr(check, "shapes", []) or [])
@@ -339,6 +443,12 @@ def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device)
     timings, res = race(variants, inputs, dev, copy=copy)
     files = saved_verification(variants)
     winner = best(timings, {n for n, f in files.items() if f is not None})
-    return Race(timings, winner, artifacts, model_bench(res, variants, inputs, dev, copy=copy),
-                verified_as=files.get(winner.name), result=res,
-                settled=all(t.settled is not False for t in timings))
+    return Race(
+        timings,
+        winner,
+        artifacts,
+        model_bench(res, variants, inputs, dev, copy=copy),
+        verified_as=files.get(winner.name),
+        result=res,
+        settled=all(t.settled is not False for t in timings),
+    )

@@ -72,8 +72,14 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                help="Print the version and exit.")] = False) -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
     pass
 
 
@@ -88,19 +94,25 @@ def overrides(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def check_outputs(json_path: Path | None, out: Path | None = None, *, out_dir: bool = False) -> None:
+def check_outputs(
+    json_path: Path | None, out: Path | None = None, *, out_dir: bool = False
+) -> None:
     """Fail before any work when an output path cannot be written: a file where a directory
     goes, a directory where a file goes, or a file among its parents."""
     for opt, path, want_dir in (("--json", json_path, False), ("--out", out, out_dir)):
         if path is None:
             continue
         if want_dir and path.exists() and not path.is_dir():
-            raise OpswapError(f"{opt} {path} is an existing file; name a directory (it is created if missing).")
+            raise OpswapError(
+                f"{opt} {path} is an existing file; name a directory (it is created if missing)."
+            )
         if not want_dir and path.is_dir():
             raise OpswapError(f"{opt} {path} is an existing directory; name a file to write.")
         parent = next((q for q in path.parents if q.exists()), None)
         if parent is not None and not parent.is_dir():
-            raise OpswapError(f"{opt} {path} lies under {parent}, which is a file; name another path.")
+            raise OpswapError(
+                f"{opt} {path} lies under {parent}, which is a file; name another path."
+            )
 
 
 def _click_errors() -> tuple[type[ClickException], ...]:

@@ -45,8 +45,13 @@ def rules(rows: list[dict], wide: bool) -> None:
     if wide:
         for r in rows:
             where = f", from {r['origin']}" if r["origin"] != "opswap" else ""
-            console.print(Text.assemble((r["name"], "bold"), f"  ({r['family']}, ch. {r['chapter']}, "
-                                        f"{r['exactness']}, targets {','.join(r['targets'])}{where})"))
+            console.print(
+                Text.assemble(
+                    (r["name"], "bold"),
+                    f"  ({r['family']}, ch. {r['chapter']}, "
+                    f"{r['exactness']}, targets {','.join(r['targets'])}{where})",
+                )
+            )
             console.print(Padding(Text(" ".join(r["description"].split())), (0, 0, 1, 4)))
         return
     table = Table(title=n(len(rows), "rule"))
@@ -62,20 +67,29 @@ def rules(rows: list[dict], wide: bool) -> None:
     for r in rows:
         first = _first_sentence(r["description"])
         cut |= first != " ".join(r["description"].split())
-        cells = {"name": Text(r["name"]), "family": r["family"], "ch.": str(r["chapter"]),
-                 "exactness": r["exactness"], "targets": ",".join(r["targets"]),
-                 "what it does": Text(first), "from": Text(r["origin"])}
+        cells = {
+            "name": Text(r["name"]),
+            "family": r["family"],
+            "ch.": str(r["chapter"]),
+            "exactness": r["exactness"],
+            "targets": ",".join(r["targets"]),
+            "what it does": Text(first),
+            "from": Text(r["origin"]),
+        }
         table.add_row(*(cells[c] for c in cols))
     console.print(table)
     if cut:
-        console.print("descriptions stop at their first sentence; `opswap rules --wide` prints "
-                      "them whole", style="dim", markup=False)
+        console.print(
+            "descriptions stop at their first sentence; `opswap rules --wide` prints them whole",
+            style="dim",
+            markup=False,
+        )
 
 
 def _first_sentence(text: str) -> str:
     words = " ".join(text.split())
     m = re.search(r"(?<!e\.g)(?<!i\.e)(?<!etc)\.\s(?=[A-Z(])", words)
-    return words[:m.start() + 1] + " ..." if m else words
+    return words[: m.start() + 1] + " ..." if m else words
 
 
 def models(data: dict) -> None:
@@ -95,8 +109,10 @@ def models(data: dict) -> None:
         if names:
             hf.add_row(kind, ", ".join(f"hf:{t}" for t in names))
     consoles.console.print(hf)
-    consoles.console.print("Any other type transformers knows is tried the same way; --set size=full "
-                      "builds its default sizes, --set mask=none drops the padded attention mask.")
+    consoles.console.print(
+        "Any other type transformers knows is tried the same way; --set size=full "
+        "builds its default sizes, --set mask=none drops the padded attention mask."
+    )
 
 
 def plan(p) -> None:
@@ -107,9 +123,15 @@ def plan(p) -> None:
     for col in ("#", "rule", "module", "site", "what", "pred. bytes saved", "pred. FLOPs saved"):
         table.add_column(col, overflow="fold")
     for i, d in enumerate(p.decisions):
-        table.add_row(str(i), Text(d.rule), Text(d.module or "-"), Text(d.site.key),
-                      Text(d.site.description),
-                      human_unit(d.estimate.bytes_saved, "B"), human(d.estimate.flops_saved))
+        table.add_row(
+            str(i),
+            Text(d.rule),
+            Text(d.module or "-"),
+            Text(d.site.key),
+            Text(d.site.description),
+            human_unit(d.estimate.bytes_saved, "B"),
+            human(d.estimate.flops_saved),
+        )
     consoles.console.print(table)
     if p.misses:
         mt = Table(title=n(len(p.misses), "near miss", "near misses"))
@@ -135,8 +157,12 @@ def partial(p, applied, done: str) -> None:
     what the command did with the rest ('{n}' stands for their number)."""
     if applied.failed:
         rest = done.format(n=len(applied.applied))
-        note(f"{len(applied.failed)} of {n(len(p.decisions), 'decision')} could not be "
-             f"applied (listed above); {rest}; exit status 1.", "partial plan", "red")
+        note(
+            f"{len(applied.failed)} of {n(len(p.decisions), 'decision')} could not be "
+            f"applied (listed above); {rest}; exit status 1.",
+            "partial plan",
+            "red",
+        )
 
 
 def inputs(module) -> None:
@@ -144,8 +170,11 @@ def inputs(module) -> None:
     from opswap.graph.keywords import KeywordCall
 
     if isinstance(module, KeywordCall):
-        note("the model takes keyword inputs; the optimized model " + module.describe(),
-             "inputs", "cyan")
+        note(
+            "the model takes keyword inputs; the optimized model " + module.describe(),
+            "inputs",
+            "cyan",
+        )
 
 
 def verification(check, budget: str | None, samples: int) -> None:
@@ -159,8 +188,10 @@ def verification(check, budget: str | None, samples: int) -> None:
     table.add_row(*(f"{data[c]:.3g}" if isinstance(data[c], float) else str(data[c]) for c in cols))
     consoles.console.print(table)
     source = f"budget {budget} over the" if budget else "the"
-    line(f"tolerance: {tolerance_text(data['tolerance'])} ({source} "
-         f"{check.replay.plan.settings.exactness} defaults); {_samples_text(v, samples)}")
+    line(
+        f"tolerance: {tolerance_text(data['tolerance'])} ({source} "
+        f"{check.replay.plan.settings.exactness} defaults); {_samples_text(v, samples)}"
+    )
     for r in getattr(v, "reasons", []):
         line(str(r), "red")
     if check.first_divergence is not None:
@@ -186,12 +217,14 @@ def bench(data: dict) -> None:
     """One ModelBench.to_json() as a line: both times, the speed-up and its interval."""
     from opswap.report.optimize_report import interval
 
-    line(f"reference {data['ref_ms']:.3f} ms (IQR {data['ref_iqr_ms']:.3f}), optimized "
-         f"{data['opt_ms']:.3f} ms (IQR {data['opt_iqr_ms']:.3f}), speedup "
-         f"{interval(data['speedup_of_medians'], data['speedup_ci'], data['settled'])} "
-         f"(ratio of the medians, 95% interval; IQR of the per-round ratios "
-         f"{data['spread']:.2f}), {n(data['rounds'], 'interleaved round')} on "
-         f"{data['device']}")
+    line(
+        f"reference {data['ref_ms']:.3f} ms (IQR {data['ref_iqr_ms']:.3f}), optimized "
+        f"{data['opt_ms']:.3f} ms (IQR {data['opt_iqr_ms']:.3f}), speedup "
+        f"{interval(data['speedup_of_medians'], data['speedup_ci'], data['settled'])} "
+        f"(ratio of the medians, 95% interval; IQR of the per-round ratios "
+        f"{data['spread']:.2f}), {n(data['rounds'], 'interleaved round')} on "
+        f"{data['device']}"
+    )
     if data["settled"] is False:
         unsettled(race=False)
 
@@ -209,23 +242,36 @@ def summary(data: dict) -> None:
 
     console = consoles.console
     v, b = data["verification"], data["benchmark"]
-    console.print(Text.assemble((data["model"], "bold"), f" on {data['target']}: "
-                                f"{n(len(data['applied']), 'replacement')}, "
-                                f"{n(len(data['misses']), 'near miss', 'near misses')}, "
-                                f"{len(data['rolled_back'])} rolled back"))
+    console.print(
+        Text.assemble(
+            (data["model"], "bold"),
+            f" on {data['target']}: "
+            f"{n(len(data['applied']), 'replacement')}, "
+            f"{n(len(data['misses']), 'near miss', 'near misses')}, "
+            f"{len(data['rolled_back'])} rolled back",
+        )
+    )
     dyn = data.get("dynamic") or {}
     axes = ", ".join(f"{a['name']} (example {a['size']})" for a in dyn.get("axes", []))
     console.print(f"  dynamic sizes: {axes or 'none (the example shapes only)'}", markup=False)
     status = ("PASSED", "green") if v["passed"] else ("FAILED", "red")
-    console.print(Text.assemble("  verification ", status,
-                                f": cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}, "
-                                f"sqnr {v['sqnr_db']:.1f} dB ({n(v['samples'], 'sample')}, "
-                                f"tolerance {tolerance_text(v['tolerance'])})"))
+    console.print(
+        Text.assemble(
+            "  verification ",
+            status,
+            f": cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}, "
+            f"sqnr {v['sqnr_db']:.1f} dB ({n(v['samples'], 'sample')}, "
+            f"tolerance {tolerance_text(v['tolerance'])})",
+        )
+    )
     if b:
-        console.print(f"  your model -> opswap's model.pt2: {b['ref_ms']:.3f} ms -> "
-                      f"{b['opt_ms']:.3f} ms, "
-                      f"{interval(b['speedup_of_medians'], b.get('speedup_ci'), b.get('settled'))} "
-                      f"(ratio of medians, 95% interval; {b['device']})", markup=False)
+        console.print(
+            f"  your model -> opswap's model.pt2: {b['ref_ms']:.3f} ms -> "
+            f"{b['opt_ms']:.3f} ms, "
+            f"{interval(b['speedup_of_medians'], b.get('speedup_ci'), b.get('settled'))} "
+            f"(ratio of medians, 95% interval; {b['device']})",
+            markup=False,
+        )
     run = data.get("run") or {}
     if run.get("inputs"):
         shapes = ", ".join(f"{i['name']} {i['dtype']}{list(i['shape'])}" for i in run["inputs"])
@@ -240,19 +286,37 @@ def _variants(data: dict) -> None:
     from opswap.report.optimize_report import interval
 
     table = Table(title="variants, timed in one interleaved run")
-    for col in ("variant", "ms", "IQR ms", "vs input [95% interval]", "verified", "compile s",
-                "note"):
+    for col in (
+        "variant",
+        "ms",
+        "IQR ms",
+        "vs input [95% interval]",
+        "verified",
+        "compile s",
+        "note",
+    ):
         table.add_column(col, overflow="fold")
     for v in data["variants"]:
         ms = f"{v['ms']:.3f}" if v["ms"] is not None else "-"
         iqr = f"{v['iqr_ms']:.3f}" if v["iqr_ms"] is not None else "-"
-        sp = ("1.00x (the yardstick)" if v["name"] == "input" else
-              interval(v["speedup_vs_input"], v.get("speedup_ci"), v.get("settled"))
-              if v["speedup_vs_input"] is not None else "-")
+        sp = (
+            "1.00x (the yardstick)"
+            if v["name"] == "input"
+            else interval(v["speedup_vs_input"], v.get("speedup_ci"), v.get("settled"))
+            if v["speedup_vs_input"] is not None
+            else "-"
+        )
         comp = f"{v['compile_s']:.1f}" if v["compile_s"] is not None else ""
         name = v["name"] + (" (saved)" if v["name"] == data["best"] else "")
-        table.add_row(Text(name), ms, iqr, Text(sp), "yes" if v["verified"] else "no", comp,
-                      Text(v["note"] or ""))
+        table.add_row(
+            Text(name),
+            ms,
+            iqr,
+            Text(sp),
+            "yes" if v["verified"] else "no",
+            comp,
+            Text(v["note"] or ""),
+        )
     consoles.console.print(table)
     if data.get("timings_settled") is False:
         unsettled()
@@ -260,7 +324,9 @@ def _variants(data: dict) -> None:
     line(f"  saved: {deploy['variant']}, {deploy['holds']}")
     if deploy.get("verified_as"):
         shapes = deploy["verified_as"].get("shapes") or []
-        line(f"  verified as: {deploy['verified_as']['variant']}"
-             + (f", at {', '.join(shapes)}" if shapes else ""))
+        line(
+            f"  verified as: {deploy['verified_as']['variant']}"
+            + (f", at {', '.join(shapes)}" if shapes else "")
+        )
     use = "use" if deploy["how"].startswith("your own") else "load it with"
     line(f"  {use} {deploy['how']}; run it under {deploy['run_under']}")

@@ -1,8 +1,8 @@
 """Cost model: FLOPs and bytes per op, roofline bound and time share on a target.
 
-    >>> from opswap.cost import analyze, render
-    >>> a = analyze(captured, "h100")
-    >>> render(a)
+>>> from opswap.cost import analyze, render
+>>> a = analyze(captured, "h100")
+>>> render(a)
 """
 
 from opswap.cost.analyze import Analysis, CategorySummary, OpRow, analyze, render

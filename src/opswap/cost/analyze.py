@@ -118,8 +118,11 @@ class Analysis:
             "ops": [_row_json(r) for r in self.rows],
             "categories": {
                 c.category: {
-                    "count": c.count, "flops": c.flops, "bytes": c.bytes,
-                    "est_time_s": c.est_time_s, "share": c.share,
+                    "count": c.count,
+                    "flops": c.flops,
+                    "bytes": c.bytes,
+                    "est_time_s": c.est_time_s,
+                    "share": c.share,
                 }
                 for c in self.categories.values()
             },
@@ -134,13 +137,24 @@ def _finite(x: float) -> float | None:
 
 def _row_json(r: OpRow) -> dict:
     return {
-        "name": r.name, "op": r.op, "kind": r.kind, "category": r.category,
-        "module": r.module, "label": r.label,
+        "name": r.name,
+        "op": r.op,
+        "kind": r.kind,
+        "category": r.category,
+        "module": r.module,
+        "label": r.label,
         "input_shapes": [list(s) for s in r.input_shapes],
         "output_shapes": [list(s) for s in r.output_shapes],
-        "dtype": r.dtype, "flops": r.flops, "bytes": r.bytes, "read": r.read,
-        "written": r.written, "intensity": _finite(r.intensity), "bound": r.bound,
-        "est_time_s": r.est_time_s, "share": r.share, "note": r.note,
+        "dtype": r.dtype,
+        "flops": r.flops,
+        "bytes": r.bytes,
+        "read": r.read,
+        "written": r.written,
+        "intensity": _finite(r.intensity),
+        "bound": r.bound,
+        "est_time_s": r.est_time_s,
+        "share": r.share,
+        "note": r.note,
     }
 
 
@@ -183,8 +197,9 @@ def module_path(node: fx.Node) -> str:
 # --------------------------------------------------------------------------- analyze
 
 
-def analyze(captured, target: Target | str = "cpu", *, model_name: str | None = None,
-            tf32: bool = False) -> Analysis:
+def analyze(
+    captured, target: Target | str = "cpu", *, model_name: str | None = None, tf32: bool = False
+) -> Analysis:
     """Cost every compute node of a captured model (Captured or shape-propagated GraphModule).
 
     `tf32=True` rates float32 conv / matmul / attention / RNN at the target's TF32
@@ -192,7 +207,9 @@ def analyze(captured, target: Target | str = "cpu", *, model_name: str | None = 
     """
     gm = getattr(captured, "gm", captured)
     if not isinstance(gm, fx.GraphModule):
-        raise TypeError(f"analyze() takes a Captured or an fx.GraphModule, got {type(gm).__name__}.")
+        raise TypeError(
+            f"analyze() takes a Captured or an fx.GraphModule, got {type(gm).__name__}."
+        )
     _ensure_shapes(captured, gm)
     tgt = get_target(target)
     method = getattr(captured, "method", "fx")
@@ -219,12 +236,21 @@ def analyze(captured, target: Target | str = "cpu", *, model_name: str | None = 
     notes = list(getattr(captured, "notes", []) or [])
     unrated = sorted({r.dtype for r in rows if r.flops and r.dtype not in tgt.peak_flops})
     if unrated:
-        notes.append(f"{tgt.name} has no peak figure for {', '.join(unrated)}; those ops are "
-                     "rated at its float32 peak.")
+        notes.append(
+            f"{tgt.name} has no peak figure for {', '.join(unrated)}; those ops are "
+            "rated at its float32 peak."
+        )
     return Analysis(
-        model=model, target=tgt, method=method, rows=rows, categories=ordered,
-        total_flops=sum(r.flops for r in rows), total_bytes=sum(r.bytes for r in rows),
-        est_time_s=total_time, notes=notes, gm=gm,
+        model=model,
+        target=tgt,
+        method=method,
+        rows=rows,
+        categories=ordered,
+        total_flops=sum(r.flops for r in rows),
+        total_bytes=sum(r.bytes for r in rows),
+        est_time_s=total_time,
+        notes=notes,
+        gm=gm,
     )
 
 
@@ -253,7 +279,9 @@ def dispatches(node: fx.Node) -> bool:
         return False
     if node.op == "call_function" and node.target is operator.getitem and node.args:
         src = node.args[0]
-        meta = src.meta.get("val", src.meta.get("tensor_meta")) if isinstance(src, fx.Node) else None
+        meta = (
+            src.meta.get("val", src.meta.get("tensor_meta")) if isinstance(src, fx.Node) else None
+        )
         return not isinstance(meta, (tuple, list))
     return True
 
@@ -263,18 +291,33 @@ def _row(node: fx.Node, target: Target, tf32: bool) -> OpRow:
     cat = category(node)
     dtype = dtype_key(compute_dtype(node))
     rate_key = dtype
-    if tf32 and dtype == "float32" and cat in _TENSOR_CORE_CATEGORIES and "tf32" in target.peak_flops:
+    if (
+        tf32
+        and dtype == "float32"
+        and cat in _TENSOR_CORE_CATEGORIES
+        and "tf32" in target.peak_flops
+    ):
         rate_key = "tf32"
     point = roofline_point(cost.flops, cost.bytes, target, rate_key)
     ins = [ti.shape for n, ti in tensor_inputs(node) if n.op != "get_attr"]
     return OpRow(
-        name=node.name, op=op_label(node), kind=op_kind(node), category=cat,
-        module=module_path(node), label=module_path(node) or node.name,
-        input_shapes=ins, output_shapes=[o.shape for o in infos(node)], dtype=dtype,
-        flops=cost.flops, bytes=cost.bytes, read=cost.read, written=cost.written,
-        intensity=point.intensity, bound=point.bound,
-        est_time_s=point.time_s + (target.op_overhead(bool(cost.flops or cost.bytes))
-                                   if dispatches(node) else 0.0),
+        name=node.name,
+        op=op_label(node),
+        kind=op_kind(node),
+        category=cat,
+        module=module_path(node),
+        label=module_path(node) or node.name,
+        input_shapes=ins,
+        output_shapes=[o.shape for o in infos(node)],
+        dtype=dtype,
+        flops=cost.flops,
+        bytes=cost.bytes,
+        read=cost.read,
+        written=cost.written,
+        intensity=point.intensity,
+        bound=point.bound,
+        est_time_s=point.time_s
+        + (target.op_overhead(bool(cost.flops or cost.bytes)) if dispatches(node) else 0.0),
         note=cost.note,
     )
 
@@ -286,10 +329,10 @@ def _row(node: fx.Node, target: Target, tf32: bool) -> OpRow:
 # rule's `relieves` names the "bound:category" it helps); report.advice joins the two.
 _REMEDIES: dict[tuple[str, str], str] = {
     ("compute", "conv"): "fewer FLOPs (Winograd, depthwise-separable) or a lower-precision "
-                         "peak would cut its time",
+    "peak would cut its time",
     ("compute", "matmul"): "lower precision (bf16, int8 weights) would raise the ceiling it hits",
     ("compute", "attention"): "a fused attention kernel in lower precision would raise the "
-                              "ceiling it hits",
+    "ceiling it hits",
     ("compute", "rnn"): "lower precision would raise the ceiling it hits",
     ("memory", "elementwise"): "fusing it into its producer would save most of its traffic",
     ("memory", "activation"): "fusing it into its producer would save most of its traffic",
@@ -297,9 +340,9 @@ _REMEDIES: dict[tuple[str, str], str] = {
     ("memory", "softmax"): "fusing it with its neighbours would save traffic",
     ("memory", "data-movement"): "a layout that avoids this copy would save its traffic",
     ("memory", "conv"): "it moves a lot for little work: a larger batch, a channels-last "
-                        "layout or smaller weights would help",
+    "layout or smaller weights would help",
     ("memory", "matmul"): "it moves a lot for little work: a larger batch, merged sibling "
-                          "matmuls or smaller weights would help",
+    "matmuls or smaller weights would help",
     ("memory", "embedding"): "a smaller table dtype would cut the rows it gathers",
 }
 
@@ -311,9 +354,14 @@ def bottleneck(r: OpRow) -> str:
 
 def remedy(r: OpRow) -> str:
     """What would help the op of row `r`, in words."""
-    return _REMEDIES.get((r.bound, r.category), (
-        "fusing it with its neighbours would save most of its traffic" if r.bound == "memory"
-        else "a cheaper formula would cut its FLOPs"))
+    return _REMEDIES.get(
+        (r.bound, r.category),
+        (
+            "fusing it with its neighbours would save most of its traffic"
+            if r.bound == "memory"
+            else "a cheaper formula would cut its FLOPs"
+        ),
+    )
 
 
 def _sentence(r: OpRow, target: Target, advice: Advice | None = None) -> str:
@@ -334,8 +382,9 @@ def _shapes(shapes: list[tuple[int, ...]]) -> str:
     return ", ".join("x".join(map(str, s)) if s else "scalar" for s in shapes)
 
 
-def render(analysis: Analysis, console=None, *, top: int | None = None,
-           show_free: bool = False) -> None:
+def render(
+    analysis: Analysis, console=None, *, top: int | None = None, show_free: bool = False
+) -> None:
     """Print the per-op table, the per-category summary and the bottlenecks with rich.
 
     Ops that cost nothing (views, eval dropout) are left out unless show_free;
@@ -354,35 +403,55 @@ def render(analysis: Analysis, console=None, *, top: int | None = None,
         hidden += len(rows) - len(keep)
         rows = [r for r in rows if id(r) in keep]
 
-    t = Table(title=escape(f"{a.model} on {a.target.name} ({a.target.description})"),
-              title_justify="left")
+    t = Table(
+        title=escape(f"{a.model} on {a.target.name} ({a.target.description})"), title_justify="left"
+    )
     columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("name", "left"), ("op", "left"), ("category", "left"), ("shapes", "left"),
-        ("FLOPs", "right"), ("bytes", "right"), ("intensity", "right"), ("bound", "left"),
-        ("share", "right"))
+        ("name", "left"),
+        ("op", "left"),
+        ("category", "left"),
+        ("shapes", "left"),
+        ("FLOPs", "right"),
+        ("bytes", "right"),
+        ("intensity", "right"),
+        ("bound", "left"),
+        ("share", "right"),
+    )
     for col, justify in columns:
         t.add_column(col, justify=justify, overflow="fold")
     for r in rows:
         bound = {"compute": "[magenta]compute[/]", "memory": "[cyan]memory[/]"}.get(r.bound, "-")
         t.add_row(
-            escape(r.label), escape(str(r.op)), r.category,
+            escape(r.label),
+            escape(str(r.op)),
+            r.category,
             f"{_shapes(r.input_shapes)} -> {_shapes(r.output_shapes)}",
-            human(r.flops), human(r.bytes) + "B",
+            human(r.flops),
+            human(r.bytes) + "B",
             "inf" if math.isinf(r.intensity) else f"{r.intensity:.1f}",
-            bound, f"{r.share:.1%}",
+            bound,
+            f"{r.share:.1%}",
         )
     console.print(t)
     if hidden:
-        console.print(f"[dim]{hidden} ops not shown (views and ops that move no data"
-                      f"{', or below the top rows' if top is not None else ''}).[/]")
+        console.print(
+            f"[dim]{hidden} ops not shown (views and ops that move no data"
+            f"{', or below the top rows' if top is not None else ''}).[/]"
+        )
 
     s = Table(title="By category", title_justify="left")
     for col in ("category", "ops", "FLOPs", "bytes", "share"):
         s.add_column(col, justify="left" if col == "category" else "right")
     for c in a.categories.values():
         s.add_row(c.category, str(c.count), human(c.flops), human(c.bytes) + "B", f"{c.share:.1%}")
-    s.add_row("total", str(len(a.rows)), human(a.total_flops), human(a.total_bytes) + "B",
-              "100.0%" if a.est_time_s else "0.0%", style="bold")
+    s.add_row(
+        "total",
+        str(len(a.rows)),
+        human(a.total_flops),
+        human(a.total_bytes) + "B",
+        "100.0%" if a.est_time_s else "0.0%",
+        style="bold",
+    )
     console.print(s)
     console.print(
         f"Total {human_unit(a.total_flops, 'FLOP')}, {human_unit(a.total_bytes, 'B')} "

@@ -52,7 +52,7 @@ def conv_flops(x_shape, w_shape, out_shape, transposed: bool = False) -> int:
     k = len(w_shape) - 2
     batch = prod(x_shape[: len(x_shape) - k - 1]) if len(x_shape) > k + 1 else 1
     positions = x_shape if transposed else out_shape
-    spatial = positions[len(positions) - k:]
+    spatial = positions[len(positions) - k :]
     return 2 * batch * prod(spatial) * prod(w_shape)
 
 
@@ -198,6 +198,7 @@ def _module_flops_measured(node: fx.Node) -> int | None:
     mod = cast(nn.Module, module_of(node))  # a call_module node (node_flops)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
+
             def fake(v):
                 if isinstance(v, fx.Node):
                     ti = tinfo(v)
@@ -210,8 +211,11 @@ def _module_flops_measured(node: fx.Node) -> int | None:
             kwargs = {k: fake(v) for k, v in node.kwargs.items()}
             # Grad on keeps nn fast paths (fused kernels FlopCounterMode cannot see) off, and
             # the math SDPA backend makes attention visible as bmm, as sdpa_flops counts it.
-            with (FlopCounterMode(display=False) as counter, torch.enable_grad(),
-                  sdpa_kernel(SDPBackend.MATH)):
+            with (
+                FlopCounterMode(display=False) as counter,
+                torch.enable_grad(),
+                sdpa_kernel(SDPBackend.MATH),
+            ):
                 mod(*args, **kwargs)
         return int(counter.get_total_flops())
     except Exception:  # any module may fail on fake tensors; the caller notes it
@@ -231,8 +235,14 @@ def node_flops(node: fx.Node) -> int:
         return _attention(node)
     if kind in ("rnn", "rnn_cell"):
         return _rnn(node, kind)
-    if kind in ("batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm",
-                "local_response_norm"):
+    if kind in (
+        "batch_norm",
+        "layer_norm",
+        "group_norm",
+        "instance_norm",
+        "rms_norm",
+        "local_response_norm",
+    ):
         return norm(node, kind)
     if kind in ("softmax", "log_softmax"):
         return SOFTMAX_FLOPS * out_numel(node)
@@ -249,8 +259,11 @@ def node_flops(node: fx.Node) -> int:
     if kind == "embedding_bag":
         ins = tensor_inputs(node, skip=(0,)) if module_of(node) is None else tensor_inputs(node)
         mod = module_of(node)
-        dim = (cast(int, mod.embedding_dim) if mod is not None
-               else (shape_of(node.args[0]) or (0, 0))[-1])
+        dim = (
+            cast(int, mod.embedding_dim)
+            if mod is not None
+            else (shape_of(node.args[0]) or (0, 0))[-1]
+        )
         return (ins[0][1].numel if ins else 0) * dim
     if kind == "upsample":
         return upsample(node)

@@ -19,8 +19,22 @@ from opswap.graph.ops import arg, module_of, raw_name
 
 # FLOPs per output element.
 ELEMENTWISE_FLOPS: dict[str, int] = {
-    "add": 1, "sub": 1, "mul": 1, "div": 1, "neg": 1, "abs": 1, "clamp": 1, "where": 1,
-    "maximum": 1, "pow": 1, "sqrt": 1, "rsqrt": 1, "exp": 1, "log": 1, "erf": 1, "to": 0,
+    "add": 1,
+    "sub": 1,
+    "mul": 1,
+    "div": 1,
+    "neg": 1,
+    "abs": 1,
+    "clamp": 1,
+    "where": 1,
+    "maximum": 1,
+    "pow": 1,
+    "sqrt": 1,
+    "rsqrt": 1,
+    "exp": 1,
+    "log": 1,
+    "erf": 1,
+    "to": 0,
 }
 
 # FLOPs per output element, from each activation's formula.
@@ -46,11 +60,43 @@ ACTIVATION_FLOPS: dict[str, int] = {
 
 # Comparisons and other one-operation ATen ops that the op taxonomy calls 'unknown'.
 ONE_FLOP_NAMES = {
-    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
-    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor", "masked_fill",
-    "floor", "ceil", "round", "trunc", "sign", "reciprocal", "sin", "cos", "fmod",
-    "remainder", "floor_divide", "isnan", "isinf", "minimum", "fill", "lerp", "addcmul",
-    "addcdiv", "exp2", "expm1", "log1p", "log2",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "logical_and",
+    "logical_or",
+    "logical_not",
+    "logical_xor",
+    "bitwise_and",
+    "bitwise_or",
+    "bitwise_not",
+    "bitwise_xor",
+    "masked_fill",
+    "floor",
+    "ceil",
+    "round",
+    "trunc",
+    "sign",
+    "reciprocal",
+    "sin",
+    "cos",
+    "fmod",
+    "remainder",
+    "floor_divide",
+    "isnan",
+    "isinf",
+    "minimum",
+    "fill",
+    "lerp",
+    "addcmul",
+    "addcdiv",
+    "exp2",
+    "expm1",
+    "log1p",
+    "log2",
 }
 
 SOFTMAX_FLOPS = 5  # per element: max, subtract, exp, sum, divide (log_softmax: ... subtract)
@@ -82,9 +128,17 @@ def has_affine(node: fx.Node, kind: str) -> bool:
         return getattr(mod, "weight", None) is not None
     name = raw_name(node)
     pos = {
-        "batch_norm": 1, "_native_batch_norm_legit_no_training": 1, "_native_batch_norm_legit": 1,
-        "native_batch_norm": 1, "layer_norm": 2, "native_layer_norm": 2, "group_norm": 2,
-        "native_group_norm": 1, "instance_norm": 3, "rms_norm": 2, "_fused_rms_norm": 2,
+        "batch_norm": 1,
+        "_native_batch_norm_legit_no_training": 1,
+        "_native_batch_norm_legit": 1,
+        "native_batch_norm": 1,
+        "layer_norm": 2,
+        "native_layer_norm": 2,
+        "group_norm": 2,
+        "native_group_norm": 1,
+        "instance_norm": 3,
+        "rms_norm": 2,
+        "_fused_rms_norm": 2,
     }.get(name)
     return pos is not None and isinstance(arg(node, pos, "weight"), fx.Node)
 

@@ -54,10 +54,34 @@ _FREE = Traffic(0, 0, VIEW_NOTE)
 
 # Always views, whatever the input's layout.
 _VIEW_NAMES = {
-    "view", "_unsafe_view", "unflatten", "permute", "transpose", "t", "swapaxes", "swapdims",
-    "squeeze", "unsqueeze", "expand", "expand_as", "broadcast_to", "split", "chunk",
-    "split_with_sizes", "unbind", "narrow", "slice", "select", "alias", "detach", "Unflatten",
-    "movedim", "as_strided", "diagonal", "unfold", "view_as",
+    "view",
+    "_unsafe_view",
+    "unflatten",
+    "permute",
+    "transpose",
+    "t",
+    "swapaxes",
+    "swapdims",
+    "squeeze",
+    "unsqueeze",
+    "expand",
+    "expand_as",
+    "broadcast_to",
+    "split",
+    "chunk",
+    "split_with_sizes",
+    "unbind",
+    "narrow",
+    "slice",
+    "select",
+    "alias",
+    "detach",
+    "Unflatten",
+    "movedim",
+    "as_strided",
+    "diagonal",
+    "unfold",
+    "view_as",
 }
 # Copy data that the op reads only partly: read what is gathered, write the result.
 _GATHER_NAMES = {"index_select", "gather", "index", "take", "take_along_dim"}

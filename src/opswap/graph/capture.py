@@ -49,8 +49,14 @@ class Check(Protocol):
         """The model's own low-precision rounding on `inputs` (None for a float32 model)."""
         ...
 
-    def differs(self, model: nn.Module, gm: fx.GraphModule, inputs: tuple,
-                rounding: float | None, variants: list | None = None) -> str | None:
+    def differs(
+        self,
+        model: nn.Module,
+        gm: fx.GraphModule,
+        inputs: tuple,
+        rounding: float | None,
+        variants: list | None = None,
+    ) -> str | None:
         """Why `gm` does not give `model`'s outputs on samples like `inputs` (and, with
         `variants`, at those other shapes), judged at the model's `rounding`; None when
         it does."""
@@ -92,8 +98,16 @@ class Captured:
 
     def derived(self, gm: fx.GraphModule) -> Captured:
         """A capture of the same model and inputs holding another graph module."""
-        return Captured(gm, self.method, self.example_inputs, list(self.notes), self.dynamic,
-                        self.probes, self.rounding, list(self.writes_inputs))
+        return Captured(
+            gm,
+            self.method,
+            self.example_inputs,
+            list(self.notes),
+            self.dynamic,
+            self.probes,
+            self.rounding,
+            list(self.writes_inputs),
+        )
 
 
 def copy_module(module: _M) -> _M:
@@ -121,7 +135,11 @@ def _where(exc: BaseException) -> str:
 def _describe(exc: BaseException) -> str:
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = _where(exc)
-    return f"{type(exc).__name__} at {where} ({msg[:200]})" if where else f"{type(exc).__name__} ({msg[:200]})"
+    return (
+        f"{type(exc).__name__} at {where} ({msg[:200]})"
+        if where
+        else f"{type(exc).__name__} ({msg[:200]})"
+    )
 
 
 def as_inputs(example_inputs) -> tuple:
@@ -160,8 +178,10 @@ def _without_guards(gm: fx.GraphModule) -> fx.GraphModule:
     assert_meta = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
     for n in list(gm.graph.nodes):
         if (n.op == "call_module" and n.target == "_guards_fn") or (
-                assert_meta is not None and n.op == "call_function"
-                and n.target in (assert_meta, getattr(assert_meta, "default", None))):
+            assert_meta is not None
+            and n.op == "call_function"
+            and n.target in (assert_meta, getattr(assert_meta, "default", None))
+        ):
             if not n.users:
                 gm.graph.erase_node(n)
     gm.recompile()
@@ -186,8 +206,15 @@ def _run(model: nn.Module, inputs: tuple, copy: bool = True):
         return model(*(fresh(inputs) if copy else inputs))
 
 
-def _reproduces(model: nn.Module, gm: fx.GraphModule, inputs: tuple, dyn: Dynamic,
-                rounding: float | None, name: str, check: Check) -> tuple[str | None, Dynamic]:
+def _reproduces(
+    model: nn.Module,
+    gm: fx.GraphModule,
+    inputs: tuple,
+    dyn: Dynamic,
+    rounding: float | None,
+    name: str,
+    check: Check,
+) -> tuple[str | None, Dynamic]:
     """(None, axes kept) when the graph gives the module's outputs at the example and at
     every other shape it still claims; an axis at whose other sizes the graph differs is
     dropped from the claim, with a note. (reason, dyn) when it differs at the example."""
@@ -200,14 +227,21 @@ def _reproduces(model: nn.Module, gm: fx.GraphModule, inputs: tuple, dyn: Dynami
         if why is None:
             kept.axes.append(axis)
         else:
-            kept.notes.append(f"{axis.name} kept static: the {name} graph differs from the "
-                              f"model at other {axis.name} sizes ({why})"
-                              + _size_one_hint(axis, name))
+            kept.notes.append(
+                f"{axis.name} kept static: the {name} graph differs from the "
+                f"model at other {axis.name} sizes ({why})" + _size_one_hint(axis, name)
+            )
     return None, kept
 
 
-def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
-            dynamic: str | None = "auto", check: Check | None = None) -> Captured:
+def capture(
+    model: nn.Module,
+    example_inputs,
+    method: Method = "auto",
+    *,
+    dynamic: str | None = "auto",
+    check: Check | None = None,
+) -> Captured:
     """Capture `model` on `example_inputs` as an FX GraphModule with shapes on every node.
 
     `method="auto"` tries FX symbolic tracing and falls back to torch.export
@@ -238,12 +272,14 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
     errors: list[str] = []
     notes: list[str] = []
     if hooks:
-        notes.append(f"The model has {describe_hooks(hooks)}; opswap runs and optimizes a "
-                     "copy without them.")
+        notes.append(
+            f"The model has {describe_hooks(hooks)}; opswap runs and optimizes a copy without them."
+        )
     if computed:
-        notes.append("Weights the model computes on each call are plain parameters in the "
-                     "optimized model, holding what they compute now: " + ", ".join(computed)
-                     + ".")
+        notes.append(
+            "Weights the model computes on each call are plain parameters in the "
+            "optimized model, holding what they compute now: " + ", ".join(computed) + "."
+        )
     if model.training:
         notes.append(
             "The model is in training mode: BatchNorm folds and Dropout removal will not fire; "
@@ -259,12 +295,17 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
     dyn = detect(lambda xs: _run(model, xs), inputs, dynamic)
     notes.extend(dyn.notes)
     if written:
-        notes.append(f"The model writes into its input{'s' if len(written) > 1 else ''} "
-                     f"{', '.join(str(i) for i in written)}; opswap runs it on a fresh copy of "
-                     "the inputs each time (timings include that copy for every variant).")
+        notes.append(
+            f"The model writes into its input{'s' if len(written) > 1 else ''} "
+            f"{', '.join(str(i) for i in written)}; opswap runs it on a fresh copy of "
+            "the inputs each time (timings include that copy for every variant)."
+        )
     rounding = check.rounding(model, inputs) if check is not None else None
     orders: dict[str, tuple[Literal["fx", "export"], ...]] = {
-        "auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}
+        "auto": ("fx", "export"),
+        "fx": ("fx",),
+        "export": ("export",),
+    }
     order = orders[method]
     for how in order:
         build = _fx if how == "fx" else _export
@@ -290,22 +331,24 @@ def capture(model: nn.Module, example_inputs, method: Method = "auto", *,
                 here = checked
                 propagate(gm, inputs, probes(inputs, here))
         notes.extend(f"{e}; fell back to {name}." for e in errors)
-        notes.extend(here.notes[len(dyn.notes):])
+        notes.extend(here.notes[len(dyn.notes) :])
         return Captured(gm, how, inputs, notes, here, probes(inputs, here), rounding, written)
     if any("does not reproduce" in e for e in errors):
         raise CaptureError(
-            f"Could not capture {type(model).__name__} faithfully: " + "; ".join(errors)
+            f"Could not capture {type(model).__name__} faithfully: "
+            + "; ".join(errors)
             + ". The usual cause is an in-place op on a tensor that another value views or "
             "aliases (z = y.view(-1); y += 1), or state kept outside buffers; write that "
-            "line out of place.")
-    raise CaptureError(f"Could not capture {type(model).__name__}: " + "; ".join(errors)
-                       + _known_fix(errors))
+            "line out of place."
+        )
+    raise CaptureError(
+        f"Could not capture {type(model).__name__}: " + "; ".join(errors) + _known_fix(errors)
+    )
 
 
 def _size_one_hint(axis, name: str) -> str:
     if axis.size == 1 and name == "torch.export":
-        return ("; torch.export treats size-1 dims as fixed, so give an example of size 2 "
-                "or more")
+        return "; torch.export treats size-1 dims as fixed, so give an example of size 2 or more"
     return ""
 
 
@@ -317,9 +360,11 @@ def _narrowed(dyn: Dynamic, failed: list, name: str) -> Dynamic:
         return dyn
     out = Dynamic([a for a in dyn.axes if all(a is not b for b, _ in bad)], list(dyn.notes))
     for a, e in bad:
-        out.notes.append(f"{a.name} kept static: the {name} graph only runs at {a.name} "
-                         f"{a.size} ({type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''})"
-                         + _size_one_hint(a, name))
+        out.notes.append(
+            f"{a.name} kept static: the {name} graph only runs at {a.name} "
+            f"{a.size} ({type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''})"
+            + _size_one_hint(a, name)
+        )
     return out
 
 
@@ -331,13 +376,19 @@ def _known_fix(errors: list[str]) -> str:
     text = " ".join(errors)
     cache = re.search(r"\b(\w*Cache)'?>? in output", text)
     if cache:  # transformers' cache objects are not pytrees torch.export can flatten
-        return (f". The model returns a {cache[1]} (a transformers cache): build it with "
-                "use_cache=false (--set use_cache=false for an hf: spec) or pass a wrapper "
-                "module that returns only tensors.")
+        return (
+            f". The model returns a {cache[1]} (a transformers cache): build it with "
+            "use_cache=false (--set use_cache=false for an hf: spec) or pass a wrapper "
+            "module that returns only tensors."
+        )
     other = re.search(r"Found <class '([\w.]+)'> in output", text)
     if other:
-        return (f". The model returns a {other[1].rsplit('.', 1)[-1]}, which torch.export "
-                "cannot flatten: return tensors (or tuples of them), or pass a wrapper module "
-                "that does.")
-    return (". Make that line traceable (no Python branching on tensor values) or pass a "
-            "wrapper module that avoids it.")
+        return (
+            f". The model returns a {other[1].rsplit('.', 1)[-1]}, which torch.export "
+            "cannot flatten: return tensors (or tuples of them), or pass a wrapper module "
+            "that does."
+        )
+    return (
+        ". Make that line traceable (no Python branching on tensor values) or pass a "
+        "wrapper module that avoids it."
+    )

@@ -28,14 +28,24 @@ from torch.nn.utils import parametrize
 
 from opswap.errors import OpswapError
 
-_HOOKS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
-          "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook"}
+_HOOKS = {
+    "_forward_hooks": "forward hook",
+    "_forward_pre_hooks": "forward pre-hook",
+    "_backward_hooks": "backward hook",
+    "_backward_pre_hooks": "backward pre-hook",
+}
 # per-hook flags, keyed by the hook's id like the tables above
-_HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks_with_kwargs")
+_HOOK_FLAGS = (
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+)
 # parametrisation classes torch.nn.utils.parametrizations registers, by the name users know
-_PARAMETRIZATIONS = {"_WeightNorm": "weight_norm", "_SpectralNorm": "spectral_norm",
-                     "_Orthogonal": "orthogonal"}
+_PARAMETRIZATIONS = {
+    "_WeightNorm": "weight_norm",
+    "_SpectralNorm": "spectral_norm",
+    "_Orthogonal": "orthogonal",
+}
 _M = TypeVar("_M", bound=nn.Module)
 
 
@@ -45,8 +55,10 @@ def _weight_hook_classes() -> dict[type, str]:
     spectral_norm (deprecated for torch.nn.utils.parametrizations, still present in torch
     2.11-2.14): {class: kind}; a torch without one of them has no such hook to find."""
     found = {}
-    for where, name, kind in (("torch.nn.utils.weight_norm", "WeightNorm", "weight_norm"),
-                              ("torch.nn.utils.spectral_norm", "SpectralNorm", "spectral_norm")):
+    for where, name, kind in (
+        ("torch.nn.utils.weight_norm", "WeightNorm", "weight_norm"),
+        ("torch.nn.utils.spectral_norm", "SpectralNorm", "spectral_norm"),
+    ):
         try:
             cls = getattr(importlib.import_module(where), name, None)
         except ImportError:
@@ -65,8 +77,10 @@ def _weight_kind(hook) -> str | None:
 
 
 def _parametrization_kind(plist) -> str:
-    return "+".join(_PARAMETRIZATIONS.get(type(p).__name__, f"parametrization {type(p).__name__}")
-                    for p in plist)
+    return "+".join(
+        _PARAMETRIZATIONS.get(type(p).__name__, f"parametrization {type(p).__name__}")
+        for p in plist
+    )
 
 
 def weight_hooks(module: nn.Module) -> list[tuple[str, str]]:
@@ -79,7 +93,9 @@ def weight_hooks(module: nn.Module) -> list[tuple[str, str]]:
             if kind is not None:
                 out.append((path, kind))
         if parametrize.is_parametrized(m):
-            out.extend((path, _parametrization_kind(plist)) for plist in m.parametrizations.values())
+            out.extend(
+                (path, _parametrization_kind(plist)) for plist in m.parametrizations.values()
+            )
     return out
 
 
@@ -203,8 +219,15 @@ def _unparametrize(m: nn.Module) -> list[tuple[str, str]]:
         for name, plist in cast(nn.ModuleDict, m.parametrizations).items():
             original = cast(torch.Tensor, plist.original if plist.is_tensor else plist.original0)
             value = getattr(m, name).detach().clone()
-            found.append((name, _parametrization_kind(plist), value,
-                          isinstance(original, nn.Parameter), original.requires_grad))
+            found.append(
+                (
+                    name,
+                    _parametrization_kind(plist),
+                    value,
+                    isinstance(original, nn.Parameter),
+                    original.requires_grad,
+                )
+            )
     m.__class__ = parametrize.type_before_parametrizations(m)
     del m._modules["parametrizations"]
     for name, _, value, is_param, grad in found:
@@ -247,4 +270,5 @@ def preserved_state(*modules):
         raise OpswapError(
             f"The model writes into its parameter {changed[0]} when it runs, so its results "
             "depend on how often it was called; make that state a buffer or move the update "
-            "out of forward.")
+            "out of forward."
+        )

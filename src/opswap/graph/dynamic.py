@@ -52,8 +52,13 @@ class Axis:
     step: int = 1  # the probe's distance from the example's size (a model's multiple)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "size": self.size, "probed_at": self.probe,
-                "step": self.step, "inputs": [f"input {i} dim {d}" for i, d in self.dims]}
+        return {
+            "name": self.name,
+            "size": self.size,
+            "probed_at": self.probe,
+            "step": self.step,
+            "inputs": [f"input {i} dim {d}" for i, d in self.dims],
+        }
 
 
 @dataclass
@@ -69,8 +74,10 @@ class Dynamic:
     def describe(self) -> str:
         if not self.axes:
             return "every size is static (the model is only claimed at the example's shapes)"
-        return ", ".join(f"{a.name} (example {a.size}; {', '.join(f'input {i} dim {d}' for i, d in a.dims)})"
-                         for a in self.axes)
+        return ", ".join(
+            f"{a.name} (example {a.size}; {', '.join(f'input {i} dim {d}' for i, d in a.dims)})"
+            for a in self.axes
+        )
 
     def axis(self, name: str) -> Axis | None:
         return next((a for a in self.axes if a.name == name), None)
@@ -81,8 +88,11 @@ def _leaves(inputs: tuple) -> list:
 
 
 def _tensors(inputs: tuple) -> list[tuple[int, torch.Tensor]]:
-    return [(i, x) for i, x in enumerate(_leaves(inputs))
-            if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.layout == torch.strided]
+    return [
+        (i, x)
+        for i, x in enumerate(_leaves(inputs))
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.layout == torch.strided
+    ]
 
 
 def _auto(inputs: tuple, which: set[str]) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
@@ -94,8 +104,11 @@ def _auto(inputs: tuple, which: set[str]) -> list[tuple[str, tuple[tuple[int, in
         if tensors[0][1].dim() >= 2 or len(dims) >= 2:  # a lone vector has no batch
             found.append(("batch", dims))
     if "seq" in which:
-        ids = [(i, x) for i, x in tensors if x.dim() == 2 and not x.is_floating_point()
-               and not x.is_complex()]
+        ids = [
+            (i, x)
+            for i, x in tensors
+            if x.dim() == 2 and not x.is_floating_point() and not x.is_complex()
+        ]
         if ids:
             s = ids[0][1].shape[1]
             dims = tuple((i, 1) for i, x in tensors if x.dim() == 2 and x.shape[1] == s)
@@ -125,8 +138,10 @@ def _rest(inputs: tuple, taken: set[tuple[int, int]]) -> list[_Request]:
         for d, n in enumerate(x.shape):
             if n >= 2 and (i, d) not in taken:
                 groups.setdefault(int(n), []).append((i, d))
-    return [_Request(f"dim{dims[0][0]}_{dims[0][1]}", tuple(dims), rest=True)
-            for dims in groups.values()]
+    return [
+        _Request(f"dim{dims[0][0]}_{dims[0][1]}", tuple(dims), rest=True)
+        for dims in groups.values()
+    ]
 
 
 def _requests(spec: str | None, inputs: tuple) -> list[_Request]:
@@ -148,16 +163,20 @@ def _requests(spec: str | None, inputs: tuple) -> list[_Request]:
         if not m or (m[4] is not None and int(m[4]) < 1):
             raise CaptureError(
                 f"Cannot read {item!r} in the dynamic-shape setting; write auto, none, batch, "
-                "seq, or INPUT:DIM[=NAME][%STEP] items such as 0:0=batch,0:1=seq,0:2=h%16.")
+                "seq, or INPUT:DIM[=NAME][%STEP] items such as 0:0=batch,0:1=seq,0:2=h%16."
+            )
         i, d, name = int(m[1]), int(m[2]), m[3] or f"dim{m[1]}_{m[2]}"
         if i >= len(leaves) or not isinstance(leaves[i], torch.Tensor) or d >= leaves[i].dim():
-            raise CaptureError(f"The dynamic-shape setting names input {i} dim {d}, which the "
-                               "example inputs do not have.")
+            raise CaptureError(
+                f"The dynamic-shape setting names input {i} dim {d}, which the "
+                "example inputs do not have."
+            )
         explicit.setdefault(name, []).append((i, d))
         if m[4] is not None:
             steps[name] = int(m[4])
-    return ([_Request(n, dims) for n, dims in _auto(inputs, names)]
-            + [_Request(n, tuple(dims), steps.get(n)) for n, dims in explicit.items()])
+    return [_Request(n, dims) for n, dims in _auto(inputs, names)] + [
+        _Request(n, tuple(dims), steps.get(n)) for n, dims in explicit.items()
+    ]
 
 
 def parse(spec: str | None, inputs: tuple) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
@@ -189,7 +208,13 @@ def step_rows(x: torch.Tensor) -> str | None:
     high value and one of its low: "head" (high first: a right-padded 0/1 attention mask,
     0/-inf alike), "tail" (high last: a left-padded mask, token_type_ids 0..0 1..1), else
     None. Rows of one value fit both and read as "head"."""
-    if x.dim() < 2 or x.shape[-1] < 2 or x.numel() == 0 or x.is_complex() or x.layout != torch.strided:
+    if (
+        x.dim() < 2
+        or x.shape[-1] < 2
+        or x.numel() == 0
+        or x.is_complex()
+        or x.layout != torch.strided
+    ):
         return None
     lo, hi = x.min(), x.max()
     if bool(lo == hi) or not bool(((x == lo) | (x == hi)).all()):
@@ -218,8 +243,13 @@ def _resize(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
         shape = list(x.shape)
         shape[dim] = n - cur
         y = torch.cat([x, last.expand(shape)], dim)
-    fmt = (torch.channels_last if x.dim() == 4 and not x.is_contiguous()
-           and x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format)
+    fmt = (
+        torch.channels_last
+        if x.dim() == 4
+        and not x.is_contiguous()
+        and x.is_contiguous(memory_format=torch.channels_last)
+        else torch.contiguous_format
+    )
     return y.contiguous(memory_format=fmt)
 
 
@@ -276,9 +306,11 @@ def detect(run, inputs: tuple, spec: str | None = "auto") -> Dynamic:
             continue
         size = leaves[request.dims[0][0]].shape[request.dims[0][1]]
         if any(leaves[i].shape[d] != size for i, d in request.dims):
-            raise CaptureError(f"The dynamic axis {request.name!r} names dimensions of "
-                               "different sizes in the example inputs; give dims that share "
-                               "one size.")
+            raise CaptureError(
+                f"The dynamic axis {request.name!r} names dimensions of "
+                "different sizes in the example inputs; give dims that share "
+                "one size."
+            )
         axis, why = _try(run, inputs, request)
         if axis is not None:
             dyn.axes.append(axis)
@@ -294,8 +326,9 @@ def detect(run, inputs: tuple, spec: str | None = "auto") -> Dynamic:
                 else:
                     static.append(f"input {dim[0]} dim {dim[1]} ({size})")
     if static:
-        dyn.notes.append("kept static, since the model refuses other sizes there: "
-                         + ", ".join(static))
+        dyn.notes.append(
+            "kept static, since the model refuses other sizes there: " + ", ".join(static)
+        )
     return dyn
 
 
@@ -342,8 +375,13 @@ class Expected:
     fixed: tuple[tuple[int, int], ...] = ()
 
 
-def check_inputs(what: str, got: list[Any] | tuple[Any, ...], want: list[Expected],
-                 why_fixed: str, advice: str = "") -> None:
+def check_inputs(
+    what: str,
+    got: list[Any] | tuple[Any, ...],
+    want: list[Expected],
+    why_fixed: str,
+    advice: str = "",
+) -> None:
     """Refuse in one sentence (InputError) the first of `got`, a call's inputs one for one
     with `want`, that is not what `want` says: another rank or dtype, or another size in a
     fixed dim. `why_fixed` says in a few words why a size is fixed; `advice` ends the
@@ -353,19 +391,29 @@ def check_inputs(what: str, got: list[Any] | tuple[Any, ...], want: list[Expecte
         if e.rank is None:
             continue
         if not isinstance(x, torch.Tensor) or x.dim() != e.rank or x.dtype != e.dtype:
-            kind = (f"a {x.dim()}-D {x.dtype} tensor" if isinstance(x, torch.Tensor)
-                    else f"a {type(x).__name__}")
-            raise InputError(f"{what}: input {e.name} must be a {e.rank}-D {e.dtype} tensor, "
-                             f"got {kind}.")
+            kind = (
+                f"a {x.dim()}-D {x.dtype} tensor"
+                if isinstance(x, torch.Tensor)
+                else f"a {type(x).__name__}"
+            )
+            raise InputError(
+                f"{what}: input {e.name} must be a {e.rank}-D {e.dtype} tensor, got {kind}."
+            )
         for d, n in e.fixed:
             if x.shape[d] != n:
-                raise InputError(f"{what}: input {e.name} must have size {n} in dim {d} "
-                                 f"({why_fixed}), got {tuple(x.shape)}"
-                                 + (f"; {advice}" if advice else "") + ".")
+                raise InputError(
+                    f"{what}: input {e.name} must have size {n} in dim {d} "
+                    f"({why_fixed}), got {tuple(x.shape)}" + (f"; {advice}" if advice else "") + "."
+                )
 
 
-def guard(module: torch.nn.Module, inputs: tuple, dyn: Dynamic,
-          what: str = "the optimized model", hint: str = "") -> torch.nn.Module:
+def guard(
+    module: torch.nn.Module,
+    inputs: tuple,
+    dyn: Dynamic,
+    what: str = "the optimized model",
+    hint: str = "",
+) -> torch.nn.Module:
     """`module` (opswap's in-memory result) with a check before each call that refuses, in
     one sentence, inputs it was never claimed at: another number of inputs, another rank
     or dtype, or another size in a dim the capture kept static (`check_inputs`, which the
@@ -373,25 +421,42 @@ def guard(module: torch.nn.Module, inputs: tuple, dyn: Dynamic,
     traces the module, so that it never specialises a symbolic size."""
     leaves, spec = pytree.tree_flatten(list(inputs))
     moving = {d for a in dyn.axes for d in a.dims}
-    names = [n.name for n in getattr(getattr(module, "graph", None), "nodes", ())
-             if n.op == "placeholder"]
+    names = [
+        n.name
+        for n in getattr(getattr(module, "graph", None), "nodes", ())
+        if n.op == "placeholder"
+    ]
     names = names if len(names) == len(leaves) else [f"input {i}" for i in range(len(leaves))]
-    want = [Expected(names[i], x.dim(), x.dtype,
-                     tuple((d, int(n)) for d, n in enumerate(x.shape) if (i, d) not in moving))
-            if isinstance(x, torch.Tensor) else Expected(names[i], None)
-            for i, x in enumerate(leaves)]
+    want = [
+        Expected(
+            names[i],
+            x.dim(),
+            x.dtype,
+            tuple((d, int(n)) for d, n in enumerate(x.shape) if (i, d) not in moving),
+        )
+        if isinstance(x, torch.Tensor)
+        else Expected(names[i], None)
+        for i, x in enumerate(leaves)
+    ]
 
     def check(_mod, args):
         if torch.compiler.is_compiling():
             return
         got, got_spec = pytree.tree_flatten(list(args))
         if got_spec != spec:
-            raise InputError(f"{what} takes {len(want)} input(s) ({', '.join(names)}) as it "
-                             f"was optimized, got {len(args)} argument(s) of another form"
-                             + (f"; it {hint}" if hint else "") + ".")
-        check_inputs(what, got, want, "the model was optimized with that size static",
-                     "optimize it again with an example of that size, or name the dim in "
-                     "--dynamic")
+            raise InputError(
+                f"{what} takes {len(want)} input(s) ({', '.join(names)}) as it "
+                f"was optimized, got {len(args)} argument(s) of another form"
+                + (f"; it {hint}" if hint else "")
+                + "."
+            )
+        check_inputs(
+            what,
+            got,
+            want,
+            "the model was optimized with that size static",
+            "optimize it again with an example of that size, or name the dim in --dynamic",
+        )
 
     module.register_forward_pre_hook(check)
     return module

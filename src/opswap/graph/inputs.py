@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 def fresh(inputs: tuple) -> tuple:
     """A copy of `inputs` whose tensors are new (same values, dtype, device and strides);
     everything else as it is."""
+
     def copy(x):
         if not isinstance(x, torch.Tensor):
             return x

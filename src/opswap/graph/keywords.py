@@ -36,8 +36,12 @@ def split_inputs(value: Any) -> tuple[tuple, dict] | None:
     (args, kwargs) pair whose args are a tuple or list; None for positional inputs."""
     if isinstance(value, Mapping):
         return (), dict(value)
-    if (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], tuple | list)
-            and isinstance(value[1], Mapping)):
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], tuple | list)
+        and isinstance(value[1], Mapping)
+    ):
         return tuple(value[0]), dict(value[1])
     return None
 
@@ -53,12 +57,19 @@ def _check(name: str, value: Any, where: str) -> None:
         return
     inner = ""
     if isinstance(value, tuple | list | Mapping):
-        inner = " holding tensors" if any(isinstance(v, torch.Tensor) for v in (
-            value.values() if isinstance(value, Mapping) else value)) else ""
+        inner = (
+            " holding tensors"
+            if any(
+                isinstance(v, torch.Tensor)
+                for v in (value.values() if isinstance(value, Mapping) else value)
+            )
+            else ""
+        )
     raise OpswapError(
         f"The {name} input in {where} is a {type(value).__name__}{inner}; opswap takes each "
         "tensor as its own argument, and binds bools, numbers, strings and None as "
-        "constants: pass the tensors one by one.")
+        "constants: pass the tensors one by one."
+    )
 
 
 def _forward_names(model: nn.Module) -> list[str]:
@@ -70,8 +81,13 @@ def _forward_names(model: nn.Module) -> list[str]:
 
 
 def _usable(name: Any, taken: set[str]) -> bool:
-    return (isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
-            and name != "self" and name not in taken)
+    return (
+        isinstance(name, str)
+        and name.isidentifier()
+        and not keyword.iskeyword(name)
+        and name != "self"
+        and name not in taken
+    )
 
 
 def _fresh(wish: str, fallback: str, taken: set[str]) -> str:
@@ -105,12 +121,20 @@ def _class_for(layout: Layout) -> type[KeywordCall]:
             call.append(f"{key}={expr}")
         else:  # a keyword no Python name can spell
             call.append(f"**{{{key!r}: {expr}}}")
-    source = (f"def forward(self{''.join(', ' + p for p in params)}):\n"
-              f"    return self.model({', '.join(call)})\n")
+    source = (
+        f"def forward(self{''.join(', ' + p for p in params)}):\n"
+        f"    return self.model({', '.join(call)})\n"
+    )
     namespace: dict[str, Any] = {}
     exec(compile(source, "<opswap.graph.keywords>", "exec"), namespace)  # noqa: S102
-    cls = cast(type[KeywordCall], type("KeywordCall", (KeywordCall,), {
-        "forward": namespace["forward"], "__module__": __name__, "_layout": layout}))
+    cls = cast(
+        type[KeywordCall],
+        type(
+            "KeywordCall",
+            (KeywordCall,),
+            {"forward": namespace["forward"], "__module__": __name__, "_layout": layout},
+        ),
+    )
     _CLASSES[layout] = cls
     return cls
 
@@ -140,22 +164,22 @@ class KeywordCall(nn.Module):
     bound: dict[str, Any]
 
     @staticmethod
-    def wrap(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
-             where: str = "the example inputs") -> tuple[KeywordCall, tuple]:
+    def wrap(
+        model: nn.Module, args: tuple, kwargs: Mapping[str, Any], where: str = "the example inputs"
+    ) -> tuple[KeywordCall, tuple]:
         """(wrapper, positional inputs): the tensors of `args` and `kwargs` in the order the
         wrapper takes them. Raises OpswapError on a value that is neither a tensor nor a
         constant."""
         if not isinstance(model, nn.Module):
-            raise OpswapError(f"Keyword inputs need an nn.Module to call, got "
-                              f"{type(model).__name__}.")
+            raise OpswapError(
+                f"Keyword inputs need an nn.Module to call, got {type(model).__name__}."
+            )
         for name in kwargs:
             if not isinstance(name, str):
-                raise OpswapError(f"Keyword input names in {where} must be strings, got "
-                                  f"{name!r}.")
+                raise OpswapError(f"Keyword input names in {where} must be strings, got {name!r}.")
         names = _forward_names(model)
         # keyword tensors keep their own names; positional ones take the forward's
-        taken = {k for k, v in kwargs.items()
-                            if isinstance(v, torch.Tensor) and _usable(k, set())}
+        taken = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and _usable(k, set())}
         layout: list[tuple[str, str, str | None]] = []
         inputs, bound = [], {}
         for i, value in enumerate(args):
@@ -177,16 +201,18 @@ class KeywordCall(nn.Module):
                 layout.append(("kw", name, None))
                 bound[name] = value
         if not inputs:
-            raise OpswapError(f"{where} hold no tensor; opswap needs at least one tensor input "
-                              "to trace and vary.")
+            raise OpswapError(
+                f"{where} hold no tensor; opswap needs at least one tensor input to trace and vary."
+            )
         return _make(tuple(layout), model, bound), tuple(inputs)
 
     @property
     def order(self) -> list[str]:
         """The inputs in the order forward takes them: the keyword names, and for positional
         inputs the model's parameter names."""
-        return [key if kind == "kw" else param for kind, key, param in self._layout
-                if param is not None]
+        return [
+            key if kind == "kw" else param for kind, key, param in self._layout if param is not None
+        ]
 
     @property
     def keywords(self) -> bool:
@@ -201,8 +227,10 @@ class KeywordCall(nn.Module):
         """One sentence: the positional order the saved model takes, and the constants."""
         text = "takes its inputs positionally in this order: " + ", ".join(self.order)
         if self.bound:
-            consts = ", ".join(f"{k if not k.startswith('#') else 'argument ' + k[1:]}={v!r}"
-                               for k, v in self.bound.items())
+            consts = ", ".join(
+                f"{k if not k.startswith('#') else 'argument ' + k[1:]}={v!r}"
+                for k, v in self.bound.items()
+            )
             text += f" ({consts} bound as {'a constant' if len(self.bound) == 1 else 'constants'})"
         return text
 
@@ -215,11 +243,13 @@ def has_constants(args: Any) -> bool:
     """True when positional inputs hold a value that is not a tensor (a bool, a number, a
     string, None): a graph would bake it in and answer for it whatever is passed later."""
     return isinstance(args, tuple | list) and any(
-        not isinstance(v, torch.Tensor) and _constant(v) for v in args)
+        not isinstance(v, torch.Tensor) and _constant(v) for v in args
+    )
 
 
-def keyword_call(model: nn.Module, example_inputs: Any,
-                 where: str = "the example inputs") -> tuple[nn.Module, Any]:
+def keyword_call(
+    model: nn.Module, example_inputs: Any, where: str = "the example inputs"
+) -> tuple[nn.Module, Any]:
     """(model, inputs) unchanged for positional tensor inputs; (KeywordCall, positional
     tensors) for a dict of keyword inputs, an (args, kwargs) pair, or positional inputs
     that hold constants (bound as constants, so that the optimized model takes only the
@@ -239,7 +269,10 @@ def positional(fn: Any, like: nn.Module) -> Any:
     graphs and other KeywordCalls already do; any other module is wrapped the same way."""
     import torch.fx as fx
 
-    if not isinstance(like, KeywordCall) or isinstance(fn, KeywordCall | fx.GraphModule) \
-            or not isinstance(fn, nn.Module):
+    if (
+        not isinstance(like, KeywordCall)
+        or isinstance(fn, KeywordCall | fx.GraphModule)
+        or not isinstance(fn, nn.Module)
+    ):
         return fn
     return _make(like._layout, fn, dict(like.bound))

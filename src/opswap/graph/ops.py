@@ -86,15 +86,31 @@ def _alias(kind: str, *names: str) -> None:
         _NAME_KINDS[n] = kind
 
 
-_alias("conv", "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "cudnn_convolution",
-       "mkldnn_convolution", "conv_relu")  # conv_relu: opswap::conv_relu, a conv + fused ReLU
+_alias(
+    "conv",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "convolution",
+    "_convolution",
+    "cudnn_convolution",
+    "mkldnn_convolution",
+    "conv_relu",
+)  # conv_relu: opswap::conv_relu, a conv + fused ReLU
 _alias("conv_transpose", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 _alias("linear", "linear")
 _alias("addmm", "addmm")
 _alias("matmul", "matmul", "mm", "bmm", "baddbmm", "addbmm", "einsum", "__matmul__", "dot", "mv")
-_alias("batch_norm", "batch_norm", "_native_batch_norm_legit_no_training",
-       "_native_batch_norm_legit", "native_batch_norm", "_batch_norm_with_update",
-       "_batch_norm_no_update", "cudnn_batch_norm")
+_alias(
+    "batch_norm",
+    "batch_norm",
+    "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit",
+    "native_batch_norm",
+    "_batch_norm_with_update",
+    "_batch_norm_no_update",
+    "cudnn_batch_norm",
+)
 _alias("layer_norm", "layer_norm", "native_layer_norm")
 _alias("group_norm", "group_norm", "native_group_norm")
 _alias("instance_norm", "instance_norm")
@@ -114,21 +130,48 @@ _alias("mish", "mish")
 _alias("softplus", "softplus")
 _alias("softmax", "softmax", "_softmax", "_safe_softmax")
 _alias("log_softmax", "log_softmax", "_log_softmax")
-_alias("max_pool", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
-       "max_pool3d_with_indices")
+_alias(
+    "max_pool",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+    "max_pool2d_with_indices",
+    "max_pool3d_with_indices",
+)
 _alias("avg_pool", "avg_pool1d", "avg_pool2d", "avg_pool3d")
-_alias("adaptive_avg_pool", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
-       "_adaptive_avg_pool2d", "_adaptive_avg_pool3d")
+_alias(
+    "adaptive_avg_pool",
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d",
+    "_adaptive_avg_pool2d",
+    "_adaptive_avg_pool3d",
+)
 _alias("adaptive_max_pool", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")
-_alias("dropout", "dropout", "dropout_", "feature_dropout", "alpha_dropout", "native_dropout",
-       "dropout1d", "dropout2d", "dropout3d")
+_alias(
+    "dropout",
+    "dropout",
+    "dropout_",
+    "feature_dropout",
+    "alpha_dropout",
+    "native_dropout",
+    "dropout1d",
+    "dropout2d",
+    "dropout3d",
+)
 _alias("embedding", "embedding")
 _alias("embedding_bag", "embedding_bag", "_embedding_bag")
 _alias("rnn", "lstm", "gru", "rnn_tanh", "rnn_relu")
 _alias("rnn_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
-_alias("attention", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-       "_scaled_dot_product_cudnn_attention", "multi_head_attention_forward")
+_alias(
+    "attention",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+    "multi_head_attention_forward",
+)
 _alias("add", "add", "add_", "iadd", "__add__", "__radd__")
 _alias("sub", "sub", "sub_", "rsub", "isub", "__sub__", "__rsub__")
 _alias("mul", "mul", "mul_", "imul", "__mul__", "__rmul__")
@@ -192,18 +235,71 @@ _KIND_CATEGORY: dict[str, str] = {}
 for _cat, _kinds in {
     "conv": ["conv", "conv_transpose"],
     "matmul": ["linear", "addmm", "matmul"],
-    "elementwise": ["add", "sub", "mul", "div", "pow", "sqrt", "rsqrt", "exp", "log", "neg",
-                    "abs", "clamp", "erf", "where", "maximum", "to"],
-    "activation": ["relu", "relu6", "leaky_relu", "prelu", "elu", "selu", "celu", "gelu", "silu",
-                   "mish", "sigmoid", "tanh", "hardswish", "hardsigmoid", "hardtanh", "softplus"],
-    "normalization": ["batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm",
-                      "local_response_norm"],
+    "elementwise": [
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "pow",
+        "sqrt",
+        "rsqrt",
+        "exp",
+        "log",
+        "neg",
+        "abs",
+        "clamp",
+        "erf",
+        "where",
+        "maximum",
+        "to",
+    ],
+    "activation": [
+        "relu",
+        "relu6",
+        "leaky_relu",
+        "prelu",
+        "elu",
+        "selu",
+        "celu",
+        "gelu",
+        "silu",
+        "mish",
+        "sigmoid",
+        "tanh",
+        "hardswish",
+        "hardsigmoid",
+        "hardtanh",
+        "softplus",
+    ],
+    "normalization": [
+        "batch_norm",
+        "layer_norm",
+        "group_norm",
+        "instance_norm",
+        "rms_norm",
+        "local_response_norm",
+    ],
     "reduction": ["sum", "mean", "var", "std", "amax", "prod", "norm", "cumsum", "topk", "sort"],
     "softmax": ["softmax", "log_softmax"],
     "pooling": ["max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool"],
-    "data-movement": ["view", "reshape", "flatten", "permute", "transpose", "contiguous",
-                      "squeeze", "expand", "cat", "split", "slice", "pad", "upsample",
-                      "pixel_shuffle", "identity", "dropout"],
+    "data-movement": [
+        "view",
+        "reshape",
+        "flatten",
+        "permute",
+        "transpose",
+        "contiguous",
+        "squeeze",
+        "expand",
+        "cat",
+        "split",
+        "slice",
+        "pad",
+        "upsample",
+        "pixel_shuffle",
+        "identity",
+        "dropout",
+    ],
     "embedding": ["embedding", "embedding_bag"],
     "rnn": ["rnn", "rnn_cell"],
     "attention": ["attention"],

@@ -22,8 +22,22 @@ from torch import nn
 
 from opswap.graph.ops import module_of, raw_name
 
-_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
-                      "imatmul", "iand", "ior", "ixor", "ilshift", "irshift", "setitem"}
+_INPLACE_OPERATORS = {
+    "iadd",
+    "isub",
+    "imul",
+    "itruediv",
+    "ifloordiv",
+    "imod",
+    "ipow",
+    "imatmul",
+    "iand",
+    "ior",
+    "ixor",
+    "ilshift",
+    "irshift",
+    "setitem",
+}
 
 
 def _inplace_flag(node: fx.Node) -> bool:
@@ -67,8 +81,7 @@ def _stateful_module(mod: nn.Module | None) -> bool:
         return True
     if not type(mod).__module__.startswith(("torch.nn", "opswap.")):
         return True
-    return any(m.training and any(True for _ in m.buffers(recurse=False))
-               for m in mod.modules())
+    return any(m.training and any(True for _ in m.buffers(recurse=False)) for m in mod.modules())
 
 
 def is_impure(node: fx.Node) -> bool:

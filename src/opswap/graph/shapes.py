@@ -94,7 +94,7 @@ def _shape_prop(gm: fx.GraphModule, inputs: tuple) -> None:
             ShapeProp(gm).propagate(*inputs)
     except RuntimeError as e:
         text = printed.getvalue()
-        sys.stderr.write(text[:text.find(_PRINTED)] if _PRINTED in text else text)
+        sys.stderr.write(text[: text.find(_PRINTED)] if _PRINTED in text else text)
         cause = e.__cause__
         if str(e).startswith("ShapeProp error") and isinstance(cause, Exception):
             raise cause from None

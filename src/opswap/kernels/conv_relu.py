@@ -47,9 +47,15 @@ def mkldnn_fused_available() -> bool:
     return _MKLDNN_FUSED is not None and torch.backends.mkldnn.is_available()
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
-              groups: int) -> torch.Tensor:
+def reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
     """The plain computation every kernel must match: conv, then ReLU."""
     conv = _CONV[weight.dim() - 2]
     y = conv(x, weight, bias, list(stride), list(padding), list(dilation), groups)
@@ -64,15 +70,19 @@ def _onednn_weight(x, weight, stride, padding, dilation, groups) -> torch.Tensor
     packed = weight
     if _MKLDNN_REORDER is not None and weight.dim() == 4:
         with torch.no_grad():
-            packed = _MKLDNN_REORDER(weight.detach(), list(padding), list(stride),
-                                     list(dilation), groups, list(x.shape))
+            packed = _MKLDNN_REORDER(
+                weight.detach(), list(padding), list(stride), list(dilation), groups, list(x.shape)
+            )
     _PACKED[weight] = (key, packed)
     return packed
 
 
 def _strides(shape: Sequence[int], channels_last: bool) -> list[int]:
-    order = [1, *range(len(shape) - 1, 1, -1), 0] if channels_last else \
-        list(range(len(shape) - 1, -1, -1))  # innermost first
+    order = (
+        [1, *range(len(shape) - 1, 1, -1), 0]
+        if channels_last
+        else list(range(len(shape) - 1, -1, -1))
+    )  # innermost first
     strides, step = [0] * len(shape), 1
     for d in order:
         strides[d] = step
@@ -83,8 +93,11 @@ def _strides(shape: Sequence[int], channels_last: bool) -> list[int]:
 def _like_reference(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The output in the memory format and strides the reference conv gives (what the fake
     op promises to the compiler), copying only when the layout really differs."""
-    channels_last = (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-                     and not x.is_contiguous())
+    channels_last = (
+        x.dim() == 4
+        and x.is_contiguous(memory_format=torch.channels_last)
+        and not x.is_contiguous()
+    )
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     y = y.contiguous(memory_format=fmt)
     want = _strides(y.shape, channels_last)
@@ -93,31 +106,48 @@ def _like_reference(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("opswap::conv_relu", mutates_args=())
-def conv_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
-              groups: int) -> torch.Tensor:
+def conv_relu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
     """relu(conv(x, weight, bias, stride, padding, dilation, groups)); zero padding."""
     return reference(x, weight, bias, stride, padding, dilation, groups)
 
 
 @conv_relu.register_kernel("cpu")
 def _cpu(x, weight, bias, stride, padding, dilation, groups):
-    if (x.dim() == weight.dim() and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and mkldnn_fused_available()):
+    if (
+        x.dim() == weight.dim()
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and mkldnn_fused_available()
+    ):
         w = _onednn_weight(x, weight, stride, padding, dilation, groups)
-        y = _MKLDNN_FUSED(x, w, bias, list(padding), list(stride), list(dilation), groups,
-                          "relu", [], "")
+        y = _MKLDNN_FUSED(
+            x, w, bias, list(padding), list(stride), list(dilation), groups, "relu", [], ""
+        )
         return _like_reference(y, x)
     return reference(x, weight, bias, stride, padding, dilation, groups)
 
 
 @conv_relu.register_kernel("cuda")
 def _cuda(x, weight, bias, stride, padding, dilation, groups):
-    if (_CUDNN_FUSED is not None and x.dim() == 4 and weight.dim() == 4
-            and torch.backends.cudnn.enabled and x.dtype == torch.float32
-            and weight.dtype == torch.float32):
-        return _like_reference(_CUDNN_FUSED(x, weight, bias, list(stride), list(padding),
-                                            list(dilation), groups), x)
+    if (
+        _CUDNN_FUSED is not None
+        and x.dim() == 4
+        and weight.dim() == 4
+        and torch.backends.cudnn.enabled
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+    ):
+        return _like_reference(
+            _CUDNN_FUSED(x, weight, bias, list(stride), list(padding), list(dilation), groups), x
+        )
     return reference(x, weight, bias, stride, padding, dilation, groups)
 
 
@@ -144,11 +174,24 @@ def _backward(ctx, grad):
     x, weight, out = ctx.saved_tensors
     stride, padding, dilation, groups = ctx.conv
     g = grad * (out > 0).to(grad.dtype)
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-            ctx.has_bias and ctx.needs_input_grad[2]]
+    mask = [
+        ctx.needs_input_grad[0],
+        ctx.needs_input_grad[1],
+        ctx.has_bias and ctx.needs_input_grad[2],
+    ]
     gx, gw, gb = torch.ops.aten.convolution_backward(
-        g, x, weight, [weight.shape[0]] if ctx.has_bias else None, stride, padding, dilation,
-        False, [0] * (weight.dim() - 2), groups, mask)
+        g,
+        x,
+        weight,
+        [weight.shape[0]] if ctx.has_bias else None,
+        stride,
+        padding,
+        dilation,
+        False,
+        [0] * (weight.dim() - 2),
+        groups,
+        mask,
+    )
     return gx, gw, gb if ctx.has_bias else None, None, None, None, None
 
 

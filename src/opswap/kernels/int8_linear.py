@@ -68,14 +68,16 @@ def _quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _rescale(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
+def _rescale(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     y = acc.to(torch.float32).mul_(x_scale).mul_(w_scale)
     return y.add_(bias) if bias is not None else y
 
 
-def reference(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+def reference(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """The op's math with the integer product done in float32: what every kernel matches."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).float()
@@ -104,8 +106,9 @@ def direct(x, wq, w_scale, bias) -> torch.Tensor:
 
 
 @torch.library.custom_op("opswap::int8_linear", mutates_args=())
-def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x @ dequant(wq) with x quantised to int8 per row on the fly; wq is [K, N] int8."""
     return direct(x, wq, w_scale, bias)
 

@@ -43,8 +43,9 @@ def _looks_like_path(text: str) -> bool:
     return text.startswith((".", "~", "/")) or "/" in text or os.sep in text
 
 
-def load(spec: str, overrides: Mapping[str, str] | None = None,
-         weights: str | os.PathLike | None = None) -> LoadedModel:
+def load(
+    spec: str, overrides: Mapping[str, str] | None = None, weights: str | os.PathLike | None = None
+) -> LoadedModel:
     """Load the model a spec names, with overrides applied and, when given, the tensors of
     a weights file copied in; raises SpecError on a bad spec or a file that does not fit."""
     if not isinstance(spec, str) or not spec.strip():
@@ -55,8 +56,10 @@ def load(spec: str, overrides: Mapping[str, str] | None = None,
         return _build(spec, opts)
     path = os.path.expanduser(os.fspath(weights))
     if spec.endswith(".pt2"):
-        raise SpecError(f"{spec} is a saved program that carries its own weights; drop "
-                        f"--weights {path}, or give a spec that builds the architecture.")
+        raise SpecError(
+            f"{spec} is a saved program that carries its own weights; drop "
+            f"--weights {path}, or give a spec that builds the architecture."
+        )
     from opswap.models.weights import read_state_dict
 
     tensors = read_state_dict(path)  # a missing or unsafe file fails before the build
@@ -126,8 +129,11 @@ def _build(spec: str, opts: dict) -> LoadedModel:
 
         return load_checkpoint(os.path.expanduser(spec), spec, opts)
     if spec.endswith((".pt", ".pth", ".bin", ".safetensors", ".ckpt")):
-        raise _bad(spec, "a weights file holds no model code; export the model with "
-                         "torch.export.save to .pt2, or build it in a file.py:function")
+        raise _bad(
+            spec,
+            "a weights file holds no model code; export the model with "
+            "torch.export.save to .pt2, or build it in a file.py:function",
+        )
     if sep and not path.endswith(".py") and prefix not in ("zoo", "hf", "torchvision", "timm"):
         raise _bad(spec, f"unknown source '{prefix}'")
     raise _bad(spec, "no source prefix")

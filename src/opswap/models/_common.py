@@ -118,7 +118,9 @@ def resolve_kwargs(fn: Callable, overrides: dict[str, Any], where: str) -> dict[
     for key in overrides:
         if key not in defaults:
             raise unknown_key_error(key, where, list(defaults))
-    return {k: coerce(k, overrides[k], d, where) if k in overrides else d for k, d in defaults.items()}
+    return {
+        k: coerce(k, overrides[k], d, where) if k in overrides else d for k, d in defaults.items()
+    }
 
 
 def positive(where: str, **values: int) -> None:
@@ -144,11 +146,17 @@ def as_input_tuple(value: Any, where: str) -> tuple[torch.Tensor, ...]:
     """Normalise example inputs to a tuple of tensors, or explain what is wrong."""
     if isinstance(value, torch.Tensor):
         return (value,)
-    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+    if (
+        isinstance(value, (tuple, list))
+        and value
+        and all(isinstance(v, torch.Tensor) for v in value)
+    ):
         return tuple(value)
     kinds = type(value).__name__
     if isinstance(value, (tuple, list)):
-        kinds += " of " + ", ".join(sorted({type(v).__name__ for v in value})) if value else " (empty)"
+        kinds += (
+            " of " + ", ".join(sorted({type(v).__name__ for v in value})) if value else " (empty)"
+        )
     raise SpecError(
         f"Example inputs from {where} must be a tensor or a tuple of tensors "
         f"(the positional arguments of forward), got {kinds}."

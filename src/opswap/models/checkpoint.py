@@ -55,7 +55,9 @@ def _scan(path: str) -> set[str]:
     try:
         archive = zipfile.ZipFile(path)
     except zipfile.BadZipFile as e:
-        raise SpecError(f"{path} is not a torch.export archive (not a zip file); save it with torch.export.save.") from e
+        raise SpecError(
+            f"{path} is not a torch.export archive (not a zip file); save it with torch.export.save."
+        ) from e
     with archive:
         names = archive.namelist()
         programs = [n for n in names if n.endswith("models/model.json")]
@@ -70,7 +72,9 @@ def _scan(path: str) -> set[str]:
                 continue
             table = json.loads(archive.read(name)).get("config", {})
             for fqn, meta in table.items():
-                if meta.get("use_pickle") or not str(meta.get("path_name", "")).startswith(_RAW_PREFIXES):
+                if meta.get("use_pickle") or not str(meta.get("path_name", "")).startswith(
+                    _RAW_PREFIXES
+                ):
                     raise _refuse(path, f"'{fqn}' is a pickled object ({meta.get('path_name')})")
     return types
 
@@ -115,15 +119,18 @@ def _register_tree_types(path: str, types: set[str]) -> None:
             try:
                 importlib.import_module(module)
             except ImportError as e:
-                raise SpecError(f"{path} returns {library} classes "
-                                f"({', '.join(t for t in missing if t.startswith(library + '.'))}); "
-                                f"install {library} to load it ({e}).") from e
+                raise SpecError(
+                    f"{path} returns {library} classes "
+                    f"({', '.join(t for t in missing if t.startswith(library + '.'))}); "
+                    f"install {library} to load it ({e})."
+                ) from e
     unknown = [t for t in missing if t not in known]
     if unknown:
         raise SpecError(
             f"{path} returns {unknown[0]}, a class torch's pytree does not know in this process; "
             f"import the module that defines and registers it ({unknown[0].rpartition('.')[0]}) "
-            f"before loading (opswap itself imports only {', '.join(_MODULES_NAMED)}).")
+            f"before loading (opswap itself imports only {', '.join(_MODULES_NAMED)})."
+        )
 
 
 @contextlib.contextmanager
@@ -195,8 +202,10 @@ def read_program(path: str):
             f"with torch.export.save, or load the model through a file.py:function spec."
         )
     if stored[1]:
-        raise SpecError(f"{path} was exported with keyword inputs ({', '.join(stored[1])}); "
-                        f"opswap passes inputs positionally.")
+        raise SpecError(
+            f"{path} was exported with keyword inputs ({', '.join(stored[1])}); "
+            f"opswap passes inputs positionally."
+        )
     return program
 
 
@@ -221,5 +230,11 @@ def load_checkpoint(path: str, spec: str, overrides: dict[str, Any]) -> LoadedMo
     program = read_program(path)
     inputs = as_input_tuple(tuple(program.example_inputs[0]), path)
     name = os.path.splitext(os.path.basename(path))[0]
-    return LoadedModel(name=name, spec=spec, source="checkpoint", module=program_module(program),
-                       example_inputs=inputs, description=f"exported program loaded from {path}")
+    return LoadedModel(
+        name=name,
+        spec=spec,
+        source="checkpoint",
+        module=program_module(program),
+        example_inputs=inputs,
+        description=f"exported program loaded from {path}",
+    )

@@ -90,12 +90,17 @@ def _with_inputs(module: nn.Module, raw: Any, where: str) -> tuple[nn.Module, tu
 def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
     """Import `path`, call `function`, and return its module with example inputs."""
     if not function.isidentifier():
-        raise SpecError(f"'{function}' in {spec} is not a Python function name; write file.py:function.")
+        raise SpecError(
+            f"'{function}' in {spec} is not a Python function name; write file.py:function."
+        )
     user = _import_file(path)
     fn = getattr(user, function, None)
     if fn is None or not callable(fn):
-        found = sorted(n for n, v in vars(user).items()
-                       if inspect.isfunction(v) and not n.startswith("_") and v.__module__ == user.__name__)
+        found = sorted(
+            n
+            for n, v in vars(user).items()
+            if inspect.isfunction(v) and not n.startswith("_") and v.__module__ == user.__name__
+        )
         raise SpecError(
             f"{path} defines no function '{function}'"
             + (f"; it defines: {', '.join(found)}." if found else ".")
@@ -107,7 +112,9 @@ def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) ->
     if not var_kw:
         for key in overrides:
             if key not in names:
-                raise unknown_key_error(key, f"{spec} (the parameters of {function})", sorted(names))
+                raise unknown_key_error(
+                    key, f"{spec} (the parameters of {function})", sorted(names)
+                )
     result = _call(fn, _kwargs_for(fn, overrides), f"{function}() in {path}")
 
     where = f"{function}() in {path}"
@@ -118,14 +125,23 @@ def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) ->
                 f"{where} returned a module without inputs; return (module, example_inputs) or "
                 f"define example_inputs (a function or a tuple of tensors) in {path}."
             )
-        raw = _call(provider, _kwargs_for(provider, overrides), f"example_inputs() in {path}") \
-            if callable(provider) else provider
+        raw = (
+            _call(provider, _kwargs_for(provider, overrides), f"example_inputs() in {path}")
+            if callable(provider)
+            else provider
+        )
         wrapped, inputs = _with_inputs(module, raw, f"example_inputs in {path}")
-    elif isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], nn.Module):
+    elif (
+        isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], nn.Module)
+    ):
         module = result[0]
         wrapped, inputs = _with_inputs(module, result[1], where)
-    elif (isinstance(result, (tuple, list)) and len(result) == 3 and isinstance(result[0], nn.Module)
-          and isinstance(result[2], dict)):
+    elif (
+        isinstance(result, (tuple, list))
+        and len(result) == 3
+        and isinstance(result[0], nn.Module)
+        and isinstance(result[2], dict)
+    ):
         module, args = result[0], result[1]
         args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
         wrapped, inputs = _with_inputs(module, (args, result[2]), where)
@@ -139,8 +155,10 @@ def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) ->
     wrapped.training = False
     settings = {k: v for k, v in builder_defaults(fn).items() if k in names}
     if was_training:
-        settings["mode"] = ("eval: the function returned a module in training mode, and "
-                            "opswap loads every spec for inference")
+        settings["mode"] = (
+            "eval: the function returned a module in training mode, and "
+            "opswap loads every spec for inference"
+        )
     settings.update(overrides)
     if isinstance(wrapped, KeywordCall):
         settings["inputs"] = wrapped.order
@@ -148,6 +166,12 @@ def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) ->
             settings["constants"] = dict(wrapped.bound)
     stem = os.path.splitext(os.path.basename(path))[0]
     doc = (inspect.getdoc(fn) or "").split("\n")[0]
-    return LoadedModel(name=f"{stem}:{function}", spec=spec, source="file", module=wrapped,
-                       example_inputs=inputs, description=doc or f"{function}() from {path}",
-                       settings=settings)
+    return LoadedModel(
+        name=f"{stem}:{function}",
+        spec=spec,
+        source="file",
+        module=wrapped,
+        example_inputs=inputs,
+        description=doc or f"{function}() from {path}",
+        settings=settings,
+    )

@@ -54,58 +54,152 @@ from opswap.models.hf_inputs import input_names, make_inputs
 _INSTALL = "pip install 'opswap[hf]'"
 
 # Small sizes shared by the text presets: 2 layers, hidden 64, 4 heads, vocab 1000.
-_TEXT = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-             intermediate_size=128, max_position_embeddings=128)
-_DECODER = dict(_TEXT, num_key_value_heads=2, use_cache=False, bos_token_id=1, eos_token_id=2,
-                pad_token_id=0)
+_TEXT = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=128,
+)
+_DECODER = dict(
+    _TEXT, num_key_value_heads=2, use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0
+)
 
 # model_type -> (kind, Auto class name, small config, one-line description): hand-tuned
 # small configs, kept as they were before the generic path existed.
 _PRESETS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "bert": ("encoder", "AutoModel", dict(_TEXT), "BERT encoder (with pooler)"),
-    "roberta": ("encoder", "AutoModel", dict(_TEXT, pad_token_id=1),
-                "RoBERTa encoder (with pooler)"),
-    "distilbert": ("encoder", "AutoModel",
-                   dict(vocab_size=1000, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
-                        max_position_embeddings=128),
-                   "DistilBERT encoder"),
-    "gpt2": ("decoder", "AutoModelForCausalLM",
-             dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                  use_cache=False, bos_token_id=1, eos_token_id=2),
-             "GPT-2 decoder with LM head"),
-    "llama": ("decoder", "AutoModelForCausalLM", dict(_DECODER),
-              "LLaMA decoder with LM head (GQA 4:2)"),
+    "roberta": (
+        "encoder",
+        "AutoModel",
+        dict(_TEXT, pad_token_id=1),
+        "RoBERTa encoder (with pooler)",
+    ),
+    "distilbert": (
+        "encoder",
+        "AutoModel",
+        dict(
+            vocab_size=1000,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=128,
+            max_position_embeddings=128,
+        ),
+        "DistilBERT encoder",
+    ),
+    "gpt2": (
+        "decoder",
+        "AutoModelForCausalLM",
+        dict(
+            vocab_size=1000,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            use_cache=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "GPT-2 decoder with LM head",
+    ),
+    "llama": (
+        "decoder",
+        "AutoModelForCausalLM",
+        dict(_DECODER),
+        "LLaMA decoder with LM head (GQA 4:2)",
+    ),
     "mistral": ("decoder", "AutoModelForCausalLM", dict(_DECODER), "Mistral decoder with LM head"),
     "qwen2": ("decoder", "AutoModelForCausalLM", dict(_DECODER), "Qwen2 decoder with LM head"),
-    "vit": ("vision", "AutoModelForImageClassification",
-            dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, intermediate_size=128, num_labels=10),
-            "ViT image classifier"),
-    "resnet": ("vision", "AutoModelForImageClassification",
-               dict(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
-                    layer_type="basic", num_labels=10),
-               "ResNet image classifier (basic blocks)"),
-    "mobilenet_v2": ("vision", "AutoModelForImageClassification",
-                     dict(image_size=32, depth_multiplier=0.35, num_labels=10),
-                     "MobileNetV2 image classifier"),
-    "convnext": ("vision", "AutoModelForImageClassification",
-                 dict(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], image_size=32,
-                      num_labels=10),
-                 "ConvNeXt image classifier"),
+    "vit": (
+        "vision",
+        "AutoModelForImageClassification",
+        dict(
+            image_size=32,
+            patch_size=8,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            num_labels=10,
+        ),
+        "ViT image classifier",
+    ),
+    "resnet": (
+        "vision",
+        "AutoModelForImageClassification",
+        dict(
+            embedding_size=16,
+            hidden_sizes=[16, 32, 64, 128],
+            depths=[1, 1, 1, 1],
+            layer_type="basic",
+            num_labels=10,
+        ),
+        "ResNet image classifier (basic blocks)",
+    ),
+    "mobilenet_v2": (
+        "vision",
+        "AutoModelForImageClassification",
+        dict(image_size=32, depth_multiplier=0.35, num_labels=10),
+        "MobileNetV2 image classifier",
+    ),
+    "convnext": (
+        "vision",
+        "AutoModelForImageClassification",
+        dict(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], image_size=32, num_labels=10),
+        "ConvNeXt image classifier",
+    ),
 }
 
 # Types the generic path builds that `opswap optimize hf:TYPE --target cpu` was run on
 # and verified (see docs/models.md for the runs), with their kind.
 _CHECKED: dict[str, str] = {
-    **dict.fromkeys(("albert", "electra", "deberta-v2", "deberta", "mpnet", "xlm-roberta",
-                     "roformer"), "encoder"),
-    **dict.fromkeys(("phi", "phi3", "gemma", "gemma2", "qwen3", "opt", "gpt_neox", "falcon",
-                     "bloom", "gptj", "codegen", "stablelm", "olmo", "granite", "starcoder2",
-                     "mixtral"), "decoder"),
-    **dict.fromkeys(("t5", "mt5", "bart", "mbart", "marian", "pegasus", "m2m_100",
-                     "blenderbot-small"), "encoder-decoder"),
-    **dict.fromkeys(("swin", "swinv2", "deit", "beit", "dinov2", "convnextv2", "mobilenet_v1",
-                     "regnet", "levit", "segformer", "poolformer"), "vision"),
+    **dict.fromkeys(
+        ("albert", "electra", "deberta-v2", "deberta", "mpnet", "xlm-roberta", "roformer"),
+        "encoder",
+    ),
+    **dict.fromkeys(
+        (
+            "phi",
+            "phi3",
+            "gemma",
+            "gemma2",
+            "qwen3",
+            "opt",
+            "gpt_neox",
+            "falcon",
+            "bloom",
+            "gptj",
+            "codegen",
+            "stablelm",
+            "olmo",
+            "granite",
+            "starcoder2",
+            "mixtral",
+        ),
+        "decoder",
+    ),
+    **dict.fromkeys(
+        ("t5", "mt5", "bart", "mbart", "marian", "pegasus", "m2m_100", "blenderbot-small"),
+        "encoder-decoder",
+    ),
+    **dict.fromkeys(
+        (
+            "swin",
+            "swinv2",
+            "deit",
+            "beit",
+            "dinov2",
+            "convnextv2",
+            "mobilenet_v1",
+            "regnet",
+            "levit",
+            "segformer",
+            "poolformer",
+        ),
+        "vision",
+    ),
     **dict.fromkeys(("clip", "siglip", "chinese_clip", "altclip"), "vision-text"),
 }
 
@@ -185,16 +279,23 @@ def _module_class(names: tuple[str, ...]) -> type:
     """The HFModule subclass whose forward takes `names` in that order."""
     if names not in _CLASSES:
         if not names or not all(n.isidentifier() and n in _INPUT_NAMES for n in names):
-            raise ValueError(f"HFModule inputs must be some of {', '.join(_INPUT_NAMES)}, got {names}.")
+            raise ValueError(
+                f"HFModule inputs must be some of {', '.join(_INPUT_NAMES)}, got {names}."
+            )
         params = ", ".join(names)
         call = ", ".join(f"{n}={n}" for n in names)
         scope: dict[str, Any] = {}
         # A generated def (as dataclasses and namedtuple do) is what gives forward real
         # parameter names; the names come from the fixed set above.
-        exec(f"def forward(self, {params}):\n"
-             f"    return _flat(self.model({call}, return_dict=False))\n", {"_flat": _flat}, scope)
-        _CLASSES[names] = type("HFModule", (HFModule,), {"forward": scope["forward"],
-                                                         "__module__": __name__})
+        exec(
+            f"def forward(self, {params}):\n"
+            f"    return _flat(self.model({call}, return_dict=False))\n",
+            {"_flat": _flat},
+            scope,
+        )
+        _CLASSES[names] = type(
+            "HFModule", (HFModule,), {"forward": scope["forward"], "__module__": __name__}
+        )
     return _CLASSES[names]
 
 
@@ -205,7 +306,7 @@ def _first_line(e: BaseException) -> str:
         return type(e).__name__
     first = text.splitlines()[0]
     if ". " in first:  # transformers' ImportErrors go on with install hints
-        first = first[:first.index(". ")]
+        first = first[: first.index(". ")]
     return f"{type(e).__name__}: {first.rstrip('.:')[:200]}"
 
 
@@ -221,8 +322,17 @@ def _check_config_keys(config_overrides: dict[str, Any], config, where: str) -> 
     fields = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
     for key in config_overrides:
         if key not in fields:
-            examples = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                    "vocab_size", "num_labels") if k in fields]
+            examples = [
+                k
+                for k in (
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "vocab_size",
+                    "num_labels",
+                )
+                if k in fields
+            ]
             raise SpecError(
                 f"Unknown override '{key}' for {where}; accepted keys: "
                 f"{', '.join(_INPUT_KEYS)}, or any {type(config).__name__} field"
@@ -264,12 +374,14 @@ def _plan(tf, model_type: str, where: str) -> tuple[str, str, dict[str, Any], st
         raise SpecError(
             f"Unknown Hugging Face model type '{model_type}' (transformers {tf.__version__} "
             f"has no such type; {hint}opswap has checked {', '.join(list_hf_types())}; or give "
-            f"hf:PATH to a local checkpoint directory).")
+            f"hf:PATH to a local checkpoint directory)."
+        )
     try:
         default = tf.AutoConfig.for_model(model_type)
     except Exception as e:
-        raise SpecError(f"transformers could not make a default config for {where} "
-                        f"({_first_line(e)}).") from e
+        raise SpecError(
+            f"transformers could not make a default config for {where} ({_first_line(e)})."
+        ) from e
     kind, auto = hf_small.kind(model_type, default)
     small = hf_small.shrink(default)
     fields = set(default.to_dict())
@@ -293,8 +405,9 @@ def _merge(small: dict[str, Any], overrides: dict[str, Any], config) -> dict[str
     return out
 
 
-def _build_config(tf, model_type: str, config_overrides: dict[str, Any], size: str,
-                  image: int | None, where: str):
+def _build_config(
+    tf, model_type: str, config_overrides: dict[str, Any], size: str, image: int | None, where: str
+):
     """(config, kind, Auto class name, description) that `hf:model_type` builds."""
     kind, auto, small, description = _plan(tf, model_type, where)
     if size == "full":
@@ -304,16 +417,21 @@ def _build_config(tf, model_type: str, config_overrides: dict[str, Any], size: s
     try:
         config = tf.AutoConfig.for_model(model_type, **small)
     except Exception as e:
-        raise SpecError(f"transformers refused the small config opswap made for {where} "
-                        f"({_first_line(e)}); try --set size=full.") from e
+        raise SpecError(
+            f"transformers refused the small config opswap made for {where} "
+            f"({_first_line(e)}); try --set size=full."
+        ) from e
     _check_config_keys(config_overrides, config, where)
-    coerced = {k: coerce(k, v, getattr(config, k, None), where) for k, v in config_overrides.items()}
+    coerced = {
+        k: coerce(k, v, getattr(config, k, None), where) for k, v in config_overrides.items()
+    }
     if coerced:
         try:
             config = tf.AutoConfig.for_model(model_type, **_merge(small, coerced, config))
         except Exception as e:
-            raise SpecError(f"transformers refused these overrides for {where} "
-                            f"({_first_line(e)}).") from e
+            raise SpecError(
+                f"transformers refused these overrides for {where} ({_first_line(e)})."
+            ) from e
     if image is not None and "image_size" not in small:
         vision = getattr(config, "vision_config", None)
         for c in (config, vision):
@@ -363,7 +481,8 @@ def load_hf_type(model_type: str, spec: str, overrides: dict[str, Any]) -> Loade
     batch, seq, image, attn, seed, mask = _shape_settings(inputs, where)
     size = _size(inputs, where)
     config, kind, auto_name, description = _build_config(
-        tf, model_type, config_overrides, size, image if "image_size" in inputs else None, where)
+        tf, model_type, config_overrides, size, image if "image_size" in inputs else None, where
+    )
     _check_lengths(config, seq, where)
     image = _image_size(config, inputs, image)
     _model_class_hint(tf, model_type, auto_name, config)
@@ -372,10 +491,13 @@ def load_hf_type(model_type: str, spec: str, overrides: dict[str, Any]) -> Loade
         try:
             model = auto.from_config(config, attn_implementation=attn)
         except ImportError as e:
-            raise SpecError(f"{where} needs a package that is not installed ({_first_line(e)}).") from e
+            raise SpecError(
+                f"{where} needs a package that is not installed ({_first_line(e)})."
+            ) from e
         except Exception as e:
-            raise SpecError(f"transformers could not build {where} with these settings "
-                            f"({_first_line(e)}).") from e
+            raise SpecError(
+                f"transformers could not build {where} with these settings ({_first_line(e)})."
+            ) from e
         if kind == "encoder" and getattr(model, "main_input_name", "") == "pixel_values":
             kind = "vision"
         names = input_names(model, kind, mask, where)
@@ -384,12 +506,27 @@ def load_hf_type(model_type: str, spec: str, overrides: dict[str, Any]) -> Loade
     _try_call(wrapped, example, names, where)
     if model_type not in _PRESETS:
         description = f"{type(model).__name__} ({kind}, {size} config)"
-    settings = dict(config_overrides, batch=batch, seq=seq, image_size=image,
-                    attn_implementation=attn, seed=seed, mask="padded" if mask else "none",
-                    size=size, kind=kind, inputs=list(names))
-    return LoadedModel(name=model_type, spec=spec, source="hf", module=wrapped,
-                       example_inputs=example, description=f"{description}, random weights",
-                       settings=settings)
+    settings = dict(
+        config_overrides,
+        batch=batch,
+        seq=seq,
+        image_size=image,
+        attn_implementation=attn,
+        seed=seed,
+        mask="padded" if mask else "none",
+        size=size,
+        kind=kind,
+        inputs=list(names),
+    )
+    return LoadedModel(
+        name=model_type,
+        spec=spec,
+        source="hf",
+        module=wrapped,
+        example_inputs=example,
+        description=f"{description}, random weights",
+        settings=settings,
+    )
 
 
 def _try_call(module: nn.Module, example: tuple, names: tuple[str, ...], where: str) -> None:
@@ -398,9 +535,11 @@ def _try_call(module: nn.Module, example: tuple, names: tuple[str, ...], where: 
         with torch.no_grad():
             module(*example)
     except Exception as e:
-        raise SpecError(f"{where} failed on the inputs opswap makes for it ({', '.join(names)}): "
-                        f"{_first_line(e)}; load it through a file.py:function spec that "
-                        "returns (model, inputs).") from e
+        raise SpecError(
+            f"{where} failed on the inputs opswap makes for it ({', '.join(names)}): "
+            f"{_first_line(e)}; load it through a file.py:function spec that "
+            "returns (model, inputs)."
+        ) from e
 
 
 def _check_lengths(config, seq: int, where: str) -> None:
@@ -408,5 +547,6 @@ def _check_lengths(config, seq: int, where: str) -> None:
         for field in ("max_position_embeddings", "n_positions"):
             limit = getattr(c, field, None) if c is not None else None
             if isinstance(limit, int) and 0 < limit < seq:  # xlnet's -1 means no limit
-                raise SpecError(f"Override seq for {where} is {seq} but {field} is {limit}; "
-                                f"raise {field} too.")
+                raise SpecError(
+                    f"Override seq for {where} is {seq} but {field} is {limit}; raise {field} too."
+                )

@@ -61,14 +61,17 @@ def input_names(model, kind: str, mask: bool, where: str) -> tuple[str, ...]:
     if main != expected and not (kind == "vision-text" and main == "pixel_values"):
         raise SpecError(
             f"{where} takes '{main}', an input opswap cannot make from a config; load it through "
-            f"a file.py:function spec that returns (model, inputs).")
+            f"a file.py:function spec that returns (model, inputs)."
+        )
     text = _text_config(model.config)
     names = []
     for name in _ORDER[kind]:
         if name not in params:
             if name in ("input_ids", "pixel_values"):
-                raise SpecError(f"{where}'s forward takes no {name}, so opswap cannot call it; "
-                                "load it through a file.py:function spec that returns (model, inputs).")
+                raise SpecError(
+                    f"{where}'s forward takes no {name}, so opswap cannot call it; "
+                    "load it through a file.py:function spec that returns (model, inputs)."
+                )
             continue
         if name == "attention_mask" and not mask:
             continue
@@ -90,8 +93,9 @@ def padded_mask(batch: int, seq: int) -> torch.Tensor:
     return (torch.arange(seq).unsqueeze(0) < keep).to(torch.int64)
 
 
-def make_inputs(names: tuple[str, ...], config, batch: int, seq: int, image: int,
-                where: str) -> tuple[torch.Tensor, ...]:
+def make_inputs(
+    names: tuple[str, ...], config, batch: int, seq: int, image: int, where: str
+) -> tuple[torch.Tensor, ...]:
     """One tensor per name, drawn from torch's global generator (the caller seeds it)."""
     text, vision = _text_config(config), _vision_config(config)
     mask = padded_mask(batch, seq)

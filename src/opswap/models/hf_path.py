@@ -54,13 +54,19 @@ def _read_config(path: str) -> dict[str, Any]:
         with open(file, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(
-            e, json.JSONDecodeError) else ""
-        raise SpecError(f"{file} is not valid JSON{where}; save the checkpoint again with "
-                        "save_pretrained.") from e
+        where = (
+            f" (line {e.lineno}, column {e.colno}: {e.msg})"
+            if isinstance(e, json.JSONDecodeError)
+            else ""
+        )
+        raise SpecError(
+            f"{file} is not valid JSON{where}; save the checkpoint again with save_pretrained."
+        ) from e
     if not isinstance(data, dict):
-        raise SpecError(f"{file} holds a JSON {type(data).__name__}, not the object "
-                        "save_pretrained writes; save the checkpoint again.")
+        raise SpecError(
+            f"{file} holds a JSON {type(data).__name__}, not the object "
+            "save_pretrained writes; save the checkpoint again."
+        )
     return data
 
 
@@ -69,14 +75,18 @@ def _check_model_type(tf, data: dict[str, Any], path: str) -> None:
 
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise SpecError(f"{path}/config.json names no model_type, so transformers cannot tell "
-                        "which architecture to build; save the checkpoint with save_pretrained.")
+        raise SpecError(
+            f"{path}/config.json names no model_type, so transformers cannot tell "
+            "which architecture to build; save the checkpoint with save_pretrained."
+        )
     if model_type not in CONFIG_MAPPING_NAMES:
         close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise SpecError(f"{path}/config.json has model_type '{model_type}', which transformers "
-                        f"{tf.__version__} does not know{hint}; fix the config or upgrade "
-                        "transformers.")
+        raise SpecError(
+            f"{path}/config.json has model_type '{model_type}', which transformers "
+            f"{tf.__version__} does not know{hint}; fix the config or upgrade "
+            "transformers."
+        )
 
 
 def _check_safetensors(path: str, files: list[str]) -> None:
@@ -90,9 +100,11 @@ def _check_safetensors(path: str, files: list[str]) -> None:
             with safe_open(os.path.join(path, name), framework="pt") as f:
                 f.keys()
         except Exception as e:  # SafetensorError, OSError
-            raise SpecError(f"{name} in {path} cannot be read as a safetensors file "
-                            f"({_first_line(e)}); it may be truncated: save or copy the "
-                            "checkpoint again.") from e
+            raise SpecError(
+                f"{name} in {path} cannot be read as a safetensors file "
+                f"({_first_line(e)}); it may be truncated: save or copy the "
+                "checkpoint again."
+            ) from e
 
 
 def _listed(keys: list[str]) -> str:
@@ -127,7 +139,9 @@ def _quiet(tf) -> Iterator[None]:
 def load_hf_path(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
     """Load a local checkpoint directory saved with save_pretrained, for inference."""
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SpecError(f"{path} is not a Hugging Face checkpoint directory: it has no config.json.")
+        raise SpecError(
+            f"{path} is not a Hugging Face checkpoint directory: it has no config.json."
+        )
     files = os.listdir(path)
     has_safetensors = any(f.endswith(".safetensors") for f in files)
     has_bin = any(f.endswith(".bin") for f in files)
@@ -138,7 +152,9 @@ def load_hf_path(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel
     overrides = dict(overrides)
     missing_ok = overrides.pop("missing", "refuse")
     if missing_ok not in _MISSING:
-        raise SpecError(f"Override missing for {where} must be refuse or random, got {missing_ok!r}.")
+        raise SpecError(
+            f"Override missing for {where} must be refuse or random, got {missing_ok!r}."
+        )
     inputs, config_overrides = _split(overrides)
     if "size" in inputs:
         raise SpecError(f"Override size does not apply to {where}: a checkpoint has its own sizes.")
@@ -149,7 +165,9 @@ def load_hf_path(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel
     try:
         config = tf.AutoConfig.from_pretrained(path)
     except Exception as e:  # a config transformers' own checks reject
-        raise SpecError(f"transformers could not read {path}/config.json ({_first_line(e)}).") from e
+        raise SpecError(
+            f"transformers could not read {path}/config.json ({_first_line(e)})."
+        ) from e
     saved_cache = _no_cache(config)
     _check_config_keys(config_overrides, config, where)
     for key, value in config_overrides.items():
@@ -161,9 +179,14 @@ def load_hf_path(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel
     cls = cls or tf.AutoModel
     try:
         with _quiet(tf):
-            model, info = cls.from_pretrained(path, config=config, attn_implementation=attn,
-                                              use_safetensors=has_safetensors,
-                                              weights_only=True, output_loading_info=True)
+            model, info = cls.from_pretrained(
+                path,
+                config=config,
+                attn_implementation=attn,
+                use_safetensors=has_safetensors,
+                weights_only=True,
+                output_loading_info=True,
+            )
     except pickle.UnpicklingError as e:
         raise SpecError(
             f"{path} holds a .bin file with pickled objects other than tensors, which opswap "
@@ -178,7 +201,8 @@ def load_hf_path(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel
         raise SpecError(
             f"{path} does not hold every tensor of {type(model).__name__}: {len(missing)} missing "
             f"key{'s' if len(missing) > 1 else ''} ({_listed(missing)}), which would be left "
-            "random — save the whole model, or --set missing=random to load it so.")
+            "random — save the whole model, or --set missing=random to load it so."
+        )
     kind = hf_small.kind(getattr(config, "model_type", ""), config)[0]
     if kind == "encoder" and getattr(model, "main_input_name", "") == "pixel_values":
         kind = "vision"
@@ -187,9 +211,17 @@ def load_hf_path(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel
     with seeded(seed):
         example = make_inputs(names, config, batch, seq, image, where)
     name = os.path.basename(os.path.normpath(path))
-    settings = dict(config_overrides, batch=batch, seq=seq, image_size=image,
-                    attn_implementation=attn, seed=seed, mask="padded" if mask else "none",
-                    kind=kind, inputs=list(names))
+    settings = dict(
+        config_overrides,
+        batch=batch,
+        seq=seq,
+        image_size=image,
+        attn_implementation=attn,
+        seed=seed,
+        mask="padded" if mask else "none",
+        kind=kind,
+        inputs=list(names),
+    )
     if saved_cache is not None:
         settings.setdefault("use_cache", config.use_cache)
         settings["checkpoint_use_cache"] = saved_cache
@@ -200,5 +232,12 @@ def load_hf_path(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel
     unused = sorted(info.get("unexpected_keys") or ())
     if unused:
         settings["unused_weights"] = unused
-    return LoadedModel(name=name, spec=spec, source="hf", module=wrapped, example_inputs=example,
-                       description=description, settings=settings)
+    return LoadedModel(
+        name=name,
+        spec=spec,
+        source="hf",
+        module=wrapped,
+        example_inputs=example,
+        description=description,
+        settings=settings,
+    )

@@ -33,27 +33,72 @@ HIDDEN, HEAD_DIM, FFN, VOCAB, POSITIONS, LAYERS = 64, 16, 128, 1000, 128, 2
 IMAGE, PATCH, MAX_WIDTH, EXPERTS, EXPERTS_PER_TOKEN = 32, 8, 128, 4, 2
 
 # Names transformers uses for one role, beside what `attribute_map` says.
-_LAYERS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers",
-           "decoder_layers", "num_decoder_layers", "num_encoder_layers")
+_LAYERS = (
+    "num_hidden_layers",
+    "n_layer",
+    "n_layers",
+    "num_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+)
 _HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim")
-_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
-          "decoder_attention_heads")
+_HEADS = (
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+)
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 _HEAD_DIM = ("head_dim", "d_kv", "kv_channels")
-_FFN = ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "hidden_dim", "encoder_ffn_dim",
-        "decoder_ffn_dim", "ffn_hidden_size")
+_FFN = (
+    "intermediate_size",
+    "ffn_dim",
+    "d_ff",
+    "n_inner",
+    "hidden_dim",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "ffn_hidden_size",
+)
 _MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 _VOCAB = ("vocab_size", "decoder_vocab_size")
-_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions",
-              "max_source_positions", "original_max_position_embeddings")
-_MULTIPLIERS = {"depth_multiplier": 0.35, "width_coefficient": 0.25, "depth_coefficient": 0.5,
-                "width_multiplier": 0.5}
+_POSITIONS = (
+    "max_position_embeddings",
+    "n_positions",
+    "n_ctx",
+    "max_target_positions",
+    "max_source_positions",
+    "original_max_position_embeddings",
+)
+_MULTIPLIERS = {
+    "depth_multiplier": 0.35,
+    "width_coefficient": 0.25,
+    "depth_coefficient": 0.5,
+    "width_multiplier": 0.5,
+}
 # Integer fields named like a width: shrunk when they held the old hidden, head,
 # feed-forward or patch size.
 _WIDTH_WORDS = ("size", "dim", "embd", "proj", "scalar", "stride", "width")
-_NOT_WIDTH = ("vocab", "position", "token", "label", "layer", "bucket", "window", "image",
-              "chunk", "kernel", "num_", "max_", "group")
+_NOT_WIDTH = (
+    "vocab",
+    "position",
+    "token",
+    "label",
+    "layer",
+    "bucket",
+    "window",
+    "image",
+    "chunk",
+    "kernel",
+    "num_",
+    "max_",
+    "group",
+)
 
 
 def _fields(config) -> dict[str, Any]:
@@ -128,8 +173,10 @@ def shrink(config) -> dict[str, Any]:
     if widths is not None:
         for n in f.find("num_attention_heads", _HEADS):
             if _ints(f.get(n)) and len(f.get(n)) == len(widths):
-                out[n] = [_divisor(w, min(h, max(1, w // HEAD_DIM)))
-                          for w, h in zip(widths, f.get(n), strict=True)]
+                out[n] = [
+                    _divisor(w, min(h, max(1, w // HEAD_DIM)))
+                    for w, h in zip(widths, f.get(n), strict=True)
+                ]
     else:
         _transformer(f, out, old)
     _tables(f, out)
@@ -141,8 +188,13 @@ def shrink(config) -> dict[str, Any]:
                 _scaled_widths(f, f.get(n), out[n], out)
     _groups(f, out)
     for n, v in f.values.items():
-        if n not in out and _is_int(v) and v in old and any(w in n for w in _WIDTH_WORDS) \
-                and not any(w in n for w in _NOT_WIDTH):
+        if (
+            n not in out
+            and _is_int(v)
+            and v in old
+            and any(w in n for w in _WIDTH_WORDS)
+            and not any(w in n for w in _NOT_WIDTH)
+        ):
             out[n] = old[v]
     if "vocab_size" in out:
         _fit_token_ids(f.values, out["vocab_size"], out)
@@ -168,7 +220,7 @@ def _stage_widths(f: _Fields, staged: bool, out: dict[str, Any]) -> list[int] | 
     if staged and name == "embed_dim":
         stages = len(f.get("depths"))
         out["embed_dim"] = _round8(h0 / math.ceil(h0 * 2 ** (stages - 1) / MAX_WIDTH))
-        return [out["embed_dim"] * 2 ** i for i in range(stages)]
+        return [out["embed_dim"] * 2**i for i in range(stages)]
     return None
 
 
@@ -197,8 +249,13 @@ def _scaled_widths(f: _Fields, was: float, now: float, out: dict[str, Any]) -> N
     rounded as round_filters rounds (to depth_divisor, never below 90%)."""
     divisor = f.get("depth_divisor") if _is_int(f.get("depth_divisor")) else 8
     for n, v in f.values.items():
-        if n in out or not _is_int(v) or v <= 0 or not any(w in n for w in ("dim", "size")) \
-                or any(w in n for w in _NOT_WIDTH):
+        if (
+            n in out
+            or not _is_int(v)
+            or v <= 0
+            or not any(w in n for w in ("dim", "size"))
+            or any(w in n for w in _NOT_WIDTH)
+        ):
             continue
         base = v / was
         if base != int(base):
@@ -231,8 +288,9 @@ def _transformer(f: _Fields, out: dict[str, Any], old: dict[int, int]) -> None:
         for n in f.ints("num_attention_heads", _HEADS):
             out[n] = heads
         head_dim = hidden // heads
-        hd0 = next((f.get(n) for n in f.ints("head_dim", _HEAD_DIM)),
-                   h0 // heads0 if heads0 else None)
+        hd0 = next(
+            (f.get(n) for n in f.ints("head_dim", _HEAD_DIM)), h0 // heads0 if heads0 else None
+        )
         for n in f.find("head_dim", _HEAD_DIM):
             out[n] = head_dim  # also where None stood for hidden // heads
         if hd0:
@@ -339,8 +397,10 @@ def kind(model_type: str, config) -> tuple[str, str]:
     if getattr(config, "is_encoder_decoder", False):
         seq2seq = model_type in m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
         return "encoder-decoder", "AutoModelForSeq2SeqLM" if seq2seq else "AutoModel"
-    if (model_type in m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-            and model_type not in m.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+    if (
+        model_type in m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type not in m.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    ):
         return "decoder", "AutoModelForCausalLM"
     if model_type in m.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         return "vision", "AutoModelForImageClassification"

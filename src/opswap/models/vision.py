@@ -63,17 +63,31 @@ def load_torchvision(name: str, spec: str, overrides: dict[str, Any]) -> LoadedM
         close = [m for m in known if name.lower()[:4] in m][:8]
         raise SpecError(
             f"torchvision has no model '{name}'"
-            + (f"; close names: {', '.join(close)}." if close else "; see torchvision.models.list_models().")
+            + (
+                f"; close names: {', '.join(close)}."
+                if close
+                else "; see torchvision.models.list_models()."
+            )
         )
     with seeded(settings["seed"]):
         try:
-            model = tv.models.get_model(name, weights=None, **_builder_kwargs(settings, ("num_classes",)))
+            model = tv.models.get_model(
+                name, weights=None, **_builder_kwargs(settings, ("num_classes",))
+            )
         except (TypeError, ValueError) as e:
             raise SpecError(f"torchvision could not build {name} with these settings: {e}") from e
-        inputs = (torch.randn(settings["batch"], 3, settings["image_size"], settings["image_size"]),)
-    return LoadedModel(name=name, spec=spec, source="torchvision", module=model.eval(),
-                       example_inputs=inputs, description=f"torchvision {name}, random weights",
-                       settings=settings)
+        inputs = (
+            torch.randn(settings["batch"], 3, settings["image_size"], settings["image_size"]),
+        )
+    return LoadedModel(
+        name=name,
+        spec=spec,
+        source="torchvision",
+        module=model.eval(),
+        example_inputs=inputs,
+        description=f"torchvision {name}, random weights",
+        settings=settings,
+    )
 
 
 def load_timm(name: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
@@ -88,12 +102,19 @@ def load_timm(name: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
         )
     with seeded(settings["seed"]):
         try:
-            model = timm.create_model(name, pretrained=False,
-                                      **_builder_kwargs(settings, ("num_classes", "in_chans")))
+            model = timm.create_model(
+                name, pretrained=False, **_builder_kwargs(settings, ("num_classes", "in_chans"))
+            )
         except (TypeError, ValueError) as e:
             raise SpecError(f"timm could not build {name} with these settings: {e}") from e
         size = settings["image_size"]
         inputs = (torch.randn(settings["batch"], settings["in_chans"], size, size),)
-    return LoadedModel(name=name, spec=spec, source="timm", module=model.eval(),
-                       example_inputs=inputs, description=f"timm {name}, random weights",
-                       settings=settings)
+    return LoadedModel(
+        name=name,
+        spec=spec,
+        source="timm",
+        module=model.eval(),
+        example_inputs=inputs,
+        description=f"timm {name}, random weights",
+        settings=settings,
+    )

@@ -45,7 +45,7 @@ class Fit:
     def key(self, k: str) -> str | None:
         if not k.startswith(self.strip):
             return None
-        return self.add + k[len(self.strip):]
+        return self.add + k[len(self.strip) :]
 
     def describe(self) -> str:
         parts = []
@@ -62,8 +62,10 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
     if not os.path.isfile(path):
         raise SpecError(f"Weights file {path} does not exist; check the path after --weights.")
     if path.endswith(".pt2"):
-        raise SpecError(f"{name} is a saved program, not a weights file; give it as the model "
-                        "spec itself (it carries its weights).")
+        raise SpecError(
+            f"{name} is a saved program, not a weights file; give it as the model "
+            "spec itself (it carries its weights)."
+        )
     if path.endswith(".safetensors") or _looks_like_safetensors(path):
         return _read_safetensors(path)
     try:
@@ -74,13 +76,18 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
             raise SpecError(
                 f"{name} holds a pickled {found[1]}, which opswap does not unpickle; save "
                 "model.state_dict() alone (or convert the file to safetensors with code you "
-                "trust).") from e
+                "trust)."
+            ) from e
         why = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
-        raise SpecError(f"{name} is neither a safetensors file nor a torch.save file of "
-                        f"tensors ({why[1].strip() if why else 'unreadable pickle'}).") from e
+        raise SpecError(
+            f"{name} is neither a safetensors file nor a torch.save file of "
+            f"tensors ({why[1].strip() if why else 'unreadable pickle'})."
+        ) from e
     except Exception as e:  # torch raises RuntimeError, KeyError, EOFError ... on non-checkpoints
-        raise SpecError(f"{name} is neither a safetensors file nor a torch.save file "
-                        f"({type(e).__name__}: {str(e)[:120]}).") from e
+        raise SpecError(
+            f"{name} is neither a safetensors file nor a torch.save file "
+            f"({type(e).__name__}: {str(e)[:120]})."
+        ) from e
     return _tensors_only(data, name)
 
 
@@ -96,8 +103,10 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     try:
         from safetensors.torch import load_file
     except ImportError as e:
-        raise SpecError(f"Reading {name} needs the safetensors package; install it with "
-                        "pip install safetensors.") from e
+        raise SpecError(
+            f"Reading {name} needs the safetensors package; install it with "
+            "pip install safetensors."
+        ) from e
     try:
         return load_file(path, device="cpu")
     except Exception as e:  # SafetensorError on a damaged or foreign file
@@ -106,14 +115,17 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
 
 def _tensors_only(data: Any, name: str) -> dict[str, torch.Tensor]:
     if not isinstance(data, Mapping):
-        raise SpecError(f"{name} holds a {type(data).__name__}, not a state dict; save "
-                        "model.state_dict() to it.")
+        raise SpecError(
+            f"{name} holds a {type(data).__name__}, not a state dict; save "
+            "model.state_dict() to it."
+        )
     for key, value in data.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
             hint = " (a training checkpoint?)" if isinstance(value, Mapping) else ""
             raise SpecError(
                 f"{name} holds {key!r} (a {type(value).__name__}) besides tensors{hint}; save "
-                "model.state_dict() alone.")
+                "model.state_dict() alone."
+            )
     return dict(data)
 
 
@@ -179,14 +191,20 @@ def _hint(pairs: list[tuple[str, int, int, str]], sizes: Mapping[str, Any]) -> s
     pairs and the builder's integer knobs. A size points at the knob holding it; when
     several hold it (intermediate_size and max_position_embeddings both 128), at the one
     sharing a word with the tensor's name; a knob is named only when it gets one value."""
-    knobs = {k: v for k, v in sizes.items()
-             if isinstance(v, int) and not isinstance(v, bool) and v > 0 and k not in _NOT_SIZES}
+    knobs = {
+        k: v
+        for k, v in sizes.items()
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0 and k not in _NOT_SIZES
+    }
     found: dict[str, set[int]] = {}
     for kind, have, want, key in pairs:
         if kind == "dim" and have == 1:
             continue
-        names = [k for k, v in knobs.items() if v == have
-                 and bool(_LAYERISH.search(k)) == (kind == "count")]
+        names = [
+            k
+            for k, v in knobs.items()
+            if v == have and bool(_LAYERISH.search(k)) == (kind == "count")
+        ]
         if len(names) > 1:
             words = set(re.split(r"[._]", key.lower())) - _GENERIC
             names = [k for k in names if words & set(k.lower().split("_"))]
@@ -195,9 +213,14 @@ def _hint(pairs: list[tuple[str, int, int, str]], sizes: Mapping[str, Any]) -> s
     return " ".join(f"--set {k}={next(iter(v))}" for k, v in found.items() if len(v) == 1)
 
 
-def _refuse_split_ties(ties: Mapping[str, set[str]], mapped: Mapping[str, torch.Tensor],
-                       file_key: Mapping[str | None, str], name: str, where: str,
-                       module: nn.Module) -> None:
+def _refuse_split_ties(
+    ties: Mapping[str, set[str]],
+    mapped: Mapping[str, torch.Tensor],
+    file_key: Mapping[str | None, str],
+    name: str,
+    where: str,
+    module: nn.Module,
+) -> None:
     """Refuse a file holding different values under names the model ties into one tensor:
     load_state_dict would copy each into it in turn, the last one winning."""
     for key in mapped:
@@ -208,16 +231,25 @@ def _refuse_split_ties(ties: Mapping[str, set[str]], mapped: Mapping[str, torch.
         if differ:
             a, b = file_key[key], file_key[differ[0]]
             config = getattr(module, "config", None)
-            untie = (" (--set tie_word_embeddings=false)"
-                     if hasattr(config, "tie_word_embeddings") else "")
+            untie = (
+                " (--set tie_word_embeddings=false)"
+                if hasattr(config, "tie_word_embeddings")
+                else ""
+            )
             raise SpecError(
                 f"{name} holds different tensors for {a} and {b}, which {where} ties into one "
                 f"(loading both would keep one and lose the other) — build the model with "
-                f"them untied{untie}, or save one tensor for both.")
+                f"them untied{untie}, or save one tensor for both."
+            )
 
 
-def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], path: str, where: str,
-                 sizes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def load_weights(
+    module: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    path: str,
+    where: str,
+    sizes: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Copy `tensors` (read from `path` by read_state_dict) into `module`, in place and in
     the module's dtypes.
 
@@ -239,10 +271,18 @@ def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], path: s
         else:
             mapped[mk] = v
     ties = _tie_groups(module)
-    missing = [k for k in model_state if k not in mapped and not (ties.get(k, {k}) & mapped.keys())
-               and not k.endswith("num_batches_tracked")]  # an eval-mode no-op counter
-    mismatched = [k for k, t in model_state.items()
-                  if k in mapped and tuple(mapped[k].shape) != tuple(t.shape)]
+    missing = [
+        k
+        for k in model_state
+        if k not in mapped
+        and not (ties.get(k, {k}) & mapped.keys())
+        and not k.endswith("num_batches_tracked")
+    ]  # an eval-mode no-op counter
+    mismatched = [
+        k
+        for k, t in model_state.items()
+        if k in mapped and tuple(mapped[k].shape) != tuple(t.shape)
+    ]
     if missing or unexpected or mismatched:
         parts = []
         if missing:
@@ -251,8 +291,9 @@ def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], path: s
             parts.append(_listed(len(unexpected), "unexpected key", unexpected))
         pairs: list[tuple[str, int, int, str]] = []
         if mismatched:
-            shown = [f"{k}: file {_size(mapped[k])}, model {_size(model_state[k])}"
-                     for k in mismatched]
+            shown = [
+                f"{k}: file {_size(mapped[k])}, model {_size(model_state[k])}" for k in mismatched
+            ]
             parts.append(_listed(len(mismatched), "shape mismatch", shown))
             for k in mismatched:
                 a, b = model_state[k].shape, mapped[k].shape
@@ -260,27 +301,40 @@ def load_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], path: s
                     pairs += [("dim", x, y, k) for x, y in zip(a, b, strict=True) if x != y]
         file_counts = _block_counts(fit.key(k) or k for k in tensors)
         model_counts = _block_counts(model_state)
-        blocks = [(p, model_counts[p], n) for p, n in file_counts.items()
-                  if p in model_counts and model_counts[p] != n]
+        blocks = [
+            (p, model_counts[p], n)
+            for p, n in file_counts.items()
+            if p in model_counts and model_counts[p] != n
+        ]
         for p, have, want in blocks[:1]:
             parts.append(f"the file has {want} {p} blocks, the model {have}")
         pairs += [("count", have, want, p) for p, have, want in blocks]
         how = f" (its keys read with {fit.describe()})" if fit.describe() else ""
         hint = _hint(pairs, sizes or {}) if pairs else ""
-        heads = [k for k in (sizes or {}) if "heads" in k and "kv" not in k and "key_value" not in k]
+        heads = [
+            k for k in (sizes or {}) if "heads" in k and "kv" not in k and "key_value" not in k
+        ]
         widths = re.search(r"--set (?!\w*layer)\w*(hidden|dim|embd|d_model)\w*=", hint)
         if widths and heads:  # the weights' shapes say nothing of how they split into heads
             hint += f" (and {heads[0]}, which the weights do not show)"
-        advice = ("build the model with the file's sizes, e.g. " + hint if hint else
-                  "build the model with the file's sizes (--set KEY=VALUE)" if pairs else
-                  "check that the file was saved from this architecture")
+        advice = (
+            "build the model with the file's sizes, e.g. " + hint
+            if hint
+            else "build the model with the file's sizes (--set KEY=VALUE)"
+            if pairs
+            else "check that the file was saved from this architecture"
+        )
         raise SpecError(f"{name} does not fit {where}{how}: {', '.join(parts)} — {advice}.")
     _refuse_split_ties(ties, mapped, {fit.key(k): k for k in tensors}, name, where, module)
     with torch.no_grad():
         module.load_state_dict(mapped, strict=False)
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in tensors.values()})
-    return {"file": path, "tensors": len(tensors), "keys": fit.describe() or "as saved",
-            "file_dtypes": dtypes}
+    return {
+        "file": path,
+        "tensors": len(tensors),
+        "keys": fit.describe() or "as saved",
+        "file_dtypes": dtypes,
+    }
 
 
 def describe_record(record: Mapping[str, Any]) -> str:
@@ -288,5 +342,7 @@ def describe_record(record: Mapping[str, Any]) -> str:
     settings["weights"]: 'weights: FILE (N tensors, stored as float32)'."""
     n = record["tensors"]
     keys = f", keys read with {record['keys']}" if record["keys"] != "as saved" else ""
-    return (f"weights: {record['file']} ({n} tensor{'' if n == 1 else 's'}{keys}, "
-            f"stored as {', '.join(record['file_dtypes'])})")
+    return (
+        f"weights: {record['file']} ({n} tensor{'' if n == 1 else 's'}{keys}, "
+        f"stored as {', '.join(record['file_dtypes'])})"
+    )

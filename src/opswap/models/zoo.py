@@ -41,20 +41,46 @@ class ZooEntry:
 
 
 _ENTRIES = (
-    ZooEntry("resnet", "ResNet-style CNN: Conv+BN+ReLU, residual blocks, Linear+BatchNorm1d head",
-             (4, 9, 11, 13), resnet),
-    ZooEntry("mobilenet", "MobileNetV2/V3-style CNN: inverted residuals, depthwise conv, "
-             "squeeze-excitation, ReLU6/hardswish/hardsigmoid", (4, 9, 11, 13), mobilenet),
-    ZooEntry("bert", "BERT-style encoder with hand-written attention, LayerNorm and GELU",
-             (4, 8, 9, 10, 14, 16), bert),
-    ZooEntry("gpt", "LLaMA-style decoder: hand-written RMSNorm, rotary, causal attention, "
-             "SiLU-gated MLP", (8, 9, 10, 16, 29), gpt),
-    ZooEntry("seq", "Recurrent classifier: LSTM then GRU, Linear head on the last step",
-             (19,), seq_model),
-    ZooEntry("recsys", "DLRM-style recommender: embedding tables, bag pooling, MLPs, sigmoid",
-             (18,), recsys),
-    ZooEntry("largekernel", "CNN with 7x7/11x11/13x13 and 5x5 convs, max/avg/adaptive pooling",
-             (5, 11, 13), largekernel),
+    ZooEntry(
+        "resnet",
+        "ResNet-style CNN: Conv+BN+ReLU, residual blocks, Linear+BatchNorm1d head",
+        (4, 9, 11, 13),
+        resnet,
+    ),
+    ZooEntry(
+        "mobilenet",
+        "MobileNetV2/V3-style CNN: inverted residuals, depthwise conv, "
+        "squeeze-excitation, ReLU6/hardswish/hardsigmoid",
+        (4, 9, 11, 13),
+        mobilenet,
+    ),
+    ZooEntry(
+        "bert",
+        "BERT-style encoder with hand-written attention, LayerNorm and GELU",
+        (4, 8, 9, 10, 14, 16),
+        bert,
+    ),
+    ZooEntry(
+        "gpt",
+        "LLaMA-style decoder: hand-written RMSNorm, rotary, causal attention, SiLU-gated MLP",
+        (8, 9, 10, 16, 29),
+        gpt,
+    ),
+    ZooEntry(
+        "seq", "Recurrent classifier: LSTM then GRU, Linear head on the last step", (19,), seq_model
+    ),
+    ZooEntry(
+        "recsys",
+        "DLRM-style recommender: embedding tables, bag pooling, MLPs, sigmoid",
+        (18,),
+        recsys,
+    ),
+    ZooEntry(
+        "largekernel",
+        "CNN with 7x7/11x11/13x13 and 5x5 convs, max/avg/adaptive pooling",
+        (5, 11, 13),
+        largekernel,
+    ),
 )
 ZOO: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}
 
@@ -71,5 +97,12 @@ def load_zoo(name: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
         raise SpecError(f"Unknown zoo model '{name}'; the zoo has: {', '.join(ZOO)}.")
     kwargs = resolve_kwargs(entry.builder, overrides, f"zoo:{name}")
     module, inputs = entry.builder(**kwargs)
-    return LoadedModel(name=name, spec=spec, source="zoo", module=module, example_inputs=inputs,
-                       description=entry.description, settings=kwargs)
+    return LoadedModel(
+        name=name,
+        spec=spec,
+        source="zoo",
+        module=module,
+        example_inputs=inputs,
+        description=entry.description,
+        settings=kwargs,
+    )

@@ -74,7 +74,9 @@ class ResNet(nn.Module):
         self.conv1, self.bn1 = _conv_bn(in_channels, width, 3)
         self.relu = nn.ReLU()
         self.layer1 = BasicBlock(width, width)
-        self.layer2 = nn.Sequential(BasicBlock(width, 2 * width, stride=2), BasicBlock(2 * width, 2 * width))
+        self.layer2 = nn.Sequential(
+            BasicBlock(width, 2 * width, stride=2), BasicBlock(2 * width, 2 * width)
+        )
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc1 = nn.Linear(2 * width, 4 * width)
         self.bn_fc = nn.BatchNorm1d(4 * width)
@@ -89,8 +91,14 @@ class ResNet(nn.Module):
         return self.fc(x)
 
 
-def resnet(batch: int = 2, image_size: int = 32, width: int = 16, num_classes: int = 10,
-           in_channels: int = 3, seed: int = 0):
+def resnet(
+    batch: int = 2,
+    image_size: int = 32,
+    width: int = 16,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    seed: int = 0,
+):
     """ResNet-style CNN (chapters 4, 9, 11, 13).
 
     Patterns: 8 Conv2d directly followed by BatchNorm2d (stem, two per basic block,
@@ -98,8 +106,14 @@ def resnet(batch: int = 2, image_size: int = 32, width: int = 16, num_classes: i
     3 residual adds each followed by ReLU; AdaptiveAvgPool2d(1) + flatten (global
     pooling); Linear directly followed by BatchNorm1d (Linear+BN fold); final Linear.
     """
-    positive("zoo:resnet", batch=batch, image_size=image_size, width=width,
-             num_classes=num_classes, in_channels=in_channels)
+    positive(
+        "zoo:resnet",
+        batch=batch,
+        image_size=image_size,
+        width=width,
+        num_classes=num_classes,
+        in_channels=in_channels,
+    )
     with seeded(seed):
         model = ResNet(in_channels, width, num_classes)
         realistic_batchnorm(model)
@@ -132,7 +146,9 @@ class InvertedResidual(nn.Module):
         super().__init__()
         hidden = cin * expand
         self.expand = nn.Sequential(*_conv_bn(cin, hidden, 1), nn.ReLU6())
-        self.depthwise = nn.Sequential(*_conv_bn(hidden, hidden, 3, stride, groups=hidden), nn.Hardswish())
+        self.depthwise = nn.Sequential(
+            *_conv_bn(hidden, hidden, 3, stride, groups=hidden), nn.Hardswish()
+        )
         self.se = SqueezeExcite(hidden, max(8, hidden // 4)) if se else nn.Identity()
         self.project = nn.Sequential(*_conv_bn(hidden, cout, 1))
         self.residual = stride == 1 and cin == cout
@@ -160,8 +176,14 @@ class MobileNet(nn.Module):
         return self.classifier(torch.flatten(self.pool(x), 1))
 
 
-def mobilenet(batch: int = 2, image_size: int = 32, width: int = 16, num_classes: int = 10,
-              in_channels: int = 3, seed: int = 0):
+def mobilenet(
+    batch: int = 2,
+    image_size: int = 32,
+    width: int = 16,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    seed: int = 0,
+):
     """MobileNetV2/V3-style CNN (chapters 4, 9, 11, 13).
 
     Patterns: 3 inverted residual blocks with a 1x1 expand Conv+BN+ReLU6, a 3x3
@@ -170,8 +192,14 @@ def mobilenet(batch: int = 2, image_size: int = 32, width: int = 16, num_classes
     (AdaptiveAvgPool2d -> 1x1 Conv -> ReLU -> 1x1 Conv -> Hardsigmoid -> mul);
     2 residual adds; global average pooling and a Linear classifier.
     """
-    positive("zoo:mobilenet", batch=batch, image_size=image_size, width=width,
-             num_classes=num_classes, in_channels=in_channels)
+    positive(
+        "zoo:mobilenet",
+        batch=batch,
+        image_size=image_size,
+        width=width,
+        num_classes=num_classes,
+        in_channels=in_channels,
+    )
     with seeded(seed):
         model = MobileNet(in_channels, width, num_classes)
         realistic_batchnorm(model)
@@ -214,8 +242,14 @@ class LargeKernelNet(nn.Module):
         return self.fc2(self.fc_relu(self.fc1(x)))
 
 
-def largekernel(batch: int = 2, image_size: int = 64, width: int = 16, num_classes: int = 10,
-                in_channels: int = 3, seed: int = 0):
+def largekernel(
+    batch: int = 2,
+    image_size: int = 64,
+    width: int = 16,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    seed: int = 0,
+):
     """CNN with large kernels and every pooling flavour (chapters 5, 11, 13).
 
     Patterns: dense 7x7 stride-2 stem Conv+BN+ReLU; 13x13 depthwise Conv+BN in a
@@ -223,10 +257,17 @@ def largekernel(batch: int = 2, image_size: int = 64, width: int = 16, num_class
     3x3 target); 7x7 depthwise Conv; MaxPool2d(3, stride 2), AvgPool2d(2),
     AdaptiveMaxPool2d(4), and a global AdaptiveAvgPool2d(1) + Linear-ReLU-Linear head.
     """
-    positive("zoo:largekernel", batch=batch, width=width, num_classes=num_classes,
-             in_channels=in_channels)
+    positive(
+        "zoo:largekernel",
+        batch=batch,
+        width=width,
+        num_classes=num_classes,
+        in_channels=in_channels,
+    )
     if image_size < 32:
-        raise SpecError(f"Override image_size for zoo:largekernel must be at least 32, got {image_size}.")
+        raise SpecError(
+            f"Override image_size for zoo:largekernel must be at least 32, got {image_size}."
+        )
     with seeded(seed):
         model = LargeKernelNet(in_channels, width, num_classes)
         realistic_batchnorm(model)

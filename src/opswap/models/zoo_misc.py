@@ -23,15 +23,22 @@ class RecurrentClassifier(nn.Module):
         return self.head(h[:, -1])
 
 
-def seq_model(batch: int = 4, seq: int = 20, features: int = 16, hidden: int = 32,
-        num_classes: int = 5, seed: int = 0):
+def seq_model(
+    batch: int = 4,
+    seq: int = 20,
+    features: int = 16,
+    hidden: int = 32,
+    num_classes: int = 5,
+    seed: int = 0,
+):
     """Recurrent classifier on [batch, seq, features] (chapter 19).
 
     Patterns: an nn.LSTM and an nn.GRU (batch_first, one layer each; fused-cell and
     RNN -> Transformer targets), the last time step taken with x[:, -1], a Linear head.
     """
-    positive("zoo:seq", batch=batch, seq=seq, features=features, hidden=hidden,
-             num_classes=num_classes)
+    positive(
+        "zoo:seq", batch=batch, seq=seq, features=features, hidden=hidden, num_classes=num_classes
+    )
     with seeded(seed):
         model = RecurrentClassifier(features, hidden, num_classes)
         return model.eval(), (torch.randn(batch, seq, features),)
@@ -50,8 +57,16 @@ def _mlp(sizes: list[int]) -> nn.Sequential:
 class Recommender(nn.Module):
     """Two one-hot tables, two multi-hot bag tables, a dense-feature MLP, and a top MLP."""
 
-    def __init__(self, users: int, items: int, categories: int, tags: int, embedding_dim: int,
-                 bag_dim: int, dense_features: int):
+    def __init__(
+        self,
+        users: int,
+        items: int,
+        categories: int,
+        tags: int,
+        embedding_dim: int,
+        bag_dim: int,
+        dense_features: int,
+    ):
         super().__init__()
         self.user = nn.Embedding(users, embedding_dim)
         self.item = nn.Embedding(items, embedding_dim)
@@ -61,8 +76,14 @@ class Recommender(nn.Module):
         top_in = 3 * embedding_dim + 2 * bag_dim
         self.top = nn.Sequential(_mlp([top_in, 64, 32]), nn.Linear(32, 1))
 
-    def forward(self, user_ids: torch.Tensor, item_ids: torch.Tensor, category_bags: torch.Tensor,
-                tag_bags: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        user_ids: torch.Tensor,
+        item_ids: torch.Tensor,
+        category_bags: torch.Tensor,
+        tag_bags: torch.Tensor,
+        dense: torch.Tensor,
+    ) -> torch.Tensor:
         u = self.user(user_ids)  # [B, E]
         i = self.item(item_ids)
         c = self.category(category_bags).mean(dim=1)  # [B, bag, E2] -> [B, E2]: mean bag
@@ -72,9 +93,19 @@ class Recommender(nn.Module):
         return torch.sigmoid(self.top(z))  # [B, 1] click probability
 
 
-def recsys(batch: int = 8, users: int = 5000, items: int = 4000, categories: int = 1000,
-           tags: int = 2000, embedding_dim: int = 32, bag_dim: int = 16, category_bag: int = 4,
-           tag_bag: int = 8, dense_features: int = 13, seed: int = 0):
+def recsys(
+    batch: int = 8,
+    users: int = 5000,
+    items: int = 4000,
+    categories: int = 1000,
+    tags: int = 2000,
+    embedding_dim: int = 32,
+    bag_dim: int = 16,
+    category_bag: int = 4,
+    tag_bag: int = 8,
+    dense_features: int = 13,
+    seed: int = 0,
+):
     """DLRM-style click-through model (chapter 18).
 
     Inputs: user ids [B], item ids [B], category bags [B, category_bag], tag bags
@@ -84,9 +115,19 @@ def recsys(batch: int = 8, users: int = 5000, items: int = 4000, categories: int
     .sum(dim=1) (EmbeddingBag targets); a dense-feature MLP (Linear+ReLU); cat of
     all features; a top MLP with ReLU; sigmoid output.
     """
-    positive("zoo:recsys", batch=batch, users=users, items=items, categories=categories, tags=tags,
-             embedding_dim=embedding_dim, bag_dim=bag_dim, category_bag=category_bag,
-             tag_bag=tag_bag, dense_features=dense_features)
+    positive(
+        "zoo:recsys",
+        batch=batch,
+        users=users,
+        items=items,
+        categories=categories,
+        tags=tags,
+        embedding_dim=embedding_dim,
+        bag_dim=bag_dim,
+        category_bag=category_bag,
+        tag_bag=tag_bag,
+        dense_features=dense_features,
+    )
     with seeded(seed):
         model = Recommender(users, items, categories, tags, embedding_dim, bag_dim, dense_features)
         inputs = (

@@ -19,7 +19,9 @@ from opswap.models._common import positive, seeded
 
 def _check_sizes(where: str, hidden: int, heads: int, seq: int, max_positions: int) -> None:
     if hidden % heads:
-        raise SpecError(f"Override hidden for {where} must be a multiple of heads ({heads}), got {hidden}.")
+        raise SpecError(
+            f"Override hidden for {where} must be a multiple of heads ({heads}), got {hidden}."
+        )
     if seq > max_positions:
         raise SpecError(
             f"Override seq for {where} is {seq} but max_positions is {max_positions}; "
@@ -137,8 +139,17 @@ class BertLayer(nn.Module):
 
 
 class BertClassifier(nn.Module):
-    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, intermediate: int,
-                 max_positions: int, num_labels: int, dropout: float):
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        heads: int,
+        layers: int,
+        intermediate: int,
+        max_positions: int,
+        num_labels: int,
+        dropout: float,
+    ):
         super().__init__()
         self.embeddings = BertEmbeddings(vocab, hidden, max_positions, dropout)
         self.layers = nn.ModuleList(
@@ -165,9 +176,19 @@ class BertClassifier(nn.Module):
         return torch.log(torch.softmax(logits, dim=-1))
 
 
-def bert(batch: int = 2, seq: int = 32, vocab: int = 1000, hidden: int = 64, heads: int = 4,
-         layers: int = 2, intermediate: int = 128, max_positions: int = 128, num_labels: int = 3,
-         dropout: float = 0.1, seed: int = 0):
+def bert(
+    batch: int = 2,
+    seq: int = 32,
+    vocab: int = 1000,
+    hidden: int = 64,
+    heads: int = 4,
+    layers: int = 2,
+    intermediate: int = 128,
+    max_positions: int = 128,
+    num_labels: int = 3,
+    dropout: float = 0.1,
+    seed: int = 0,
+):
     """BERT-style encoder classifier on token ids [batch, seq] (chapters 4, 8, 9, 10, 14, 16).
 
     Patterns, per layer: three nn.Linear (query, key, value) reading the same node
@@ -184,12 +205,23 @@ def bert(batch: int = 2, seq: int = 32, vocab: int = 1000, hidden: int = 64, hea
     (log_softmax).
     """
     where = "zoo:bert"
-    positive(where, batch=batch, seq=seq, vocab=vocab, hidden=hidden, heads=heads, layers=layers,
-             intermediate=intermediate, max_positions=max_positions, num_labels=num_labels)
+    positive(
+        where,
+        batch=batch,
+        seq=seq,
+        vocab=vocab,
+        hidden=hidden,
+        heads=heads,
+        layers=layers,
+        intermediate=intermediate,
+        max_positions=max_positions,
+        num_labels=num_labels,
+    )
     _check_sizes(where, hidden, heads, seq, max_positions)
     with seeded(seed):
-        model = BertClassifier(vocab, hidden, heads, layers, intermediate, max_positions,
-                               num_labels, dropout)
+        model = BertClassifier(
+            vocab, hidden, heads, layers, intermediate, max_positions, num_labels, dropout
+        )
         return model.eval(), _token_ids(batch, seq, vocab)
 
 
@@ -265,8 +297,9 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int, max_positions: int,
-                 rope_base: float):
+    def __init__(
+        self, hidden: int, heads: int, intermediate: int, max_positions: int, rope_base: float
+    ):
         super().__init__()
         self.attn_norm = HandRMSNorm(hidden)
         self.attn = CausalSelfAttention(hidden, heads, max_positions, rope_base)
@@ -279,14 +312,24 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, intermediate: int,
-                 max_positions: int, tie_embeddings: bool, rope_base: float):
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        heads: int,
+        layers: int,
+        intermediate: int,
+        max_positions: int,
+        tie_embeddings: bool,
+        rope_base: float,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         # std 1/sqrt(hidden) rather than 1: with a tied head, logits then have unit scale.
         nn.init.normal_(self.embed.weight, std=hidden**-0.5)
         self.layers = nn.ModuleList(
-            DecoderLayer(hidden, heads, intermediate, max_positions, rope_base) for _ in range(layers)
+            DecoderLayer(hidden, heads, intermediate, max_positions, rope_base)
+            for _ in range(layers)
         )
         self.norm = HandRMSNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
@@ -300,9 +343,19 @@ class Decoder(nn.Module):
         return self.lm_head(self.norm(x))  # logits: [B, S, vocab]
 
 
-def gpt(batch: int = 2, seq: int = 32, vocab: int = 1000, hidden: int = 64, heads: int = 4,
-        layers: int = 2, intermediate: int = 172, max_positions: int = 128,
-        tie_embeddings: bool = True, rope_base: float = 10000.0, seed: int = 0):
+def gpt(
+    batch: int = 2,
+    seq: int = 32,
+    vocab: int = 1000,
+    hidden: int = 64,
+    heads: int = 4,
+    layers: int = 2,
+    intermediate: int = 172,
+    max_positions: int = 128,
+    tie_embeddings: bool = True,
+    rope_base: float = 10000.0,
+    seed: int = 0,
+):
     """GPT/LLaMA-style decoder returning logits [batch, seq, vocab] (chapters 8, 9, 10, 16, 29).
 
     Patterns, per layer: two RMSNorms written out as x * rsqrt(mean(x^2) + eps) *
@@ -314,12 +367,24 @@ def gpt(batch: int = 2, seq: int = 32, vocab: int = 1000, hidden: int = 64, head
     to the token embedding unless tie_embeddings=false.
     """
     where = "zoo:gpt"
-    positive(where, batch=batch, seq=seq, vocab=vocab, hidden=hidden, heads=heads, layers=layers,
-             intermediate=intermediate, max_positions=max_positions)
+    positive(
+        where,
+        batch=batch,
+        seq=seq,
+        vocab=vocab,
+        hidden=hidden,
+        heads=heads,
+        layers=layers,
+        intermediate=intermediate,
+        max_positions=max_positions,
+    )
     _check_sizes(where, hidden, heads, seq, max_positions)
     if (hidden // heads) % 2:
-        raise SpecError(f"Rotary embedding in {where} needs an even head size; hidden/heads is {hidden // heads}.")
+        raise SpecError(
+            f"Rotary embedding in {where} needs an even head size; hidden/heads is {hidden // heads}."
+        )
     with seeded(seed):
-        model = Decoder(vocab, hidden, heads, layers, intermediate, max_positions, tie_embeddings,
-                        rope_base)
+        model = Decoder(
+            vocab, hidden, heads, layers, intermediate, max_positions, tie_embeddings, rope_base
+        )
         return model.eval(), _token_ids(batch, seq, vocab)

@@ -52,12 +52,22 @@ class RuleAdvice:
                 if any(isinstance(f, Site) and r.name in f.nodes for f in found):
                     taking.append(rule)
                     continue
-                why_not += [f"{rule.name} does not take it ({f.reason.rstrip('.')})"
-                            for f in found if isinstance(f, Miss) and f.where == r.name][:1]
+                why_not += [
+                    f"{rule.name} does not take it ({f.reason.rstrip('.')})"
+                    for f in found
+                    if isinstance(f, Miss) and f.where == r.name
+                ][:1]
             have = taking
         if have:
-            names = [x.name + (f" ({x.exactness}: plan it with --exactness {x.exactness})"
-                               if x.exactness != "exact" else "") for x in have]
+            names = [
+                x.name
+                + (
+                    f" ({x.exactness}: plan it with --exactness {x.exactness})"
+                    if x.exactness != "exact"
+                    else ""
+                )
+                for x in have
+            ]
             return f"opswap rules that do this where they match: {', '.join(names)}"
         if why_not:
             return f"no opswap rule does this here: {'; '.join(why_not)}"

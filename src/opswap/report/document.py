@@ -62,7 +62,10 @@ def to_markdown(blocks: list[Block]) -> tuple[str, dict[str, bytes]]:
             out.append("\n".join(f"- {i}" for i in b.items))
         elif isinstance(b, Table):
             sep = ["---:" if i in b.align_right else "---" for i in range(len(b.headers))]
-            lines = ["| " + " | ".join(map(_md_cell, b.headers)) + " |", "| " + " | ".join(sep) + " |"]
+            lines = [
+                "| " + " | ".join(map(_md_cell, b.headers)) + " |",
+                "| " + " | ".join(sep) + " |",
+            ]
             lines += ["| " + " | ".join(_md_cell(c) for c in r) + " |" for r in b.rows]
             out.append("\n".join(lines))
         elif isinstance(b, Image):
@@ -95,7 +98,8 @@ def _inline(text: str) -> str:
         bits[i] = f"<strong>{bits[i]}</strong>"
     s = "".join(bits)
     return s.replace("PASSED", '<span class="pass">PASSED</span>').replace(
-        "FAILED", '<span class="fail">FAILED</span>')
+        "FAILED", '<span class="fail">FAILED</span>'
+    )
 
 
 def to_html(blocks: list[Block], title: str) -> str:
@@ -113,14 +117,17 @@ def to_html(blocks: list[Block], title: str) -> str:
             rows = []
             for r in b.rows:
                 cells = "".join(
-                    f'<td class="num">{_inline(str(c))}</td>' if i in b.align_right
+                    f'<td class="num">{_inline(str(c))}</td>'
+                    if i in b.align_right
                     else f"<td>{_inline(str(c))}</td>"
                     for i, c in enumerate(r)
                 )
                 rows.append(f"<tr>{cells}</tr>")
             # A wide table scrolls inside its own box instead of pushing the page sideways.
-            body.append(f'<div class="tablebox"><table><thead><tr>{head}</tr></thead>'
-                        f"<tbody>{''.join(rows)}</tbody></table></div>")
+            body.append(
+                f'<div class="tablebox"><table><thead><tr>{head}</tr></thead>'
+                f"<tbody>{''.join(rows)}</tbody></table></div>"
+            )
         elif isinstance(b, Image):
             data = base64.b64encode(b.png).decode("ascii")
             body.append(
@@ -128,7 +135,7 @@ def to_html(blocks: list[Block], title: str) -> str:
                 f"<figcaption>{_inline(b.caption)}</figcaption></figure>"
             )
     return (
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>\n"
         + "\n".join(body)
         + "\n</body></html>\n"

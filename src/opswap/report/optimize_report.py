@@ -51,14 +51,20 @@ def _summary(result, data) -> list[Block]:
             f"{b['device']}: {b['ref_ms']:.3f} ms → {b['opt_ms']:.3f} ms, "
             f"{interval(b['speedup_of_medians'], b.get('speedup_ci'), b.get('settled'))} "
             f"(ratio of the medians of {b['rounds']} interleaved rounds in one process, with "
-            "its 95% bootstrap interval).")
+            "its 95% bootstrap interval)."
+        )
     else:
         lines.append("Not timed (--no-bench).")
     return [Para(" ".join(lines[:1])), Bullets(lines[1:])]
 
 
-_TOLERANCE_TERMS = {"cosine_min": "cosine>=", "rel_l2_max": "rel_l2<=", "sqnr_min_db": "sqnr_db>=",
-                    "max_abs": "max_abs<=", "max_rel": "max_rel<="}
+_TOLERANCE_TERMS = {
+    "cosine_min": "cosine>=",
+    "rel_l2_max": "rel_l2<=",
+    "sqnr_min_db": "sqnr_db>=",
+    "max_abs": "max_abs<=",
+    "max_rel": "max_rel<=",
+}
 
 
 def exact(x: float) -> str:
@@ -71,8 +77,11 @@ def exact(x: float) -> str:
 def tolerance_text(tol) -> str:
     """'cosine>=0.9999999999, rel_l2<=1e-05' from a Tolerance or its to_json()."""
     items = tol.to_json() if hasattr(tol, "to_json") else dict(tol or {})
-    terms = [f"{_TOLERANCE_TERMS[k]}{exact(v)}" for k, v in items.items()
-             if k in _TOLERANCE_TERMS and v is not None]
+    terms = [
+        f"{_TOLERANCE_TERMS[k]}{exact(v)}"
+        for k, v in items.items()
+        if k in _TOLERANCE_TERMS and v is not None
+    ]
     return ", ".join(terms) or "no threshold"
 
 
@@ -86,11 +95,16 @@ def interval(ratio, ci, settled: bool | None = True) -> str:
 def unsettled_warning(race: bool = True) -> str:
     """The sentence the CLI and the report print when the intervals stayed wide (`race`:
     of an optimize run, which also chose what to save)."""
-    saved = (", and a variant is saved only where that lower end is at least "
-             f"{UNSETTLED_MARGIN:.2f}x" if race else "")
-    return (f"**{UNSETTLED}**: the intervals stayed wide in the time allowed, so each figure "
-            f"leads with its interval's lower end{saved}; run again on a quieter machine for "
-            "figures to rely on.")
+    saved = (
+        f", and a variant is saved only where that lower end is at least {UNSETTLED_MARGIN:.2f}x"
+        if race
+        else ""
+    )
+    return (
+        f"**{UNSETTLED}**: the intervals stayed wide in the time allowed, so each figure "
+        f"leads with its interval's lower end{saved}; run again on a quieter machine for "
+        "figures to rely on."
+    )
 
 
 def _headline(data) -> str:
@@ -104,10 +118,15 @@ def _headline(data) -> str:
     text = f"Saved: **{saved['variant']}**, {saved['holds']}."
     if mine is not None:
         ratio = peer["ms"] / mine["ms"]
-        against = (interval(ratio, mine.get("speedup_ci"), mine.get("settled"))
-                   if peer["name"] == "input" else f"{ratio:.2f}x")
-        text += (f" Best opswap variant `{mine['name']}` {mine['ms']:.3f} ms against the best "
-                 f"baseline `{peer['name']}` {peer['ms']:.3f} ms: **{against}**.")
+        against = (
+            interval(ratio, mine.get("speedup_ci"), mine.get("settled"))
+            if peer["name"] == "input"
+            else f"{ratio:.2f}x"
+        )
+        text += (
+            f" Best opswap variant `{mine['name']}` {mine['ms']:.3f} ms against the best "
+            f"baseline `{peer['name']}` {peer['ms']:.3f} ms: **{against}**."
+        )
     if saved["variant"] == "input":
         text += " Nothing opswap made beat your model beyond the run's noise: keep it."
     return text
@@ -118,24 +137,38 @@ def _variants(data) -> list[Block]:
         return []
     rows = []
     for v in data["variants"]:
-        rows.append([f"`{v['name']}`" + (" (saved)" if v["name"] == data["best"] else ""),
-                     _f(v["ms"]), _f(v["iqr_ms"]),
-                     "1.00x (the yardstick)" if v["name"] == "input" else
-                     interval(v["speedup_vs_input"], v.get("speedup_ci"), v.get("settled"))
-                     if v["speedup_vs_input"] else "-",
-                     "yes" if v["verified"] else "no",
-                     _f(v["compile_s"]) if v["compile_s"] is not None else "",
-                     v["note"] or ""])
-    return [Heading("Variants, timed in one run"),
-            Para("Every way to run the model, verified against the input and timed in one "
-                 "interleaved loop; `captured` and `opswap` are timed as reloaded from the "
-                 "model.pt2 they save. `vs input` is the ratio of the medians, with its 95% "
-                 "bootstrap interval (rounds resampled in pairs). A variant is saved only when "
-                 "the interval's lower end is above 1 (and at least "
-                 f"{UNSETTLED_MARGIN:.2f}x when the interval did not narrow to 10% of the ratio "
-                 "in the time allowed): otherwise your model is kept."),
-            Table(["variant", "ms", "IQR ms", "vs input [95%]", "verified", "compile s",
-                   "note"], rows, align_right={1, 2, 3, 5})]
+        rows.append(
+            [
+                f"`{v['name']}`" + (" (saved)" if v["name"] == data["best"] else ""),
+                _f(v["ms"]),
+                _f(v["iqr_ms"]),
+                "1.00x (the yardstick)"
+                if v["name"] == "input"
+                else interval(v["speedup_vs_input"], v.get("speedup_ci"), v.get("settled"))
+                if v["speedup_vs_input"]
+                else "-",
+                "yes" if v["verified"] else "no",
+                _f(v["compile_s"]) if v["compile_s"] is not None else "",
+                v["note"] or "",
+            ]
+        )
+    return [
+        Heading("Variants, timed in one run"),
+        Para(
+            "Every way to run the model, verified against the input and timed in one "
+            "interleaved loop; `captured` and `opswap` are timed as reloaded from the "
+            "model.pt2 they save. `vs input` is the ratio of the medians, with its 95% "
+            "bootstrap interval (rounds resampled in pairs). A variant is saved only when "
+            "the interval's lower end is above 1 (and at least "
+            f"{UNSETTLED_MARGIN:.2f}x when the interval did not narrow to 10% of the ratio "
+            "in the time allowed): otherwise your model is kept."
+        ),
+        Table(
+            ["variant", "ms", "IQR ms", "vs input [95%]", "verified", "compile s", "note"],
+            rows,
+            align_right={1, 2, 3, 5},
+        ),
+    ]
 
 
 def _changes(result) -> list[Block]:
@@ -149,18 +182,34 @@ def _changes(result) -> list[Block]:
     for i, d in enumerate(result.plan.decisions):
         rule = registry.get(d.rule)
         e = d.estimate
-        rows.append([
-            str(i), f"`{d.rule}`",
-            (f"`{d.module}`: " if d.module else "") + f"`{d.site.key}`",
-            d.site.description, rule.exactness,
-            # one cell, so that the table fits a 1280 px page beside the descriptions
-            f"{human_unit(e.bytes_saved, 'B')}, {human_unit(e.flops_saved, 'FLOP')}, "
-            + (_f(e.time_saved_s * 1e6) + " µs" if e.time_saved_s is not None else "- µs"),
-            "yes" if d.site.key in applied else "no",
-        ])
-    blocks.append(Table(["#", "rule", "module: site", "what", "exactness",
-                         "predicted saving (bytes, FLOPs, time)", "applied"], rows,
-                        align_right={0, 5}))
+        rows.append(
+            [
+                str(i),
+                f"`{d.rule}`",
+                (f"`{d.module}`: " if d.module else "") + f"`{d.site.key}`",
+                d.site.description,
+                rule.exactness,
+                # one cell, so that the table fits a 1280 px page beside the descriptions
+                f"{human_unit(e.bytes_saved, 'B')}, {human_unit(e.flops_saved, 'FLOP')}, "
+                + (_f(e.time_saved_s * 1e6) + " µs" if e.time_saved_s is not None else "- µs"),
+                "yes" if d.site.key in applied else "no",
+            ]
+        )
+    blocks.append(
+        Table(
+            [
+                "#",
+                "rule",
+                "module: site",
+                "what",
+                "exactness",
+                "predicted saving (bytes, FLOPs, time)",
+                "applied",
+            ],
+            rows,
+            align_right={0, 5},
+        )
+    )
     return blocks
 
 
@@ -168,37 +217,68 @@ def _predicted_vs_measured(result, data) -> list[Block]:
     before, after = result.analysis_before, result.analysis_after
     blocks: list[Block] = [Heading("Predicted next to measured")]
     saved = sum(d.estimate.time_saved_s or 0.0 for d in result.plan.decisions)
-    rows = [["roofline estimate of the whole model", f"{before.est_time_s * 1e3:.4f} ms",
-             f"{after.est_time_s * 1e3:.4f} ms",
-             f"{before.est_time_s / after.est_time_s:.2f}x" if after.est_time_s else "-"],
-            ["sum of the sites' predicted savings", "", f"saves {saved * 1e3:.4f} ms",
-             f"{before.est_time_s / max(before.est_time_s - saved, 1e-12):.2f}x"
-             if before.est_time_s else "-"],
-            ["bytes moved (unfused, per op)", human_unit(before.total_bytes, "B"),
-             human_unit(after.total_bytes, "B"), ""],
-            ["FLOPs", human(before.total_flops), human(after.total_flops), ""]]
+    rows = [
+        [
+            "roofline estimate of the whole model",
+            f"{before.est_time_s * 1e3:.4f} ms",
+            f"{after.est_time_s * 1e3:.4f} ms",
+            f"{before.est_time_s / after.est_time_s:.2f}x" if after.est_time_s else "-",
+        ],
+        [
+            "sum of the sites' predicted savings",
+            "",
+            f"saves {saved * 1e3:.4f} ms",
+            f"{before.est_time_s / max(before.est_time_s - saved, 1e-12):.2f}x"
+            if before.est_time_s
+            else "-",
+        ],
+        [
+            "bytes moved (unfused, per op)",
+            human_unit(before.total_bytes, "B"),
+            human_unit(after.total_bytes, "B"),
+            "",
+        ],
+        ["FLOPs", human(before.total_flops), human(after.total_flops), ""],
+    ]
     b = data["benchmark"]
     if b:
-        rows.append(["measured latency (median)", f"{b['ref_ms']:.4f} ms", f"{b['opt_ms']:.4f} ms",
-                     interval(b["speedup_of_medians"], b.get("speedup_ci"), b.get("settled"))])
+        rows.append(
+            [
+                "measured latency (median)",
+                f"{b['ref_ms']:.4f} ms",
+                f"{b['opt_ms']:.4f} ms",
+                interval(b["speedup_of_medians"], b.get("speedup_ci"), b.get("settled")),
+            ]
+        )
         if before.est_time_s and after.est_time_s:
-            rows.append(["measured / roofline estimate (how far to trust it)",
-                         f"{b['ref_ms'] / (before.est_time_s * 1e3):.1f}x",
-                         f"{b['opt_ms'] / (after.est_time_s * 1e3):.1f}x", ""])
+            rows.append(
+                [
+                    "measured / roofline estimate (how far to trust it)",
+                    f"{b['ref_ms'] / (before.est_time_s * 1e3):.1f}x",
+                    f"{b['opt_ms'] / (after.est_time_s * 1e3):.1f}x",
+                    "",
+                ]
+            )
     blocks.append(Table(["", "before", "after", "speedup"], rows, align_right={1, 2, 3}))
-    blocks.append(Para(
-        "The roofline estimate assumes every op runs alone at the target's peak FLOP/s or "
-        f"bandwidth, plus {before.target.dispatch_s * 1e6:.1f} µs of dispatch per op "
-        "(measured on this machine for the CPU target); it cannot see Python overheads, "
-        "cache effects or which kernel a library picks, so the measured figure is the one "
-        "that counts, and the row above says how far the estimate is from it. Where the two "
-        "disagree in sign, the replacement does not pay on this device."))
+    blocks.append(
+        Para(
+            "The roofline estimate assumes every op runs alone at the target's peak FLOP/s or "
+            f"bandwidth, plus {before.target.dispatch_s * 1e6:.1f} µs of dispatch per op "
+            "(measured on this machine for the CPU target); it cannot see Python overheads, "
+            "cache effects or which kernel a library picks, so the measured figure is the one "
+            "that counts, and the row above says how far the estimate is from it. Where the two "
+            "disagree in sign, the replacement does not pay on this device."
+        )
+    )
     att = result.attribution
     if att is not None and att.rules:
         blocks += _attribution(att)
     if b:
         bench = result.benchmark
-        spreads = [getattr(bench, "ref_iqr_ms", 0.0) or 0.0, getattr(bench, "opt_iqr_ms", 0.0) or 0.0]
+        spreads = [
+            getattr(bench, "ref_iqr_ms", 0.0) or 0.0,
+            getattr(bench, "opt_iqr_ms", 0.0) or 0.0,
+        ]
         timed = [v for v in data.get("variants", []) if v["ms"] is not None]
         if timed:
             names = [v["name"] for v in timed]
@@ -206,8 +286,13 @@ def _predicted_vs_measured(result, data) -> list[Block]:
         else:
             names, ms = ["input", "opswap"], [b["ref_ms"], b["opt_ms"]]
         png = plots.latency_bars(names, ms, spreads, f"{result.model} on {b['device']}")
-        blocks.append(Image("latency.png", png, "Latency of each variant (median, IQR), "
-                            "timed in one interleaved run."))
+        blocks.append(
+            Image(
+                "latency.png",
+                png,
+                "Latency of each variant (median, IQR), timed in one interleaved run.",
+            )
+        )
     return blocks
 
 
@@ -223,17 +308,26 @@ def _ms(x, ci=None) -> str:
 def _attribution(att) -> list[Block]:
     """Each rule's share of the total saving with its interval, on the race's scale (see
     bench.attribution), beside its leave-one-out ratio and verdict."""
-    source = ("the race: `captured` against `opswap`, timed in the run that picked what is saved"
-              if att.source == "race" else "the leave-one-out run: no rule against all of them")
+    source = (
+        "the race: `captured` against `opswap`, timed in the run that picked what is saved"
+        if att.source == "race"
+        else "the leave-one-out run: no rule against all of them"
+    )
     blocks: list[Block] = [
         Heading("What each rule is worth, measured", 3),
-        Para(f"Method: {att.method}. The total comes from {source}; the model's own time there "
-             f"is {_ms(att.model_ms)}, which no saving can exceed. Device: {att.device}."
-             + (f" Note: {att.note}." if att.note else ""))]
+        Para(
+            f"Method: {att.method}. The total comes from {source}; the model's own time there "
+            f"is {_ms(att.model_ms)}, which no saving can exceed. Device: {att.device}."
+            + (f" Note: {att.note}." if att.note else "")
+        ),
+    ]
     rows = []
     for t in att.rules:
-        loo_ci = ((t.ci_low - 1) * t.with_ms, (t.ci_high - 1) * t.with_ms) \
-            if t.ci_low is not None and t.ci_high is not None else None
+        loo_ci = (
+            ((t.ci_low - 1) * t.with_ms, (t.ci_high - 1) * t.with_ms)
+            if t.ci_low is not None and t.ci_high is not None
+            else None
+        )
         if t.pruned:
             saving = f"pruned: {_ms(t.loo_saved_s * 1e3, loo_ci)} in the leave-one-out run"
         else:
@@ -241,40 +335,86 @@ def _attribution(att) -> list[Block]:
         ratio = "-"
         if t.predicted_saved_s and not t.pruned:
             ratio = f"{t.measured_saved_s / t.predicted_saved_s:.1f}x" + (
-                " (within noise)" if t.verdict == "within noise" else "")
-        rows.append([f"`{t.rule}`", str(t.sites), f"{t.predicted_saved_s * 1e3:.4f} ms", saving,
-                     ratio, interval(t.without_ms / t.with_ms, (t.ci_low, t.ci_high)),
-                     {"pays": "yes", "slower": "**no**: slower with it"}.get(t.verdict,
-                                                                       "within noise")])
+                " (within noise)" if t.verdict == "within noise" else ""
+            )
+        rows.append(
+            [
+                f"`{t.rule}`",
+                str(t.sites),
+                f"{t.predicted_saved_s * 1e3:.4f} ms",
+                saving,
+                ratio,
+                interval(t.without_ms / t.with_ms, (t.ci_low, t.ci_high)),
+                {"pays": "yes", "slower": "**no**: slower with it"}.get(t.verdict, "within noise"),
+            ]
+        )
     kept = [t for t in att.rules if not t.pruned]
     predicted = sum(t.predicted_saved_s for t in kept)
-    rows.append(["sum of the rules", "", f"{predicted * 1e3:.4f} ms",
-                 _ms(att.sum_saved_ms, att.total_ci_ms), "", "", ""])
-    rows.append(["all rules together" + (" (the race: captured → opswap)"
-                                         if att.source == "race" else " (no rule → all)"),
-                 "", "", _ms(att.total_saved_ms, att.total_ci_ms), "",
-                 interval(att.ratio, att.ratio_ci), ""])
-    blocks.append(Table(["rule", "sites", "predicted saving", "measured saving [95%]",
-                         "measured / predicted", "leave-one-out: without it / with it [95%]",
-                         "pays here"], rows, align_right={1, 2, 3, 4, 5}))
+    rows.append(
+        [
+            "sum of the rules",
+            "",
+            f"{predicted * 1e3:.4f} ms",
+            _ms(att.sum_saved_ms, att.total_ci_ms),
+            "",
+            "",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "all rules together"
+            + (" (the race: captured → opswap)" if att.source == "race" else " (no rule → all)"),
+            "",
+            "",
+            _ms(att.total_saved_ms, att.total_ci_ms),
+            "",
+            interval(att.ratio, att.ratio_ci),
+            "",
+        ]
+    )
+    blocks.append(
+        Table(
+            [
+                "rule",
+                "sites",
+                "predicted saving",
+                "measured saving [95%]",
+                "measured / predicted",
+                "leave-one-out: without it / with it [95%]",
+                "pays here",
+            ],
+            rows,
+            align_right={1, 2, 3, 4, 5},
+        )
+    )
     return blocks
 
 
 def _misses(result) -> list[Block]:
     blocks: list[Block] = [Heading("Near misses")]
     if not result.plan.misses:
-        return blocks + [Para("None: every place a rule looked at either matched or was not close.")]
+        return blocks + [
+            Para("None: every place a rule looked at either matched or was not close.")
+        ]
     rows = [[f"`{m.rule}`", f"`{m.where}`", m.reason] for m in result.plan.misses]
-    return blocks + [Para("Places where a rule nearly applied, and why it did not."),
-                     Table(["rule", "where", "why not"], rows)]
+    return blocks + [
+        Para("Places where a rule nearly applied, and why it did not."),
+        Table(["rule", "where", "why not"], rows),
+    ]
 
 
 def _problems(result) -> list[Block]:
     items = [f"failed: `{f.rule}` at `{f.where}`: {f.reason}" for f in result.failed]
-    items += [f"rolled back: `{r.decision.rule}` at `{r.decision.site.key}`: {r.reason}"
-              for r in result.rolled_back]
-    items += [f"skipped: `{s.rule}` at `{s.where}`: {s.reason}" for s in result.plan.skipped
-              if not s.reason.startswith("rolled back")]  # listed above already
+    items += [
+        f"rolled back: `{r.decision.rule}` at `{r.decision.site.key}`: {r.reason}"
+        for r in result.rolled_back
+    ]
+    items += [
+        f"skipped: `{s.rule}` at `{s.where}`: {s.reason}"
+        for s in result.plan.skipped
+        if not s.reason.startswith("rolled back")
+    ]  # listed above already
     if not items:
         return []
     return [Heading("Failed, rolled back, skipped"), Bullets(items)]
@@ -282,22 +422,38 @@ def _problems(result) -> list[Block]:
 
 def _verification(result) -> list[Block]:
     v = result.verification
-    rows = [[f"`{o.name}`", _f(o.metrics.max_abs), _f(o.metrics.max_rel),
-             f"{o.metrics.cosine:.8f}", _f(o.metrics.sqnr_db), _f(o.metrics.rel_l2),
-             "PASSED" if o.passed else "FAILED"] for o in v.outputs]
+    rows = [
+        [
+            f"`{o.name}`",
+            _f(o.metrics.max_abs),
+            _f(o.metrics.max_rel),
+            f"{o.metrics.cosine:.8f}",
+            _f(o.metrics.sqnr_db),
+            _f(o.metrics.rel_l2),
+            "PASSED" if o.passed else "FAILED",
+        ]
+        for o in v.outputs
+    ]
     blocks: list[Block] = [
         Heading("Verification"),
-        Para(f"Reference (the model as given, not its capture) and candidate ran on "
-             f"{v.samples} input sample{'' if v.samples == 1 else 's'} (the example, fresh "
-             f"random inputs of the same shapes, "
-             f"and one sample at each other shape the model is claimed at: "
-             f"{', '.join(v.shapes) or 'the example shape only'}); worst case over samples. "
-             f"Tolerance: {tolerance_text(v.tolerance)}."),
-        Para("Dynamic sizes (the saved model runs at any of them): "
-             + (result.dynamic.describe() if result.dynamic is not None else "not recorded")
-             + "."),
-        Table(["output", "max abs", "max rel", "cosine", "SQNR dB", "rel L2", "verdict"], rows,
-              align_right={1, 2, 3, 4, 5}),
+        Para(
+            f"Reference (the model as given, not its capture) and candidate ran on "
+            f"{v.samples} input sample{'' if v.samples == 1 else 's'} (the example, fresh "
+            f"random inputs of the same shapes, "
+            f"and one sample at each other shape the model is claimed at: "
+            f"{', '.join(v.shapes) or 'the example shape only'}); worst case over samples. "
+            f"Tolerance: {tolerance_text(v.tolerance)}."
+        ),
+        Para(
+            "Dynamic sizes (the saved model runs at any of them): "
+            + (result.dynamic.describe() if result.dynamic is not None else "not recorded")
+            + "."
+        ),
+        Table(
+            ["output", "max abs", "max rel", "cosine", "SQNR dB", "rel L2", "verdict"],
+            rows,
+            align_right={1, 2, 3, 4, 5},
+        ),
     ]
     if v.reasons:
         blocks.append(Bullets(list(v.reasons)))
@@ -313,57 +469,108 @@ def _layers(result) -> list[Block]:
     first = lr.first_divergence(tol)
     names = [r.name for r in rows]
     errs = [r.metrics.rel_l2 for r in rows]
-    first_idx = names.index(first.row.name) if first is not None and first.row.name in names else None
-    png = plots.layer_errors(names, errs, getattr(tol, "rel_l2_max", None), first_idx,
-                             "Relative L2 error per layer (candidate vs reference)")
-    blocks: list[Block] = [Heading("Error layer by layer"),
-                           Image("layer_errors.png", png, "Error of each layer's output, in "
-                                 "execution order; layers are paired by node name, consumer and "
-                                 "module path.")]
+    first_idx = (
+        names.index(first.row.name) if first is not None and first.row.name in names else None
+    )
+    png = plots.layer_errors(
+        names,
+        errs,
+        getattr(tol, "rel_l2_max", None),
+        first_idx,
+        "Relative L2 error per layer (candidate vs reference)",
+    )
+    blocks: list[Block] = [
+        Heading("Error layer by layer"),
+        Image(
+            "layer_errors.png",
+            png,
+            "Error of each layer's output, in "
+            "execution order; layers are paired by node name, consumer and "
+            "module path.",
+        ),
+    ]
     if first is not None:
         blocks.append(Para(f"First divergence: {first}."))
     else:
-        blocks.append(Para("No layer exceeds the tolerance or jumps 10x over the layers before it."))
+        blocks.append(
+            Para("No layer exceeds the tolerance or jumps 10x over the layers before it.")
+        )
     unpaired = len(lr.rows) - len(rows)
     if unpaired:
-        blocks.append(Para(f"{unpaired} reference nodes have no counterpart in the candidate "
-                           "(removed by a rewrite) and are not compared on their own."))
+        blocks.append(
+            Para(
+                f"{unpaired} reference nodes have no counterpart in the candidate "
+                "(removed by a rewrite) and are not compared on their own."
+            )
+        )
     # only layers that differ at all: eight exact embedding rows say nothing
     differing = [r for r in rows if not (r.metrics.max_abs == 0 and r.metrics.rel_l2 == 0)]
     if not differing:
         blocks.append(Para(f"All {len(rows)} compared layers match exactly."))
         return blocks
-    worst = sorted(differing, key=lambda r: -(r.metrics.rel_l2 if math.isfinite(r.metrics.rel_l2)
-                                              else 1e30))[:8]
-    blocks.append(Table(["layer", "module", "paired by", "max abs", "cosine", "rel L2"],
-                        [[f"`{r.name}`", r.module or "", r.paired_by, _f(r.metrics.max_abs),
-                          f"{r.metrics.cosine:.8f}", _f(r.metrics.rel_l2)] for r in worst],
-                        align_right={3, 4, 5}))
+    worst = sorted(
+        differing, key=lambda r: -(r.metrics.rel_l2 if math.isfinite(r.metrics.rel_l2) else 1e30)
+    )[:8]
+    blocks.append(
+        Table(
+            ["layer", "module", "paired by", "max abs", "cosine", "rel L2"],
+            [
+                [
+                    f"`{r.name}`",
+                    r.module or "",
+                    r.paired_by,
+                    _f(r.metrics.max_abs),
+                    f"{r.metrics.cosine:.8f}",
+                    _f(r.metrics.rel_l2),
+                ]
+                for r in worst
+            ],
+            align_right={3, 4, 5},
+        )
+    )
     return blocks
 
 
 def _analysis(result) -> list[Block]:
     before, after = result.analysis_before, result.analysis_after
-    cats = sorted(set(before.categories) | set(after.categories),
-                  key=lambda c: -max(_cat_time(before, c), _cat_time(after, c)))
+    cats = sorted(
+        set(before.categories) | set(after.categories),
+        key=lambda c: -max(_cat_time(before, c), _cat_time(after, c)),
+    )
     tb = [_cat_time(before, c) for c in cats]
     ta = [_cat_time(after, c) for c in cats]
     blocks: list[Block] = [Heading("Where the time goes (cost model)")]
-    blocks.append(Image("categories.png", plots.category_time(cats, tb, ta, "Estimated time per op category"),
-                        f"Roofline estimate per category on {result.target}, before and after."))
+    blocks.append(
+        Image(
+            "categories.png",
+            plots.category_time(cats, tb, ta, "Estimated time per op category"),
+            f"Roofline estimate per category on {result.target}, before and after.",
+        )
+    )
     sentences = advised(before).bottlenecks(5)
     if sentences:
         blocks.append(Para("Top bottlenecks of the original model:"))
         blocks.append(Bullets(sentences))
     tgt = before.target
     dtype = "float32"
-    pts = [(r.name, r.intensity, r.flops / r.est_time_s if r.est_time_s else 0.0)
-           for r in before.rows if r.flops > 0 and r.est_time_s]
+    pts = [
+        (r.name, r.intensity, r.flops / r.est_time_s if r.est_time_s else 0.0)
+        for r in before.rows
+        if r.flops > 0 and r.est_time_s
+    ]
     if pts:
-        blocks.append(Image("roofline.png",
-                            plots.roofline(pts, tgt.peak(dtype), tgt.mem_bandwidth,
-                                           f"Roofline of {tgt.name} (float32), original model"),
-                            "Each op at its arithmetic intensity and roofline-attainable FLOP/s."))
+        blocks.append(
+            Image(
+                "roofline.png",
+                plots.roofline(
+                    pts,
+                    tgt.peak(dtype),
+                    tgt.mem_bandwidth,
+                    f"Roofline of {tgt.name} (float32), original model",
+                ),
+                "Each op at its arithmetic intensity and roofline-attainable FLOP/s.",
+            )
+        )
     return blocks
 
 
@@ -377,16 +584,23 @@ def _cat_time(analysis, cat: str) -> float:
 def _environment(result, data) -> list[Block]:
     vers = data["versions"]
     run = data.get("run") or {}
-    items = [f"opswap {vers['opswap']}, torch {vers['torch']}, Python {vers['python']}",
-             f"capture: {data['capture_method']}",
-             "inputs: " + (", ".join(f"{i['name']} {i['dtype']} {tuple(i['shape'])}"
-                                     for i in run.get("inputs", [])) or "not recorded"),
-             f"timed on: {run.get('device', '?')}, {run.get('threads', '?')} CPU threads",
-             "model settings (defaults and --set): " + (", ".join(
-                 f"{k}={v}" for k, v in (run.get("model_settings") or {}).items()) or "none"),
-             f"settings: rules {data['settings']['rules'] or 'all'}, exactness "
-             f"{data['settings']['exactness']}, budget {data['settings']['budget'] or 'default'}",
-             f"created {data['created']}"]
+    items = [
+        f"opswap {vers['opswap']}, torch {vers['torch']}, Python {vers['python']}",
+        f"capture: {data['capture_method']}",
+        "inputs: "
+        + (
+            ", ".join(
+                f"{i['name']} {i['dtype']} {tuple(i['shape'])}" for i in run.get("inputs", [])
+            )
+            or "not recorded"
+        ),
+        f"timed on: {run.get('device', '?')}, {run.get('threads', '?')} CPU threads",
+        "model settings (defaults and --set): "
+        + (", ".join(f"{k}={v}" for k, v in (run.get("model_settings") or {}).items()) or "none"),
+        f"settings: rules {data['settings']['rules'] or 'all'}, exactness "
+        f"{data['settings']['exactness']}, budget {data['settings']['budget'] or 'default'}",
+        f"created {data['created']}",
+    ]
     items += [f"note: {n}" for n in result.notes]
     return [Heading("Environment"), Bullets(items)]
 

@@ -31,8 +31,9 @@ def _title(ax, text: str, width: int = 60) -> None:
 _WHISKER_ROOM = 1.5
 
 
-def latency_bars(labels: list[str], medians_ms: list[float], spreads_ms: list[float],
-                 title: str) -> bytes:
+def latency_bars(
+    labels: list[str], medians_ms: list[float], spreads_ms: list[float], title: str
+) -> bytes:
     """Median latency per variant with its spread (IQR) as error bars; each label sits
     past its bar's whisker. The axis follows the bars: a whisker longer than
     `_WHISKER_ROOM` times the longest bar is cut there and marked with an arrow head."""
@@ -48,9 +49,14 @@ def latency_bars(labels: list[str], medians_ms: list[float], spreads_ms: list[fl
         if cut[i]:
             ax.plot([end], [i], marker=">", color="#1d1d1f", ms=6)
         # offset in points, so the label clears the whisker's cap at any scale
-        ax.annotate(f"{v:.3f} ms" + (" (IQR cut)" if cut[i] else ""), (end, i),
-                    xytext=(6 if not cut[i] else 9, 0), textcoords="offset points",
-                    va="center", fontsize=9)
+        ax.annotate(
+            f"{v:.3f} ms" + (" (IQR cut)" if cut[i] else ""),
+            (end, i),
+            xytext=(6 if not cut[i] else 9, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=9,
+        )
     ax.set_xlabel("latency, ms (median; whisker = IQR)")
     _title(ax, title)
     ax.invert_yaxis()
@@ -58,8 +64,9 @@ def latency_bars(labels: list[str], medians_ms: list[float], spreads_ms: list[fl
     return _png(fig)
 
 
-def layer_errors(names: list[str], rel_l2: list[float], limit: float | None,
-                 first_bad: int | None, title: str) -> bytes:
+def layer_errors(
+    names: list[str], rel_l2: list[float], limit: float | None, first_bad: int | None, title: str
+) -> bytes:
     """Relative L2 error of each layer's output, in execution order, log scale."""
     fig, ax = plt.subplots(figsize=(9, 3.6))
     floor = 1e-12
@@ -71,8 +78,14 @@ def layer_errors(names: list[str], rel_l2: list[float], limit: float | None,
         ax.legend(loc="upper left")
     if first_bad is not None and 0 <= first_bad < len(xs):
         ax.scatter([first_bad], [ys[first_bad]], s=80, facecolors="none", edgecolors="#b00020")
-        ax.annotate(f"first divergence: {names[first_bad]}", (first_bad, ys[first_bad]),
-                    textcoords="offset points", xytext=(6, 8), fontsize=8, color="#b00020")
+        ax.annotate(
+            f"first divergence: {names[first_bad]}",
+            (first_bad, ys[first_bad]),
+            textcoords="offset points",
+            xytext=(6, 8),
+            fontsize=8,
+            color="#b00020",
+        )
     ax.set_yscale("log")
     ax.set_ylabel("relative L2 error")
     ax.set_xlabel("layer (execution order)")
@@ -84,8 +97,9 @@ def layer_errors(names: list[str], rel_l2: list[float], limit: float | None,
     return _png(fig)
 
 
-def category_time(categories: list[str], before: list[float], after: list[float],
-                  title: str) -> bytes:
+def category_time(
+    categories: list[str], before: list[float], after: list[float], title: str
+) -> bytes:
     """Estimated (roofline) time per op category, before and after."""
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.35 * len(categories)))
     ys = list(range(len(categories)))
@@ -101,8 +115,9 @@ def category_time(categories: list[str], before: list[float], after: list[float]
     return _png(fig)
 
 
-def roofline(points: list[tuple[str, float, float]], peak_flops: float, bandwidth: float,
-             title: str) -> bytes:
+def roofline(
+    points: list[tuple[str, float, float]], peak_flops: float, bandwidth: float, title: str
+) -> bytes:
     """Ops as (label, intensity FLOP/byte, attainable FLOP/s) under the target's roofline."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ridge = peak_flops / bandwidth

@@ -11,4 +11,15 @@ is added with `@register`: see docs/writing-a-rule.md.
 from opswap.rules.base import Estimate, Found, Miss, Refused, Rule, Site
 from opswap.rules.registry import all_rules, get, register, select
 
-__all__ = ["Estimate", "Found", "Miss", "Refused", "Rule", "Site", "all_rules", "get", "register", "select"]
+__all__ = [
+    "Estimate",
+    "Found",
+    "Miss",
+    "Refused",
+    "Rule",
+    "Site",
+    "all_rules",
+    "get",
+    "register",
+    "select",
+]

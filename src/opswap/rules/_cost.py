@@ -24,8 +24,9 @@ from opswap.rules.base import Estimate
 
 def op_time(c: NodeCost, target, dtype) -> float:
     """Roofline time of one kernel of cost `c` at `dtype`'s peak, plus its dispatch."""
-    overhead = target.op_overhead(bool(c.flops or c.bytes)) if hasattr(target, "op_overhead") \
-        else 0.0
+    overhead = (
+        target.op_overhead(bool(c.flops or c.bytes)) if hasattr(target, "op_overhead") else 0.0
+    )
     return roofline_point(c.flops, c.bytes, target, dtype).time_s + overhead
 
 
@@ -33,8 +34,9 @@ def costs(nodes: Iterable[fx.Node]) -> list[NodeCost]:
     return [node_cost(n) for n in nodes]
 
 
-def saving(target, removed: Iterable[fx.Node], added: Iterable[NodeCost] = (),
-           note: str = "") -> Estimate:
+def saving(
+    target, removed: Iterable[fx.Node], added: Iterable[NodeCost] = (), note: str = ""
+) -> Estimate:
     """Estimate for replacing the ops `removed` (each a kernel of its own) by the
     kernels `added` (given as costs: they do not exist in the graph yet)."""
     removed = list(removed)
@@ -65,15 +67,19 @@ def moved_bytes(nodes) -> int:
     return total
 
 
-def bytes_estimate(bytes_saved: int, target, note: str, kernels_saved: int = 0,
-                   views_saved: int = 0) -> Estimate:
+def bytes_estimate(
+    bytes_saved: int, target, note: str, kernels_saved: int = 0, views_saved: int = 0
+) -> Estimate:
     """Estimate for a rewrite that saves `bytes_saved` of memory traffic and no FLOPs, and
     the dispatch of `kernels_saved` ops that move data and `views_saved` that do not
     (negative: ops added)."""
     bw = getattr(target, "mem_bandwidth", None)
     if not bw:
         return Estimate(bytes_saved=float(bytes_saved), time_saved_s=None, note=note)
-    dispatch = (getattr(target, "dispatch_s", 0.0) * kernels_saved
-                + getattr(target, "view_dispatch_s", 0.0) * views_saved)
-    return Estimate(bytes_saved=float(bytes_saved), time_saved_s=bytes_saved / bw + dispatch,
-                    note=note)
+    dispatch = (
+        getattr(target, "dispatch_s", 0.0) * kernels_saved
+        + getattr(target, "view_dispatch_s", 0.0) * views_saved
+    )
+    return Estimate(
+        bytes_saved=float(bytes_saved), time_saved_s=bytes_saved / bw + dispatch, note=note
+    )

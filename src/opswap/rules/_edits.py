@@ -55,8 +55,9 @@ def _exclusive_attr(gm: fx.GraphModule, attr_node: fx.Node, user: fx.Node) -> bo
     return True
 
 
-def new_const(gm: fx.GraphModule, before: fx.Node, base: str, tensor: torch.Tensor,
-              as_param: bool = True) -> fx.Node:
+def new_const(
+    gm: fx.GraphModule, before: fx.Node, base: str, tensor: torch.Tensor, as_param: bool = True
+) -> fx.Node:
     """Install `tensor` as a fresh attribute of gm and return a get_attr node for it,
     inserted before `before`. `base` may be dotted ('attention.qkv.weight')."""
     name = fresh_path(gm, base)
@@ -90,13 +91,17 @@ def _write_attr(gm, w: Weighted, index: int, name: str, tensor: torch.Tensor) ->
     if isinstance(old, fx.Node) and _exclusive_attr(gm, old, node):
         set_attr_tensor(gm, str(old.target), tensor, as_param=as_param)
         return
-    base = f"{str(old.target)}_folded" if isinstance(old, fx.Node) and old.op == "get_attr" \
+    base = (
+        f"{str(old.target)}_folded"
+        if isinstance(old, fx.Node) and old.op == "get_attr"
         else f"{node.name}_{name}"
+    )
     _set_arg(node, index, name, new_const(gm, node, base, tensor, as_param))
 
 
-def replace_weights(gm: fx.GraphModule, w: Weighted, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> fx.Node:
+def replace_weights(
+    gm: fx.GraphModule, w: Weighted, weight: torch.Tensor, bias: torch.Tensor | None
+) -> fx.Node:
     """Make `w.node` compute with new weight and bias; returns the node that does.
 
     A module called only here gets its tensors replaced in place (its state_dict keys
@@ -110,8 +115,13 @@ def replace_weights(gm: fx.GraphModule, w: Weighted, weight: torch.Tensor,
         grad = cast(torch.Tensor, module.weight).requires_grad
         mod.weight = nn.Parameter(weight, requires_grad=grad)
         # torch's stubs type Module.__setattr__ without None, which a parameter slot accepts
-        mod.bias = None if bias is None else nn.Parameter(  # type: ignore[assignment]
-            bias, requires_grad=mod.weight.requires_grad)
+        mod.bias = (
+            None
+            if bias is None
+            else nn.Parameter(  # type: ignore[assignment]
+                bias, requires_grad=mod.weight.requires_grad
+            )
+        )
         return install_module(gm, node, mod, str(node.target))
     _write_attr(gm, w, 1, "weight", weight)
     if bias is not None:
@@ -127,8 +137,9 @@ def fresh_path(gm: nn.Module, base: str) -> str:
     return name
 
 
-def install_module(gm: fx.GraphModule, node: fx.Node, mod: nn.Module, base: str,
-                   args: tuple | None = None) -> fx.Node:
+def install_module(
+    gm: fx.GraphModule, node: fx.Node, mod: nn.Module, base: str, args: tuple | None = None
+) -> fx.Node:
     """Put `mod` where `node` calls its module and return the node that calls it.
 
     A call_module node whose module no one else uses keeps its target (so state_dict
@@ -142,8 +153,9 @@ def install_module(gm: fx.GraphModule, node: fx.Node, mod: nn.Module, base: str,
     name = fresh_path(gm, base.replace(".", "_"))
     gm.add_submodule(name, mod)
     with gm.graph.inserting_after(node):
-        new = gm.graph.call_module(name, node.args if args is None else args,
-                                   node.kwargs if args is None else {})
+        new = gm.graph.call_module(
+            name, node.args if args is None else args, node.kwargs if args is None else {}
+        )
     copy_meta(new, node)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
@@ -165,7 +177,8 @@ def free_container(gm: fx.GraphModule, attr_node) -> str | None:
     stale = []
     for n in gm.graph.nodes:
         if n.op in ("get_attr", "call_module") and (
-                str(n.target) == path or str(n.target).startswith(path + ".")):
+            str(n.target) == path or str(n.target).startswith(path + ".")
+        ):
             if n.op == "get_attr" and not n.users:
                 stale.append(n)
                 continue
@@ -187,8 +200,9 @@ def place_module(gm: fx.GraphModule, mod: nn.Module, path: str | None, base: str
     return path
 
 
-def swap_in_module(gm: fx.GraphModule, mod: nn.Module, args: tuple, out: fx.Node,
-                   removed, base: str, home=None) -> fx.Node:
+def swap_in_module(
+    gm: fx.GraphModule, mod: nn.Module, args: tuple, out: fx.Node, removed, base: str, home=None
+) -> fx.Node:
     """Call `mod` on `args` in place of the pattern ending at `out`: the call takes
     over `out`'s users, the `removed` nodes and their dead constants go, and the
     module is named after the container of `home`'s attribute ('ln' for the get_attr
@@ -235,8 +249,14 @@ def drop_dead_attrs(gm: fx.GraphModule, nodes) -> None:
         gm.graph.erase_node(n)
         if any(m.op == "get_attr" and str(m.target) == target for m in gm.graph.nodes):
             continue
-        if any(m.op == "call_module" and (target.startswith(str(m.target) + ".") or (
-                owner and str(m.target).startswith(owner + "."))) for m in gm.graph.nodes):
+        if any(
+            m.op == "call_module"
+            and (
+                target.startswith(str(m.target) + ".")
+                or (owner and str(m.target).startswith(owner + "."))
+            )
+            for m in gm.graph.nodes
+        ):
             continue
         *parents, leaf = target.split(".")
         obj: object = gm
@@ -257,6 +277,7 @@ def const_args(node: fx.Node) -> list[fx.Node]:
 
 # --------------------------------------------------------------------------- new nodes, in the graph's flavour
 
+
 def _aten_op(op: str):
     """aten.<op>'s overload for `op` ("silu", or "log_softmax.int" to pick one)."""
     name, _, overload = op.partition(".")
@@ -265,8 +286,10 @@ def _aten_op(op: str):
         raise ValueError(f"there is no ATen op named {name!r}")
     overload = overload or "default"
     if overload not in packet.overloads():
-        raise ValueError(f"aten.{name} has no overload {overload!r} (it has "
-                         f"{', '.join(packet.overloads())}); spell it as '{name}.<overload>'")
+        raise ValueError(
+            f"aten.{name} has no overload {overload!r} (it has "
+            f"{', '.join(packet.overloads())}); spell it as '{name}.<overload>'"
+        )
     return getattr(packet, overload)
 
 

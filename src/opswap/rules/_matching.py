@@ -52,8 +52,17 @@ def shared_reason(node: fx.Node, allowed, what: str) -> str | None:
 
 
 # Ops that only relabel a constant: a weight spelled `self.w.t()` is still a constant.
-_CONST_KINDS = {"transpose", "permute", "view", "reshape", "contiguous", "identity", "squeeze",
-                "expand", "flatten"}
+_CONST_KINDS = {
+    "transpose",
+    "permute",
+    "view",
+    "reshape",
+    "contiguous",
+    "identity",
+    "squeeze",
+    "expand",
+    "flatten",
+}
 
 
 def const(gm: fx.GraphModule, value, depth: int = 6) -> torch.Tensor | None:
@@ -136,8 +145,10 @@ def perm_of(node: fx.Node) -> list[int] | None:
         if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
             dims = list(dims[0])
     else:
-        dims = [arg(node, 1, "dim0", node.kwargs.get("axis0")),
-                arg(node, 2, "dim1", node.kwargs.get("axis1"))]
+        dims = [
+            arg(node, 1, "dim0", node.kwargs.get("axis0")),
+            arg(node, 2, "dim1", node.kwargs.get("axis1")),
+        ]
     if not dims or not all(isinstance(d, int) for d in dims) or rank == 0:
         return None
     perm = [cast(int, d) % rank for d in dims]
@@ -192,8 +203,21 @@ def matmul_reads_in_place(shape, stride) -> bool:
 
 # Ops whose output may share memory with their first input (views, and ops that return
 # their input unchanged when there is nothing to do). Unknown ops are assumed to.
-_ALIAS_KINDS = {"view", "reshape", "flatten", "permute", "transpose", "squeeze", "expand",
-                "slice", "split", "identity", "contiguous", "to", "dropout"}
+_ALIAS_KINDS = {
+    "view",
+    "reshape",
+    "flatten",
+    "permute",
+    "transpose",
+    "squeeze",
+    "expand",
+    "slice",
+    "split",
+    "identity",
+    "contiguous",
+    "to",
+    "dropout",
+}
 
 
 def may_alias_input(node: fx.Node) -> bool:

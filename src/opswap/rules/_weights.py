@@ -90,19 +90,29 @@ def weighted(gm: fx.GraphModule, node: fx.Node) -> Weighted | str:
                 return f"{node.name} is a {type(mod).__name__}, not an nn.Linear"
             return Weighted(node, mod.weight, mod.bias, mod)
         if fused := getattr(mod, "fused_activation", None):
-            return (f"{node.name} already applies a fused {fused}, so nothing "
-                    "after it can be folded into its weights")
+            return (
+                f"{node.name} already applies a fused {fused}, so nothing "
+                "after it can be folded into its weights"
+            )
         if not isinstance(mod, nn.modules.conv._ConvNd):
             return f"{node.name} is a {type(mod).__name__}, not a standard convolution"
-        return Weighted(node, mod.weight, mod.bias, mod, transposed=mod.transposed,
-                        stride=mod.stride, padding=mod.padding, dilation=mod.dilation,
-                        groups=mod.groups, padding_mode=mod.padding_mode,
-                        extra={"output_padding": mod.output_padding})
+        return Weighted(
+            node,
+            mod.weight,
+            mod.bias,
+            mod,
+            transposed=mod.transposed,
+            stride=mod.stride,
+            padding=mod.padding,
+            dilation=mod.dilation,
+            groups=mod.groups,
+            padding_mode=mod.padding_mode,
+            extra={"output_padding": mod.output_padding},
+        )
     w_node, b_node = arg(node, 1, "weight"), arg(node, 2, "bias")
     w = const(gm, w_node)
     if w is None:
-        return (f"the weight of {node.name} is not a constant: it is "
-                f"{describe_source(w_node)}")
+        return f"the weight of {node.name} is not a constant: it is {describe_source(w_node)}"
     b = None
     if b_node is not None:
         b = const(gm, b_node)
@@ -118,14 +128,25 @@ def weighted(gm: fx.GraphModule, node: fx.Node) -> Weighted | str:
     pos = _CONV_ARGS[name]
     d = w.dim() - 2
     defaults = (1, 0, 1, 1, name.startswith("conv_transpose"), 0)
-    vals = [defaults[i] if p is None else arg(node, p, _CONV_NAMES[i], defaults[i])
-            for i, p in enumerate(pos)]
+    vals = [
+        defaults[i] if p is None else arg(node, p, _CONV_NAMES[i], defaults[i])
+        for i, p in enumerate(pos)
+    ]
     if any(isinstance(v, fx.Node) for v in vals):
         return f"{node.name}'s stride, padding or groups are computed at run time"
     stride, padding, dilation, groups, transposed, output_padding = vals
-    return Weighted(node, w, b, None, transposed=bool(transposed), stride=_ntuple(stride, d),
-                    padding=_ntuple(padding, d), dilation=_ntuple(dilation, d),
-                    groups=int(groups), extra={"output_padding": _ntuple(output_padding, d)})
+    return Weighted(
+        node,
+        w,
+        b,
+        None,
+        transposed=bool(transposed),
+        stride=_ntuple(stride, d),
+        padding=_ntuple(padding, d),
+        dilation=_ntuple(dilation, d),
+        groups=int(groups),
+        extra={"output_padding": _ntuple(output_padding, d)},
+    )
 
 
 # --------------------------------------------------------------------------- batch norm
@@ -174,12 +195,17 @@ def batch_norm(gm: fx.GraphModule, node: fx.Node) -> BatchNormParts | str:
         if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
             return f"{node.name} is a {type(mod).__name__}, not a BatchNorm"
         if mod.training:
-            return f"BatchNorm {node.name} is in training mode (it normalises with batch statistics)"
+            return (
+                f"BatchNorm {node.name} is in training mode (it normalises with batch statistics)"
+            )
         if mod.running_mean is None or mod.running_var is None:
-            return (f"BatchNorm {node.name} has no running statistics (track_running_stats=False), "
-                    "so it normalises with batch statistics")
-        return BatchNormParts(node, node, mod.running_mean, mod.running_var, float(mod.eps),
-                              mod.weight, mod.bias)
+            return (
+                f"BatchNorm {node.name} has no running statistics (track_running_stats=False), "
+                "so it normalises with batch statistics"
+            )
+        return BatchNormParts(
+            node, node, mod.running_mean, mod.running_var, float(mod.eps), mod.weight, mod.bias
+        )
     name = raw_name(node)
     order: dict[str, int | None]
     if node.target is F.batch_norm:
@@ -188,13 +214,23 @@ def batch_norm(gm: fx.GraphModule, node: fx.Node) -> BatchNormParts | str:
         order = dict(weight=1, bias=2, mean=3, var=4, training=5, eps=7)
     elif name == "_native_batch_norm_legit_no_training":
         order = dict(weight=1, bias=2, mean=3, var=4, training=None, eps=6)
-    elif name in ("_native_batch_norm_legit", "native_batch_norm",
-                  "_native_batch_norm_legit_functional", "_batch_norm_with_update"):
+    elif name in (
+        "_native_batch_norm_legit",
+        "native_batch_norm",
+        "_native_batch_norm_legit_functional",
+        "_batch_norm_with_update",
+    ):
         return f"BatchNorm {node.name} is in training mode (it normalises with batch statistics)"
     else:
         return f"{node.name} is a {name} call, whose arguments opswap does not read"
-    names = {"mean": "running_mean", "var": "running_var", "weight": "weight", "bias": "bias",
-             "training": "training", "eps": "eps"}
+    names = {
+        "mean": "running_mean",
+        "var": "running_var",
+        "weight": "weight",
+        "bias": "bias",
+        "training": "training",
+        "eps": "eps",
+    }
     get = {k: (None if i is None else arg(node, i, names[k])) for k, i in order.items()}
     if get["training"] is True:
         return f"BatchNorm {node.name} is in training mode (it normalises with batch statistics)"
@@ -210,8 +246,10 @@ def batch_norm(gm: fx.GraphModule, node: fx.Node) -> BatchNormParts | str:
         t = const(gm, get[k])
         if t is None:
             label = "running " + k if k in ("mean", "var") else k
-            return (f"the {label} of BatchNorm {node.name} is not a constant: it is "
-                    f"{describe_source(get[k])}")
+            return (
+                f"the {label} of BatchNorm {node.name} is not a constant: it is "
+                f"{describe_source(get[k])}"
+            )
         tensors[k] = t
     eps = get["eps"] if get["eps"] is not None else 1e-5
     if not isinstance(eps, (int, float)):
@@ -227,8 +265,9 @@ def batch_norm(gm: fx.GraphModule, node: fx.Node) -> BatchNormParts | str:
 # --------------------------------------------------------------------------- folding
 
 
-def fold_affine(w: Weighted, scale: torch.Tensor, shift: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fold_affine(
+    w: Weighted, scale: torch.Tensor, shift: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Weight and bias of `w` followed by y * scale + shift, per output channel.
 
     `scale` has one value per output channel (or one for all); `shift` likewise, or
@@ -241,7 +280,9 @@ def fold_affine(w: Weighted, scale: torch.Tensor, shift: torch.Tensor | None
         # weight: [C_in, C_out / groups, *k]; output channel = group * (C_out/groups) + j
         g = w.groups
         grouped = weight.reshape(g, weight.shape[0] // g, *weight.shape[1:])
-        weight = (grouped * scale.reshape(g, 1, -1, *[1] * (weight.dim() - 2))).reshape(weight.shape)
+        weight = (grouped * scale.reshape(g, 1, -1, *[1] * (weight.dim() - 2))).reshape(
+            weight.shape
+        )
     else:
         weight = weight * scale.reshape(-1, *[1] * (weight.dim() - 1))
     weight = weight.to(w.weight.dtype).contiguous()

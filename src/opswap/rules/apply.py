@@ -41,13 +41,18 @@ class _Snapshot:
 
     def __init__(self, gm: fx.GraphModule):
         self.graph = quiet_deepcopy(gm.graph)
-        self.tables = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules),
-                        set(m.__dict__)) for m in gm.modules()]
+        self.tables = [
+            (m, dict(m._parameters), dict(m._buffers), dict(m._modules), set(m.__dict__))
+            for m in gm.modules()
+        ]
 
     def restore(self, gm: fx.GraphModule) -> None:
         for m, params, buffers, children, attrs in self.tables:
-            for table, saved in ((m._parameters, params), (m._buffers, buffers),
-                                 (m._modules, children)):
+            for table, saved in (
+                (m._parameters, params),
+                (m._buffers, buffers),
+                (m._modules, children),
+            ):
                 table.clear()
                 table.update(cast("dict[str, Any]", saved))  # each saved copy of its table
             for extra in set(m.__dict__) - attrs:  # plain attributes a rewrite added

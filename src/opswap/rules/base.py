@@ -58,10 +58,18 @@ class Found:
     `record` the JSON facts a plan keeps with the site.
     """
 
-    def __init__(self, nodes: Iterable[fx.Node], description: str,
-                 data: dict[str, Any] | None = None, *, key: str = "",
-                 outputs: Iterable[fx.Node] = (), kept: Iterable[fx.Node] = (),
-                 record: dict[str, Any] | None = None, **more: Any):
+    def __init__(
+        self,
+        nodes: Iterable[fx.Node],
+        description: str,
+        data: dict[str, Any] | None = None,
+        *,
+        key: str = "",
+        outputs: Iterable[fx.Node] = (),
+        kept: Iterable[fx.Node] = (),
+        record: dict[str, Any] | None = None,
+        **more: Any,
+    ):
         self.nodes = tuple(nodes)
         self.description = description
         self.data = {**(data or {}), **more}
@@ -153,8 +161,9 @@ class Outcome:
         """The record `to_json` wrote (plan.json's form since its first version)."""
         fields = {"rule", cls._where_field(), "reason"}
         if not isinstance(data, dict) or set(data) != fields:
-            raise TypeError(f"a {cls.kind} must hold exactly {', '.join(sorted(fields))}; "
-                            f"got {data!r}")
+            raise TypeError(
+                f"a {cls.kind} must hold exactly {', '.join(sorted(fields))}; got {data!r}"
+            )
         return cls(data["rule"], data[cls._where_field()], data["reason"])
 
     @classmethod
@@ -259,30 +268,41 @@ class Rule:
         out: list[Site | Miss] = []
         for node in list(gm.graph.nodes):
             for verdict in self._verdicts(gm, node, writers):
-                out.append(self._site(verdict) if isinstance(verdict, Found)
-                           else self.miss(verdict.where or node, verdict.reason))
+                out.append(
+                    self._site(verdict)
+                    if isinstance(verdict, Found)
+                    else self.miss(verdict.where or node, verdict.reason)
+                )
         return out
 
     def replay(self, gm: fx.GraphModule, site: Site) -> Found | str:
         """The match for `site` on `gm` (its anchor checked once), or why there is none."""
-        if site.found is not None and site.found.anchor is not None \
-                and site.found.anchor.graph is gm.graph:
+        if (
+            site.found is not None
+            and site.found.anchor is not None
+            and site.found.anchor.graph is gm.graph
+        ):
             return site.found  # matched on this graph, which nothing has changed since
         if site.anchor:
             anchor = node_by_name(gm, site.anchor)
             verdicts = self._verdicts(gm, anchor, _Writers(gm)) if anchor is not None else []
         else:  # a plan from before sites kept their anchor: look the key up in a full match
             writers = _Writers(gm)
-            verdicts = [v for node in list(gm.graph.nodes)
-                        for v in self._verdicts(gm, node, writers) if isinstance(v, Found)]
+            verdicts = [
+                v
+                for node in list(gm.graph.nodes)
+                for v in self._verdicts(gm, node, writers)
+                if isinstance(v, Found)
+            ]
         for v in verdicts:
             if isinstance(v, Found) and v.key == site.key:
                 return v
         refused = [v.reason for v in verdicts if isinstance(v, Refused)]
         return f"no longer applies: {refused[0]}" if refused else "site not found in this model"
 
-    def _verdicts(self, gm: fx.GraphModule, node: fx.Node, writers: _Writers
-                  ) -> list[Found | Refused]:
+    def _verdicts(
+        self, gm: fx.GraphModule, node: fx.Node, writers: _Writers
+    ) -> list[Found | Refused]:
         if node.op not in ("call_function", "call_method", "call_module"):
             return []
         if self.anchors and op_kind(node) not in self.anchors:
@@ -306,8 +326,15 @@ class Rule:
 
     def _site(self, found: Found) -> Site:
         anchor = found.anchor.name if found.anchor is not None else ""
-        return Site(self.name, found.key, tuple(n.name for n in found.nodes),
-                    found.description, dict(found.record), anchor, found)
+        return Site(
+            self.name,
+            found.key,
+            tuple(n.name for n in found.nodes),
+            found.description,
+            dict(found.record),
+            anchor,
+            found,
+        )
 
     def miss(self, where: fx.Node | str, reason: str) -> Miss:
         w = where.name if isinstance(where, fx.Node) else str(where)
@@ -387,19 +414,21 @@ def unsafe(found: Found, writers: _Writers) -> str | None:
         if root is None or root.op in ("placeholder", "get_attr"):
             what = "a model input" if root is None or root.op == "placeholder" else "a weight"
             return f"{n.name} writes into {what} in place, which a rewrite would not do"
-        later = [u for u in _readers(root) if u is not n
-                 and writers.order(u) > writers.order(n)]
+        later = [u for u in _readers(root) if u is not n and writers.order(u) > writers.order(n)]
         if later:
-            return (f"{n.name} writes into {root.name} in place, and {later[0].name} reads "
-                    f"{root.name} afterwards")
+            return (
+                f"{n.name} writes into {root.name} in place, and {later[0].name} reads "
+                f"{root.name} afterwards"
+            )
     for n in found.nodes:
         if n in found.outputs or n in found.kept:
             continue
         others = [u for u in n.users if u not in inside]
         if others:
             names = ", ".join(u.name for u in others[:3])
-            return (f"{n.name}'s output is also read by {names}, outside the ops "
-                    "this rewrite replaces")
+            return (
+                f"{n.name}'s output is also read by {names}, outside the ops this rewrite replaces"
+            )
     if not writers.nodes:
         return None
     # a write between the pattern's ops into what they read: into anything they read when
@@ -407,15 +436,20 @@ def unsafe(found: Found, writers: _Writers) -> str | None:
     first = min(writers.order(n) for n in found.nodes)
     last = max(writers.order(n) for n in found.nodes)
     outside = {storage_root(a) for n in found.nodes for a in n.all_input_nodes} - inside
-    read = outside | ({storage_root(a) for n in merged for a in n.all_input_nodes} | set(merged)
-                      if len(merged) > 1 else set())
+    read = outside | (
+        {storage_root(a) for n in merged for a in n.all_input_nodes} | set(merged)
+        if len(merged) > 1
+        else set()
+    )
     for w in writers.nodes:
         if w in inside or not first < writers.order(w) < last:
             continue
         root = _written(w)
         if root in read:
-            return (f"{w.name} writes into {root.name} in place between the ops this "
-                    "rewrite would merge")
+            return (
+                f"{w.name} writes into {root.name} in place between the ops this "
+                "rewrite would merge"
+            )
     return None
 
 

@@ -20,8 +20,9 @@ from opswap.rules.base import PHASES, Rule
 
 
 def _named(patterns: Iterable[str], rules: list[Rule], me: Rule) -> list[Rule]:
-    return [r for r in rules if r is not me
-            and any(fnmatch.fnmatchcase(r.name, p) for p in patterns)]
+    return [
+        r for r in rules if r is not me and any(fnmatch.fnmatchcase(r.name, p) for p in patterns)
+    ]
 
 
 def _edges(rules: list[Rule]) -> dict[str, dict[str, str]]:
@@ -36,8 +37,10 @@ def _edges(rules: list[Rule]) -> dict[str, dict[str, str]]:
             edges[r.name].setdefault(b.name, f"{r.name} declares before={list(r.before)}")
         for other in rules:
             if rank[other.name] > rank[r.name]:
-                edges[r.name].setdefault(other.name, f"{r.name} is in phase {r.phase!r}, "
-                                         f"{other.name} in phase {other.phase!r}")
+                edges[r.name].setdefault(
+                    other.name,
+                    f"{r.name} is in phase {r.phase!r}, {other.name} in phase {other.phase!r}",
+                )
     return edges
 
 
@@ -48,7 +51,7 @@ def _cycle(edges: dict[str, dict[str, str]], left: set[str]) -> list[str]:
     while path[-1] not in seen:
         seen[path[-1]] = len(path) - 1
         path.append(min(preds[path[-1]]))
-    loop = path[seen[path[-1]]:-1]
+    loop = path[seen[path[-1]] : -1]
     return loop[::-1]  # in run order: each must run before the next
 
 
@@ -57,8 +60,7 @@ def ordered(rules: Iterable[Rule]) -> list[Rule]:
     rules = list({r.name: r for r in rules}.values())
     for r in rules:
         if r.phase not in PHASES:
-            raise RuleError(f"Rule {r.name} has phase {r.phase!r}; use one of "
-                            f"{', '.join(PHASES)}.")
+            raise RuleError(f"Rule {r.name} has phase {r.phase!r}; use one of {', '.join(PHASES)}.")
     by_name = {r.name: r for r in rules}
     edges = _edges(rules)
     waiting = {r.name: 0 for r in rules}
@@ -82,8 +84,12 @@ def ordered(rules: Iterable[Rule]) -> list[Rule]:
                 heapq.heappush(ready, key(then))
     if len(out) < len(rules):
         loop = _cycle(edges, {n for n, k in waiting.items() if k > 0})
-        steps = "; ".join(f"{a} before {b} ({edges[a][b]})"
-                          for a, b in zip(loop, loop[1:] + loop[:1], strict=True))
-        raise RuleError(f"The rules' ordering declarations form a cycle: {steps}. "
-                        "Drop one of these after/before declarations.")
+        steps = "; ".join(
+            f"{a} before {b} ({edges[a][b]})"
+            for a, b in zip(loop, loop[1:] + loop[:1], strict=True)
+        )
+        raise RuleError(
+            f"The rules' ordering declarations form a cycle: {steps}. "
+            "Drop one of these after/before declarations."
+        )
     return out

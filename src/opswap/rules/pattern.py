@@ -100,8 +100,9 @@ def _bind(binds: dict[str, Any], name: str, value: Any) -> bool:
     return True
 
 
-def _match(gm: fx.GraphModule, pat: Pattern, value: Any, binds: dict[str, Any],
-           ops: list[fx.Node]) -> bool:
+def _match(
+    gm: fx.GraphModule, pat: Pattern, value: Any, binds: dict[str, Any], ops: list[fx.Node]
+) -> bool:
     if isinstance(pat, Var):
         return isinstance(value, fx.Node) and _bind(binds, pat.name, value)
     if isinstance(pat, Const):
@@ -109,12 +110,15 @@ def _match(gm: fx.GraphModule, pat: Pattern, value: Any, binds: dict[str, Any],
             return _bind(binds, pat.name, value)
         tensor = _const(gm, value)
         return tensor is not None and _bind(binds, pat.name, tensor)
-    if not isinstance(value, fx.Node) or value.op not in (
-            "call_function", "call_method", "call_module") or op_kind(value) not in pat.kinds:
+    if (
+        not isinstance(value, fx.Node)
+        or value.op not in ("call_function", "call_method", "call_module")
+        or op_kind(value) not in pat.kinds
+    ):
         return False
     if len(value.args) < len(pat.args):
         return False
-    orders = [value.args[:len(pat.args)]]
+    orders = [value.args[: len(pat.args)]]
     if len(pat.args) == 2 and op_kind(value) in COMMUTATIVE:
         orders.append(orders[0][::-1])
     for args in orders:
@@ -127,4 +131,3 @@ def _match(gm: fx.GraphModule, pat: Pattern, value: Any, binds: dict[str, Any],
             ops[:] = [*covered, value]
             return True
     return False
-

@@ -60,14 +60,18 @@ def register(cls: type[Rule]) -> type[Rule]:
     for attr in ("after", "before"):
         value = getattr(cls, attr)
         if not isinstance(value, tuple) or not all(isinstance(p, str) for p in value):
-            raise TypeError(f"rule {cls.name}: {attr} must be a tuple of rule names or globs, "
-                            f"e.g. ('fusion.conv_bn',)")
+            raise TypeError(
+                f"rule {cls.name}: {attr} must be a tuple of rule names or globs, "
+                f"e.g. ('fusion.conv_bn',)"
+            )
     if not isinstance(cls.name, str) or "." not in cls.name:
         raise TypeError(f"rule {cls.__name__}: name must be 'family.what', got {cls.name!r}")
     if cls.match is not Rule.match or "site" in inspect.signature(cls.rewrite).parameters:
-        raise TypeError(f"rule {cls.name} defines match() or rewrite(gm, site): rules now name "
-                        "their anchors and define check(gm, node) and rewrite(gm, found) "
-                        "(see docs/writing-a-rule.md)")
+        raise TypeError(
+            f"rule {cls.name} defines match() or rewrite(gm, site): rules now name "
+            "their anchors and define check(gm, node) and rewrite(gm, found) "
+            "(see docs/writing-a-rule.md)"
+        )
     for method in ("check", "rewrite"):
         if getattr(cls, method) is getattr(Rule, method):
             raise TypeError(f"rule {cls.name} does not define {method}()")
@@ -78,8 +82,9 @@ def register(cls: type[Rule]) -> type[Rule]:
     # defines its rule classes anew: they replace themselves
     again = (held.__module__, held.__qualname__) == (cls.__module__, cls.__qualname__)
     if not again:
-        raise TypeError(f"two rules are named {cls.name!r} (one from "
-                        f"{_ORIGINS.get(cls.name, 'opswap')})")
+        raise TypeError(
+            f"two rules are named {cls.name!r} (one from {_ORIGINS.get(cls.name, 'opswap')})"
+        )
     _RULES[cls.name] = cls()
     _ORIGINS[cls.name] = _loading or _origin_of(cls)
     return cls
@@ -130,8 +135,9 @@ def _registering(where: str):
 
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
     # entry_points(group=...) is Python >= 3.10, which opswap requires anyway
-    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
-                  key=lambda ep: (ep.name, ep.value))
+    return sorted(
+        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name, ep.value)
+    )
 
 
 def _load_plugin(ep: importlib.metadata.EntryPoint) -> None:
@@ -146,13 +152,15 @@ def _load_plugin(ep: importlib.metadata.EntryPoint) -> None:
             # the module may have been imported (and its rules registered) before
             mine = [r for r in _RULES.values() if _comes_from(type(r), obj)]
             if not mine:
-                raise TypeError("it registers no rule (decorate a Rule subclass with "
-                                "@opswap.rules.register)")
+                raise TypeError(
+                    "it registers no rule (decorate a Rule subclass with @opswap.rules.register)"
+                )
             for r in mine:
                 _ORIGINS[r.name] = where
     except Exception as e:  # any failure of third-party code: leave the plugin out, say so
-        _PROBLEMS.append(f"The rule plugin {ep.name} ({ep.value}{source}) was left out: "
-                         f"{_first_line(e)}.")
+        _PROBLEMS.append(
+            f"The rule plugin {ep.name} ({ep.value}{source}) was left out: {_first_line(e)}."
+        )
 
 
 def load_module(name: str) -> list[Rule]:
@@ -171,8 +179,10 @@ def load_module(name: str) -> list[Rule]:
         raise RuleError(f"Could not load rules from {name!r}: {_first_line(e)}.") from None
     mine = [r for r in _RULES.values() if r.name not in before or _comes_from(type(r), module)]
     if not mine:
-        raise RuleError(f"{name!r} registers no rule: decorate a subclass of "
-                        "opswap.rules.Rule with @opswap.rules.register in it.")
+        raise RuleError(
+            f"{name!r} registers no rule: decorate a subclass of "
+            "opswap.rules.Rule with @opswap.rules.register in it."
+        )
     return sorted(mine, key=lambda r: (r.chapter, r.name))
 
 
@@ -213,8 +223,10 @@ def _import_user_module(name: str):
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name and (name == e.name or name.startswith(e.name + ".")):
-            raise RuleError(f"Could not load rules from {name!r}: no module named {e.name!r} "
-                            f"on the Python path or in {cwd}.") from None
+            raise RuleError(
+                f"Could not load rules from {name!r}: no module named {e.name!r} "
+                f"on the Python path or in {cwd}."
+            ) from None
         raise
     finally:
         if added:
@@ -305,13 +317,19 @@ def select(
             continue
         chosen.append(rule)
     if patterns and not chosen:
-        looser = sorted({r.exactness for r in all_rules()
-                         if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)},
-                        key=EXACTNESS_ORDER.__getitem__)
+        looser = sorted(
+            {
+                r.exactness
+                for r in all_rules()
+                if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)
+            },
+            key=EXACTNESS_ORDER.__getitem__,
+        )
         if looser:
             raise RuleError(
                 f"{','.join(patterns)} selects only {looser[0]} rules, which exactness "
-                f"{exactness!r} leaves out; add --exactness {looser[0]} to plan them.")
+                f"{exactness!r} leaves out; add --exactness {looser[0]} to plan them."
+            )
         raise RuleError(
             f"No rule matches {','.join(patterns)!r} at exactness {exactness!r}; "
             "`opswap rules` lists them."

@@ -1,9 +1,9 @@
 """Hardware targets: peak FLOP/s per precision, memory bandwidth, preferences.
 
-    >>> from opswap.targets import get_target
-    >>> h100 = get_target("h100")
-    >>> round(h100.ridge_point("bfloat16"))   # FLOP per byte
-    295
+>>> from opswap.targets import get_target
+>>> h100 = get_target("h100")
+>>> round(h100.ridge_point("bfloat16"))   # FLOP per byte
+295
 """
 
 from __future__ import annotations
@@ -50,6 +50,4 @@ def get_target(name: str | Target, *, refresh: bool = False) -> Target:
         return get_cpu_target(refresh=refresh)
     if key in _REGISTRY:
         return _REGISTRY[key]
-    raise TargetError(
-        f"Unknown target {name!r}; known targets are {', '.join(list_targets())}."
-    )
+    raise TargetError(f"Unknown target {name!r}; known targets are {', '.join(list_targets())}.")

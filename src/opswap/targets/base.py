@@ -18,13 +18,21 @@ import torch
 DTYPE_KEYS = ("float64", "float32", "tf32", "bfloat16", "float16", "float8", "int8")
 
 _ALIASES = {
-    "fp64": "float64", "double": "float64",
-    "fp32": "float32", "float": "float32",
-    "fp16": "float16", "half": "float16",
+    "fp64": "float64",
+    "double": "float64",
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
     "bf16": "bfloat16",
-    "fp8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8",
-    "float8_e4m3fnuz": "float8", "float8_e5m2fnuz": "float8",
-    "uint8": "int8", "qint8": "int8", "quint8": "int8",
+    "fp8": "float8",
+    "float8_e4m3fn": "float8",
+    "float8_e5m2": "float8",
+    "float8_e4m3fnuz": "float8",
+    "float8_e5m2fnuz": "float8",
+    "uint8": "int8",
+    "qint8": "int8",
+    "quint8": "int8",
 }
 
 

@@ -86,9 +86,14 @@ class Rollback:
         return "; ".join(self.reasons)
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "rule": self.decision.rule, "site": self.decision.site.key,
-                "description": self.decision.site.description, "reason": self.reason,
-                "metrics": self.metrics.to_json()}
+        return {
+            "index": self.index,
+            "rule": self.decision.rule,
+            "site": self.decision.site.key,
+            "description": self.decision.site.description,
+            "reason": self.reason,
+            "metrics": self.metrics.to_json(),
+        }
 
     def __str__(self) -> str:
         return f"rolled back {self.decision.rule} at {self.decision.site.key}: {self.reason}"
@@ -122,17 +127,26 @@ def rollback(
         key = tuple(id(d) for d in p.decisions)
         if key not in cache:
             gm = apply_plan(captured, p).gm
-            cache[key] = verify(reference_fn, gm, inputs, samples=samples, tolerance=tol,
-                                seed=seed, variants=shapes)
+            cache[key] = verify(
+                reference_fn, gm, inputs, samples=samples, tolerance=tol, seed=seed, variants=shapes
+            )
         return cache[key]
 
     shapes = captured.variants() if inputs is captured.example_inputs else ()
-    base = verify(reference_fn, captured.gm, inputs, samples=samples, tolerance=tol, seed=seed,
-                  variants=shapes)
+    base = verify(
+        reference_fn,
+        captured.gm,
+        inputs,
+        samples=samples,
+        tolerance=tol,
+        seed=seed,
+        variants=shapes,
+    )
     if not base.passed:
         raise VerificationError(
             "The captured graph already differs from the reference before any replacement ("
-            + "; ".join(base.reasons) + "); nothing to roll back -- is the model deterministic "
+            + "; ".join(base.reasons)
+            + "); nothing to roll back -- is the model deterministic "
             "and in eval mode?"
         )
     removed: list[Rollback] = []
@@ -142,8 +156,9 @@ def rollback(
             break
         if run(plan).passed:
             break
-        culprit = find_culprit(plan, lambda p: run(p).passed, passing=start,
-                               failing=len(plan.decisions))
+        culprit = find_culprit(
+            plan, lambda p: run(p).passed, passing=start, failing=len(plan.decisions)
+        )
         broken = run(_prefix(plan, culprit + 1))
         d = plan.decisions[culprit]
         removed.append(Rollback(original[id(d)], d, broken.metrics, list(broken.reasons)))

@@ -56,9 +56,15 @@ class LayerRow:
     note: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "module": self.module, "op": self.op,
-                "candidate": self.candidate, "paired_by": self.paired_by, "note": self.note,
-                "metrics": self.metrics.to_json() if self.metrics is not None else None}
+        return {
+            "name": self.name,
+            "module": self.module,
+            "op": self.op,
+            "candidate": self.candidate,
+            "paired_by": self.paired_by,
+            "note": self.note,
+            "metrics": self.metrics.to_json() if self.metrics is not None else None,
+        }
 
 
 @dataclass
@@ -71,8 +77,14 @@ class Divergence:
     reason: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "name": self.row.name, "module": self.row.module,
-                "op": self.row.op, "kind": self.kind, "reason": self.reason}
+        return {
+            "index": self.index,
+            "name": self.row.name,
+            "module": self.row.module,
+            "op": self.row.op,
+            "kind": self.kind,
+            "reason": self.reason,
+        }
 
     def __str__(self) -> str:
         where = f" in module {self.row.module}" if self.row.module else ""
@@ -86,7 +98,10 @@ class LayerReport:
     only_in_candidate: list[str] = field(default_factory=list)
 
     def first_divergence(
-        self, tolerance: Tolerance | str | None = None, *, jump: float = 10.0,
+        self,
+        tolerance: Tolerance | str | None = None,
+        *,
+        jump: float = 10.0,
         floor: float = JUMP_FLOOR,
     ) -> Divergence | None:
         """The first compared row that fails `tolerance` (default: exact), or whose rel_l2
@@ -101,21 +116,28 @@ class LayerReport:
             if not ok:
                 return Divergence(i, row, "tolerance", "; ".join(why))
             if m.rel_l2 > floor and m.rel_l2 >= jump * worst:
-                before = (f"{m.rel_l2 / worst:.0f}x the largest before it ({worst:.3g})"
-                          if worst > 0 else "the first error above rounding level")
+                before = (
+                    f"{m.rel_l2 / worst:.0f}x the largest before it ({worst:.3g})"
+                    if worst > 0
+                    else "the first error above rounding level"
+                )
                 return Divergence(i, row, "jump", f"rel_l2 {m.rel_l2:.3g} is {before}")
             worst = max(worst, m.rel_l2)
         return None
 
     def to_json(self) -> dict[str, Any]:
-        return {"rows": [r.to_json() for r in self.rows],
-                "only_in_reference": self.only_in_reference,
-                "only_in_candidate": self.only_in_candidate}
+        return {
+            "rows": [r.to_json() for r in self.rows],
+            "only_in_reference": self.only_in_reference,
+            "only_in_candidate": self.only_in_candidate,
+        }
 
     def table(self, *, max_rows: int | None = None, mark: Divergence | None = None) -> str:
         """A plain-text table of the compared rows (unpaired rows are summarised below it)."""
-        head = f"{'#':>3}  {'node':<24} {'op':<14} {'module':<20} {'by':<8} " \
-               f"{'max_abs':>9} {'cosine':>12} {'sqnr_db':>8} {'rel_l2':>9}"
+        head = (
+            f"{'#':>3}  {'node':<24} {'op':<14} {'module':<20} {'by':<8} "
+            f"{'max_abs':>9} {'cosine':>12} {'sqnr_db':>8} {'rel_l2':>9}"
+        )
         lines = [head, "-" * len(head)]
         shown = [(i, r) for i, r in enumerate(self.rows) if r.metrics is not None]
         if max_rows is not None and len(shown) > max_rows:
@@ -124,9 +146,11 @@ class LayerReport:
             m = r.metrics
             assert m is not None  # shown holds only rows with metrics
             flag = " <--" if mark is not None and mark.index == i else ""
-            lines.append(f"{i:>3}  {r.name[:24]:<24} {r.op[:14]:<14} {r.module[:20]:<20} "
-                         f"{r.paired_by:<8} {m.max_abs:>9.2e} {m.cosine:>12.9f} "
-                         f"{m.sqnr_db:>8.1f} {m.rel_l2:>9.2e}{flag}")
+            lines.append(
+                f"{i:>3}  {r.name[:24]:<24} {r.op[:14]:<14} {r.module[:20]:<20} "
+                f"{r.paired_by:<8} {m.max_abs:>9.2e} {m.cosine:>12.9f} "
+                f"{m.sqnr_db:>8.1f} {m.rel_l2:>9.2e}{flag}"
+            )
         if self.only_in_reference:
             lines.append(f"only in the reference: {', '.join(self.only_in_reference)}")
         if self.only_in_candidate:
@@ -136,9 +160,13 @@ class LayerReport:
 
 # --------------------------------------------------------------------------- pairing
 
-_PATH_NOISE = [(re.compile(r"^L\['self'\]\.?"), ""), (re.compile(r"^L__self__\.?"), ""),
-               (re.compile(r"\._modules\['([^']+)'\]"), r".\1"),
-               (re.compile(r"\[(\d+)\]"), r".\1"), (re.compile(r"^\.+"), "")]
+_PATH_NOISE = [
+    (re.compile(r"^L\['self'\]\.?"), ""),
+    (re.compile(r"^L__self__\.?"), ""),
+    (re.compile(r"\._modules\['([^']+)'\]"), r".\1"),
+    (re.compile(r"\[(\d+)\]"), r".\1"),
+    (re.compile(r"^\.+"), ""),
+]
 
 
 def module_path(node: fx.Node) -> str:

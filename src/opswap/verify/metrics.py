@@ -70,9 +70,11 @@ class Metrics:
         return asdict(self)
 
     def __str__(self) -> str:
-        return (f"max_abs={self.max_abs:.3g} max_rel={self.max_rel:.3g} "
-                f"cosine={self.cosine:.9f} sqnr={self.sqnr_db:.1f}dB rel_l2={self.rel_l2:.3g}"
-                + (f" nonfinite={self.nonfinite}" if self.nonfinite else ""))
+        return (
+            f"max_abs={self.max_abs:.3g} max_rel={self.max_rel:.3g} "
+            f"cosine={self.cosine:.9f} sqnr={self.sqnr_db:.1f}dB rel_l2={self.rel_l2:.3g}"
+            + (f" nonfinite={self.nonfinite}" if self.nonfinite else "")
+        )
 
 
 def _as_tensor(x) -> torch.Tensor:

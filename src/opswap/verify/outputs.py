@@ -44,8 +44,12 @@ class OutputCheck:
     reasons: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "reasons": self.reasons,
-                **self.metrics.to_json()}
+        return {
+            "name": self.name,
+            "passed": self.passed,
+            "reasons": self.reasons,
+            **self.metrics.to_json(),
+        }
 
 
 @dataclass
@@ -176,7 +180,8 @@ def verify(
     tol = as_tolerance(tolerance)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise VerificationError(
-            f"Verification needs at least one sample (the example itself); got {samples!r}.")
+            f"Verification needs at least one sample (the example itself); got {samples!r}."
+        )
     inputs = make_samples(example_inputs, samples, seed)
     labels = [_shape_label(inputs[0])] * len(inputs)
     for i, (label, variant) in enumerate(variants):
@@ -202,14 +207,17 @@ def verify(
                 with same_random(seed + i):
                     cand_out = candidate(*fresh(sample))
             except Exception as e:  # a broken candidate is a failed verification
-                general.append(f"the candidate raised {type(e).__name__} on {at}: "
-                               f"{str(e).strip()[:200]}")
+                general.append(
+                    f"the candidate raised {type(e).__name__} on {at}: {str(e).strip()[:200]}"
+                )
                 break
             ref_leaves, ref_spec = _flatten(ref_out)
             cand_leaves, cand_spec = _flatten(cand_out)
             if ref_spec != cand_spec:
-                general.append(f"the candidate returns {_describe(cand_spec)} where the "
-                               f"reference returns {_describe(ref_spec)}")
+                general.append(
+                    f"the candidate returns {_describe(cand_spec)} where the "
+                    f"reference returns {_describe(ref_spec)}"
+                )
                 break
             for (name, r), (_, c) in zip(ref_leaves, cand_leaves, strict=True):
                 if name not in per_output:
@@ -217,16 +225,22 @@ def verify(
                     order.append(name)
                 reason = None
                 if isinstance(r, torch.Tensor) != isinstance(c, torch.Tensor):
-                    reason = (f"{name} is a {type(c).__name__} in the candidate and a "
-                              f"{type(r).__name__} in the reference")
+                    reason = (
+                        f"{name} is a {type(c).__name__} in the candidate and a "
+                        f"{type(r).__name__} in the reference"
+                    )
                 elif isinstance(r, torch.Tensor):
                     if r.shape != c.shape:
-                        reason = (f"{name} has shape {tuple(c.shape)} in the candidate and "
-                                  f"{tuple(r.shape)} in the reference (at {labels[i]})")
+                        reason = (
+                            f"{name} has shape {tuple(c.shape)} in the candidate and "
+                            f"{tuple(r.shape)} in the reference (at {labels[i]})"
+                        )
                     elif r.is_contiguous() and not c.is_contiguous():
-                        reason = (f"{name} is contiguous in the reference but has strides "
-                                  f"{tuple(c.stride())} in the candidate, so a caller's "
-                                  ".view() of it would raise")
+                        reason = (
+                            f"{name} is contiguous in the reference but has strides "
+                            f"{tuple(c.stride())} in the candidate, so a caller's "
+                            ".view() of it would raise"
+                        )
                     else:
                         per_output[name].append(compare(r, c))
                 elif isinstance(r, int | float | bool):
@@ -249,14 +263,18 @@ def verify(
     if not checks and general:  # nothing could be compared: no number to show
         nan = math.nan
         total = Metrics(nan, nan, nan, nan, nan, 0, 0)
-    return Verification(total, not reasons, reasons, checks, len(inputs), tol,
-                        list(dict.fromkeys(labels)))
+    return Verification(
+        total, not reasons, reasons, checks, len(inputs), tol, list(dict.fromkeys(labels))
+    )
 
 
 def _shape_label(sample: tuple) -> str:
     shapes = [x for x in pytree.tree_leaves(list(sample)) if isinstance(x, torch.Tensor)]
-    return "example shape " + ", ".join("x".join(map(str, x.shape)) or "scalar"
-                                        for x in shapes[:3]) + (", ..." if len(shapes) > 3 else "")
+    return (
+        "example shape "
+        + ", ".join("x".join(map(str, x.shape)) or "scalar" for x in shapes[:3])
+        + (", ..." if len(shapes) > 3 else "")
+    )
 
 
 class CaptureCheck:
@@ -266,12 +284,24 @@ class CaptureCheck:
     def rounding(self, model: nn.Module, inputs: tuple) -> float | None:
         return own_rounding(model, inputs)
 
-    def differs(self, model: nn.Module, gm: Callable, inputs: tuple, rounding: float | None,
-                variants: list | None = None) -> str | None:
+    def differs(
+        self,
+        model: nn.Module,
+        gm: Callable,
+        inputs: tuple,
+        rounding: float | None,
+        variants: list | None = None,
+    ) -> str | None:
         tol = Tolerance.for_exactness("exact").at_rounding(rounding)
         # two samples at the example; one is enough beside the other shapes
-        v = verify(model, gm, inputs, samples=2 if variants is None else 1, tolerance=tol,
-                   variants=variants or ())
+        v = verify(
+            model,
+            gm,
+            inputs,
+            samples=2 if variants is None else 1,
+            tolerance=tol,
+            variants=variants or (),
+        )
         return None if v.passed else v.reasons[0]
 
 

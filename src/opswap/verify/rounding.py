@@ -27,8 +27,9 @@ def low_precision(module: nn.Module) -> bool:
 
 
 def _outputs(out) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)
-            and x.is_floating_point()]
+    return [
+        x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()
+    ]
 
 
 def own_rounding(module: nn.Module, inputs: tuple) -> float | None:

@@ -101,13 +101,19 @@ def refresh_floats(example_inputs, seed: int = 0) -> tuple:
     """`example_inputs` with fresh floating values (as in `make_samples`); integer, bool
     and structural tensors as they are, so ids, offsets and masks stay valid."""
     gen = torch.Generator().manual_seed(seed)
-    return tuple(pytree.tree_map(
-        lambda x: _fresh(x, gen) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-        list(as_inputs(example_inputs))))
+    return tuple(
+        pytree.tree_map(
+            lambda x: (
+                _fresh(x, gen) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            ),
+            list(as_inputs(example_inputs)),
+        )
+    )
 
 
-def extreme_sample(example_inputs, scale: float = 1e4, nonfinite: bool = False,
-                   seed: int = 0) -> tuple:
+def extreme_sample(
+    example_inputs, scale: float = 1e4, nonfinite: bool = False, seed: int = 0
+) -> tuple:
     """`example_inputs` with its floating (non-structural) tensors drawn at `scale` times
     their spread around their mean; with `nonfinite`, each also holds +inf, -inf and NaN
     once, at its first, middle and last element (three rows when it has three). Integer,
@@ -115,12 +121,17 @@ def extreme_sample(example_inputs, scale: float = 1e4, nonfinite: bool = False,
     gen = torch.Generator().manual_seed(seed)
 
     def wild(x):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() < 2 \
-                or _is_structural(x):
+        if (
+            not isinstance(x, torch.Tensor)
+            or not x.is_floating_point()
+            or x.numel() < 2
+            or _is_structural(x)
+        ):
             return x
         stats = x.detach().to(torch.float64)
-        new = torch.randn(x.shape, generator=gen, dtype=torch.float64) * float(stats.std()) \
-            * scale + float(stats.mean())
+        new = torch.randn(x.shape, generator=gen, dtype=torch.float64) * float(
+            stats.std()
+        ) * scale + float(stats.mean())
         if nonfinite and x.numel() >= 3:
             flat = new.view(-1)
             flat[0], flat[flat.numel() // 2], flat[-1] = math.inf, -math.inf, math.nan

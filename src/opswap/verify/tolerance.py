@@ -45,9 +45,11 @@ _BUDGET_KEYS: dict[str, tuple[str, str]] = {
     "max_abs": ("max_abs", "<="),
     "max_rel": ("max_rel", "<="),
 }
-_BUDGET_FORM = ("Write the budget as METRIC>=X or METRIC<=X, comma-separated, with cosine>= or "
-                "sqnr_db>= and rel_l2<=, max_abs<= or max_rel<=, "
-                "e.g. 'cosine>=0.9999,max_abs<=1e-3'.")
+_BUDGET_FORM = (
+    "Write the budget as METRIC>=X or METRIC<=X, comma-separated, with cosine>= or "
+    "sqnr_db>= and rel_l2<=, max_abs<= or max_rel<=, "
+    "e.g. 'cosine>=0.9999,max_abs<=1e-3'."
+)
 _TERM = re.compile(r"^\s*([a-z_0-9]+)\s*(>=|<=|=>|=<|>|<|==|=)\s*([^\s]+)\s*$")
 
 
@@ -104,8 +106,9 @@ class Tolerance:
         """(passed, reasons): one sentence per threshold `m` breaks."""
         reasons: list[str] = []
         if m.nonfinite:
-            reasons.append(f"{m.nonfinite} NaN/Inf values in the candidate where the reference "
-                           "is finite")
+            reasons.append(
+                f"{m.nonfinite} NaN/Inf values in the candidate where the reference is finite"
+            )
         if self.cosine_min is not None and not m.cosine >= self.cosine_min:
             reasons.append(f"cosine {m.cosine:.8f} is below {self.cosine_min}")
         if self.rel_l2_max is not None and not m.rel_l2 <= self.rel_l2_max:
@@ -163,15 +166,17 @@ def parse_budget(budget: str, base: Tolerance | None = None) -> Tolerance:
             ) from None
         if math.isnan(x) or (key == "cosine" and not -1.0 <= x <= 1.0) or (op == "<=" and x < 0):
             raise VerificationError(
-                f"The bound in {term.strip()!r} is out of range. {_BUDGET_FORM}")
+                f"The bound in {term.strip()!r} is out of range. {_BUDGET_FORM}"
+            )
         changes[fld] = x
     if not changes:
         raise VerificationError(f"Empty accuracy budget {budget!r}. {_BUDGET_FORM}")
     return replace(base or Tolerance(), **changes)
 
 
-def tolerance_for(exactness: str, budget: str | None = None,
-                  rounding: float | None = None) -> Tolerance:
+def tolerance_for(
+    exactness: str, budget: str | None = None, rounding: float | None = None
+) -> Tolerance:
     """The tolerance a run verifies against: the exactness's thresholds, loosened to a
     low-precision model's own `rounding` (see `Tolerance.at_rounding`), with the user's
     `budget` on top (its thresholds are never loosened). Raises VerificationError for an

@@ -93,8 +93,9 @@ def images(*shape):
     return lambda: (torch.randn(*shape),)
 
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # export captures cost ~10x an FX trace: one example in four uses it

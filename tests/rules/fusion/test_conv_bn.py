@@ -43,8 +43,9 @@ class ConvBNs(nn.Module):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_conv_bn_folds_every_kind_of_conv(method):
-    plan, applied = check(ConvBNs(), images(3, 13, 5, 7), ["fusion.conv_bn"], method,
-                          {"fusion.conv_bn": 6})
+    plan, applied = check(
+        ConvBNs(), images(3, 13, 5, 7), ["fusion.conv_bn"], method, {"fusion.conv_bn": 6}
+    )
     assert not reasons(plan, "fusion.conv_bn")
     assert "batch_norm" not in [op_kind(n) for n in applied.gm.graph.nodes]
 
@@ -98,19 +99,27 @@ def test_conv_bn_refuses_non_constant_statistics(method):
         def forward(self, x, mean):
             return F.batch_norm(self.conv(x), mean, torch.ones(4) * 2, training=False)
 
-    plan, _ = optimize(M().eval(), (torch.randn(3, 13, 5, 7), torch.randn(4)),
-                       ["fusion.conv_bn"], method)
+    plan, _ = optimize(
+        M().eval(), (torch.randn(3, 13, 5, 7), torch.randn(4)), ["fusion.conv_bn"], method
+    )
     assert fired(plan, "fusion.conv_bn") == 0
-    assert any("running mean" in r and "not a constant" in r
-               for r in reasons(plan, "fusion.conv_bn"))
+    assert any(
+        "running mean" in r and "not a constant" in r for r in reasons(plan, "fusion.conv_bn")
+    )
 
 
 def test_conv_bn_keeps_state_dict_keys_in_fx():
-    plan, applied = optimize(nn.Sequential(nn.Conv2d(13, 8, 3), _bn(nn.BatchNorm2d, 8)).eval(),
-                             (torch.randn(3, 13, 5, 7),), ["fusion.conv_bn"], "fx")
+    plan, applied = optimize(
+        nn.Sequential(nn.Conv2d(13, 8, 3), _bn(nn.BatchNorm2d, 8)).eval(),
+        (torch.randn(3, 13, 5, 7),),
+        ["fusion.conv_bn"],
+        "fx",
+    )
     assert set(applied.gm.state_dict()) == {"0.weight", "0.bias"}
-    assert all(type(t) is torch.nn.Parameter or isinstance(t, torch.Tensor)
-               for t in applied.gm.state_dict().values())
+    assert all(
+        type(t) is torch.nn.Parameter or isinstance(t, torch.Tensor)
+        for t in applied.gm.state_dict().values()
+    )
 
 
 def test_conv_bn_folds_a_shared_conv_module_into_a_copy():
@@ -128,8 +137,12 @@ def test_conv_bn_folds_a_shared_conv_module_into_a_copy():
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_conv_bn_folds_and_refuses_training_mode(method):
     """The example of docs/writing-a-rule.md."""
-    model = nn.Sequential(nn.Conv2d(13, 12, 3, padding=1), _bn(nn.BatchNorm2d, 12),
-                          nn.Conv2d(12, 5, 1), _bn(nn.BatchNorm2d, 5))
+    model = nn.Sequential(
+        nn.Conv2d(13, 12, 3, padding=1),
+        _bn(nn.BatchNorm2d, 12),
+        nn.Conv2d(12, 5, 1),
+        _bn(nn.BatchNorm2d, 5),
+    )
     model.eval()[3].train()
     plan, applied = optimize(model, (torch.randn(3, 13, 5, 7),), ["fusion.conv_bn"], method)
     assert fired(plan, "fusion.conv_bn") == 1

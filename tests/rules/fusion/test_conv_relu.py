@@ -36,7 +36,11 @@ from ._helpers import (
 class ConvReLUs(nn.Module):
     def __init__(self):
         super().__init__()
-        self.a, self.bn_a, self.relu = nn.Conv2d(13, 16, 3, padding=1), _bn(nn.BatchNorm2d, 16), nn.ReLU()
+        self.a, self.bn_a, self.relu = (
+            nn.Conv2d(13, 16, 3, padding=1),
+            _bn(nn.BatchNorm2d, 16),
+            nn.ReLU(),
+        )
         self.b = nn.Conv2d(16, 9, 3, stride=2, padding="valid", bias=False)
         self.c = nn.Conv2d(9, 9, 3, padding="same", groups=3)
         self.d, self.bn_d = nn.Conv1d(13, 5, 3), _bn(nn.BatchNorm1d, 5)
@@ -84,8 +88,13 @@ class ConvReLUCases(nn.Module):
 @pytest.mark.parametrize("method", METHODS)
 def test_conv_relu_refuses_with_reasons(method):
     # export spells reflect padding as a pad op and a plain conv, which does fuse
-    plan, applied = check(ConvReLUCases(), images(3, 13, 5, 7), ["fusion.conv_relu"], method,
-                          {"fusion.conv_relu": 0 if method == "fx" else 1})
+    plan, applied = check(
+        ConvReLUCases(),
+        images(3, 13, 5, 7),
+        ["fusion.conv_relu"],
+        method,
+        {"fusion.conv_relu": 0 if method == "fx" else 1},
+    )
     why = " | ".join(reasons(plan, "fusion.conv_relu"))
     if method == "fx":
         assert "padding_mode='reflect'" in why
@@ -156,8 +165,17 @@ def conv_cases(draw):
     size = [draw(st.integers(max(dil * (k - 1) + 1, 3), 9)) for _ in range(dims)]
     cls = {1: nn.Conv1d, 2: nn.ConvTranspose2d if transposed else nn.Conv2d, 3: nn.Conv3d}[dims]
     extra = {"output_padding": stride - 1} if transposed and dil == 1 else {}
-    conv = cls(cin, cout, k, stride=stride, padding=pad, dilation=dil, groups=groups,
-               bias=draw(st.booleans()), **extra)
+    conv = cls(
+        cin,
+        cout,
+        k,
+        stride=stride,
+        padding=pad,
+        dilation=dil,
+        groups=groups,
+        bias=draw(st.booleans()),
+        **extra,
+    )
     bn = _eval_bn({1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[dims], cout)
     refuse = draw(st.sampled_from(["", "", "", "training", "shared"]))
     relu = draw(st.booleans())

@@ -73,10 +73,11 @@ def test_zoo_bert(method):
 
 def _block(kind: str, h: int) -> tuple[nn.Module, dict[str, int]]:
     """A [B, S, h] -> [B, S, h] block holding one pattern, and what it should fire."""
+
     class B(nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = nn.Parameter(torch.randn(h, h) / h ** 0.5)
+            self.w = nn.Parameter(torch.randn(h, h) / h**0.5)
             self.b = nn.Parameter(torch.randn(h))
             self.q, self.k = nn.Linear(h, h), nn.Linear(h, h, bias=False)
             self.g = nn.Parameter(1 + 0.1 * torch.randn(h))
@@ -91,15 +92,27 @@ def _block(kind: str, h: int) -> tuple[nn.Module, dict[str, int]]:
                 return (x - m) / torch.sqrt(((x - m) ** 2).mean(-1, keepdim=True) + 1e-5) * self.g
             return torch.log(torch.softmax(x, -1))
 
-    fires = {"matmul_add": {"fusion.matmul_add": 1}, "parallel_linear": {"fusion.parallel_linear": 1},
-             "layer_norm": {"fusion.layer_norm": 1}, "log_softmax": {"fusion.log_softmax": 1}}
+    fires = {
+        "matmul_add": {"fusion.matmul_add": 1},
+        "parallel_linear": {"fusion.parallel_linear": 1},
+        "layer_norm": {"fusion.layer_norm": 1},
+        "log_softmax": {"fusion.log_softmax": 1},
+    }
     return B(), fires[kind]
 
 
 @SETTINGS
-@given(kinds=st.lists(st.sampled_from(["matmul_add", "parallel_linear", "layer_norm",
-                                       "log_softmax"]), min_size=1, max_size=5),
-       h=st.integers(2, 12), b=st.integers(1, 3), s=st.integers(1, 6), method=METHOD)
+@given(
+    kinds=st.lists(
+        st.sampled_from(["matmul_add", "parallel_linear", "layer_norm", "log_softmax"]),
+        min_size=1,
+        max_size=5,
+    ),
+    h=st.integers(2, 12),
+    b=st.integers(1, 3),
+    s=st.integers(1, 6),
+    method=METHOD,
+)
 def test_random_sequence_graphs_keep_outputs(kinds, h, b, s, method):
     blocks, expect = [], {}
     for kind in kinds:
@@ -115,9 +128,16 @@ def test_random_sequence_graphs_keep_outputs(kinds, h, b, s, method):
 
 
 @SETTINGS
-@given(layers=st.lists(st.tuples(st.integers(1, 6), st.sampled_from([1, 3]), st.booleans(),
-                                 st.booleans()), min_size=1, max_size=4),
-       cin=st.integers(1, 5), size=st.integers(5, 9), method=METHOD)
+@given(
+    layers=st.lists(
+        st.tuples(st.integers(1, 6), st.sampled_from([1, 3]), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=4,
+    ),
+    cin=st.integers(1, 5),
+    size=st.integers(5, 9),
+    method=METHOD,
+)
 def test_random_cnn_graphs_keep_outputs(layers, cin, size, method):
     mods, bns, relus = [], 0, 0
     c = cin
@@ -130,8 +150,9 @@ def test_random_cnn_graphs_keep_outputs(layers, cin, size, method):
             mods.append(nn.ReLU())
             relus += 1
         c = cout
-    plan, err = run(nn.Sequential(*mods).eval(), (torch.randn(2, cin, size, size + 2),), ["fusion.*"],
-                    method)
+    plan, err = run(
+        nn.Sequential(*mods).eval(), (torch.randn(2, cin, size, size + 2),), ["fusion.*"], method
+    )
     assert err <= TOL
     assert count(plan, "fusion.conv_bn") == bns
     assert count(plan, "fusion.conv_relu") == relus

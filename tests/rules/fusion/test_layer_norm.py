@@ -1,5 +1,4 @@
-"""fusion.layer_norm: the spellings of a hand-written LayerNorm and the refusals; property tests.
-"""
+"""fusion.layer_norm: the spellings of a hand-written LayerNorm and the refusals; property tests."""
 
 from __future__ import annotations
 
@@ -43,8 +42,9 @@ class HandNorms(nn.Module):
 @pytest.mark.parametrize("method", METHODS)
 def test_layer_norm_spellings_and_refusals(method):
     make = lambda: (torch.randn(3, 5, 13) * 3 + 1, torch.randn(13))  # noqa: E731
-    plan, applied = check(HandNorms(), make, ["fusion.layer_norm"], method,
-                          {"fusion.layer_norm": 5})
+    plan, applied = check(
+        HandNorms(), make, ["fusion.layer_norm"], method, {"fusion.layer_norm": 5}
+    )
     why = " | ".join(reasons(plan, "fusion.layer_norm"))
     assert "unbiased variance" in why
     assert "not its last dim(s)" in why
@@ -59,10 +59,12 @@ def test_layer_norm_spellings_and_refusals(method):
 @st.composite
 def ln_cases(draw):
     k = draw(st.integers(1, 2))
-    shape = [draw(st.integers(1, 4)) for _ in range(draw(st.integers(0, 2)))] + \
-        [draw(st.integers(2, 9)) for _ in range(k)]
+    shape = [draw(st.integers(1, 4)) for _ in range(draw(st.integers(0, 2)))] + [
+        draw(st.integers(2, 9)) for _ in range(k)
+    ]
     return dict(
-        shape=shape, k=k,
+        shape=shape,
+        k=k,
         variance=draw(st.sampled_from(["var", "pow", "mul", "square"])),
         root=draw(st.sampled_from(["div_sqrt", "mul_rsqrt"])),
         affine=draw(st.sampled_from(["none", "w", "wb", "b"])),
@@ -75,7 +77,7 @@ class HandLN(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.c = c
-        norm = c["shape"][-c["k"]:]
+        norm = c["shape"][-c["k"] :]
         self.w = nn.Parameter(1 + 0.2 * torch.randn(norm))
         self.b = nn.Parameter(torch.randn(norm))
 
@@ -115,8 +117,9 @@ def test_layer_norm_keeps_outputs(case, method):
     assert err <= TOL
     # normalising over dim 0, the batch (which stays dynamic unless a weight of that size
     # ties it down): nn.LayerNorm would fix its size
-    over_batch = (not case["refuse"] and len(case["shape"]) == case["k"] >= 2
-                  and case["affine"] == "none")
+    over_batch = (
+        not case["refuse"] and len(case["shape"]) == case["k"] >= 2 and case["affine"] == "none"
+    )
     if over_batch:
         assert count(plan, "fusion.layer_norm") == 0
         assert "whose size follows the input" in reasons_text(plan, "fusion.layer_norm")
@@ -131,8 +134,15 @@ def test_layer_norm_keeps_outputs(case, method):
 
 
 def test_a_width_nothing_fixes_stays_dynamic():
-    case = {"shape": [3, 6], "k": 1, "variance": "var", "root": "div_sqrt", "affine": "none",
-            "eps": 1e-5, "refuse": ""}
+    case = {
+        "shape": [3, 6],
+        "k": 1,
+        "variance": "var",
+        "root": "div_sqrt",
+        "affine": "none",
+        "eps": 1e-5,
+        "refuse": "",
+    }
     x = torch.randn(3, 6)
     plan, _ = run(HandLN(case).eval(), (x,), ["fusion.layer_norm"], "fx")
     assert count(plan, "fusion.layer_norm") == 0  # nn.LayerNorm would fix the width at 6

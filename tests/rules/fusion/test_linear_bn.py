@@ -1,5 +1,4 @@
-"""fusion.linear_bn: folds a BatchNorm1d on a 2-D Linear output, refuses 3-D; property tests.
-"""
+"""fusion.linear_bn: folds a BatchNorm1d on a 2-D Linear output, refuses 3-D; property tests."""
 
 from __future__ import annotations
 
@@ -27,15 +26,26 @@ class LinearBNs(nn.Module):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_linear_bn_folds_2d_and_refuses_3d(method):
-    plan, _ = check(LinearBNs(), lambda: (torch.randn(3, 13),), ["fusion.linear_bn"], method,
-                    {"fusion.linear_bn": 2})
+    plan, _ = check(
+        LinearBNs(),
+        lambda: (torch.randn(3, 13),),
+        ["fusion.linear_bn"],
+        method,
+        {"fusion.linear_bn": 2},
+    )
     why = reasons(plan, "fusion.linear_bn")
     assert len(why) == 1 and "3-D" in why[0] and "not the Linear's output features" in why[0]
 
 
 @SETTINGS
-@given(n=st.integers(2, 5), fin=st.integers(1, 17), fout=st.integers(1, 17),
-       bias=st.booleans(), refuse=st.sampled_from(["", "", "training", "shared"]), method=METHOD)
+@given(
+    n=st.integers(2, 5),
+    fin=st.integers(1, 17),
+    fout=st.integers(1, 17),
+    bias=st.booleans(),
+    refuse=st.sampled_from(["", "", "training", "shared"]),
+    method=METHOD,
+)
 def test_linear_bn_keeps_outputs(n, fin, fout, bias, refuse, method):
     class M(nn.Module):
         def __init__(self):

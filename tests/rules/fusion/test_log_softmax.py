@@ -42,8 +42,9 @@ class LogSoftmaxes(nn.Module):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_log_softmax_replaces_log_of_softmax(method):
-    plan, applied = check(LogSoftmaxes(), images(3, 13), ["fusion.log_softmax"], method,
-                          {"fusion.log_softmax": 3})
+    plan, applied = check(
+        LogSoftmaxes(), images(3, 13), ["fusion.log_softmax"], method, {"fusion.log_softmax": 3}
+    )
     shared = [d for d in plan.decisions if d.site.data["shared"]]
     assert len(shared) == 1 and "stays" in shared[0].site.description
     kinds = [op_kind(n) for n in applied.gm.graph.nodes]
@@ -80,8 +81,12 @@ def test_log_softmax_refuses_an_implicit_dim():
 
 
 @SETTINGS
-@given(shape=st.lists(st.integers(1, 7), min_size=1, max_size=3), data=st.data(),
-       shared=st.booleans(), method=METHOD)
+@given(
+    shape=st.lists(st.integers(1, 7), min_size=1, max_size=3),
+    data=st.data(),
+    shared=st.booleans(),
+    method=METHOD,
+)
 def test_log_softmax_keeps_outputs(shape, data, shared, method):
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
 

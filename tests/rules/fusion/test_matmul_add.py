@@ -1,5 +1,4 @@
-"""fusion.matmul_add: x @ W + b becomes a linear, refusals with reasons; property tests.
-"""
+"""fusion.matmul_add: x @ W + b becomes a linear, refusals with reasons; property tests."""
 
 from __future__ import annotations
 
@@ -34,8 +33,13 @@ class MatMulAdds(nn.Module):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_matmul_add_becomes_linear_and_refuses_with_reasons(method):
-    plan, applied = check(MatMulAdds(), lambda: (torch.randn(3, 5, 13), torch.randn(5, 5)),
-                          ["fusion.matmul_add"], method, {"fusion.matmul_add": 3})
+    plan, applied = check(
+        MatMulAdds(),
+        lambda: (torch.randn(3, 5, 13), torch.randn(5, 5)),
+        ["fusion.matmul_add"],
+        method,
+        {"fusion.matmul_add": 3},
+    )
     why = " | ".join(reasons(plan, "fusion.matmul_add"))
     assert "not a bias along the last dim" in why
     assert "not a constant" in why and "model input w" in why
@@ -45,9 +49,14 @@ def test_matmul_add_becomes_linear_and_refuses_with_reasons(method):
 
 
 @SETTINGS
-@given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=2), k=st.integers(1, 13),
-       n=st.integers(1, 13), bias=st.sampled_from(["vec", "row", "scalar", "table", "input_w"]),
-       first=st.booleans(), method=METHOD)
+@given(
+    lead=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+    k=st.integers(1, 13),
+    n=st.integers(1, 13),
+    bias=st.sampled_from(["vec", "row", "scalar", "table", "input_w"]),
+    first=st.booleans(),
+    method=METHOD,
+)
 def test_matmul_add_keeps_outputs(lead, k, n, bias, first, method):
     lead = lead or [3]
 

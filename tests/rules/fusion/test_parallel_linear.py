@@ -1,5 +1,4 @@
-"""fusion.parallel_linear: sibling Linears merge into one; property tests.
-"""
+"""fusion.parallel_linear: sibling Linears merge into one; property tests."""
 
 from __future__ import annotations
 
@@ -42,8 +41,9 @@ class Attention(nn.Module):
 @pytest.mark.parametrize("method", METHODS)
 def test_parallel_linear_merges_siblings(method):
     make = lambda: (torch.randn(3, 5, 12), torch.randn(4, 6))  # noqa: E731
-    plan, applied = check(Attention(), make, ["fusion.parallel_linear"], method,
-                          {"fusion.parallel_linear": 2})
+    plan, applied = check(
+        Attention(), make, ["fusion.parallel_linear"], method, {"fusion.parallel_linear": 2}
+    )
     sizes = sorted(len(d.site.data["members"]) for d in plan.decisions)
     assert sizes == [2, 3]
     why = reasons(plan, "fusion.parallel_linear")
@@ -56,8 +56,13 @@ def test_parallel_linear_merges_siblings(method):
 
 
 @SETTINGS
-@given(outs=st.lists(st.integers(1, 9), min_size=2, max_size=4), hidden=st.integers(1, 11),
-       lead=st.lists(st.integers(1, 4), min_size=1, max_size=2), data=st.data(), method=METHOD)
+@given(
+    outs=st.lists(st.integers(1, 9), min_size=2, max_size=4),
+    hidden=st.integers(1, 11),
+    lead=st.lists(st.integers(1, 4), min_size=1, max_size=2),
+    data=st.data(),
+    method=METHOD,
+)
 def test_parallel_linear_keeps_outputs(outs, hidden, lead, data, method):
     biases = [data.draw(st.booleans()) for _ in outs]
     from_input = data.draw(st.integers(-1, len(outs) - 1))  # -1: all weights constant
@@ -65,15 +70,21 @@ def test_parallel_linear_keeps_outputs(outs, hidden, lead, data, method):
     class M(nn.Module):
         def __init__(self):
             super().__init__()
-            self.lins = nn.ModuleList(nn.Linear(hidden, o, bias=b) for o, b in zip(outs, biases, strict=True))
+            self.lins = nn.ModuleList(
+                nn.Linear(hidden, o, bias=b) for o, b in zip(outs, biases, strict=True)
+            )
 
         def forward(self, x, w):
             ys = [F.linear(x, w) if i == from_input else lin(x) for i, lin in enumerate(self.lins)]
             return torch.cat([y.sum(-1, keepdim=True) * (i + 1) for i, y in enumerate(ys)], -1)
 
     x = torch.randn(*lead, hidden)
-    plan, err = run(M().eval(), (x, torch.randn(outs[max(from_input, 0)], hidden)),
-                    ["fusion.parallel_linear"], method)
+    plan, err = run(
+        M().eval(),
+        (x, torch.randn(outs[max(from_input, 0)], hidden)),
+        ["fusion.parallel_linear"],
+        method,
+    )
     assert err <= TOL
     merged = len(outs) - (from_input >= 0)
     assert count(plan, "fusion.parallel_linear") == (merged >= 2)

@@ -22,9 +22,16 @@ FLAVOURS = ["fx", "export"]
 
 
 def _target(layout: str) -> Target:
-    return Target(name="cpu", description="test CPU", kind="cpu",
-                  peak_flops={"float32": 1e12}, mem_bandwidth=50e9, memory_bytes=0,
-                  dtypes=("float32",), layout=layout)
+    return Target(
+        name="cpu",
+        description="test CPU",
+        kind="cpu",
+        peak_flops={"float32": 1e12},
+        mem_bandwidth=50e9,
+        memory_bytes=0,
+        dtypes=("float32",),
+        layout=layout,
+    )
 
 
 NHWC_CPU = _target("channels_last")
@@ -47,7 +54,8 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _snapshot(model: nn.Module):
     return {k: (v.clone(), v.stride()) for k, v in model.state_dict().items()}, [
-        m.training for m in model.modules()]
+        m.training for m in model.modules()
+    ]
 
 
 def run(model, rule, method, inputs=None, target=NHWC_CPU):
@@ -78,12 +86,24 @@ def reasons(plan) -> list[str]:
     return [m.reason for m in plan.misses]
 
 
-TARGET = Target(name="cpu", description="test CPU", kind="cpu", peak_flops={"float32": 1e12},
-                mem_bandwidth=50e9, memory_bytes=0, dtypes=("float32",), layout="channels_last")
+TARGET = Target(
+    name="cpu",
+    description="test CPU",
+    kind="cpu",
+    peak_flops={"float32": 1e12},
+    mem_bandwidth=50e9,
+    memory_bytes=0,
+    dtypes=("float32",),
+    layout="channels_last",
+)
 
 
-SETTINGS = settings(max_examples=15, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 flavours = st.sampled_from(["fx", "fx", "export"])  # export captures are slower: fewer

@@ -32,8 +32,10 @@ def test_cancel_transpose(method):
     plan, applied = run(Transposes(), "layout.cancel_transpose", method)
     assert keys(plan) == ["transpose+transpose_1", "permute+permute_1", "transpose_2+permute_2"]
     assert [d.site.data["identity"] for d in plan.decisions] == [True, True, False]
-    assert reasons(plan) == ["transpose_3's output is also read by sum_1, so transpose_3 and "
-                             "transpose_4 cannot be merged"]
+    assert reasons(plan) == [
+        "transpose_3's output is also read by sum_1, so transpose_3 and "
+        "transpose_4 cannot be merged"
+    ]
     kinds = [op_kind(n) for n in applied.gm.graph.nodes]
     assert kinds.count("permute") == 1 and kinds.count("transpose") == 2
     assert all(d.estimate.bytes_saved == 0 for d in plan.decisions)

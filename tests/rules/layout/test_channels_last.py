@@ -39,8 +39,11 @@ def _conv_weights(gm) -> list[torch.Tensor]:
     out = []
     for n in gm.graph.nodes:
         if op_kind(n) == "conv":
-            out.append(gm.get_submodule(n.target).weight if n.op == "call_module"
-                       else gm.get_parameter(n.args[1].target))
+            out.append(
+                gm.get_submodule(n.target).weight
+                if n.op == "call_module"
+                else gm.get_parameter(n.args[1].target)
+            )
     return out
 
 
@@ -132,8 +135,15 @@ def test_nhwc_strides_agrees_with_torch(shape, order):
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
-@given(st.integers(1, 3), st.integers(1, 6), st.integers(2, 7), st.integers(3, 9),
-       st.integers(3, 9), st.sampled_from([1, 3]), flavours)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 6),
+    st.integers(2, 7),
+    st.integers(3, 9),
+    st.integers(3, 9),
+    st.sampled_from([1, 3]),
+    flavours,
+)
 def test_channels_last_preserves(n, c_in, c_mid, h, w, k, method):
     torch.manual_seed(0)
     model, x = ConvNet(c_in, c_mid, k).eval(), torch.randn(n, c_in, h, w)

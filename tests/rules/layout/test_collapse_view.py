@@ -1,5 +1,4 @@
-"""layout.collapse_view: reshape chains become one reshape at every probed shape.
-"""
+"""layout.collapse_view: reshape chains become one reshape at every probed shape."""
 
 from __future__ import annotations
 
@@ -39,8 +38,9 @@ def test_collapse_view(method):
     else:  # torch.export fixed x.size(0) to 3 when it traced, so d collapses too
         assert sorted(keys(plan)) == sorted([*common, "view_1+unsqueeze_1"])
         assert not plan.misses
-    shape_ops = [n for n in applied.gm.graph.nodes
-                 if op_kind(n) in ("view", "reshape", "flatten", "squeeze")]
+    shape_ops = [
+        n for n in applied.gm.graph.nodes if op_kind(n) in ("view", "reshape", "flatten", "squeeze")
+    ]
     assert len(shape_ops) == (4 if method == "fx" else 3)
 
 
@@ -73,7 +73,7 @@ def reshape_chains(draw):
             a = draw(st.integers(0, len(cur) - 2))
             b = draw(st.integers(a + 1, len(cur) - 1))
             steps.append(("flatten", (a, b)))
-            cur = cur[:a] + [math.prod(cur[a:b + 1])] + cur[b + 1:]
+            cur = cur[:a] + [math.prod(cur[a : b + 1])] + cur[b + 1 :]
         elif kind == "unsqueeze":
             d = draw(st.integers(0, len(cur)))
             steps.append(("unsqueeze", d))
@@ -81,7 +81,7 @@ def reshape_chains(draw):
         elif kind == "squeeze" and 1 in cur and len(cur) > 1:
             d = cur.index(1)
             steps.append(("squeeze", d))
-            cur = cur[:d] + cur[d + 1:]
+            cur = cur[:d] + cur[d + 1 :]
     return shape, steps
 
 
@@ -104,7 +104,8 @@ def test_collapse_view_preserves(case, method):
     model, x = ReshapeChain(steps), torch.randn(shape)
     plan, applied = apply_rule(model, x, "layout.collapse_view", method)
     assert torch.equal(applied.gm(x), model(x))
-    left = [n for n in applied.gm.graph.nodes
-            if op_kind(n) in ("view", "reshape", "flatten", "squeeze")]
+    left = [
+        n for n in applied.gm.graph.nodes if op_kind(n) in ("view", "reshape", "flatten", "squeeze")
+    ]
     assert len(left) <= 1  # the whole chain is one reshape, or gone
     assert not sites_of(registry.get("layout.collapse_view").match(applied.gm))

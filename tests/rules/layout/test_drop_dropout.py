@@ -1,5 +1,4 @@
-"""layout.drop_dropout: eval-mode dropout is removed, training-mode dropout refused.
-"""
+"""layout.drop_dropout: eval-mode dropout is removed, training-mode dropout refused."""
 
 from __future__ import annotations
 
@@ -69,8 +68,14 @@ class DropoutStack(nn.Module):
 
 
 @SETTINGS
-@given(st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from([0.0, 0.25, 0.5])),
-                min_size=1, max_size=5), flavours)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.booleans(), st.sampled_from([0.0, 0.25, 0.5])),
+        min_size=1,
+        max_size=5,
+    ),
+    flavours,
+)
 def test_drop_dropout_counts(spec, method):
     model, x = DropoutStack(spec), torch.randn(3, 5, 7)
     captured = capture(model, (x,), method=method)

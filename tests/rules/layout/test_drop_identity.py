@@ -75,8 +75,9 @@ def test_drop_identity_refuses_unknown_strides():
     del mul.meta["tensor_meta"]
     found = registry.get("layout.drop_identity").match(captured.gm)
     assert not sites_of(found)
-    assert misses_of(found)[0].reason == ("the strides of mul are not known, so contiguous "
-                                          "cannot be shown to be a no-op")
+    assert misses_of(found)[0].reason == (
+        "the strides of mul are not known, so contiguous cannot be shown to be a no-op"
+    )
 
 
 _IDENTITY_STEPS = ["identity", "contiguous", "clone", "to", "float", "alias", "transposed"]

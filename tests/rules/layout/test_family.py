@@ -18,9 +18,14 @@ from ._helpers import FLAVOURS, NHWC_CPU, _flat, rel_l2
 
 def test_rules_registered():
     names = {r.name for r in registry.select(["layout.*"])}
-    assert names == {"layout.cancel_transpose", "layout.collapse_view",
-                     "layout.permute_matmul", "layout.drop_dropout", "layout.drop_identity",
-                     "layout.channels_last"}
+    assert names == {
+        "layout.cancel_transpose",
+        "layout.collapse_view",
+        "layout.permute_matmul",
+        "layout.drop_dropout",
+        "layout.drop_identity",
+        "layout.channels_last",
+    }
     for name in names:
         rule = registry.get(name)
         assert rule.family == "layout" and rule.chapter == 14 and rule.exactness == "exact"
@@ -30,17 +35,28 @@ def test_rules_registered():
 
 def _tiny_bert():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=32,
-                                  max_position_embeddings=32, attn_implementation="eager")
+    cfg = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return transformers.BertModel(cfg).eval(), (torch.randint(0, 50, (2, 7)),)
 
 
 def _count_transpose_pairs(gm) -> int:
-    return sum(1 for n in gm.graph.nodes
-               if op_kind(n) == "transpose" and n.args and op_kind(n.args[0]) == "transpose"
-               and len(n.args[0].users) == 1)
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if op_kind(n) == "transpose"
+        and n.args
+        and op_kind(n.args[0]) == "transpose"
+        and len(n.args[0].users) == 1
+    )
 
 
 @pytest.mark.hf
@@ -76,8 +92,11 @@ def test_zoo_bert():
         plan = make_plan(captured, rules=["layout.*"], target=NHWC_CPU)
         fired = [d.rule for d in plan.decisions]
         assert fired.count("layout.cancel_transpose") == pairs
-        assert any(d.site.data.get("identity") for d in plan.decisions
-                   if d.rule == "layout.cancel_transpose")  # encode/forward transposes cancel
+        assert any(
+            d.site.data.get("identity")
+            for d in plan.decisions
+            if d.rule == "layout.cancel_transpose"
+        )  # encode/forward transposes cancel
         assert fired.count("layout.collapse_view") >= 1  # the view -> reshape per layer
         applied = apply_plan(captured, plan)
         assert not applied.failed

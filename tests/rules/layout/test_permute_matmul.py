@@ -35,8 +35,12 @@ class Matmuls(nn.Module):
 @pytest.mark.parametrize("method", FLAVOURS)
 def test_permute_matmul(method):
     plan, applied = run(Matmuls(), "layout.permute_matmul", method)
-    assert keys(plan) == ["linear:matmul", "linear:matmul_1", "pretranspose:transpose_1",
-                          "contiguous:contiguous"]
+    assert keys(plan) == [
+        "linear:matmul",
+        "linear:matmul_1",
+        "pretranspose:transpose_1",
+        "contiguous:contiguous",
+    ]
     assert len(plan.misses) == 1 and plan.misses[0].where == "contiguous_1"
     assert "torch.matmul would copy transpose_3 itself" in plan.misses[0].reason
     gm = applied.gm
@@ -53,8 +57,7 @@ def _matmul_copies(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     with profile() as prof:
         torch.matmul(a, b)
-    return any(e.name in ("aten::copy_", "aten::clone", "aten::contiguous")
-               for e in prof.events())
+    return any(e.name in ("aten::copy_", "aten::clone", "aten::contiguous") for e in prof.events())
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)

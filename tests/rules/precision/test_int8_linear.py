@@ -26,10 +26,17 @@ RULE = "precision.int8_linear"
 
 # A CPU profile with fixed numbers (int8 at 4x the float32 rate), so that which sites the
 # roofline prediction takes does not depend on the machine running the tests.
-FIXED = Target(name="fixed-cpu", description="test profile", kind="cpu",
-               peak_flops={"float32": 2.5e11, "int8": 1.0e12}, mem_bandwidth=2.5e10,
-               memory_bytes=2**34, dtypes=("float32", "int8"), dispatch_s=2e-6,
-               view_dispatch_s=1e-6)
+FIXED = Target(
+    name="fixed-cpu",
+    description="test profile",
+    kind="cpu",
+    peak_flops={"float32": 2.5e11, "int8": 1.0e12},
+    mem_bandwidth=2.5e10,
+    memory_bytes=2**34,
+    dtypes=("float32", "int8"),
+    dispatch_s=2e-6,
+    view_dispatch_s=1e-6,
+)
 
 
 @pytest.fixture
@@ -118,8 +125,13 @@ def test_optimize_verifies_against_approx_tolerance_and_saves_the_int8_model(tmp
     torch.manual_seed(1)
     model = MLP().eval()
     x = torch.randn(8, 16, 768)
-    r = optimize(model, (x,), OptimizeConfig(samples=2, compare="none", exactness="approx",
-                                            layers=False, measure_rules=False))
+    r = optimize(
+        model,
+        (x,),
+        OptimizeConfig(
+            samples=2, compare="none", exactness="approx", layers=False, measure_rules=False
+        ),
+    )
     applied = [d for d in r.plan.decisions if d.rule == RULE]
     assert applied and r.verification.passed
     assert r.to_json()["verification"]["tolerance"]["rel_l2_max"] == pytest.approx(0.03)
@@ -130,7 +142,9 @@ def test_optimize_verifies_against_approx_tolerance_and_saves_the_int8_model(tmp
             xb = torch.randn(b, 16, 768)
             for w, g in zip(model(xb), loaded(xb), strict=True):
                 assert _rel(g, w) < 0.03
-    if artifact.saved_kind(r) == "candidate":  # the file holds the integer GEMM when opswap's model won
+    if (
+        artifact.saved_kind(r) == "candidate"
+    ):  # the file holds the integer GEMM when opswap's model won
         ep = torch.export.load(tmp_path / "model.pt2")
         assert any("_int_mm" in str(n.target) for n in ep.graph.nodes)
 
@@ -142,9 +156,13 @@ def test_a_wrong_kernel_fails_verification_and_is_rolled_back(monkeypatch, int8_
     monkeypatch.setattr(k, "_rescale", lambda acc, xs, ws, b: real(acc, xs, ws * 1.2, b))
     torch.manual_seed(2)
     model = MLP().eval()
-    r = optimize(model, (torch.randn(8, 16, 768),),
-                 OptimizeConfig(samples=2, compare="none", exactness="approx", layers=False,
-                                measure_rules=False))
+    r = optimize(
+        model,
+        (torch.randn(8, 16, 768),),
+        OptimizeConfig(
+            samples=2, compare="none", exactness="approx", layers=False, measure_rules=False
+        ),
+    )
     assert r.verification.passed  # after rollback
     assert not any(d.rule == RULE for d in r.plan.decisions)
     rolled = [x.to_json() if hasattr(x, "to_json") else x for x in r.rolled_back]
@@ -155,9 +173,14 @@ def test_bert_base_sized_encoder_keeps_the_approx_budget(int8_pays):
     """hf:bert at full width (768 hidden, 2 of its layers, random weights) at the example's
     64 rows: the attention and MLP Linears go to int8 and the output keeps the budget."""
     m = load("hf:bert", overrides={"size": "full", "num_hidden_layers": "2"})
-    r = optimize(m.module, m.example_inputs, OptimizeConfig(samples=2, compare="none",
-                                                           exactness="approx", layers=False,
-                                                           measure_rules=False), name="hf:bert")
+    r = optimize(
+        m.module,
+        m.example_inputs,
+        OptimizeConfig(
+            samples=2, compare="none", exactness="approx", layers=False, measure_rules=False
+        ),
+        name="hf:bert",
+    )
     n = sum(d.rule == RULE for d in r.plan.decisions)
     assert n >= 8 and r.verification.passed, (n, r.verification)
 
@@ -199,8 +222,14 @@ def test_inputs_at_ten_thousand_times_the_examples_scale_stay_inside_the_approx_
     _, plan, applied = _plan(model, x, "fx")
     assert [d.rule for d in plan.decisions] == [RULE, RULE]
     large = extreme_sample(x, scale=1e4)
-    v = verify(model, applied.gm, x, tolerance="approx", samples=2,
-               variants=[("1e4 x the example's scale", large), ("batch 1", x[:1])])
+    v = verify(
+        model,
+        applied.gm,
+        x,
+        tolerance="approx",
+        samples=2,
+        variants=[("1e4 x the example's scale", large), ("batch 1", x[:1])],
+    )
     assert v.passed, v.reasons
     with torch.no_grad():  # per-row scales: the error is relative, the scale does not matter
         assert _rel(applied.gm(large[0]), model(large[0])) < 0.03

@@ -23,8 +23,9 @@ def fold(w: Weighted, bn: BatchNormParts) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, cast(torch.Tensor, bias)  # a BatchNorm always has a shift, so a bias
 
 
-def check_fold(gm: fx.GraphModule, src: fx.Node, bn_node: fx.Node,
-               what: str) -> tuple[Weighted, BatchNormParts] | str:
+def check_fold(
+    gm: fx.GraphModule, src: fx.Node, bn_node: fx.Node, what: str
+) -> tuple[Weighted, BatchNormParts] | str:
     """(Weighted, BatchNormParts) for `src` -> `bn_node`, or the reason they do not fold."""
     bn = batch_norm(gm, bn_node)
     if isinstance(bn, str):
@@ -38,8 +39,10 @@ def check_fold(gm: fx.GraphModule, src: fx.Node, bn_node: fx.Node,
     if not w.weight.is_floating_point():
         return f"{src.name}'s weight is {w.weight.dtype}, not a floating-point type"
     if bn.mean.numel() != w.out_channels:
-        return (f"BatchNorm {bn_node.name} has {bn.mean.numel()} channels but {src.name} "
-                f"produces {w.out_channels}")
+        return (
+            f"BatchNorm {bn_node.name} has {bn.mean.numel()} channels but {src.name} "
+            f"produces {w.out_channels}"
+        )
     return w, bn
 
 
@@ -58,8 +61,9 @@ def fold_into(gm: fx.GraphModule, found: Found) -> None:
     drop_dead_attrs(gm, dead)
 
 
-def bn_fold_check(gm: fx.GraphModule, node: fx.Node, kinds: tuple[str, ...], role: str,
-                  check=None) -> Found | Refused | None:
+def bn_fold_check(
+    gm: fx.GraphModule, node: fx.Node, kinds: tuple[str, ...], role: str, check=None
+) -> Found | Refused | None:
     """At a BatchNorm `node` that directly follows an op of `kinds`: the fold, or why not;
     `check(src, bn)` may add a refusal of its own."""
     src = input_of(node)
@@ -72,5 +76,9 @@ def bn_fold_check(gm: fx.GraphModule, node: fx.Node, kinds: tuple[str, ...], rol
     if isinstance(checked, str):
         return Refused(checked)
     w, bn = checked
-    return Found((src, node), f"fold BatchNorm {node.name} into {src.name}",
-                 dict(w=w, bn=bn, bn_node=node), record={role: src.name, "bn": node.name})
+    return Found(
+        (src, node),
+        f"fold BatchNorm {node.name} into {src.name}",
+        dict(w=w, bn=bn, bn_node=node),
+        record={role: src.name, "bn": node.name},
+    )

@@ -32,8 +32,9 @@ __all__ = ["FusedConvReLU", "mkldnn_fused_available"]
 
 def _tracing(x) -> bool:
     """True while FX, Dynamo or torch.export trace the module: they must see the op."""
-    return bool(isinstance(x, fx.Proxy) or torch.compiler.is_compiling()
-                or torch.compiler.is_exporting())
+    return bool(
+        isinstance(x, fx.Proxy) or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    )
 
 
 def _scripting() -> bool:
@@ -52,8 +53,16 @@ class FusedConvReLU(nn.Module):
     opswap_kind = "conv"  # what graph.ops.op_kind reports: the cost model counts a conv
     fused_activation = "relu"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding,
-                 dilation, groups: int, requires_grad: bool = True):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        stride,
+        padding,
+        dilation,
+        groups: int,
+        requires_grad: bool = True,
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=requires_grad)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
@@ -64,14 +73,17 @@ class FusedConvReLU(nn.Module):
 
     def extra_repr(self) -> str:
         out, inp, *k = self.weight.shape
-        return (f"{inp * self.groups}, {out}, kernel_size={tuple(k)}, stride={self.stride}, "
-                f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"{inp * self.groups}, {out}, kernel_size={tuple(k)}, stride={self.stride}, "
+            f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
+            f"bias={self.bias is not None}"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _scripting():
-            return reference(x, self.weight, self.bias, self.stride, self.padding,
-                             self.dilation, self.groups)
+            return reference(
+                x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
+            )
         args = (x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
         if _tracing(x) or self._needs_grad(x):
             return conv_relu(*args)  # the registered op, with its autograd formula
@@ -79,5 +91,7 @@ class FusedConvReLU(nn.Module):
 
     def _needs_grad(self, x: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and (
-            x.requires_grad or self.weight.requires_grad
-            or (self.bias is not None and self.bias.requires_grad))
+            x.requires_grad
+            or self.weight.requires_grad
+            or (self.bias is not None and self.bias.requires_grad)
+        )

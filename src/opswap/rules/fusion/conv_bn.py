@@ -25,9 +25,11 @@ class ConvBatchNorm(Rule):
     exactness = "exact"
     targets = ("any",)
     relieves = ("memory:normalization",)
-    description = ("Conv (1d/2d/3d, also transposed) + eval BatchNorm -> one conv with the BN "
-                   "folded into its weight and bias; saves the BN's read and write of the conv "
-                   "output.")
+    description = (
+        "Conv (1d/2d/3d, also transposed) + eval BatchNorm -> one conv with the BN "
+        "folded into its weight and bias; saves the BN's read and write of the conv "
+        "output."
+    )
 
     anchors = ("batch_norm",)
 
@@ -38,5 +40,9 @@ class ConvBatchNorm(Rule):
         fold_into(gm, found)
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
-        return bn_saving(target, found, "BatchNorm folded into the conv weights: one "
-                         "read and one write of the conv output saved")
+        return bn_saving(
+            target,
+            found,
+            "BatchNorm folded into the conv weights: one "
+            "read and one write of the conv output saved",
+        )

@@ -22,16 +22,20 @@ from opswap.rules.registry import register
 def _zero_padding(w: Weighted, conv: fx.Node) -> tuple[int, ...] | str:
     """Explicit symmetric zero padding of a conv, or why it has none."""
     if w.padding_mode != "zeros":
-        return (f"{conv.name} pads with padding_mode={w.padding_mode!r}; the fused kernel "
-                "pads with zeros only")
+        return (
+            f"{conv.name} pads with padding_mode={w.padding_mode!r}; the fused kernel "
+            "pads with zeros only"
+        )
     if not isinstance(w.padding, str):
         return tuple(w.padding)
     if w.padding == "valid":
         return (0,) * (w.weight.dim() - 2)
     total = [d * (k - 1) for d, k in zip(w.dilation, w.weight.shape[2:], strict=True)]
     if any(t % 2 for t in total):
-        return (f"{conv.name} uses padding='same' with an even kernel, which pads unevenly; "
-                "the fused kernel pads both sides equally")
+        return (
+            f"{conv.name} uses padding='same' with an even kernel, which pads unevenly; "
+            "the fused kernel pads both sides equally"
+        )
     return tuple(t // 2 for t in total)
 
 
@@ -56,9 +60,11 @@ class ConvReLU(Rule):
     # conv_bn refuses a conv that already has a fused ReLU: it must fold first
     after = ("fusion.conv_bn",)
     relieves = ("memory:elementwise", "memory:activation")
-    description = ("Conv (+ eval BatchNorm, folded) + ReLU -> FusedConvReLU: the ReLU is applied "
-                   "in the conv's epilogue (oneDNN on CPU, cuDNN on CUDA), so the conv output "
-                   "is never written and re-read.")
+    description = (
+        "Conv (+ eval BatchNorm, folded) + ReLU -> FusedConvReLU: the ReLU is applied "
+        "in the conv's epilogue (oneDNN on CPU, cuDNN on CUDA), so the conv output "
+        "is never written and re-read."
+    )
 
     anchors = ("relu",)
 
@@ -71,8 +77,9 @@ class ConvReLU(Rule):
         if conv is None or op_kind(conv) not in ("conv", "conv_transpose"):
             return None
         if op_kind(conv) == "conv_transpose":
-            return Refused(f"{conv.name} is a transposed convolution; there is no fused ReLU "
-                           "kernel for it")
+            return Refused(
+                f"{conv.name} is a transposed convolution; there is no fused ReLU kernel for it"
+            )
         w: Weighted | str
         if bn is not None:
             checked = check_fold(gm, conv, bn, conv.name)
@@ -88,18 +95,24 @@ class ConvReLU(Rule):
         if shared:
             return Refused(shared)
         if w.transposed:
-            return Refused(f"{conv.name} is a transposed convolution; there is no fused ReLU "
-                           "kernel for it")
+            return Refused(
+                f"{conv.name} is a transposed convolution; there is no fused ReLU kernel for it"
+            )
         padding = _zero_padding(w, conv)
         if isinstance(padding, str):
             return Refused(padding)
         chain = (conv, bn, relu) if bn is not None else (conv, relu)
-        what = (f"{conv.name} + BatchNorm {bn.name} + {relu.name}" if bn is not None
-                else f"{conv.name} + {relu.name}")
-        return Found(chain, f"fuse {what} into one conv with a ReLU epilogue",
-                     dict(conv=conv, bn=bn, w=w, padding=padding),
-                     record=dict(conv=conv.name, bn=bn.name if bn is not None else None,
-                                 relu=relu.name))
+        what = (
+            f"{conv.name} + BatchNorm {bn.name} + {relu.name}"
+            if bn is not None
+            else f"{conv.name} + {relu.name}"
+        )
+        return Found(
+            chain,
+            f"fuse {what} into one conv with a ReLU epilogue",
+            dict(conv=conv, bn=bn, w=w, padding=padding),
+            record=dict(conv=conv.name, bn=bn.name if bn is not None else None, relu=relu.name),
+        )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         conv, bn, w, padding = found["conv"], found["bn"], found["w"], found["padding"]
@@ -119,8 +132,15 @@ class ConvReLU(Rule):
             # function flavour: the fused module takes the name of the weights' container
             # ('conv' for 'conv.weight') once nothing else reads it
             removed = [relu, bn, conv] if bn is not None else [relu, conv]
-            swap_in_module(gm, fused, (input_of(conv),), relu, removed, f"{conv.name}_relu",
-                           home=arg(conv, 1, "weight"))
+            swap_in_module(
+                gm,
+                fused,
+                (input_of(conv),),
+                relu,
+                removed,
+                f"{conv.name}_relu",
+                home=arg(conv, 1, "weight"),
+            )
             return
         relu.replace_all_uses_with(new)
         copy_meta(new, relu)
@@ -131,6 +151,11 @@ class ConvReLU(Rule):
         # the max(0, x) still runs, in the conv's epilogue, but moves no bytes
         epilogue = NodeCost(node_cost(relu).flops, 0)
         removed = [bn, relu] if bn is not None else [relu]
-        return saving(target, removed, [epilogue],
-                      "ReLU in the conv epilogue" + (" and BatchNorm folded" if bn else "")
-                      + ": the conv output is written once, never re-read")
+        return saving(
+            target,
+            removed,
+            [epilogue],
+            "ReLU in the conv epilogue"
+            + (" and BatchNorm folded" if bn else "")
+            + ": the conv output is written once, never re-read",
+        )

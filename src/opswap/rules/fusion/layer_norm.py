@@ -199,9 +199,14 @@ def _absorb_affine(gm, ln: _LayerNorm, norm_shape, dtype) -> None:
         t = _affine_const(gm, other, norm_shape, dtype)
         if t is None:
             if kind == "mul" and isinstance(other, fx.Node) and const(gm, other) is None:
-                ln.misses.append((u, f"the multiply by {other.name} is not folded into the "
-                                     f"LayerNorm: it is {describe_source(other)}, not a "
-                                     "constant weight"))
+                ln.misses.append(
+                    (
+                        u,
+                        f"the multiply by {other.name} is not folded into the "
+                        f"LayerNorm: it is {describe_source(other)}, not a "
+                        "constant weight",
+                    )
+                )
             if kind == "mul":
                 continue  # no weight, maybe a bias: `norm + b`
             return
@@ -231,9 +236,11 @@ class LayerNormFusion(Rule):
     chapter = 4
     exactness = "exact"
     relieves = ("memory:elementwise", "memory:normalization")
-    description = ("Hand-written LayerNorm (mean, variance, sub, div by sqrt(var + eps) or mul "
-                   "by rsqrt, optional * weight + bias) -> nn.LayerNorm: one kernel reading x "
-                   "once instead of 6-10 kernels, most reading and writing a tensor of x's size.")
+    description = (
+        "Hand-written LayerNorm (mean, variance, sub, div by sqrt(var + eps) or mul "
+        "by rsqrt, optional * weight + bias) -> nn.LayerNorm: one kernel reading x "
+        "once instead of 6-10 kernels, most reading and writing a tensor of x's size."
+    )
 
     anchors = ("div", "mul")
 
@@ -248,19 +255,25 @@ class LayerNormFusion(Rule):
         ndim = len(x_info.shape)
         dims = sorted(d % ndim for d in ln.dims) if ndim else []
         if dims != list(range(ndim - len(dims), ndim)) or not dims:
-            return (f"the mean reduces over dim(s) {list(ln.dims)} of a {ndim}-D tensor, not its "
-                    "last dim(s): this is not a LayerNorm")
+            return (
+                f"the mean reduces over dim(s) {list(ln.dims)} of a {ndim}-D tensor, not its "
+                "last dim(s): this is not a LayerNorm"
+            )
         var = next((v for v in ln.nodes if op_kind(v) == "var"), None)
         if var is not None and not _population(var):
-            return (f"{var.name} is the unbiased variance (divides by N-1); LayerNorm divides by "
-                    "N, so the result would change")
+            return (
+                f"{var.name} is the unbiased variance (divides by N-1); LayerNorm divides by "
+                "N, so the result would change"
+            )
         if not x_info.dtype.is_floating_point:
             return f"{ln.x.name} is {x_info.dtype}, not a floating-point tensor"
         moving = sorted(dynamic_dims(ln.x) & set(dims))
         if moving:
-            return (f"it normalises over dim {moving[0]} of {ln.x.name}, whose size follows the "
-                    "input (a batch or sequence size); nn.LayerNorm fixes normalized_shape")
-        norm_shape = x_info.shape[ndim - len(dims):]
+            return (
+                f"it normalises over dim {moving[0]} of {ln.x.name}, whose size follows the "
+                "input (a batch or sequence size); nn.LayerNorm fixes normalized_shape"
+            )
+        norm_shape = x_info.shape[ndim - len(dims) :]
         _absorb_affine(gm, ln, norm_shape, x_info.dtype)
         inside = set(ln.nodes)
         for node in ln.nodes:
@@ -268,8 +281,10 @@ class LayerNormFusion(Rule):
                 continue
             escaped = [u for u in node.users if u not in inside]
             if escaped:
-                return (f"{node.name} (part of the LayerNorm) is also read by {escaped[0].name}, "
-                        "so the pattern cannot become one op")
+                return (
+                    f"{node.name} (part of the LayerNorm) is also read by {escaped[0].name}, "
+                    "so the pattern cannot become one op"
+                )
         return ln
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> list[Found | Refused] | None:
@@ -279,22 +294,38 @@ class LayerNormFusion(Rule):
         if isinstance(ln, str):
             return [Refused(ln)]
         first = min(ln.nodes, key=lambda n: list(gm.graph.nodes).index(n))
-        affine = ("with weight and bias" if ln.weight is not None and ln.bias is not None
-                  else "with weight" if ln.weight is not None
-                  else "with bias" if ln.bias is not None else "without affine")
-        found = Found(ln.nodes, f"replace the written-out LayerNorm of {ln.x.name} "
-                      f"({len(ln.nodes)} ops, eps={ln.eps:g}, {affine}) by nn.LayerNorm",
-                      dict(ln=ln), key=f"{first.name}..{ln.out.name}", outputs=(ln.out,),
-                      record=dict(x=ln.x.name, out=ln.out.name, norm=node.name, eps=ln.eps))
+        affine = (
+            "with weight and bias"
+            if ln.weight is not None and ln.bias is not None
+            else "with weight"
+            if ln.weight is not None
+            else "with bias"
+            if ln.bias is not None
+            else "without affine"
+        )
+        found = Found(
+            ln.nodes,
+            f"replace the written-out LayerNorm of {ln.x.name} "
+            f"({len(ln.nodes)} ops, eps={ln.eps:g}, {affine}) by nn.LayerNorm",
+            dict(ln=ln),
+            key=f"{first.name}..{ln.out.name}",
+            outputs=(ln.out,),
+            record=dict(x=ln.x.name, out=ln.out.name, norm=node.name, eps=ln.eps),
+        )
         return [*(Refused(why, where) for where, why in ln.misses), found]
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         ln = found["ln"]
         x_info = cast(TensorInfo, info(ln.x))  # check read the shape of x
-        norm_shape = x_info.shape[len(x_info.shape) - len(ln.dims):]
+        norm_shape = x_info.shape[len(x_info.shape) - len(ln.dims) :]
         affine = ln.weight is not None or ln.bias is not None
-        mod = nn.LayerNorm(norm_shape, eps=ln.eps, elementwise_affine=affine,
-                           bias=ln.bias is not None, dtype=x_info.dtype)
+        mod = nn.LayerNorm(
+            norm_shape,
+            eps=ln.eps,
+            elementwise_affine=affine,
+            bias=ln.bias is not None,
+            dtype=x_info.dtype,
+        )
         ref = ln.weight if ln.weight is not None else ln.bias
         if ref is not None:
             mod.to(ref.device)
@@ -310,12 +341,18 @@ class LayerNormFusion(Rule):
         if x_info is None or out_info is None:
             return Estimate(note="shapes unknown")
         norm_numel = 1
-        for s in x_info.shape[len(x_info.shape) - len(ln.dims):]:
+        for s in x_info.shape[len(x_info.shape) - len(ln.dims) :]:
             norm_numel *= s
         n_params = (ln.weight is not None) + (ln.bias is not None)
         params = n_params * norm_numel * (x_info.nbytes // max(x_info.numel, 1))
         # the same arithmetic in one kernel that reads x (and the parameters) and writes y
-        fused = NodeCost(sum(node_cost(n).flops for n in ln.nodes),
-                         x_info.nbytes + out_info.nbytes + params)
-        return saving(target, ln.nodes, [fused], f"{len(ln.nodes)} kernels -> 1: the "
-                      "intermediates of x's size are no longer written and re-read")
+        fused = NodeCost(
+            sum(node_cost(n).flops for n in ln.nodes), x_info.nbytes + out_info.nbytes + params
+        )
+        return saving(
+            target,
+            ln.nodes,
+            [fused],
+            f"{len(ln.nodes)} kernels -> 1: the "
+            "intermediates of x's size are no longer written and re-read",
+        )

@@ -15,8 +15,10 @@ def _output_is_2d(src: fx.Node, bn: fx.Node) -> str | None:
     if out is None:
         return f"the shape of {src.name}'s output is unknown"
     if len(out) != 2:
-        return (f"{src.name}'s output is {len(out)}-D: BatchNorm {bn.name} normalises "
-                "dim 1, not the Linear's output features (the last dim)")
+        return (
+            f"{src.name}'s output is {len(out)}-D: BatchNorm {bn.name} normalises "
+            "dim 1, not the Linear's output features (the last dim)"
+        )
     return None
 
 
@@ -34,8 +36,10 @@ class LinearBatchNorm(Rule):
     chapter = 4
     exactness = "exact"
     relieves = ("memory:normalization",)
-    description = ("Linear + eval BatchNorm1d on [N, C] -> one Linear with the BN folded in; "
-                   "saves the BN's read and write of the Linear output.")
+    description = (
+        "Linear + eval BatchNorm1d on [N, C] -> one Linear with the BN folded in; "
+        "saves the BN's read and write of the Linear output."
+    )
 
     anchors = ("batch_norm",)
 
@@ -46,5 +50,9 @@ class LinearBatchNorm(Rule):
         fold_into(gm, found)
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
-        return bn_saving(target, found, "BatchNorm folded into the Linear weights: one "
-                         "read and one write of the Linear output saved")
+        return bn_saving(
+            target,
+            found,
+            "BatchNorm folded into the Linear weights: one "
+            "read and one write of the Linear output saved",
+        )

@@ -23,16 +23,20 @@ def _softmax_dim(gm: fx.GraphModule, sm: fx.Node):
         dim = getattr(module_of(sm), "dim", None)
         dtype, half = None, False
     elif raw_name(sm) == "_safe_softmax":
-        return (f"{sm.name} is a masked (_safe_softmax) softmax, which returns 0 on fully "
-                "masked rows where log_softmax would return NaN")
+        return (
+            f"{sm.name} is a masked (_safe_softmax) softmax, which returns 0 on fully "
+            "masked rows where log_softmax would return NaN"
+        )
     elif raw_name(sm) == "_softmax":
         dim, dtype, half = arg(sm, 1, "dim"), None, bool(arg(sm, 2, "half_to_float", False))
     else:
         dtype_at = 3 if sm.target is F.softmax else 2  # F.softmax(x, dim, _stacklevel, dtype)
         dim, dtype, half = arg(sm, 1, "dim"), arg(sm, dtype_at, "dtype"), False
     if dim is None:
-        return (f"{sm.name} is a softmax with an implicit dim (deprecated), so the dim "
-                "log_softmax should use is not known")
+        return (
+            f"{sm.name} is a softmax with an implicit dim (deprecated), so the dim "
+            "log_softmax should use is not known"
+        )
     if not isinstance(dim, int) or isinstance(dtype, fx.Node):
         return f"the dim of {sm.name} is computed at run time"
     return dim, dtype, half
@@ -54,9 +58,11 @@ class LogSoftmax(Rule):
     chapter = 4
     exactness = "exact"
     relieves = ("memory:softmax",)
-    description = ("log(softmax(x, dim)) -> log_softmax(x, dim): one kernel instead of two "
-                   "(the probabilities are not written and re-read) and numerically more "
-                   "stable (no log(0) = -inf for tiny probabilities).")
+    description = (
+        "log(softmax(x, dim)) -> log_softmax(x, dim): one kernel instead of two "
+        "(the probabilities are not written and re-read) and numerically more "
+        "stable (no log(0) = -inf for tiny probabilities)."
+    )
 
     anchors = ("log",)
 
@@ -71,9 +77,13 @@ class LogSoftmax(Rule):
         desc = f"replace log({sm.name}) by log_softmax"
         if shared:
             desc += f" ({sm.name} stays: {', '.join(shared[:3])} also read it)"
-        return Found((node,) if shared else (sm, node), desc,
-                     dict(sm=sm, dim=checked, shared=bool(shared)), key=f"{sm.name}+{node.name}",
-                     record=dict(softmax=sm.name, log=node.name, shared=bool(shared)))
+        return Found(
+            (node,) if shared else (sm, node),
+            desc,
+            dict(sm=sm, dim=checked, shared=bool(shared)),
+            key=f"{sm.name}+{node.name}",
+            record=dict(softmax=sm.name, log=node.name, shared=bool(shared)),
+        )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         log, sm = found.nodes[-1], found["sm"]
@@ -98,6 +108,9 @@ class LogSoftmax(Rule):
         # log_softmax reads x and writes the result: the bytes of the log alone
         fused = NodeCost(c_sm.flops + c_log.flops, c_log.bytes)
         removed = [log] if found["shared"] else [sm, log]
-        note = ("softmax kept for its other readers; the log becomes log_softmax"
-                if found["shared"] else "softmax probabilities no longer written and re-read")
+        note = (
+            "softmax kept for its other readers; the log becomes log_softmax"
+            if found["shared"]
+            else "softmax probabilities no longer written and re-read"
+        )
         return saving(target, removed, [fused], note)

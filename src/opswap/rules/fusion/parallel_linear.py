@@ -35,8 +35,11 @@ def _leaf(w: Weighted) -> tuple[str, str]:
         path = str(node.target)
     else:
         wn = arg(node, 1, "weight")
-        path = str(wn.target).rpartition(".")[0] if isinstance(wn, fx.Node) and \
-            wn.op == "get_attr" and "." in str(wn.target) else node.name
+        path = (
+            str(wn.target).rpartition(".")[0]
+            if isinstance(wn, fx.Node) and wn.op == "get_attr" and "." in str(wn.target)
+            else node.name
+        )
     parent, _, leaf = path.rpartition(".")
     return parent, leaf
 
@@ -91,9 +94,11 @@ class ParallelLinear(Rule):
     chapter = 4
     exactness = "exact"
     relieves = ("memory:matmul",)
-    description = ("Several Linears reading the same input (e.g. Q, K, V projections) -> one "
-                   "Linear with stacked weights and a slice per reader: the input is read once, "
-                   "and one larger GEMM replaces k small ones.")
+    description = (
+        "Several Linears reading the same input (e.g. Q, K, V projections) -> one "
+        "Linear with stacked weights and a slice per reader: the input is read once, "
+        "and one larger GEMM replaces k small ones."
+    )
     # Linears that matmul_add creates, or whose BatchNorm linear_bn folds, can merge too;
     # after merging, a BatchNorm would follow a slice, which linear_bn cannot fold
     after = ("fusion.matmul_add", "fusion.linear_bn")
@@ -106,8 +111,9 @@ class ParallelLinear(Rule):
         x = input_of(node)
         if x is None:
             return None
-        nodes = _in_graph_order(x, [u for u in x.users
-                                    if op_kind(u) == "linear" and input_of(u) is x])
+        nodes = _in_graph_order(
+            x, [u for u in x.users if op_kind(u) == "linear" and input_of(u) is x]
+        )
         if len(nodes) < 2 or nodes[0] is not node:
             return None
         out: list[Found | Refused] = []
@@ -115,8 +121,9 @@ class ParallelLinear(Rule):
         for n in nodes:
             w = weighted(gm, n)
             if isinstance(w, str):
-                out.append(Refused(f"{w}, so it cannot merge with the other Linears reading "
-                                   f"{x.name}", n))
+                out.append(
+                    Refused(f"{w}, so it cannot merge with the other Linears reading {x.name}", n)
+                )
             else:
                 ok.append(w)
         by_kind: dict[tuple, list[Weighted]] = defaultdict(list)
@@ -126,11 +133,15 @@ class ParallelLinear(Rule):
         for w in ok:
             if w not in members and members:
                 ref = members[0]
-                out.append(Refused(
-                    f"{w.node.name} is {str(w.weight.dtype).removeprefix('torch.')} on "
-                    f"{w.weight.device} while {ref.node.name} is "
-                    f"{str(ref.weight.dtype).removeprefix('torch.')} on {ref.weight.device}; "
-                    "Linears merge only with the same dtype and device", w.node))
+                out.append(
+                    Refused(
+                        f"{w.node.name} is {str(w.weight.dtype).removeprefix('torch.')} on "
+                        f"{w.weight.device} while {ref.node.name} is "
+                        f"{str(ref.weight.dtype).removeprefix('torch.')} on {ref.weight.device}; "
+                        "Linears merge only with the same dtype and device",
+                        w.node,
+                    )
+                )
         if len(members) < 2:
             return out
         names = [w.node.name for w in members]
@@ -139,24 +150,47 @@ class ParallelLinear(Rule):
         if zero and len(zero) < len(members):
             desc += f"; {', '.join(zero)} get a zero bias"
         member_nodes = tuple(w.node for w in members)
-        out.append(Found(member_nodes, desc, dict(x=x, members=members),
-                         outputs=member_nodes, record=dict(input=x.name, members=names)))
+        out.append(
+            Found(
+                member_nodes,
+                desc,
+                dict(x=x, members=members),
+                outputs=member_nodes,
+                record=dict(input=x.name, members=names),
+            )
+        )
         return out
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         x, members = found["x"], found["members"]
         weight = torch.cat([w.weight.detach() for w in members], 0)
         with_bias = any(w.bias is not None for w in members)
-        bias = torch.cat([w.bias.detach() if w.bias is not None else
-                          torch.zeros(w.weight.shape[0], dtype=w.weight.dtype,
-                                      device=w.weight.device) for w in members]) if with_bias else None
+        bias = (
+            torch.cat(
+                [
+                    w.bias.detach()
+                    if w.bias is not None
+                    else torch.zeros(
+                        w.weight.shape[0], dtype=w.weight.dtype, device=w.weight.device
+                    )
+                    for w in members
+                ]
+            )
+            if with_bias
+            else None
+        )
         order = list(gm.graph.nodes)
         first = min((w.node for w in members), key=order.index)
         name = _merged_name(members)
         grad = members[0].weight.requires_grad
         if all(w.node.op == "call_module" for w in members):
-            lin = nn.Linear(weight.shape[1], weight.shape[0], bias=with_bias,
-                            dtype=weight.dtype, device=weight.device)
+            lin = nn.Linear(
+                weight.shape[1],
+                weight.shape[0],
+                bias=with_bias,
+                dtype=weight.dtype,
+                device=weight.device,
+            )
             lin.weight = nn.Parameter(weight, requires_grad=grad)
             if bias is not None:
                 lin.bias = nn.Parameter(bias, requires_grad=grad)
@@ -166,8 +200,9 @@ class ParallelLinear(Rule):
                 wide = gm.graph.call_module(target, (x,))
         else:
             wn = new_const(gm, first, f"{name}.weight", weight)
-            args = ((x, wn, new_const(gm, first, f"{name}.bias", bias)) if bias is not None
-                    else (x, wn))
+            args = (
+                (x, wn, new_const(gm, first, f"{name}.bias", bias)) if bias is not None else (x, wn)
+            )
             fn = aten.linear.default if any(is_aten(w.node) for w in members) else F.linear
             with gm.graph.inserting_before(first):
                 wide = gm.graph.call_function(fn, args)
@@ -194,13 +229,17 @@ class ParallelLinear(Rule):
                 if raw_name(user) not in ("view", "_unsafe_view"):
                     continue
                 outs = shapes_seen(user)
-                if shapes and len(shapes) == len(outs) and all(
-                        _viewable(sh, total, o) for sh, o in zip(shapes, outs, strict=True)):
+                if (
+                    shapes
+                    and len(shapes) == len(outs)
+                    and all(_viewable(sh, total, o) for sh, o in zip(shapes, outs, strict=True))
+                ):
                     continue  # a view of the slice works at the example and every probe
                 with gm.graph.inserting_before(user):
                     if aten_graph:
-                        c = gm.graph.call_function(aten.clone.default, (piece,),
-                                                   {"memory_format": torch.contiguous_format})
+                        c = gm.graph.call_function(
+                            aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
+                        )
                     else:
                         c = gm.graph.call_method("contiguous", (piece,))
                 user.replace_input_with(piece, c)
@@ -212,8 +251,13 @@ class ParallelLinear(Rule):
         x_bytes = x_info.nbytes if x_info else 0
         gone = [node_cost(n) for n in nodes]
         # same FLOPs, same weights and outputs; x is read once instead of k times
-        wide = NodeCost(sum(c.flops for c in gone),
-                        sum(c.bytes for c in gone) - (len(nodes) - 1) * x_bytes)
+        wide = NodeCost(
+            sum(c.flops for c in gone), sum(c.bytes for c in gone) - (len(nodes) - 1) * x_bytes
+        )
         # the wide output is cut back into k outputs by one split (views: one dispatch)
-        return saving(target, nodes, [wide, NodeCost(0, 0)], f"{len(nodes)} GEMMs -> 1: "
-                      f"{x.name} read once instead of {len(nodes)} times")
+        return saving(
+            target,
+            nodes,
+            [wide, NodeCost(0, 0)],
+            f"{len(nodes)} GEMMs -> 1: {x.name} read once instead of {len(nodes)} times",
+        )

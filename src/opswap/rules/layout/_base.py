@@ -47,12 +47,16 @@ def chain_from(
             chain.append(nxt[0])
             continue
         others = ", ".join(u.name for u in cur.users if u is not nxt[0])
-        return chain, Refused(f"{cur.name}'s output is also read by {others}, so "
-                              f"{cur.name} and {nxt[0].name} cannot be merged", nxt[0])
+        return chain, Refused(
+            f"{cur.name}'s output is also read by {others}, so "
+            f"{cur.name} and {nxt[0].name} cannot be merged",
+            nxt[0],
+        )
 
 
 def chain_check(
-    node: fx.Node, is_link: Callable[[fx.Node], bool],
+    node: fx.Node,
+    is_link: Callable[[fx.Node], bool],
     describe: Callable[[list[fx.Node]], Verdict],
 ) -> list[Found | Refused] | None:
     """The verdicts on the maximal single-reader chain of links starting at `node`: where
@@ -73,8 +77,9 @@ def chain_check(
 def chain_found(chain: list[fx.Node], what: str, record: dict[str, Any], **data: Any) -> Found:
     """The match of a whole chain: `what` says what it becomes; the rewrite reads `record`
     (JSON values, which the plan keeps) and `data`."""
-    return Found(chain, f"{' -> '.join(n.name for n in chain)} {what}", {**record, **data},
-                 record=record)
+    return Found(
+        chain, f"{' -> '.join(n.name for n in chain)} {what}", {**record, **data}, record=record
+    )
 
 
 def replace_chain(gm: fx.GraphModule, chain: list[fx.Node], op: str | None, arg) -> None:

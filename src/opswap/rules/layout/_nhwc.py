@@ -37,8 +37,12 @@ class NhwcPlan:
 
     def names(self) -> dict[str, list[str]]:
         """The plan by node name, as a saved plan records it."""
-        return {"convs": [n.name for n in self.convs], "entries": [n.name for n in self.entries],
-                "outputs": [n.name for n in self.outputs], "views": [n.name for n in self.views]}
+        return {
+            "convs": [n.name for n in self.convs],
+            "entries": [n.name for n in self.entries],
+            "outputs": [n.name for n in self.outputs],
+            "views": [n.name for n in self.views],
+        }
 
 
 def is_conv4d(node: fx.Node) -> bool:

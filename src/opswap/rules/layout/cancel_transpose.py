@@ -56,5 +56,6 @@ class CancelTranspose(LayoutRule):
 
     def predict(self, gm, found, target) -> Estimate:
         saved = len(found.nodes) - (0 if found["identity"] else 1)
-        return bytes_estimate(0, target, f"transposes are views: no data moves; {fewer(saved)}",
-                              views_saved=saved)
+        return bytes_estimate(
+            0, target, f"transposes are views: no data moves; {fewer(saved)}", views_saved=saved
+        )

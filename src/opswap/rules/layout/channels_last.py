@@ -34,8 +34,9 @@ class ChannelsLast(LayoutRule):
         if nhwc.already_nhwc(plan):
             return Refused("every convolution already runs channels_last", "model")
         names = plan.names()
-        desc = (f"{len(plan.convs)} conv(s) in NHWC; {', '.join(names['entries'])} converted in"
-                + (f", {', '.join(names['outputs'])} back" if plan.outputs else ""))
+        desc = f"{len(plan.convs)} conv(s) in NHWC; {', '.join(names['entries'])} converted in" + (
+            f", {', '.join(names['outputs'])} back" if plan.outputs else ""
+        )
         nodes = tuple(dict.fromkeys(plan.convs + plan.entries + plan.outputs + plan.views))
         # nothing is consumed: every node stays, with other strides or a conversion beside it
         return Found(nodes, desc, dict(plan=plan), key="model", kept=nodes, record=names)
@@ -50,11 +51,18 @@ class ChannelsLast(LayoutRule):
         layout = getattr(target, "layout", None) or getattr(target, "preferred_layout", None)
         if layout != "channels_last":
             bw = getattr(target, "mem_bandwidth", None)
-            return Estimate(bytes_saved=-float(paid),
-                            time_saved_s=-max(paid, 1) / bw if bw else -1e-9,
-                            note=f"{getattr(target, 'name', target)} prefers {layout or 'NCHW'} "
-                                 "layout: the conversions would be paid and nothing saved")
+            return Estimate(
+                bytes_saved=-float(paid),
+                time_saved_s=-max(paid, 1) / bw if bw else -1e-9,
+                note=f"{getattr(target, 'name', target)} prefers {layout or 'NCHW'} "
+                "layout: the conversions would be paid and nothing saved",
+            )
         n_conv = len(plan.entries + plan.outputs + plan.views)
-        return bytes_estimate(saved - paid, target, f"{len(plan.convs)} conv(s) stop reordering "
-                              f"activations ({human_unit(saved, 'B')}) for {n_conv} "
-                              f"conversion(s) ({human_unit(paid, 'B')})", kernels_saved=-n_conv)
+        return bytes_estimate(
+            saved - paid,
+            target,
+            f"{len(plan.convs)} conv(s) stop reordering "
+            f"activations ({human_unit(saved, 'B')}) for {n_conv} "
+            f"conversion(s) ({human_unit(paid, 'B')})",
+            kernels_saved=-n_conv,
+        )

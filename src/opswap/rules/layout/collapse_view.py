@@ -26,8 +26,17 @@ from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.layout._base import LayoutRule, chain_check, chain_found, fewer, replace_chain
 from opswap.rules.registry import register
 
-_SHAPE_NAMES = {"view", "_unsafe_view", "reshape", "flatten", "squeeze", "unsqueeze",
-                "unflatten", "Flatten", "Unflatten"}
+_SHAPE_NAMES = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "flatten",
+    "squeeze",
+    "unsqueeze",
+    "unflatten",
+    "Flatten",
+    "Unflatten",
+}
 
 
 def is_shape_op(node: fx.Node) -> bool:
@@ -129,8 +138,10 @@ def collapsed_shape(chain: list[fx.Node]) -> tuple[list | None, str | None]:
         found: list[fx.Node] = []
         fx.node.map_arg((n.args[1:], n.kwargs), found.append)
         if found:
-            return None, (f"the shape {last.name} produces follows {found[0].name}, a size "
-                          "read at run time; one reshape would fix it to the captured size")
+            return None, (
+                f"the shape {last.name} produces follows {found[0].name}, a size "
+                "read at run time; one reshape would fix it to the captured size"
+            )
     ins, outs = shapes_seen(chain[0].args[0]), shapes_seen(last)
     if not ins or len(ins) != len(outs):
         return None, f"the shapes around {last.name} are not known at every probed size"
@@ -141,8 +152,10 @@ def collapsed_shape(chain: list[fx.Node]) -> tuple[list | None, str | None]:
             continue
         if all(_evaluate(recipe, i) == list(o) for i, o in zip(ins, outs, strict=True)):
             return recipe, None
-    return None, (f"the shape {last.name} produces splits a dynamic size in a way one "
-                  "reshape cannot follow at every batch or sequence length")
+    return None, (
+        f"the shape {last.name} produces splits a dynamic size in a way one "
+        "reshape cannot follow at every batch or sequence length"
+    )
 
 
 def _collapsed(chain: list[fx.Node]) -> Found | Refused | None:
@@ -155,9 +168,14 @@ def _collapsed(chain: list[fx.Node]) -> Found | Refused | None:
         return Refused(reason, chain[-1])
     assert shape is not None  # collapsed_shape gives either a shape or a reason
     src = cast(fx.Node, chain[0].args[0]).name
-    shown = [a.name if isinstance(a, fx.Node) else
-             "*".join(f"{src}.size({d})" for d in a) if isinstance(a, tuple) else a
-             for a in shape]
+    shown = [
+        a.name
+        if isinstance(a, fx.Node)
+        else "*".join(f"{src}.size({d})" for d in a)
+        if isinstance(a, tuple)
+        else a
+        for a in shape
+    ]
     return chain_found(chain, f"as one reshape to {shown}", {"identity": False}, shape=shape)
 
 

@@ -52,8 +52,6 @@ def _module_path(node: fx.Node) -> str:
     return node.name
 
 
-
-
 @register
 class DropDropout(LayoutRule):
     name = "layout.drop_dropout"
@@ -75,10 +73,13 @@ class DropDropout(LayoutRule):
         if isinstance(training, fx.Node) or isinstance(p, fx.Node):
             return Refused(f"Dropout {label}'s mode is decided at run time")
         if training and p != 0:
-            return Refused(f"Dropout {label} is in training mode: it zeroes activations at "
-                           "random; call .eval() to remove it")
-        return Found((node,), f"Dropout {label} " + (
-            "is in eval mode" if not training else "has p = 0"))
+            return Refused(
+                f"Dropout {label} is in training mode: it zeroes activations at "
+                "random; call .eval() to remove it"
+            )
+        return Found(
+            (node,), f"Dropout {label} " + ("is in eval mode" if not training else "has p = 0")
+        )
 
     def rewrite(self, gm, found):
         (node,) = found.nodes
@@ -86,5 +87,9 @@ class DropDropout(LayoutRule):
         erase(gm, [node])
 
     def predict(self, gm, found, target) -> Estimate:
-        return bytes_estimate(0, target, f"eval-mode dropout returns its input: no data moves; "
-                              f"{fewer(1)}", views_saved=1)
+        return bytes_estimate(
+            0,
+            target,
+            f"eval-mode dropout returns its input: no data moves; {fewer(1)}",
+            views_saved=1,
+        )

@@ -16,8 +16,12 @@ from opswap.rules.base import Estimate, Found, Refused, Verdict
 from opswap.rules.layout._base import LayoutRule, fewer
 from opswap.rules.registry import register
 
-_CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
-          "bfloat16": torch.bfloat16}
+_CASTS = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def _same_dtype_cast(node: fx.Node) -> bool:
@@ -46,8 +50,11 @@ def _same_dtype_cast(node: fx.Node) -> bool:
 def identity_check(gm: fx.GraphModule, node: fx.Node) -> Verdict:
     """Whether `node` returns its input (or a copy nobody needs) and can go."""
     if node.op == "call_module":
-        return Found((node,), f"{node.name} is an nn.Identity") if isinstance(
-            module_of(node), nn.Identity) else None
+        return (
+            Found((node,), f"{node.name} is an nn.Identity")
+            if isinstance(module_of(node), nn.Identity)
+            else None
+        )
     if node.op not in ("call_function", "call_method") or not node.args:
         return None
     src, name = node.args[0], raw_name(node)
@@ -61,27 +68,34 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Verdict:
         return Found((node,), f"{node.name} casts to the dtype {src.name} already has")
     if name not in ("contiguous", "clone", "_to_copy"):
         return None
-    if name == "_to_copy" and (set(node.kwargs) - {"dtype", "memory_format", "non_blocking"}
-                               or len(node.args) > 1):
+    if name == "_to_copy" and (
+        set(node.kwargs) - {"dtype", "memory_format", "non_blocking"} or len(node.args) > 1
+    ):
         return None  # a device or layout change
     i, s_in, s_out = info(src), strides(src), strides(node)
     if i is None or s_in is None or s_out is None:
-        return Refused(f"the strides of {src.name} are not known, so {node.name} cannot "
-                       "be shown to be a no-op")
+        return Refused(
+            f"the strides of {src.name} are not known, so {node.name} cannot be shown to be a no-op"
+        )
     root = storage_root(src)
     if name == "contiguous":
         fmt = arg(node, 1, "memory_format", torch.contiguous_format)
         if not has_layout(i.shape, s_in, fmt):
             return None  # a real copy, doing its job: not a near miss
-        other = next(((sh, st) for sh, st in strides_seen(src)[1:]
-                      if not has_layout(sh, st, fmt)), None)
+        other = next(
+            ((sh, st) for sh, st in strides_seen(src)[1:] if not has_layout(sh, st, fmt)), None
+        )
         if other is not None:
-            return Refused(f"{src.name} is contiguous at the example's shape but not at "
-                           f"{list(other[0])} (strides {list(other[1])}), so {node.name} is a "
-                           "real copy there")
+            return Refused(
+                f"{src.name} is contiguous at the example's shape but not at "
+                f"{list(other[0])} (strides {list(other[1])}), so {node.name} is a "
+                "real copy there"
+            )
         if root.op == "placeholder":
-            return Refused(f"{node.name} lays out the model input {root.name}, which "
-                           "callers may pass with any strides")
+            return Refused(
+                f"{node.name} lays out the model input {root.name}, which "
+                "callers may pass with any strides"
+            )
         return Found((node,), f"{src.name} is already contiguous")
     # clone / _to_copy: a fresh copy. Dropping it only changes who shares memory.
     if (out := info(node)) is None or out.dtype != i.dtype:
@@ -90,10 +104,13 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Verdict:
         return None  # a copy that changes the layout is a real op: not a near miss
     writer = first_write(gm)
     if writer is not None:
-        return Refused(f"the graph writes into tensors in place ({writer.name}), so "
-                       f"{node.name}'s copy may be protecting {src.name}")
+        return Refused(
+            f"the graph writes into tensors in place ({writer.name}), so "
+            f"{node.name}'s copy may be protecting {src.name}"
+        )
     if aliases_reach_output(node) and (
-            root.op in ("placeholder", "get_attr") or aliases_reach_output(root, skip=node)):
+        root.op in ("placeholder", "get_attr") or aliases_reach_output(root, skip=node)
+    ):
         return Refused(f"without {node.name} the output would share memory with {root.name}")
     return Found((node,), f"nothing writes into {src.name} or its copy {node.name}")
 
@@ -122,8 +139,12 @@ class DropIdentity(LayoutRule):
     def predict(self, gm, found, target) -> Estimate:
         (node,) = found.nodes
         if raw_name(node) in ("clone", "_to_copy"):
-            return bytes_estimate(moved_bytes([node]), target,
-                             f"a copy no longer written and read back; {fewer(1)}",
-                                  kernels_saved=1)
-        return bytes_estimate(0, target, f"it returned its input: no data moves; {fewer(1)}",
-                              views_saved=1)
+            return bytes_estimate(
+                moved_bytes([node]),
+                target,
+                f"a copy no longer written and read back; {fewer(1)}",
+                kernels_saved=1,
+            )
+        return bytes_estimate(
+            0, target, f"it returned its input: no data moves; {fewer(1)}", views_saved=1
+        )

@@ -35,14 +35,31 @@ def constant_transpose_check(gm, node: fx.Node, perm: list[int]) -> Verdict:
     if w is None:
         return Refused(f"{w_node.name} is not a tensor constant")
     mm = mms[0]
-    if (len(node.users) == 1 and w.dim() == 2 and perm == [1, 0]
-            and raw_name(mm) in ("matmul", "__matmul__", "mm") and len(mm.args) == 2
-            and not mm.kwargs and mm.args[1] is node and mm.args[0] is not node):
-        return Found((node, mm), f"{mm.name}: x @ {w_node.name}^T as linear(x, {w_node.name})",
-                     {"mode": "linear"}, key=f"linear:{mm.name}", record={"mode": "linear"})
+    if (
+        len(node.users) == 1
+        and w.dim() == 2
+        and perm == [1, 0]
+        and raw_name(mm) in ("matmul", "__matmul__", "mm")
+        and len(mm.args) == 2
+        and not mm.kwargs
+        and mm.args[1] is node
+        and mm.args[0] is not node
+    ):
+        return Found(
+            (node, mm),
+            f"{mm.name}: x @ {w_node.name}^T as linear(x, {w_node.name})",
+            {"mode": "linear"},
+            key=f"linear:{mm.name}",
+            record={"mode": "linear"},
+        )
     record = {"mode": "pretranspose", "perm": perm}
-    return Found((node,), f"{node.name}: store {w_node.name} permuted by {tuple(perm)} once",
-                 dict(record), key=f"pretranspose:{node.name}", record=record)
+    return Found(
+        (node,),
+        f"{node.name}: store {w_node.name} permuted by {tuple(perm)} once",
+        dict(record),
+        key=f"pretranspose:{node.name}",
+        record=record,
+    )
 
 
 def strided_operand_check(node: fx.Node, src: fx.Node) -> Verdict:
@@ -50,29 +67,40 @@ def strided_operand_check(node: fx.Node, src: fx.Node) -> Verdict:
     fmt = arg(node, 1, "memory_format", torch.contiguous_format)
     users = list(node.users)
     if fmt not in (torch.contiguous_format, torch.preserve_format) or not any(
-            is_matmul(u) for u in users):
+        is_matmul(u) for u in users
+    ):
         return None
     if not all(is_matmul(u) for u in users):
         others = ", ".join(u.name for u in users if not is_matmul(u))
-        return Refused(f"{node.name}'s output is also read by {others}, which may need "
-                       "contiguous memory")
+        return Refused(
+            f"{node.name}'s output is also read by {others}, which may need contiguous memory"
+        )
     i, st = info(src), strides(src)
     if i is None or st is None:
         return Refused(f"the strides of {src.name} are not known")
     if not matmul_reads_in_place(i.shape, st):
-        return Refused(f"torch.matmul would copy {src.name} itself (strides {st} are not "
-                       "a batch of row- or column-major matrices whose batch dims fold into "
-                       "one), so dropping the contiguous saves nothing")
+        return Refused(
+            f"torch.matmul would copy {src.name} itself (strides {st} are not "
+            "a batch of row- or column-major matrices whose batch dims fold into "
+            "one), so dropping the contiguous saves nothing"
+        )
     for mm in users:
         for other in mm.args[:2]:
             o = info(other) if other is not node else None
-            if o is not None and (len(o.shape) > len(i.shape) or (
-                    len(o.shape) > 2 and o.shape[:-2] != i.shape[:-2])):
-                return Refused(f"{mm.name} broadcasts {src.name} over other batch dims, "
-                               "which makes torch.matmul copy it")
-    return Found((node,), f"{node.name}: {users[0].name} reads {src.name} strided, without the "
-                 "copy", {"mode": "contiguous"}, key=f"contiguous:{node.name}",
-                 record={"mode": "contiguous"})
+            if o is not None and (
+                len(o.shape) > len(i.shape) or (len(o.shape) > 2 and o.shape[:-2] != i.shape[:-2])
+            ):
+                return Refused(
+                    f"{mm.name} broadcasts {src.name} over other batch dims, "
+                    "which makes torch.matmul copy it"
+                )
+    return Found(
+        (node,),
+        f"{node.name}: {users[0].name} reads {src.name} strided, without the copy",
+        {"mode": "contiguous"},
+        key=f"contiguous:{node.name}",
+        record={"mode": "contiguous"},
+    )
 
 
 @register
@@ -96,8 +124,13 @@ class PermuteMatmul(LayoutRule):
         perm = perm_of(node)
         if perm is not None and node.args[0].op == "get_attr":
             return constant_transpose_check(gm, node, perm)
-        if (raw_name(node) == "contiguous" and node.op != "call_module" and node.args
-                and isinstance(node.args[0], fx.Node) and perm_of(node.args[0]) is not None):
+        if (
+            raw_name(node) == "contiguous"
+            and node.op != "call_module"
+            and node.args
+            and isinstance(node.args[0], fx.Node)
+            and perm_of(node.args[0]) is not None
+        ):
             return strided_operand_check(node, node.args[0])
         return None
 
@@ -133,20 +166,37 @@ class PermuteMatmul(LayoutRule):
         nodes = found.nodes
         mode = found["mode"]
         if mode == "contiguous":
-            return bytes_estimate(moved_bytes(nodes), target, "the operand's copy is no longer "
-                                  "written and read back; BLAS reads it through its transpose "
-                                  "flag", kernels_saved=1)
+            return bytes_estimate(
+                moved_bytes(nodes),
+                target,
+                "the operand's copy is no longer "
+                "written and read back; BLAS reads it through its transpose "
+                "flag",
+                kernels_saved=1,
+            )
         if mode == "linear":
-            return bytes_estimate(0, target, "BLAS already read W^T in place, so no data moves; "
-                                  f"{fewer(1)} (transpose and matmul become one linear)",
-                                  views_saved=1)
+            return bytes_estimate(
+                0,
+                target,
+                "BLAS already read W^T in place, so no data moves; "
+                f"{fewer(1)} (transpose and matmul become one linear)",
+                views_saved=1,
+            )
         tr = nodes[0]
         i, st = info(tr), strides(tr)
         copied = i is not None and st is not None and not matmul_reads_in_place(i.shape, st)
-        note = ("matmul copied the strided constant every call" if copied
-                else "no data moved per call before either")
+        note = (
+            "matmul copied the strided constant every call"
+            if copied
+            else "no data moved per call before either"
+        )
         if len(tr.args[0].users) > 1:
             note += f"; {tr.args[0].name} is also read elsewhere, so both layouts are stored"
         moved = 2 * i.nbytes if copied and i is not None else 0
-        return bytes_estimate(moved, target, f"{note}; {fewer(1)}",
-                              kernels_saved=1 if copied else 0, views_saved=0 if copied else 1)
+        return bytes_estimate(
+            moved,
+            target,
+            f"{note}; {fewer(1)}",
+            kernels_saved=1 if copied else 0,
+            views_saved=0 if copied else 1,
+        )

@@ -32,12 +32,17 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight_int8", wq)
         self.register_buffer("weight_scale", scale)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(),
-                                                           requires_grad=False)
+        self.bias = (
+            None
+            if bias is None
+            else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        )
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, weight=int8 per channel, input=int8 per row")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, weight=int8 per channel, input=int8 per row"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return direct(x, self.weight_int8, self.weight_scale, self.bias)

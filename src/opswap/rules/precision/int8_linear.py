@@ -33,15 +33,24 @@ def _passes(m: int, k: int, n: int) -> list[NodeCost]:
     reads and writes float32 unless noted): |x|, row max, x / s, round, clamp, to int8
     (writes 1 byte), then int32 -> float32, two scale multiplies and the bias add."""
     mk, mn = m * k, m * n
-    return [NodeCost(mk, 8 * mk), NodeCost(mk, 4 * mk + 4 * m), NodeCost(mk, 8 * mk),
-            NodeCost(mk, 8 * mk), NodeCost(mk, 8 * mk), NodeCost(0, 5 * mk),
-            NodeCost(0, 8 * mn), NodeCost(mn, 8 * mn), NodeCost(mn, 8 * mn),
-            NodeCost(mn, 8 * mn)]
+    return [
+        NodeCost(mk, 8 * mk),
+        NodeCost(mk, 4 * mk + 4 * m),
+        NodeCost(mk, 8 * mk),
+        NodeCost(mk, 8 * mk),
+        NodeCost(mk, 8 * mk),
+        NodeCost(0, 5 * mk),
+        NodeCost(0, 8 * mn),
+        NodeCost(mn, 8 * mn),
+        NodeCost(mn, 8 * mn),
+        NodeCost(mn, 8 * mn),
+    ]
 
 
 @lru_cache(maxsize=256)
-def time_on_this_cpu(m: int, k: int, n: int, bias: bool, threads: int,
-                     timer: Timer) -> tuple[float, float]:
+def time_on_this_cpu(
+    m: int, k: int, n: int, bias: bool, threads: int, timer: Timer
+) -> tuple[float, float]:
     """(float32 Linear, Int8Linear) seconds at this shape on this machine, by the target's
     `timer` (bench.timing.fastest: the fastest of interleaved rounds over about a tenth of
     a second). Cached per shape and thread count: a model with 48 such Linears has a
@@ -52,8 +61,7 @@ def time_on_this_cpu(m: int, k: int, n: int, bias: bool, threads: int,
     x = torch.randn(m, k, generator=g)
     q = Int8Linear(w, b)
     with torch.inference_mode():
-        res = timer({"float32": lambda: torch.nn.functional.linear(x, w, b),
-                     "int8": lambda: q(x)})
+        res = timer({"float32": lambda: torch.nn.functional.linear(x, w, b), "int8": lambda: q(x)})
     return res["float32"], res["int8"]
 
 
@@ -89,8 +97,10 @@ class Int8DynamicLinear(Rule):
     targets = ("cpu",)
     after = ("fusion.*",)
     relieves = ("compute:matmul", "memory:matmul")
-    description = ("float32 Linear -> int8 weights (per channel) and int8 inputs quantised per "
-                   "row at run time, int32-accumulated integer GEMM (approx: ~1% error per layer).")
+    description = (
+        "float32 Linear -> int8 weights (per channel) and int8 inputs quantised per "
+        "row at run time, int32-accumulated integer GEMM (approx: ~1% error per layer)."
+    )
 
     anchors = ("linear",)
 
@@ -102,24 +112,34 @@ class Int8DynamicLinear(Rule):
             return Refused(w)
         if w.weight.dtype != torch.float32:
             dtype = str(w.weight.dtype).removeprefix("torch.")
-            return Refused(f"{node.name}'s weight is {dtype}; int8 dynamic quantisation is "
-                           "offered for float32 layers")
+            return Refused(
+                f"{node.name}'s weight is {dtype}; int8 dynamic quantisation is "
+                "offered for float32 layers"
+            )
         n, k = w.weight.shape
         if k < MIN_IN_FEATURES or n < MIN_OUT_FEATURES:
-            return Refused(f"{node.name} is {k} -> {n} features: below {MIN_IN_FEATURES} "
-                           f"inputs or {MIN_OUT_FEATURES} outputs the quantise and rescale "
-                           "passes cost more than the int8 GEMM saves")
+            return Refused(
+                f"{node.name} is {k} -> {n} features: below {MIN_IN_FEATURES} "
+                f"inputs or {MIN_OUT_FEATURES} outputs the quantise and rescale "
+                "passes cost more than the int8 GEMM saves"
+            )
         x = input_of(node)
         xi = info(x) if x is not None else None
         if xi is None or xi.dtype != torch.float32:
             return Refused(f"the input of {node.name} is not a float32 tensor of known shape")
         rows = xi.numel // max(k, 1)
         if rows < MIN_ROWS:
-            return Refused(f"{node.name} runs on {rows} row(s) at the example shape: below "
-                           f"{MIN_ROWS} rows the quantise and rescale ops around the int8 GEMM "
-                           "cost more than it saves")
-        return Found((node,), f"{node.name} ({k} -> {n}) in int8, input quantised per row",
-                     dict(w=w), record=dict(linear=node.name))
+            return Refused(
+                f"{node.name} runs on {rows} row(s) at the example shape: below "
+                f"{MIN_ROWS} rows the quantise and rescale ops around the int8 GEMM "
+                "cost more than it saves"
+            )
+        return Found(
+            (node,),
+            f"{node.name} ({k} -> {n}) in int8, input quantised per row",
+            dict(w=w),
+            record=dict(linear=node.name),
+        )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         node, w = found.nodes[0], found["w"]
@@ -127,8 +147,15 @@ class Int8DynamicLinear(Rule):
         if node.op == "call_module":
             install_module(gm, node, mod, str(node.target))
             return
-        swap_in_module(gm, mod, (input_of(node),), node, [node], f"{node.name}_int8",
-                       home=arg(node, 1, "weight"))
+        swap_in_module(
+            gm,
+            mod,
+            (input_of(node),),
+            node,
+            [node],
+            f"{node.name}_int8",
+            home=arg(node, 1, "weight"),
+        )
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         node, w = found.nodes[0], found["w"]
@@ -139,16 +166,28 @@ class Int8DynamicLinear(Rule):
         m = max(1, out.numel // n)
         before = node_cost(node)
         if _is_this_cpu(target) and getattr(target, "timer", None) is not None:
-            t32, t8 = time_on_this_cpu(m, k, n, w.bias is not None, torch.get_num_threads(),
-                                       target.timer)
-            return Estimate(0.0, float(3 * k * n), t32 - t8,
-                            f"timed at {m} x {k} -> {n} on this CPU: float32 {t32 * 1e6:.0f} us, "
-                            f"int8 {t8 * 1e6:.0f} us")
-        gemm = NodeCost(2 * m * k * n, m * k + k * n + 4 * m * n + (4 * n if w.bias is not None else 0))
+            t32, t8 = time_on_this_cpu(
+                m, k, n, w.bias is not None, torch.get_num_threads(), target.timer
+            )
+            return Estimate(
+                0.0,
+                float(3 * k * n),
+                t32 - t8,
+                f"timed at {m} x {k} -> {n} on this CPU: float32 {t32 * 1e6:.0f} us, "
+                f"int8 {t8 * 1e6:.0f} us",
+            )
+        gemm = NodeCost(
+            2 * m * k * n, m * k + k * n + 4 * m * n + (4 * n if w.bias is not None else 0)
+        )
         t_before = op_time(before, target, "float32")
-        t_after = op_time(gemm, target, "int8") + sum(op_time(c, target, "float32")
-                                                      for c in _passes(m, k, n))
+        t_after = op_time(gemm, target, "int8") + sum(
+            op_time(c, target, "float32") for c in _passes(m, k, n)
+        )
         added = gemm.bytes + sum(c.bytes for c in _passes(m, k, n))
-        return Estimate(0.0, float(before.bytes - added), t_before - t_after,
-                        f"int8 GEMM at the target's int8 rate, weight bytes / 4, plus "
-                        f"10 quantise/rescale passes over {m} rows")
+        return Estimate(
+            0.0,
+            float(before.bytes - added),
+            t_before - t_after,
+            f"int8 GEMM at the target's int8 rate, weight bytes / 4, plus "
+            f"10 quantise/rescale passes over {m} rows",
+        )
