@@ -208,7 +208,7 @@ def verify_plan(
 
 @dataclass
 class PlanBench:
-    """A replayed plan timed against the model: the replay and the bench.timing.ModelBench."""
+    """A replayed plan timed against the model: the replay and the bench.stats.ModelBench."""
 
     replay: Replay
     benchmark: Any
@@ -223,7 +223,7 @@ def bench_plan(
     dynamic: str = "auto",
 ) -> PlanBench:
     """Time (a copy of) `model` and what `plan` makes of it side by side on `device`."""
-    from opswap.bench.timing import bench_models
+    from opswap.bench.compare import bench_models
 
     model, inputs = keyword_call(model, example_inputs)
     done = replay(model, inputs, plan, dynamic=dynamic)
@@ -302,7 +302,7 @@ def _private(fn):
 def bench(reference: nn.Module, candidate: nn.Module, example_inputs, *, device: str = "cpu"):
     """Time reference and candidate side by side, interleaved, after warm-up; keyword inputs
     as for `verify`."""
-    from opswap.bench.timing import bench_models
+    from opswap.bench.compare import bench_models
 
     reference, inputs = keyword_call(reference, example_inputs)
     candidate = positional(candidate, reference)

@@ -18,7 +18,7 @@ from opswap import artifact
 if TYPE_CHECKING:
     from opswap.backends.pt2 import Artifact
     from opswap.bench.attribution import Attribution, RuleTiming
-    from opswap.bench.timing import ModelBench
+    from opswap.bench.stats import ModelBench
     from opswap.bench.variants import VariantTiming
     from opswap.cost.analyze import Analysis
     from opswap.graph.dynamic import Dynamic

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from opswap.bench.timing import BenchResult, Stats, bench_models, benchmark, resolve_device
+from opswap.bench.compare import bench_models
+from opswap.bench.timing import BenchResult, Stats, benchmark, resolve_device
 from opswap.errors import OpswapError
 
 

@@ -7,91 +7,23 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from opswap import api
 from opswap.cli import consoles, render
 from opswap.cli.app import app, check_outputs, overrides
-
-Spec = Annotated[
-    str,
-    typer.Argument(
-        metavar="SPEC",
-        help="Model: zoo:NAME, hf:TYPE, hf:PATH, torchvision:NAME, "
-        "timm:NAME, file.py:function or model.pt2.",
-    ),
-]
-PlanArg = Annotated[Path, typer.Argument(metavar="PLAN", help="plan.json from `opswap plan`.")]
-TargetOpt = Annotated[
-    str,
-    typer.Option(
-        "--target", "-t", metavar="TARGET", help="Hardware target (cpu, h100, h200, a100)."
-    ),
-]
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option("--set", metavar="KEY=VALUE", help="Model override (repeatable)."),
-]
-WeightsOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--weights",
-        "-w",
-        metavar="FILE",
-        help="Weights for the spec's architecture: a .safetensors file or a torch.save state dict (read with weights_only=True).",
-    ),
-]
-JsonOpt = Annotated[
-    Path | None,
-    typer.Option("--json", metavar="PATH", help="Also write machine-readable output here."),
-]
-RulesOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--rules",
-        "-r",
-        metavar="GLOBS",
-        help="Comma-separated rule globs, e.g. 'fusion.*,layout.drop_*'.",
-    ),
-]
-ExactOpt = Annotated[
-    str,
-    typer.Option(
-        "--exactness", "-e", metavar="CLASS", help="Loosest rules allowed: exact, approx or lossy."
-    ),
-]
-RulesFromOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--rules-from",
-        metavar="MODULE",
-        help="Also load the rules @register'ed in this Python module (a name found on the Python path or in the current directory, or a .py file; repeatable). Installed packages add theirs through the opswap.rules entry-point group.",
-    ),
-]
-DynamicOpt = Annotated[
-    str,
-    typer.Option(
-        "--dynamic",
-        metavar="SIZES",
-        help="Input sizes kept symbolic: auto (batch and sequence, detected), none, batch, seq, or I:D=NAME items.",
-    ),
-]
-_DEVICES = "cpu, cuda or cuda:N"
-_STAGES = [
-    "load",
-    "capture",
-    "analyze",
-    "plan",
-    "apply",
-    "verify",
-    "rollback",
-    "bench",
-    "measure",
-    "prune",
-    "layers",
-    "race",
-    "report",
-]
+from opswap.cli.options import (
+    _DEVICES,
+    DynamicOpt,
+    ExactOpt,
+    JsonOpt,
+    PlanArg,
+    RulesFromOpt,
+    RulesOpt,
+    SetOpt,
+    Spec,
+    TargetOpt,
+    WeightsOpt,
+)
 
 
 def _load(spec: str, sets: list[str] | None, weights: Path | None = None):
@@ -328,90 +260,4 @@ def bench(
     render.partial(p, timed.replay.applied, "timed the model with the {n} that did")
     render.write_json(json_path, data)
     if timed.replay.applied.failed:
-        raise typer.Exit(1)
-
-
-@app.command()
-def optimize(
-    spec: Spec,
-    target: TargetOpt = "cpu",
-    rules: RulesOpt = None,
-    exactness: ExactOpt = "exact",
-    budget: Annotated[
-        str | None,
-        typer.Option(metavar="METRIC>=X", help="Accuracy budget, e.g. 'cosine>=0.9999'."),
-    ] = None,
-    out: Annotated[
-        Path, typer.Option("--out", "-o", metavar="DIR", help="Output directory.")
-    ] = Path("opswap-out"),
-    samples: Annotated[
-        int, typer.Option(metavar="N", help="Random input samples for verification.")
-    ] = 3,
-    no_bench: Annotated[bool, typer.Option("--no-bench", help="Skip timing.")] = False,
-    device: Annotated[
-        str, typer.Option(metavar="DEVICE", help=f"Where to run and time: {_DEVICES}.")
-    ] = "cpu",
-    dynamic: DynamicOpt = "auto",
-    compare: Annotated[
-        str,
-        typer.Option(
-            "--compare",
-            metavar="BASELINES",
-            help="Baselines raced in the same run: compile (torch.compile of the input and of opswap's result), or none.",
-        ),
-    ] = "compile",
-    sets: SetOpt = None,
-    weights: WeightsOpt = None,
-    rules_from: RulesFromOpt = None,
-    json_path: JsonOpt = None,
-) -> None:
-    """The whole flow: analyze, plan, apply, verify (with rollback), bench, report. Exit
-    status 1 when the result fails verification (what was saved is printed)."""
-    check_outputs(json_path, out, out_dir=True)
-    config = api.OptimizeConfig(
-        target=target,
-        rules=rules or [],
-        exactness=exactness,
-        budget=budget,
-        samples=samples,
-        bench=not no_bench,
-        device=device,
-        dynamic=dynamic,
-        compare=compare,
-    )
-    _rules_from(rules_from)
-    if not no_bench:
-        _timed_where(target, device)
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        console=consoles.err,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("load", total=len(_STAGES))
-
-        def step(stage: str) -> None:
-            done = _STAGES.index(stage) if stage in _STAGES else None
-            progress.update(task, description=stage, completed=done)
-
-        loaded = _load(spec, sets, weights)
-        result = api.optimize_loaded(loaded, config, name=spec, progress=step)
-        step("report")
-        paths = result.save(out)
-    data = result.to_json()
-    render.summary(data)
-    for k in ("plan", "result", "report_md", "report_html", "model"):
-        if k in paths:
-            render.line(f"  {k:<11} {paths[k]}")
-    render.inputs(loaded.module)
-    render.write_json(json_path, data)
-    if not data["verification"]["passed"]:
-        render.note(
-            f"opswap's result did not pass verification ({'; '.join(data['verification']['reasons'])}); "
-            f"{paths.get('model', out)} holds {data['deploy']['holds']}; exit status 1.",
-            "failed",
-            "red",
-        )
         raise typer.Exit(1)

@@ -1,0 +1,88 @@
+"""The arguments and options the commands share, with their help texts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+Spec = Annotated[
+    str,
+    typer.Argument(
+        metavar="SPEC",
+        help="Model: zoo:NAME, hf:TYPE, hf:PATH, torchvision:NAME, "
+        "timm:NAME, file.py:function or model.pt2.",
+    ),
+]
+PlanArg = Annotated[Path, typer.Argument(metavar="PLAN", help="plan.json from `opswap plan`.")]
+TargetOpt = Annotated[
+    str,
+    typer.Option(
+        "--target", "-t", metavar="TARGET", help="Hardware target (cpu, h100, h200, a100)."
+    ),
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", metavar="KEY=VALUE", help="Model override (repeatable)."),
+]
+WeightsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--weights",
+        "-w",
+        metavar="FILE",
+        help="Weights for the spec's architecture: a .safetensors file or a torch.save state dict (read with weights_only=True).",
+    ),
+]
+JsonOpt = Annotated[
+    Path | None,
+    typer.Option("--json", metavar="PATH", help="Also write machine-readable output here."),
+]
+RulesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rules",
+        "-r",
+        metavar="GLOBS",
+        help="Comma-separated rule globs, e.g. 'fusion.*,layout.drop_*'.",
+    ),
+]
+ExactOpt = Annotated[
+    str,
+    typer.Option(
+        "--exactness", "-e", metavar="CLASS", help="Loosest rules allowed: exact, approx or lossy."
+    ),
+]
+RulesFromOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--rules-from",
+        metavar="MODULE",
+        help="Also load the rules @register'ed in this Python module (a name found on the Python path or in the current directory, or a .py file; repeatable). Installed packages add theirs through the opswap.rules entry-point group.",
+    ),
+]
+DynamicOpt = Annotated[
+    str,
+    typer.Option(
+        "--dynamic",
+        metavar="SIZES",
+        help="Input sizes kept symbolic: auto (batch and sequence, detected), none, batch, seq, or I:D=NAME items.",
+    ),
+]
+_DEVICES = "cpu, cuda or cuda:N"
+_STAGES = [
+    "load",
+    "capture",
+    "analyze",
+    "plan",
+    "apply",
+    "verify",
+    "rollback",
+    "bench",
+    "measure",
+    "prune",
+    "layers",
+    "race",
+    "report",
+]

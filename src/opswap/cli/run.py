@@ -1,0 +1,210 @@
+"""`opswap optimize`: the whole flow on one model, with a progress bar, and its summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from opswap import api
+from opswap.cli import commands, consoles, render
+from opswap.cli.app import app, check_outputs
+from opswap.cli.options import (
+    _DEVICES,
+    _STAGES,
+    DynamicOpt,
+    ExactOpt,
+    JsonOpt,
+    RulesFromOpt,
+    RulesOpt,
+    SetOpt,
+    Spec,
+    TargetOpt,
+    WeightsOpt,
+)
+
+
+@app.command()
+def optimize(
+    spec: Spec,
+    target: TargetOpt = "cpu",
+    rules: RulesOpt = None,
+    exactness: ExactOpt = "exact",
+    budget: Annotated[
+        str | None,
+        typer.Option(metavar="METRIC>=X", help="Accuracy budget, e.g. 'cosine>=0.9999'."),
+    ] = None,
+    out: Annotated[
+        Path, typer.Option("--out", "-o", metavar="DIR", help="Output directory.")
+    ] = Path("opswap-out"),
+    samples: Annotated[
+        int, typer.Option(metavar="N", help="Random input samples for verification.")
+    ] = 3,
+    no_bench: Annotated[bool, typer.Option("--no-bench", help="Skip timing.")] = False,
+    device: Annotated[
+        str, typer.Option(metavar="DEVICE", help=f"Where to run and time: {_DEVICES}.")
+    ] = "cpu",
+    dynamic: DynamicOpt = "auto",
+    compare: Annotated[
+        str,
+        typer.Option(
+            "--compare",
+            metavar="BASELINES",
+            help="Baselines raced in the same run: compile (torch.compile of the input and of opswap's result), or none.",
+        ),
+    ] = "compile",
+    sets: SetOpt = None,
+    weights: WeightsOpt = None,
+    rules_from: RulesFromOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """The whole flow: analyze, plan, apply, verify (with rollback), bench, report. Exit
+    status 1 when the result fails verification (what was saved is printed)."""
+    check_outputs(json_path, out, out_dir=True)
+    config = api.OptimizeConfig(
+        target=target,
+        rules=rules or [],
+        exactness=exactness,
+        budget=budget,
+        samples=samples,
+        bench=not no_bench,
+        device=device,
+        dynamic=dynamic,
+        compare=compare,
+    )
+    commands._rules_from(rules_from)
+    if not no_bench:
+        commands._timed_where(target, device)
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=consoles.err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("load", total=len(_STAGES))
+
+        def step(stage: str) -> None:
+            done = _STAGES.index(stage) if stage in _STAGES else None
+            progress.update(task, description=stage, completed=done)
+
+        loaded = commands._load(spec, sets, weights)
+        result = api.optimize_loaded(loaded, config, name=spec, progress=step)
+        step("report")
+        paths = result.save(out)
+    data = result.to_json()
+    _summary(data)
+    for k in ("plan", "result", "report_md", "report_html", "model"):
+        if k in paths:
+            render.line(f"  {k:<11} {paths[k]}")
+    render.inputs(loaded.module)
+    render.write_json(json_path, data)
+    if not data["verification"]["passed"]:
+        render.note(
+            f"opswap's result did not pass verification ({'; '.join(data['verification']['reasons'])}); "
+            f"{paths.get('model', out)} holds {data['deploy']['holds']}; exit status 1.",
+            "failed",
+            "red",
+        )
+        raise typer.Exit(1)
+
+
+def _summary(data: dict) -> None:
+    """An optimize run's result.json, in a few lines and the table of variants."""
+    from opswap.report.optimize_report import interval
+
+    console = consoles.console
+    v, b = data["verification"], data["benchmark"]
+    console.print(
+        Text.assemble(
+            (data["model"], "bold"),
+            f" on {data['target']}: "
+            f"{render.n(len(data['applied']), 'replacement')}, "
+            f"{render.n(len(data['misses']), 'near miss', 'near misses')}, "
+            f"{len(data['rolled_back'])} rolled back",
+        )
+    )
+    dyn = data.get("dynamic") or {}
+    axes = ", ".join(f"{a['name']} (example {a['size']})" for a in dyn.get("axes", []))
+    console.print(f"  dynamic sizes: {axes or 'none (the example shapes only)'}", markup=False)
+    status = ("PASSED", "green") if v["passed"] else ("FAILED", "red")
+    console.print(
+        Text.assemble(
+            "  verification ",
+            status,
+            f": cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}, "
+            f"sqnr {v['sqnr_db']:.1f} dB ({render.n(v['samples'], 'sample')}, "
+            f"tolerance {render.tolerance_text(v['tolerance'])})",
+        )
+    )
+    if b:
+        console.print(
+            f"  your model -> opswap's model.pt2: {b['ref_ms']:.3f} ms -> "
+            f"{b['opt_ms']:.3f} ms, "
+            f"{interval(b['speedup_of_medians'], b.get('speedup_ci'), b.get('settled'))} "
+            f"(ratio of medians, 95% interval; {b['device']})",
+            markup=False,
+        )
+    run = data.get("run") or {}
+    if run.get("inputs"):
+        shapes = ", ".join(f"{i['name']} {i['dtype']}{list(i['shape'])}" for i in run["inputs"])
+        console.print(f"  inputs: {shapes}; {run.get('threads')} threads", markup=False)
+    for text in data.get("notes") or []:
+        console.print(f"  note: {text}", markup=False)
+    if data.get("variants"):
+        _variants(data)
+
+
+def _variants(data: dict) -> None:
+    from opswap.report.optimize_report import interval
+
+    table = Table(title="variants, timed in one interleaved run")
+    for col in (
+        "variant",
+        "ms",
+        "IQR ms",
+        "vs input [95% interval]",
+        "verified",
+        "compile s",
+        "note",
+    ):
+        table.add_column(col, overflow="fold")
+    for v in data["variants"]:
+        ms = f"{v['ms']:.3f}" if v["ms"] is not None else "-"
+        iqr = f"{v['iqr_ms']:.3f}" if v["iqr_ms"] is not None else "-"
+        sp = (
+            "1.00x (the yardstick)"
+            if v["name"] == "input"
+            else interval(v["speedup_vs_input"], v.get("speedup_ci"), v.get("settled"))
+            if v["speedup_vs_input"] is not None
+            else "-"
+        )
+        comp = f"{v['compile_s']:.1f}" if v["compile_s"] is not None else ""
+        name = v["name"] + (" (saved)" if v["name"] == data["best"] else "")
+        table.add_row(
+            Text(name),
+            ms,
+            iqr,
+            Text(sp),
+            "yes" if v["verified"] else "no",
+            comp,
+            Text(v["note"] or ""),
+        )
+    consoles.console.print(table)
+    if data.get("timings_settled") is False:
+        render.unsettled()
+    deploy = data["deploy"]
+    render.line(f"  saved: {deploy['variant']}, {deploy['holds']}")
+    if deploy.get("verified_as"):
+        shapes = deploy["verified_as"].get("shapes") or []
+        render.line(
+            f"  verified as: {deploy['verified_as']['variant']}"
+            + (f", at {', '.join(shapes)}" if shapes else "")
+        )
+    use = "use" if deploy["how"].startswith("your own") else "load it with"
+    render.line(f"  {use} {deploy['how']}; run it under {deploy['run_under']}")
