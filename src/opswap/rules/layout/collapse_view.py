@@ -146,8 +146,11 @@ def collapsed_shape(chain: list[fx.Node]) -> tuple[list | None, str | None]:
     if not ins or len(ins) != len(outs):
         return None, f"the shapes around {last.name} are not known at every probed size"
     dynamic = dynamic_dims(last)
-    for r in range(len(ins)):  # align at each run in turn: a size-1 dim can hide a match
-        recipe = _recipe(ins[r], outs[r], dynamic)
+    # align at each run in turn (a size-1 dim can hide a match); last, the output's static
+    # sizes as they are with its one dynamic size as -1
+    recipes = [_recipe(ins[r], outs[r], dynamic) for r in range(len(ins))]
+    recipes.append([-1 if k in dynamic else size for k, size in enumerate(outs[0])])
+    for recipe in recipes:
         if sum(1 for x in recipe if x == -1) > 1:
             continue
         if all(_evaluate(recipe, i) == list(o) for i, o in zip(ins, outs, strict=True)):
