@@ -1,5 +1,3 @@
-"""fusion.silu: x * sigmoid(x) -> silu(x)."""
-
 from opswap.cost import NodeCost, node_cost
 from opswap.graph.ops import copy_meta
 from opswap.graph.shapes import info
