@@ -108,23 +108,12 @@ def bench_models(
                 opt_peak = peak_memory(caller(cand, args, copy), device=dev).peak_bytes
             except Exception as e:  # memory is a bonus; the timing stands without it
                 notes.append(f"peak memory not measured: {type(e).__name__}: {str(e)[:120]}")
-    r = res.ratio("reference", "candidate")
-    s_ref, s_opt = res["reference"], res["candidate"]
-    return ModelBench(
-        ref_ms=s_ref.median * 1e3,
-        opt_ms=s_opt.median * 1e3,
-        speedup=r.paired,
-        speedup_of_medians=r.of_medians,
-        spread=r.spread,
-        speedup_q1=r.q1,
-        speedup_q3=r.q3,
-        speedup_ci=(r.ci_low, r.ci_high),
-        ref_iqr_ms=s_ref.iqr * 1e3,
-        opt_iqr_ms=s_opt.iqr * 1e3,
-        rounds=len(res.rounds),
-        device=res.device,
-        ref_peak_bytes=ref_peak,
-        opt_peak_bytes=opt_peak,
+    return ModelBench.of(
+        res,
+        "reference",
+        "candidate",
+        ref_peak=ref_peak,
+        opt_peak=opt_peak,
         notes=notes,
         settled=res.settled,
         rel_width=rel_width,

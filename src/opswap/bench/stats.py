@@ -215,6 +215,42 @@ class ModelBench:
     settled: bool | None = None  # the interval narrowed to rel_width before time ran out
     rel_width: float | None = None
 
+    @classmethod
+    def of(
+        cls,
+        res: BenchResult,
+        ref: str,
+        opt: str,
+        *,
+        ref_peak: int | None = None,
+        opt_peak: int | None = None,
+        notes: list[str] | None = None,
+        settled: bool | None = None,
+        rel_width: float | None = None,
+    ) -> ModelBench:
+        """The figures of `opt` against `ref` from one interleaved run `res`."""
+        r = res.ratio(ref, opt)
+        a, b = res[ref], res[opt]
+        return cls(
+            ref_ms=a.median * 1e3,
+            opt_ms=b.median * 1e3,
+            speedup=r.paired,
+            speedup_of_medians=r.of_medians,
+            spread=r.spread,
+            speedup_q1=r.q1,
+            speedup_q3=r.q3,
+            speedup_ci=(r.ci_low, r.ci_high),
+            ref_iqr_ms=a.iqr * 1e3,
+            opt_iqr_ms=b.iqr * 1e3,
+            rounds=len(res.rounds),
+            device=res.device,
+            ref_peak_bytes=ref_peak,
+            opt_peak_bytes=opt_peak,
+            notes=notes if notes is not None else [],
+            settled=settled,
+            rel_width=rel_width,
+        )
+
     @property
     def within_noise(self) -> bool:
         return self.speedup_ci is None or not (self.speedup_ci[0] > 1.0 or self.speedup_ci[1] < 1.0)

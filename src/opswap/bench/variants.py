@@ -307,27 +307,18 @@ def model_bench(
             except Exception as e:  # memory is a bonus; the timing stands without it
                 notes.append(f"peak memory not measured: {type(e).__name__}: {str(e)[:120]}")
                 break
-    ref, cand = res["input"], res[opt]
-    return ModelBench(
-        ref_ms=ref.median * 1e3,
-        opt_ms=cand.median * 1e3,
-        speedup=r.paired,
-        speedup_of_medians=r.of_medians,
-        spread=r.spread,
-        speedup_q1=r.q1,
-        speedup_q3=r.q3,
-        speedup_ci=(r.ci_low, r.ci_high),
-        ref_iqr_ms=ref.iqr * 1e3,
-        opt_iqr_ms=cand.iqr * 1e3,
-        rounds=len(res.rounds),
-        device=res.device,
-        ref_peak_bytes=peaks.get("input"),
-        opt_peak_bytes=peaks.get(opt),
+    settled = (
+        None if res.rel_width is None else narrow(r.ci_low, r.ci_high, r.of_medians, res.rel_width)
+    )
+    return ModelBench.of(
+        res,
+        "input",
+        opt,
+        ref_peak=peaks.get("input"),
+        opt_peak=peaks.get(opt),
         notes=notes,
         rel_width=res.rel_width,
-        settled=None
-        if res.rel_width is None
-        else narrow(r.ci_low, r.ci_high, r.of_medians, res.rel_width),
+        settled=settled,
     )
 
 
