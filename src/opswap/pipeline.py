@@ -8,7 +8,7 @@ the model (opswap.artifact).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from opswap.errors import RuleError, VerificationError
 from opswap.graph.capture import Captured
 from opswap.graph.copies import describe_hooks
 from opswap.graph.dynamic import Dynamic
+from opswap.kernels.observers import METHODS as CALIBRATION_METHODS
 from opswap.planner import Plan, make_plan
 from opswap.result import Result
 from opswap.rules.apply import Applied
@@ -31,6 +32,7 @@ from opswap.rules.registry import parse_patterns
 from opswap.stages import (
     Pruned,
     Run,
+    calibrate_stage,
     capture_stage,
     guarded,
     leave_one_out,
@@ -63,6 +65,12 @@ class OptimizeConfig:
     dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
     compare: str = "compile"  # baselines raced beside opswap's result: compile, or none
     keep_hooks: bool = False  # refuse a model with hooks rather than optimize it without them
+    # static int8's calibration: range method (minmax, percentile, mse, entropy), how many
+    # sample inputs it runs, symmetric or asymmetric activations, per-channel weights
+    calibrate: str = "minmax"
+    calibration_samples: int = 8
+    symmetric_activations: bool = False
+    per_channel_weights: bool = True
 
     def __post_init__(self) -> None:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
@@ -71,6 +79,18 @@ class OptimizeConfig:
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
             raise VerificationError(
                 f"samples must be at least 1 (the example itself); got {self.samples!r}."
+            )
+        if self.calibrate not in CALIBRATION_METHODS:
+            raise RuleError(
+                f"calibrate must be one of {', '.join(CALIBRATION_METHODS)}; got {self.calibrate!r}."
+            )
+        if (
+            isinstance(self.calibration_samples, bool)
+            or not isinstance(self.calibration_samples, int)
+            or self.calibration_samples < 1
+        ):
+            raise RuleError(
+                f"calibration_samples must be at least 1; got {self.calibration_samples!r}."
             )
         tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now
         check_device(self.device)  # so do a device name and CUDA without a GPU
@@ -114,6 +134,7 @@ def optimize(
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
     model_settings: dict[str, Any] | None = None,
+    calibration_data: Sequence[Any] | None = None,
 ) -> Result:
     """Run the whole flow on `model` and return a Result.
 
@@ -123,6 +144,8 @@ def optimize(
     `progress(stage: str)` is called as each stage starts, for progress bars.
     `model_settings` (the loader's settings: sizes, batch, --set overrides, attention
     implementation) are recorded in result.json and the report.
+    `calibration_data` (input tuples) is what static int8 calibrates on; without it, and
+    with `exactness` above exact, it calibrates on random samples like the example.
     """
     from opswap.cost.analyze import analyze
     from opswap.verify.layers import compare_layers
@@ -130,6 +153,7 @@ def optimize(
     config = config or OptimizeConfig()
     step = progress or (lambda stage: None)
     run = capture_stage(model, example_inputs, config, name or type(model).__name__, step)
+    calibrate_stage(run, calibration_data)
     step("analyze")
     before = analyze(run.captured, run.target)
     checked = plan_and_verify(run, step)

@@ -6,7 +6,7 @@ and rolls back (`Checked`); `prune` times the rules and drops the slow ones (`Pr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,15 +18,17 @@ from opswap.bench.timing import with_timer
 from opswap.bench.variants import Race, parse_compare
 from opswap.bench.variants import run as run_variants
 from opswap.errors import CaptureError
+from opswap.graph.calibrate import Calibration, attach, samples_from
 from opswap.graph.capture import Captured, capture
 from opswap.graph.copies import describe_hooks, private_copy, user_hooks
 from opswap.planner import Plan, apply_plan, make_plan
 from opswap.rules.apply import Applied
-from opswap.rules.base import Skipped
+from opswap.rules.base import EXACTNESS_ORDER, Skipped
 from opswap.targets import Target, get_target
 from opswap.verify import outputs
 from opswap.verify.bisect import Rollback, rollback
 from opswap.verify.outputs import Verification, capture_check
+from opswap.verify.samples import make_samples
 from opswap.verify.tolerance import Tolerance, tolerance_for
 
 if TYPE_CHECKING:
@@ -209,6 +211,31 @@ def capture_stage(
     captured = capture(model, example_inputs, dynamic=config.dynamic, check=capture_check)
     tol = tolerance_for(config.exactness, config.budget, captured.rounding)
     return Run(config, name, target, model, captured, tol, hooks)
+
+
+def calibrate_stage(run: Run, data: Sequence[Any] | None = None) -> None:
+    """Give the capture its calibration samples when the plan may quantise activations
+    statically (exactness above exact): `data`'s input tuples (a task's training batches,
+    the user's samples), else random samples like the example (the example first). The
+    graph is only run when a rule asks for a range (graph.calibrate.observed)."""
+    config = run.config
+    if EXACTNESS_ORDER[config.exactness] == 0:
+        return
+    if data:
+        samples, source = samples_from(data, config.calibration_samples), "calibration inputs"
+    else:
+        samples = make_samples(run.captured.example_inputs, config.calibration_samples, config.seed)
+        source = "random samples like the example"
+    attach(
+        run.captured.gm,
+        Calibration(
+            samples,
+            method=config.calibrate,
+            symmetric=config.symmetric_activations,
+            per_channel=config.per_channel_weights,
+            source=source,
+        ),
+    )
 
 
 def plan_and_verify(run: Run, step: Callable[[str], None]) -> Checked:

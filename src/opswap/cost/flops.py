@@ -61,7 +61,9 @@ def _conv(node: fx.Node, kind: str) -> int:
     x, out = shape_of(node.args[0]), shape_of(node)
     w: tuple[int, ...] | None
     if mod is not None:
-        w = tuple(cast(torch.Tensor, mod.weight).shape)
+        # modules opswap installs that hold no float `weight` say its shape themselves
+        own = getattr(mod, "opswap_weight_shape", None)
+        w = tuple(own) if own is not None else tuple(cast(torch.Tensor, mod.weight).shape)
     else:
         w = shape_of(arg(node, 1, "weight"))
     if x is None or w is None or out is None:

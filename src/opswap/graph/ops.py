@@ -388,8 +388,12 @@ def is_aten(node: fx.Node) -> bool:
 def copy_meta(new: fx.Node, old: fx.Node) -> None:
     """Give a node a rewrite created the metadata of the value it stands for, so later
     matches in the same pass can still read its shape (shapes are re-propagated only
-    between rules) and reports still name its module."""
-    for key in ("tensor_meta", "probe_meta", "val", "nn_module_stack", "stack_trace"):
+    between rules) and reports still name its module, and calibration's observer of the
+    value (graph.calibrate) stays with it."""
+    for key in (
+        "tensor_meta", "probe_meta", "val", "nn_module_stack", "stack_trace",
+        "opswap.observer", "opswap.observed_once",
+    ):  # fmt: skip
         if key in old.meta:
             new.meta[key] = old.meta[key]
 

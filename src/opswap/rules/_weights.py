@@ -297,3 +297,23 @@ def fold_affine(
     if shift is not None:
         bias = bias + shift.detach().double()
     return weight, bias.to(bias_dtype)
+
+
+def zero_padding(w: Weighted, conv: fx.Node) -> tuple[int, ...] | str:
+    """Explicit symmetric zero padding of a conv, or why it has none."""
+    if w.padding_mode != "zeros":
+        return (
+            f"{conv.name} pads with padding_mode={w.padding_mode!r}; the fused kernel "
+            "pads with zeros only"
+        )
+    if not isinstance(w.padding, str):
+        return tuple(w.padding)
+    if w.padding == "valid":
+        return (0,) * (w.weight.dim() - 2)
+    total = [d * (k - 1) for d, k in zip(w.dilation, w.weight.shape[2:], strict=True)]
+    if any(t % 2 for t in total):
+        return (
+            f"{conv.name} uses padding='same' with an even kernel, which pads unevenly; "
+            "the replacement pads both sides equally"
+        )
+    return tuple(t // 2 for t in total)

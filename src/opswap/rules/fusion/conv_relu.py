@@ -12,31 +12,11 @@ from opswap.graph.ops import arg, copy_meta, op_kind
 from opswap.rules._cost import saving
 from opswap.rules._edits import drop_dead_attrs, erase, install_module, swap_in_module
 from opswap.rules._matching import input_of, shared_reason
-from opswap.rules._weights import BatchNormParts, Weighted, batch_norm, weighted
+from opswap.rules._weights import BatchNormParts, Weighted, batch_norm, weighted, zero_padding
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.fusion._bn_fold import check_fold, fold
 from opswap.rules.fusion._fused_conv_relu import FusedConvReLU
 from opswap.rules.registry import register
-
-
-def _zero_padding(w: Weighted, conv: fx.Node) -> tuple[int, ...] | str:
-    """Explicit symmetric zero padding of a conv, or why it has none."""
-    if w.padding_mode != "zeros":
-        return (
-            f"{conv.name} pads with padding_mode={w.padding_mode!r}; the fused kernel "
-            "pads with zeros only"
-        )
-    if not isinstance(w.padding, str):
-        return tuple(w.padding)
-    if w.padding == "valid":
-        return (0,) * (w.weight.dim() - 2)
-    total = [d * (k - 1) for d, k in zip(w.dilation, w.weight.shape[2:], strict=True)]
-    if any(t % 2 for t in total):
-        return (
-            f"{conv.name} uses padding='same' with an even kernel, which pads unevenly; "
-            "the fused kernel pads both sides equally"
-        )
-    return tuple(t // 2 for t in total)
 
 
 @register
@@ -98,7 +78,7 @@ class ConvReLU(Rule):
             return Refused(
                 f"{conv.name} is a transposed convolution; there is no fused ReLU kernel for it"
             )
-        padding = _zero_padding(w, conv)
+        padding = zero_padding(w, conv)
         if isinstance(padding, str):
             return Refused(padding)
         chain = (conv, bn, relu) if bn is not None else (conv, relu)

@@ -1,0 +1,190 @@
+"""opswap.kernels.int8_static and .observers: the int8 kernels against the integer math they
+claim (exactly), on odd shapes; the guard that keeps a CPU without VNNI from saturating;
+and what each calibration method picks on distributions whose answer is known."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opswap.kernels import int8_static as k
+from opswap.kernels.observers import METHODS, Observer, qparams
+
+needs_onednn = pytest.mark.skipif(
+    not k.onednn_available(), reason="onednn's int8 kernels need an x86 CPU build of torch"
+)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("m,kk,n", [(1, 123, 17), (5, 7, 3), (33, 64, 96), (2 * 9, 768, 80)])
+@pytest.mark.parametrize("symmetric", [False, True])
+@needs_onednn
+def test_linear_kernel_is_the_integer_math(m, kk, n, symmetric):
+    g = torch.Generator().manual_seed(m + kk + n)
+    x = torch.randn(3, m, kk, generator=g) * 2 + 0.5
+    w = torch.randn(n, kk, generator=g)
+    b = torch.randn(n, generator=g)
+    wq, ws = k.quantize_weight(w)
+    p = qparams(float(x.min()), float(x.max()), symmetric)
+    y = torch.ops.opswap.int8_static_linear(x, wq, ws, p.scale, p.zero_point, b)
+    ref = k.reference_linear(x, wq, ws, p.scale, p.zero_point, b)
+    assert y.shape == (3, m, n)
+    # the sums are exact integers in both; only the float rescale may round differently
+    assert _rel(y, ref) < 1e-6
+    # and the quantisation itself stays close to float32 (7-bit weights on an AVX2 CPU)
+    assert _rel(y, F.linear(x, w, b)) < 0.05
+
+
+@pytest.mark.parametrize(
+    "shape,out,ksize,stride,pad,groups",
+    [
+        ((2, 3, 17, 13), 8, 3, 1, 1, 1),
+        ((1, 16, 9, 9), 16, 3, 2, 1, 16),  # depthwise, strided
+        ((3, 5, 7, 7), 6, 1, 1, 0, 1),  # pointwise, odd channels
+        ((1, 8, 11, 6), 12, 5, 1, 2, 4),  # grouped 5x5
+    ],
+)
+@pytest.mark.parametrize("post", ["none", "relu"])
+@needs_onednn
+def test_conv_kernel_is_the_integer_math(shape, out, ksize, stride, pad, groups, post):
+    g = torch.Generator().manual_seed(sum(shape) + out)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(out, shape[1] // groups, ksize, ksize, generator=g) * 0.2
+    b = torch.randn(out, generator=g)
+    wq, ws = k.quantize_weight(w)
+    p = qparams(float(x.min()), float(x.max()), False)
+    args = ([stride] * 2, [pad] * 2, [1, 1], groups)
+    y = torch.ops.opswap.int8_static_conv2d(x, wq, ws, p.scale, p.zero_point, b, *args, post)
+    ref = k.reference_conv2d(x, wq, ws, p.scale, p.zero_point, b, *args)
+    ref = torch.relu(ref) if post == "relu" else ref
+    assert y.shape == ref.shape
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert _rel(y, ref) < 1e-6
+    exact = F.conv2d(x, w, b, stride, pad, 1, groups)
+    exact = torch.relu(exact) if post == "relu" else exact
+    assert _rel(y, exact) < 0.05
+
+
+@needs_onednn
+def test_wide_weights_never_saturate(monkeypatch):
+    """A u8 x s8 product pair overflows int16 on CPUs without VNNI: weights quantised to
+    the full int8 range (as on a VNNI machine) must then run the reference, not the kernel."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(64, 768, generator=g) * 4  # uint8 values up to 255
+    w = torch.randn(96, 768, generator=g)
+    wq, ws = k.quantize_weight(w, qmax=127)
+    p = qparams(0.0, float(x.max()), False)
+    ref = k.reference_linear(x, wq, ws, p.scale, p.zero_point, None)
+    y = torch.ops.opswap.int8_static_linear(x, wq, ws, p.scale, p.zero_point, None)
+    assert _rel(y, ref) < 1e-6
+    if not k.has_vnni():
+        # the hazard is real here: the raw kernel on these weights is wrong
+        packed = torch.ops.onednn.qlinear_prepack(wq, None)
+        xq = k.quantize_activation(x, p.scale, p.zero_point)
+        raw = torch.ops.onednn.qlinear_pointwise(
+            xq, p.scale, p.zero_point, packed, ws, torch.zeros(96, dtype=torch.int64), None,
+            1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        assert _rel(raw, ref) > 1e-3
+        assert k.weight_qmax() == 63
+
+
+def test_reference_runs_where_onednn_does_not(monkeypatch):
+    monkeypatch.setattr(k, "onednn_available", lambda: False)
+    x = torch.randn(4, 32)
+    w = torch.randn(8, 32)
+    wq, ws = k.quantize_weight(w)
+    p = qparams(float(x.min()), float(x.max()), False)
+    y = torch.ops.opswap.int8_static_linear(x, wq, ws, p.scale, p.zero_point, None)
+    assert torch.equal(y, k.reference_linear(x, wq, ws, p.scale, p.zero_point, None))
+
+
+def test_prepacked_weights_follow_writes():
+    """The cache of prepacked weights notices a weight written in place."""
+    if not k.onednn_available():
+        pytest.skip("onednn's int8 kernels need an x86 CPU build of torch")
+    x = torch.randn(4, 32)
+    w = torch.randn(16, 32)
+    wq, ws = k.quantize_weight(w)
+    p = qparams(float(x.min()), float(x.max()), False)
+    y1 = torch.ops.opswap.int8_static_linear(x, wq, ws, p.scale, p.zero_point, None)
+    wq.neg_()
+    y2 = torch.ops.opswap.int8_static_linear(x, wq, ws, p.scale, p.zero_point, None)
+    assert _rel(y2, -y1) < 1e-6
+
+
+def test_weight_quantisation_per_channel_and_per_tensor():
+    w = torch.randn(6, 5) * torch.arange(1, 7).float()[:, None]
+    q, s = k.quantize_weight(w, per_channel=True, qmax=127)
+    assert q.dtype == torch.int8 and q.abs().amax(dim=1).eq(127).all()
+    assert torch.allclose(q.float() * s[:, None], w, atol=float(s.max()) / 2 + 1e-6)
+    qt, st = k.quantize_weight(w, per_channel=False, qmax=127)
+    assert torch.all(st == st[0]) and int(qt.abs().max()) == 127
+    # per-tensor loses the small channels' precision: per-channel errs less
+    err_c = (q.float() * s[:, None] - w).abs().sum()
+    err_t = (qt.float() * st[:, None] - w).abs().sum()
+    assert err_c < err_t
+
+
+def test_qparams_hold_zero_exactly():
+    for lo, hi, sym in [(-1.0, 3.0, False), (0.5, 2.0, False), (-4.0, -1.0, False), (-2, 5, True)]:
+        p = qparams(lo, hi, sym)
+        assert 0 <= p.zero_point <= 255
+        q0 = round(0.0 / p.scale) + p.zero_point
+        assert (q0 - p.zero_point) * p.scale == 0.0
+        if sym:
+            assert p.zero_point == 128 and math.isclose(p.scale, 5 / 127)
+    with pytest.raises(ValueError, match="not finite"):
+        qparams(-math.inf, 1.0, False)
+
+
+def _observe(chunks):
+    o = Observer()
+    for c in chunks:
+        o.observe_range(c)
+    for c in chunks:
+        o.observe_values(c)
+    return o
+
+
+def test_methods_on_known_distributions():
+    g = torch.Generator().manual_seed(0)
+    bulk = [torch.randn(4096, generator=g) for _ in range(4)]
+    outlier = torch.tensor([60.0])
+    o = _observe([*bulk, outlier])
+    assert o.choose("minmax", False)[1] == 60.0
+    assert o.choose("minmax", True) == (-60.0, 60.0)
+    # 1 value in 16385 is above the 99.99th percentile's cut: clipped
+    lo, hi = o.choose("percentile", False, percentile=99.99)
+    assert hi < 10 and lo < -2
+    # MSE and entropy cut the range somewhere inside it
+    for m in ("mse", "entropy"):
+        lo, hi = o.choose(m, True)
+        assert 0 < hi <= 60.0 and lo == -hi
+    # with no outliers percentile keeps nearly the whole range
+    u = _observe([torch.rand(10000, generator=g) for _ in range(2)])
+    assert u.choose("percentile", False)[1] > 0.99
+    # MSE's range quantises the heavy-tailed data with less error than min-max's
+    data = torch.cat([*bulk, outlier])
+
+    def mse(p):
+        q = torch.clamp(torch.round(data / p.scale) + p.zero_point, 0, 255)
+        return float(((q - p.zero_point) * p.scale - data).pow(2).mean())
+
+    assert mse(o.qparams("mse", True)) <= mse(o.qparams("minmax", True))
+    with pytest.raises(ValueError, match="unknown calibration method"):
+        o.choose("median", False)
+    assert set(METHODS) == {"minmax", "percentile", "mse", "entropy"}
+
+
+def test_observer_leaves_nonfinite_values_out():
+    o = _observe([torch.tensor([1.0, -2.0, math.inf, math.nan])])
+    assert (o.lo, o.hi) == (-2.0, 1.0) and o.nonfinite == 2
+    with pytest.raises(ValueError, match="saw no finite value"):
+        Observer().choose("minmax", False)
