@@ -77,8 +77,12 @@ def fresh_registry(monkeypatch):
     monkeypatch.setattr(registry, "_plugins_loaded", False)
     modules = set(sys.modules)
     yield registry
+    # forget the plugin modules the test imported, not the libraries it happened to pull
+    # in (a torch submodule imported twice registers its ops twice and breaks torch.export)
     for name in set(sys.modules) - modules:
-        del sys.modules[name]
+        where = getattr(sys.modules[name], "__file__", None) or ""
+        if not where.startswith(sys.prefix) and not name.startswith("torch"):
+            del sys.modules[name]
 
 
 def _install(tmp_path, monkeypatch, entry_points: dict[str, str], dist="opswap-test-rules"):
