@@ -20,6 +20,7 @@ from opswap.bench.device import check_device
 from opswap.bench.variants import Race, parse_compare
 from opswap.cost.analyze import Analysis
 from opswap.errors import RuleError, VerificationError
+from opswap.graph.calibrate import calibration_of
 from opswap.graph.capture import Captured
 from opswap.graph.copies import describe_hooks
 from opswap.graph.dynamic import Dynamic
@@ -42,6 +43,9 @@ from opswap.stages import (
     run_info,
 )
 from opswap.verify.tolerance import tolerance_for
+
+#: the rules whose sites use calibration's ranges (the run's note says how it calibrated)
+CALIBRATED_RULES = frozenset({"precision.int8_static_linear", "precision.int8_static_conv"})
 
 
 @dataclass
@@ -193,6 +197,9 @@ def _result(
         )
         dynamic = file_claim(dynamic, saved, notes)
     hooks = run.hooks
+    cal = calibration_of(run.captured.gm)
+    if cal is not None and any(s.rule in CALIBRATED_RULES for s in pruned.applied.applied):
+        notes.append(f"Static int8 calibrated on {cal.describe()}.")
     return Result(
         model=run.name,
         target=run.target.name,

@@ -57,6 +57,30 @@ def optimize(
             help="Baselines raced in the same run: compile (torch.compile of the input and of opswap's result), or none.",
         ),
     ] = "compile",
+    calibrate: Annotated[
+        str,
+        typer.Option(
+            metavar="METHOD",
+            help="Static int8's activation ranges from calibration: minmax, percentile, mse or entropy.",
+        ),
+    ] = "minmax",
+    calibration_samples: Annotated[
+        int,
+        typer.Option(metavar="N", help="Sample inputs static int8 calibrates on."),
+    ] = 8,
+    symmetric: Annotated[
+        bool,
+        typer.Option(
+            "--symmetric/--asymmetric",
+            help="Static int8 activations symmetric around zero, or asymmetric with a zero point.",
+        ),
+    ] = False,
+    per_tensor: Annotated[
+        bool,
+        typer.Option(
+            "--per-tensor", help="Static int8 weights with one scale per tensor, not per channel."
+        ),
+    ] = False,
     sets: SetOpt = None,
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
@@ -75,6 +99,10 @@ def optimize(
         device=device,
         dynamic=dynamic,
         compare=compare,
+        calibrate=calibrate,
+        calibration_samples=calibration_samples,
+        symmetric_activations=symmetric,
+        per_channel_weights=not per_tensor,
     )
     commands._rules_from(rules_from)
     if not no_bench:
