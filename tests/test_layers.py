@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("report", ("report",)),
     ("artifact", ("artifact", "result")),
     ("pipeline", ("pipeline", "stages")),
-    ("api", ("api", "deploy", "")),
+    ("api", ("api", "deploy", "qat", "")),
     ("cli", ("cli",)),
 ]
 
