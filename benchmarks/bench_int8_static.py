@@ -1,0 +1,195 @@
+"""Static int8 CNNs against float32, torch.compile and OpenVINO (float32 and NNCF int8),
+one interleaved run per model.
+
+    PYTHONPATH=src python benchmarks/bench_int8_static.py [--specs SPEC ...] [--out DIR]
+
+For each spec: the model is captured, calibrated on `--calibration` batches (random
+inputs like the example; the digits models use their training split), and planned with
+`fusion.*` and `precision.int8_static_*` for a profile where int8 pays, so that the int8
+model is built whatever this CPU's timing would decide (whether it pays here is what
+this script measures). Then one interleaved loop (inference mode) times:
+
+- `input`: the float32 model as given, and `compile`: torch.compile of it;
+- `opswap_int8`: the planned graph with onednn's int8 convolutions, and
+  `opswap_int8+compile`;
+- `openvino_fp32` and `openvino_int8` (nncf.quantize on the same calibration batches),
+  when openvino and nncf are installed.
+
+Each row: time, speed-up over the input with its 95% interval, output cosine and rel L2
+against float32, and for task models top-1 accuracy. Writes DIR/int8_static_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = [
+    "zoo:resnet?batch=8",
+    "hf:resnet?depths=[3,4,6,3]&hidden_sizes=[256,512,1024,2048]&embedding_size=64"
+    "&layer_type=bottleneck&image_size=224&batch=1",
+]
+
+
+def _split(spec: str) -> tuple[str, dict[str, str]]:
+    name, _, rest = spec.partition("?")
+    return name, dict(kv.split("=", 1) for kv in rest.split("&") if kv)
+
+
+def _first(out):
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return leaves[0].float()
+
+
+def _openvino(module, xs, calibration):
+    """(fp32 compiled model, int8 compiled model) or a reason string."""
+    try:
+        import nncf
+        import openvino as ov
+    except ImportError as e:
+        return f"not installed: {e.name}"
+    core = ov.Core()
+    ovm = ov.convert_model(module, example_input=xs if len(xs) > 1 else xs[0])
+    fp32 = core.compile_model(ovm, "CPU")
+    data = nncf.Dataset([tuple(t.numpy() for t in s) for s in calibration])
+    q = nncf.quantize(ovm, data, subset_size=len(calibration))
+    int8 = core.compile_model(q, "CPU")
+
+    def call(compiled):
+        return lambda *a: torch.from_numpy(compiled(tuple(t.numpy() for t in a))[0])
+
+    return call(fp32), call(int8), {"openvino": ov.__version__, "nncf": nncf.__version__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--specs", nargs="*", default=SPECS)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    ap.add_argument("--calibration", type=int, default=8)
+    ap.add_argument("--method", default="minmax")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
+    from opswap.bench.timing import benchmark, describe_device
+    from opswap.graph.calibrate import Calibration, attach
+    from opswap.graph.capture import capture
+    from opswap.kernels import int8_static
+    from opswap.models import load
+    from opswap.planner import apply_plan, make_plan
+    from opswap.targets.base import Target
+    from opswap.verify.samples import make_samples
+
+    pays = Target(
+        name="int8-pays",
+        description="a profile where int8 runs at 4x float32, to build the int8 model",
+        kind="cpu",
+        peak_flops={"float32": 1e11, "int8": 4e11},
+        mem_bandwidth=2e10,
+        memory_bytes=2**34,
+        dtypes=("float32", "int8"),
+    )
+    rows, versions = [], {}
+    for spec in args.specs:
+        name, sets = _split(spec)
+        m = load(name, overrides=sets)
+        xs = m.example_inputs
+        task = getattr(m, "task", None)
+        calibration = (
+            list(task.calibration)[: args.calibration]
+            if task is not None and getattr(task, "calibration", None)
+            else make_samples(xs, args.calibration, seed=1)
+        )
+        row: dict = {"model": name, "set": sets, "inputs": [list(t.shape) for t in xs]}
+        t0 = time.time()
+        cap = capture(m.module, xs)
+        attach(cap.gm, Calibration(calibration, method=args.method))
+        plan = make_plan(
+            cap, rules=["fusion.*", "precision.int8_static_*"], exactness="approx", target=pays
+        )
+        int8 = apply_plan(cap, plan).gm
+        row["plan_s"] = round(time.time() - t0, 1)
+        row["int8_sites"] = sum(d.rule.startswith("precision.int8_static") for d in plan.decisions)
+        row["kernels"] = int8_static.describe()
+        fns = {"input": m.module, "opswap_int8": int8}
+        ov = _openvino(m.module, xs, calibration)
+        if isinstance(ov, str):
+            row["openvino"] = ov
+        else:
+            fns["openvino_fp32"], fns["openvino_int8"], versions = ov
+        if not args.no_compile:
+            for base in ("input", "opswap_int8"):
+                c = torch.compile(fns[base])
+                with torch.inference_mode():
+                    c(*xs)
+                fns["compile" if base == "input" else f"{base}+compile"] = c
+        with torch.inference_mode():
+            ref = _first(m.module(*xs))
+            quality = {}
+            for k, f in fns.items():
+                out = _first(f(*xs))
+                quality[k] = {
+                    "rel_l2": float((out - ref).norm() / ref.norm()),
+                    "cosine": float(
+                        torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
+                    ),
+                }
+                if task is not None:
+                    quality[k]["accuracy"] = task.evaluate(f)
+            res = benchmark(
+                {k: (lambda f=f, a=xs: f(*a)) for k, f in fns.items()},
+                min_time_s=2.0,
+                max_time_s=30.0,
+                rel_width=0.1,
+            )
+        variants = []
+        for k in fns:
+            rr = res.ratio("input", k)
+            variants.append(
+                {
+                    "name": k,
+                    "ms": res[k].median * 1e3,
+                    "speedup_vs_input": rr.of_medians,
+                    "speedup_ci": [rr.ci_low, rr.ci_high],
+                    **quality[k],
+                }
+            )
+        row["variants"] = variants
+        ours = min((v for v in variants if v["name"].startswith("opswap")), key=lambda v: v["ms"])
+        peers = [v for v in variants if not v["name"].startswith(("opswap", "input"))]
+        peer = min(peers, key=lambda v: v["ms"]) if peers else None
+        row["strongest_peer"] = peer["name"] if peer else None
+        row["ours_over_strongest_peer"] = peer["ms"] / ours["ms"] if peer else None
+        rows.append(row)
+        print(
+            json.dumps(
+                {
+                    "model": name,
+                    "int8_sites": row["int8_sites"],
+                    "ms": {v["name"]: round(v["ms"], 2) for v in variants},
+                    "cosine": {v["name"]: round(v["cosine"], 5) for v in variants},
+                    "vs_peer": row["ours_over_strongest_peer"],
+                }
+            ),
+            flush=True,
+        )
+    from _results import write_results
+
+    write_results(
+        args.out,
+        "int8_static_cpu.json",
+        describe_device("cpu"),
+        rows,
+        method=args.method,
+        calibration_batches=args.calibration,
+        **versions,
+    )
+
+
+if __name__ == "__main__":
+    main()
