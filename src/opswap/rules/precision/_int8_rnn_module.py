@@ -83,7 +83,7 @@ class Int8DynamicRNN(nn.Module):
             outs = []
             for t in range(steps):
                 gh = self.hh[layer](h)
-                if self.mode == "LSTM":
+                if c is not None:  # LSTM
                     i, f, g, o = (gx[t] + gh).chunk(4, dim=1)
                     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
                     h = torch.sigmoid(o) * torch.tanh(c)

@@ -54,7 +54,7 @@ class Int8DynamicRNNRule(Rule):
                 f"{node.name} is not an nn.LSTM or nn.GRU module call (captured as ATen ops); "
                 "int8 RNNs are offered for module calls in FX captures"
             )
-        if mod.bidirectional or getattr(mod, "proj_size", 0):
+        if mod.bidirectional or int(getattr(mod, "proj_size", 0) or 0):
             return Refused(
                 f"{node.name} is bidirectional or projected; only plain RNNs are offered"
             )
