@@ -5,7 +5,8 @@
 For zoo:digits_mlp and zoo:digits_cnn, the float32 model and each rule of family
 `precision` alone (found in opswap.rules.registry, so a scheme added later appears here
 without an edit), planned with exactness lossy and applied at every site the plan takes
-(no verification, no rollback: the scheme's own accuracy). Each row keeps its plan, so
+(no verification, no rollback: the scheme's own accuracy); static schemes calibrate on
+the task's 8 training batches, min-max ranges, as `opswap optimize` does by default. Each row keeps its plan, so
 that tests/models/test_digits.py applies the same sites again and checks the figures. Each row gives the top-1 on
 the 360 held-out images, the change in points, the cosine and relative L2 of the logits
 against float32's over the same images, and the sites taken.
@@ -107,9 +108,19 @@ def _row(spec: str, loaded: Any, scheme: str, fn: Any, ref: torch.Tensor, x: tor
     }
 
 
+def calibrated(loaded: Any) -> Any:
+    """The capture of `loaded`, with its task's calibration batches (from the training
+    split) attached for the static schemes, as `opswap optimize` attaches them."""
+    from opswap.graph.calibrate import Calibration, attach
+    from opswap.graph.capture import capture
+
+    captured = capture(loaded.module, loaded.example_inputs)
+    attach(captured.gm, Calibration(list(loaded.task.calibration), source="training batches"))
+    return captured
+
+
 def measure(spec: str) -> list[dict]:
     """The float row and one row per precision rule for `spec`."""
-    from opswap.graph.capture import capture
     from opswap.models import load
     from opswap.planner import apply_plan
     from opswap.rules import registry
@@ -130,7 +141,7 @@ def measure(spec: str) -> list[dict]:
             "note": "",
         }
     ]
-    captured = capture(loaded.module, loaded.example_inputs)
+    captured = calibrated(loaded)
     for rule in [r.name for r in registry.all_rules() if r.family == "precision"]:
         plan, target, why = _plan_somewhere(captured, rule)
         base = {

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("sklearn")
 
 from opswap.errors import SpecError  # noqa: E402
+from opswap.graph.calibrate import Calibration, attach  # noqa: E402
 from opswap.graph.capture import capture  # noqa: E402
 from opswap.models import load  # noqa: E402
 from opswap.models import zoo_digits as zd  # noqa: E402
@@ -90,6 +91,7 @@ def test_the_committed_accuracy_table_is_reproduced(row):
         fn = loaded.module
     else:
         captured = capture(loaded.module, loaded.example_inputs)
+        attach(captured.gm, Calibration(list(loaded.task.calibration)))  # as the table was
         plan = Plan.from_json(row["plan"])
         assert len(plan.decisions) == row["sites"]
         fn = apply_plan(captured, plan).gm
