@@ -37,6 +37,7 @@ from opswap.graph.inputs import fresh
 from opswap.graph.keywords import KeywordCall, keyword_call, positional
 from opswap.models import LoadedModel
 from opswap.models import load as _load
+from opswap.models.task import Task
 from opswap.pipeline import OptimizeConfig, Result
 from opswap.pipeline import optimize as _optimize
 from opswap.planner import Plan, apply_plan
@@ -324,12 +325,15 @@ def optimize(
     keep_hooks: bool = False,
     compare: str = "compile",
     name: str | None = None,
+    task: Task | None = None,
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
     bench, and the race of variants against `compare`'s baselines ("compile" or "none").
     `model` is never called nor changed; `result.candidate` is the optimized module and
     `result.saved_module` the race's winner, which `result.save` writes. The user's hooks
-    are left out, with a note; `keep_hooks=True` refuses a model that has any instead."""
+    are left out, with a note; `keep_hooks=True` refuses a model that has any instead.
+    With a `task` (models.task.Task: a metric over a held-out split), `result.accuracy`
+    holds it for the model and for the saved variant (result.json's `accuracy`)."""
     config = OptimizeConfig(
         target=target,
         rules=rules or [],
@@ -344,7 +348,7 @@ def optimize(
     )
     name = name or type(model).__name__
     model, example_inputs = keyword_call(model, example_inputs)
-    result = _optimize(model, example_inputs, config, name=name)
+    result = _optimize(model, example_inputs, config, name=name, task=task)
     note_inputs(result, model)
     return result
 
@@ -353,8 +357,9 @@ def optimize_loaded(
     loaded: LoadedModel, config: OptimizeConfig, *, name: str | None = None, progress=None
 ) -> Result:
     """`optimize` on a loaded spec with settings already checked (the CLI's flow): the
-    loader's settings go into result.json, and its notes (keyword inputs, the weights file
-    read) into result.notes."""
+    loader's settings go into result.json, its notes (keyword inputs, the weights file
+    read) into result.notes, and the accuracy of its task, when it has one, into
+    result.accuracy."""
     from opswap.models.weights import describe_record
 
     result = _optimize(
@@ -364,6 +369,7 @@ def optimize_loaded(
         name=name or loaded.spec,
         progress=progress,
         model_settings=loaded.settings,
+        task=loaded.task,
     )
     note_inputs(result, loaded.module)
     if loaded.settings.get("weights"):

@@ -189,6 +189,7 @@ def describe(result: Result) -> dict[str, Any]:
         "rolled_back": [r.to_json() for r in result.rolled_back],
         "skipped": [s.to_json() for s in result.plan.skipped],
         "verification": result.verification.to_json(),
+        "accuracy": result.accuracy.to_json() if result.accuracy is not None else None,
         "benchmark": result.benchmark.to_json() if result.benchmark is not None else None,
         "rule_timings": [t.to_json() for t in result.rule_timings],
         "attribution": result.attribution.to_json() if result.attribution is not None else None,

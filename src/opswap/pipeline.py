@@ -25,6 +25,7 @@ from opswap.graph.capture import Captured
 from opswap.graph.copies import describe_hooks
 from opswap.graph.dynamic import Dynamic
 from opswap.kernels.observers import METHODS as CALIBRATION_METHODS
+from opswap.models.task import Accuracy, Task
 from opswap.planner import Plan, make_plan
 from opswap.result import Result
 from opswap.rules.apply import Applied
@@ -139,6 +140,7 @@ def optimize(
     progress: Callable[[str], None] | None = None,
     model_settings: dict[str, Any] | None = None,
     calibration_data: Sequence[Any] | None = None,
+    task: Task | None = None,
 ) -> Result:
     """Run the whole flow on `model` and return a Result.
 
@@ -149,7 +151,9 @@ def optimize(
     `model_settings` (the loader's settings: sizes, batch, --set overrides, attention
     implementation) are recorded in result.json and the report.
     `calibration_data` (input tuples) is what static int8 calibrates on; without it, and
-    with `exactness` above exact, it calibrates on random samples like the example.
+    with `exactness` above exact, it calibrates on a `task`'s calibration batches (models.
+    task: from its training split), else on random samples like the example. With a
+    `task`, `result.accuracy` holds its metric for the model and for what is saved.
     """
     from opswap.cost.analyze import analyze
     from opswap.verify.layers import compare_layers
@@ -157,6 +161,8 @@ def optimize(
     config = config or OptimizeConfig()
     step = progress or (lambda stage: None)
     run = capture_stage(model, example_inputs, config, name or type(model).__name__, step)
+    if calibration_data is None and task is not None:
+        calibration_data = task.calibration  # batches of its training split
     calibrate_stage(run, calibration_data)
     step("analyze")
     before = analyze(run.captured, run.target)
@@ -168,7 +174,7 @@ def optimize(
         layers = compare_layers(run.captured, pruned.applied, run.captured.example_inputs)
     after = analyze(pruned.applied.captured, run.target)
     raced = race(run, pruned, step)
-    return _result(
+    result = _result(
         run,
         pruned,
         raced,
@@ -176,6 +182,22 @@ def optimize(
         after,
         layers,
         run_info(run.reference, run.captured, config, model_settings),
+    )
+    if task is not None:
+        step("accuracy")
+        result.accuracy = accuracy(task, run.reference, result.saved_module, config.device)
+    return result
+
+
+def accuracy(task: Task, reference: nn.Module, saved: nn.Module, device: str) -> Accuracy:
+    """`task`'s metric for the float model and for the module the run saves (the file the
+    race timed, reloaded: the same object the race verified), inputs moved to `device`."""
+
+    def on(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda *xs: fn(*(x.to(device) for x in xs))
+
+    return Accuracy(
+        task.metric, task.evaluate(on(reference)), task.evaluate(on(saved)), task.description
     )
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from opswap.bench.variants import VariantTiming
     from opswap.cost.analyze import Analysis
     from opswap.graph.dynamic import Dynamic
+    from opswap.models.task import Accuracy
     from opswap.pipeline import OptimizeConfig
     from opswap.planner import Plan
     from opswap.rules.base import Failure, Site
@@ -68,6 +69,8 @@ class Result:
     settled: bool | None = None  # every interval of the race narrowed in the time allowed
     # what ran: the inputs' names, shapes and dtypes, threads, device, the model's settings
     run_info: dict[str, Any] = field(default_factory=dict)
+    # the task's metric for the reference and the saved model, for a model with a task
+    accuracy: Accuracy | None = None
     created: str = field(default_factory=_now)
 
     def to_json(self) -> dict[str, Any]:

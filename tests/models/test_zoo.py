@@ -75,7 +75,17 @@ def fresh_like(inputs: tuple[torch.Tensor, ...], gen: torch.Generator) -> tuple[
 
 
 def test_list_zoo_names_and_metadata():
-    assert ZOO_NAMES == ["resnet", "mobilenet", "bert", "gpt", "seq", "recsys", "largekernel"]
+    assert ZOO_NAMES == [
+        "resnet",
+        "mobilenet",
+        "bert",
+        "gpt",
+        "seq",
+        "recsys",
+        "largekernel",
+        "digits_mlp",
+        "digits_cnn",
+    ]
     for entry in list_zoo():
         assert entry.description
         assert entry.chapters and all(1 <= c <= 30 for c in entry.chapters)

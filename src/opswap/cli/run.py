@@ -170,6 +170,13 @@ def _summary(data: dict) -> None:
             f"tolerance {render.tolerance_text(v['tolerance'])})",
         )
     )
+    if data.get("accuracy"):
+        a = data["accuracy"]
+        console.print(
+            f"  accuracy ({a['metric']}): {a['reference']:.4f} -> {a['candidate']:.4f} "
+            f"({100 * (a['candidate'] - a['reference']):+.2f} points, the model saved)",
+            markup=False,
+        )
     if b:
         console.print(
             f"  your model -> opswap's model.pt2: {b['ref_ms']:.3f} ms -> "

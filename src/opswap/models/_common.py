@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from opswap.errors import SpecError
+from opswap.models.task import Task
 
 Source = Literal["zoo", "hf", "torchvision", "timm", "file", "checkpoint"]
 
@@ -23,7 +24,8 @@ class LoadedModel:
 
     `example_inputs` are the positional arguments of `module.forward`.
     `settings` records the builder arguments actually used (defaults plus overrides),
-    so that a report can say which shapes were measured.
+    so that a report can say which shapes were measured. `task`, for a model that comes
+    with one (the digits models), scores it on a held-out split (models.task).
     """
 
     name: str
@@ -33,6 +35,7 @@ class LoadedModel:
     example_inputs: tuple[torch.Tensor, ...]
     description: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
+    task: Task | None = None
 
 
 def parse_value(text: Any) -> Any:

@@ -2,9 +2,11 @@
 
 Every zoo model is FX-symbolically traceable, in eval mode, built from a seed
 (same weights and inputs on every load) and runs one forward in milliseconds on
-a CPU. Builders live in zoo_cnn.py, zoo_transformer.py and zoo_misc.py; their
-keyword arguments are the overrides `--set key=value` accepts, and their
-docstrings list the patterns each model holds.
+a CPU. Builders live in zoo_cnn.py, zoo_transformer.py, zoo_misc.py and zoo_digits.py;
+their keyword arguments are the overrides `--set key=value` accepts, and their
+docstrings list the patterns each model holds. The digits models are trained on a real
+task (scikit-learn's digits, cached after the first load) and come with it: a builder
+may return (module, inputs, task), and the task is the LoadedModel's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from opswap.errors import SpecError
 from opswap.models._common import LoadedModel, builder_defaults, resolve_kwargs
 from opswap.models.zoo_cnn import largekernel, mobilenet, resnet
+from opswap.models.zoo_digits import digits_cnn, digits_mlp
 from opswap.models.zoo_misc import recsys, seq_model
 from opswap.models.zoo_transformer import bert, gpt
 
@@ -81,6 +84,19 @@ _ENTRIES = (
         (5, 11, 13),
         largekernel,
     ),
+    ZooEntry(
+        "digits_mlp",
+        "MLP trained on scikit-learn's 8x8 digits, with its top-1 task (needs scikit-learn)",
+        (6,),
+        digits_mlp,
+    ),
+    ZooEntry(
+        "digits_cnn",
+        "Small Conv+BN+ReLU CNN trained on scikit-learn's 8x8 digits, with its top-1 task "
+        "(needs scikit-learn)",
+        (6,),
+        digits_cnn,
+    ),
 )
 ZOO: dict[str, ZooEntry] = {e.name: e for e in _ENTRIES}
 
@@ -96,7 +112,7 @@ def load_zoo(name: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
     if entry is None:
         raise SpecError(f"Unknown zoo model '{name}'; the zoo has: {', '.join(ZOO)}.")
     kwargs = resolve_kwargs(entry.builder, overrides, f"zoo:{name}")
-    module, inputs = entry.builder(**kwargs)
+    module, inputs, *task = entry.builder(**kwargs)
     return LoadedModel(
         name=name,
         spec=spec,
@@ -105,4 +121,5 @@ def load_zoo(name: str, spec: str, overrides: dict[str, Any]) -> LoadedModel:
         example_inputs=inputs,
         description=entry.description,
         settings=kwargs,
+        task=task[0] if task else None,
     )

@@ -41,6 +41,8 @@ def _summary(result, data) -> list[Block]:
         f"relative L2 {_f(v['rel_l2'])} (tolerance: "
         f"{tolerance_text(result.verification.tolerance)}).",
     ]
+    if data.get("accuracy"):
+        lines.append(accuracy_text(data["accuracy"]))
     if data.get("timings_settled") is False:
         lines.append(unsettled_warning())
     if data.get("variants"):
@@ -65,6 +67,17 @@ _TOLERANCE_TERMS = {
     "max_abs": "max_abs<=",
     "max_rel": "max_rel<=",
 }
+
+
+def accuracy_text(acc: dict) -> str:
+    """result.json's `accuracy` in one sentence: the float model's, the saved model's, the
+    change in points."""
+    points = 100 * (acc["candidate"] - acc["reference"])
+    return (
+        f"Accuracy ({acc['metric']}) on {acc.get('description') or 'the model task'}: "
+        f"{acc['reference']:.4f} for your model, {acc['candidate']:.4f} for the model saved "
+        f"({points:+.2f} points)."
+    )
 
 
 def exact(x: float) -> str:
@@ -457,6 +470,8 @@ def _verification(result) -> list[Block]:
     ]
     if v.reasons:
         blocks.append(Bullets(list(v.reasons)))
+    if result.accuracy is not None:
+        blocks.append(Para(accuracy_text(result.accuracy.to_json())))
     return blocks
 
 
