@@ -4,6 +4,7 @@ float16's limit, and an input scale that int8's per-row quantisation of a spiky 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -143,3 +144,48 @@ def test_a_rule_pattern_that_matches_nothing_is_refused_in_one_sentence():
 
     with pytest.raises(RuleError, match="No rule matches 'precision.nope'"):
         debug_precision(nn.Linear(4, 4), (torch.randn(2, 4),), rules=["precision.nope"])
+
+
+def test_the_report_holds_the_table_the_plot_and_the_json(tmp_path):
+    from opswap.report.mixed_report import write_report
+
+    torch.manual_seed(0)
+    out = debug_precision(
+        Planted().eval(),
+        (torch.randn(6, 48),),
+        rules=["precision.bf16"],
+        tolerance="rel_l2<=0.01",
+        samples=2,
+        target=HALF_GPU,
+    )
+    paths = write_report(out, tmp_path)
+    md = paths["report_md"].read_text()
+    assert "| `loud` | loud | linear |" in md and md.count("| kept |") == 1, md
+    assert (tmp_path / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
+    assert "data:image/png;base64" in paths["report_html"].read_text()
+    data = json.loads(paths["debug"].read_text())
+    assert data["kept_fp32"] == ["loud"] and data["layers"][2]["rel_l2"] > 0.01
+    assert [d["site"]["key"] for d in json.loads(paths["plan"].read_text())["decisions"]] == [
+        "a",
+        "b",
+        "c",
+        "d",
+    ]
+
+
+def test_the_cli_command_writes_the_report_and_says_where_nothing_is_a_candidate(tmp_path):
+    """`opswap debug-precision` end to end on the zoo's small BERT for the H200: its GEMMs are
+    too small there for bfloat16 to pay for the casts' launches, so no site is a candidate,
+    and the report says why for each."""
+    from opswap.cli import main
+
+    out, js = tmp_path / "dp", tmp_path / "dp.json"
+    args = ["debug-precision", "zoo:bert", "--target", "h200", "--samples", "1"]
+    try:
+        main([*args, "--out", str(out), "--json", str(js)])
+    except SystemExit as e:
+        assert not e.code
+    data = json.loads(js.read_text())
+    assert data["rules"] == ["precision.bf16"] and data["sites"] == 0 and data["passed"]
+    assert data["skipped"] and all("predicted slower on h200" in s for s in data["skipped"])
+    assert "Not candidates" in (out / "report.md").read_text()
