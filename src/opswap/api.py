@@ -388,6 +388,45 @@ def load_rules(modules: list[str] | None) -> list[str]:
     return registry.problems()
 
 
+def debug_precision(
+    model: nn.Module,
+    example_inputs,
+    *,
+    rules: list[str] | str | None = None,
+    budget: str | None = None,
+    samples: int = 3,
+    target: str | Target = "cpu",
+    dynamic: str = "auto",
+    name: str | None = None,
+    out: str | Path | None = None,
+    progress=None,
+):
+    """The mixed-precision debugger (opswap.verify.mixed): each site of the `rules`' scheme
+    (default precision.bf16) measured alone, and the smallest set found to keep in float32
+    so that the output meets `budget` (default: the rules' exactness). With `out`, writes
+    debug.json, plan.json, report.md and report.html there; returns the MixedPrecision."""
+    from opswap.report.mixed_report import write_report
+    from opswap.rules import registry
+    from opswap.verify.mixed import DEFAULT_RULES
+    from opswap.verify.mixed import debug_precision as _debug
+
+    patterns = list(registry.parse_patterns(rules)) or list(DEFAULT_RULES)
+    captured = capture(*keyword_call(model, example_inputs), dynamic=dynamic)
+    result = _debug(
+        model,
+        captured=captured,
+        rules=patterns,
+        tolerance=budget,
+        samples=samples,
+        target=with_timer(get_target(target)),
+        name=name or type(model).__name__,
+        progress=progress,
+    )
+    if out is not None:
+        write_report(result, out)
+    return result
+
+
 def list_rules() -> list[dict[str, Any]]:
     """Every rule's info (name, family, chapter, exactness, targets, description) and its
     origin: opswap, a --rules-from module or an installed package."""

@@ -261,3 +261,68 @@ def bench(
     render.write_json(json_path, data)
     if timed.replay.applied.failed:
         raise typer.Exit(1)
+
+
+@app.command("debug-precision")
+def debug_precision(
+    spec: Spec,
+    rules: RulesOpt = None,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            metavar="METRIC>=X",
+            help="Tolerance the kept sites must meet, e.g. 'rel_l2<=0.01' (default: the rules' exactness).",
+        ),
+    ] = None,
+    target: TargetOpt = "cpu",
+    samples: Annotated[int, typer.Option(metavar="N", help="Random input samples.")] = 3,
+    out: Annotated[
+        Path, typer.Option("--out", "-o", metavar="DIR", help="Output directory.")
+    ] = Path("opswap-precision"),
+    sets: SetOpt = None,
+    dynamic: DynamicOpt = "auto",
+    weights: WeightsOpt = None,
+    rules_from: RulesFromOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Which layers must stay in float32 for a low-precision scheme (default precision.bf16)
+    to meet a tolerance: each site measured alone, then the smallest kept set found by
+    bisection; writes report.md, report.html, debug.json and plan.json. Exit status 1 when
+    the result fails its final verification."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    check_outputs(json_path, out, out_dir=True)
+    _rules_from(rules_from)
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=consoles.err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("load", total=None)
+        loaded = _load(spec, sets, weights)
+        result = api.debug_precision(
+            loaded.module,
+            loaded.example_inputs,
+            rules=rules,
+            budget=budget,
+            samples=samples,
+            target=target,
+            dynamic=dynamic,
+            name=spec,
+            out=out,
+            progress=lambda stage: progress.update(task, description=stage),
+        )
+    kept = [s.site for s in result.kept]
+    consoles.console.print(
+        f"{spec}: {render.n(len(result.layers), 'site')} of {', '.join(result.rules)} on "
+        f"{result.target}; kept in float32: {', '.join(kept) or 'none'} "
+        f"(rel_l2 {result.result.rel_l2:.3g}, tolerance {result.tolerance}, "
+        f"{'passed' if result.passed else 'FAILED'})"
+    )
+    for name in ("report.md", "report.html", "debug.json", "plan.json"):
+        render.line(f"  {out / name}")
+    render.write_json(json_path, result.to_json())
+    if not result.passed:
+        raise typer.Exit(1)

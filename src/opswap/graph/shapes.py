@@ -91,7 +91,7 @@ def _shape_prop(gm: fx.GraphModule, inputs: tuple) -> None:
     printed = io.StringIO()
     try:
         with contextlib.redirect_stderr(printed):
-            ShapeProp(gm).propagate(*inputs)
+            _RangeProp(gm).propagate(*inputs)
     except RuntimeError as e:
         text = printed.getvalue()
         sys.stderr.write(text[: text.find(_PRINTED)] if _PRINTED in text else text)
@@ -103,6 +103,26 @@ def _shape_prop(gm: fx.GraphModule, inputs: tuple) -> None:
         sys.stderr.write(printed.getvalue())
         raise
     sys.stderr.write(printed.getvalue())
+
+
+class _RangeProp(ShapeProp):
+    """ShapeProp that also keeps each floating-point output's largest magnitude as
+    `node.meta["amax"]` (the last run's: the example's), for rules whose safety depends
+    on the values' range (float16's 65504)."""
+
+    def run_node(self, n: fx.Node):
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor) and result.is_floating_point():
+            n.meta["amax"] = float(result.detach().abs().amax()) if result.numel() else 0.0
+        else:
+            n.meta.pop("amax", None)
+        return result
+
+
+def amax(node) -> float | None:
+    """The largest magnitude of a node's floating-point output at the example, where a
+    shape propagation has seen it run."""
+    return node.meta.get("amax") if isinstance(node, fx.Node) else None
 
 
 def metas(node) -> list:
