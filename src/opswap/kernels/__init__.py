@@ -4,7 +4,9 @@ a saved `model.pt2` that uses them needs (`opswap.load_optimized` does it)."""
 
 from opswap.kernels import (
     conv_relu,  # noqa: F401  (registers opswap::conv_relu)
+    fp8_linear,  # noqa: F401  (registers opswap::fp8_linear)
     int8_linear,  # noqa: F401  (registers opswap::int8_linear)
+    weight_only,  # noqa: F401  (registers opswap::wo_linear)
 )
 
-__all__ = ["conv_relu", "int8_linear"]
+__all__ = ["conv_relu", "fp8_linear", "int8_linear", "weight_only"]
