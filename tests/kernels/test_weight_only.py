@@ -34,6 +34,13 @@ def _layer(n, k, bits, group, seed, dtype=torch.bfloat16, device="cpu"):
     return [t.to(device) if t is not None else None for t in (w, b, q, s, o)] + [gs]
 
 
+def _bound(torch_err: float) -> float:
+    """What the kernel may err: a small multiple of PyTorch's own bfloat16 Linear on the
+    same weights, floored at bfloat16's unit roundoff (a 40-element output's error is a
+    noisy statistic)."""
+    return 3 * max(torch_err, 2.0**-9)
+
+
 def _torch_err(x, q, s, o, b, bits, k, ref):
     """What PyTorch's own bfloat16 Linear errs on the dequantised weight: the yardstick."""
     w = wo.dequantize(q, s, o, bits, k, x.dtype)
@@ -90,7 +97,7 @@ def _interpreted_case(m, k, n, bits, group, split):
     """One CASES entry through the kernel; run where TRITON_INTERPRET=1 was set before
     Triton was imported (its own library functions are jitted at import)."""
     w, b, q, s, o, _ = _layer(n, k, bits, group, seed=m * 7 + k + bits)
-    x = torch.randn(m, k).bfloat16()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).bfloat16()
     ref = wo.reference(x, q, s, o, b, bits, k)
     cfg = {"BLOCK_N": 32 if split > 1 else 16, "SPLIT_K": split, "BLOCK_K": 128}
     y = wo.triton_wo_linear(x, q, s, o, b, bits, k, config=cfg)
@@ -138,14 +145,14 @@ def interpreted():
 def test_triton_kernel_in_the_interpreter_matches_float64(interpreted, m, k, n, bits, group, split):
     r = interpreted[str([m, k, n, bits, group, split])]
     assert r["dtype"] == "torch.bfloat16" and r["shape"] == [m, n] and r["finite"]
-    assert r["err"] <= 2 * r["torch_err"], r
+    assert r["err"] <= _bound(r["torch_err"]), r
     assert r["counters"] == 0  # every tile's last program reset its counter
 
 
 def test_triton_kernel_takes_float16_and_no_bias(interpreted):
     r = interpreted["fp16"]
     assert r["shape"] == [2, 5, 64] and r["dtype"] == "torch.float16" and r["finite"]
-    assert r["err"] <= 2 * r["torch_err"], r
+    assert r["err"] <= _bound(r["torch_err"]), r
 
 
 @pytest.mark.parametrize(
@@ -163,7 +170,7 @@ def test_cpu_op_matches_float64(bits, k, dtype):
     y = wo.wo_linear(x, q, s, o, b, bits, k)
     ref = wo.reference(x, q, s, o, b, bits, k)
     assert y.dtype == dtype and y.shape == (5, 123)
-    bound = 1e-5 if dtype == torch.float32 else 2 * _torch_err(x, q, s, o, b, bits, k, ref)
+    bound = 1e-5 if dtype == torch.float32 else _bound(_torch_err(x, q, s, o, b, bits, k, ref))
     assert _rel(y, ref) <= bound
 
 
@@ -207,7 +214,7 @@ def test_cuda_kernel_matches_float64_autotuned(bits, m):
         x = torch.randn(m, k, device="cuda").bfloat16()
         ref = wo.reference(x, q, s, o, b, bits, k)
         y = wo.wo_linear(x, q, s, o, b, bits, k)
-        assert _rel(y, ref) <= 2 * _torch_err(x, q, s, o, b, bits, k, ref), (k, n)
+        assert _rel(y, ref) <= _bound(_torch_err(x, q, s, o, b, bits, k, ref)), (k, n)
         y2 = wo.wo_linear(x, q, s, o, b, bits, k)
         assert torch.equal(y, y2)  # split-K adds partials in a fixed order: deterministic
 
@@ -226,7 +233,7 @@ def test_cuda_kernel_under_a_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         ref = wo.reference(x, q, s, o, b, 4, 1024)
-        assert _rel(y, ref) <= 2 * _torch_err(x, q, s, o, b, 4, 1024, ref)
+        assert _rel(y, ref) <= _bound(_torch_err(x, q, s, o, b, 4, 1024, ref))
 
 
 if __name__ == "__main__":  # the interpreter's half of `interpreted`
