@@ -385,6 +385,12 @@ def main() -> None:
         action="store_true",
         help="also run benchmarks/bench_int8_linear.py on the GPU and on the host CPU",
     )
+    ap.add_argument(
+        "--only",
+        choices=["lowbit"],
+        help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
+        "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json)",
+    )
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument(
         "--name",
@@ -394,6 +400,16 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT / "src"))
+    if args.only == "lowbit":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import bench_lowbit
+
+        res = bench_lowbit.run()
+        path = args.out / "lowbit_h200.json"
+        path.write_text(json.dumps(res, indent=2, default=str) + "\n")
+        print(bench_lowbit.table(res))
+        print("wrote", path)
+        return
     result: dict = {"env": env()}
     if not args.skip_tests:
         result["tests"] = run_tests(args.out, args.workers, args.tests)

@@ -4,8 +4,10 @@ a saved `model.pt2` that uses them needs (`opswap.load_optimized` does it)."""
 
 from opswap.kernels import (
     conv_relu,  # noqa: F401  (registers opswap::conv_relu)
+    fp8_linear,  # noqa: F401  (registers opswap::fp8_linear)
     int8_linear,  # noqa: F401  (registers opswap::int8_linear)
     int8_static,  # noqa: F401  (registers opswap::int8_static_linear and _conv2d)
+    weight_only,  # noqa: F401  (registers opswap::wo_linear)
 )
 
-__all__ = ["conv_relu", "int8_linear", "int8_static"]
+__all__ = ["conv_relu", "fp8_linear", "int8_linear", "int8_static", "weight_only"]

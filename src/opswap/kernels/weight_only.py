@@ -1,0 +1,545 @@
+"""Weight-only INT8 and INT4 Linear: `y = x @ dequant(Wq)^T + b` with the weight stored in
+8 or 4 bits and the activations left in bfloat16/float16, registered as the op
+`opswap::wo_linear`.
+
+Why it is faster: a Linear run on a few rows (decoding: one token per sequence) is
+memory-bound; its time is the weight's bytes over the memory bandwidth. An INT8 weight
+moves half the bytes of a bfloat16 one, an INT4 weight a quarter plus its scales (with
+groups of 128, 8 bytes of fp32 scale and offset per 64 bytes of packed weight: 0.5625
+bytes per weight, 3.56x fewer than bfloat16). On an H200 (4.8 TB/s on the datasheet,
+about 4.3 measured by a copy) the 2048 -> 5632 Linear of a 1.1B Llama moves 23 MB in
+bfloat16 (5.4 us) and 6.5 MB in INT4 (1.5 us). At thousands of rows (prefill) the GEMM
+is compute-bound and the weight's bytes do not matter: there the op dequantises and calls
+cuBLAS, which is slower than keeping the weight in bfloat16; the rules take these layers
+only where the example runs on few rows.
+
+The math (per output channel n and group g of `group_size` consecutive input features):
+
+- INT8, symmetric, no zero point: `s[n, g] = max |W[n, g]| / 127`,
+  `q = round(W / s)` in [-127, 127], `W ~ q * s`. Trained weights are centred on zero
+  per channel, and with 255 levels a zero point would buy under a tenth of a bit;
+  without it the dequantisation is one multiply, applied once per group to the dot
+  product rather than per weight. Default: one group per channel (group_size = K).
+- INT4, asymmetric (a zero offset per group): `s = (max - min) / 15`, `m = min`,
+  `q = round((W - m) / s)` in [0, 15], `W ~ q * s + m`. With 16 levels, spending one on
+  a range that is not symmetric costs a tenth of the precision; the min/max form uses
+  all 16 on the group's actual range, the error GPTQ/AWQ-style int4 schemes keep.
+  Default: groups of 128.
+
+Both forms are applied to the dot product, not to each weight:
+`x . W[n, g] = s[n, g] * (x_g . q[n, g]) + m[n, g] * sum(x_g)`, so the kernel multiplies
+raw integers (exact in bfloat16) and pays two FMAs per group and column. K is padded to
+a multiple of group_size with zero weights at quantisation (the padded inputs are masked
+to zero); INT4 is packed two per byte along K, the even k in the low nibble.
+
+Storage (the module's buffers): `qweight` [N, Kp] int8 or [N, Kp / 2] uint8, `scale`
+[N, Kp / G] float32, `offset` [N, Kp / G] float32 (INT4 only).
+
+Kernels, by device and rows:
+
+- CUDA, bfloat16/float16, M <= 16 rows: `_wo_kernel`, our Triton GEMV / skinny GEMM. Each
+  program owns BLOCK_N output columns and a share of K (split-K, so that the 128 or so
+  column tiles of a 2048-wide layer still put several programs on each of the 132
+  multiprocessors and keep enough loads in flight); it loads the packed tile, unpacks in
+  registers, and either reduces with `tl.sum` (M = 1) or feeds `tl.dot` with M padded to
+  16 (the tensor cores have the arithmetic to spare). Partial sums go to an fp32
+  workspace; the last program of a column tile to finish (an atomic counter, reset by
+  that program, so no memset runs per call) adds them in a fixed order, adds the bias
+  and writes the output: one launch per Linear, deterministic. Block sizes and the split
+  are tuned by `triton.autotune` per shape on first use.
+- CUDA, more rows or float32: dequantise to the activation dtype, then `F.linear` (cuBLAS).
+- CPU: INT8 per channel through `aten._weight_int8pack_mm`; otherwise dequantise and
+  `F.linear`, so the op runs everywhere.
+
+`reference` is the same function in float64.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from opswap.errors import OpswapError
+
+try:  # Triton is optional: without it the op runs its dequantise + F.linear path
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - every supported environment has Triton
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+#: rows up to which the Triton kernel runs (measured: 1 and 16 rows, benchmarks/gpu_suite.py)
+TRITON_MAX_ROWS = 16
+#: the largest split-K any tuned configuration uses (the workspace is sized for it)
+MAX_SPLIT_K = 8
+_INT8_MAX = 127.0
+_INT4_LEVELS = 15.0
+
+
+class WeightOnlyError(OpswapError, ValueError):
+    """A weight or setting the weight-only Linear cannot take."""
+
+
+def default_group_size(bits: int, in_features: int) -> int:
+    """128 for INT4; one group per output channel (the whole row) for INT8."""
+    return 128 if bits == 4 else in_features
+
+
+def _check(bits: int, group_size: int, in_features: int) -> None:
+    if bits not in (4, 8):
+        raise WeightOnlyError(f"bits must be 4 or 8 for a weight-only Linear; got {bits}.")
+    per_channel = group_size == in_features
+    if not per_channel and (group_size < 32 or group_size & (group_size - 1)):
+        raise WeightOnlyError(
+            f"group_size {group_size} must be a power of two of at least 32, or the whole "
+            f"row ({in_features}); pick 32, 64, 128 or 256."
+        )
+    if bits == 4 and per_channel and in_features % 2:
+        raise WeightOnlyError(
+            f"INT4 per channel needs an even number of input features, not {in_features}; "
+            "use group_size=128 (K is then padded)."
+        )
+
+
+def padded_k(in_features: int, group_size: int) -> int:
+    return -(-in_features // group_size) * group_size
+
+
+def quantize(
+    weight: torch.Tensor, bits: int, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """(qweight, scale, offset or None, group_size) for a Linear weight [N, K]; see the
+    module's docstring for the layout. Computed in float32 on the weight's device."""
+    n, k = weight.shape
+    g = default_group_size(bits, k) if group_size is None else int(group_size)
+    _check(bits, g, k)
+    kp = padded_k(k, g)
+    w = weight.detach().float()
+    if kp != k:
+        w = F.pad(w, (0, kp - k))
+    w = w.reshape(n, kp // g, g)
+    if bits == 8:
+        scale = w.abs().amax(dim=2).clamp_min(1e-12) / _INT8_MAX
+        q = torch.round(w / scale[..., None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+        return q.reshape(n, kp).contiguous(), scale.contiguous(), None, g
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scale = ((hi - lo) / _INT4_LEVELS).clamp_min(1e-12)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, _INT4_LEVELS)
+    q = q.to(torch.uint8).reshape(n, kp // 2, 2)
+    packed = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+    return packed, scale.contiguous(), lo.contiguous(), g
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, Kp / 2] uint8 -> [N, Kp] uint8 codes in [0, 15]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize(
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    bits: int,
+    in_features: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The weight [N, K] the stored codes stand for, in `dtype` (computed in float32, or
+    float64 when `dtype` is float64)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    codes = unpack_int4(qweight) if bits == 4 else qweight
+    n, kp = codes.shape
+    ng = scale.shape[1]
+    w = codes.to(work).reshape(n, ng, kp // ng) * scale.to(work)[..., None]
+    if offset is not None:
+        w = w + offset.to(work)[..., None]
+    return w.reshape(n, kp)[:, :in_features].to(dtype)
+
+
+def reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    in_features: int,
+) -> torch.Tensor:
+    """The op's function in float64 (returned in float64): what every kernel is checked
+    against."""
+    w = dequantize(qweight, scale, offset, bits, in_features, torch.float64)
+    y = x.double() @ w.t()
+    return y + bias.double() if bias is not None else y
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+def _wo_kernel_fn(
+    x_ptr,  # [M, K] bf16/fp16, row stride stride_xm, unit column stride
+    w_ptr,  # [N, Kp] int8 or [N, Kp / 2] uint8, row stride stride_wn
+    s_ptr,  # [N, groups] fp32
+    o_ptr,  # [N, groups] fp32 (INT4) or s_ptr again (unused)
+    b_ptr,  # [N] or x_ptr again (unused)
+    y_ptr,  # [M, N] in x's dtype
+    ws_ptr,  # [SPLIT_K, M, N] fp32 partial sums (split-K only)
+    cnt_ptr,  # int32 counters, zero between launches (split-K only)
+    M,
+    N,
+    K,
+    Kp,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    BITS: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # = the group size unless PER_CHANNEL
+    SPLIT_K: tl.constexpr,
+    DOT_F32: tl.constexpr,  # the interpreter's bfloat16 tl.dot is wrong (Triton 3.9): fp32 there
+):
+    # Bytes per output column: K / 2 (INT4) or K (INT8) of weight, read once; x (a few
+    # rows) stays in L1/L2. Everything else is registers: the kernel is a weight stream.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    HALF: tl.constexpr = BLOCK_K // 2 if BITS == 4 else BLOCK_K
+    rj = tl.arange(0, HALF)
+    chunks = tl.cdiv(Kp, BLOCK_K)
+    per = tl.cdiv(chunks, SPLIT_K)
+    c0 = pid_k * per
+    c1 = tl.minimum(c0 + per, chunks)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        xsum = tl.zeros((1,), dtype=tl.float32)
+        x_row = x_ptr + pid_m * stride_xm
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for c in range(c0, c1):
+        k0 = c * BLOCK_K
+        if BITS == 4:
+            wq = tl.load(
+                w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
+                mask=n_ok[:, None],
+                other=0,
+            )
+            lo = wq & 0xF
+            hi = wq >> 4
+            ke = k0 + 2 * rj
+            ko = ke + 1
+            if BLOCK_M == 1:
+                xe = tl.load(x_row + ke, mask=ke < K, other=0.0).to(tl.float32)
+                xo = tl.load(x_row + ko, mask=ko < K, other=0.0).to(tl.float32)
+                part = tl.sum(lo.to(tl.float32) * xe[None, :], 1)
+                part += tl.sum(hi.to(tl.float32) * xo[None, :], 1)
+                xs = tl.sum(xe, 0) + tl.sum(xo, 0)
+            else:
+                xe = tl.load(
+                    x_ptr + rm[:, None] * stride_xm + ke[None, :],
+                    mask=m_ok[:, None] & (ke < K)[None, :],
+                    other=0.0,
+                )
+                xo = tl.load(
+                    x_ptr + rm[:, None] * stride_xm + ko[None, :],
+                    mask=m_ok[:, None] & (ko < K)[None, :],
+                    other=0.0,
+                )
+                if DOT_F32:
+                    part = tl.dot(
+                        xe.to(tl.float32), tl.trans(lo.to(tl.float32)), input_precision="ieee"
+                    )
+                    part += tl.dot(
+                        xo.to(tl.float32), tl.trans(hi.to(tl.float32)), input_precision="ieee"
+                    )
+                else:
+                    part = tl.dot(xe, tl.trans(lo.to(xe.dtype)))
+                    part += tl.dot(xo, tl.trans(hi.to(xo.dtype)))
+                xs = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
+        else:
+            kk = k0 + rj
+            wq = tl.load(
+                w_ptr + rn[:, None] * stride_wn + kk[None, :],
+                mask=n_ok[:, None] & (kk < Kp)[None, :],
+                other=0,
+            )
+            if BLOCK_M == 1:
+                xv = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+                part = tl.sum(wq.to(tl.float32) * xv[None, :], 1)
+                xs = tl.sum(xv, 0)
+            else:
+                xv = tl.load(
+                    x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                    mask=m_ok[:, None] & (kk < K)[None, :],
+                    other=0.0,
+                )
+                if DOT_F32:
+                    part = tl.dot(
+                        xv.to(tl.float32), tl.trans(wq.to(tl.float32)), input_precision="ieee"
+                    )
+                else:
+                    part = tl.dot(xv, tl.trans(wq.to(xv.dtype)))
+                xs = tl.sum(xv.to(tl.float32), 1)
+        if PER_CHANNEL:
+            acc += part
+            xsum += xs
+        else:  # chunk c is group c: its scale (and offset) per column
+            s = tl.load(s_ptr + rn * stride_sn + c, mask=n_ok, other=0.0)
+            if BLOCK_M == 1:
+                acc += part * s
+                if BITS == 4:
+                    acc += xs * tl.load(o_ptr + rn * stride_sn + c, mask=n_ok, other=0.0)
+            else:
+                acc += part * s[None, :]
+                if BITS == 4:
+                    m = tl.load(o_ptr + rn * stride_sn + c, mask=n_ok, other=0.0)
+                    acc += xs[:, None] * m[None, :]
+    if PER_CHANNEL:  # one group: scale and offset applied once, by the program holding k = 0
+        s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0)
+        if BLOCK_M == 1:
+            acc = acc * s
+            if BITS == 4:
+                acc += xsum * tl.load(o_ptr + rn * stride_sn, mask=n_ok, other=0.0)
+        else:
+            acc = acc * s[None, :]
+            if BITS == 4:
+                m = tl.load(o_ptr + rn * stride_sn, mask=n_ok, other=0.0)
+                acc += xsum[:, None] * m[None, :]
+    if BLOCK_M == 1:
+        out_off = pid_m * N + rn
+        out_ok = n_ok
+    else:
+        out_off = rm[:, None] * N + rn[None, :]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            if BLOCK_M == 1:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            else:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + out_off, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + out_off, acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last of the tile's programs: add the partials in order
+            if BLOCK_M == 1:
+                tot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            else:
+                tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for p in range(SPLIT_K):
+                tot += tl.load(
+                    ws_ptr + p * M * N + out_off, mask=out_ok, other=0.0, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                if BLOCK_M == 1:
+                    tot += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+                else:
+                    tot += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + out_off, tot.to(y_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+
+
+def _configs(per_channel: bool) -> list[Any]:
+    """The block shapes and splits `triton.autotune` tries (per shape, on first use)."""
+    shapes = [(16, 1), (16, 4), (32, 2), (32, 4), (64, 1), (16, 8), (32, 1), (64, 2)]
+    ks = (256, 512) if per_channel else (None,)
+    out = []
+    for bn, split in shapes:
+        for bk in ks:
+            kw: dict[str, int] = {"BLOCK_N": bn, "SPLIT_K": split}
+            if bk is not None:
+                kw["BLOCK_K"] = bk
+            out.append(triton.Config(kw, num_warps=4, num_stages=3))
+    return out
+
+
+_KERNELS: dict[tuple[bool | None, bool], Any] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1), on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernel(per_channel: bool | None) -> Any:
+    """The jitted kernel, built on first use (the interpreter is chosen at decoration
+    time, so tests can set TRITON_INTERPRET after opswap is imported): autotuned for
+    per-channel or grouped weights on a GPU, or, for `per_channel=None` and in the
+    interpreter, plain (the caller gives the configuration)."""
+    key = (None if interpreting() else per_channel, interpreting())
+    if key not in _KERNELS:
+        fn = triton.jit(_wo_kernel_fn)
+        if key[0] is not None:
+            fn = triton.autotune(_configs(key[0]), key=["M", "N", "K"])(fn)
+        _KERNELS[key] = fn
+    return _KERNELS[key]
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Split-K arrival counters for `device`, zero between launches (each tile's last
+    program resets its own). Allocated once, on the first call, which must not be inside
+    a CUDA graph capture (warm up first); calls on two streams at once would share them."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        have = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have
+    return have
+
+
+def triton_supported(x: torch.Tensor) -> str | None:
+    """None when `_wo_kernel` can run on x, else why not (one sentence)."""
+    if triton is None:
+        return "Triton is not installed"
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
+        return f"x is on {x.device.type}; the Triton kernel runs on CUDA (or the interpreter)"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x is {x.dtype}; the Triton kernel takes bfloat16 or float16 activations"
+    return None
+
+
+def triton_wo_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    in_features: int,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """`_wo_kernel` on x [..., K]. `config` (BLOCK_N, SPLIT_K, BLOCK_K, num_warps) fixes the
+    launch instead of autotuning; the interpreter always takes it (or a small default)."""
+    why = triton_supported(x)
+    if why is not None:
+        raise WeightOnlyError(f"The weight-only Triton kernel cannot run: {why}.")
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != in_features:
+        raise WeightOnlyError(f"x has {k} features; this weight takes {in_features}.")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], qweight.shape[0]
+    groups = scale.shape[1]
+    kp = qweight.shape[1] * (2 if bits == 4 else 1)
+    per_channel = groups == 1
+    block_m = 1 if m == 1 else 16
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y.reshape(*lead, n)
+    ws = torch.empty((MAX_SPLIT_K, m, n), device=x.device, dtype=torch.float32)
+    cnt = _counters(x.device, -(-m // block_m) * -(-n // 16))
+    kw: dict[str, Any] = {"BLOCK_M": block_m, "DOT_F32": interpreting()}
+    if not per_channel:
+        kw["BLOCK_K"] = kp // groups
+    fixed = config if config is not None else (None if not interpreting() else {})
+    if fixed is not None:
+        fixed = {"BLOCK_N": 16, "SPLIT_K": 2, **({"BLOCK_K": 64} if per_channel else {}), **fixed}
+        if not per_channel:
+            fixed.pop("BLOCK_K", None)
+        kw.update(fixed)
+        fn = _kernel(None)
+    else:
+        fn = _kernel(per_channel)
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
+        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(m, block_m))
+
+    fn[grid](
+        x2,
+        qweight,
+        scale,
+        offset if offset is not None else scale,
+        bias if bias is not None else x2,
+        y,
+        ws,
+        cnt,
+        m,
+        n,
+        k,
+        kp,
+        x2.stride(0),
+        qweight.stride(0),
+        scale.stride(0),
+        BITS=bits,
+        PER_CHANNEL=per_channel,
+        HAS_BIAS=bias is not None,
+        **kw,
+    )
+    return y.reshape(*lead, n)
+
+
+def tuned_config(per_channel: bool) -> dict[str, Any]:
+    """The autotuner's choice per (M, N, K) it has seen: {"M,N,K": config} (for reports)."""
+    fn = _KERNELS.get((per_channel, False))
+    cache = getattr(fn, "cache", {}) if fn is not None else {}
+    return {
+        ",".join(str(v) for v in key[:3]): {**cfg.kwargs, "num_warps": cfg.num_warps}
+        for key, cfg in cache.items()
+    }
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+def _dequant_linear(x, qweight, scale, offset, bias, bits, in_features) -> torch.Tensor:
+    dtype = x.dtype if x.dtype.is_floating_point else torch.float32
+    w = dequantize(qweight, scale, offset, bits, in_features, dtype)
+    return F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
+
+
+@torch.library.custom_op("opswap::wo_linear", mutates_args=())
+def wo_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    in_features: int,
+) -> torch.Tensor:
+    """x [..., K] @ dequant(qweight)^T + bias, in x's dtype; see the module docstring."""
+    return _dequant_linear(x, qweight, scale, offset, bias, bits, in_features)
+
+
+@wo_linear.register_kernel("cpu")
+def _cpu(x, qweight, scale, offset, bias, bits, in_features):
+    # _weight_int8pack_mm crashed the process at K = 300 with 4 or more rows (torch 2.13);
+    # every K that is a multiple of 8 tried ran: 272, 288, 296, 320, 640, 2048
+    if (
+        bits == 8
+        and scale.shape[1] == 1
+        and in_features % 16 == 0
+        and x.dtype in (torch.float32, torch.bfloat16)
+    ):
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, in_features).contiguous(), qweight, scale[:, 0].to(x.dtype)
+        )
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*lead, qweight.shape[0])
+    return _dequant_linear(x, qweight, scale, offset, bias, bits, in_features)
+
+
+@wo_linear.register_kernel("cuda")
+def _cuda(x, qweight, scale, offset, bias, bits, in_features):
+    rows = x.numel() // max(in_features, 1)
+    if rows <= TRITON_MAX_ROWS and triton_supported(x) is None:
+        return triton_wo_linear(x, qweight, scale, offset, bias, bits, in_features)
+    return _dequant_linear(x, qweight, scale, offset, bias, bits, in_features)
+
+
+@wo_linear.register_fake
+def _fake(x, qweight, scale, offset, bias, bits, in_features):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
