@@ -64,7 +64,8 @@ def run(
 
     rows = []
     for spec in specs or SPECS:
-        m = load(spec)
+        name, _, rest = spec.partition("?")  # SPEC?key=value&key=value: --set overrides
+        m = load(name, overrides=dict(kv.split("=", 1) for kv in rest.split("&") if kv))
         model = m.module.to(device).eval()
         xs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in m.example_inputs)
         row: dict = {"model": spec, "inputs": [list(t.shape) for t in xs if hasattr(t, "shape")]}

@@ -112,6 +112,14 @@ def ceilings() -> dict:
     }
 
 
+# the tests with CUDA paths of the low-precision schemes
+PRECISION_TESTS = [
+    "tests/kernels/test_weight_only.py",
+    "tests/kernels/test_fp8_linear.py",
+    "tests/rules/precision",
+    "tests/verify/test_mixed.py",
+]
+
 MODELS = [
     ("zoo:resnet", {"batch": "32"}),
     ("zoo:mobilenet", {"batch": "32"}),
@@ -387,9 +395,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=["lowbit"],
+        choices=["lowbit", "precision"],
         help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
-        "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json)",
+        "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
+        "the precision tests on CUDA, bf16 whole models and optimize --exactness lossy on a "
+        "Llama decoder (benchmarks/bench_precision_gpu.py, writes precision_h200.json)",
     )
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument(
@@ -408,6 +418,20 @@ def main() -> None:
         path = args.out / "lowbit_h200.json"
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(bench_lowbit.table(res))
+        print("wrote", path)
+        return
+    if args.only == "precision":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import bench_precision_gpu
+
+        res: dict = {"env": env()}
+        if not args.skip_tests:
+            res["tests"] = run_tests(args.out, args.workers, PRECISION_TESTS)
+            print("tests:", res["tests"], flush=True)
+        res.update(bench_precision_gpu.run("cuda"))
+        path = args.out / "precision_h200.json"
+        path.write_text(json.dumps(res, indent=2, default=str) + "\n")
+        print(json.dumps(res, indent=1, default=str)[:6000])
         print("wrote", path)
         return
     result: dict = {"env": env()}
