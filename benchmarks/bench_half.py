@@ -91,12 +91,18 @@ def run(
             row["bf16_sites"] = sum(d.rule == "precision.bf16" for d in r.plan.decisions)
             row["skipped"] = len(r.plan.skipped)
             row["saved"] = r.best
+            row["deploy"] = r.to_json().get("deploy", {}).get("holds")
             v = r.to_json()["verification"]
             row["verification"] = {k: v[k] for k in ("passed", "cosine", "rel_l2")}
             fns = {
                 "input": model,
                 "autocast_bf16": _autocast(model, device),
-                "opswap_bf16": opswap.load_optimized(tmp, compile=False).to(device),
+                # the saved file where one was written; else the verified module in memory
+                "opswap_bf16": (
+                    opswap.load_optimized(tmp, compile=False).to(device)
+                    if (Path(tmp) / "model.pt2").exists()
+                    else r.candidate
+                ),
             }
             if compile:
                 for base, name in (("input", "compile"), ("opswap_bf16", "opswap_bf16+compile")):

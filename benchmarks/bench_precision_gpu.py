@@ -76,12 +76,13 @@ def lossy_llama(device: str = "cuda") -> dict:
     }
 
 
-def run(device: str = "cuda") -> dict:
+def run(device: str = "cuda", parts: tuple[str, ...] = ("half", "llama")) -> dict:
     import bench_half
 
     out: dict = {}
     try:
-        out["half"] = bench_half.run(device, HALF_SPECS)
+        if "half" in parts:
+            out["half"] = bench_half.run(device, HALF_SPECS)
     except Exception as e:
         out["half"] = {
             "error": f"{type(e).__name__}: {e}",
@@ -89,7 +90,8 @@ def run(device: str = "cuda") -> dict:
         }
     torch.cuda.empty_cache()
     try:
-        out["lossy_llama"] = lossy_llama(device)
+        if "llama" in parts:
+            out["lossy_llama"] = lossy_llama(device)
     except Exception as e:
         out["lossy_llama"] = {
             "error": f"{type(e).__name__}: {e}",

@@ -401,6 +401,9 @@ def main() -> None:
         "the precision tests on CUDA, bf16 whole models and optimize --exactness lossy on a "
         "Llama decoder (benchmarks/bench_precision_gpu.py, writes precision_h200.json)",
     )
+    ap.add_argument(
+        "--parts", default="half,llama", help="with --only precision: half, llama or both"
+    )
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument(
         "--name",
@@ -428,7 +431,7 @@ def main() -> None:
         if not args.skip_tests:
             res["tests"] = run_tests(args.out, args.workers, PRECISION_TESTS)
             print("tests:", res["tests"], flush=True)
-        res.update(bench_precision_gpu.run("cuda"))
+        res.update(bench_precision_gpu.run("cuda", tuple(args.parts.split(","))))
         path = args.out / "precision_h200.json"
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(json.dumps(res, indent=1, default=str)[:6000])
