@@ -130,9 +130,12 @@ def test_registered_op_passes_torch_library_checks_and_exports_as_one_node():
     assert sum("opswap.int8_linear" in str(n.target) for n in ep.graph.nodes) == 1
 
 
-def test_export_keeps_the_integer_gemm_and_reloads(tmp_path):
+def test_export_keeps_the_integer_gemm_and_reloads(tmp_path, monkeypatch):
     from opswap.backends.pt2 import load
+    from opswap.kernels import int8_linear as k
 
+    # the _int_mm path, as on a CPU with VNNI (small shapes: fast enough anywhere)
+    monkeypatch.setattr(k, "cpu_int_mm_fast", lambda: True)
     torch.manual_seed(3)
     lin = torch.nn.Linear(96, 40)
     model = torch.nn.Sequential(Int8Linear(lin.weight, lin.bias), torch.nn.ReLU()).eval()

@@ -1,0 +1,79 @@
+"""Chapter 6: static int8 and quantisation-aware training on a real task.
+
+The digits CNN of the zoo (trained on scikit-learn's digits) is quantised statically:
+its BatchNorms fold into the convolutions, each convolution's input gets a scale and a
+zero point from calibration on training batches (four range methods compared), and
+onednn's int8 convolutions run it. Then the same model goes through QAT: a few steps of
+training with the int8 rounding simulated, and conversion to the real int8 model.
+Top-1 accuracy on the held-out split is printed for each.
+
+    python examples/ch06_static_int8_qat.py
+"""
+
+import torch
+import torch.nn.functional as F
+
+from opswap import qat
+from opswap.graph.calibrate import Calibration, attach
+from opswap.graph.capture import capture
+from opswap.kernels import int8_static
+from opswap.models import load
+from opswap.models.zoo_digits import digits
+from opswap.planner import apply_plan, make_plan
+from opswap.targets.base import Target
+
+# A profile where int8 pays, so that the int8 model is built on any CPU; whether it is
+# faster on this one is what `opswap optimize` measures (its `cpu` target times each
+# layer both ways), and benchmarks/bench_int8_static.py reports.
+INT8_PAYS = Target(
+    name="int8-pays",
+    description="int8 at 4x the float32 rate",
+    kind="cpu",
+    peak_flops={"float32": 1e11, "int8": 4e11},
+    mem_bandwidth=2e10,
+    memory_bytes=2**34,
+    dtypes=("float32", "int8"),
+)
+
+
+def static_int8(model, example, calibration, method):
+    cap = capture(model, example)
+    attach(cap.gm, Calibration(calibration, method=method, source="training batches"))
+    plan = make_plan(
+        cap, rules=["fusion.*", "precision.int8_static_*"], exactness="approx", target=INT8_PAYS
+    )
+    return apply_plan(cap, plan).gm, plan
+
+
+def main() -> None:
+    if not int8_static.onednn_available():
+        print("onednn's int8 kernels do not run on this machine (an x86 CPU torch is needed)")
+        return
+    m = load("zoo:digits_cnn")
+    task, example = m.task, m.example_inputs
+    print(f"{m.spec}: float32 top-1 {task.evaluate(m.module):.4f} ({task.description})")
+    print(f"int8 kernels here: {int8_static.describe()}")
+    for method in ("minmax", "entropy"):  # percentile and mse too: see the chapter
+        int8, plan = static_int8(m.module, example, task.calibration, method)
+        sites = [d.site.key for d in plan.decisions if d.rule.startswith("precision")]
+        print(f"  static int8, {method:<10} {task.evaluate(int8):.4f}  ({len(sites)} int8 sites)")
+    for miss in plan.misses:
+        if miss.rule.startswith("precision"):
+            print(f"    not {miss.where}: {miss.reason}")
+
+    # QAT: simulate the rounding in training, then convert with the trained ranges
+    data = digits()
+    x = data.train_x.reshape(-1, 1, 8, 8)
+    batches = [(x[i : i + 64], data.train_y[i : i + 64]) for i in range(0, len(x), 64)]
+    torch.manual_seed(0)
+    q = qat.prepare(m.module)
+    losses = qat.fine_tune(q, batches, F.cross_entropy, steps=60, lr=1e-4)
+    int8 = qat.convert(q, example)
+    print(
+        f"  QAT (60 steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}) then int8: "
+        f"{task.evaluate(int8):.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
