@@ -177,9 +177,9 @@ def test_a_wrong_kernel_fails_verification_and_is_rolled_back(monkeypatch, int8_
 
 
 def test_bert_base_sized_encoder_keeps_the_approx_budget(int8_pays):
-    """hf:bert at full width (768 hidden, 2 of its layers, random weights) at the example's
+    """hf:bert at full width (768 hidden, one of its layers, random weights) at the example's
     64 rows: the attention and MLP Linears go to int8 and the output keeps the budget."""
-    m = load("hf:bert", overrides={"size": "full", "num_hidden_layers": "2"})
+    m = load("hf:bert", overrides={"size": "full", "num_hidden_layers": "1"})
     r = optimize(
         m.module,
         m.example_inputs,
@@ -194,7 +194,7 @@ def test_bert_base_sized_encoder_keeps_the_approx_budget(int8_pays):
         name="hf:bert",
     )
     n = sum(d.rule == RULE for d in r.plan.decisions)
-    assert n >= 8 and r.verification.passed, (n, r.verification)
+    assert n >= 4 and r.verification.passed, (n, r.verification)
 
 
 def test_on_this_cpu_the_prediction_is_the_sites_timing_elsewhere_the_roofline(monkeypatch):
