@@ -25,3 +25,60 @@ def write_results(out_dir: Path, name: str, device: str, rows: list, **extra) ->
     path.write_text(json.dumps(out, indent=2, default=str) + "\n")
     print("wrote", path)
     return path
+
+
+def first_tensor(out) -> torch.Tensor:
+    """The first tensor of a model's output (logits for the models benchmarked), as float."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return leaves[0].float()
+
+
+def compare_variants(
+    fns: dict,
+    inputs: tuple,
+    baseline: str,
+    *,
+    device: str = "cpu",
+    min_time_s: float = 2.0,
+    max_time_s: float = 30.0,
+    extra=None,
+) -> list[dict]:
+    """Time every callable of `fns` on `inputs` in one interleaved loop (inference mode),
+    and give each its median ms, IQR, speed-up over `baseline` with the 95% interval, and
+    the cosine and rel L2 of its first output against the baseline's; `extra(name, fn)`
+    may add fields (a task's accuracy)."""
+    from opswap.bench.timing import benchmark
+
+    with torch.inference_mode():
+        ref = first_tensor(fns[baseline](*inputs))
+        quality = {}
+        for k, f in fns.items():
+            out = first_tensor(f(*inputs)).to(ref.device)
+            quality[k] = {
+                "rel_l2": float((out - ref).norm() / ref.norm()),
+                "cosine": float(
+                    torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
+                ),
+                **(extra(k, f) if extra is not None else {}),
+            }
+        res = benchmark(
+            {k: (lambda f=f, a=inputs: f(*a)) for k, f in fns.items()},
+            min_time_s=min_time_s,
+            max_time_s=max_time_s,
+            rel_width=0.1,
+            device=device,
+        )
+    rows = []
+    for k in fns:
+        rr = res.ratio(baseline, k)
+        rows.append(
+            {
+                "name": k,
+                "ms": res[k].median * 1e3,
+                "iqr_ms": res[k].iqr * 1e3,
+                f"speedup_vs_{baseline}": rr.of_medians,
+                "speedup_ci": [rr.ci_low, rr.ci_high],
+                **quality[k],
+            }
+        )
+    return rows

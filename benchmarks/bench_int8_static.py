@@ -42,11 +42,6 @@ def _split(spec: str) -> tuple[str, dict[str, str]]:
     return name, dict(kv.split("=", 1) for kv in rest.split("&") if kv)
 
 
-def _first(out):
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    return leaves[0].float()
-
-
 def _openvino(module, xs, calibration):
     """(fp32 compiled model, int8 compiled model) or a reason string."""
     try:
@@ -76,7 +71,10 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
-    from opswap.bench.timing import benchmark, describe_device
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _results import compare_variants, write_results
+
+    from opswap.bench.timing import describe_device
     from opswap.graph.calibrate import Calibration, attach
     from opswap.graph.capture import capture
     from opswap.kernels import int8_static
@@ -128,37 +126,12 @@ def main() -> None:
                 with torch.inference_mode():
                     c(*xs)
                 fns["compile" if base == "input" else f"{base}+compile"] = c
-        with torch.inference_mode():
-            ref = _first(m.module(*xs))
-            quality = {}
-            for k, f in fns.items():
-                out = _first(f(*xs))
-                quality[k] = {
-                    "rel_l2": float((out - ref).norm() / ref.norm()),
-                    "cosine": float(
-                        torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
-                    ),
-                }
-                if task is not None:
-                    quality[k]["accuracy"] = task.evaluate(f)
-            res = benchmark(
-                {k: (lambda f=f, a=xs: f(*a)) for k, f in fns.items()},
-                min_time_s=2.0,
-                max_time_s=30.0,
-                rel_width=0.1,
-            )
-        variants = []
-        for k in fns:
-            rr = res.ratio("input", k)
-            variants.append(
-                {
-                    "name": k,
-                    "ms": res[k].median * 1e3,
-                    "speedup_vs_input": rr.of_medians,
-                    "speedup_ci": [rr.ci_low, rr.ci_high],
-                    **quality[k],
-                }
-            )
+        variants = compare_variants(
+            fns,
+            xs,
+            "input",
+            extra=(lambda k, f, t=task: {"accuracy": t.evaluate(f)}) if task is not None else None,
+        )
         row["variants"] = variants
         ours = min((v for v in variants if v["name"].startswith("opswap")), key=lambda v: v["ms"])
         peers = [v for v in variants if not v["name"].startswith(("opswap", "input"))]
@@ -178,8 +151,6 @@ def main() -> None:
             ),
             flush=True,
         )
-    from _results import write_results
-
     write_results(
         args.out,
         "int8_static_cpu.json",

@@ -1,0 +1,185 @@
+"""opswap's int8 BERT against the runtimes' own int8 on the CPU, one interleaved run.
+
+    PYTHONPATH=src python benchmarks/bench_int8_peers.py [--spec SPEC?k=v] [--out DIR]
+
+The model (default BERT-base: `hf:bert` at full size, batch 1, sequence 128, random
+weights) is exported to ONNX once (torch.onnx's dynamo exporter). Then one interleaved
+loop times, each on the same inputs:
+
+- `torch_fp32`: the model as given; `compile`: torch.compile of it;
+- `opswap`: `opswap.optimize(..., exactness="approx")`'s saved model (its race decides
+  what is saved, int8 where int8 measured faster here), reloaded from model.pt2, and
+  `opswap_int8_static`: the model planned with `precision.int8_static_linear` for a
+  profile where int8 pays, calibrated on 8 random batches (measured whatever this CPU's
+  timing decides);
+- `ort_fp32` and `ort_int8_dynamic` (`onnxruntime.quantization.quantize_dynamic`, QInt8
+  weights), when onnxruntime is installed;
+- `openvino_fp32` and `openvino_int8` (`nncf.quantize` on 8 calibration batches), when
+  openvino and nncf are installed.
+
+Each row: ms, speed-up over torch_fp32 with its 95% interval, and cosine / rel L2 of the
+first output against torch_fp32's. Writes DIR/int8_peers_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _onnx(module, xs, path: Path) -> str | None:
+    try:
+        torch.onnx.export(module, xs, str(path), dynamo=True, external_data=False)
+    except Exception as e:  # the exporter is the peers' entry: say why they are missing
+        return f"ONNX export failed: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def _ort(path: Path, tmp: Path, names: list[str]) -> tuple[dict, dict] | str:
+    try:
+        import onnxruntime as ort
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+    except ImportError as e:
+        return f"not installed: {e.name}"
+    q = tmp / "int8.onnx"
+    quantize_dynamic(str(path), str(q), weight_type=QuantType.QInt8)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = torch.get_num_threads()
+    fns = {}
+    for name, p in (("ort_fp32", path), ("ort_int8_dynamic", q)):
+        sess = ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"])
+        inputs = [i.name for i in sess.get_inputs()]
+        fns[name] = lambda *a, s=sess, n=inputs: torch.from_numpy(
+            s.run(None, {k: v.numpy() for k, v in zip(n, a, strict=False)})[0]
+        )
+    return fns, {"onnxruntime": ort.__version__}
+
+
+def _openvino(path: Path, calibration) -> tuple[dict, dict] | str:
+    try:
+        import nncf
+        import openvino as ov
+    except ImportError as e:
+        return f"not installed: {e.name}"
+    core = ov.Core()
+    model = core.read_model(str(path))
+    q = nncf.quantize(
+        model,
+        nncf.Dataset([tuple(t.numpy() for t in s) for s in calibration]),
+        subset_size=len(calibration),
+        model_type=nncf.ModelType.TRANSFORMER,
+    )
+    fns = {}
+    for name, m in (("openvino_fp32", model), ("openvino_int8", q)):
+        c = core.compile_model(m, "CPU")
+        fns[name] = lambda *a, c=c: torch.from_numpy(c(tuple(t.numpy() for t in a))[0])
+    return fns, {"openvino": ov.__version__, "nncf": nncf.__version__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", default="hf:bert?size=full&batch=1&seq=128")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _results import compare_variants, write_results
+
+    import opswap
+    from opswap.bench.timing import describe_device
+    from opswap.graph.calibrate import Calibration, attach
+    from opswap.graph.capture import capture
+    from opswap.models import load
+    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.planner import apply_plan, make_plan
+    from opswap.targets.base import Target
+    from opswap.verify.samples import make_samples
+
+    name, _, rest = args.spec.partition("?")
+    m = load(name, overrides=dict(kv.split("=", 1) for kv in rest.split("&") if kv))
+    xs = m.example_inputs
+    calibration = make_samples(xs, 8, seed=1)
+    row: dict = {"model": args.spec, "inputs": [list(t.shape) for t in xs]}
+    versions: dict = {}
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        t0 = time.time()
+        r = optimize(
+            m.module, xs, OptimizeConfig(exactness="approx", samples=2, layers=False), name=name
+        )
+        r.save(tmp / "opswap")
+        row["opswap"] = {
+            "optimize_s": round(time.time() - t0, 1),
+            "saved": r.best,
+            "rules": sorted({d.rule for d in r.plan.decisions}),
+            "skipped": [s.reason for s in r.plan.skipped][:5],
+        }
+        pays = Target(
+            name="int8-pays",
+            description="int8 at 4x float32, to build the int8 model",
+            kind="cpu",
+            peak_flops={"float32": 1e11, "int8": 4e11},
+            mem_bandwidth=2e10,
+            memory_bytes=2**34,
+            dtypes=("float32", "int8"),
+        )
+        cap = capture(m.module, xs)
+        attach(cap.gm, Calibration(calibration))
+        plan = make_plan(
+            cap, rules=["fusion.*", "precision.int8_static_linear"], exactness="approx", target=pays
+        )
+        row["int8_static_sites"] = sum(
+            d.rule.endswith("int8_static_linear") for d in plan.decisions
+        )
+        fns = {
+            "torch_fp32": m.module,
+            "opswap": opswap.load_optimized(tmp / "opswap", compile=False),
+            "opswap_int8_static": apply_plan(cap, plan).gm,
+        }
+        if not args.no_compile:
+            c = torch.compile(m.module)
+            with torch.inference_mode():
+                c(*xs)
+            fns["compile"] = c
+        onnx_path = tmp / "model.onnx"
+        why = _onnx(m.module, xs, onnx_path)
+        if why:
+            row["onnx"] = why
+        else:
+            for label, got in (
+                ("onnxruntime", _ort(onnx_path, tmp, [])),
+                ("openvino", _openvino(onnx_path, calibration)),
+            ):
+                if isinstance(got, str):
+                    row[label] = got
+                else:
+                    fns.update(got[0])
+                    versions.update(got[1])
+        variants = compare_variants(fns, xs, "torch_fp32")
+    row["variants"] = variants
+    int8_peers = [v for v in variants if v["name"] in ("ort_int8_dynamic", "openvino_int8")]
+    ours = min((v for v in variants if v["name"].startswith("opswap")), key=lambda v: v["ms"])
+    if int8_peers:
+        peer = min(int8_peers, key=lambda v: v["ms"])
+        row["strongest_int8_peer"] = peer["name"]
+        row["ours_over_strongest_int8_peer"] = peer["ms"] / ours["ms"]
+    print(json.dumps({v["name"]: round(v["ms"], 2) for v in variants}), flush=True)
+    print(
+        json.dumps(
+            {k: row.get(k) for k in ("strongest_int8_peer", "ours_over_strongest_int8_peer")}
+        )
+    )
+    write_results(args.out, "int8_peers_cpu.json", describe_device("cpu"), [row], **versions)
+
+
+if __name__ == "__main__":
+    main()
