@@ -36,11 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _onnx(module, xs, path: Path) -> str | None:
-    try:
-        torch.onnx.export(module, xs, str(path), dynamo=True, external_data=False)
-    except Exception as e:  # the exporter is the peers' entry: say why they are missing
-        return f"ONNX export failed: {type(e).__name__}: {str(e)[:200]}"
-    return None
+    errors = []
+    for dynamo in (True, False):  # the dynamo exporter needs onnxscript; else TorchScript's
+        try:
+            kw = {"external_data": False} if dynamo else {}
+            torch.onnx.export(module, xs, str(path), dynamo=dynamo, **kw)
+            return None
+        except Exception as e:  # the exporter is the peers' entry: say why they are missing
+            errors.append(f"dynamo={dynamo}: {type(e).__name__}: {str(e)[:160]}")
+    return "ONNX export failed: " + "; ".join(errors)
 
 
 def _ort(path: Path, tmp: Path, names: list[str]) -> tuple[dict, dict] | str:
