@@ -309,7 +309,9 @@ def test_the_users_module_is_never_called_nor_changed():
     m.register_forward_hook(lambda *a: fired.append(1))
     before = {k: v.clone() for k, v in m.state_dict().items()}
     x = torch.randn(2, 3, 9, 9)
-    r = optimize(m, (x,), OptimizeConfig(samples=2, compare="none"))  # bench and layers on
+    # bench, layers and the per-rule timing on; pruning off, so that which rules a busy
+    # machine measures as slower on this tiny model cannot leave nothing applied
+    r = optimize(m, (x,), OptimizeConfig(samples=2, compare="none", prune_slow=False))
     assert r.applied and r.benchmark is not None
     assert fired == [] and m.mode_calls == [] and m.calls.item() == 0
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
