@@ -15,10 +15,29 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
+from opswap.graph.calibrate import Calibration, calibration_of, observed
 from opswap.kernels import int8_static
 from opswap.kernels.observers import QParams
+from opswap.rules.base import Refused
+
+NO_ONEDNN = (
+    "onednn's int8 kernels do not run on this machine (an x86 CPU build of torch with "
+    "mkldnn is needed)"
+)
+
+
+def calibrated(gm: fx.GraphModule, x: fx.Node) -> tuple[QParams, Calibration] | Refused:
+    """The scale and zero point calibration chose for `x`, with the calibration, or why
+    there are none (no samples attached, or no finite value seen)."""
+    obs = observed(gm, x)
+    if isinstance(obs, str):
+        return Refused(obs)
+    cal = calibration_of(gm)
+    assert cal is not None
+    return cal.qparams(obs), cal
 
 
 class _Static(nn.Module):

@@ -8,7 +8,6 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.calibrate import calibration_of, observed
 from opswap.graph.ops import arg, copy_meta, module_of, op_kind
 from opswap.graph.shapes import info
 from opswap.kernels import int8_static
@@ -18,7 +17,7 @@ from opswap.rules._matching import input_of
 from opswap.rules._weights import weighted, zero_padding
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision import _timing
-from opswap.rules.precision._int8_static_module import Int8StaticConv2d
+from opswap.rules.precision._int8_static_module import NO_ONEDNN, Int8StaticConv2d, calibrated
 from opswap.rules.registry import register
 
 MIN_CHANNELS = 4
@@ -63,10 +62,7 @@ class StaticInt8Conv(Rule):
         if getattr(module_of(node), "opswap_kind", None) is not None:
             return None
         if not int8_static.onednn_available():
-            return Refused(
-                "onednn's int8 kernels do not run on this machine (an x86 CPU build of "
-                "torch with mkldnn is needed)"
-            )
+            return Refused(NO_ONEDNN)
         w = weighted(gm, node)
         if isinstance(w, str):
             return Refused(w)
@@ -86,12 +82,10 @@ class StaticInt8Conv(Rule):
         xi = info(x) if x is not None else None
         if x is None or xi is None or xi.dtype != torch.float32 or len(xi.shape) != 4:
             return Refused(f"the input of {node.name} is not a 4-d float32 tensor of known shape")
-        obs = observed(gm, x)
-        if isinstance(obs, str):
-            return Refused(obs)
-        cal = calibration_of(gm)
-        assert cal is not None
-        qp = cal.qparams(obs)
+        got = calibrated(gm, x)
+        if isinstance(got, Refused):
+            return got
+        qp, cal = got
         relu = _relu_after(node)
         nodes = (node, relu) if relu is not None else (node,)
         return Found(

@@ -7,7 +7,6 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.calibrate import calibration_of, observed
 from opswap.graph.ops import arg, module_of
 from opswap.graph.shapes import info
 from opswap.kernels import int8_static
@@ -17,7 +16,7 @@ from opswap.rules._matching import input_of
 from opswap.rules._weights import weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision import _timing
-from opswap.rules.precision._int8_static_module import Int8StaticLinear
+from opswap.rules.precision._int8_static_module import NO_ONEDNN, Int8StaticLinear, calibrated
 from opswap.rules.registry import register
 
 MIN_FEATURES = 16
@@ -56,10 +55,7 @@ class StaticInt8Linear(Rule):
         if getattr(module_of(node), "opswap_kind", None) is not None:
             return None  # a layer opswap installed
         if not int8_static.onednn_available():
-            return Refused(
-                "onednn's int8 kernels do not run on this machine (an x86 CPU build of "
-                "torch with mkldnn is needed)"
-            )
+            return Refused(NO_ONEDNN)
         w = weighted(gm, node)
         if isinstance(w, str):
             return Refused(w)
@@ -75,12 +71,10 @@ class StaticInt8Linear(Rule):
         xi = info(x) if x is not None else None
         if x is None or xi is None or xi.dtype != torch.float32:
             return Refused(f"the input of {node.name} is not a float32 tensor of known shape")
-        obs = observed(gm, x)
-        if isinstance(obs, str):
-            return Refused(obs)
-        cal = calibration_of(gm)
-        assert cal is not None
-        qp = cal.qparams(obs)
+        got = calibrated(gm, x)
+        if isinstance(got, Refused):
+            return got
+        qp, cal = got
         return Found(
             (node,),
             f"{node.name} ({k} -> {n}) in int8, input scale {qp.scale:.3g} "
