@@ -90,7 +90,13 @@ CASES = [
     (1, 640, 123, 8, None, 3),
     (3, 300, 45, 8, 64, 1),
     (16, 640, 45, 8, None, 2),
+    # one row, several groups per chunk (BLOCK_K 256: 4 groups of 64, 2 of 128)
+    (1, 768, 45, 4, 64, 2),
+    (1, 1280, 37, 4, 128, 1),
+    (1, 512, 29, 8, 64, 3),
 ]
+#: the chunk each case's launch takes (the interpreter takes a fixed configuration)
+BLOCK_K = {(1, 768, 45, 4, 64, 2): 256, (1, 1280, 37, 4, 128, 1): 256, (1, 512, 29, 8, 64, 3): 256}
 
 
 def _interpreted_case(m, k, n, bits, group, split):
@@ -99,7 +105,8 @@ def _interpreted_case(m, k, n, bits, group, split):
     w, b, q, s, o, _ = _layer(n, k, bits, group, seed=m * 7 + k + bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).bfloat16()
     ref = wo.reference(x, q, s, o, b, bits, k)
-    cfg = {"BLOCK_N": 32 if split > 1 else 16, "SPLIT_K": split, "BLOCK_K": 128}
+    block_k = BLOCK_K.get((m, k, n, bits, group, split), 128)
+    cfg = {"BLOCK_N": 32 if split > 1 else 16, "SPLIT_K": split, "BLOCK_K": block_k}
     y = wo.triton_wo_linear(x, q, s, o, b, bits, k, config=cfg)
     return {
         "dtype": str(y.dtype),

@@ -198,7 +198,8 @@ def _wo_kernel_fn(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # = the group size unless PER_CHANNEL
+    BLOCK_K: tl.constexpr,  # a multiple of GROUP at one row, GROUP at more, free if PER_CHANNEL
+    GROUP: tl.constexpr,  # the group size (unused if PER_CHANNEL)
     SPLIT_K: tl.constexpr,
     DOT_F32: tl.constexpr,  # the interpreter's bfloat16 tl.dot is wrong (Triton 3.9): fp32 there
 ):
@@ -224,9 +225,42 @@ def _wo_kernel_fn(
         m_ok = rm < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    NG: tl.constexpr = 1 if PER_CHANNEL else BLOCK_K // GROUP  # groups per chunk
     for c in range(c0, c1):
         k0 = c * BLOCK_K
-        if BITS == 4:
+        if BLOCK_M == 1 and not PER_CHANNEL:
+            # one row, NG whole groups per chunk (BLOCK_K divides Kp: no mask along K on the
+            # weight, so its loads stay 16-byte vectors): per column and group, the integer
+            # dot product, then its scale (and offset times the group's sum of x)
+            gk = c * NG + tl.arange(0, NG)
+            s = tl.load(
+                s_ptr + rn[:, None] * stride_sn + gk[None, :], mask=n_ok[:, None], other=0.0
+            )
+            if BITS == 4:
+                wq = tl.load(
+                    w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
+                    mask=n_ok[:, None],
+                    other=0,
+                )
+                ke = k0 + 2 * rj
+                xe = tl.load(x_row + ke, mask=ke < K, other=0.0).to(tl.float32)
+                xo = tl.load(x_row + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
+                p = (wq & 0xF).to(tl.float32) * xe[None, :] + (wq >> 4).to(tl.float32) * xo[None, :]
+                pg = tl.sum(tl.reshape(p, (BLOCK_N, NG, GROUP // 2)), 2)  # [BLOCK_N, NG]
+                xg = tl.sum(tl.reshape(xe + xo, (NG, GROUP // 2)), 1)  # [NG]
+                off = tl.load(
+                    o_ptr + rn[:, None] * stride_sn + gk[None, :], mask=n_ok[:, None], other=0.0
+                )
+                acc += tl.sum(pg * s + xg[None, :] * off, 1)
+            else:
+                kk = k0 + rj
+                wq = tl.load(
+                    w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None], other=0
+                )
+                xv = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+                pg = tl.sum(tl.reshape(wq.to(tl.float32) * xv[None, :], (BLOCK_N, NG, GROUP)), 2)
+                acc += tl.sum(pg * s, 1)
+        elif BITS == 4:
             wq = tl.load(
                 w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
                 mask=n_ok[:, None],
@@ -291,17 +325,12 @@ def _wo_kernel_fn(
         if PER_CHANNEL:
             acc += part
             xsum += xs
-        else:  # chunk c is group c: its scale (and offset) per column
+        elif BLOCK_M > 1:  # chunk c is group c: its scale (and offset) per column
             s = tl.load(s_ptr + rn * stride_sn + c, mask=n_ok, other=0.0)
-            if BLOCK_M == 1:
-                acc += part * s
-                if BITS == 4:
-                    acc += xs * tl.load(o_ptr + rn * stride_sn + c, mask=n_ok, other=0.0)
-            else:
-                acc += part * s[None, :]
-                if BITS == 4:
-                    m = tl.load(o_ptr + rn * stride_sn + c, mask=n_ok, other=0.0)
-                    acc += xs[:, None] * m[None, :]
+            acc += part * s[None, :]
+            if BITS == 4:
+                m = tl.load(o_ptr + rn * stride_sn + c, mask=n_ok, other=0.0)
+                acc += xs[:, None] * m[None, :]
     if PER_CHANNEL:  # one group: scale and offset applied once, by the program holding k = 0
         s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0)
         if BLOCK_M == 1:
@@ -349,21 +378,56 @@ def _wo_kernel_fn(
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 
 
-def _configs(per_channel: bool) -> list[Any]:
+#: the kernel's three uses, each autotuned apart: weights per channel (any rows), grouped
+#: weights at more than one row (a chunk is one group, through tl.dot), grouped at one row
+#: (a chunk is several groups, the GEMV of decoding)
+KINDS = ("per_channel", "grouped", "gemv")
+
+
+def _configs(kind: str) -> list[Any]:
     """The block shapes and splits `triton.autotune` tries (per shape, on first use)."""
-    shapes = [(16, 1), (16, 4), (32, 2), (32, 4), (64, 1), (16, 8), (32, 1), (64, 2)]
-    ks = (256, 512) if per_channel else (None,)
     out = []
+    if kind == "gemv":
+        for bn in (8, 16, 32):
+            for bk in (256, 512, 1024):
+                for split in (1, 2, 4):
+                    kw = {"BLOCK_N": bn, "SPLIT_K": split, "BLOCK_K": bk}
+                    out.append(triton.Config(kw, num_warps=4, num_stages=3))
+        return out
+    shapes = [(16, 1), (16, 4), (32, 2), (32, 4), (64, 1), (16, 8), (32, 1), (64, 2)]
+    ks: tuple[int | None, ...] = (256, 512) if kind == "per_channel" else (None,)
     for bn, split in shapes:
         for bk in ks:
-            kw: dict[str, int] = {"BLOCK_N": bn, "SPLIT_K": split}
+            kw2: dict[str, int] = {"BLOCK_N": bn, "SPLIT_K": split}
             if bk is not None:
-                kw["BLOCK_K"] = bk
-            out.append(triton.Config(kw, num_warps=4, num_stages=3))
+                kw2["BLOCK_K"] = bk
+            out.append(triton.Config(kw2, num_warps=4, num_stages=3))
     return out
 
 
-_KERNELS: dict[tuple[bool | None, bool], Any] = {}
+def gemv_block_ok(block_k: int, group: int, kp: int) -> bool:
+    """Whether the one-row grouped path can take chunks of `block_k`: whole groups, a
+    power-of-two count of them, and whole chunks over the padded K (no mask along K)."""
+    ng = block_k // group
+    return block_k % group == 0 and ng & (ng - 1) == 0 and kp % block_k == 0
+
+
+def _prune_gemv(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    group, kp = kwargs.get("GROUP", named_args.get("GROUP")), named_args["Kp"]
+    chunks = {c.kwargs["BLOCK_K"]: kp // c.kwargs["BLOCK_K"] for c in configs}
+    keep = [
+        c
+        for c in configs
+        if gemv_block_ok(c.kwargs["BLOCK_K"], group, kp)
+        and c.kwargs["SPLIT_K"] <= chunks[c.kwargs["BLOCK_K"]]
+    ]
+    if keep:
+        return keep
+    # no tried chunk fits this K: one group per chunk always does
+    return [triton.Config({"BLOCK_N": 16, "SPLIT_K": 1, "BLOCK_K": group}, num_warps=4)]
+
+
+_KERNELS: dict[tuple[str | None, bool], Any] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -372,16 +436,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _kernel(per_channel: bool | None) -> Any:
+def _kernel(kind: str | None) -> Any:
     """The jitted kernel, built on first use (the interpreter is chosen at decoration
-    time, so tests can set TRITON_INTERPRET after opswap is imported): autotuned for
-    per-channel or grouped weights on a GPU, or, for `per_channel=None` and in the
-    interpreter, plain (the caller gives the configuration)."""
-    key = (None if interpreting() else per_channel, interpreting())
+    time, so tests can set TRITON_INTERPRET after opswap is imported): autotuned for one
+    of KINDS on a GPU, or, for `kind=None` and in the interpreter, plain (the caller
+    gives the configuration)."""
+    key = (None if interpreting() else kind, interpreting())
     if key not in _KERNELS:
         fn = triton.jit(_wo_kernel_fn)
         if key[0] is not None:
-            fn = triton.autotune(_configs(key[0]), key=["M", "N", "K"])(fn)
+            prune = {"early_config_prune": _prune_gemv} if key[0] == "gemv" else None
+            fn = triton.autotune(_configs(key[0]), key=["M", "N", "K"], prune_configs_by=prune)(fn)
         _KERNELS[key] = fn
     return _KERNELS[key]
 
@@ -439,18 +504,24 @@ def triton_wo_linear(
         return y.reshape(*lead, n)
     ws = torch.empty((MAX_SPLIT_K, m, n), device=x.device, dtype=torch.float32)
     cnt = _counters(x.device, -(-m // block_m) * -(-n // 16))
-    kw: dict[str, Any] = {"BLOCK_M": block_m, "DOT_F32": interpreting()}
-    if not per_channel:
-        kw["BLOCK_K"] = kp // groups
+    group = kp // groups
+    kind = "per_channel" if per_channel else ("gemv" if block_m == 1 else "grouped")
+    kw: dict[str, Any] = {"BLOCK_M": block_m, "DOT_F32": interpreting(), "GROUP": group}
+    if kind == "grouped":
+        kw["BLOCK_K"] = group
     fixed = config if config is not None else (None if not interpreting() else {})
     if fixed is not None:
-        fixed = {"BLOCK_N": 16, "SPLIT_K": 2, **({"BLOCK_K": 64} if per_channel else {}), **fixed}
-        if not per_channel:
+        default_k = {"per_channel": 64, "gemv": group}.get(kind)
+        fixed = {"BLOCK_N": 16, "SPLIT_K": 2, **fixed}
+        fixed.setdefault("BLOCK_K", default_k)
+        if kind == "grouped":
             fixed.pop("BLOCK_K", None)
+        elif kind == "gemv" and not gemv_block_ok(fixed["BLOCK_K"], group, kp):
+            fixed["BLOCK_K"] = group
         kw.update(fixed)
         fn = _kernel(None)
     else:
-        fn = _kernel(per_channel)
+        fn = _kernel(kind)
 
     def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
         return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(m, block_m))
@@ -479,9 +550,10 @@ def triton_wo_linear(
     return y.reshape(*lead, n)
 
 
-def tuned_config(per_channel: bool) -> dict[str, Any]:
-    """The autotuner's choice per (M, N, K) it has seen: {"M,N,K": config} (for reports)."""
-    fn = _KERNELS.get((per_channel, False))
+def tuned_config(kind: str) -> dict[str, Any]:
+    """The autotuner's choice per (M, N, K) it has seen for one of KINDS:
+    {"M,N,K": config} (for reports)."""
+    fn = _KERNELS.get((kind, False))
     cache = getattr(fn, "cache", {}) if fn is not None else {}
     return {
         ",".join(str(v) for v in key[:3]): {**cfg.kwargs, "num_warps": cfg.num_warps}
