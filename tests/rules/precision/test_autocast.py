@@ -40,10 +40,10 @@ class Net(nn.Module):
     def forward(self, x):
         h = self.up(x).relu_()
         y = self.norm(self.down(h) * self.scale + x)
-        # (a matmul of two activations inside the region exports to a program that fails a
-        # dtype assertion when reloaded, on torch 2.13: see the chapter; the race verifies
-        # the saved file, so such a result is never saved)
-        return torch.softmax(y, dim=-1), y
+        # a matmul of two activations as an output: bfloat16 inside the region, cast back
+        # (with .to, the reloaded file failed torch.export's dtype assertion; torch 2.13)
+        scores = y @ y.transpose(-1, -2) / 96**0.5
+        return torch.softmax(y, dim=-1), y, scores
 
 
 def _rel(a, b):

@@ -100,7 +100,12 @@ class Autocast(Rule):
             for v in values:
                 vi = info(v) if isinstance(v, fx.Node) else None
                 if vi is not None and vi.dtype.is_floating_point and v not in casts:
-                    casts[v] = g.call_method("to", (v, vi.dtype))
+                    # _to_copy, not .to: torch.export puts a dtype assertion before a .to,
+                    # with the dtype traced outside autocast (float32 for a matmul that
+                    # gives bfloat16 in the region), and the reloaded file then fails it
+                    casts[v] = g.call_function(
+                        torch.ops.aten._to_copy.default, (v,), {"dtype": vi.dtype}
+                    )
             g.call_function(_EXIT, (enter,))
         out.args = (
             torch.utils._pytree.tree_map(
