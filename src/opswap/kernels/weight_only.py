@@ -388,11 +388,18 @@ def _configs(kind: str) -> list[Any]:
     """The block shapes and splits `triton.autotune` tries (per shape, on first use)."""
     out = []
     if kind == "gemv":
-        for bn in (8, 16, 32):
-            for bk in (256, 512, 1024):
+        # tiles of 1 to 16 KB of packed weight a chunk; at K = 2048 the largest chunk is
+        # the whole row, one load per program and one reduction
+        for bn in (4, 8, 16, 32):
+            for bk in (256, 512, 1024, 2048):
+                if not 1024 <= bn * bk // 2 <= 16384:
+                    continue
+                tile = bn * bk // 2
+                warps = (2, 4) if tile <= 4096 else (4, 8)
                 for split in (1, 2, 4):
-                    kw = {"BLOCK_N": bn, "SPLIT_K": split, "BLOCK_K": bk}
-                    out.append(triton.Config(kw, num_warps=4, num_stages=3))
+                    for nw in warps:
+                        kw = {"BLOCK_N": bn, "SPLIT_K": split, "BLOCK_K": bk}
+                        out.append(triton.Config(kw, num_warps=nw, num_stages=3))
         return out
     shapes = [(16, 1), (16, 4), (32, 2), (32, 4), (64, 1), (16, 8), (32, 1), (64, 2)]
     ks: tuple[int | None, ...] = (256, 512) if kind == "per_channel" else (None,)
