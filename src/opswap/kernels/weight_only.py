@@ -41,8 +41,9 @@ Kernels, by device and rows:
   program owns BLOCK_N output columns and a share of K (split-K, so that the 128 or so
   column tiles of a 2048-wide layer still put several programs on each of the 132
   multiprocessors and keep enough loads in flight); it loads the packed tile, unpacks in
-  registers, and either reduces with `tl.sum` (M = 1) or feeds `tl.dot` with M padded to
-  16 (the tensor cores have the arithmetic to spare). Partial sums go to an fp32
+  registers, and either reduces with `tl.sum` (M = 1; with grouped weights a chunk holds
+  several whole groups, reshaped to [BLOCK_N, groups, group] and summed per group) or
+  feeds `tl.dot` with M padded to 16 (the tensor cores have the arithmetic to spare). Partial sums go to an fp32
   workspace; the last program of a column tile to finish (an atomic counter, reset by
   that program, so no memset runs per call) adds them in a fixed order, adds the bias
   and writes the output: one launch per Linear, deterministic. Block sizes and the split
