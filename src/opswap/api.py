@@ -324,11 +324,13 @@ def optimize(
     dynamic: str = "auto",
     keep_hooks: bool = False,
     compare: str = "compile",
+    export: str | None = None,
     name: str | None = None,
     task: Task | None = None,
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
-    bench, and the race of variants against `compare`'s baselines ("compile" or "none").
+    bench, and the race of variants against `compare`'s baselines ("compile", "ort" or
+    "none"); `export="onnx"` (or "ort") races ONNX Runtime and saves model.onnx.
     `model` is never called nor changed; `result.candidate` is the optimized module and
     `result.saved_module` the race's winner, which `result.save` writes. The user's hooks
     are left out, with a note; `keep_hooks=True` refuses a model that has any instead.
@@ -345,6 +347,7 @@ def optimize(
         dynamic=dynamic,
         keep_hooks=keep_hooks,
         compare=compare,
+        export=export,
     )
     name = name or type(model).__name__
     model, example_inputs = keyword_call(model, example_inputs)

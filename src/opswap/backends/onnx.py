@@ -105,6 +105,8 @@ def to_onnx(program, path: str | Path, *, fusions: bool = False) -> Path:
                 optimize=True,
                 verbose=False,
             )
+            if onnx_program is None:  # only for a model with no graph, which export refuses
+                raise ExportError("torch.onnx returned no ONNX program for the model.")
             if fusions:
                 from onnxscript.rewriter.ort_fusions import optimize_for_ort
 

@@ -65,6 +65,7 @@ class OrtModule(nn.Module):
         self.path = Path(path)
         self.out_spec = out_spec
         self.threads = threads
+        self.session_threads = threads or torch.get_num_threads()
         self.session = session(self.path, threads)
         # the program's inputs in order (an input the graph never reads is not in the file)
         self.input_names = list(names or [i.name for i in self.session.get_inputs()])
