@@ -424,10 +424,9 @@ def run(
     for each new shape). `export` "onnx" or "ort" races the ONNX Runtime variants and
     saves the faster of the two .onnx files (bench.runtimes.onnx_winner)."""
     from opswap.backends.pt2 import export_artifact
+    from opswap.bench import runtimes
     from opswap.bench.device import resolve_device
     from opswap.graph.copies import preserved_state
-
-    from opswap.bench import runtimes
 
     dev = resolve_device(device)
     inputs = captured.example_inputs
