@@ -47,7 +47,7 @@ def exports(artifacts: dict[str, Any], inputs: tuple, dynamic, device: torch.dev
             artifacts[key] = Artifact(None, None, error=f"no program to translate ({why})")
             continue
         artifacts[key] = ort_artifact(None, inputs, dynamic, exported=exported, fusions=fusions)
-        pt2.exported = None  # the program's weights: not held past the translation
+        cast(Any, pt2).exported = None  # the program's weights: not held past the translation
 
 
 def variants(artifacts: dict[str, Any]) -> list:
