@@ -141,5 +141,15 @@ def ort_artifact(
     try:
         art.module = OrtModule(art.path, program.call_spec.out_spec, names=names)
     except ExportError as e:
-        art.error = str(e)
+        if not fusions:
+            art.error = str(e)
+            return art
+        # onnxscript's fusions can leave a graph ORT refuses (a Gemm on a rank-3 input):
+        # the file is written again without them, and the note says so
+        plain = ort_artifact(None, inputs, dynamic, directory, exported=exported, name=name)
+        why = str(e).removesuffix(".")
+        plain.note = "; ".join(
+            filter(None, [plain.note, f"written without onnxscript's ORT fusions ({why})"])
+        )
+        return plain
     return art
