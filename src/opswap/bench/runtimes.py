@@ -50,23 +50,13 @@ def exports(artifacts: dict[str, Any], inputs: tuple, dynamic, device: torch.dev
         cast(Any, pt2).exported = None  # the program's weights: not held past the translation
 
 
-def variants(artifacts: dict[str, Any]) -> list:
-    """The `ort` and `opswap+ort` Variants, timed as the sessions over their files."""
-    from opswap.bench.variants import Variant
-
-    out = []
-    for name, key in ARTIFACTS.items():
-        art = artifacts.get(key)
-        saves = "input" if name == "ort" else "candidate"
-        if art is None or art.module is None:
-            why = art.error if art is not None else "not exported"
-            out.append(Variant(name, None, saves, verified=False, reasons=[why], note=why[:200]))
-            continue
-        note = f"model.onnx in ONNX Runtime (CPU, {art.module.session_threads} threads)"
-        if art.note:
-            note += "; " + art.note
-        out.append(Variant(name, art.module, saves, note=note, artifact=art))
-    return out
+def describe(art) -> tuple[str, str | None]:
+    """(the note of an ORT variant, why it cannot run or None) for its Artifact."""
+    if art is None or art.module is None:
+        why = art.error if art is not None else "not exported"
+        return why[:200], why
+    note = f"model.onnx in ONNX Runtime (CPU, {art.module.session_threads} threads)"
+    return (note + "; " + art.note if art.note else note), None
 
 
 def onnx_winner(timings: list, files_ok: set[str], res) -> Any:
