@@ -16,6 +16,7 @@ def test_public_surface():
         "analyze",
         "apply",
         "bench",
+        "export",
         "load",
         "load_optimized",
         "optimize",

@@ -23,13 +23,14 @@ from opswap import bench, rules, verify
 from opswap import kernels as _kernels  # noqa: F401
 from opswap._callable import make_callable
 from opswap._version import __version__ as __version__
-from opswap.api import analyze, apply, load, optimize, plan
+from opswap.api import analyze, apply, export, load, optimize, plan
 from opswap.deploy import load_optimized
 
 __all__ = [
     "analyze",
     "apply",
     "bench",
+    "export",
     "load",
     "load_optimized",
     "optimize",

@@ -30,6 +30,7 @@ from torch import nn
 from opswap import planner
 from opswap.bench.device import check_device as check_device  # the CLI checks it first
 from opswap.bench.timing import with_timer
+from opswap.errors import ExportError
 from opswap.graph.capture import Captured, Method, as_inputs
 from opswap.graph.capture import capture as _capture
 from opswap.graph.copies import preserved_state, private_copy
@@ -172,6 +173,25 @@ class PlanCheck:
     first_divergence: Any = None  # verify.layers.Divergence
 
 
+BACKENDS = ("pytorch", "ort")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ExportError(f"Unknown backend {backend!r}; use {' or '.join(BACKENDS)}.")
+
+
+def _in_ort(module: nn.Module, captured: Captured, what: str) -> nn.Module:
+    """`module` exported to ONNX (dynamic as the capture claims) in an ONNX Runtime session."""
+    from opswap.backends.ort import ort_artifact
+
+    with preserved_state(module):
+        art = ort_artifact(module, captured.example_inputs, captured.dynamic)
+    if art.module is None:
+        raise ExportError(f"{what} could not be run in ONNX Runtime: {art.error}")
+    return art.module
+
+
 def verify_plan(
     model: nn.Module,
     example_inputs,
@@ -180,20 +200,28 @@ def verify_plan(
     budget: str | None = None,
     samples: int = 3,
     dynamic: str = "auto",
+    backend: str = "pytorch",
 ) -> PlanCheck:
     """Verify what `plan` makes of `model` against (a copy of) the model itself, at every
     shape the capture claims, with the plan's exactness defaults (loosened to the model's
-    own rounding) and `budget` on top. Every decision is judged as the plan holds it."""
+    own rounding) and `budget` on top. Every decision is judged as the plan holds it.
+    `backend="ort"` verifies the plan's result exported to ONNX and run in ONNX Runtime."""
     from opswap.verify.layers import compare_layers
     from opswap.verify.outputs import verify as _verify
 
+    _check_backend(backend)
     model, inputs = keyword_call(model, example_inputs)
     done = replay(model, inputs, plan, dynamic=dynamic)
     captured = done.captured
     tol = tolerance_for(done.plan.settings.exactness, budget, captured.rounding)
+    candidate = (
+        _in_ort(done.applied.gm, captured, "The plan's result")
+        if backend == "ort"
+        else done.applied.gm
+    )
     v = _verify(
         private_copy(model),
-        done.applied.gm,
+        candidate,
         captured.example_inputs,
         samples=samples,
         tolerance=tol,
@@ -222,18 +250,90 @@ def bench_plan(
     *,
     device: str = "cpu",
     dynamic: str = "auto",
+    backend: str = "pytorch",
 ) -> PlanBench:
-    """Time (a copy of) `model` and what `plan` makes of it side by side on `device`."""
+    """Time (a copy of) `model` and what `plan` makes of it side by side on `device`;
+    `backend="ort"` times both exported to ONNX and run in ONNX Runtime (CPU), the
+    comparison a user deploying on ORT makes."""
     from opswap.bench.compare import bench_models
 
+    _check_backend(backend)
     model, inputs = keyword_call(model, example_inputs)
     done = replay(model, inputs, plan, dynamic=dynamic)
-    return PlanBench(
-        done,
-        bench_models(
-            private_copy(model), done.applied.gm, done.captured.example_inputs, device=device
-        ),
+    ref: nn.Module = private_copy(model)
+    opt: nn.Module = done.applied.gm
+    if backend == "ort":
+        if device != "cpu":
+            raise ExportError(
+                "--backend ort times on ONNX Runtime's CPU provider; use --device cpu."
+            )
+        ref = _in_ort(ref, done.captured, "Your model")
+        opt = _in_ort(opt, done.captured, "The plan's result")
+    return PlanBench(done, bench_models(ref, opt, done.captured.example_inputs, device=device))
+
+
+@dataclass
+class Exported:
+    """A plan's result exported for a runtime: the replay, the file written, the axes it
+    keeps dynamic (a note when fewer than the capture's), and its verification, in that
+    runtime, against the model."""
+
+    replay: Replay
+    path: Path
+    verification: Verification
+    note: str | None = None
+    first_divergence: Any = None  # render.verification's field; layers are not compared
+
+
+EXPORT_FORMATS = ("onnx", "ort")
+
+
+def export(
+    model: nn.Module,
+    example_inputs,
+    plan: Plan | str | Path,
+    *,
+    to: str = "onnx",
+    out: str | Path,
+    samples: int = 3,
+    dynamic: str = "auto",
+) -> Exported:
+    """What `plan` makes of `model`, exported to OUT/model.onnx (`to` "onnx" or "ort": the
+    same file, for ONNX Runtime) with the capture's dynamic axes, and verified in ONNX
+    Runtime against (a copy of) the model at every size the file keeps."""
+    import shutil
+
+    from opswap.backends.ort import ort_artifact
+    from opswap.graph.dynamic import variants
+    from opswap.verify.outputs import verify as _verify
+
+    if to not in EXPORT_FORMATS:
+        raise ExportError(
+            f"Export to {to!r} is not available; use --to {' or '.join(EXPORT_FORMATS)}."
+        )
+    model, inputs = keyword_call(model, example_inputs)
+    done = replay(model, inputs, plan, dynamic=dynamic)
+    captured = done.captured
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    art = ort_artifact(done.applied.gm, captured.example_inputs, captured.dynamic)
+    if art.module is None or art.path is None:
+        raise ExportError(f"The plan's result could not be exported to ONNX: {art.error}")
+    kept = art.kept if art.kept is not None else captured.dynamic
+    tol = tolerance_for(done.plan.settings.exactness, None, captured.rounding)
+    v = _verify(
+        private_copy(model),
+        art.module,
+        captured.example_inputs,
+        samples=samples,
+        tolerance=tol,
+        variants=variants(captured.example_inputs, kept),
     )
+    data = art.path.with_name(art.path.name + ".data")
+    if data.is_file():
+        shutil.copyfile(data, out / data.name)
+    shutil.copyfile(art.path, out / "model.onnx")
+    return Exported(done, out / "model.onnx", v, art.note)
 
 
 def timing_note(target: str | Target, device: str) -> str | None:
@@ -324,11 +424,13 @@ def optimize(
     dynamic: str = "auto",
     keep_hooks: bool = False,
     compare: str = "compile",
+    export: str | None = None,
     name: str | None = None,
     task: Task | None = None,
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
-    bench, and the race of variants against `compare`'s baselines ("compile" or "none").
+    bench, and the race of variants against `compare`'s baselines ("compile", "ort" or
+    "none"); `export="onnx"` (or "ort") races ONNX Runtime and saves model.onnx.
     `model` is never called nor changed; `result.candidate` is the optimized module and
     `result.saved_module` the race's winner, which `result.save` writes. The user's hooks
     are left out, with a note; `keep_hooks=True` refuses a model that has any instead.
@@ -345,6 +447,7 @@ def optimize(
         dynamic=dynamic,
         keep_hooks=keep_hooks,
         compare=compare,
+        export=export,
     )
     name = name or type(model).__name__
     model, example_inputs = keyword_call(model, example_inputs)

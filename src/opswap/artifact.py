@@ -11,8 +11,11 @@ model is DIR/model.pt2, the variant that won the race (`deploy`), the very file 
 timed, with model_shapes.txt beside it when the file keeps fewer sizes dynamic than the
 capture did; where torch.export fails, the weights go to model_state.pt (a plain
 state_dict, `torch.load(..., weights_only=True)`), model_state.txt says why, and plan.json
-re-creates the structure: `opswap apply SPEC plan.json`. No model file is written when
-the file the winner saves passed no verification.
+re-creates the structure: `opswap apply SPEC plan.json`. When an ONNX Runtime variant
+won (`--compare ort`, `--export onnx`), the model is DIR/model.onnx instead, the .onnx
+file whose session was timed (with model.onnx.data beside it past 2 GB of weights), and
+`load` opens it in ONNX Runtime. No model file is written when the file the winner
+saves passed no verification.
 
 DIR then holds exactly this run, never a mix with an earlier one: everything is written
 into a temporary folder beside DIR (the same filesystem, so each file moves in with an
@@ -61,6 +64,8 @@ RUN_FILES = frozenset(
         "report.md",
         "report.html",
         "model.pt2",
+        "model.onnx",
+        "model.onnx.data",
         "model_state.pt",
         "model_state.txt",
         "model_shapes.txt",
@@ -70,7 +75,7 @@ RUN_FILES = frozenset(
         "roofline.png",
     }
 )
-_FIRST = ("model.pt2", "model_state.pt")
+_FIRST = ("model.pt2", "model.onnx.data", "model.onnx", "model_state.pt")
 _LAST = ("result.json",)
 
 #: which module a winning variant saves: the input, the plain capture or opswap's candidate
@@ -80,7 +85,19 @@ SAVES = {
     "captured": "captured",
     "opswap": "candidate",
     "opswap+compile": "candidate",
+    "ort": "input",
+    "opswap+ort": "candidate",
 }
+
+#: the variants whose saved file is an .onnx file (bench.runtimes), by their artifact's key
+ONNX_FILES = {"ort": "ort_input", "opswap+ort": "ort_candidate"}
+
+
+def artifact_key(variant: str) -> str:
+    """The key in Race.artifacts of the file `variant` saves when it wins."""
+    if variant in ONNX_FILES:
+        return ONNX_FILES[variant]
+    return "candidate" if SAVES.get(variant, "candidate") == "candidate" else "input"
 
 
 def saved_kind(result: Result) -> str:
@@ -91,7 +108,7 @@ def saved_kind(result: Result) -> str:
 def saved_artifact(result: Result) -> Artifact | None:
     """The backends.pt2.Artifact written as model.pt2 (the file the race timed), or None
     when there was no race or the winner's graph did not export."""
-    art = result.artifacts.get("candidate" if saved_kind(result) == "candidate" else "input")
+    art = result.artifacts.get(artifact_key(result.best))
     return art if art is not None and art.path is not None else None
 
 
@@ -104,8 +121,31 @@ def saved_module(result: Result) -> nn.Module:
     return result.candidate if saved_kind(result) == "candidate" else result.reference
 
 
+def _deploy_onnx(result: Result) -> dict[str, Any]:
+    """result.json's `deploy` when an ONNX Runtime variant won: DIR/model.onnx."""
+    holds = (
+        "opswap's optimized model exported to ONNX, for ONNX Runtime"
+        if result.best == "opswap+ort"
+        else "your model exported to ONNX with no rewrite, for ONNX Runtime: opswap's "
+        "export did not beat it in this run"
+    )
+    return {
+        "variant": result.best,
+        "artifact": "model.onnx" if result.verified_as is not None else None,
+        "holds": holds,
+        "compile": False,
+        "how": 'onnxruntime.InferenceSession("DIR/model.onnx", providers=["CPUExecutionProvider"]) '
+        "with graph_optimization_level ORT_ENABLE_ALL, or opswap.load_optimized(DIR)",
+        "timed": saved_artifact(result) is not None,
+        "verified_as": result.verified_as,
+        "run_under": "onnxruntime (CPU execution provider)",
+    }
+
+
 def deploy(result: Result) -> dict[str, Any]:
-    """What model.pt2 holds and how to run it (result.json's `deploy`)."""
+    """What model.pt2 (or model.onnx) holds and how to run it (result.json's `deploy`)."""
+    if result.best in ONNX_FILES:
+        return _deploy_onnx(result)
     kind = saved_kind(result)
     compiled = result.best.endswith("compile")
     holds = {
@@ -173,6 +213,7 @@ def describe(result: Result) -> dict[str, Any]:
             "budget": config.budget,
             "samples": config.samples,
             "dynamic": config.dynamic,
+            "export": config.export,
         },
         "dynamic": result.dynamic.to_json() if result.dynamic is not None else None,
         "applied": [
@@ -256,6 +297,8 @@ def save_model(
     from opswap.backends.pt2 import export_artifact
 
     out = Path(out)
+    if artifact is not None and artifact.path is not None and artifact.path.suffix == ".onnx":
+        return _save_onnx(artifact, out)
     path = out / "model.pt2"
     if artifact is None or artifact.path is None:
         artifact = export_artifact(model, tuple(example_inputs), dynamic, out)
@@ -266,19 +309,37 @@ def save_model(
             note_path.write_text(artifact.note + "\n")
         elif note_path.exists():
             note_path.unlink()
-        _remove(out, "model_state.pt", "model_state.txt")  # an earlier save's fallback
+        _remove(out, "model_state.pt", "model_state.txt", "model.onnx", "model.onnx.data")
         return {"model": path}
     # export can fail on any construct; the state_dict always works
     path = out / "model_state.pt"
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     _partial_then_replace(path, lambda p: torch.save(state, str(p)))
-    _remove(out, "model.pt2", "model_shapes.txt")  # an earlier save's model, not this one
+    # an earlier save's model, not this one
+    _remove(out, "model.pt2", "model_shapes.txt", "model.onnx", "model.onnx.data")
     (out / "model_state.txt").write_text(
         "model.pt2 could not be written because torch.export failed on the optimized "
         f"model: {artifact.error}\n"
         "model_state.pt holds its weights (torch.load(path, weights_only=True)); rebuild "
         "the module with `opswap apply SPEC plan.json`.\n"
     )
+    return {"model": path}
+
+
+def _save_onnx(artifact: Artifact, out: Path) -> dict[str, Path]:
+    """The .onnx file the race timed (and its external data file) as OUT/model.onnx."""
+    path = out / "model.onnx"
+    src = cast(Path, artifact.path)
+    data = src.with_name(src.name + ".data")
+    if data.is_file():  # the model refers to its data file by name: copied beside it
+        _partial_then_replace(out / data.name, lambda p: shutil.copyfile(data, p))
+    _partial_then_replace(path, lambda p: shutil.copyfile(src, p))
+    note_path = out / "model_shapes.txt"
+    if artifact.note:
+        note_path.write_text(artifact.note + "\n")
+    elif note_path.exists():
+        note_path.unlink()
+    _remove(out, "model.pt2", "model_state.pt", "model_state.txt")
     return {"model": path}
 
 
@@ -290,8 +351,13 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
     from opswap.backends.pt2 import load as load_program
 
     path = Path(directory)
-    folder = path.parent if path.suffix == ".pt2" else path
+    folder = path.parent if path.suffix in (".pt2", ".onnx") else path
+    onnx = path if path.suffix == ".onnx" else folder / "model.onnx"
     pt2 = path if path.suffix == ".pt2" else path / "model.pt2"
+    if not pt2.is_file() and onnx.is_file():
+        from opswap.backends.ort import OrtModule
+
+        return OrtModule(onnx)  # outputs as a tensor or a tuple: the file has no pytree
     if not pt2.is_file():
         state = folder / "model_state.pt"
         if state.is_file():

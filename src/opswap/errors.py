@@ -34,3 +34,7 @@ class VerificationError(OpswapError):
 class InputError(OpswapError, ValueError):
     """A call with inputs the optimized or saved model was not made for (another number of
     inputs, rank, dtype, or a size it keeps static)."""
+
+
+class ExportError(OpswapError):
+    """A model could not be exported to a runtime's format (ONNX, ...) or run there."""

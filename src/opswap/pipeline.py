@@ -14,12 +14,13 @@ from typing import Any
 
 from torch import nn
 
-from opswap.artifact import SAVES, file_claim
+from opswap.artifact import artifact_key, file_claim
 from opswap.bench.attribution import Attribution
 from opswap.bench.device import check_device
+from opswap.bench.runtimes import EXPORTS
 from opswap.bench.variants import Race, parse_compare
 from opswap.cost.analyze import Analysis
-from opswap.errors import RuleError, VerificationError
+from opswap.errors import OpswapError, RuleError, VerificationError
 from opswap.graph.calibrate import calibration_of
 from opswap.graph.capture import Captured
 from opswap.graph.copies import describe_hooks
@@ -68,7 +69,8 @@ class OptimizeConfig:
     prune_slow: bool = True  # drop the rules the model measures faster without (beyond noise)
     device: str = "cpu"
     dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
-    compare: str = "compile"  # baselines raced beside opswap's result: compile, or none
+    compare: str = "compile"  # baselines raced beside opswap's result: compile, ort, or none
+    export: str | None = None  # "onnx" or "ort": race ONNX Runtime and save model.onnx
     keep_hooks: bool = False  # refuse a model with hooks rather than optimize it without them
     # static int8's calibration: range method (minmax, percentile, mse, entropy), how many
     # sample inputs it runs, symmetric or asymmetric activations, per-channel weights
@@ -101,6 +103,16 @@ class OptimizeConfig:
         check_device(self.device)  # so do a device name and CUDA without a GPU
         if self.bench:
             parse_compare(self.compare)  # so does a typo in the baselines
+        if self.export is not None and self.export not in EXPORTS:
+            raise OpswapError(
+                f"export must be one of {', '.join(EXPORTS)}; got {self.export!r} "
+                "(model.pt2 is written either way)."
+            )
+        if self.export is not None and not self.bench:
+            raise OpswapError(
+                f"--export {self.export} saves the .onnx file the race verified and timed; "
+                "drop --no-bench to export."
+            )
 
 
 def measure_rules(
@@ -214,10 +226,9 @@ def _result(
     dynamic: Dynamic | None = run.captured.dynamic
     notes: list[str] = []
     if raced is not None:
-        saved = raced.artifacts.get(
-            "candidate" if SAVES.get(raced.winner.name) == "candidate" else "input"
-        )
+        saved = raced.artifacts.get(artifact_key(raced.winner.name))
         dynamic = file_claim(dynamic, saved, notes)
+        notes += raced.notes
     hooks = run.hooks
     cal = calibration_of(run.captured.gm)
     if cal is not None and any(s.rule in CALIBRATED_RULES for s in pruned.applied.applied):

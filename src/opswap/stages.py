@@ -336,6 +336,7 @@ def race(run: Run, pruned: Pruned, step: Callable[[str], None]) -> Race | None:
         check_variant,
         compare=parse_compare(run.config.compare),
         device=run.config.device,
+        export=run.config.export,
     )
     if pruned.attribution is not None:
         # one scale for the report: the total is the race's, shared among the rules kept

@@ -52,6 +52,7 @@ class Artifact:
     note: str | None = None
     error: str | None = None
     kept: Any = None
+    exported: Any = None  # (program, note, kept) of export(), kept for an ONNX export of it
 
     @property
     def ok(self) -> bool:
@@ -264,9 +265,11 @@ def export_artifact(
     dynamic=None,
     directory: str | Path | None = None,
     name: str = "model.pt2",
+    keep_program: bool = False,
 ) -> Artifact:
     """Export `model`, save it under `directory` (a fresh temporary one by default) and
-    reload it; never raises for a model that does not export."""
+    reload it; never raises for a model that does not export. `keep_program` keeps the
+    program in `exported`, so that an ONNX export translates the very same program."""
     directory = Path(directory or tempfile.mkdtemp(prefix="opswap-"))
     path = directory / name
     # torch.export.save writes the weights before it serialises the program, and fails
@@ -283,9 +286,15 @@ def export_artifact(
     except Exception as e:  # export can fail on any construct
         partial.unlink(missing_ok=True)
         return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
+    exported = (ep, note, kept) if keep_program else None
     try:
-        return Artifact(path, load(path), note=note, kept=kept)
+        return Artifact(path, load(path), note=note, kept=kept, exported=exported)
     except Exception as e:
         return Artifact(
-            path, None, note=note, error=f"reloading {name} failed: {_first_line(e)}", kept=kept
+            path,
+            None,
+            note=note,
+            error=f"reloading {name} failed: {_first_line(e)}",
+            kept=kept,
+            exported=exported,
         )

@@ -11,7 +11,10 @@ what I would do anyway?" So the candidates are
   user gets is the one timed (backends.pt2);
 - with `compare=["compile"]`: `compile` (torch.compile of the input, the one line a user
   would try first) and `opswap+compile` (torch.compile of the reloaded candidate, which
-  is what a user does with the file).
+  is what a user does with the file);
+- with `compare=["ort"]` (or an ONNX export asked for): `ort` and `opswap+ort`, the
+  input's and the candidate's programs as .onnx files run in ONNX Runtime
+  (bench.runtimes).
 
 A model that does not export is timed in memory instead, and the variant's note says
 that the file cannot hold it.
@@ -19,7 +22,8 @@ that the file cannot hold it.
 Each is verified against the input before it may win, and all are timed in the same
 `benchmark` call, so drift and neighbours hit them alike. The saved result is the
 fastest verified variant; when nothing opswap made beats the input, the result is the
-input unchanged. A runtime (ONNX Runtime, OpenVINO, ...) is one more builder here.
+input unchanged. A runtime (ONNX Runtime, OpenVINO, ...) is one more builder here, as
+bench.runtimes is for ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 from opswap.errors import OpswapError
 from opswap.graph.inputs import caller, fresh
 
-BASELINES = ("compile",)
+BASELINES = ("compile", "ort")
 
 
 @dataclass
@@ -109,8 +113,8 @@ class VariantTiming:
 
 
 def parse_compare(compare) -> list[str]:
-    """The baselines a `--compare` setting asks for: "compile" (default), "none", or a
-    list / comma-separated string of baseline names."""
+    """The baselines a `--compare` setting asks for: "compile" (default), "ort", "none",
+    or a list / comma-separated string of baseline names."""
     if compare is None:
         return ["compile"]
     items = [
@@ -201,6 +205,17 @@ def build(
         else:
             out.append(_compiled("compile", private_copy(model), inputs, "input"))
             out.append(_compiled("opswap+compile", private_copy(opt_fn), inputs, "candidate"))
+    if "ort" in compare:
+        from opswap.bench.runtimes import ARTIFACTS, describe
+
+        for name, key in ARTIFACTS.items():  # the sessions over their .onnx files
+            art = artifacts.get(key)
+            saves = "input" if name == "ort" else "candidate"
+            note, why = describe(art)
+            if why is not None:
+                out.append(Variant(name, None, saves, verified=False, reasons=[why], note=note))
+            else:
+                out.append(Variant(name, cast(Any, art).module, saves, note=note, artifact=art))
     return out
 
 
@@ -334,6 +349,8 @@ FILE_OF = {
     "compile": "captured",
     "opswap": "opswap",
     "opswap+compile": "opswap",
+    "ort": "ort",
+    "opswap+ort": "opswap+ort",
 }
 
 
@@ -394,25 +411,42 @@ class Race:
     verified_as: dict[str, Any] | None = None
     result: Any = None  # the raw bench.stats.BenchResult of the race
     settled: bool | None = None  # every interval narrowed in time
+    notes: list[str] = field(default_factory=list)
 
 
-def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device) -> Race:
+def run(
+    model,
+    captured,
+    candidate_gm,
+    verify_fn,
+    *,
+    compare: list[str],
+    device,
+    export: str | None = None,
+) -> Race:
     """Export, build, verify and race the variants of one optimize run. `verify_fn(fn,
     shapes)` verifies a callable against the input at the example and at every size of
     `shapes` (a graph.dynamic.Dynamic: the capture's, or the axes a saved file keeps),
     or at the example's only when `shapes` is False (compiled variants would recompile
-    for each new shape)."""
+    for each new shape). `export` "onnx" or "ort" races the ONNX Runtime variants and
+    saves the faster of the two .onnx files (bench.runtimes.onnx_winner)."""
     from opswap.backends.pt2 import export_artifact
+    from opswap.bench import runtimes
     from opswap.bench.device import resolve_device
     from opswap.graph.copies import preserved_state
 
     dev = resolve_device(device)
     inputs = captured.example_inputs
+    if export is not None and "ort" not in compare:
+        compare = [*compare, "ort"]
+    keep = "ort" in compare  # the programs, for the ONNX files
     with preserved_state(model, candidate_gm):
         artifacts = {
-            "input": export_artifact(model, inputs, captured.dynamic),
-            "candidate": export_artifact(candidate_gm, inputs, captured.dynamic),
+            "input": export_artifact(model, inputs, captured.dynamic, keep_program=keep),
+            "candidate": export_artifact(candidate_gm, inputs, captured.dynamic, keep_program=keep),
         }
+        if keep:
+            runtimes.exports(artifacts, inputs, captured.dynamic, dev)
     variants = build(model, captured.gm, candidate_gm, inputs, compare, dev, artifacts)
     for v in variants:
         if v.verified is not None:
@@ -433,7 +467,19 @@ def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device)
     copy = bool(getattr(captured, "writes_inputs", None))  # a forward that writes into them
     timings, res = race(variants, inputs, dev, copy=copy)
     files = saved_verification(variants)
-    winner = best(timings, {n for n, f in files.items() if f is not None})
+    ok = {n for n, f in files.items() if f is not None}
+    winner = best(timings, ok)
+    notes = []
+    if export is not None:
+        onnx = runtimes.onnx_winner(timings, ok, res)
+        if onnx is not None:
+            winner = onnx
+        else:
+            notes.append(
+                f"--export {export}: no .onnx file passed verification "
+                f"({'; '.join(t.note for t in timings if t.name in runtimes.ARTIFACTS)}), "
+                f"so the run saves {winner.name}'s file instead."
+            )
     return Race(
         timings,
         winner,
@@ -442,4 +488,5 @@ def run(model, captured, candidate_gm, verify_fn, *, compare: list[str], device)
         verified_as=files.get(winner.name),
         result=res,
         settled=all(t.settled is not False for t in timings),
+        notes=notes,
     )

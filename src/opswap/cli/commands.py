@@ -13,6 +13,7 @@ from opswap.cli import consoles, render
 from opswap.cli.app import app, check_outputs, overrides
 from opswap.cli.options import (
     _DEVICES,
+    BackendOpt,
     DynamicOpt,
     ExactOpt,
     JsonOpt,
@@ -212,16 +213,24 @@ def verify(
     dynamic: DynamicOpt = "auto",
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
+    backend: BackendOpt = "pytorch",
     json_path: JsonOpt = None,
 ) -> None:
-    """Compare the plan's result with the original; exit 1 when it breaks the tolerance or
-    decisions of the plan could not be applied."""
+    """Compare the plan's result with the original (in PyTorch, or with --backend ort as
+    the .onnx file ONNX Runtime runs); exit 1 when it breaks the tolerance or decisions
+    of the plan could not be applied."""
     check_outputs(json_path)
     _rules_from(rules_from)
     p = api.read_plan(plan_path)
     loaded = _load(spec, sets, weights)
     check = api.verify_plan(
-        loaded.module, loaded.example_inputs, p, budget=budget, samples=samples, dynamic=dynamic
+        loaded.module,
+        loaded.example_inputs,
+        p,
+        budget=budget,
+        samples=samples,
+        dynamic=dynamic,
+        backend=backend,
     )
     render.not_applied(check.replay.applied)
     render.verification(check, budget, samples)
@@ -243,9 +252,11 @@ def bench(
     dynamic: DynamicOpt = "auto",
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
+    backend: BackendOpt = "pytorch",
     json_path: JsonOpt = None,
 ) -> None:
-    """Time the original and the plan's result side by side (interleaved, after warm-up).
+    """Time the original and the plan's result side by side (interleaved, after warm-up),
+    in PyTorch or, with --backend ort, both as .onnx files in ONNX Runtime.
     Exit status 1 when decisions of the plan could not be applied (the rest is timed)."""
     check_outputs(json_path)
     api.check_device(device)
@@ -253,13 +264,58 @@ def bench(
     p = api.read_plan(plan_path)
     _timed_where(p.settings.target, device)
     loaded = _load(spec, sets, weights)
-    timed = api.bench_plan(loaded.module, loaded.example_inputs, p, device=device, dynamic=dynamic)
+    timed = api.bench_plan(
+        loaded.module, loaded.example_inputs, p, device=device, dynamic=dynamic, backend=backend
+    )
     render.not_applied(timed.replay.applied)
     data = timed.benchmark.to_json()
     render.bench(data)
     render.partial(p, timed.replay.applied, "timed the model with the {n} that did")
     render.write_json(json_path, data)
     if timed.replay.applied.failed:
+        raise typer.Exit(1)
+
+
+@app.command("export")
+def export_cmd(
+    spec: Spec,
+    plan_path: PlanArg,
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to", metavar="FORMAT", help="onnx or ort (the same .onnx file, for ONNX Runtime)."
+        ),
+    ] = "onnx",
+    out: Annotated[
+        Path, typer.Option("--out", "-o", metavar="DIR", help="Where to write model.onnx.")
+    ] = Path("opswap-export"),
+    samples: Annotated[int, typer.Option(metavar="N", help="Random input samples.")] = 3,
+    sets: SetOpt = None,
+    dynamic: DynamicOpt = "auto",
+    weights: WeightsOpt = None,
+    rules_from: RulesFromOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Export the plan's result to DIR/model.onnx (dynamic in the sizes the capture claims)
+    and verify it in ONNX Runtime against the original; exit 1 when it breaks the
+    tolerance or decisions of the plan could not be applied."""
+    check_outputs(json_path, out, out_dir=True)
+    _rules_from(rules_from)
+    p = api.read_plan(plan_path)
+    loaded = _load(spec, sets, weights)
+    done = api.export(
+        loaded.module, loaded.example_inputs, p, to=to, out=out, samples=samples, dynamic=dynamic
+    )
+    render.not_applied(done.replay.applied)
+    render.verification(done, None, samples)
+    if done.note:
+        render.note(done.note, "shapes")
+    render.line(f"wrote {done.path}")
+    render.partial(p, done.replay.applied, "exported the model with the {n} that did")
+    render.write_json(
+        json_path, {"model": str(done.path), "verification": done.verification.to_json()}
+    )
+    if not done.verification.passed or done.replay.applied.failed:
         raise typer.Exit(1)
 
 

@@ -86,3 +86,11 @@ _STAGES = [
     "race",
     "report",
 ]
+BackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        metavar="BACKEND",
+        help="Where the models run: pytorch, or ort (both exported to ONNX and run in ONNX Runtime on the CPU).",
+    ),
+]

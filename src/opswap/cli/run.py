@@ -54,9 +54,17 @@ def optimize(
         typer.Option(
             "--compare",
             metavar="BASELINES",
-            help="Baselines raced in the same run: compile (torch.compile of the input and of opswap's result), or none.",
+            help="Baselines raced in the same run, comma-separated: compile (torch.compile of the input and of opswap's result), ort (both exported to ONNX and run in ONNX Runtime), or none.",
         ),
     ] = "compile",
+    export: Annotated[
+        str | None,
+        typer.Option(
+            "--export",
+            metavar="FORMAT",
+            help="onnx or ort: race the ONNX Runtime variants too and save DIR/model.onnx, the faster verified .onnx file (your model's export or opswap's).",
+        ),
+    ] = None,
     calibrate: Annotated[
         str,
         typer.Option(
@@ -99,6 +107,7 @@ def optimize(
         device=device,
         dynamic=dynamic,
         compare=compare,
+        export=export,
         calibrate=calibrate,
         calibration_samples=calibration_samples,
         symmetric_activations=symmetric,

@@ -123,8 +123,8 @@ def unsettled_warning(race: bool = True) -> str:
 def _headline(data) -> str:
     """The best opswap variant against the best baseline, and what was saved."""
     timed = {v["name"]: v for v in data["variants"] if v["ms"] is not None}
-    ours = [timed[n] for n in ("opswap", "opswap+compile") if n in timed]
-    theirs = [timed[n] for n in ("input", "compile") if n in timed]
+    ours = [timed[n] for n in ("opswap", "opswap+compile", "opswap+ort") if n in timed]
+    theirs = [timed[n] for n in ("input", "compile", "ort") if n in timed]
     mine = min(ours, key=lambda v: v["ms"]) if ours else None
     peer = min(theirs, key=lambda v: v["ms"])
     saved = data["deploy"]
@@ -139,6 +139,12 @@ def _headline(data) -> str:
         text += (
             f" Best opswap variant `{mine['name']}` {mine['ms']:.3f} ms against the best "
             f"baseline `{peer['name']}` {peer['ms']:.3f} ms: **{against}**."
+        )
+    if "ort" in timed and "opswap+ort" in timed:
+        text += (
+            f" In ONNX Runtime: opswap's export {timed['opswap+ort']['ms']:.3f} ms against "
+            f"your model's export {timed['ort']['ms']:.3f} ms "
+            f"({timed['ort']['ms'] / timed['opswap+ort']['ms']:.2f}x)."
         )
     if saved["variant"] == "input":
         text += " Nothing opswap made beat your model beyond the run's noise: keep it."
@@ -170,7 +176,8 @@ def _variants(data) -> list[Block]:
         Para(
             "Every way to run the model, verified against the input and timed in one "
             "interleaved loop; `captured` and `opswap` are timed as reloaded from the "
-            "model.pt2 they save. `vs input` is the ratio of the medians, with its 95% "
+            "model.pt2 they save, `ort` and `opswap+ort` as ONNX Runtime sessions over the "
+            "model.onnx they save. `vs input` is the ratio of the medians, with its 95% "
             "bootstrap interval (rounds resampled in pairs). A variant is saved only when "
             "the interval's lower end is above 1 (and at least "
             f"{UNSETTLED_MARGIN:.2f}x when the interval did not narrow to 10% of the ratio "

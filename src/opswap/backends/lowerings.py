@@ -1,0 +1,269 @@
+"""ONNX lowerings of opswap's own ops (`torch.ops.opswap.*`), for torch.onnx's exporter.
+
+A rewrite leaves a registered op in the graph (`opswap::conv_relu`, `opswap::wo_linear`,
+...), which torch.export keeps as one node and torch.onnx knows nothing of. Each op gets
+here an onnxscript function that the exporter calls through its
+`custom_translation_table`: a decomposition into standard ONNX ops with the op's own
+math, or an ONNX Runtime contrib op where one computes exactly that and runs on the CPU
+execution provider:
+
+| op                          | lowered to                                                  |
+|-----------------------------|-------------------------------------------------------------|
+| opswap::conv_relu           | Conv + Relu (ORT fuses the pair into its FusedConv)         |
+| opswap::int8_linear         | per-row int8 quantisation, MatMulInteger, rescale           |
+| aten::_int_mm               | MatMulInteger (what Int8Linear traces to on VNNI CPUs)      |
+| opswap::wo_linear, INT4     | com.microsoft MatMulNBits (groups of a power of two >= 16)  |
+| opswap::wo_linear, other    | the weight dequantised in the graph, then MatMul            |
+| opswap::int8_static_linear  | QuantizeLinear / DequantizeLinear pairs around MatMul (QDQ) |
+| opswap::int8_static_conv2d  | QDQ around Conv (+ Relu)                                    |
+| opswap::fp8_linear          | Cast to FLOAT8E4M3FN and back (the op's CPU math)           |
+
+Why not com.microsoft DynamicQuantizeMatMul for int8_linear: it quantises the input
+per tensor and asymmetrically, opswap's op per row and symmetrically; the lowering
+keeps the op's numbers (MatMulInteger multiplies the same int8 codes). The static QDQ
+pairs round halves to even where the op rounds them up: the two differ only on an
+input that lands exactly on a half step.
+
+MatMulNBits has no schema in the onnx package; `_contrib_schemas` registers the one
+this module calls (inputs, attributes and types as ONNX Runtime's contrib_defs declare
+them), once, so that onnxscript can build the node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+OPSET = 20  # the exporter's default in torch 2.13; Cast to float8 needs >= 19
+
+#: the op each lowering handles, with the ONNX it becomes (docs and error messages)
+LOWERED = {
+    "opswap::conv_relu": "Conv + Relu",
+    "opswap::int8_linear": "MatMulInteger with per-row int8 quantisation",
+    "aten::_int_mm": "MatMulInteger",
+    "opswap::wo_linear": "com.microsoft MatMulNBits (INT4) or dequantise + MatMul",
+    "opswap::int8_static_linear": "QuantizeLinear/DequantizeLinear + MatMul",
+    "opswap::int8_static_conv2d": "QuantizeLinear/DequantizeLinear + Conv (+ Relu)",
+    "opswap::fp8_linear": "Cast to FLOAT8E4M3FN and back + MatMul",
+}
+
+_registered = False
+
+
+def _contrib_schemas() -> None:
+    """Register com.microsoft MatMulNBits's schema with onnx, if nothing has yet."""
+    global _registered
+    from onnx import defs
+
+    if _registered:
+        return
+    try:
+        defs.get_schema("MatMulNBits", 1, "com.microsoft")
+    except Exception:
+        fp, opt = defs.OpSchema.FormalParameter, defs.OpSchema.FormalParameterOption
+        attr, kind = defs.OpSchema.Attribute, defs.OpSchema.AttrType
+        floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+        defs.register_schema(
+            defs.OpSchema(
+                "MatMulNBits",
+                "com.microsoft",
+                1,
+                inputs=[
+                    fp("A", "T1"),
+                    fp("B", "T2"),
+                    fp("scales", "T1"),
+                    fp("zero_points", "T3", param_option=opt.Optional),
+                    fp("g_idx", "T4", param_option=opt.Optional),
+                    fp("bias", "T1", param_option=opt.Optional),
+                ],
+                outputs=[fp("Y", "T1")],
+                type_constraints=[
+                    ("T1", floats, "activations and scales"),
+                    ("T2", ["tensor(uint8)", "tensor(int32)"], "packed weight"),
+                    ("T3", ["tensor(uint8)", "tensor(int32)", *floats], "zero points"),
+                    ("T4", ["tensor(int32)"], "group index"),
+                ],
+                attributes=[
+                    attr("K", kind.INT, "input features", required=True),
+                    attr("N", kind.INT, "output features", required=True),
+                    attr("bits", kind.INT, "bits per weight", required=True),
+                    attr("block_size", kind.INT, "weights per scale", required=True),
+                    attr("accuracy_level", kind.INT, "0: as the activations", required=False),
+                ],
+            )
+        )
+    _registered = True
+
+
+def _float(x, op):
+    """x as float32 (the ops compute in float32, as their CPU kernels do)."""
+    from onnx_ir import DataType
+
+    return x if x.dtype == DataType.FLOAT else op.Cast(x, to=DataType.FLOAT)
+
+
+def _back(y, x, op):
+    """y in x's dtype."""
+    from onnx_ir import DataType
+
+    return y if x.dtype == DataType.FLOAT else op.Cast(y, to=x.dtype)
+
+
+def table() -> dict[Any, Any]:
+    """The exporter's `custom_translation_table`: torch op overload -> onnxscript function."""
+    import onnxscript
+    from onnx_ir import DataType
+
+    import opswap.kernels  # noqa: F401  (registers torch.ops.opswap.*)
+    from opswap.kernels.int8_linear import _MAX_STEP, _QMAX
+
+    _contrib_schemas()
+    op = getattr(onnxscript, f"opset{OPSET}")
+    ms = onnxscript.values.Opset("com.microsoft", 1)
+
+    def ints(v) -> Any:
+        return op.Constant(value_ints=[int(i) for i in v])
+
+    def conv_relu(x, weight, bias, stride, padding, dilation, groups):
+        # zero padding, the same on both sides of each spatial dim (the op's contract)
+        y = op.Conv(
+            x,
+            weight,
+            *([bias] if bias is not None else []),
+            strides=list(stride),
+            pads=list(padding) * 2,
+            dilations=list(dilation),
+            group=groups,
+        )
+        return op.Relu(y)
+
+    def int8_linear(x, wq, w_scale, bias):
+        # x [..., K] quantised per row: s = max|x| / 127, q = round(x / s) in [-127, 127]
+        xf = _float(x, op)
+        amax = op.ReduceMax(op.Abs(xf), ints([-1]), keepdims=1)
+        scale = op.Div(op.Max(amax, op.Constant(value_float=1e-12)), op.Constant(value_float=_QMAX))
+        step = op.Min(scale, op.Constant(value_float=float(_MAX_STEP)))
+        q = op.Clip(
+            op.Round(op.Div(xf, step)),
+            op.Constant(value_float=-_QMAX),
+            op.Constant(value_float=_QMAX),
+        )
+        acc = op.MatMulInteger(op.Cast(q, to=DataType.INT8), wq)  # [..., N] int32
+        y = op.Mul(op.Mul(op.Cast(acc, to=DataType.FLOAT), scale), w_scale)
+        if bias is not None:
+            y = op.Add(y, bias)
+        return _back(y, x, op)
+
+    def int_mm(a, b):
+        return op.MatMulInteger(a, b)
+
+    def dequantized(qweight, scale, offset, bits: int, in_features: int, n: int):
+        # codes [N, Kp] (INT4: low nibble first), times the group's scale, plus its offset
+        codes = qweight
+        if bits == 4:
+            low = op.BitwiseAnd(qweight, op.Constant(value=_u8(15)))
+            high = op.BitShift(qweight, op.Constant(value=_u8(4)), direction="RIGHT")
+            codes = op.Concat(
+                op.Unsqueeze(low, ints([-1])), op.Unsqueeze(high, ints([-1])), axis=-1
+            )
+        ng = scale.shape[1]
+        kp = qweight.shape[1] * (2 if bits == 4 else 1)
+        w = op.Mul(
+            op.Reshape(op.Cast(codes, to=DataType.FLOAT), ints([n, ng, kp // ng])),
+            op.Unsqueeze(scale, ints([-1])),
+        )
+        if offset is not None:
+            w = op.Add(w, op.Unsqueeze(offset, ints([-1])))
+        w = op.Reshape(w, ints([n, kp]))
+        return op.Slice(w, ints([0]), ints([in_features]), ints([1]))  # [N, K]
+
+    def wo_linear(x, qweight, scale, offset, bias, bits, in_features):
+        n, ng = qweight.shape[0], scale.shape[1]
+        group = qweight.shape[1] * (2 if bits == 4 else 1) // ng
+        if bits == 4 and group >= 16 and group & (group - 1) == 0 and offset is not None:
+            # MatMulNBits computes (q - zp) * s; opswap's INT4 is q * s + m: zp = -m / s
+            xf = _float(x, op)
+            zp = op.Div(op.Neg(offset), scale)
+            y = ms.MatMulNBits(
+                xf,
+                op.Reshape(qweight, ints([n, ng, group // 2])),
+                op.Reshape(scale, ints([-1])),
+                op.Reshape(zp, ints([-1])),
+                K=int(in_features),
+                N=int(n),
+                bits=4,
+                block_size=int(group),
+            )
+        else:
+            xf = _float(x, op)
+            w = dequantized(qweight, scale, offset, int(bits), int(in_features), int(n))
+            y = op.MatMul(xf, op.Transpose(w, perm=[1, 0]))
+        if bias is not None:
+            y = op.Add(y, _float(bias, op))
+        return _back(y, x, op)
+
+    def qdq_input(x, x_scale: float, x_zp: int):
+        s = op.Constant(value_float=float(x_scale))
+        z = op.Constant(value=_u8(int(x_zp), scalar=True))
+        return op.DequantizeLinear(op.QuantizeLinear(_float(x, op), s, z), s, z)
+
+    def qdq_weight(wq, w_scale):
+        if len(w_scale.shape) == 0 or w_scale.shape[0] == 1:
+            return op.DequantizeLinear(wq, op.Reshape(w_scale, ints([])))
+        return op.DequantizeLinear(wq, w_scale, axis=0)
+
+    def int8_static_linear(x, wq, w_scale, x_scale, x_zp, bias):
+        y = op.MatMul(
+            qdq_input(x, x_scale, x_zp), op.Transpose(qdq_weight(wq, w_scale), perm=[1, 0])
+        )
+        if bias is not None:
+            y = op.Add(y, bias)
+        return _back(y, x, op)
+
+    def int8_static_conv2d(
+        x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups, post
+    ):
+        y = op.Conv(
+            qdq_input(x, x_scale, x_zp),
+            qdq_weight(wq, w_scale),
+            *([bias] if bias is not None else []),
+            strides=list(stride),
+            pads=list(padding) * 2,
+            dilations=list(dilation),
+            group=groups,
+        )
+        return _back(op.Relu(y) if post == "relu" else y, x, op)
+
+    def fp8_linear(x, wq, w_scale, bias, rowwise):
+        # x / s in e4m3 (saturating at 448), s = max|x| / 448 per row or per tensor
+        xf = _float(x, op)
+        axes = ints([-1]) if rowwise else None
+        amax = op.ReduceMax(op.Abs(xf), *([axes] if axes is not None else []), keepdims=1)
+        sx = op.Div(op.Max(amax, op.Constant(value_float=1e-12)), op.Constant(value_float=448.0))
+        xq = op.Cast(op.Cast(op.Div(xf, sx), to=DataType.FLOAT8E4M3FN), to=DataType.FLOAT)
+        w = op.Transpose(op.Cast(wq, to=DataType.FLOAT), perm=[1, 0])
+        y = op.Mul(op.MatMul(xq, w), sx)
+        y = op.Mul(y, op.Unsqueeze(w_scale, ints([0])) if rowwise else w_scale)
+        if bias is not None:
+            y = op.Add(y, _float(bias, op))
+        return _back(y, x, op)
+
+    ops = torch.ops.opswap
+    return {
+        ops.conv_relu.default: conv_relu,
+        ops.int8_linear.default: int8_linear,
+        torch.ops.aten._int_mm.default: int_mm,
+        ops.wo_linear.default: wo_linear,
+        ops.int8_static_linear.default: int8_static_linear,
+        ops.int8_static_conv2d.default: int8_static_conv2d,
+        ops.fp8_linear.default: fp8_linear,
+    }
+
+
+def _u8(v: int, scalar: bool = False):
+    """A uint8 constant tensor (0-d when `scalar`, else one element)."""
+    import numpy as np
+    import onnx_ir as ir
+
+    return ir.tensor(np.array(v if scalar else [v], dtype=np.uint8))

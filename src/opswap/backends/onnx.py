@@ -1,0 +1,170 @@
+"""ONNX export of a model or of opswap's result: the program torch.export makes (the one
+model.pt2 holds, with the same dynamic axes) translated by torch.onnx's dynamo exporter.
+
+    from opswap.backends.onnx import export_onnx
+    art = export_onnx(model, inputs, captured.dynamic, "out")   # out/model.onnx
+
+The axes the capture claims dynamic stay dynamic in the file (backends.pt2.export: an
+axis torch.export specialises is kept static and the note says so), so the .onnx file
+runs at other batch sizes and sequence lengths. opswap's own ops are translated by
+backends.lowerings; an op the exporter has no translation for, and opswap no lowering,
+fails the export with one sentence naming it, before the exporter runs. Weights above
+ONNX's 2 GB protobuf limit go to a `.data` file beside the model (the exporter's own
+choice by size), which `copy_to` carries along.
+
+`fusions=True` runs onnxscript's ONNX Runtime fusions over the exported graph
+(attention, LayerNorm + residual, GELU, rotary embeddings into com.microsoft contrib
+ops): an operator replacement on the ONNX graph, which only ONNX Runtime can run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from opswap.backends.pt2 import Artifact
+from opswap.errors import ExportError
+
+# namespaces whose ops the exporter translates itself
+_BUILTIN = frozenset({"aten", "prims", "_operator", "math", "builtins"})
+
+
+def unlowered(program) -> list[str]:
+    """The ops of `program` (an ExportedProgram) that neither torch.onnx nor opswap's
+    lowerings translate, as `namespace::name`."""
+    from opswap.backends.lowerings import table
+
+    known = {o.name() for o in table()}
+    found = []
+    for node in program.graph.nodes:
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            continue
+        if t.namespace in _BUILTIN or t.name() in known:
+            continue
+        found.append(t.name().replace(".default", ""))
+    return list(dict.fromkeys(found))
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost cause's first line: torch.onnx wraps the reason in several layers."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporter's progress lines and its "torchvision is not installed" warnings."""
+    log = logging.getLogger("torch.onnx")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def to_onnx(program, path: str | Path, *, fusions: bool = False) -> Path:
+    """Translate `program` (an ExportedProgram) to ONNX at `path`. Raises ExportError
+    naming an op without a lowering, or the exporter's reason."""
+    try:
+        import onnxscript  # noqa: F401
+    except ImportError as e:
+        raise ExportError(
+            "ONNX export needs onnx and onnxscript; install them with pip install 'opswap[onnx]'."
+        ) from e
+    from opswap.backends.lowerings import OPSET, table
+
+    missing = unlowered(program)
+    if missing:
+        raise ExportError(
+            f"The model calls {', '.join(missing)}, which has no ONNX lowering; "
+            "leave out the rule that puts it there (--rules) or export to model.pt2."
+        )
+    path = Path(path)
+    try:
+        with _quiet():
+            onnx_program = torch.onnx.export(
+                program,
+                (),
+                dynamo=True,
+                custom_translation_table=table(),
+                opset_version=OPSET,
+                optimize=True,
+                verbose=False,
+            )
+            if onnx_program is None:  # only for a model with no graph, which export refuses
+                raise ExportError("torch.onnx returned no ONNX program for the model.")
+            if fusions:
+                from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+                onnx_program.model, _ = optimize_for_ort(onnx_program.model)
+            onnx_program.save(str(path))  # external data only past 2 GB, by size
+    except ExportError:
+        raise
+    except Exception as e:  # the exporter fails on constructs it has no translation for
+        raise ExportError(f"torch.onnx could not export the model: {_cause(e)}.") from e
+    return path
+
+
+def export_onnx(
+    model: nn.Module | None,
+    inputs: tuple,
+    dynamic=None,
+    directory: str | Path | None = None,
+    name: str = "model.onnx",
+    *,
+    exported: Any = None,
+    fusions: bool = False,
+) -> Artifact:
+    """Export `model` (or translate `exported`, the (program, note, kept) backends.pt2's
+    export made of it)
+    to DIRECTORY/NAME (a fresh temporary folder by default); never raises for a model that
+    does not export: the Artifact's `error` says why (its `module` is left to the runtime
+    that loads the file, backends.ort)."""
+    from opswap.backends.pt2 import _first_line, export
+
+    directory = Path(directory or tempfile.mkdtemp(prefix="opswap-onnx-"))
+    path = directory / name
+    try:
+        if exported is None:
+            if model is None:
+                raise ValueError("export_onnx needs a model or its exported program")
+            with torch.no_grad():
+                exported = export(model, tuple(inputs), dynamic)
+        program, note, kept = exported
+    except Exception as e:
+        return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
+    if note:
+        note = note.replace("model.pt2", name)
+    try:
+        to_onnx(program, path, fusions=fusions)
+    except ExportError as e:
+        for p in (path, path.with_name(path.name + ".data")):
+            p.unlink(missing_ok=True)
+        return Artifact(None, None, note=note, error=str(e), kept=kept)
+    return Artifact(path, None, note=note, kept=kept)
+
+
+def copy_onnx(src: Path, dest: Path) -> Path:
+    """Copy an .onnx file and its external data file (NAME.data, when the exporter wrote
+    one) to `dest`; the data file keeps the name the model refers to."""
+    src, dest = Path(src), Path(dest)
+    if src.resolve() != dest.resolve():
+        shutil.copyfile(src, dest)
+        data = src.with_name(src.name + ".data")
+        if data.is_file():
+            shutil.copyfile(data, dest.with_name(src.name + ".data"))
+    return dest

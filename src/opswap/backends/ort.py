@@ -1,0 +1,155 @@
+"""ONNX Runtime as a place to run the model: a session over an .onnx file, wrapped as a
+module that takes and returns torch tensors, so that verification and the race treat
+it like any other variant.
+
+    from opswap.backends.ort import ort_artifact
+    art = ort_artifact(model, inputs, captured.dynamic)   # exported, then loaded in ORT
+    y = art.module(x)                                     # runs in onnxruntime
+
+The session runs on the CPU execution provider with every graph optimisation on
+(ORT_ENABLE_ALL: constant folding, Conv + BatchNorm / Relu fusion, GELU, LayerNorm and
+attention fusions where ORT finds them) and as many intra-op threads as torch uses
+here (the machine's cores, unless the user set fewer), so that it races the PyTorch
+variants on the same cores. Inputs go in as NumPy views of the tensors (no copy for a
+contiguous CPU tensor) and outputs come back the same way; IO binding would only save
+these views on the CPU. Outputs are put back into the structure the model returns (a
+tuple, a dict, a ModelOutput) from the exported program's output spec.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from opswap.backends.pt2 import Artifact
+from opswap.errors import ExportError, InputError
+
+
+def session(path: str | Path, threads: int | None = None):
+    """An onnxruntime.InferenceSession over `path` on the CPU, ORT_ENABLE_ALL, with
+    `threads` intra-op threads (default: torch's thread count)."""
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        raise ExportError(
+            "Running in ONNX Runtime needs onnxruntime; install it with pip install 'opswap[onnx]'."
+        ) from e
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads = threads or torch.get_num_threads()
+    opts.log_severity_level = 3  # errors only: ORT warns about every unused initializer
+    try:
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ExportError(f"ONNX Runtime could not load {Path(path).name}: {text}.") from e
+
+
+class OrtModule(nn.Module):
+    """An ONNX Runtime session called like the module it was exported from: positional
+    tensors in (the program's inputs, in order), the model's output structure out."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        out_spec: Any = None,
+        threads: int | None = None,
+        names: list[str] | None = None,
+    ):
+        super().__init__()
+        self.path = Path(path)
+        self.out_spec = out_spec
+        self.threads = threads
+        self.session_threads = threads or torch.get_num_threads()
+        self.session = session(self.path, threads)
+        # the program's inputs in order (an input the graph never reads is not in the file)
+        self.input_names = list(names or [i.name for i in self.session.get_inputs()])
+        self._fed = {i.name for i in self.session.get_inputs()}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.training = False
+
+    def __deepcopy__(self, memo):  # a session does not pickle: a copy opens its own
+        return OrtModule(
+            self.path, copy.deepcopy(self.out_spec, memo), self.threads, self.input_names
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.path.name}, inputs={', '.join(self.input_names)}"
+
+    def forward(self, *args: Any) -> Any:
+        leaves = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
+        name = self.path.name
+        if len(leaves) != len(self.input_names):
+            raise InputError(
+                f"{name} takes {len(self.input_names)} input tensor(s) "
+                f"({', '.join(self.input_names)}), got {len(leaves)}."
+            )
+        feed = {}
+        for n, x in zip(self.input_names, leaves, strict=True):
+            if x.device.type != "cpu" or x.dtype == torch.bfloat16:
+                raise InputError(
+                    f"{name} runs on ONNX Runtime's CPU provider and takes CPU tensors NumPy "
+                    f"can hold; input {n} is {x.dtype} on {x.device}."
+                )
+            if n in self._fed:
+                feed[n] = x.detach().numpy()
+        try:
+            outs = self.session.run(self.output_names, feed)
+        except Exception as e:  # ORT names the input, its rank or its size
+            text = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
+            raise InputError(f"{name} refused the inputs: {text}.") from e
+        tensors = [torch.from_numpy(o) for o in outs]
+        if self.out_spec is not None and self.out_spec.num_leaves == len(tensors):
+            return pytree.tree_unflatten(tensors, self.out_spec)
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def ort_artifact(
+    model: nn.Module | None,
+    inputs: tuple,
+    dynamic=None,
+    directory: str | Path | None = None,
+    *,
+    exported: Any = None,
+    fusions: bool = False,
+    name: str = "model.onnx",
+) -> Artifact:
+    """`model` (or `exported`, backends.pt2's (program, note, kept) of it) exported to
+    ONNX and loaded in an ONNX Runtime session: an Artifact whose `module` is the
+    OrtModule, the file that is timed; never raises (its `error` says why)."""
+    from opswap.backends.onnx import export_onnx
+    from opswap.backends.pt2 import export
+
+    if exported is None and model is not None:
+        try:
+            with torch.no_grad():
+                exported = export(model, tuple(inputs), dynamic)
+        except Exception as e:
+            from opswap.backends.pt2 import _first_line
+
+            return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
+    art = export_onnx(None, inputs, dynamic, directory, name, exported=exported, fusions=fusions)
+    if art.path is None:
+        return art
+    program = exported[0]
+    names = list(program.graph_signature.user_inputs)
+    try:
+        art.module = OrtModule(art.path, program.call_spec.out_spec, names=names)
+    except ExportError as e:
+        if not fusions:
+            art.error = str(e)
+            return art
+        # onnxscript's fusions can leave a graph ORT refuses (a Gemm on a rank-3 input):
+        # the file is written again without them, and the note says so
+        plain = ort_artifact(None, inputs, dynamic, directory, exported=exported, name=name)
+        why = str(e).removesuffix(".")
+        plain.note = "; ".join(
+            filter(None, [plain.note, f"written without onnxscript's ORT fusions ({why})"])
+        )
+        return plain
+    return art

@@ -1,0 +1,80 @@
+"""The runtime variants of the race: ONNX Runtime sessions over .onnx files, two per run.
+
+- `ort`: the input's program exported to ONNX and run in ONNX Runtime: what a user who
+  deploys on ORT would do without opswap (the peer opswap's export must beat);
+- `opswap+ort`: opswap's candidate exported to ONNX (its ops through backends.lowerings,
+  and onnxscript's ORT fusions on the ONNX graph) and run in ONNX Runtime.
+
+Each ONNX file translates the very program model.pt2 holds (the exported program is
+kept, not traced again), so it keeps the same dynamic axes, and the session timed is
+the session over the file that is saved when it wins (DIR/model.onnx). They are
+verified against the input at every size the file keeps, like the saved-graph
+variants, before they may win.
+
+With `--export onnx` (or `ort`) the user deploys an .onnx file whatever else wins, so
+`onnx_winner` picks between the two ONNX variants: opswap's when it is faster than the
+input's export beyond the run's noise, else the input's export.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+#: the variants this module adds, and the key of their file in Race.artifacts
+ARTIFACTS = {"ort": "ort_input", "opswap+ort": "ort_candidate"}
+EXPORTS = ("onnx", "ort")
+
+
+def exports(artifacts: dict[str, Any], inputs: tuple, dynamic, device: torch.device) -> None:
+    """Add the two ONNX files (sessions loaded) to `artifacts`, from the programs kept in
+    its "input" and "candidate" backends.pt2.Artifacts, which are then let go."""
+    from opswap.backends.pt2 import Artifact
+
+    if device.type != "cpu":
+        why = f"ONNX Runtime runs on its CPU provider here, and the race is on {device}"
+        for key in ARTIFACTS.values():
+            artifacts[key] = Artifact(None, None, error=why)
+        return
+    from opswap.backends.ort import ort_artifact
+
+    for key, src, fusions in (("ort_input", "input", False), ("ort_candidate", "candidate", True)):
+        pt2 = artifacts.get(src)
+        exported = getattr(pt2, "exported", None)
+        if exported is None:
+            why = getattr(pt2, "error", None) or "not exported"
+            artifacts[key] = Artifact(None, None, error=f"no program to translate ({why})")
+            continue
+        artifacts[key] = ort_artifact(None, inputs, dynamic, exported=exported, fusions=fusions)
+        cast(Any, pt2).exported = None  # the program's weights: not held past the translation
+
+
+def describe(art) -> tuple[str, str | None]:
+    """(the note of an ORT variant, why it cannot run or None) for its Artifact."""
+    if art is None or art.module is None:
+        why = art.error if art is not None else "not exported"
+        return why[:200], why
+    note = f"model.onnx in ONNX Runtime (CPU, {art.module.session_threads} threads)"
+    return (note + "; " + art.note if art.note else note), None
+
+
+def onnx_winner(timings: list, files_ok: set[str], res) -> Any:
+    """The ONNX variant saved with --export: `opswap+ort` when it passed and is faster than
+    `ort` beyond the noise of the run (its interval of the ratio above 1), else `ort`;
+    None when neither passed."""
+    by = {t.name: t for t in timings}
+    ok = [
+        n
+        for n in ARTIFACTS
+        if n in by and by[n].verified and by[n].ms is not None and n in files_ok
+    ]
+    if not ok:
+        return None
+    if ok == ["opswap+ort"]:
+        return by["opswap+ort"]
+    if "opswap+ort" in ok:
+        r = res.ratio("ort", "opswap+ort")
+        if r.ci_low is not None and cast(float, r.ci_low) > 1.0:
+            return by["opswap+ort"]
+    return by["ort"]

@@ -1,0 +1,128 @@
+"""Every lowering of an opswap op, run in ONNX Runtime against the op itself in PyTorch,
+at the example's batch and at others (the file keeps batch dynamic)."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from opswap.backends.lowerings import LOWERED, table
+from opswap.backends.ort import ort_artifact
+from opswap.graph.dynamic import Axis, Dynamic
+from opswap.kernels import int8_linear as k8
+from opswap.kernels.observers import QParams
+from opswap.rules.precision._int8_module import Int8Linear
+from opswap.rules.precision._int8_static_module import Int8StaticConv2d, Int8StaticLinear
+from opswap.rules.precision._lowbit_modules import FP8Linear, WeightOnlyLinear
+
+K, N = 200, 24  # K not a multiple of 128: INT4's padded last group
+BATCH = Dynamic([Axis("batch", ((0, 0),), 3, 4)])
+
+
+class _Int8Op(nn.Module):
+    """opswap::int8_linear called directly (weights [K, N] int8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("wq", torch.randint(-127, 128, (K, N), dtype=torch.int8))
+        self.register_buffer("scale", torch.rand(N) * 0.01 + 1e-3)
+        self.register_buffer("bias", torch.randn(N))
+
+    def forward(self, x):
+        return torch.ops.opswap.int8_linear(x, self.wq, self.scale, self.bias)
+
+
+def _linear() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(K, N)
+
+
+class _Each(nn.Module):
+    """Every module on the same input: one export covers them all."""
+
+    def __init__(self, **mods: nn.Module):
+        super().__init__()
+        self.mods = nn.ModuleDict(mods)
+
+    def forward(self, x):
+        return {k: m(x) for k, m in self.mods.items()}
+
+
+def _cases():
+    lin = _linear()
+    w, b = lin.weight.data, lin.bias.data
+    torch.manual_seed(1)
+    conv = nn.Conv2d(3, 8, 3, padding=1, stride=2)
+    qp = QParams(0.03, 120)
+    linears = _Each(
+        wo4=WeightOnlyLinear(w, b, 4),  # groups of 128: MatMulNBits
+        wo4_row=WeightOnlyLinear(w, None, 4, K),  # one group of 200: dequantised
+        wo8=WeightOnlyLinear(w, b, 8),
+        int8=_Int8Op(),
+        static=Int8StaticLinear(w, b, qp, True),
+        fp8=FP8Linear(w, b),
+    )
+    convs = _Each(
+        static=Int8StaticConv2d(
+            conv.weight.data, conv.bias.data, qp, True, (2, 2), (1, 1), (1, 1), 1, True
+        ),
+        static_tensor=Int8StaticConv2d(
+            conv.weight.data, None, qp, False, (2, 2), (1, 1), (1, 1), 1, False
+        ),
+    )
+    return {
+        "linear ops": (linears, (3, K), {"MatMulNBits", "MatMulInteger", "QuantizeLinear"}),
+        "conv ops": (convs, (3, 3, 9, 11), {"Conv", "DequantizeLinear"}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_lowering_matches_the_op(case, tmp_path):
+    module, shape, onnx_ops = _cases()[case]
+    module.eval()
+    x = torch.randn(*shape)
+    art = ort_artifact(module, (x,), BATCH, tmp_path)
+    assert art.module is not None, art.error
+    graph = onnx.load(str(art.path)).graph
+    assert onnx_ops <= {n.op_type for n in graph.node}
+    assert not any(n.domain == "opswap" for n in graph.node)
+    for batch in (1, 3, 6):
+        xb = torch.randn(batch, *shape[1:])
+        with torch.no_grad():
+            want = module(xb)
+        got = art.module(xb)
+        assert set(got) == set(want)
+        for k in want:
+            # the same math: float32 rounding (static int8: a rare half step apart)
+            scale = want[k].abs().max().item()
+            torch.testing.assert_close(got[k], want[k], atol=1e-5 * scale, rtol=1e-4, msg=k)
+
+
+def test_int_mm_lowered_where_int8_linear_traces_to_it(tmp_path, monkeypatch):
+    # on a VNNI CPU Int8Linear's forward is torch._int_mm: forced here, it must lower too
+    monkeypatch.setattr(k8, "cpu_int_mm_fast", lambda: True)
+    lin = _linear()
+    module = Int8Linear(lin.weight.data, lin.bias.data).eval()
+    x = torch.randn(3, 5, K)
+    art = ort_artifact(module, (x,), BATCH, tmp_path)
+    assert art.module is not None, art.error
+    assert "MatMulInteger" in {n.op_type for n in onnx.load(str(art.path)).graph.node}
+    xb = torch.randn(2, 5, K)
+    with torch.no_grad():
+        want = module(xb)
+    torch.testing.assert_close(art.module(xb), want, atol=1e-5, rtol=1e-5)
+
+
+def test_every_registered_opswap_op_has_a_lowering():
+    import opswap.kernels  # noqa: F401
+
+    lowered = {o.name().replace(".default", "") for o in table()}
+    assert lowered == set(LOWERED)
+    registered = {
+        name
+        for name in dir(torch.ops.opswap)
+        if isinstance(getattr(torch.ops.opswap, name), torch._ops.OpOverloadPacket)
+    }
+    assert {f"opswap::{n}" for n in registered} <= lowered

@@ -1,0 +1,100 @@
+"""backends.onnx: opswap's result as an .onnx file, its ops lowered, dynamic as the
+capture claims, checked in ONNX Runtime against the user's module."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from opswap import api
+from opswap.backends.onnx import export_onnx, to_onnx, unlowered
+from opswap.backends.ort import OrtModule
+from opswap.backends.pt2 import export
+from opswap.errors import ExportError
+from opswap.graph.dynamic import variants
+from opswap.planner import apply_plan
+
+
+class _ConvNet(nn.Module):
+    """Conv + BN (eval) + ReLU twice, an in-place add, a buffer, a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.register_buffer("shift", torch.randn(1, 8, 1, 1))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.b1(self.c1(x)))
+        h = torch.relu(self.b2(self.c2(h)))
+        h.add_(self.shift)
+        return self.head(h.mean((2, 3)))
+
+
+def _trained_bn(m: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    for bn in (m.b1, m.b2):
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    return m.eval()
+
+
+def test_opswap_result_exports_with_conv_relu_lowered(tmp_path):
+    model = _trained_bn(_ConvNet())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 12, 12)
+    captured = api.capture(model, (x,))
+    plan = api.plan(model, (x,), rules="fusion.conv_bn,fusion.conv_relu")
+    assert {d.rule for d in plan.decisions} == {"fusion.conv_bn", "fusion.conv_relu"}
+    gm = apply_plan(captured, plan).gm
+    exported = export(gm, captured.example_inputs, captured.dynamic)
+    targets = {n.target for n in exported[0].graph.nodes if n.op == "call_function"}
+    assert torch.ops.opswap.conv_relu.default in targets  # the custom op, to be lowered
+    art = export_onnx(None, captured.example_inputs, captured.dynamic, tmp_path, exported=exported)
+    assert art.path == tmp_path / "model.onnx", art.error
+    proto = onnx.load(str(art.path))
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("Conv") == 2 and "Relu" in ops and "BatchNormalization" not in ops
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims][1] == 3 and dims[0].dim_param and dims[2].dim_param
+    session = OrtModule(art.path)
+    shapes = [("example", captured.example_inputs)] + variants(
+        captured.example_inputs, captured.dynamic
+    )
+    shapes.append(("batch 5, 17x17", (torch.randn(5, 3, 17, 17),)))
+    for _, xs in shapes:
+        with torch.no_grad():
+            want = model(*[t.clone() for t in xs])
+        torch.testing.assert_close(session(*xs), want, atol=1e-5, rtol=1e-4)
+    for k, v in model.state_dict().items():  # the user's module is untouched
+        assert torch.equal(v, before[k]), k
+
+
+@torch.library.custom_op("opswaptest::mystery", mutates_args=())
+def _mystery(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_mystery.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _Mystery(nn.Module):
+    def forward(self, x):
+        return torch.ops.opswaptest.mystery(x).relu()
+
+
+def test_an_op_without_lowering_fails_in_one_sentence_naming_it(tmp_path):
+    x = torch.randn(2, 4)
+    program, _, _ = export(_Mystery(), (x,))
+    assert unlowered(program) == ["opswaptest::mystery"]
+    with pytest.raises(ExportError, match=r"opswaptest::mystery, which has no ONNX lowering"):
+        to_onnx(program, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+    art = export_onnx(_Mystery(), (x,), None, tmp_path)  # the artifact form never raises
+    assert art.path is None and "opswaptest::mystery" in art.error
+    assert len(art.error.splitlines()) == 1

@@ -1,0 +1,81 @@
+"""bench.runtimes: ONNX Runtime in the race, and the .onnx file an ORT winner saves."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+import opswap
+from opswap import artifact
+from opswap.bench.runtimes import onnx_winner
+from opswap.bench.stats import BenchResult
+from opswap.bench.variants import VariantTiming
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc(h.mean((2, 3)))
+
+
+def test_export_onnx_races_ort_and_saves_the_timed_file(tmp_path):
+    torch.manual_seed(0)
+    model = _Net().eval()
+    model.bn.running_var.uniform_(0.5, 2.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 10, 10)
+    result = opswap.optimize(model, (x,), compare="none", export="onnx", name="net")
+    names = [v.name for v in result.variants]
+    assert {"ort", "opswap+ort"} <= set(names)
+    rows = {v.name: v for v in result.variants}
+    assert rows["ort"].verified and rows["opswap+ort"].verified
+    assert result.best in ("ort", "opswap+ort")  # --export onnx saves an .onnx file
+    assert "batch 1" in result.verified_as["shapes"]
+    timed = result.saved_artifact
+    assert timed is not None and timed.path.suffix == ".onnx"
+    paths = result.save(tmp_path)
+    assert paths["model"] == tmp_path / "model.onnx" and not (tmp_path / "model.pt2").exists()
+    assert (tmp_path / "model.onnx").read_bytes() == timed.path.read_bytes()
+    data = json.loads((tmp_path / "result.json").read_text())
+    assert data["deploy"]["artifact"] == "model.onnx" and data["best"] == result.best
+    assert "onnxruntime.InferenceSession" in data["deploy"]["how"]
+    loaded = artifact.load(tmp_path)  # in ONNX Runtime
+    xb = torch.randn(5, 3, 13, 13)
+    with torch.no_grad():
+        want = model(xb)
+    torch.testing.assert_close(loaded(xb), want, atol=1e-5, rtol=1e-4)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def _timing(name, ms, ok=True):
+    return VariantTiming(name, ms, 0.0, None, None, None, ok)
+
+
+def _res(rounds):
+    from opswap.bench.stats import Stats
+
+    names = list(rounds[0])
+    stats = {n: Stats(n, [r[n] for r in rounds], 1) for n in names}
+    return BenchResult(stats, rounds, [names] * len(rounds), "cpu", 0)
+
+
+def test_onnx_winner_needs_opswap_faster_beyond_noise():
+    ort, mine = _timing("ort", 2.0), _timing("opswap+ort", 1.0)
+    faster = _res([{"ort": 2.0 + 0.01 * i, "opswap+ort": 1.0} for i in range(30)])
+    same = _res([{"ort": 1.0 + 0.02 * (i % 3 - 1), "opswap+ort": 1.0} for i in range(30)])
+    files = {"ort", "opswap+ort"}
+    assert onnx_winner([ort, mine], files, faster).name == "opswap+ort"
+    assert onnx_winner([ort, mine], files, same).name == "ort"
+    assert onnx_winner([ort, mine], {"ort"}, faster).name == "ort"  # its file failed
+    assert onnx_winner([_timing("ort", None, False), mine], {"opswap+ort"}, faster).name == (
+        "opswap+ort"
+    )
+    assert onnx_winner([_timing("ort", None, False)], set(), faster) is None
