@@ -34,3 +34,7 @@ class VerificationError(OpswapError):
 class InputError(OpswapError, ValueError):
     """A call with inputs the optimized or saved model was not made for (another number of
     inputs, rank, dtype, or a size it keeps static)."""
+
+
+class BackendError(OpswapError, ValueError):
+    """A backend (the torch.compile backend, a runtime) was given an option it cannot use."""
