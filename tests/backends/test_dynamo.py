@@ -63,26 +63,24 @@ def _convnet() -> ConvNet:
     return m
 
 
-def test_conv_zoo_model_matches_eager_with_the_custom_op_and_another_batch():
+def test_conv_zoo_model_matches_eager_with_the_custom_op_at_another_batch():
     lm = load("zoo:resnet", overrides={"width": "4", "image_size": "8"})
     model = lm.module.eval()
     before = _state(model)
     be = dynamo.backend()
     compiled = torch.compile(model, backend=be)
     (x,) = lm.example_inputs
+    torch._dynamo.mark_dynamic(x, 0)  # one graph for both batches
+    x5 = torch.randn(5, *x.shape[1:])
     with torch.no_grad(), torch.profiler.profile() as prof:
-        y = compiled(x)
+        y, y5 = compiled(x), compiled(x5)
     torch.testing.assert_close(y, model(x).detach(), **TOL)
+    torch.testing.assert_close(y5, model(x5).detach(), **TOL)
     # opswap's op reached Inductor's code as a call, and ran
     assert any("opswap::conv_relu" in e.key for e in prof.key_averages())
-    report = be.reports[0]
+    (report,) = be.reports
     assert report.applied["fusion.conv_bn"] == 8 and report.applied["fusion.conv_relu"] == 4
-    assert report.frozen > 0 and not report.untouched
-    x5 = torch.randn(5, *x.shape[1:])
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x5), model(x5), **TOL)
-    assert len(be.reports) == 2 and be.reports[1].dynamic  # Dynamo recompiled it dynamic
-    assert "fusion.conv_bn" in be.reports[1].fired
+    assert report.dynamic and report.frozen > 0 and not report.untouched
     assert _unchanged(model, before) and not any(p.grad is not None for p in model.parameters())
 
 
@@ -136,14 +134,19 @@ def test_graph_breaks_give_several_graphs_each_rewritten(capsys):
     assert "scale" in capsys.readouterr().out
 
 
-def test_bn_eval_inplace_relu_and_weights_loaded_after_compiling():
+def test_bn_eval_inplace_relu_a_recompile_and_weights_loaded_after_compiling():
     model = _convnet()
+    before = _state(model)
     be = dynamo.backend()
     compiled = torch.compile(model, backend=be)
-    x = torch.randn(2, 3, 11, 13)
+    x, x3 = torch.randn(2, 3, 11, 13), torch.randn(3, 3, 7, 9)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), **TOL)
-    assert {"fusion.conv_bn", "fusion.conv_relu"} <= set(be.reports[0].fired)
+        torch.testing.assert_close(compiled(x3), model(x3), **TOL)  # recompiled dynamic
+    assert len(be.reports) == 2 and be.reports[1].dynamic and not be.reports[0].dynamic
+    for report in be.reports:
+        assert {"fusion.conv_bn", "fusion.conv_relu"} <= set(report.fired)
+    assert _unchanged(model, before)
     # new weights through load_state_dict (in-place copies): planned again, not stale
     other = _convnet()
     with torch.no_grad():
@@ -151,8 +154,8 @@ def test_bn_eval_inplace_relu_and_weights_loaded_after_compiling():
             p.mul_(1.5)
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), other(x), **TOL)
-    assert any("planned again" in n for n in be.reports[0].notes)
+        torch.testing.assert_close(compiled(x3), other(x3), **TOL)
+    assert any("planned again" in n for n in be.reports[1].notes)
 
 
 def test_without_freezing_the_weight_rules_refuse_with_the_reason():

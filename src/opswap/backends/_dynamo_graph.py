@@ -61,7 +61,7 @@ def source_of(node: fx.Node) -> str:
     """Where Dynamo took a placeholder from (`L['self']._modules['fc']._parameters['weight']`),
     or "" when it does not say."""
     arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
+    source: Any = getattr(arg, "source", None)
     try:
         return str(source.name) if isinstance(source.name, str) else str(source.name())
     except Exception:  # an unfamiliar source: not a module weight as far as we know
@@ -263,6 +263,8 @@ def _symbols(gm: fx.GraphModule, inputs: tuple) -> dict[Any, int]:
     for i, n in enumerate(placeholders(gm)):
         v = n.meta.get("example_value")
         x = inputs[i] if i < len(inputs) else None
+        sizes: list[Any]
+        real: list[Any]
         if isinstance(v, torch.SymInt):
             sizes, real = [v], [x]
         elif isinstance(v, torch.Tensor):

@@ -84,8 +84,7 @@ class Options:
         unknown = sorted(set(given) - set(_OPTIONS))
         if unknown:
             raise BackendError(
-                f"The opswap backend has no option {unknown[0]!r}; it takes "
-                f"{', '.join(_OPTIONS)}."
+                f"The opswap backend has no option {unknown[0]!r}; it takes {', '.join(_OPTIONS)}."
             )
         exactness = given.get("exactness", "exact")
         if exactness not in EXACTNESS_ORDER:
@@ -165,6 +164,15 @@ def _target(options: Options, example_inputs: Sequence[Any]) -> str:
         return options.target
     device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
     return "cuda" if device is not None and device.type == "cuda" else "cpu"
+
+
+def _inductor(gm: fx.GraphModule, inputs: list[Any], config: dict | None) -> Callable:
+    """Inductor's compiled callable for `gm` (compile_fx, the `inductor` backend's own)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled = compile_fx(gm, inputs, config_patches=config)
+    assert callable(compiled)  # compile_fx returns other things only for AOT-compile modes
+    return compiled
 
 
 def _first_line(e: BaseException) -> str:
@@ -265,10 +273,9 @@ class _Guarded:
 
     def _compile(self, gm: fx.GraphModule) -> Callable:
         from torch._guards import tracing
-        from torch._inductor.compile_fx import compile_fx
 
         with tracing(self.context):
-            return compile_fx(gm, self.fakes, config_patches=self.config)
+            return _inductor(gm, self.fakes, self.config)
 
     def _replan(self, args: tuple) -> None:
         self.replans += 1
@@ -306,7 +313,6 @@ class Backend:
         """Dynamo's entry: compile one graph. `options` and `mode` are torch.compile's
         (`torch.compile(m, backend="opswap", options={"rules": "fusion.*"})`)."""
         from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx
 
         opts = self.options if options is None else Options.make(**options)
         config = list_mode_options(mode) if mode else None
@@ -321,8 +327,8 @@ class Backend:
         if opts.report is not None:
             opts.report(report)
         if new is None:
-            return compile_fx(gm, list(example_inputs), config_patches=config)
-        compiled = compile_fx(new, list(example_inputs), config_patches=config)
+            return _inductor(gm, list(example_inputs), config)
+        compiled = _inductor(new, list(example_inputs), config)
         if not frozen.weights:
             return compiled
         return _Guarded(gm, weights, opts, report, frozen, compiled, config)
