@@ -38,3 +38,7 @@ class InputError(OpswapError, ValueError):
 
 class ExportError(OpswapError):
     """A model could not be exported to a runtime's format (ONNX, ...) or run there."""
+
+
+class BackendError(OpswapError, ValueError):
+    """A backend (the torch.compile backend, a runtime) was given an option it cannot use."""

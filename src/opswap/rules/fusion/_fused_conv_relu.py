@@ -31,9 +31,15 @@ __all__ = ["FusedConvReLU", "mkldnn_fused_available"]
 
 
 def _tracing(x) -> bool:
-    """True while FX, Dynamo or torch.export trace the module: they must see the op."""
+    """True while FX, Dynamo or torch.export trace the module, or AOTAutograd does for
+    Inductor (on fake tensors, where the oneDNN kernel cannot run): they must see the op."""
+    from torch._subclasses.fake_tensor import is_fake
+
     return bool(
-        isinstance(x, fx.Proxy) or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        isinstance(x, fx.Proxy)
+        or torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or is_fake(x)
     )
 
 
