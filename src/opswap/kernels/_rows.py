@@ -98,3 +98,22 @@ def jitted(fn: Callable[..., Any]) -> Any:
     if key not in _JITTED:
         _JITTED[key] = triton.jit(fn)
     return _JITTED[key]
+
+
+def _rn_fn(v, RN: tl.constexpr):
+    # Triton 3.9's interpreter truncates fp32 -> bf16 casts; a GPU rounds to nearest even.
+    # With RN (set only under the interpreter, for a bf16 destination) round the fp32
+    # value to bf16's precision first, so the truncating cast that follows is exact.
+    if RN:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        v = b.to(tl.float32, bitcast=True)
+    return v
+
+
+rn = triton.jit(_rn_fn) if triton is not None else None
+
+
+def rn_flag(dtype: torch.dtype) -> bool:
+    """The RN setting for stores of `dtype` (see `_rn_fn`)."""
+    return interpreting() and dtype == torch.bfloat16

@@ -33,6 +33,8 @@ from opswap.kernels._rows import (
     MAX_ROW,
     backward_programs,
     jitted,
+    rn,
+    rn_flag,
     row_settings,
     rows_of,
     runs_triton,
@@ -67,6 +69,7 @@ def _ln_fwd_fn(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     BLOCK: tl.constexpr,
+    RN: tl.constexpr = False,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     # one row per program: read x once, write y once; the two moments from registers
     row = tl.program_id(0).to(tl.int64)
@@ -81,7 +84,7 @@ def _ln_fwd_fn(
         y = y * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + row * N + cols, rn(y, RN).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _ln_bwd_fn(
@@ -98,6 +101,7 @@ def _ln_bwd_fn(
     ROWS: tl.constexpr,
     HAS_W: tl.constexpr,
     BLOCK: tl.constexpr,
+    RN: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -121,7 +125,7 @@ def _ln_bwd_fn(
         c1 = tl.sum(dxhat * xhat, 0) / N
         c2 = tl.sum(dxhat, 0) / N
         dx = rstd * (dxhat - c2 - xhat * c1)
-        tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        tl.store(dx_ptr + row * N + cols, rn(dx, RN).to(dx_ptr.dtype.element_ty), mask=m)
     tl.store(dw_ptr + pid * N + cols, dw, mask=ok)
     tl.store(db_ptr + pid * N + cols, db, mask=ok)
 
@@ -144,6 +148,7 @@ def triton_forward(x, weight, bias, eps) -> torch.Tensor:
             HAS_W=weight is not None,
             HAS_B=bias is not None,
             BLOCK=block,
+            RN=rn_flag(x.dtype),
             num_warps=warps,
         )
     return y.reshape(x.shape)
@@ -175,6 +180,7 @@ def triton_backward(dy, x, weight, eps) -> tuple[torch.Tensor, torch.Tensor, tor
             ROWS=-(-m // progs),
             HAS_W=weight is not None,
             BLOCK=block,
+            RN=rn_flag(x.dtype),
             num_warps=warps,
         )
         return dx.reshape(x.shape), pw.sum(0), pb.sum(0)

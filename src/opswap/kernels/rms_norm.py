@@ -43,6 +43,8 @@ from opswap.kernels._rows import (
     MAX_ROW,
     backward_programs,
     jitted,
+    rn,
+    rn_flag,
     row_settings,
     rows_of,
     runs_triton,
@@ -97,6 +99,8 @@ def _rms_fwd_fn(
     HAS_RES: tl.constexpr,
     CAST_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
+    RN_X: tl.constexpr = False,  # the interpreter's bf16 rounding (kernels/_rows.py)
+    RN_Y: tl.constexpr = False,
 ):
     # one row per program: read x (and the residual) once, write y (and s) once
     row = tl.program_id(0).to(tl.int64)
@@ -105,16 +109,16 @@ def _rms_fwd_fn(
     x = tl.load(x_ptr + row * sx + cols, mask=ok, other=0.0)
     if HAS_RES:
         r = tl.load(r_ptr + row * sr + cols, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # eager's add
+        x = rn(x.to(tl.float32) + r.to(tl.float32), RN_X).to(x_ptr.dtype.element_ty)  # eager's add
         tl.store(s_ptr + row * N + cols, x, mask=ok)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     h = xf * rstd
     if CAST_FIRST:
-        h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
+        h = rn(h, RN_X).to(x_ptr.dtype.element_ty).to(tl.float32)
     if HAS_W:
         h = h * (tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) + offset)
-    tl.store(y_ptr + row * N + cols, h.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + row * N + cols, rn(h, RN_Y).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _rms_bwd_fn(
@@ -134,6 +138,7 @@ def _rms_bwd_fn(
     HAS_DRES: tl.constexpr,
     CAST_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
+    RN_X: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -151,7 +156,7 @@ def _rms_bwd_fn(
         dy = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_W:
             if CAST_FIRST:
-                dw += dy * n.to(x_ptr.dtype.element_ty).to(tl.float32)
+                dw += dy * rn(n, RN_X).to(x_ptr.dtype.element_ty).to(tl.float32)
             else:
                 dw += dy * n
             dn = dy * g
@@ -160,7 +165,7 @@ def _rms_bwd_fn(
         dx = rstd * (dn - n * (tl.sum(dn * n, 0) / N))
         if HAS_DRES:
             dx += tl.load(dres_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        tl.store(dx_ptr + row * N + cols, rn(dx, RN_X).to(dx_ptr.dtype.element_ty), mask=m)
     if HAS_W:
         tl.store(dw_ptr + pid * N + cols, dw, mask=ok)
 
@@ -197,6 +202,8 @@ def triton_forward(
             HAS_RES=residual is not None,
             CAST_FIRST=cast_first,
             BLOCK=block,
+            RN_X=rn_flag(x.dtype),
+            RN_Y=rn_flag(y.dtype),
             num_warps=warps,
         )
     shape = x.shape
@@ -241,6 +248,7 @@ def triton_backward(
             HAS_DRES=dres is not None,
             CAST_FIRST=cast_first,
             BLOCK=block,
+            RN_X=rn_flag(x.dtype),
             num_warps=warps,
         )
     if weight is None:

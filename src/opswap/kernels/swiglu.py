@@ -29,7 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
 
-from opswap.kernels._rows import ELEMENTWISE_BLOCK, KernelError, jitted, runs_triton, tl
+from opswap.kernels._rows import (
+    ELEMENTWISE_BLOCK,
+    KernelError,
+    jitted,
+    rn,
+    rn_flag,
+    runs_triton,
+    tl,
+)
 
 #: the activations the kernels compute, by the name the ops take
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -85,6 +93,7 @@ def _glu_fwd_fn(
     su,
     ACT: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 gelu (tanh)
     BLOCK: tl.constexpr,
+    RN: tl.constexpr = False,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     # program (row, block of H): read g and u once, write y once
     row = tl.program_id(0).to(tl.int64)
@@ -99,7 +108,7 @@ def _glu_fwd_fn(
     else:
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         a = 0.5 * g * (2.0 * tl.sigmoid(2.0 * z))  # 1 + tanh z = 2 sigmoid(2 z)
-    tl.store(y_ptr + row * H + cols, (a * u).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + row * H + cols, rn(a * u, RN).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _glu_bwd_fn(
@@ -115,6 +124,7 @@ def _glu_bwd_fn(
     sdu,
     ACT: tl.constexpr,
     BLOCK: tl.constexpr,
+    RN: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -137,8 +147,8 @@ def _glu_bwd_fn(
         da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (
             1.0 + 0.134145 * g * g
         )
-    tl.store(dg_ptr + row * sdg + cols, (dy * u * da).to(dg_ptr.dtype.element_ty), mask=ok)
-    tl.store(du_ptr + row * sdu + cols, (dy * a).to(du_ptr.dtype.element_ty), mask=ok)
+    tl.store(dg_ptr + row * sdg + cols, rn(dy * u * da, RN).to(dg_ptr.dtype.element_ty), mask=ok)
+    tl.store(du_ptr + row * sdu + cols, rn(dy * a, RN).to(du_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows2(t: torch.Tensor) -> torch.Tensor:
@@ -158,7 +168,15 @@ def triton_forward(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.T
     y = torch.empty((m, h), device=g.device, dtype=g.dtype)
     if m and h:
         wrap_triton(jitted(_glu_fwd_fn))[_grid(m, h)](
-            g2, u2, y, h, g2.stride(0), u2.stride(0), ACT=ident, BLOCK=ELEMENTWISE_BLOCK
+            g2,
+            u2,
+            y,
+            h,
+            g2.stride(0),
+            u2.stride(0),
+            ACT=ident,
+            BLOCK=ELEMENTWISE_BLOCK,
+            RN=rn_flag(g.dtype),
         )
     return y.reshape(g.shape)
 
@@ -190,6 +208,7 @@ def triton_backward(
             du2.stride(0),
             ACT=ident,
             BLOCK=ELEMENTWISE_BLOCK,
+            RN=rn_flag(g.dtype),
         )
 
 
