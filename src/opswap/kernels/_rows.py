@@ -111,7 +111,7 @@ def _rn_fn(v, RN: tl.constexpr):
     return v
 
 
-rn = triton.jit(_rn_fn) if triton is not None else None
+rn: Any = triton.jit(_rn_fn) if triton is not None else None
 
 
 def rn_flag(dtype: torch.dtype) -> bool:
