@@ -112,6 +112,16 @@ def ceilings() -> dict:
     }
 
 
+# the tests of the Triton norm and gated-activation kernels and their rules
+KERNEL_TESTS = [
+    "tests/kernels/test_rms_norm.py",
+    "tests/kernels/test_layer_norm.py",
+    "tests/kernels/test_swiglu.py",
+    "tests/kernels/test_crossover.py",
+    "tests/rules/norm",
+    "tests/rules/activation",
+]
+
 # the tests with CUDA paths of the low-precision schemes
 PRECISION_TESTS = [
     "tests/kernels/test_weight_only.py",
@@ -395,11 +405,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=["lowbit", "precision"],
+        choices=["lowbit", "precision", "kernels"],
         help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
         "the precision tests on CUDA, bf16 whole models and optimize --exactness lossy on a "
-        "Llama decoder (benchmarks/bench_precision_gpu.py, writes precision_h200.json)",
+        "Llama decoder (benchmarks/bench_precision_gpu.py, writes precision_h200.json); kernels = "
+        "benchmarks/bench_norm_kernels.py (Triton RMSNorm, add + RMSNorm, LayerNorm, SwiGLU "
+        "against eager, torch.compile and Liger-Kernel, writes norm_kernels_h200.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"
@@ -422,6 +434,18 @@ def main() -> None:
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(bench_lowbit.table(res))
         print("wrote", path)
+        return
+    if args.only == "kernels":
+        cmd = [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_norm_kernels.py"),
+            "--out",
+            str(args.out),
+        ]
+        if not args.skip_tests:
+            res = run_tests(args.out, args.workers, KERNEL_TESTS)
+            print("tests:", res, flush=True)
+        subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         return
     if args.only == "precision":
         sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -7,7 +7,19 @@ from opswap.kernels import (
     fp8_linear,  # noqa: F401  (registers opswap::fp8_linear)
     int8_linear,  # noqa: F401  (registers opswap::int8_linear)
     int8_static,  # noqa: F401  (registers opswap::int8_static_linear and _conv2d)
+    layer_norm,  # noqa: F401  (registers opswap::layer_norm)
+    rms_norm,  # noqa: F401  (registers opswap::rms_norm and add_rms_norm)
+    swiglu,  # noqa: F401  (registers opswap::glu and glu_packed)
     weight_only,  # noqa: F401  (registers opswap::wo_linear)
 )
 
-__all__ = ["conv_relu", "fp8_linear", "int8_linear", "int8_static", "weight_only"]
+__all__ = [
+    "conv_relu",
+    "fp8_linear",
+    "int8_linear",
+    "int8_static",
+    "layer_norm",
+    "rms_norm",
+    "swiglu",
+    "weight_only",
+]

@@ -1,0 +1,119 @@
+"""What the row-wise Triton kernels (rms_norm, layer_norm, swiglu) share: whether a tensor
+takes the Triton path, the block and warp count of a row, the grid of a backward that
+sums weight gradients per program, and the lazy `triton.jit` that lets tests set
+TRITON_INTERPRET=1 after opswap is imported.
+
+A row kernel holds one whole row in registers (BLOCK = the next power of two of the row
+length), so it reads each element once and writes each once; up to MAX_ROW elements
+(64 K fp32 values over 32 warps: 64 registers a thread) it fits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from opswap.errors import OpswapError
+
+try:  # Triton is optional: without it every op runs its PyTorch reference
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - every supported environment has Triton
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+#: the longest row one program holds in registers
+MAX_ROW = 65536
+#: elements per program of the elementwise (gated activation) kernels
+ELEMENTWISE_BLOCK = 1024
+
+
+class KernelError(OpswapError, ValueError):
+    """A tensor or setting a row kernel cannot take."""
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1), on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t))
+
+
+def runs_triton(t: torch.Tensor) -> bool:
+    """Whether an op on `t` launches its Triton kernel: a CUDA tensor (real, or fake while
+    torch.compile / torch.export trace the op, so that the kernel is what they record), or
+    a real CPU tensor under the interpreter. Anything else runs the PyTorch reference."""
+    if triton is None:
+        return False
+    if t.device.type == "cuda":
+        return True
+    return t.device.type == "cpu" and interpreting() and not _is_fake(t)
+
+
+def row_settings(n: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of n elements: one row per program, 4 warps up to 2 K
+    elements and more warps for longer rows, so that each thread keeps at most 64 fp32
+    values of a row."""
+    if n > MAX_ROW:
+        raise KernelError(
+            f"a row of {n} elements is longer than the {MAX_ROW} a row kernel holds; "
+            "use the PyTorch op for this size."
+        )
+    block = max(16, 1 << (n - 1).bit_length())
+    warps = 4 if block < 2048 else 8 if block < 8192 else 16 if block < 32768 else 32
+    return block, warps
+
+
+def backward_programs(rows: int, device: torch.device) -> int:
+    """How many programs a backward launches: each takes a contiguous share of the rows and
+    writes one partial weight gradient, summed by PyTorch afterwards (4 per multiprocessor
+    on a GPU, so the partials are a few hundred rows, not one per input row; 4 in the
+    interpreter)."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(rows, 4 * sms))
+    return max(1, min(rows, 4))
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """t [..., N] as a 2-D [M, N] view with unit column stride (a copy only if needed)."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
+
+
+_JITTED: dict[tuple[Callable[..., Any], bool], Any] = {}
+
+
+def jitted(fn: Callable[..., Any]) -> Any:
+    """`triton.jit(fn)`, built on first use per interpreter setting: the interpreter is
+    chosen at decoration time."""
+    key = (fn, interpreting())
+    if key not in _JITTED:
+        _JITTED[key] = triton.jit(fn)
+    return _JITTED[key]
+
+
+def _rn_fn(v, RN: tl.constexpr):
+    # Triton 3.9's interpreter truncates fp32 -> bf16 casts; a GPU rounds to nearest even.
+    # With RN (set only under the interpreter, for a bf16 destination) round the fp32
+    # value to bf16's precision first, so the truncating cast that follows is exact.
+    if RN:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        v = b.to(tl.float32, bitcast=True)
+    return v
+
+
+rn: Any = triton.jit(_rn_fn) if triton is not None else None
+
+
+def rn_flag(dtype: torch.dtype) -> bool:
+    """The RN setting for stores of `dtype` (see `_rn_fn`)."""
+    return interpreting() and dtype == torch.bfloat16

@@ -1,0 +1,190 @@
+"""Where a Triton kernel of ours beats eager PyTorch and torch.compile: a measured table,
+shipped in the package (`crossover.json` beside this file) and rewritten from a
+benchmark's JSON (`benchmarks/bench_norm_kernels.py --update-crossover`).
+
+An entry is keyed by (kernel, device class, dtype, shape class, pass):
+
+- kernel: "rms_norm", "add_rms_norm", "layer_norm", "swiglu";
+- device class: "sm90" for Hopper (H100, H200), "sm80" for the A100, ... (`device_class`);
+- dtype: "bfloat16", "float16", "float32";
+- shape class: the hidden size's bucket (the next power of two at or above it) and the
+  row count's ("h<=4096,rows<=32768"; `shape_class`);
+- pass: "forward" or "forward+backward".
+
+and says `beats_eager` / `beats_compile` (true, false, or null when not measured), with
+the measured speed-ups and `source`: "measured <file> <date>" or "none yet". The rules
+consult `lookup` when they plan for a CUDA target; with no measured entry they fall back
+to the roofline prediction (bytes moved by the replaced ops against the kernel's).
+Nothing in the table is estimated: an entry without a measurement says "none yet".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opswap.errors import OpswapError
+
+TABLE = Path(__file__).with_name("crossover.json")
+KERNELS = ("rms_norm", "add_rms_norm", "layer_norm", "swiglu")
+PASSES = ("forward", "forward+backward")
+#: row-count buckets: few rows are launch-bound, many are bandwidth-bound
+ROW_BUCKETS = (256, 4096, 32768)
+#: target profiles (opswap.targets) -> the device class their measurements carry
+_TARGET_CLASS = {"h100": "sm90", "h200": "sm90", "a100": "sm80", "l4": "sm89", "rtx4090": "sm89"}
+
+
+class CrossoverError(OpswapError, ValueError):
+    """A crossover table or benchmark file that cannot be read."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    kernel: str
+    device: str
+    dtype: str
+    shape: str
+    pass_: str
+    beats_eager: bool | None = None
+    beats_compile: bool | None = None
+    speedup_vs_eager: float | None = None
+    speedup_vs_compile: float | None = None
+    source: str = "none yet"
+
+    @property
+    def key(self) -> tuple[str, str, str, str, str]:
+        return (self.kernel, self.device, self.dtype, self.shape, self.pass_)
+
+    @property
+    def measured(self) -> bool:
+        return self.beats_eager is not None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["pass"] = d.pop("pass_")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Entry:
+        try:
+            return cls(
+                str(d["kernel"]),
+                str(d["device"]),
+                str(d["dtype"]),
+                str(d["shape"]),
+                str(d["pass"]),
+                d.get("beats_eager"),
+                d.get("beats_compile"),
+                d.get("speedup_vs_eager"),
+                d.get("speedup_vs_compile"),
+                str(d.get("source", "none yet")),
+            )
+        except KeyError as e:
+            raise CrossoverError(
+                f"a crossover entry lacks the field {e}; each needs kernel, device, dtype, "
+                "shape and pass."
+            ) from None
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def shape_class(hidden: int, rows: int) -> str:
+    """'h<=4096,rows<=32768': the hidden size's power-of-two bucket and the row count's
+    (ROW_BUCKETS; 'rows>32768' past the last)."""
+    r = next((f"rows<={b}" for b in ROW_BUCKETS if rows <= b), f"rows>{ROW_BUCKETS[-1]}")
+    return f"h<={_bucket(hidden)},{r}"
+
+
+def device_class(where: Any) -> str:
+    """'sm90' for a Hopper target profile or CUDA device, 'sm80' for an A100, ...; a CPU
+    (or any target without a CUDA class) gives its kind or name."""
+    if isinstance(where, torch.device) or isinstance(where, str) and where.startswith("cuda"):
+        dev = torch.device(where)
+        if dev.type == "cuda" and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(dev)
+            return f"sm{major}{minor}"
+        return dev.type
+    name = str(getattr(where, "name", where))
+    if name in _TARGET_CLASS:
+        return _TARGET_CLASS[name]
+    return str(getattr(where, "kind", name))
+
+
+def load(path: Path | str | None = None) -> list[Entry]:
+    """The table's entries (the shipped one by default)."""
+    p = Path(path) if path is not None else TABLE
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CrossoverError(f"the crossover table {p} cannot be read ({e}).") from None
+    return [Entry.from_json(d) for d in data.get("entries", [])]
+
+
+def lookup(
+    kernel: str,
+    device: str,
+    dtype: torch.dtype | str,
+    hidden: int,
+    rows: int,
+    pass_: str = "forward",
+    entries: list[Entry] | None = None,
+) -> Entry | None:
+    """The measured entry for this kernel and shape, or None (no entry, or "none yet")."""
+    table = load() if entries is None else entries
+    key = (kernel, device, str(dtype).removeprefix("torch."), shape_class(hidden, rows), pass_)
+    for e in table:
+        if e.key == key and e.measured:
+            return e
+    return None
+
+
+def entries_from_benchmark(result: dict[str, Any], source: str) -> list[Entry]:
+    """Entries for every row of a bench_norm_kernels.py result: {"device_class", "rows":
+    [{kernel, dtype, rows, hidden, pass, ours_ms, eager_ms, compile_ms}, ...]}. A row the
+    benchmark could not time (no eager or no ours) gives no entry; one without a compile
+    time leaves beats_compile null."""
+    dev = result.get("device_class")
+    if not dev:
+        raise CrossoverError("the benchmark result has no device_class; rerun it on a GPU.")
+    out: dict[tuple, Entry] = {}
+    for r in result.get("rows", []):
+        ours, eager, comp = r.get("ours_ms"), r.get("eager_ms"), r.get("compile_ms")
+        if not ours or not eager:
+            continue
+        e = Entry(
+            r["kernel"],
+            dev,
+            r["dtype"],
+            shape_class(r["hidden"], r["rows"]),
+            r["pass"],
+            beats_eager=ours < eager,
+            beats_compile=(ours < comp) if comp else None,
+            speedup_vs_eager=round(eager / ours, 3),
+            speedup_vs_compile=round(comp / ours, 3) if comp else None,
+            source=source,
+        )
+        out[e.key] = e  # several shapes in one class: the last measured (largest) speaks
+    return list(out.values())
+
+
+def update(result: dict[str, Any], source: str, path: Path | str | None = None) -> list[Entry]:
+    """Rewrite the table with the benchmark's measurements: its entries replace those of
+    the same key, the others stay. Returns the new entries."""
+    p = Path(path) if path is not None else TABLE
+    new = entries_from_benchmark(result, source)
+    keep = {e.key: e for e in (load(p) if p.exists() else [])}
+    keep.update({e.key: e for e in new})
+    data = {
+        "about": "Where opswap's Triton kernels beat eager PyTorch and torch.compile; see "
+        "opswap/kernels/crossover.py. Written by benchmarks/bench_norm_kernels.py "
+        "--update-crossover; entries without a measurement say 'none yet'.",
+        "entries": [e.to_json() for e in sorted(keep.values(), key=lambda e: e.key)],
+    }
+    p.write_text(json.dumps(data, indent=1) + "\n")
+    return new

@@ -1,0 +1,57 @@
+"""The crossover table: the shipped one holds no invented figures (every entry without a
+measurement says "none yet"), a benchmark's rows update it, and a measured entry decides
+a rule's prediction on a CUDA target where the roofline would otherwise."""
+
+from __future__ import annotations
+
+import torch
+
+from opswap.kernels import crossover as cx
+from opswap.rules import _triton
+from opswap.targets import get_target
+
+
+def test_shipped_table_is_honest_and_keyed_by_the_benchmark_shapes():
+    entries = cx.load()
+    assert entries and {e.kernel for e in entries} == set(cx.KERNELS)
+    for e in entries:
+        assert e.measured == e.source.startswith("measured"), e
+        if not e.measured:
+            assert e.source == "none yet" and e.speedup_vs_eager is None
+    assert cx.shape_class(4096, 32768) == "h<=4096,rows<=32768"
+    assert cx.shape_class(5632, 40000) == "h<=8192,rows>32768"
+    assert cx.device_class(get_target("h200")) == "sm90"
+    assert cx.device_class(get_target("cpu")) == "cpu"
+
+
+def _result(ours, eager):
+    row = dict(kernel="rms_norm", dtype="bfloat16", rows=32768, hidden=4096)
+    return {
+        "device_class": "sm90",
+        "rows": [
+            dict(row, **{"pass": "forward", "ours_ms": ours, "eager_ms": eager, "compile_ms": 0.5}),
+            dict(row, **{"pass": "forward+backward", "ours_ms": None, "eager_ms": 1.0}),
+        ],
+    }
+
+
+def test_update_replaces_entries_and_lookup_finds_the_measured_ones(tmp_path, monkeypatch):
+    path = tmp_path / "crossover.json"
+    path.write_text((cx.TABLE).read_text())
+    new = cx.update(_result(0.2, 0.6), "measured norm_kernels_h200.json 2026-01-01", path)
+    assert len(new) == 1  # the untimed row gives no entry
+    table = cx.load(path)
+    e = cx.lookup("rms_norm", "sm90", torch.bfloat16, 4096, 32768, entries=table)
+    assert e is not None and e.beats_eager and e.beats_compile and e.speedup_vs_eager == 3.0
+    assert len(table) == len(cx.load())  # replaced in place, nothing added
+    # a measured loss decides the prediction: predicted slower, with the measurement's source
+    cx.update(_result(0.9, 0.6), "measured norm_kernels_h200.json 2026-01-02", path)
+    monkeypatch.setattr(cx, "TABLE", path)
+    est = _triton.predict(
+        get_target("h200"), "rms_norm", [], _triton.NodeCost(0, 1), torch.bfloat16, 4096, 32768, ""
+    )
+    assert est.time_saved_s is not None and est.time_saved_s < 0 and "2026-01-02" in est.note
+    est = _triton.predict(
+        get_target("h200"), "rms_norm", [], _triton.NodeCost(0, 1), torch.bfloat16, 4096, 256, "x"
+    )
+    assert "roofline" in est.note  # no measured entry at 256 rows
