@@ -17,6 +17,9 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 #: odd shapes: a row shorter than a block, one long row, a 3-D input with a row past 4 K
 SHAPES = [(5, 123), (1, 16383), (3, 7, 4097)]
 DTYPES = [torch.float32, torch.bfloat16]
+#: where a child puts the cases' tensors: the CPU under the interpreter, or the GPU, where
+#: the child runs the compiled kernels instead (run_child decides)
+DEVICE = os.environ.get("OPSWAP_ROWS_DEVICE", "cpu")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,8 +37,12 @@ def bound(dtype: torch.dtype, torch_err: float) -> float:
 
 def run_child(test_file: str) -> dict:
     """The test file's `__main__` cases, run once in a child Python with TRITON_INTERPRET=1
-    (Triton picks the interpreter when a kernel is jitted, before opswap is imported)."""
+    (Triton picks the interpreter when a kernel is jitted, before opswap is imported); on
+    a machine with a CUDA GPU, the same cases on the GPU through the compiled kernels."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(SRC)}
+    if torch.cuda.is_available():
+        env.pop("TRITON_INTERPRET")
+        env["OPSWAP_ROWS_DEVICE"] = "cuda"
     run = subprocess.run(
         [sys.executable, test_file], env=env, capture_output=True, text=True, timeout=300
     )

@@ -20,10 +20,18 @@ from opswap.kernels import layer_norm as L  # noqa: E402
 
 def _case(shape, dtype, affine):
     g = torch.Generator().manual_seed(sum(shape) + affine)
-    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
-    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).requires_grad_() if affine else None
-    b = torch.randn(shape[-1], generator=g).to(dtype).requires_grad_() if affine else None
-    dy = torch.randn(shape, generator=g).to(dtype)
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(rc.DEVICE, dtype).requires_grad_()
+    w = (
+        (torch.rand(shape[-1], generator=g) + 0.5).to(rc.DEVICE, dtype).requires_grad_()
+        if affine
+        else None
+    )
+    b = (
+        torch.randn(shape[-1], generator=g).to(rc.DEVICE, dtype).requires_grad_()
+        if affine
+        else None
+    )
+    dy = torch.randn(shape, generator=g).to(rc.DEVICE, dtype)
     y = L.layer_norm(x, w, b, 1e-5)
     y.backward(dy)
     leaves = [t for t in (x, w, b) if t is not None]

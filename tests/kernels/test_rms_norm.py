@@ -22,10 +22,10 @@ FORMS = [(True, 0.0), (False, 1.0)]  # (cast_first, offset): Llama's, Gemma's
 
 def _case(shape, dtype, cast_first, offset, residual):
     g = torch.Generator().manual_seed(sum(shape) + cast_first)
-    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
-    r = torch.randn(shape, generator=g).to(dtype).requires_grad_() if residual else None
-    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).requires_grad_()
-    dy = torch.randn(shape, generator=g).to(dtype)
+    x = torch.randn(shape, generator=g).to(rc.DEVICE, dtype).requires_grad_()
+    r = torch.randn(shape, generator=g).to(rc.DEVICE, dtype).requires_grad_() if residual else None
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(rc.DEVICE, dtype).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(rc.DEVICE, dtype)
     if residual:
         y, s = R.add_rms_norm(x, r, w, 1e-6, offset, cast_first)
     else:

@@ -20,8 +20,12 @@ from opswap.kernels import swiglu as S  # noqa: E402
 
 def _case(shape, dtype, activation):
     gen = torch.Generator().manual_seed(sum(shape) + len(activation))
-    x = (torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 2).to(dtype).requires_grad_()
-    dy = torch.randn(shape, generator=gen).to(dtype)
+    x = (
+        (torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 2)
+        .to(rc.DEVICE, dtype)
+        .requires_grad_()
+    )
+    dy = torch.randn(shape, generator=gen).to(rc.DEVICE, dtype)
     y = S.glu_packed(x, activation)
     y.backward(dy)
     g, u = (t.detach().clone().requires_grad_() for t in S.halves(x))
