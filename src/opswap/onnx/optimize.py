@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opswap.errors import VerificationError
 from opswap.onnx.load import other_sizes
 from opswap.onnx.peer import op_counts, ort_optimize
 from opswap.onnx.plan import OnnxPlan, plan_onnx
@@ -83,9 +84,14 @@ def optimize_onnx(
             f"ONNX Runtime's transformer optimizer (model_type={model_type}) failed on this "
             f"model: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         )
-    peer_check = verify(loaded, peer_model, sizes, "exact", 1) if peer_model is not None else None
-    if peer_check is not None:
-        result.peer["verification"] = peer_check.to_json()
+    peer_check = None
+    if peer_model is not None:
+        try:
+            peer_check = verify(loaded, peer_model, sizes, "exact", 1)
+            result.peer["verification"] = peer_check.to_json()
+        except VerificationError as e:
+            result.notes.append(f"the output of ORT's transformer optimizer does not run: {e}")
+            peer_model = None
     if not bench:
         result.best = "opswap" if check.passed else "input"
         return result

@@ -94,8 +94,8 @@ class Attention(OnnxRule):
                 return refuse(f)
         if len(set(found)) != 1:
             return refuse(f"query, key and value split into different heads: {found}")
-        out = _shape_const(os)
-        if out is None or len(out) != 3:
+        length = list(os.shape) if os.shape is not None else None  # the shape's own shape
+        if length != [3]:
             return refuse("the merged heads are not reshaped back to [batch, seq, hidden]")
         if mask is not None:
             r = rank(mask)

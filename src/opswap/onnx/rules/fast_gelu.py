@@ -18,20 +18,22 @@ class FastGelu(OnnxRule):
     produces = ("FastGelu",)
     commute = True
 
-    variants = 5  # 0, 1: x^3 as Pow or x*x*x; 2, 3: 0.5 last; 4: ONNX Gelu
+    variants = 7  # x^3 as Pow or x*x*x; (x * 0.5) * b, (x * b) * 0.5, x * (b * 0.5); 6: ONNX Gelu
 
     def pattern(self, op, x, three, k, c, one, half):
-        if self.variant == 4:
+        if self.variant == 6:
             return op.Gelu(x, approximate="tanh")
         cube = op.Pow(x, three) if self.variant % 2 == 0 else op.Mul(op.Mul(x, x), x)
         t = op.Tanh(op.Mul(op.Add(x, op.Mul(cube, k)), c))
         bracket = op.Add(t, one)
         if self.variant < 2:
             return op.Mul(op.Mul(x, half), bracket)
-        return op.Mul(op.Mul(x, bracket), half)
+        if self.variant < 4:
+            return op.Mul(op.Mul(x, bracket), half)
+        return op.Mul(x, op.Mul(bracket, half))
 
     def check(self, context, x, three=None, k=None, c=None, one=None, half=None, **_):
-        if self.variant == 4:
+        if self.variant == 6:
             return ok()
         if self.variant % 2 == 0 and not near(three, 3.0):
             return refuse(f"x is raised to {scalar(three)}, not cubed")

@@ -15,14 +15,16 @@ class Gelu(OnnxRule):
     produces = ("Gelu",)
     commute = True
 
-    variants = 4  # 0: x / sqrt2, 1: x * (1 / sqrt2); 0.5 * x first or last
+    variants = 6  # x / sqrt2 or x * (1 / sqrt2); (x * 0.5) * b, (x * b) * 0.5 or x * (b * 0.5)
 
     def pattern(self, op, x, root, one, half):
         inner = op.Div(x, root) if self.variant % 2 == 0 else op.Mul(x, root)
         bracket = op.Add(op.Erf(inner), one)
         if self.variant < 2:
             return op.Mul(op.Mul(x, half), bracket)
-        return op.Mul(op.Mul(x, bracket), half)
+        if self.variant < 4:
+            return op.Mul(op.Mul(x, bracket), half)
+        return op.Mul(x, op.Mul(bracket, half))
 
     def check(self, context, x, root, one, half, **_):
         want = math.sqrt(2.0) if self.variant % 2 == 0 else 1 / math.sqrt(2.0)
