@@ -97,7 +97,7 @@ def tidy(model: ir.Model) -> None:
 
     common.IdentityEliminationPass()(model)
     common.RemoveUnusedNodesPass()(model)
-    common.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=16)(model)
+    common.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=0)(model)
     common.TopologicalSortPass()(model)
 
 
