@@ -59,3 +59,30 @@ class Graphs:
 @pytest.fixture
 def graphs(tmp_path) -> Graphs:
     return Graphs(tmp_path)
+
+
+#: the peer comparison's models: tiny configs (2 layers, hidden 64, 4 heads) with their
+#: padding masks, exported with the legacy (TorchScript) exporter, the one ORT's
+#: transformer optimizer is written for, and a few times faster than the dynamo one
+EXPORTS = {
+    "bert": ("hf:bert", {}, "legacy"),
+    "gpt2": ("hf:gpt2", {}, "legacy"),
+    "vit": ("hf:vit", {}, "legacy"),
+}
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """kind -> path of its .onnx export, made once per test session."""
+    from opswap.onnx.hf_export import export_spec
+
+    made: dict[str, str] = {}
+    root = tmp_path_factory.mktemp("exports")
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            spec, sets, exporter = EXPORTS[kind]
+            made[kind] = str(export_spec(spec, root / f"{kind}.onnx", sets, exporter=exporter))
+        return made[kind]
+
+    return get

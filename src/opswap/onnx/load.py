@@ -31,6 +31,8 @@ class InputSpec:
     name: str
     dtype: str
     dims: tuple[int | str, ...]
+    #: for ids that index a constant table (Gather of an embedding): its number of rows
+    high: int | None = None
 
     def shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else sizes[d] for d in self.dims)
@@ -83,6 +85,11 @@ def load_onnx(path: str | os.PathLike, sizes: dict[str, Any] | None = None) -> O
             "files in the directory of the .onnx file."
         ) from None
     except Exception as e:  # protobuf's DecodeError and friends: not ONNX
+        if "external" in str(e).lower() or "data file" in str(e).lower():
+            raise SpecError(
+                f"{p} names an external data file that is missing or unreadable "
+                f"({str(e).splitlines()[0][:160]}); keep the data files beside the .onnx file."
+            ) from None
         raise SpecError(
             f"{p} is not an ONNX model ({type(e).__name__}); give a file written by onnx.save "
             "or an exporter."
@@ -104,6 +111,21 @@ def load_onnx(path: str | os.PathLike, sizes: dict[str, Any] | None = None) -> O
 
 
 def _infer(onnx, proto, p: Path):
+    """ONNX's shape inference, then ONNX Runtime's symbolic one where it is installed: it
+    carries named dims through Shape/Gather/Concat arithmetic (the legacy exporter's
+    reshapes), where ONNX's leaves unknown dims that no rule can prove equal."""
+    proto = _onnx_infer(onnx, proto, p)
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:  # pragma: no cover - onnxruntime comes with the extra
+        return proto
+    try:
+        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True) or proto
+    except Exception:  # a model it cannot follow keeps ONNX's shapes
+        return proto
+
+
+def _onnx_infer(onnx, proto, p: Path):
     try:
         return onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except ValueError:  # a model past 2 GB cannot be serialised for inference: do it on disk
@@ -117,8 +139,19 @@ def _infer(onnx, proto, p: Path):
         raise SpecError(f"{p} fails ONNX shape inference ({str(e).splitlines()[0]}).") from None
 
 
+def _table_rows(proto) -> dict[str, int]:
+    """Graph value -> rows of the constant tables it indexes (Gather's indices), the least."""
+    rows = {i.name: int(i.dims[0]) for i in proto.graph.initializer if i.dims}
+    out: dict[str, int] = {}
+    for n in proto.graph.node:
+        if n.op_type == "Gather" and len(n.input) > 1 and n.input[0] in rows:
+            out[n.input[1]] = min(out.get(n.input[1], rows[n.input[0]]), rows[n.input[0]])
+    return out
+
+
 def _inputs(onnx, proto) -> list[InputSpec]:
     inits = {i.name for i in proto.graph.initializer}
+    tables = _table_rows(proto)
     out = []
     for k, v in enumerate(proto.graph.input):
         if v.name in inits:
@@ -131,7 +164,7 @@ def _inputs(onnx, proto) -> list[InputSpec]:
                 dims.append(int(d.dim_value))
             else:
                 dims.append(d.dim_param or f"{v.name}_dim{j}")
-        out.append(InputSpec(v.name, dtype, tuple(dims)))
+        out.append(InputSpec(v.name, dtype, tuple(dims), tables.get(v.name)))
     return out
 
 

@@ -53,8 +53,9 @@ def session(model: onnx.ModelProto | bytes | str, *, optimize: bool = True, thre
 
 
 def random_inputs(specs: list[InputSpec], sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
-    """Fresh inputs at `sizes`: normal floats; ones for masks; token ids and type ids
-    small enough for any vocabulary (type ids 0 or 1, other ids below 64)."""
+    """Fresh inputs at `sizes`: normal floats; ones for masks; ids below the rows of the
+    table they index, else small enough for any vocabulary (type ids 0 or 1, others
+    below 64)."""
     rng = np.random.default_rng(seed)
     out = {}
     for s in specs:
@@ -67,7 +68,7 @@ def random_inputs(specs: list[InputSpec], sizes: dict[str, int], seed: int) -> d
             if "mask" in low:
                 out[s.name] = np.ones(shape, dtype=dt)
             else:
-                high = 2 if "type" in low else 64
+                high = s.high or (2 if "type" in low else 64)
                 out[s.name] = rng.integers(0, high, size=shape).astype(dt)
         else:
             out[s.name] = rng.standard_normal(shape).astype(dt)

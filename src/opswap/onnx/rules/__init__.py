@@ -1,6 +1,6 @@
 """opswap's ONNX rules, one per module, in the order a plan runs them: clean-ups first
 (folding, transposes, Conv+BN), then the norms and activations, attention, and the
-fusions that take what those leave behind (a residual into SkipLayerNormalization, a bias
+fusions that take what those leave behind (embeddings into EmbedLayerNormalization, a residual into SkipLayerNormalization, a bias
 into BiasGelu or Gemm)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from opswap.onnx.rules.attention import Attention
 from opswap.onnx.rules.bias_gelu import BiasGelu
 from opswap.onnx.rules.constant_fold import ConstantFold
 from opswap.onnx.rules.conv_bn import ConvBn
+from opswap.onnx.rules.embed_layer_norm import EmbedLayerNorm
 from opswap.onnx.rules.fast_gelu import FastGelu
 from opswap.onnx.rules.gelu import Gelu
 from opswap.onnx.rules.layer_norm import LayerNorm
@@ -28,6 +29,7 @@ ORDER: tuple[type[OnnxRule], ...] = (
     Gelu,
     FastGelu,
     Attention,
+    EmbedLayerNorm,
     SkipLayerNorm,
     BiasGelu,
     MatMulBias,
