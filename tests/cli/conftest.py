@@ -19,7 +19,9 @@ class Graphs:
         self.count = 0
 
     def const(self, name: str, value) -> onnx.NodeProto:
-        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, np.float32)))
+        return helper.make_node(
+            "Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, np.float32))
+        )
 
     def weight(self, *shape: int, scale: float = 0.3) -> np.ndarray:
         return (self.rng.standard_normal(shape) * scale).astype(np.float32)

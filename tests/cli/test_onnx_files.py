@@ -6,10 +6,16 @@ from opswap.cli import main
 
 
 def _model(graphs):
-    nodes = [graphs.const("r", 2 ** 0.5), graphs.const("one", 1.0), graphs.const("half", 0.5),
-             helper.make_node("Div", ["x", "r"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
-             helper.make_node("Add", ["e", "one"], ["a"]), helper.make_node("Mul", ["x", "half"], ["m"]),
-             helper.make_node("Mul", ["m", "a"], ["y"])]
+    nodes = [
+        graphs.const("r", 2**0.5),
+        graphs.const("one", 1.0),
+        graphs.const("half", 0.5),
+        helper.make_node("Div", ["x", "r"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["a"]),
+        helper.make_node("Mul", ["x", "half"], ["m"]),
+        helper.make_node("Mul", ["m", "a"], ["y"]),
+    ]
     return graphs.save(graphs.proto(nodes, [("x", ["batch", "seq", 8])], ["y"]))
 
 

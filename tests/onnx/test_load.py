@@ -7,9 +7,18 @@ from opswap.onnx.load import load_onnx, other_sizes
 
 
 def _gelu_net(g, opset):
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["hb"]),
-             helper.make_node("Relu", ["hb"], ["y"])]
-    return g.proto(nodes, [("x", ["batch", "seq", 4])], ["y"], {"w": g.weight(4, 6), "b": g.weight(6)}, opset=opset)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["hb"]),
+        helper.make_node("Relu", ["hb"], ["y"]),
+    ]
+    return g.proto(
+        nodes,
+        [("x", ["batch", "seq", 4])],
+        ["y"],
+        {"w": g.weight(4, 6), "b": g.weight(6)},
+        opset=opset,
+    )
 
 
 def test_a_missing_file_is_one_sentence(tmp_path):
@@ -35,17 +44,35 @@ def test_an_opset_out_of_range_is_refused(graphs, opset):
 def test_opset_13_and_21_models_load_and_their_rewrites_run(graphs, opset):
     """The first and last opsets taken: a decomposed LayerNorm rewrites and runs in ORT."""
     two, eps = graphs.const("two", 2.0), graphs.const("eps", 1e-5)
-    if opset < 18:
-        mean = lambda s, d: [helper.make_node("ReduceMean", [s], [d], axes=[-1])]  # noqa: E731
-    else:
-        mean = lambda s, d: [helper.make_node("Constant", [], [d + "a"], value_ints=[-1]),  # noqa: E731
-                             helper.make_node("ReduceMean", [s, d + "a"], [d])]
-    nodes = [two, eps, *mean("x", "mu"), helper.make_node("Sub", ["x", "mu"], ["d"]),
-             helper.make_node("Pow", ["d", "two"], ["d2"]), *mean("d2", "v"),
-             helper.make_node("Add", ["v", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["sd"]),
-             helper.make_node("Div", ["d", "sd"], ["n"]), helper.make_node("Mul", ["n", "g"], ["ng"]),
-             helper.make_node("Add", ["ng", "b"], ["y"])]
-    m = graphs.load(nodes, [("x", ["batch", 6])], ["y"], {"g": graphs.weight(6), "b": graphs.weight(6)}, opset=opset)
+
+    def mean(s, d):
+        if opset < 18:
+            return [helper.make_node("ReduceMean", [s], [d], axes=[-1])]
+        return [
+            helper.make_node("Constant", [], [d + "a"], value_ints=[-1]),
+            helper.make_node("ReduceMean", [s, d + "a"], [d]),
+        ]
+
+    nodes = [
+        two,
+        eps,
+        *mean("x", "mu"),
+        helper.make_node("Sub", ["x", "mu"], ["d"]),
+        helper.make_node("Pow", ["d", "two"], ["d2"]),
+        *mean("d2", "v"),
+        helper.make_node("Add", ["v", "eps"], ["ve"]),
+        helper.make_node("Sqrt", ["ve"], ["sd"]),
+        helper.make_node("Div", ["d", "sd"], ["n"]),
+        helper.make_node("Mul", ["n", "g"], ["ng"]),
+        helper.make_node("Add", ["ng", "b"], ["y"]),
+    ]
+    m = graphs.load(
+        nodes,
+        [("x", ["batch", 6])],
+        ["y"],
+        {"g": graphs.weight(6), "b": graphs.weight(6)},
+        opset=opset,
+    )
     assert m.opset == opset
     plan, out, ops = graphs.apply(m, None)
     assert "LayerNormalization" in ops
@@ -63,7 +90,9 @@ def test_external_data_is_read_from_beside_the_file(graphs):
 
 
 def test_missing_external_data_is_one_sentence(graphs):
-    path = graphs.save(_gelu_net(graphs, 17), save_as_external_data=True, location="w.bin", size_threshold=0)
+    path = graphs.save(
+        _gelu_net(graphs, 17), save_as_external_data=True, location="w.bin", size_threshold=0
+    )
     (graphs.tmp / "w.bin").unlink()
     with pytest.raises(SpecError, match="external data"):
         load_onnx(path)
@@ -74,7 +103,10 @@ def test_a_model_without_value_info_gets_inferred_shapes(graphs):
     assert not proto.graph.value_info
     m = load_onnx(graphs.save(proto))
     assert m.inferred
-    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in m.proto.graph.value_info}
+    shapes = {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in m.proto.graph.value_info
+    }
     assert shapes["hb"] == ["batch", "seq", 6]
 
 

@@ -28,4 +28,8 @@ def test_opswap_fuses_at_least_what_ort_optimizer_fuses(exported, kind):
 def test_covers_counts_containing_fusions_and_says_where_short():
     ours = {"SkipLayerNormalization": 4, "LayerNormalization": 1, "BiasGelu": 2}
     theirs = {"LayerNormalization": 5, "Gelu": 2, "FastGelu": 0, "Attention": 2}
-    assert covers(ours, theirs) == {"LayerNormalization": (5, 5), "Gelu": (2, 2), "Attention": (0, 2)}
+    assert covers(ours, theirs) == {
+        "LayerNormalization": (5, 5),
+        "Gelu": (2, 2),
+        "Attention": (0, 2),
+    }

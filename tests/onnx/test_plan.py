@@ -9,12 +9,20 @@ from opswap.onnx.plan import plan_onnx, select
 
 def _block(g):
     """x -> MatMul + bias -> erf GELU -> + residual -> LayerNormalization."""
-    nodes = [g.const("r", 2 ** 0.5), g.const("one", 1.0), g.const("half", 0.5),
-             helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["hb"]),
-             helper.make_node("Div", ["hb", "r"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
-             helper.make_node("Add", ["e", "one"], ["a"]), helper.make_node("Mul", ["hb", "half"], ["m"]),
-             helper.make_node("Mul", ["m", "a"], ["act"]), helper.make_node("Add", ["act", "x"], ["s"]),
-             helper.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], axis=-1)]
+    nodes = [
+        g.const("r", 2**0.5),
+        g.const("one", 1.0),
+        g.const("half", 0.5),
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["hb"]),
+        helper.make_node("Div", ["hb", "r"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["a"]),
+        helper.make_node("Mul", ["hb", "half"], ["m"]),
+        helper.make_node("Mul", ["m", "a"], ["act"]),
+        helper.make_node("Add", ["act", "x"], ["s"]),
+        helper.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], axis=-1),
+    ]
     inits = {"w": g.weight(8, 8), "b": g.weight(8), "gamma": g.weight(8), "beta": g.weight(8)}
     return g.load(nodes, [("x", ["batch", "seq", 8])], ["y"], inits)
 

@@ -39,10 +39,14 @@ def _globs(rules: str | None) -> list[str] | None:
 
 def _misses(misses) -> None:
     for m in misses:
-        consoles.console.print(f"  miss {m.rule} at {m.where}: {m.reason}", markup=False, soft_wrap=True)
+        consoles.console.print(
+            f"  miss {m.rule} at {m.where}: {m.reason}", markup=False, soft_wrap=True
+        )
 
 
-def plan(spec: str, sets: dict[str, str], rules, exactness: str, out: Path, json_path: Path | None) -> None:
+def plan(
+    spec: str, sets: dict[str, str], rules, exactness: str, out: Path, json_path: Path | None
+) -> None:
     from opswap.onnx.plan import plan_onnx
 
     p, _ = plan_onnx(_load(spec, sets), _globs(rules), exactness)
@@ -55,14 +59,26 @@ def plan(spec: str, sets: dict[str, str], rules, exactness: str, out: Path, json
 
 
 def optimize(
-    spec: str, sets: dict[str, str], rules, exactness: str, out: Path, samples: int, bench: bool, json_path: Path | None
+    spec: str,
+    sets: dict[str, str],
+    rules,
+    exactness: str,
+    out: Path,
+    samples: int,
+    bench: bool,
+    json_path: Path | None,
 ) -> bool:
     """Whether the result passed verification."""
     from opswap.onnx.optimize import optimize_onnx, save
 
     loaded = _load(spec, sets)
     result = optimize_onnx(
-        loaded, _globs(rules), exactness, samples=samples, bench=bench, model_type=sets.get("model_type", "bert")
+        loaded,
+        _globs(rules),
+        exactness,
+        samples=samples,
+        bench=bench,
+        model_type=sets.get("model_type", "bert"),
     )
     paths = save(result, out)
     data = result.to_json()

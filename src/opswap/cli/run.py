@@ -91,7 +91,9 @@ def optimize(
     check_outputs(json_path, out, out_dir=True)
     if onnx_files.is_onnx(spec):
         sets_ = overrides(sets)
-        if not onnx_files.optimize(spec, sets_, rules, exactness, out, samples, not no_bench, json_path):
+        if not onnx_files.optimize(
+            spec, sets_, rules, exactness, out, samples, not no_bench, json_path
+        ):
             raise typer.Exit(1)
         return
     config = api.OptimizeConfig(

@@ -4,23 +4,38 @@ the inferred shapes at the example sizes), and each type's share of the counted 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from opswap.onnx.rule import const
+import onnx_ir as ir
+
+from opswap.onnx.rule import attr_int
 
 if TYPE_CHECKING:
-    import onnx_ir as ir
-
     from opswap.onnx.load import OnnxModel
 
 #: elementwise ops: FLOPs = output elements times this
 _POINTWISE = {
-    "Add": 1, "Sub": 1, "Mul": 1, "Div": 1, "Relu": 1, "Sigmoid": 4, "Tanh": 4, "Erf": 4,
-    "Sqrt": 1, "Pow": 1, "Exp": 1, "Gelu": 8, "FastGelu": 8, "BiasGelu": 9, "Softmax": 5,
-    "LayerNormalization": 8, "SkipLayerNormalization": 9, "SimplifiedLayerNormalization": 5,
-    "BatchNormalization": 2, "Where": 1,
+    "Add": 1,
+    "Sub": 1,
+    "Mul": 1,
+    "Div": 1,
+    "Relu": 1,
+    "Sigmoid": 4,
+    "Tanh": 4,
+    "Erf": 4,
+    "Sqrt": 1,
+    "Pow": 1,
+    "Exp": 1,
+    "Gelu": 8,
+    "FastGelu": 8,
+    "BiasGelu": 9,
+    "Softmax": 5,
+    "LayerNormalization": 8,
+    "SkipLayerNormalization": 9,
+    "SimplifiedLayerNormalization": 5,
+    "BatchNormalization": 2,
+    "Where": 1,
 }
 
 
@@ -63,8 +78,8 @@ def _numel(v: ir.Value | None, sizes: dict[str, int]) -> float | None:
     for d in v.shape:
         if isinstance(d, int):
             n *= d
-        elif str(d) in sizes:
-            n *= sizes[str(d)]
+        elif str(d.value) in sizes:
+            n *= sizes[str(d.value)]
         else:
             return None
     return float(n)
@@ -80,21 +95,23 @@ def node_flops(node: ir.Node, sizes: dict[str, int]) -> float | None:
         a = node.inputs[0]
         if a is None or a.shape is None or not len(a.shape):
             return None
-        k = a.shape[0 if op == "Gemm" and node.attributes.get_int("transA", 0) else -1]
+        k = a.shape[0 if op == "Gemm" and attr_int(node, "transA", 0) else -1]
         return 2.0 * out * k if isinstance(k, int) else None
     if op == "Conv":
-        w = const(node.inputs[1]) if len(node.inputs) > 1 else None
-        if w is None:
-            w_shape = node.inputs[1].shape if node.inputs[1] is not None else None
-            if w_shape is None or not all(isinstance(d, int) for d in w_shape):
-                return None
-            per = math.prod(int(d) for d in list(w_shape)[1:])
-        else:
-            per = math.prod(w.shape[1:])
+        w = node.inputs[1] if len(node.inputs) > 1 else None
+        dims = list(w.shape) if w is not None and w.shape is not None else None
+        if dims is None or not all(isinstance(d, int) for d in dims):
+            return None
+        per = 1
+        for d in dims[1:]:
+            per *= int(d)  # type: ignore[arg-type]
         return 2.0 * out * per
     if op == "MultiHeadAttention":
-        q, k = node.inputs[0], node.inputs[1]
-        nq, nk = _numel(q, sizes), (k.shape[1] if k is not None and k.shape is not None else None)
+        nq = _numel(node.inputs[0], sizes)
+        key = node.inputs[1]
+        nk = key.shape[1] if key is not None and key.shape is not None else None
+        if isinstance(nk, ir.SymbolicDim):
+            nk = sizes.get(str(nk.value))
         return 4.0 * nq * nk if nq is not None and isinstance(nk, int) else None
     if op in _POINTWISE:
         return float(_POINTWISE[op]) * out
@@ -124,9 +141,17 @@ def render_table(result: OnnxAnalysis, console, top: int = 40) -> None:
     from rich.table import Table
 
     total = result.flops or 1.0
-    table = Table(title=f"{result.model}: {result.nodes} nodes, {result.flops / 1e9:.3f} GFLOP counted")
+    table = Table(
+        title=f"{result.model}: {result.nodes} nodes, {result.flops / 1e9:.3f} GFLOP counted"
+    )
     for col in ("op", "count", "GFLOP", "share", "no FLOPs known"):
         table.add_column(col)
     for r in result.rows[:top]:
-        table.add_row(r.op, str(r.count), f"{r.flops / 1e9:.4f}", f"{100 * r.flops / total:.1f}%", str(r.unknown or ""))
+        table.add_row(
+            r.op,
+            str(r.count),
+            f"{r.flops / 1e9:.4f}",
+            f"{100 * r.flops / total:.1f}%",
+            str(r.unknown or ""),
+        )
     console.print(table)

@@ -31,7 +31,11 @@ def export_spec(
     from opswap.models import load
 
     loaded = load(spec, {k: str(v) for k, v in (sets or {}).items()})
-    names = list(getattr(loaded.module, "input_names", [f"input_{i}" for i in range(len(loaded.example_inputs))]))
+    names = list(
+        getattr(
+            loaded.module, "input_names", [f"input_{i}" for i in range(len(loaded.example_inputs))]
+        )
+    )
     batch = torch.export.Dim("batch", min=1, max=64)
     seq = torch.export.Dim("sequence", min=2, max=512)
     dyn = []
@@ -46,7 +50,10 @@ def export_spec(
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             if exporter == "legacy":
-                axes = {n: {k: ("batch" if k == 0 else "sequence") for k in d} for n, d in zip(names, dyn)}
+                axes = {
+                    n: {k: ("batch" if k == 0 else "sequence") for k in d}
+                    for n, d in zip(names, dyn, strict=True)
+                }
                 torch.onnx.export(
                     loaded.module,
                     tuple(loaded.example_inputs),
@@ -68,5 +75,7 @@ def export_spec(
                     opset_version=opset,
                 )
     except Exception as e:
-        raise SpecError(f"{spec} could not be exported to ONNX ({type(e).__name__}: {str(e).splitlines()[0][:200]}).") from None
+        raise SpecError(
+            f"{spec} could not be exported to ONNX ({type(e).__name__}: {str(e).splitlines()[0][:200]})."
+        ) from None
     return out

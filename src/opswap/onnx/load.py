@@ -153,7 +153,7 @@ def _inputs(onnx, proto) -> list[InputSpec]:
     inits = {i.name for i in proto.graph.initializer}
     tables = _table_rows(proto)
     out = []
-    for k, v in enumerate(proto.graph.input):
+    for v in proto.graph.input:
         if v.name in inits:
             continue  # an initializer listed as input (IR version 3): a weight, not an input
         t = v.type.tensor_type

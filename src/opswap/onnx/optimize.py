@@ -99,7 +99,11 @@ def optimize_onnx(
     if peer_model is not None:
         models["ort-optimizer"] = peer_model
     res = time_models(models, loaded, loaded.sizes, min_time_s=min_time_s)
-    verified = {"input": True, "opswap": check.passed, "ort-optimizer": bool(peer_check and peer_check.passed)}
+    verified = {
+        "input": True,
+        "opswap": check.passed,
+        "ort-optimizer": bool(peer_check and peer_check.passed),
+    }
     for name in models:
         r = res.ratio("input", name)
         result.variants.append(
@@ -139,9 +143,16 @@ def save(result: OnnxResult, out: str | Path) -> dict[str, Path]:
 
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
-    paths = {"model": d / "model.onnx", "plan": d / "plan.json", "result": d / "result.json", "report_md": d / "report.md"}
+    paths = {
+        "model": d / "model.onnx",
+        "plan": d / "plan.json",
+        "result": d / "result.json",
+        "report_md": d / "report.md",
+    }
     big = result.model.ByteSize() > _EXTERNAL_BYTES
-    onnx.save(result.model, str(paths["model"]), save_as_external_data=big, location="model.onnx.data")
+    onnx.save(
+        result.model, str(paths["model"]), save_as_external_data=big, location="model.onnx.data"
+    )
     result.plan.save(paths["plan"])
     paths["result"].write_text(json.dumps(result.to_json(), indent=2) + "\n")
     paths["report_md"].write_text(report(result))
@@ -169,10 +180,17 @@ def report(result: OnnxResult) -> str:
         "",
     ]
     if data["variants"]:
-        lines += ["## Variants (ONNX Runtime, CPU, one interleaved loop)", "", "| variant | ms | IQR ms | vs input | verified |", "|---|---|---|---|---|"]
+        lines += [
+            "## Variants (ONNX Runtime, CPU, one interleaved loop)",
+            "",
+            "| variant | ms | IQR ms | vs input | verified |",
+            "|---|---|---|---|---|",
+        ]
         for x in data["variants"]:
             name = x["name"] + (" (saved)" if x["name"] == data["best"] else "")
-            lines.append(f"| {name} | {x['ms']:.3f} | {x['iqr_ms']:.3f} | {x['speedup_vs_input']:.2f}x | {'yes' if x['verified'] else 'no'} |")
+            lines.append(
+                f"| {name} | {x['ms']:.3f} | {x['iqr_ms']:.3f} | {x['speedup_vs_input']:.2f}x | {'yes' if x['verified'] else 'no'} |"
+            )
         lines.append("")
     if data["peer"].get("fused"):
         fused = ", ".join(f"{k} {n}" for k, n in data["peer"]["fused"].items() if n)

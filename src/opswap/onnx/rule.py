@@ -13,7 +13,6 @@ inputs) rewrote are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -60,6 +59,16 @@ def rank(value: ir.Value | None) -> int | None:
     return None if value is None or value.shape is None else len(value.shape)
 
 
+def attr_int(node: ir.Node, name: str, default: int) -> int:
+    a = node.attributes.get(name)
+    return default if a is None else int(a.as_int())
+
+
+def attr_float(node: ir.Node, name: str, default: float) -> float:
+    a = node.attributes.get(name)
+    return default if a is None else float(a.as_float())
+
+
 def last_dim(value: ir.Value) -> int | None:
     """The size of `value`'s last axis: from its shape, else from the constant weight of
     the MatMul or Gemm that made it."""
@@ -69,7 +78,7 @@ def last_dim(value: ir.Value) -> int | None:
     if node is not None and node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1:
         w = const(node.inputs[1])
         if w is not None and w.ndim == 2:
-            trans = node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+            trans = node.op_type == "Gemm" and attr_int(node, "transB", 0)
             return int(w.shape[0] if trans else w.shape[1])
     if node is not None and node.op_type == "Add":
         dims = [last_dim(v) for v in node.inputs if v is not None]
@@ -93,7 +102,11 @@ def reduce_axes(node: ir.Node | None) -> list[int] | None:
 
 def last_axis(axes: list[int] | None, r: int | None) -> bool:
     """Whether `axes` is the last axis alone, as -1 or as rank - 1."""
-    return axes is not None and len(axes) == 1 and (axes[0] == -1 or (r is not None and axes[0] == r - 1))
+    return (
+        axes is not None
+        and len(axes) == 1
+        and (axes[0] == -1 or (r is not None and axes[0] == r - 1))
+    )
 
 
 @dataclass
@@ -111,7 +124,7 @@ class OnnxRule(orp.RewriteRuleClassBase):
     does, and the class attributes below. A rule whose pattern has several forms sets
     `variants`; `self.variant` says which one `pattern` builds."""
 
-    name: ClassVar[str]  # type: ignore[misc]
+    name: str  # onnx.<what>, set by each rule's class
     exactness: ClassVar[Exactness] = "exact"
     description: ClassVar[str] = ""
     #: the op types the rewrite creates (what the peer comparison counts)
@@ -181,7 +194,7 @@ class OnnxRule(orp.RewriteRuleClassBase):
     def _rewrite(self, op, **bindings):
         out = self.rewrite(op, **bindings)
         new = out if isinstance(out, (list, tuple)) else [out]
-        for value, old in zip(new, self._replaced):
+        for value, old in zip(new, self._replaced, strict=False):
             if isinstance(value, ir.Value) and value.shape is None:
                 value.shape, value.type = old.shape, old.type  # what the rewrite stands for
         if out is not None and out is not False and self._checked is not None:

@@ -8,6 +8,7 @@ with ORT's optimizations on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,9 @@ def session(model: onnx.ModelProto | bytes | str, *, optimize: bool = True, thre
         ) from None
 
 
-def random_inputs(specs: list[InputSpec], sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
+def random_inputs(
+    specs: list[InputSpec], sizes: dict[str, int], seed: int
+) -> dict[str, np.ndarray]:
     """Fresh inputs at `sizes`: normal floats; ones for masks; ids below the rows of the
     table they index, else small enough for any vocabulary (type ids 0 or 1, others
     below 64)."""
@@ -85,7 +88,12 @@ class Check:
     reasons: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.metrics, "passed": self.passed, "shapes": self.shapes, "reasons": self.reasons}
+        return {
+            **self.metrics,
+            "passed": self.passed,
+            "shapes": self.shapes,
+            "reasons": self.reasons,
+        }
 
 
 def verify(
@@ -117,7 +125,10 @@ def verify(
                     "give sizes it accepts with --set NAME=SIZE."
                 ) from None
             c = cand.run(names, feeds)
-            got += [compare(torch.from_numpy(np.asarray(a)), torch.from_numpy(np.asarray(b))) for a, b in zip(r, c)]
+            got += [
+                compare(torch.from_numpy(np.asarray(a)), torch.from_numpy(np.asarray(b)))
+                for a, b in zip(r, c, strict=True)
+            ]
     m = combine(got)
     passed, reasons = Tolerance.for_exactness(exactness).check(m)
     return Check(passed, m.to_json(), sizes, reasons)
@@ -136,8 +147,9 @@ def time_models(
     from opswap.bench.timing import benchmark
 
     feeds = random_inputs(loaded.inputs, sizes, seed=7)
-    fns = {}
-    for name, proto in models.items():
-        s = session(proto)
-        fns[name] = lambda s=s: s.run(None, feeds)
+
+    def call(s) -> Callable[[], Any]:
+        return lambda: s.run(None, feeds)
+
+    fns = {name: call(session(proto)) for name, proto in models.items()}
     return benchmark(fns, warmup=3, repeats=10, min_time_s=min_time_s, max_time_s=max_time_s)

@@ -8,22 +8,32 @@ D = N * H
 def _attention(g, mask=False, softmax_axis=-1):
     """Attention as the exporters write it: project, split heads ([B, S, N, H] then
     [B, N, S, H]; the key to [B, N, H, S]), scores, scale, mask, Softmax, x V, merge."""
-    nodes, inits = [], {"split": np.array([0, 0, N, H], np.int64), "merge": np.array([0, 0, D], np.int64)}
+    nodes, inits = (
+        [],
+        {"split": np.array([0, 0, N, H], np.int64), "merge": np.array([0, 0, D], np.int64)},
+    )
     for name, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
         inits[f"w{name}"] = g.weight(D, D)
-        nodes += [helper.make_node("MatMul", ["x", f"w{name}"], [f"{name}3"]),
-                  helper.make_node("Reshape", [f"{name}3", "split"], [f"{name}r"]),
-                  helper.make_node("Transpose", [f"{name}r"], [f"{name}4"], perm=perm)]
-    nodes += [helper.make_node("MatMul", ["q4", "k4"], ["s"]), g.const("c", 1 / np.sqrt(H)),
-              helper.make_node("Mul", ["s", "c"], ["sc"])]
+        nodes += [
+            helper.make_node("MatMul", ["x", f"w{name}"], [f"{name}3"]),
+            helper.make_node("Reshape", [f"{name}3", "split"], [f"{name}r"]),
+            helper.make_node("Transpose", [f"{name}r"], [f"{name}4"], perm=perm),
+        ]
+    nodes += [
+        helper.make_node("MatMul", ["q4", "k4"], ["s"]),
+        g.const("c", 1 / np.sqrt(H)),
+        helper.make_node("Mul", ["s", "c"], ["sc"]),
+    ]
     last = "sc"
     if mask:
         nodes.append(helper.make_node("Add", ["sc", "m"], ["sm"]))
         last = "sm"
-    nodes += [helper.make_node("Softmax", [last], ["p"], axis=softmax_axis),
-              helper.make_node("MatMul", ["p", "v4"], ["o4"]),
-              helper.make_node("Transpose", ["o4"], ["o"], perm=[0, 2, 1, 3]),
-              helper.make_node("Reshape", ["o", "merge"], ["y"])]
+    nodes += [
+        helper.make_node("Softmax", [last], ["p"], axis=softmax_axis),
+        helper.make_node("MatMul", ["p", "v4"], ["o4"]),
+        helper.make_node("Transpose", ["o4"], ["o"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["o", "merge"], ["y"]),
+    ]
     inputs = [("x", ["batch", "seq", D])] + ([("m", ["batch", 1, 1, "seq"])] if mask else [])
     return nodes, inputs, inits
 

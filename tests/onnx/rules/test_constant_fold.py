@@ -4,8 +4,12 @@ from onnx import helper
 
 def test_constant_subgraphs_are_computed_ahead(graphs):
     """A weight transposed and scaled at run time, as some exporters leave it."""
-    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), graphs.const("two", 2.0),
-             helper.make_node("Mul", ["wt", "two"], ["w2"]), helper.make_node("MatMul", ["x", "w2"], ["y"])]
+    nodes = [
+        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+        graphs.const("two", 2.0),
+        helper.make_node("Mul", ["wt", "two"], ["w2"]),
+        helper.make_node("MatMul", ["x", "w2"], ["y"]),
+    ]
     m = graphs.load(nodes, [("x", ["batch", 3])], ["y"], {"w": graphs.weight(4, 3)})
     plan, out, ops = graphs.apply(m, ["onnx.constant_fold"])
     assert ops == ["MatMul"]

@@ -3,10 +3,17 @@ from onnx import helper
 
 def _model(g, weight_is_input=False, bias=True):
     conv_in = ["x", "w", "cb"] if bias else ["x", "w"]
-    nodes = [helper.make_node("Conv", conv_in, ["c"], pads=[1, 1, 1, 1], group=2),
-             helper.make_node("BatchNormalization", ["c", "s", "t", "mu", "var"], ["y"], epsilon=1e-3)]
-    inits = {"cb": g.weight(4), "s": g.weight(4) + 1, "t": g.weight(4), "mu": g.weight(4),
-             "var": abs(g.weight(4)) + 0.5}
+    nodes = [
+        helper.make_node("Conv", conv_in, ["c"], pads=[1, 1, 1, 1], group=2),
+        helper.make_node("BatchNormalization", ["c", "s", "t", "mu", "var"], ["y"], epsilon=1e-3),
+    ]
+    inits = {
+        "cb": g.weight(4),
+        "s": g.weight(4) + 1,
+        "t": g.weight(4),
+        "mu": g.weight(4),
+        "var": abs(g.weight(4)) + 0.5,
+    }
     inputs = [("x", ["batch", 2, "h", "w_"])]
     if weight_is_input:
         inputs.append(("w", [4, 1, 3, 3]))

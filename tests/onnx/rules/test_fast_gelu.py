@@ -5,12 +5,19 @@ from onnx import helper
 
 def _tanh_gelu(g, k=0.044715):
     return [
-        g.const("three", 3.0), g.const("k", k), g.const("c", math.sqrt(2 / math.pi)),
-        g.const("one", 1.0), g.const("half", 0.5),
-        helper.make_node("Pow", ["x", "three"], ["p"]), helper.make_node("Mul", ["p", "k"], ["pk"]),
-        helper.make_node("Add", ["x", "pk"], ["s"]), helper.make_node("Mul", ["s", "c"], ["sc"]),
-        helper.make_node("Tanh", ["sc"], ["t"]), helper.make_node("Add", ["t", "one"], ["b"]),
-        helper.make_node("Mul", ["x", "half"], ["m"]), helper.make_node("Mul", ["m", "b"], ["y"]),
+        g.const("three", 3.0),
+        g.const("k", k),
+        g.const("c", math.sqrt(2 / math.pi)),
+        g.const("one", 1.0),
+        g.const("half", 0.5),
+        helper.make_node("Pow", ["x", "three"], ["p"]),
+        helper.make_node("Mul", ["p", "k"], ["pk"]),
+        helper.make_node("Add", ["x", "pk"], ["s"]),
+        helper.make_node("Mul", ["s", "c"], ["sc"]),
+        helper.make_node("Tanh", ["sc"], ["t"]),
+        helper.make_node("Add", ["t", "one"], ["b"]),
+        helper.make_node("Mul", ["x", "half"], ["m"]),
+        helper.make_node("Mul", ["m", "b"], ["y"]),
     ]
 
 

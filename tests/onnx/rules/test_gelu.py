@@ -4,13 +4,24 @@ from onnx import helper
 
 
 def _gelu(g, root=math.sqrt(2.0), grouping=0):
-    nodes = [g.const("r", root), g.const("one", 1.0), g.const("half", 0.5),
-             helper.make_node("Div", ["x", "r"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
-             helper.make_node("Add", ["one", "e"], ["b"])]
+    nodes = [
+        g.const("r", root),
+        g.const("one", 1.0),
+        g.const("half", 0.5),
+        helper.make_node("Div", ["x", "r"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["one", "e"], ["b"]),
+    ]
     if grouping == 0:  # 0.5 * x * (1 + erf): torch's legacy exporter
-        nodes += [helper.make_node("Mul", ["x", "half"], ["m"]), helper.make_node("Mul", ["m", "b"], ["y"])]
+        nodes += [
+            helper.make_node("Mul", ["x", "half"], ["m"]),
+            helper.make_node("Mul", ["m", "b"], ["y"]),
+        ]
     else:  # x * (0.5 * (1 + erf)): the dynamo exporter
-        nodes += [helper.make_node("Mul", ["half", "b"], ["m"]), helper.make_node("Mul", ["x", "m"], ["y"])]
+        nodes += [
+            helper.make_node("Mul", ["half", "b"], ["m"]),
+            helper.make_node("Mul", ["x", "m"], ["y"]),
+        ]
     return nodes
 
 

@@ -2,7 +2,10 @@ from onnx import helper
 
 
 def _model(g, dims):
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["b", "h"], ["y"])]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["b", "h"], ["y"]),
+    ]
     return g.load(nodes, [("x", dims)], ["y"], {"w": g.weight(6, 5), "b": g.weight(5)})
 
 

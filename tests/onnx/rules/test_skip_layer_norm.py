@@ -2,14 +2,20 @@ from onnx import helper
 
 
 def _ln(src, dst):
-    return helper.make_node("LayerNormalization", [src, "gamma", "beta"], [dst], axis=-1, epsilon=1e-6)
+    return helper.make_node(
+        "LayerNormalization", [src, "gamma", "beta"], [dst], axis=-1, epsilon=1e-6
+    )
 
 
 def test_residual_add_and_layer_norm_fuse_and_the_sum_feeds_its_other_readers(graphs):
     """A pre-LN block: h = x + a; y = h + W LN(h). The sum h is read by the second residual
     too, which then takes SkipLayerNormalization's fourth output."""
-    nodes = [helper.make_node("Add", ["x", "a"], ["h"]), _ln("h", "n"),
-             helper.make_node("MatMul", ["n", "w"], ["f"]), helper.make_node("Add", ["h", "f"], ["y"])]
+    nodes = [
+        helper.make_node("Add", ["x", "a"], ["h"]),
+        _ln("h", "n"),
+        helper.make_node("MatMul", ["n", "w"], ["f"]),
+        helper.make_node("Add", ["h", "f"], ["y"]),
+    ]
     inits = {"gamma": graphs.weight(8) + 1, "beta": graphs.weight(8), "w": graphs.weight(8, 8)}
     m = graphs.load(nodes, [("x", ["batch", "seq", 8]), ("a", ["batch", "seq", 8])], ["y"], inits)
     plan, out, ops = graphs.apply(m, ["onnx.skip_layer_norm"])

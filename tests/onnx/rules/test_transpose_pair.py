@@ -2,8 +2,11 @@ from onnx import helper
 
 
 def _pair(p, q):
-    return [helper.make_node("Transpose", ["x"], ["t"], perm=p), helper.make_node("Transpose", ["t"], ["u"], perm=q),
-            helper.make_node("Relu", ["u"], ["y"])]
+    return [
+        helper.make_node("Transpose", ["x"], ["t"], perm=p),
+        helper.make_node("Transpose", ["t"], ["u"], perm=q),
+        helper.make_node("Relu", ["u"], ["y"]),
+    ]
 
 
 def test_transposes_that_cancel_are_dropped(graphs):
@@ -23,7 +26,12 @@ def test_two_transposes_compose_into_one(graphs):
 
 
 def test_a_transpose_without_perm_is_a_miss(graphs):
-    nodes = [helper.make_node("Transpose", ["x"], ["t"]), helper.make_node("Transpose", ["t"], ["y"], perm=[1, 0])]
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"]),
+        helper.make_node("Transpose", ["t"], ["y"], perm=[1, 0]),
+    ]
     m = graphs.load(nodes, [("x", [3, 4])], ["y"])
     plan, _, ops = graphs.apply(m, ["onnx.transpose_pair"])
-    assert ops == ["Transpose", "Transpose"] and any("without perm" in x.reason for x in plan.misses)
+    assert ops == ["Transpose", "Transpose"] and any(
+        "without perm" in x.reason for x in plan.misses
+    )

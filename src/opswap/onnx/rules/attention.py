@@ -10,7 +10,7 @@ from the head-split Reshape's constant shape ([batch, seq, -1 or heads, head_dim
 
 from __future__ import annotations
 
-from opswap.onnx.rule import MS_DOMAIN, OnnxRule, const, ok, rank, refuse, scalar
+from opswap.onnx.rule import MS_DOMAIN, OnnxRule, attr_int, const, ok, rank, refuse, scalar
 
 _SPLIT = [0, 2, 1, 3]  # [B, S, N, H] -> [B, N, S, H], and back
 _KEY = [0, 2, 3, 1]  # [B, S, N, H] -> [B, N, H, S]
@@ -65,9 +65,21 @@ class Attention(OnnxRule):
     variants = 4  # scale by Mul or Div; with or without an additive mask
 
     def pattern(self, op, q3, k3, v3, qs, ks, vs, c, mask, os):
-        q = op.Transpose(op.Reshape(q3, qs, _allow_other_attributes=True), _allow_other_attributes=True, _outputs=["qt"])
-        k = op.Transpose(op.Reshape(k3, ks, _allow_other_attributes=True), _allow_other_attributes=True, _outputs=["kt"])
-        v = op.Transpose(op.Reshape(v3, vs, _allow_other_attributes=True), _allow_other_attributes=True, _outputs=["vt"])
+        q = op.Transpose(
+            op.Reshape(q3, qs, _allow_other_attributes=True),
+            _allow_other_attributes=True,
+            _outputs=["qt"],
+        )
+        k = op.Transpose(
+            op.Reshape(k3, ks, _allow_other_attributes=True),
+            _allow_other_attributes=True,
+            _outputs=["kt"],
+        )
+        v = op.Transpose(
+            op.Reshape(v3, vs, _allow_other_attributes=True),
+            _allow_other_attributes=True,
+            _outputs=["vt"],
+        )
         s = op.MatMul(q, k)
         s = op.Mul(s, c) if self.variant % 2 == 0 else op.Div(s, c)
         if self.variant >= 2:
@@ -76,14 +88,21 @@ class Attention(OnnxRule):
         ctx = op.Transpose(op.MatMul(p, v), _allow_other_attributes=True, _outputs=["merged"])
         return op.Reshape(ctx, os, _allow_other_attributes=True)
 
-    def check(self, context, q3, k3, v3, qs, ks, vs, c, qt, kt, vt, probs, merged, os, mask=None, **_):
-        for t, want, what in ((qt, _SPLIT, "query"), (kt, _KEY, "key"), (vt, _SPLIT, "value"), (merged, _SPLIT, "output")):
+    def check(
+        self, context, q3, k3, v3, qs, ks, vs, c, qt, kt, vt, probs, merged, os, mask=None, **_
+    ):
+        for t, want, what in (
+            (qt, _SPLIT, "query"),
+            (kt, _KEY, "key"),
+            (vt, _SPLIT, "value"),
+            (merged, _SPLIT, "output"),
+        ):
             if _perm(t) != want:
                 return refuse(f"the {what}'s transpose is {_perm(t)}, not {want}")
         for t, what in ((q3, "query"), (k3, "key"), (v3, "value")):
             if rank(t) != 3:
                 return refuse(f"the {what} projection has rank {rank(t)}, not [batch, seq, hidden]")
-        axis = probs.producer().attributes.get_int("axis", -1)
+        axis = attr_int(probs.producer(), "axis", -1)
         if axis not in (-1, 3):
             return refuse(f"the Softmax is over axis {axis}, not the keys")
         if scalar(c) is None or scalar(c) == 0:
@@ -135,4 +154,3 @@ class Attention(OnnxRule):
             scale=scale if self.variant % 2 == 0 else 1.0 / scale,
             _domain=MS_DOMAIN,
         )
-

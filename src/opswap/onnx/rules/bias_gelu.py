@@ -25,15 +25,21 @@ class BiasGelu(OnnxRule):
         if g is not None:
             a = g.producer().attributes.get("approximate")
             if a is not None and a.as_string() != "none":
-                return refuse(f"the Gelu is the {a.as_string()} approximation, which BiasGelu does not compute")
+                return refuse(
+                    f"the Gelu is the {a.as_string()} approximation, which BiasGelu does not compute"
+                )
         bias = const(b)
         if bias is None:
             return refuse("the added tensor is not a constant bias")
         if bias.ndim != 1:
-            return refuse(f"the bias has {bias.ndim} dims; BiasGelu takes a 1-D bias over the last axis")
+            return refuse(
+                f"the bias has {bias.ndim} dims; BiasGelu takes a 1-D bias over the last axis"
+            )
         last = last_dim(x)
         if last != bias.shape[0]:
-            return refuse(f"the bias has {bias.shape[0]} elements and the input's last dim is {last}")
+            return refuse(
+                f"the bias has {bias.shape[0]} elements and the input's last dim is {last}"
+            )
         return ok()
 
     def rewrite(self, op, x, b, **_):

@@ -42,16 +42,25 @@ class ConstantFold(OnnxRule):
         out = RuleRun(self.name)
         if gone:
             out.sites.append(
-                Site(self.name, "+".join(gone[:8]) + ("+..." if len(gone) > 8 else ""), tuple(gone),
-                     f"{len(gone)} nodes computed ahead of time", {}, gone[0])
+                Site(
+                    self.name,
+                    "+".join(gone[:8]) + ("+..." if len(gone) > 8 else ""),
+                    tuple(gone),
+                    f"{len(gone)} nodes computed ahead of time",
+                    {},
+                    gone[0],
+                )
             )
         for n in model.graph:
             if n.op_type == "Constant" or not n.inputs:
                 continue
             if all(v is not None and const(v) is not None for v in n.inputs):
                 out.misses.append(
-                    Miss(self.name, n.name or n.op_type,
-                         f"{n.op_type} has constant inputs but stays: its result is past the "
-                         "folding size limit or cannot be computed ahead of time")
+                    Miss(
+                        self.name,
+                        n.name or n.op_type,
+                        f"{n.op_type} has constant inputs but stays: its result is past the "
+                        "folding size limit or cannot be computed ahead of time",
+                    )
                 )
         return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from opswap.onnx.rule import OnnxRule, const, ok, refuse
+from opswap.onnx.rule import OnnxRule, attr_float, attr_int, const, ok, refuse
 
 
 class ConvBn(OnnxRule):
@@ -24,7 +24,7 @@ class ConvBn(OnnxRule):
 
     def check(self, context, x, w, scale, shift, mean, var, conv, bn, **_):
         node = bn.producer()
-        if node.attributes.get_int("training_mode", 0):
+        if attr_int(node, "training_mode", 0):
             return refuse("the BatchNormalization is in training mode")
         if len([o for o in node.outputs if o.uses()]) > 1:
             return refuse("the BatchNormalization's running statistics are read")
@@ -40,7 +40,7 @@ class ConvBn(OnnxRule):
 
     def rewrite(self, op, x, w, scale, shift, mean, var, conv, bn, **_):
         cnode = conv.producer()
-        eps = bn.producer().attributes.get_float("epsilon", 1e-5)
+        eps = attr_float(bn.producer(), "epsilon", 1e-5)
         weight = const(w)
         assert weight is not None
         s = const(scale) / np.sqrt(const(var) + eps)  # type: ignore[operator]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from opswap.onnx.rule import MS_DOMAIN, OnnxRule, const, ok, rank, refuse
+from opswap.onnx.rule import MS_DOMAIN, OnnxRule, attr_float, attr_int, const, ok, rank, refuse
 
 
 def _arange_prefix(positions: ir.Value) -> str | None:
@@ -17,7 +17,11 @@ def _arange_prefix(positions: ir.Value) -> str | None:
     a = const(positions)
     if a is not None:
         flat = a.reshape(-1)
-        return None if np.array_equal(flat, np.arange(flat.size)) else "the positions are constants other than 0..S-1"
+        return (
+            None
+            if np.array_equal(flat, np.arange(flat.size))
+            else "the positions are constants other than 0..S-1"
+        )
     node = positions.producer()
     if node is None or node.op_type != "Slice":
         return "the position ids are not 0..S-1 of a constant (they are an input or computed)"
@@ -56,14 +60,14 @@ class EmbedLayerNorm(OnnxRule):
         if why:
             return refuse(why)
         node = ln.producer()
-        if node.attributes.get_int("axis", -1) not in (-1, 2):
+        if attr_int(node, "axis", -1) not in (-1, 2):
             return refuse("the LayerNormalization is not over the hidden axis")
         if len([o for o in node.outputs if o.uses()]) > 1:
             return refuse("the LayerNormalization's mean or inverse deviation is read too")
         return ok()
 
     def rewrite(self, op, ids, types, word, seg, pos, gamma, beta, ln, **_):
-        eps = ln.producer().attributes.get_float("epsilon", 1e-12)
+        eps = attr_float(ln.producer(), "epsilon", 1e-12)
         i32 = ir.DataType.INT32
         out = op.EmbedLayerNormalization(
             op.Cast(ids, to=i32),

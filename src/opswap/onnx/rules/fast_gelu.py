@@ -14,7 +14,9 @@ _C = math.sqrt(2.0 / math.pi)
 class FastGelu(OnnxRule):
     name = "onnx.fast_gelu"
     exactness = "exact"
-    description = "GELU's tanh form (Pow, Mul, Add, Mul, Tanh, Add, Mul, Mul) -> com.microsoft FastGelu."
+    description = (
+        "GELU's tanh form (Pow, Mul, Add, Mul, Tanh, Add, Mul, Mul) -> com.microsoft FastGelu."
+    )
     produces = ("FastGelu",)
     commute = True
 

@@ -15,9 +15,13 @@ class LayerNorm(OnnxRule):
     commute = True
 
     def pattern(self, op, x, two, eps, gamma, beta):
-        mean = op.ReduceMean(x, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["mean"])
+        mean = op.ReduceMean(
+            x, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["mean"]
+        )
         d = op.Sub(x, mean)
-        var = op.ReduceMean(op.Pow(d, two), _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["var"])
+        var = op.ReduceMean(
+            op.Pow(d, two), _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["var"]
+        )
         n = op.Div(d, op.Sqrt(op.Add(var, eps)))
         return op.Add(op.Mul(n, gamma), beta)
 
@@ -37,7 +41,9 @@ class LayerNorm(OnnxRule):
             if a is None:
                 return refuse(f"the {what} is not a constant")
             if a.ndim != 1 or not isinstance(last, int) or a.shape[0] != last:
-                return refuse(f"the {what} has shape {list(a.shape)}, not [{last}] (the normalized axis)")
+                return refuse(
+                    f"the {what} has shape {list(a.shape)}, not [{last}] (the normalized axis)"
+                )
         return ok()
 
     def rewrite(self, op, x, eps, gamma, beta, **_):

@@ -26,8 +26,14 @@ class MatMulBias(OnnxRule):
             return refuse("the MatMul's weight is not a 2-D constant")
         if bias is None:
             return refuse("the added tensor is not a constant bias")
-        if bias.ndim > 1 and bias.shape[0] != 1 or bias.shape[-1:] not in ((weight.shape[1],), (1,)):
-            return refuse(f"the bias of shape {list(bias.shape)} is not one value per output column")
+        if (
+            bias.ndim > 1
+            and bias.shape[0] != 1
+            or bias.shape[-1:] not in ((weight.shape[1],), (1,))
+        ):
+            return refuse(
+                f"the bias of shape {list(bias.shape)} is not one value per output column"
+            )
         return ok()
 
     def rewrite(self, op, x, w, b, **_):

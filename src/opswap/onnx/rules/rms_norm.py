@@ -16,7 +16,9 @@ class RmsNorm(OnnxRule):
 
     def pattern(self, op, x, two, eps, w):
         sq = op.Pow(x, two) if self.variant % 2 == 0 else op.Mul(x, x)
-        ms = op.ReduceMean(sq, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["ms"])
+        ms = op.ReduceMean(
+            sq, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["ms"]
+        )
         root = op.Sqrt(op.Add(ms, eps))
         n = op.Mul(x, op.Reciprocal(root)) if self.variant < 2 else op.Div(x, root)
         return op.Mul(n, w)
@@ -34,7 +36,9 @@ class RmsNorm(OnnxRule):
         if a is None:
             return refuse("the weight is not a constant")
         if a.ndim != 1 or not isinstance(last, int) or a.shape[0] != last:
-            return refuse(f"the weight has shape {list(a.shape)}, not [{last}] (the normalized axis)")
+            return refuse(
+                f"the weight has shape {list(a.shape)}, not [{last}] (the normalized axis)"
+            )
         return ok()
 
     def rewrite(self, op, x, eps, w, **_):

@@ -5,13 +5,15 @@ op's fourth output, the sum itself, so nothing is computed twice."""
 
 from __future__ import annotations
 
-from opswap.onnx.rule import MS_DOMAIN, OnnxRule, const, ok, rank, refuse
+from opswap.onnx.rule import MS_DOMAIN, OnnxRule, attr_float, attr_int, const, ok, rank, refuse
 
 
 class SkipLayerNorm(OnnxRule):
     name = "onnx.skip_layer_norm"
     exactness = "exact"
-    description = "Add(x, residual) then LayerNormalization -> com.microsoft SkipLayerNormalization."
+    description = (
+        "Add(x, residual) then LayerNormalization -> com.microsoft SkipLayerNormalization."
+    )
     produces = ("SkipLayerNormalization",)
     keeps_nodes = True  # the Add may have other readers: they are moved to output 3
 
@@ -24,7 +26,7 @@ class SkipLayerNorm(OnnxRule):
         if len([o for o in node.outputs if o.uses()]) > 1:
             return refuse("the LayerNormalization's mean or inverse deviation is read too")
         r = rank(summed)
-        axis = node.attributes.get_int("axis", -1)
+        axis = attr_int(node, "axis", -1)
         if r not in (2, 3):
             return refuse(f"the input has rank {r}; SkipLayerNormalization takes 2-D or 3-D input")
         if axis not in (-1, r - 1):
@@ -41,7 +43,7 @@ class SkipLayerNorm(OnnxRule):
         return ok()
 
     def rewrite(self, op, a, b, gamma, beta, summed, ln, **_):
-        eps = ln.producer().attributes.get_float("epsilon", 1e-5)
+        eps = attr_float(ln.producer(), "epsilon", 1e-5)
         readers = [u for u in summed.uses() if u.node is not ln.producer()]
         if not readers:
             return op.SkipLayerNormalization(a, b, gamma, beta, epsilon=eps, _domain=MS_DOMAIN)

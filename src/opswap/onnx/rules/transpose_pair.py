@@ -15,7 +15,9 @@ def _perm(node) -> list[int] | None:
 class TransposePair(OnnxRule):
     name = "onnx.transpose_pair"
     exactness = "exact"
-    description = "Transpose(Transpose(x, p), q) -> Transpose(x, p[q]), or x when it is the identity."
+    description = (
+        "Transpose(Transpose(x, p), q) -> Transpose(x, p[q]), or x when it is the identity."
+    )
     produces = ("Transpose",)
 
     def pattern(self, op, x):
