@@ -35,7 +35,7 @@ MODELS = {
 }
 
 
-def run(kind: str, tmp: Path, min_time_s: float) -> dict:
+def run(kind: str, tmp: Path, min_time_s: float, threads: int) -> dict:
     import onnx
 
     from opswap.onnx.hf_export import export_spec
@@ -65,6 +65,7 @@ def run(kind: str, tmp: Path, min_time_s: float) -> dict:
         m.sizes,
         min_time_s=min_time_s,
         max_time_s=4 * min_time_s,
+        threads=threads,
     )
 
     def ratio(a: str, b: str) -> dict:
@@ -110,6 +111,12 @@ def main() -> None:
     ap.add_argument("--models", default="bert,gpt2,vit")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--min-time", type=float, default=10.0, help="seconds of timing per model")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="ORT intra-op threads (0: its default); 1 on a machine shared with other work",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -122,7 +129,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.models.split(","):
-            rows.append(run(kind.strip(), Path(tmp), args.min_time))
+            rows.append(run(kind.strip(), Path(tmp), args.min_time, args.threads))
     write_results(
         args.out,
         "onnx_rules_cpu.json",
@@ -133,7 +140,7 @@ def main() -> None:
         onnxscript=onnxscript.__version__,
         transformers=transformers.__version__,
         exporter="torch.onnx.export(dynamo=False), opset 17",
-        threads="ONNX Runtime's default (all cores)",
+        threads=args.threads or "ONNX Runtime's default (all cores)",
     )
 
 

@@ -124,3 +124,10 @@ def test_the_file_on_disk_is_left_as_it_was(graphs):
     before = open(path, "rb").read()
     graphs.apply(load_onnx(path), None)
     assert open(path, "rb").read() == before and onnx.load(path).graph.node[0].op_type == "MatMul"
+
+
+def test_the_torch_model_loader_points_an_onnx_spec_to_the_onnx_commands():
+    from opswap.models import load
+
+    with pytest.raises(SpecError, match="opswap analyze`, `plan` and `optimize` read"):
+        load("exported/model.onnx")

@@ -141,9 +141,11 @@ def time_models(
     *,
     min_time_s: float = 1.0,
     max_time_s: float = 20.0,
+    threads: int = 0,
 ):
     """The models timed in one interleaved loop (bench.timing.benchmark) on the same
-    inputs; the BenchResult."""
+    inputs, each session on `threads` intra-op threads (0: ORT's default); the
+    BenchResult."""
     from opswap.bench.timing import benchmark
 
     feeds = random_inputs(loaded.inputs, sizes, seed=7)
@@ -151,5 +153,5 @@ def time_models(
     def call(s) -> Callable[[], Any]:
         return lambda: s.run(None, feeds)
 
-    fns = {name: call(session(proto)) for name, proto in models.items()}
+    fns = {name: call(session(proto, threads=threads)) for name, proto in models.items()}
     return benchmark(fns, warmup=3, repeats=10, min_time_s=min_time_s, max_time_s=max_time_s)
