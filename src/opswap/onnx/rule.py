@@ -59,6 +59,23 @@ def rank(value: ir.Value | None) -> int | None:
     return None if value is None or value.shape is None else len(value.shape)
 
 
+def bias_of(value: ir.Value) -> tuple[ir.Value, ir.Value] | None:
+    """(product, bias) when `value` is MatMul(x, W) + b with a constant 1-D b read by
+    nothing else: a fused op that takes a bias input can absorb the Add."""
+    node = value.producer()
+    if node is None or node.op_type != "Add" or len(value.uses()) != 1:
+        return None
+    for mm, b in (node.inputs, node.inputs[::-1]):
+        if mm is None or b is None:
+            continue
+        producer = mm.producer()
+        t = const(b)
+        if producer is not None and producer.op_type == "MatMul" and t is not None and t.ndim == 1:
+            if len(mm.uses()) == 1 and last_dim(mm) == t.shape[0]:
+                return mm, b
+    return None
+
+
 def attr_int(node: ir.Node, name: str, default: int) -> int:
     a = node.attributes.get(name)
     return default if a is None else int(a.as_int())

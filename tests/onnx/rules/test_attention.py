@@ -5,7 +5,7 @@ N, H = 2, 4
 D = N * H
 
 
-def _attention(g, mask=False, softmax_axis=-1):
+def _attention(g, mask=False, softmax_axis=-1, bias=False):
     """Attention as the exporters write it: project, split heads ([B, S, N, H] then
     [B, N, S, H]; the key to [B, N, H, S]), scores, scale, mask, Softmax, x V, merge."""
     nodes, inits = (
@@ -63,3 +63,11 @@ def test_a_softmax_over_the_queries_is_a_miss(graphs):
     plan, _, ops = graphs.apply(m, ["onnx.attention"])
     assert "MultiHeadAttention" not in ops
     assert any("Softmax is over axis 2" in x.reason for x in plan.misses)
+
+
+def test_the_projections_biases_go_into_multi_head_attention(graphs):
+    nodes, inputs, inits = _attention(graphs, bias=True)
+    m = graphs.load(nodes, inputs, ["y"], inits)
+    plan, out, ops = graphs.apply(m, ["onnx.attention"])
+    assert "Add" not in ops and ops.count("MultiHeadAttention") == 1
+    assert graphs.matches(m, out, {"batch": 1, "seq": 2}, {"batch": 2, "seq": 7})

@@ -33,3 +33,22 @@ def test_a_broadcast_add_is_a_miss(graphs):
     plan, _, ops = graphs.apply(m, ["onnx.skip_layer_norm"])
     assert "SkipLayerNormalization" not in ops
     assert any("broadcasts" in x.reason for x in plan.misses)
+
+
+def test_the_dense_layers_bias_goes_into_the_fused_op(graphs):
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["p"]),
+        helper.make_node("Add", ["p", "bias"], ["d"]),
+        helper.make_node("Add", ["d", "x"], ["h"]),
+        _ln("h", "y"),
+    ]
+    inits = {
+        "w": graphs.weight(8, 8),
+        "bias": graphs.weight(8),
+        "gamma": graphs.weight(8),
+        "beta": graphs.weight(8),
+    }
+    m = graphs.load(nodes, [("x", ["batch", "seq", 8])], ["y"], inits)
+    plan, out, ops = graphs.apply(m, ["onnx.skip_layer_norm"])
+    assert ops == ["MatMul", "SkipLayerNormalization"] and len(out.graph.node[1].input) == 5
+    assert graphs.matches(m, out, {"batch": 1, "seq": 4}, {"batch": 2, "seq": 9})

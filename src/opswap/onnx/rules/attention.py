@@ -3,6 +3,7 @@
 MatMul, merge heads) into one com.microsoft MultiHeadAttention on the [batch, seq, hidden]
 projections: the [seq, seq] scores never round-trip through memory between five kernels.
 
+The projections' biases (MatMul + b before each head split) go into MHA's bias input.
 The mask, when there is one, becomes MHA's attention_bias, broadcast to [batch or 1, 1,
 seq, kv_seq] as MHA requires; the scale is read from the constant. The head count comes
 from the head-split Reshape's constant shape ([batch, seq, -1 or heads, head_dim]).
@@ -10,7 +11,7 @@ from the head-split Reshape's constant shape ([batch, seq, -1 or heads, head_dim
 
 from __future__ import annotations
 
-from opswap.onnx.rule import MS_DOMAIN, OnnxRule, attr_int, const, ok, rank, refuse, scalar
+from opswap.onnx.rule import MS_DOMAIN, OnnxRule, attr_int, bias_of, const, ok, rank, refuse, scalar
 
 _SPLIT = [0, 2, 1, 3]  # [B, S, N, H] -> [B, N, S, H], and back
 _KEY = [0, 2, 3, 1]  # [B, S, N, H] -> [B, N, H, S]
@@ -143,11 +144,16 @@ class Attention(OnnxRule):
             r = rank(mask) or 0  # a lower-rank mask lines up with the scores' trailing axes
             m = mask if r == 4 else op.Unsqueeze(mask, op.Constant(value_ints=list(range(4 - r))))
             bias = op.Expand(m, want)
+        qkv = [bias_of(t) for t in (q3, k3, v3)]
+        packed = None
+        if all(f is not None for f in qkv):  # the projections' biases, added inside MHA
+            q3, k3, v3 = (f[0] for f in qkv)  # type: ignore[index]
+            packed = op.Concat(*(f[1] for f in qkv), axis=0)  # type: ignore[index]
         return op.MultiHeadAttention(
             q3,
             k3,
             v3,
-            None,
+            packed,
             None,
             bias,
             num_heads=found[0],

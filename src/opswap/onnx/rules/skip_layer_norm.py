@@ -1,11 +1,22 @@
 """onnx.skip_layer_norm: a residual Add feeding a LayerNormalization into com.microsoft
 SkipLayerNormalization: the add, the mean and the variance in one pass. When the sum is
 also read elsewhere (the next residual of a pre-LN block), those readers take the fused
-op's fourth output, the sum itself, so nothing is computed twice."""
+op's fourth output, the sum itself, so nothing is computed twice. The bias of the dense
+layer before the residual (MatMul + b) is taken into the fused op as its bias input."""
 
 from __future__ import annotations
 
-from opswap.onnx.rule import MS_DOMAIN, OnnxRule, attr_float, attr_int, const, ok, rank, refuse
+from opswap.onnx.rule import (
+    MS_DOMAIN,
+    OnnxRule,
+    attr_float,
+    attr_int,
+    bias_of,
+    const,
+    ok,
+    rank,
+    refuse,
+)
 
 
 class SkipLayerNorm(OnnxRule):
@@ -45,11 +56,16 @@ class SkipLayerNorm(OnnxRule):
     def rewrite(self, op, a, b, gamma, beta, summed, ln, **_):
         eps = attr_float(ln.producer(), "epsilon", 1e-5)
         readers = [u for u in summed.uses() if u.node is not ln.producer()]
+        inputs = [a, b, gamma, beta]
+        for i, v in ((0, a), (1, b)):  # the dense layer's bias, added inside the norm
+            found = bias_of(v)
+            if found is not None:
+                inputs[i] = found[0]
+                inputs.append(found[1])
+                break
         if not readers:
-            return op.SkipLayerNormalization(a, b, gamma, beta, epsilon=eps, _domain=MS_DOMAIN)
-        outs = op.SkipLayerNormalization(
-            a, b, gamma, beta, epsilon=eps, _domain=MS_DOMAIN, _outputs=4
-        )
+            return op.SkipLayerNormalization(*inputs, epsilon=eps, _domain=MS_DOMAIN)
+        outs = op.SkipLayerNormalization(*inputs, epsilon=eps, _domain=MS_DOMAIN, _outputs=4)
         outs[3].shape, outs[3].type = summed.shape, summed.type
         summed.replace_all_uses_with(outs[3])  # the graph is sorted again after each rule
         return outs[0]
