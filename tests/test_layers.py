@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("backends",)),
     ("bench", ("bench",)),
     ("report", ("report",)),
+    ("onnx", ("onnx",)),
     ("artifact", ("artifact", "result")),
     ("pipeline", ("pipeline", "stages")),
     ("api", ("api", "deploy", "qat", "")),

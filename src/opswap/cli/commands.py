@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from opswap import api
-from opswap.cli import consoles, render
+from opswap.cli import consoles, onnx_files, render
 from opswap.cli.app import app, check_outputs, overrides
 from opswap.cli.options import (
     _DEVICES,
@@ -67,6 +67,8 @@ def analyze(
     from opswap.cost.analyze import render as render_analysis
 
     check_outputs(json_path)
+    if onnx_files.is_onnx(spec):
+        return onnx_files.analyze(spec, overrides(sets), json_path, top)
     tgt = api.get_target(target)
     loaded = _load(spec, sets, weights)
     result = api.analyze(loaded.module, loaded.example_inputs, tgt, dynamic=dynamic, name=spec)
@@ -123,6 +125,8 @@ def plan(
 ) -> None:
     """Match the rules on a model and write plan.json (sites chosen, misses, settings)."""
     check_outputs(json_path, out)
+    if onnx_files.is_onnx(spec):
+        return onnx_files.plan(spec, overrides(sets), rules, exactness, out, json_path)
     _rules_from(rules_from)
     loaded = _load(spec, sets, weights)
     p = api.plan(

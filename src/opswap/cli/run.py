@@ -11,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from opswap import api
-from opswap.cli import commands, consoles, render
-from opswap.cli.app import app, check_outputs
+from opswap.cli import commands, consoles, onnx_files, render
+from opswap.cli.app import app, check_outputs, overrides
 from opswap.cli.options import (
     _DEVICES,
     _STAGES,
@@ -97,6 +97,13 @@ def optimize(
     """The whole flow: analyze, plan, apply, verify (with rollback), bench, report. Exit
     status 1 when the result fails verification (what was saved is printed)."""
     check_outputs(json_path, out, out_dir=True)
+    if onnx_files.is_onnx(spec):
+        sets_ = overrides(sets)
+        if not onnx_files.optimize(
+            spec, sets_, rules, exactness, out, samples, not no_bench, json_path
+        ):
+            raise typer.Exit(1)
+        return
     config = api.OptimizeConfig(
         target=target,
         rules=rules or [],

@@ -128,6 +128,11 @@ def _build(spec: str, opts: dict) -> LoadedModel:
         from opswap.models.checkpoint import load_checkpoint
 
         return load_checkpoint(os.path.expanduser(spec), spec, opts)
+    if spec.lower().endswith(".onnx"):
+        raise SpecError(
+            f"{spec} is an ONNX file, which `opswap analyze`, `plan` and `optimize` read "
+            "(opswap.onnx.load_onnx in Python); this command takes a PyTorch model."
+        )
     if spec.endswith((".pt", ".pth", ".bin", ".safetensors", ".ckpt")):
         raise _bad(
             spec,

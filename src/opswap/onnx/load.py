@@ -1,0 +1,203 @@
+"""Reading a `.onnx` file made by another tool: checks, external data, shapes, the inputs.
+
+`load_onnx(path)` reads the file (and the external data files beside it), refuses in one
+sentence a missing file, a file that is not ONNX, and a default-domain opset outside
+13..21, and runs ONNX's shape inference where the file carries no value_info, so that the
+rules can read ranks and sizes. The graph's inputs are described by `InputSpec`: dtype
+and dims, a dim that is a name (`batch`, `sequence`) or missing is symbolic, and the
+example sizes are chosen for it (`example_sizes`), or given by the user (`sizes`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from opswap.errors import SpecError
+
+if TYPE_CHECKING:
+    import onnx
+
+#: the default-domain opsets the rules are written and tested for
+OPSETS = (13, 21)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One graph input: its name, numpy dtype name, and dims (an int, or a symbol's name)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int | str, ...]
+    #: for ids that index a constant table (Gather of an embedding): its number of rows
+    high: int | None = None
+
+    def shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else sizes[d] for d in self.dims)
+
+
+@dataclass
+class OnnxModel:
+    """A loaded ONNX model: the proto (with external data read in), where it came from, its
+    default-domain opset, its inputs and the example size of every symbolic dim."""
+
+    proto: onnx.ModelProto
+    path: Path
+    opset: int
+    inputs: list[InputSpec]
+    sizes: dict[str, int] = field(default_factory=dict)
+    inferred: bool = False  # whether shape inference filled in value_info
+
+    @property
+    def symbols(self) -> list[str]:
+        seen: list[str] = []
+        for i in self.inputs:
+            seen += [d for d in i.dims if isinstance(d, str) and d not in seen]
+        return seen
+
+    def describe(self) -> str:
+        dims = ", ".join(f"{i.name} {i.dtype}[{', '.join(map(str, i.dims))}]" for i in self.inputs)
+        return f"{self.path.name}: opset {self.opset}, {len(self.proto.graph.node)} nodes, inputs {dims}"
+
+
+def _onnx():
+    try:
+        import onnx
+    except ImportError:  # pragma: no cover - the extra is installed in CI
+        raise SpecError("Reading .onnx files needs onnx: pip install 'opswap[onnx]'.") from None
+    return onnx
+
+
+def load_onnx(path: str | os.PathLike, sizes: dict[str, Any] | None = None) -> OnnxModel:
+    """The model at `path`, checked, with external data and inferred shapes; `sizes` names
+    the example size of symbolic dims (`{"batch": 1, "sequence": 128}`)."""
+    onnx = _onnx()
+    p = Path(os.path.expanduser(os.fspath(path)))
+    if not p.is_file():
+        raise SpecError(f"{p} does not exist; give the path of an .onnx file.")
+    try:
+        proto = onnx.load(str(p), load_external_data=True)
+    except FileNotFoundError as e:
+        raise SpecError(
+            f"{p} names an external data file that is missing ({e.filename}); keep the data "
+            "files in the directory of the .onnx file."
+        ) from None
+    except Exception as e:  # protobuf's DecodeError and friends: not ONNX
+        if "external" in str(e).lower() or "data file" in str(e).lower():
+            raise SpecError(
+                f"{p} names an external data file that is missing or unreadable "
+                f"({str(e).splitlines()[0][:160]}); keep the data files beside the .onnx file."
+            ) from None
+        raise SpecError(
+            f"{p} is not an ONNX model ({type(e).__name__}); give a file written by onnx.save "
+            "or an exporter."
+        ) from None
+    if not proto.graph.node:
+        raise SpecError(f"{p} holds no graph nodes; it is not an ONNX model opswap can optimize.")
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if not OPSETS[0] <= opset <= OPSETS[1]:
+        raise SpecError(
+            f"{p} uses ONNX opset {opset}; opswap's ONNX rules take opsets {OPSETS[0]} to "
+            f"{OPSETS[1]}: convert it with onnx.version_converter.convert_version(model, 17)."
+        )
+    inferred = not proto.graph.value_info  # the file carried no shapes of its own
+    proto = _infer(onnx, proto, p)  # and where it carried some, the gaps are filled
+    inputs = _inputs(onnx, proto)
+    model = OnnxModel(proto, p, opset, inputs, inferred=inferred)
+    model.sizes = example_sizes(model, sizes or {})
+    return model
+
+
+def _infer(onnx, proto, p: Path):
+    """ONNX's shape inference, then ONNX Runtime's symbolic one where it is installed: it
+    carries named dims through Shape/Gather/Concat arithmetic (the legacy exporter's
+    reshapes), where ONNX's leaves unknown dims that no rule can prove equal."""
+    proto = _onnx_infer(onnx, proto, p)
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:  # pragma: no cover - onnxruntime comes with the extra
+        return proto
+    try:
+        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True) or proto
+    except Exception:  # a model it cannot follow keeps ONNX's shapes
+        return proto
+
+
+def _onnx_infer(onnx, proto, p: Path):
+    try:
+        return onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except ValueError:  # a model past 2 GB cannot be serialised for inference: do it on disk
+        out = p.with_name(p.stem + ".opswap-shapes.onnx")
+        onnx.shape_inference.infer_shapes_path(str(p), str(out), data_prop=True)
+        try:
+            return onnx.load(str(out), load_external_data=True)
+        finally:
+            out.unlink(missing_ok=True)
+    except Exception as e:
+        raise SpecError(f"{p} fails ONNX shape inference ({str(e).splitlines()[0]}).") from None
+
+
+def _table_rows(proto) -> dict[str, int]:
+    """Graph value -> rows of the constant tables it indexes (Gather's indices), the least."""
+    rows = {i.name: int(i.dims[0]) for i in proto.graph.initializer if i.dims}
+    out: dict[str, int] = {}
+    for n in proto.graph.node:
+        if n.op_type == "Gather" and len(n.input) > 1 and n.input[0] in rows:
+            out[n.input[1]] = min(out.get(n.input[1], rows[n.input[0]]), rows[n.input[0]])
+    return out
+
+
+def _inputs(onnx, proto) -> list[InputSpec]:
+    inits = {i.name for i in proto.graph.initializer}
+    tables = _table_rows(proto)
+    out = []
+    for v in proto.graph.input:
+        if v.name in inits:
+            continue  # an initializer listed as input (IR version 3): a weight, not an input
+        t = v.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        dims: list[int | str] = []
+        for j, d in enumerate(t.shape.dim):
+            if d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            else:
+                dims.append(d.dim_param or f"{v.name}_dim{j}")
+        out.append(InputSpec(v.name, dtype, tuple(dims), tables.get(v.name)))
+    return out
+
+
+def example_sizes(model: OnnxModel, given: dict[str, Any]) -> dict[str, int]:
+    """A size for every symbolic dim: the one given, else 2 for a leading (batch) dim and 16
+    for the others; an unknown name given is refused."""
+    symbols = model.symbols
+    unknown = [k for k in given if k not in symbols]
+    if unknown:
+        raise SpecError(
+            f"{model.path.name} has no symbolic dim {unknown[0]!r}; its symbolic dims are "
+            f"{', '.join(symbols) or 'none'}."
+        )
+    leading = {i.dims[0] for i in model.inputs if i.dims and isinstance(i.dims[0], str)}
+    out = {}
+    for s in symbols:
+        v = given.get(s, 2 if s in leading else 16)
+        try:
+            out[s] = int(v)
+        except (TypeError, ValueError):
+            raise SpecError(f"the size of {s} must be a whole number; got {v!r}.") from None
+        if out[s] < 1:
+            raise SpecError(f"the size of {s} must be at least 1; got {out[s]}.")
+    return out
+
+
+def other_sizes(model: OnnxModel) -> list[dict[str, int]]:
+    """Sizes besides the example's to verify at: batch 1 and a larger batch with another
+    length of every other symbolic dim. Empty when every dim is fixed."""
+    if not model.symbols:
+        return []
+    leading = {i.dims[0] for i in model.inputs if i.dims and isinstance(i.dims[0], str)}
+    ex = model.sizes
+    one = {s: (1 if s in leading else ex[s]) for s in ex}
+    more = {s: (ex[s] + 1 if s in leading else max(1, ex[s] - 3)) for s in ex}
+    return [d for d in (one, more) if d != ex]
