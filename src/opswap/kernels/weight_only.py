@@ -405,10 +405,10 @@ def _configs(kind: str) -> list[Any]:
     shapes = [(16, 1), (16, 4), (32, 2), (32, 4), (64, 1), (16, 8), (32, 1), (64, 2)]
     ks: tuple[int | None, ...] = (256, 512) if kind == "per_channel" else (None,)
     for bn, split in shapes:
-        for bk in ks:
+        for chunk in ks:
             kw2: dict[str, int] = {"BLOCK_N": bn, "SPLIT_K": split}
-            if bk is not None:
-                kw2["BLOCK_K"] = bk
+            if chunk is not None:
+                kw2["BLOCK_K"] = chunk
             out.append(triton.Config(kw2, num_warps=4, num_stages=3))
     return out
 
@@ -421,7 +421,8 @@ def gemv_block_ok(block_k: int, group: int, kp: int) -> bool:
 
 
 def _prune_gemv(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    group, kp = kwargs.get("GROUP", named_args.get("GROUP")), named_args["Kp"]
+    group = int(kwargs["GROUP"] if "GROUP" in kwargs else named_args["GROUP"])
+    kp = int(named_args["Kp"])
     chunks = {c.kwargs["BLOCK_K"]: kp // c.kwargs["BLOCK_K"] for c in configs}
     keep = [
         c
@@ -519,7 +520,7 @@ def triton_wo_linear(
         kw["BLOCK_K"] = group
     fixed = config if config is not None else (None if not interpreting() else {})
     if fixed is not None:
-        default_k = {"per_channel": 64, "gemv": group}.get(kind)
+        default_k = 64 if kind == "per_channel" else group
         fixed = {"BLOCK_N": 16, "SPLIT_K": 2, **fixed}
         fixed.setdefault("BLOCK_K", default_k)
         if kind == "grouped":
