@@ -30,6 +30,7 @@ CONFIG = {
     "num_attention_heads": "32",
     "num_key_value_heads": "4",
     "vocab_size": "32000",
+    "max_position_embeddings": "1024",
     "batch": "8",
     "seq": "512",
 }
