@@ -100,20 +100,27 @@ def jitted(fn: Callable[..., Any]) -> Any:
     return _JITTED[key]
 
 
-def _rn_fn(v, RN: tl.constexpr):
-    # Triton 3.9's interpreter truncates fp32 -> bf16 casts; a GPU rounds to nearest even.
-    # With RN (set only under the interpreter, for a bf16 destination) round the fp32
-    # value to bf16's precision first, so the truncating cast that follows is exact.
-    if RN:
-        b = v.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        v = b.to(tl.float32, bitcast=True)
-    return v
+# The function is named `rn` where it is defined, not only bound to that name: Inductor,
+# compiling a graph that calls these kernels, copies each helper's source under the name
+# its `def` gives, and the kernels call `rn` (a `_rn_fn` aliased to `rn` failed there
+# with "rn is not defined", torch 2.11 on the H200).
+if triton is not None:
 
+    @triton.jit
+    def rn(v, RN: tl.constexpr):
+        # Triton 3.9's interpreter truncates fp32 -> bf16 casts; a GPU rounds to nearest even.
+        # With RN (set only under the interpreter, for a bf16 destination) round the fp32
+        # value to bf16's precision first, so the truncating cast that follows is exact.
+        if RN:
+            b = v.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            v = b.to(tl.float32, bitcast=True)
+        return v
 
-rn: Any = triton.jit(_rn_fn) if triton is not None else None
+else:  # pragma: no cover
+    rn = None  # type: ignore[assignment]
 
 
 def rn_flag(dtype: torch.dtype) -> bool:
-    """The RN setting for stores of `dtype` (see `_rn_fn`)."""
+    """The RN setting for stores of `dtype` (see `rn`)."""
     return interpreting() and dtype == torch.bfloat16
