@@ -17,6 +17,13 @@ execution provider:
 | opswap::int8_static_linear  | QuantizeLinear / DequantizeLinear pairs around MatMul (QDQ) |
 | opswap::int8_static_conv2d  | QDQ around Conv (+ Relu)                                    |
 | opswap::fp8_linear          | Cast to FLOAT8E4M3FN and back (the op's CPU math)           |
+| opswap::rms_norm            | ReduceMean of squares, Sqrt, Div, the weight (fp32 inside)  |
+| opswap::add_rms_norm        | Add, then the same; both the normed row and the sum         |
+| opswap::layer_norm          | ReduceMean, Sub, Sqrt, Div, the weight and bias (fp32)     |
+| opswap::glu, glu_packed     | Sigmoid * g, or Gelu (erf or tanh), times u (Split if packed)|
+
+The row kernels' backward ops (`*_backward`) appear only in training graphs, which are
+not exported to a runtime, and have no lowering.
 
 Why not com.microsoft DynamicQuantizeMatMul for int8_linear: it quantises the input
 per tensor and asymmetrically, opswap's op per row and symmetrically; the lowering
@@ -46,6 +53,19 @@ LOWERED = {
     "opswap::int8_static_linear": "QuantizeLinear/DequantizeLinear + MatMul",
     "opswap::int8_static_conv2d": "QuantizeLinear/DequantizeLinear + Conv (+ Relu)",
     "opswap::fp8_linear": "Cast to FLOAT8E4M3FN and back + MatMul",
+    "opswap::rms_norm": "ReduceMean + Sqrt + Div + Mul (float32 inside)",
+    "opswap::add_rms_norm": "Add + the rms_norm lowering",
+    "opswap::layer_norm": "ReduceMean + Sub + Sqrt + Div + Mul + Add (float32 inside)",
+    "opswap::glu": "Sigmoid or Gelu + Mul",
+    "opswap::glu_packed": "Split + Sigmoid or Gelu + Mul",
+}
+
+#: ops with no lowering, and why (training-only: never in an exported inference graph)
+NOT_LOWERED = {
+    "opswap::rms_norm_backward": "training only",
+    "opswap::layer_norm_backward": "training only",
+    "opswap::glu_backward": "training only",
+    "opswap::glu_packed_backward": "training only",
 }
 
 _registered = False
@@ -249,8 +269,64 @@ def table() -> dict[Any, Any]:
             y = op.Add(y, _float(bias, op))
         return _back(y, x, op)
 
+    def rms(s, like, weight, eps: float, offset: float, cast_first: bool):
+        # the kernels' math: h = s / sqrt(mean(s^2) + eps) in float32, then the weight
+        # (+ offset); the output's dtype as the op's (promoted when cast_first)
+        sf = _float(s, op)
+        ms_ = op.ReduceMean(op.Mul(sf, sf), ints([-1]), keepdims=1)
+        h = op.Div(sf, op.Sqrt(op.Add(ms_, op.Constant(value_float=float(eps)))))
+        if weight is None:
+            return _back(h, like, op)
+        w = _float(weight, op)
+        if offset:
+            w = op.Add(w, op.Constant(value_float=float(offset)))
+        y = op.Mul(h, w)
+        wide = cast_first and weight.dtype == DataType.FLOAT
+        return y if wide else _back(y, like, op)
+
+    def rms_norm(x, weight, eps: float, offset: float, cast_first: bool):
+        return rms(x, x, weight, eps, offset, cast_first)
+
+    def add_rms_norm(x, residual, weight, eps: float, offset: float, cast_first: bool):
+        s = op.Add(x, residual)
+        return rms(s, x, weight, eps, offset, cast_first), s
+
+    def layer_norm(x, weight, bias, eps: float):
+        # written out (LayerNormalization would also hand back its mean and 1/std)
+        xf = _float(x, op)
+        mu = op.ReduceMean(xf, ints([-1]), keepdims=1)
+        d = op.Sub(xf, mu)
+        var = op.ReduceMean(op.Mul(d, d), ints([-1]), keepdims=1)
+        y = op.Div(d, op.Sqrt(op.Add(var, op.Constant(value_float=float(eps)))))
+        if weight is not None:
+            y = op.Mul(y, _float(weight, op))
+        if bias is not None:
+            y = op.Add(y, _float(bias, op))
+        return _back(y, x, op)
+
+    def act_mul(g, u, like, activation: str):
+        # `like`: a graph input of the op's dtype (Split's outputs carry none while traced)
+        gf, uf = _float(g, op), _float(u, op)
+        if activation == "silu":
+            a = op.Mul(gf, op.Sigmoid(gf))
+        else:
+            a = op.Gelu(gf, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return _back(op.Mul(a, uf), like, op)
+
+    def glu(g, u, activation: str):
+        return act_mul(g, u, g, activation)
+
+    def glu_packed(x, activation: str):
+        g, u = op.Split(x, axis=-1, num_outputs=2)
+        return act_mul(g, u, x, activation)
+
     ops = torch.ops.opswap
     return {
+        ops.rms_norm.default: rms_norm,
+        ops.add_rms_norm.default: add_rms_norm,
+        ops.layer_norm.default: layer_norm,
+        ops.glu.default: glu,
+        ops.glu_packed.default: glu_packed,
         ops.conv_relu.default: conv_relu,
         ops.int8_linear.default: int8_linear,
         torch.ops.aten._int_mm.default: int_mm,
