@@ -63,7 +63,7 @@ def main() -> None:
         print(f"model.pt2 reloaded, at batch 3: relative L2 error {err:.2e}")
 
     strict = opswap.optimize(
-        model, (x,), exactness="approx", compare="none", samples=2, budget="sqnr_db>=60"
+        model, (x,), exactness="approx", samples=2, budget="sqnr_db>=60", bench=False
     )
     left = sum(d.rule == "precision.int8_linear" for d in strict.plan.decisions)
     print(
