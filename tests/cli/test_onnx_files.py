@@ -40,3 +40,24 @@ def test_onnx_errors_are_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", str(tmp_path / "missing.onnx")])
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_apply_verify_bench_and_export_refuse_an_onnx_file_before_reading_the_plan(
+    graphs, tmp_path, capsys
+):
+    import pytest
+
+    path = _model(graphs)
+    missing_plan = str(tmp_path / "no-plan.json")  # never read: the spec is refused first
+    for command in (
+        ["apply"],
+        ["verify"],
+        ["bench"],
+        ["export", "--to", "onnx", "-o", str(tmp_path / "e")],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main([command[0], path, missing_plan, *command[1:]])
+        err = capsys.readouterr().err
+        assert e.value.code == 2, command
+        assert f"`opswap {command[0]}` takes a PyTorch model" in err and "analyze" in err
+        assert len(err.strip().splitlines()) == 1, err

@@ -171,6 +171,7 @@ def apply(
     decisions of the plan could not be applied (the model is saved without them); 2 when a
     decision's rule is looser than the plan's exactness and --allow-looser is not given."""
     check_outputs(json_path, out, out_dir=True)
+    onnx_files.refuse(spec, "apply")
     _rules_from(rules_from)
     p = api.read_plan(plan_path, allow_looser=allow_looser)  # a refusal costs no loading
     loaded = _load(spec, sets, weights)
@@ -225,6 +226,7 @@ def verify(
     of the plan could not be applied."""
     check_outputs(json_path)
     _rules_from(rules_from)
+    onnx_files.refuse(spec, "verify")
     p = api.read_plan(plan_path)
     loaded = _load(spec, sets, weights)
     check = api.verify_plan(
@@ -265,6 +267,7 @@ def bench(
     check_outputs(json_path)
     api.check_device(device)
     _rules_from(rules_from)
+    onnx_files.refuse(spec, "bench")
     p = api.read_plan(plan_path)
     _timed_where(p.settings.target, device)
     loaded = _load(spec, sets, weights)
@@ -305,6 +308,7 @@ def export_cmd(
     tolerance or decisions of the plan could not be applied."""
     check_outputs(json_path, out, out_dir=True)
     _rules_from(rules_from)
+    onnx_files.refuse(spec, "export")
     p = api.read_plan(plan_path)
     loaded = _load(spec, sets, weights)
     done = api.export(

@@ -14,6 +14,19 @@ def is_onnx(spec: str) -> bool:
     return spec.strip().lower().endswith(".onnx")
 
 
+def refuse(spec: str, command: str) -> None:
+    """A command that takes PyTorch models only, given an .onnx file: one sentence, before
+    any plan or model is read."""
+    if is_onnx(spec):
+        from opswap.errors import SpecError
+
+        raise SpecError(
+            f"{spec} is an ONNX file; `opswap {command}` takes a PyTorch model. For an ONNX "
+            "file use `opswap analyze`, `plan` or `optimize`, which rewrite and verify it in "
+            "ONNX Runtime."
+        )
+
+
 def _load(spec: str, sets: dict[str, str]):
     from opswap.onnx.load import load_onnx
 
