@@ -73,6 +73,10 @@ def test_rules_json(tmp_path):
     rules = json.loads(path.read_text())
     names = {r["name"] for r in rules}
     assert {"fusion.conv_bn", "fusion.parallel_linear", "layout.drop_dropout"} <= names
+    # the rules on ONNX graphs are listed too, with what they target
+    onnx_rows = [r for r in rules if r["family"] == "onnx"]
+    assert {"onnx.attention", "onnx.skip_layer_norm"} <= {r["name"] for r in onnx_rows}
+    assert all(r["targets"] == ["onnxruntime"] and r["description"] for r in onnx_rows)
     for r in rules:
         assert set(r) >= {"name", "family", "chapter", "exactness", "targets"}
 

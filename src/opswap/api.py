@@ -535,7 +535,33 @@ def list_rules() -> list[dict[str, Any]]:
     origin: opswap, a --rules-from module or an installed package."""
     from opswap.rules import registry
 
-    return [{**r.info(), "origin": registry.origin(r.name)} for r in registry.all_rules()]
+    rows = [{**r.info(), "origin": registry.origin(r.name)} for r in registry.all_rules()]
+    return rows + _onnx_rules()
+
+
+def _onnx_rules() -> list[dict[str, Any]]:
+    """The rules on ONNX graphs (`opswap plan|optimize model.onnx`), listed beside the
+    PyTorch ones; none where the onnx extra is not installed."""
+    try:
+        from opswap.onnx.rules import ORDER
+    except ImportError:
+        return []
+    return [
+        {
+            "name": r.name,
+            "family": r.family,
+            "chapter": r.chapter,
+            "exactness": r.exactness,
+            "targets": ["onnxruntime"],
+            "description": r.description,
+            "anchors": [],
+            "phase": "onnx",
+            "after": [],
+            "before": [],
+            "origin": "opswap",
+        }
+        for r in ORDER
+    ]
 
 
 def list_models() -> dict[str, Any]:
