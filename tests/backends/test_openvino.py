@@ -1,0 +1,79 @@
+"""backends.openvino: an OpenVINO compiled model called like the module it came from."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from opswap import api
+from opswap.backends.openvino import OpenVinoModule, compile_file, openvino_artifact
+from opswap.errors import ExportError, InputError
+from opswap.graph.dynamic import variants
+
+
+def _runs_like(model, art, captured, atol=1e-4):
+    shapes = [("example", captured.example_inputs)] + variants(
+        captured.example_inputs, captured.dynamic
+    )
+    labels = [s for s, _ in shapes]
+    assert "batch 1" in labels and len(labels) >= 3, labels  # batch 1 and a larger batch
+    for _, xs in shapes:
+        with torch.no_grad():
+            want = model(*xs)
+        got = art.module(*xs)
+        assert type(got) is type(want)  # the output structure comes back
+        torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
+    return labels
+
+
+def test_conv_model_with_conv_bn_and_conv_relu_fired_runs_in_openvino(tmp_path):
+    loaded = api.load("zoo:resnet", width="8", image_size="16")
+    model = loaded.module.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = api.plan(model, loaded.example_inputs, rules=["fusion.conv_bn", "fusion.conv_relu"])
+    done = api.replay(model, loaded.example_inputs, plan)
+    fired = {d.rule for d in done.applied.applied}
+    assert {"fusion.conv_bn", "fusion.conv_relu"} <= fired, fired
+    captured = done.captured
+    art = openvino_artifact(done.applied.gm, captured.example_inputs, captured.dynamic, tmp_path)
+    assert isinstance(art.module, OpenVinoModule), art.error
+    assert art.module.session_threads == torch.get_num_threads()
+    _runs_like(model, art, captured)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_tiny_bert_runs_in_openvino_at_other_batches_and_lengths(tmp_path):
+    loaded = api.load("zoo:bert", hidden="32", layers="1", heads="2", intermediate="64", seq="12")
+    model = loaded.module.eval()
+    captured = api.capture(model, loaded.example_inputs)
+    art = openvino_artifact(model, captured.example_inputs, captured.dynamic, tmp_path)
+    assert art.module is not None, art.error
+    labels = _runs_like(model, art, captured)
+    assert any(s.startswith("seq") for s in labels)
+    other = copy.deepcopy(art.module)  # a compiled model is not copied: it compiles anew
+    assert other.compiled is not art.module.compiled
+    xs = captured.example_inputs
+    torch.testing.assert_close(other(*xs), art.module(*xs))
+
+
+def test_wrong_inputs_are_refused_in_one_sentence(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.ReLU()).eval()
+    art = openvino_artifact(model, (torch.randn(4, 6),), None, tmp_path)
+    mod = art.module
+    assert isinstance(mod, OpenVinoModule), art.error
+    with pytest.raises(InputError, match="takes 1 input tensor"):
+        mod(torch.randn(4, 6), torch.randn(4, 6))
+    with pytest.raises(InputError, match="refused the inputs"):
+        mod(torch.randn(4, 7))
+    with pytest.raises(InputError, match="bfloat16"):
+        mod(torch.randn(4, 6, dtype=torch.bfloat16))
+
+
+def test_a_file_openvino_cannot_compile_is_an_export_error(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ExportError, match="OpenVINO could not compile bad.onnx"):
+        compile_file(bad)
