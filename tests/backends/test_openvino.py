@@ -77,3 +77,51 @@ def test_a_file_openvino_cannot_compile_is_an_export_error(tmp_path):
     bad.write_bytes(b"not a model")
     with pytest.raises(ExportError, match="OpenVINO could not compile bad.onnx"):
         compile_file(bad)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 6, 3, padding=1), torch.nn.BatchNorm2d(6)
+        self.fc = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc(h.mean((2, 3)))
+
+
+def test_compare_openvino_races_both_exports_and_a_winner_saves_its_onnx_file(tmp_path):
+    import dataclasses
+    import json
+
+    import opswap
+    from opswap.backends.openvino import OpenVinoModule as Loaded
+
+    torch.manual_seed(0)
+    model = _Net().eval()
+    model.bn.running_var.uniform_(0.5, 2.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 10, 10)
+    result = opswap.optimize(model, (x,), compare="openvino", name="net")
+    rows = {v.name: v for v in result.variants}
+    assert {"openvino", "opswap+openvino"} <= set(rows) and "ort" not in rows
+    for name in ("openvino", "opswap+openvino"):
+        assert rows[name].verified and rows[name].ms is not None, rows[name].note
+        assert rows[name].note.startswith("model.onnx in OpenVINO (CPU")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # what an OpenVINO winner saves: the very file that was timed, and how to run it
+    files = result.artifacts["openvino_candidate"]
+    won = dataclasses.replace(
+        result, best="opswap+openvino", verified_as={"variant": "opswap+openvino", "shapes": []}
+    )
+    paths = won.save(tmp_path)
+    assert paths["model"] == tmp_path / "model.onnx" and not (tmp_path / "model.pt2").exists()
+    assert (tmp_path / "model.onnx").read_bytes() == files.path.read_bytes()
+    deploy = json.loads((tmp_path / "result.json").read_text())["deploy"]
+    assert deploy["artifact"] == "model.onnx" and deploy["run_under"] == "openvino (CPU)"
+    assert "openvino.Core().compile_model" in deploy["how"]
+    xb = torch.randn(5, 3, 13, 13)
+    with torch.no_grad():
+        want = model(xb)
+    torch.testing.assert_close(Loaded(tmp_path / "model.onnx")(xb), want, atol=1e-5, rtol=1e-4)

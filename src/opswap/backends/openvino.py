@@ -61,6 +61,8 @@ class OpenVinoModule(nn.Module):
     """An OpenVINO compiled model called like the module it was exported from: positional
     tensors in (the program's inputs, in order), the model's output structure out."""
 
+    engine = "OpenVINO"  # the race's note names it (bench.runtimes.describe)
+
     def __init__(
         self,
         path: str | Path,
