@@ -76,6 +76,13 @@ def test_wrong_inputs_are_refused_in_one_sentence(tmp_path):
         mod(torch.randn(4, 6, dtype=torch.bfloat16))
 
 
+def test_compare_takes_openvino_as_a_baseline():
+    from opswap.bench.variants import parse_compare
+
+    assert parse_compare("openvino") == ["openvino"]
+    assert parse_compare("ort,openvino") == ["ort", "openvino"]
+
+
 def test_a_file_openvino_cannot_compile_is_an_export_error(tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
