@@ -429,7 +429,7 @@ def optimize(
     task: Task | None = None,
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
-    bench, and the race of variants against `compare`'s baselines ("compile", "ort" or
+    bench, and the race of variants against `compare`'s baselines ("compile", "ort", "openvino" or
     "none"); `export="onnx"` (or "ort") races ONNX Runtime and saves model.onnx.
     `model` is never called nor changed; `result.candidate` is the optimized module and
     `result.saved_module` the race's winner, which `result.save` writes. The user's hooks

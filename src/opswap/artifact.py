@@ -87,10 +87,17 @@ SAVES = {
     "opswap+compile": "candidate",
     "ort": "input",
     "opswap+ort": "candidate",
+    "openvino": "input",
+    "opswap+openvino": "candidate",
 }
 
 #: the variants whose saved file is an .onnx file (bench.runtimes), by their artifact's key
-ONNX_FILES = {"ort": "ort_input", "opswap+ort": "ort_candidate"}
+ONNX_FILES = {
+    "ort": "ort_input",
+    "opswap+ort": "ort_candidate",
+    "openvino": "openvino_input",
+    "opswap+openvino": "openvino_candidate",
+}
 
 
 def artifact_key(variant: str) -> str:
@@ -122,23 +129,32 @@ def saved_module(result: Result) -> nn.Module:
 
 
 def _deploy_onnx(result: Result) -> dict[str, Any]:
-    """result.json's `deploy` when an ONNX Runtime variant won: DIR/model.onnx."""
+    """result.json's `deploy` when an ONNX Runtime or OpenVINO variant won: DIR/model.onnx."""
+    openvino = result.best.endswith("openvino")
+    engine = "OpenVINO" if openvino else "ONNX Runtime"
     holds = (
-        "opswap's optimized model exported to ONNX, for ONNX Runtime"
-        if result.best == "opswap+ort"
-        else "your model exported to ONNX with no rewrite, for ONNX Runtime: opswap's "
+        f"opswap's optimized model exported to ONNX, for {engine}"
+        if result.best.startswith("opswap+")
+        else f"your model exported to ONNX with no rewrite, for {engine}: opswap's "
         "export did not beat it in this run"
+    )
+    how = (
+        'openvino.Core().compile_model("DIR/model.onnx", "CPU", '
+        '{"INFERENCE_PRECISION_HINT": "f32"}) (the settings it was timed and verified under), '
+        "or opswap.load_optimized(DIR), which runs the same file in ONNX Runtime"
+        if openvino
+        else 'onnxruntime.InferenceSession("DIR/model.onnx", providers=["CPUExecutionProvider"]) '
+        "with graph_optimization_level ORT_ENABLE_ALL, or opswap.load_optimized(DIR)"
     )
     return {
         "variant": result.best,
         "artifact": "model.onnx" if result.verified_as is not None else None,
         "holds": holds,
         "compile": False,
-        "how": 'onnxruntime.InferenceSession("DIR/model.onnx", providers=["CPUExecutionProvider"]) '
-        "with graph_optimization_level ORT_ENABLE_ALL, or opswap.load_optimized(DIR)",
+        "how": how,
         "timed": saved_artifact(result) is not None,
         "verified_as": result.verified_as,
-        "run_under": "onnxruntime (CPU execution provider)",
+        "run_under": "openvino (CPU)" if openvino else "onnxruntime (CPU execution provider)",
     }
 
 

@@ -69,7 +69,7 @@ class OptimizeConfig:
     prune_slow: bool = True  # drop the rules the model measures faster without (beyond noise)
     device: str = "cpu"
     dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
-    compare: str = "compile"  # baselines raced beside opswap's result: compile, ort, or none
+    compare: str = "compile"  # baselines raced beside opswap's result: compile, ort, openvino, none
     export: str | None = None  # "onnx" or "ort": race ONNX Runtime and save model.onnx
     keep_hooks: bool = False  # refuse a model with hooks rather than optimize it without them
     # static int8's calibration: range method (minmax, percentile, mse, entropy), how many

@@ -1,9 +1,12 @@
-"""The runtime variants of the race: ONNX Runtime sessions over .onnx files, two per run.
+"""The runtime variants of the race: inference engines over .onnx files, two per engine.
 
 - `ort`: the input's program exported to ONNX and run in ONNX Runtime: what a user who
   deploys on ORT would do without opswap (the peer opswap's export must beat);
 - `opswap+ort`: opswap's candidate exported to ONNX (its ops through backends.lowerings,
-  and onnxscript's ORT fusions on the ONNX graph) and run in ONNX Runtime.
+  and onnxscript's ORT fusions on the ONNX graph) and run in ONNX Runtime;
+- `openvino` and `opswap+openvino` (with `--compare openvino`): the same two programs
+  exported to ONNX without ORT's fusions (contrib ops OpenVINO does not read) and
+  compiled by OpenVINO for the CPU (backends.openvino).
 
 Each ONNX file translates the very program model.pt2 holds (the exported program is
 kept, not traced again), so it keeps the same dynamic axes, and the session timed is
@@ -22,40 +25,62 @@ from typing import Any, cast
 
 import torch
 
-#: the variants this module adds, and the key of their file in Race.artifacts
-ARTIFACTS = {"ort": "ort_input", "opswap+ort": "ort_candidate"}
+#: the variants this module adds per engine, and the key of their file in Race.artifacts
+ORT = {"ort": "ort_input", "opswap+ort": "ort_candidate"}
+OPENVINO = {"openvino": "openvino_input", "opswap+openvino": "openvino_candidate"}
+ENGINES = {"ort": ORT, "openvino": OPENVINO}
+ARTIFACTS = {**ORT, **OPENVINO}
 EXPORTS = ("onnx", "ort")
 
 
-def exports(artifacts: dict[str, Any], inputs: tuple, dynamic, device: torch.device) -> None:
-    """Add the two ONNX files (sessions loaded) to `artifacts`, from the programs kept in
-    its "input" and "candidate" backends.pt2.Artifacts, which are then let go."""
+def exports(
+    artifacts: dict[str, Any],
+    inputs: tuple,
+    dynamic,
+    device: torch.device,
+    engines: tuple[str, ...] = ("ort",),
+) -> None:
+    """Add the ONNX files of `engines` ("ort", "openvino"; loaded in the engine) to
+    `artifacts`, from the programs kept in its "input" and "candidate"
+    backends.pt2.Artifacts, which are then let go."""
     from opswap.backends.pt2 import Artifact
 
     if device.type != "cpu":
-        why = f"ONNX Runtime runs on its CPU provider here, and the race is on {device}"
-        for key in ARTIFACTS.values():
-            artifacts[key] = Artifact(None, None, error=why)
+        for engine in engines:
+            name = "ONNX Runtime runs on its CPU provider" if engine == "ort" else "OpenVINO runs"
+            why = f"{name} here, and the race is on {device}"
+            for key in ENGINES[engine].values():
+                artifacts[key] = Artifact(None, None, error=why)
         return
+    from opswap.backends.openvino import openvino_artifact
     from opswap.backends.ort import ort_artifact
 
-    for key, src, fusions in (("ort_input", "input", False), ("ort_candidate", "candidate", True)):
+    for src in ("input", "candidate"):
         pt2 = artifacts.get(src)
         exported = getattr(pt2, "exported", None)
-        if exported is None:
-            why = getattr(pt2, "error", None) or "not exported"
-            artifacts[key] = Artifact(None, None, error=f"no program to translate ({why})")
-            continue
-        artifacts[key] = ort_artifact(None, inputs, dynamic, exported=exported, fusions=fusions)
-        cast(Any, pt2).exported = None  # the program's weights: not held past the translation
+        for engine in engines:
+            key = f"{engine}_{src}"
+            if exported is None:
+                why = getattr(pt2, "error", None) or "not exported"
+                artifacts[key] = Artifact(None, None, error=f"no program to translate ({why})")
+            elif engine == "ort":
+                fusions = src == "candidate"
+                artifacts[key] = ort_artifact(
+                    None, inputs, dynamic, exported=exported, fusions=fusions
+                )
+            else:
+                artifacts[key] = openvino_artifact(None, inputs, dynamic, exported=exported)
+        if pt2 is not None:
+            cast(Any, pt2).exported = None  # the program's weights: not held past the translation
 
 
 def describe(art) -> tuple[str, str | None]:
-    """(the note of an ORT variant, why it cannot run or None) for its Artifact."""
+    """(the note of an engine's variant, why it cannot run or None) for its Artifact."""
     if art is None or art.module is None:
         why = art.error if art is not None else "not exported"
         return why[:200], why
-    note = f"model.onnx in ONNX Runtime (CPU, {art.module.session_threads} threads)"
+    engine = getattr(art.module, "engine", "ONNX Runtime")
+    note = f"model.onnx in {engine} (CPU, {art.module.session_threads} threads)"
     return (note + "; " + art.note if art.note else note), None
 
 
@@ -64,11 +89,7 @@ def onnx_winner(timings: list, files_ok: set[str], res) -> Any:
     `ort` beyond the noise of the run (its interval of the ratio above 1), else `ort`;
     None when neither passed."""
     by = {t.name: t for t in timings}
-    ok = [
-        n
-        for n in ARTIFACTS
-        if n in by and by[n].verified and by[n].ms is not None and n in files_ok
-    ]
+    ok = [n for n in ORT if n in by and by[n].verified and by[n].ms is not None and n in files_ok]
     if not ok:
         return None
     if ok == ["opswap+ort"]:

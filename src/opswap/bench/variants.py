@@ -14,7 +14,9 @@ what I would do anyway?" So the candidates are
   is what a user does with the file);
 - with `compare=["ort"]` (or an ONNX export asked for): `ort` and `opswap+ort`, the
   input's and the candidate's programs as .onnx files run in ONNX Runtime
-  (bench.runtimes).
+  (bench.runtimes);
+- with `compare=["openvino"]`: `openvino` and `opswap+openvino`, the same programs as
+  .onnx files compiled by OpenVINO for the CPU (bench.runtimes).
 
 A model that does not export is timed in memory instead, and the variant's note says
 that the file cannot hold it.
@@ -40,7 +42,7 @@ import torch
 from opswap.errors import OpswapError
 from opswap.graph.inputs import caller, fresh
 
-BASELINES = ("compile", "ort")
+BASELINES = ("compile", "ort", "openvino")
 
 
 @dataclass
@@ -113,7 +115,8 @@ class VariantTiming:
 
 
 def parse_compare(compare) -> list[str]:
-    """The baselines a `--compare` setting asks for: "compile" (default), "ort", "none",
+    """The baselines a `--compare` setting asks for: "compile" (default), "ort", "openvino",
+    "none",
     or a list / comma-separated string of baseline names."""
     if compare is None:
         return ["compile"]
@@ -205,12 +208,12 @@ def build(
         else:
             out.append(_compiled("compile", private_copy(model), inputs, "input"))
             out.append(_compiled("opswap+compile", private_copy(opt_fn), inputs, "candidate"))
-    if "ort" in compare:
-        from opswap.bench.runtimes import ARTIFACTS, describe
+    from opswap.bench.runtimes import ENGINES, describe
 
-        for name, key in ARTIFACTS.items():  # the sessions over their .onnx files
+    for engine in (e for e in ENGINES if e in compare):
+        for name, key in ENGINES[engine].items():  # the engines over their .onnx files
             art = artifacts.get(key)
-            saves = "input" if name == "ort" else "candidate"
+            saves = "candidate" if name.startswith("opswap+") else "input"
             note, why = describe(art)
             if why is not None:
                 out.append(Variant(name, None, saves, verified=False, reasons=[why], note=note))
@@ -351,6 +354,8 @@ FILE_OF = {
     "opswap+compile": "opswap",
     "ort": "ort",
     "opswap+ort": "opswap+ort",
+    "openvino": "openvino",
+    "opswap+openvino": "opswap+openvino",
 }
 
 
@@ -439,14 +444,15 @@ def run(
     inputs = captured.example_inputs
     if export is not None and "ort" not in compare:
         compare = [*compare, "ort"]
-    keep = "ort" in compare  # the programs, for the ONNX files
+    engines = tuple(e for e in runtimes.ENGINES if e in compare)
+    keep = bool(engines)  # the programs, for the ONNX files
     with preserved_state(model, candidate_gm):
         artifacts = {
             "input": export_artifact(model, inputs, captured.dynamic, keep_program=keep),
             "candidate": export_artifact(candidate_gm, inputs, captured.dynamic, keep_program=keep),
         }
         if keep:
-            runtimes.exports(artifacts, inputs, captured.dynamic, dev)
+            runtimes.exports(artifacts, inputs, captured.dynamic, dev, engines)
     variants = build(model, captured.gm, candidate_gm, inputs, compare, dev, artifacts)
     for v in variants:
         if v.verified is not None:
@@ -477,7 +483,7 @@ def run(
         else:
             notes.append(
                 f"--export {export}: no .onnx file passed verification "
-                f"({'; '.join(t.note for t in timings if t.name in runtimes.ARTIFACTS)}), "
+                f"({'; '.join(t.note for t in timings if t.name in runtimes.ORT)}), "
                 f"so the run saves {winner.name}'s file instead."
             )
     return Race(

@@ -123,8 +123,12 @@ def unsettled_warning(race: bool = True) -> str:
 def _headline(data) -> str:
     """The best opswap variant against the best baseline, and what was saved."""
     timed = {v["name"]: v for v in data["variants"] if v["ms"] is not None}
-    ours = [timed[n] for n in ("opswap", "opswap+compile", "opswap+ort") if n in timed]
-    theirs = [timed[n] for n in ("input", "compile", "ort") if n in timed]
+    ours = [
+        timed[n]
+        for n in ("opswap", "opswap+compile", "opswap+ort", "opswap+openvino")
+        if n in timed
+    ]
+    theirs = [timed[n] for n in ("input", "compile", "ort", "openvino") if n in timed]
     mine = min(ours, key=lambda v: v["ms"]) if ours else None
     peer = min(theirs, key=lambda v: v["ms"])
     saved = data["deploy"]

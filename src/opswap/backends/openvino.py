@@ -1,0 +1,152 @@
+"""OpenVINO as a place to run the model: the .onnx file the ONNX Runtime path writes,
+compiled by OpenVINO for the CPU and wrapped as a module that takes and returns torch
+tensors, so that verification and the race treat it like any other variant.
+
+    from opswap.backends.openvino import openvino_artifact
+    art = openvino_artifact(model, inputs, captured.dynamic)   # exported, then compiled
+    y = art.module(x)                                          # runs in OpenVINO
+
+The file is backends.onnx's export without onnxscript's ORT fusions (their
+com.microsoft contrib ops are ONNX Runtime's own, which OpenVINO does not read), so
+the axes the capture keeps dynamic stay dynamic in the compiled model. It is compiled
+with `openvino.Core().compile_model(path, "CPU")` under the latency hint, float32
+inference precision (OpenVINO would otherwise run float32 models in bfloat16 on CPUs
+that have it, and fail verification for a reason that is not the model's) and as many
+threads as torch uses here, so that it races the PyTorch variants on the same cores.
+Inputs go in as NumPy views of the tensors, outputs come back copied out of the
+request's buffers and are put back into the structure the model returns (a tuple, a
+dict, a ModelOutput) from the exported program's output spec, as backends.ort does.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from opswap.backends.pt2 import Artifact
+from opswap.errors import ExportError, InputError
+
+
+def _first(e: BaseException, limit: int = 200) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
+def compile_file(path: str | Path, threads: int | None = None):
+    """An openvino.CompiledModel of the .onnx file `path` on the CPU: latency hint, float32
+    inference precision, `threads` threads (default: torch's thread count)."""
+    try:
+        import openvino as ov
+    except ImportError as e:
+        raise ExportError(
+            "Running in OpenVINO needs openvino; install it with pip install 'opswap[openvino]'."
+        ) from e
+    config = {
+        "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_PRECISION_HINT": "f32",
+        "INFERENCE_NUM_THREADS": int(threads or torch.get_num_threads()),
+    }
+    try:
+        return ov.Core().compile_model(str(path), "CPU", config)
+    except Exception as e:
+        raise ExportError(f"OpenVINO could not compile {Path(path).name}: {_first(e)}.") from e
+
+
+class OpenVinoModule(nn.Module):
+    """An OpenVINO compiled model called like the module it was exported from: positional
+    tensors in (the program's inputs, in order), the model's output structure out."""
+
+    engine = "OpenVINO"  # the race's note names it (bench.runtimes.describe)
+
+    def __init__(
+        self,
+        path: str | Path,
+        out_spec: Any = None,
+        threads: int | None = None,
+        names: list[str] | None = None,
+    ):
+        super().__init__()
+        self.path = Path(path)
+        self.out_spec = out_spec
+        self.threads = threads
+        self.session_threads = threads or torch.get_num_threads()
+        self.compiled = compile_file(self.path, threads)
+        self.request = self.compiled.create_infer_request()
+        fed = [p.get_any_name() for p in self.compiled.inputs]
+        # the program's inputs in order (an input the graph never reads is not in the file)
+        self.input_names = list(names or fed)
+        self._fed = set(fed)
+        self.training = False
+
+    def __deepcopy__(self, memo):  # a compiled model does not pickle: a copy compiles anew
+        return OpenVinoModule(
+            self.path, copy.deepcopy(self.out_spec, memo), self.threads, self.input_names
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.path.name}, inputs={', '.join(self.input_names)}"
+
+    def forward(self, *args: Any) -> Any:
+        leaves = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
+        name = self.path.name
+        if len(leaves) != len(self.input_names):
+            raise InputError(
+                f"{name} takes {len(self.input_names)} input tensor(s) "
+                f"({', '.join(self.input_names)}), got {len(leaves)}."
+            )
+        feed = {}
+        for n, x in zip(self.input_names, leaves, strict=True):
+            if x.device.type != "cpu" or x.dtype == torch.bfloat16:
+                raise InputError(
+                    f"{name} runs in OpenVINO on the CPU and takes CPU tensors NumPy can "
+                    f"hold; input {n} is {x.dtype} on {x.device}."
+                )
+            if n in self._fed:
+                feed[n] = x.detach().contiguous().numpy()
+        try:
+            res = self.request.infer(feed, share_inputs=True, share_outputs=False)
+        except Exception as e:  # OpenVINO names the input and the shape it refused
+            raise InputError(f"{name} refused the inputs: {_first(e, 240)}.") from e
+        tensors = [torch.from_numpy(res[p]) for p in self.compiled.outputs]
+        if self.out_spec is not None and self.out_spec.num_leaves == len(tensors):
+            return pytree.tree_unflatten(tensors, self.out_spec)
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def openvino_artifact(
+    model: nn.Module | None,
+    inputs: tuple,
+    dynamic=None,
+    directory: str | Path | None = None,
+    *,
+    exported: Any = None,
+    name: str = "model.onnx",
+) -> Artifact:
+    """`model` (or `exported`, backends.pt2's (program, note, kept) of it) exported to
+    ONNX without ORT's fusions and compiled by OpenVINO: an Artifact whose `module` is the
+    OpenVinoModule over the file that is timed; never raises (its `error` says why)."""
+    from opswap.backends.onnx import export_onnx
+    from opswap.backends.pt2 import export
+
+    if exported is None and model is not None:
+        try:
+            with torch.no_grad():
+                exported = export(model, tuple(inputs), dynamic)
+        except Exception as e:
+            return Artifact(None, None, error=f"torch.export failed: {_first(e)}")
+    art = export_onnx(None, inputs, dynamic, directory, name, exported=exported)
+    if art.path is None:
+        return art
+    program = exported[0]
+    try:
+        art.module = OpenVinoModule(
+            art.path, program.call_spec.out_spec, names=list(program.graph_signature.user_inputs)
+        )
+    except ExportError as e:
+        art.error = str(e)
+    return art
