@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from opswap.backends.ort import numpy_feed, structured
 from opswap.backends.pt2 import Artifact
 from opswap.errors import ExportError, InputError
 
@@ -92,30 +92,13 @@ class OpenVinoModule(nn.Module):
         return f"{self.path.name}, inputs={', '.join(self.input_names)}"
 
     def forward(self, *args: Any) -> Any:
-        leaves = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
         name = self.path.name
-        if len(leaves) != len(self.input_names):
-            raise InputError(
-                f"{name} takes {len(self.input_names)} input tensor(s) "
-                f"({', '.join(self.input_names)}), got {len(leaves)}."
-            )
-        feed = {}
-        for n, x in zip(self.input_names, leaves, strict=True):
-            if x.device.type != "cpu" or x.dtype == torch.bfloat16:
-                raise InputError(
-                    f"{name} runs in OpenVINO on the CPU and takes CPU tensors NumPy can "
-                    f"hold; input {n} is {x.dtype} on {x.device}."
-                )
-            if n in self._fed:
-                feed[n] = x.detach().contiguous().numpy()
+        feed = numpy_feed(name, "in OpenVINO on the CPU", self.input_names, self._fed, args)
         try:
             res = self.request.infer(feed, share_inputs=True, share_outputs=False)
         except Exception as e:  # OpenVINO names the input and the shape it refused
             raise InputError(f"{name} refused the inputs: {_first(e, 240)}.") from e
-        tensors = [torch.from_numpy(res[p]) for p in self.compiled.outputs]
-        if self.out_spec is not None and self.out_spec.num_leaves == len(tensors):
-            return pytree.tree_unflatten(tensors, self.out_spec)
-        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+        return structured([torch.from_numpy(res[p]) for p in self.compiled.outputs], self.out_spec)
 
 
 def openvino_artifact(

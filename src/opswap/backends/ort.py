@@ -82,31 +82,45 @@ class OrtModule(nn.Module):
         return f"{self.path.name}, inputs={', '.join(self.input_names)}"
 
     def forward(self, *args: Any) -> Any:
-        leaves = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
         name = self.path.name
-        if len(leaves) != len(self.input_names):
-            raise InputError(
-                f"{name} takes {len(self.input_names)} input tensor(s) "
-                f"({', '.join(self.input_names)}), got {len(leaves)}."
-            )
-        feed = {}
-        for n, x in zip(self.input_names, leaves, strict=True):
-            if x.device.type != "cpu" or x.dtype == torch.bfloat16:
-                raise InputError(
-                    f"{name} runs on ONNX Runtime's CPU provider and takes CPU tensors NumPy "
-                    f"can hold; input {n} is {x.dtype} on {x.device}."
-                )
-            if n in self._fed:
-                feed[n] = x.detach().numpy()
+        feed = numpy_feed(name, "on ONNX Runtime's CPU provider", self.input_names, self._fed, args)
         try:
             outs = self.session.run(self.output_names, feed)
         except Exception as e:  # ORT names the input, its rank or its size
             text = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
             raise InputError(f"{name} refused the inputs: {text}.") from e
-        tensors = [torch.from_numpy(o) for o in outs]
-        if self.out_spec is not None and self.out_spec.num_leaves == len(tensors):
-            return pytree.tree_unflatten(tensors, self.out_spec)
-        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+        return structured([torch.from_numpy(o) for o in outs], self.out_spec)
+
+
+def numpy_feed(
+    name: str, where: str, input_names: list[str], fed: set[str], args: tuple
+) -> dict[str, Any]:
+    """The runtime's input dict for a call with `args`: one CPU tensor per input name, as
+    NumPy (inputs the file does not read are left out); a wrong count, device or dtype is
+    one sentence. Shared by the ONNX Runtime and OpenVINO modules."""
+    leaves = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
+    if len(leaves) != len(input_names):
+        raise InputError(
+            f"{name} takes {len(input_names)} input tensor(s) "
+            f"({', '.join(input_names)}), got {len(leaves)}."
+        )
+    feed = {}
+    for n, x in zip(input_names, leaves, strict=True):
+        if x.device.type != "cpu" or x.dtype == torch.bfloat16:
+            raise InputError(
+                f"{name} runs {where} and takes CPU tensors NumPy can hold; input {n} is "
+                f"{x.dtype} on {x.device}."
+            )
+        if n in fed:
+            feed[n] = x.detach().contiguous().numpy()
+    return feed
+
+
+def structured(tensors: list[torch.Tensor], out_spec: Any) -> Any:
+    """A runtime's outputs in the model's own structure (its pytree spec), or a tensor / tuple."""
+    if out_spec is not None and out_spec.num_leaves == len(tensors):
+        return pytree.tree_unflatten(tensors, out_spec)
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
 def ort_artifact(
