@@ -1,6 +1,8 @@
-"""PyTorch against ONNX Runtime, and ORT on the input's export against ORT on opswap's.
+"""PyTorch against the runtimes (ONNX Runtime, OpenVINO, ExecuTorch), and each runtime on
+the input's export against the same runtime on opswap's.
 
-    PYTHONPATH=src python benchmarks/bench_runtimes.py [--models bert,resnet50] [--out DIR]
+    PYTHONPATH=src python benchmarks/bench_runtimes.py [--models bert,resnet50]
+        [--engines ort,openvino,executorch] [--out DIR]
 
 Models, float32, random weights, batch 1: BERT-base (`hf:bert` at full size, sequence
 128) and ResNet-50 (`hf:resnet` at full size: Hugging Face's ResNetConfig defaults are
@@ -12,11 +14,16 @@ loop per model times, on the same inputs:
   dynamic as opswap's capture claims) and run in ONNX Runtime (CPU, ORT_ENABLE_ALL),
   what a user would do without opswap;
 - `ort_opswap`: opswap's candidate with exact rules (the plan opswap makes for this
-  CPU), exported with its ops lowered and onnxscript's ORT fusions, run the same way.
+  CPU), exported with its ops lowered and onnxscript's ORT fusions, run the same way;
+- `openvino_input` / `openvino_opswap`: the same two programs as .onnx files without
+  ORT's fusions, compiled by OpenVINO for the CPU (f32, latency hint);
+- `executorch_input` / `executorch_opswap`: the same two programs lowered to ExecuTorch
+  programs with the XNNPACK delegate.
 
 Each row: ms, speed-up over eager with its 95% interval, and cosine / rel L2 of the
-first output against eager's. `ort_opswap_vs_ort_input` is the ratio of those two
-medians in the same run. Writes DIR/runtimes_cpu.json.
+first output against eager's. `ENGINE_opswap_vs_ENGINE_input` is the ratio of those two
+medians in the same run, and `best_peer` the fastest variant that is not opswap's.
+Writes DIR/runtimes_cpu.json.
 """
 
 from __future__ import annotations
@@ -36,11 +43,24 @@ MODELS = {
 }
 
 
-def _one(key: str, min_time_s: float) -> dict:
+def _artifact(engine: str, exported, xs, dynamic, mine: bool):
+    from opswap.backends.executorch import executorch_artifact
+    from opswap.backends.openvino import openvino_artifact
+    from opswap.backends.ort import ort_artifact
+
+    if engine == "ort":
+        return ort_artifact(None, xs, dynamic, exported=exported, fusions=mine)
+    if engine == "openvino":
+        return openvino_artifact(None, xs, dynamic, exported=exported)
+    return executorch_artifact(None, xs, dynamic, exported=exported)
+
+
+def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
+    import time
+
     from _results import compare_variants
 
     from opswap import api
-    from opswap.backends.ort import ort_artifact
     from opswap.backends.pt2 import export
     from opswap.planner import apply_plan
 
@@ -51,29 +71,41 @@ def _one(key: str, min_time_s: float) -> dict:
     xs = captured.example_inputs
     plan = api.plan(model, inputs)  # exact rules, this CPU's profile
     gm = apply_plan(captured, plan).gm
-    arts = {}
-    for name, module, fusions in (("ort_input", model, False), ("ort_opswap", gm, True)):
+    programs = {}
+    for src, module in (("input", model), ("opswap", gm)):
         with torch.no_grad():
-            exported = export(module, xs, captured.dynamic)
-        arts[name] = ort_artifact(None, xs, captured.dynamic, exported=exported, fusions=fusions)
-        if arts[name].module is None:
-            raise SystemExit(f"{key}: {name} failed: {arts[name].error}")
-    fns = {
-        "eager": model,
-        "compile": torch.compile(model),
-        "ort_input": arts["ort_input"].module,
-        "ort_opswap": arts["ort_opswap"].module,
-    }
+            programs[src] = export(module, xs, captured.dynamic)
+    fns = {"eager": model, "compile": torch.compile(model)}
+    build_s, failed = {}, {}
+    for engine in engines:
+        for src in ("input", "opswap"):
+            name = f"{engine}_{src}"
+            t0 = time.perf_counter()
+            art = _artifact(engine, programs[src], xs, captured.dynamic, src == "opswap")
+            build_s[name] = round(time.perf_counter() - t0, 1)
+            if art.module is None:
+                failed[name] = art.error
+                print(f"{key}: {name} failed: {art.error}", flush=True)
+            else:
+                fns[name] = art.module
     rows = compare_variants(fns, xs, "eager", min_time_s=min_time_s)
     by = {r["name"]: r for r in rows}
-    return {
+    peers = [r for r in rows if not r["name"].endswith("_opswap")]
+    out = {
         "model": key,
         "spec": spec,
         "settings": sets,
         "applied": sorted({d.rule for d in plan.decisions}),
-        "ort_opswap_vs_ort_input": by["ort_input"]["ms"] / by["ort_opswap"]["ms"],
+        "build_s": build_s,
+        "failed": failed,
+        "best_peer": min(peers, key=lambda r: r["ms"])["name"],
         "variants": rows,
     }
+    for engine in engines:
+        a, b = by.get(f"{engine}_input"), by.get(f"{engine}_opswap")
+        if a is not None and b is not None:
+            out[f"{engine}_opswap_vs_{engine}_input"] = a["ms"] / b["ms"]
+    return out
 
 
 def main() -> None:
@@ -85,16 +117,26 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="bert,resnet50")
+    ap.add_argument("--engines", default="ort,openvino,executorch")
     ap.add_argument("--min-time", type=float, default=3.0)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     rows = []
+    engines = [e for e in args.engines.split(",") if e]
+    versions = {}
+    for mod in ("openvino", "executorch"):
+        try:
+            versions[mod] = __import__("importlib.metadata").metadata.version(mod)
+        except Exception:
+            versions[mod] = None
     for key in args.models.split(","):
-        row = _one(key, args.min_time)
+        row = _one(key, args.min_time, engines)
         rows.append(row)
         for v in row["variants"]:
-            print(f"{key:9s} {v['name']:11s} {v['ms']:9.3f} ms  {v['speedup_vs_eager']:.2f}x")
-        print(f"{key:9s} ort_opswap / ort_input: {row['ort_opswap_vs_ort_input']:.2f}x")
+            print(f"{key:9s} {v['name']:18s} {v['ms']:9.3f} ms  {v['speedup_vs_eager']:.2f}x")
+        for k, v in row.items():
+            if k.endswith("_input") and "_vs_" in k:
+                print(f"{key:9s} {k}: {v:.2f}x")
     write_results(
         args.out,
         "runtimes_cpu.json",
@@ -103,6 +145,7 @@ def main() -> None:
         threads=torch.get_num_threads(),
         onnxruntime=onnxruntime.__version__,
         onnxscript=onnxscript.__version__,
+        **versions,
     )
 
 

@@ -285,7 +285,7 @@ class Exported:
     first_divergence: Any = None  # render.verification's field; layers are not compared
 
 
-EXPORT_FORMATS = ("onnx", "ort")
+EXPORT_FORMATS = ("onnx", "ort", "executorch", "pte")
 
 
 def export(
@@ -299,10 +299,12 @@ def export(
     dynamic: str = "auto",
 ) -> Exported:
     """What `plan` makes of `model`, exported to OUT/model.onnx (`to` "onnx" or "ort": the
-    same file, for ONNX Runtime) with the capture's dynamic axes, and verified in ONNX
-    Runtime against (a copy of) the model at every size the file keeps."""
+    same file, for ONNX Runtime) or to OUT/model.pte (`to` "executorch" or "pte": an
+    ExecuTorch program with the XNNPACK delegate) with the capture's dynamic axes, and
+    verified in its runtime against (a copy of) the model at every size the file keeps."""
     import shutil
 
+    from opswap.backends.executorch import executorch_artifact
     from opswap.backends.ort import ort_artifact
     from opswap.graph.dynamic import variants
     from opswap.verify.outputs import verify as _verify
@@ -316,9 +318,12 @@ def export(
     captured = done.captured
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    art = ort_artifact(done.applied.gm, captured.example_inputs, captured.dynamic)
+    pte = to in ("executorch", "pte")
+    make = executorch_artifact if pte else ort_artifact
+    art = make(done.applied.gm, captured.example_inputs, captured.dynamic)
     if art.module is None or art.path is None:
-        raise ExportError(f"The plan's result could not be exported to ONNX: {art.error}")
+        kind = "an ExecuTorch program" if pte else "ONNX"
+        raise ExportError(f"The plan's result could not be exported to {kind}: {art.error}")
     kept = art.kept if art.kept is not None else captured.dynamic
     tol = tolerance_for(done.plan.settings.exactness, None, captured.rounding)
     v = _verify(
@@ -332,8 +337,9 @@ def export(
     data = art.path.with_name(art.path.name + ".data")
     if data.is_file():
         shutil.copyfile(data, out / data.name)
-    shutil.copyfile(art.path, out / "model.onnx")
-    return Exported(done, out / "model.onnx", v, art.note)
+    dest = out / ("model.pte" if pte else "model.onnx")
+    shutil.copyfile(art.path, dest)
+    return Exported(done, dest, v, art.note)
 
 
 def timing_note(target: str | Target, device: str) -> str | None:
@@ -429,8 +435,9 @@ def optimize(
     task: Task | None = None,
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
-    bench, and the race of variants against `compare`'s baselines ("compile", "ort", "openvino" or
-    "none"); `export="onnx"` (or "ort") races ONNX Runtime and saves model.onnx.
+    bench, and the race of variants against `compare`'s baselines ("compile", "ort",
+    "openvino", "executorch" or "none"); `export="onnx"` (or "ort") races ONNX Runtime and
+    saves model.onnx, `export="executorch"` races ExecuTorch and saves model.pte.
     `model` is never called nor changed; `result.candidate` is the optimized module and
     `result.saved_module` the race's winner, which `result.save` writes. The user's hooks
     are left out, with a note; `keep_hooks=True` refuses a model that has any instead.

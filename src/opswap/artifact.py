@@ -14,7 +14,9 @@ state_dict, `torch.load(..., weights_only=True)`), model_state.txt says why, and
 re-creates the structure: `opswap apply SPEC plan.json`. When an ONNX Runtime variant
 won (`--compare ort`, `--export onnx`), the model is DIR/model.onnx instead, the .onnx
 file whose session was timed (with model.onnx.data beside it past 2 GB of weights), and
-`load` opens it in ONNX Runtime. No model file is written when the file the winner
+`load` opens it in ONNX Runtime; when an ExecuTorch variant won (`--compare executorch`),
+it is DIR/model.pte, the ExecuTorch program (XNNPACK delegate) that was timed, and `load`
+opens it in ExecuTorch's runtime. No model file is written when the file the winner
 saves passed no verification.
 
 DIR then holds exactly this run, never a mix with an earlier one: everything is written
@@ -66,6 +68,7 @@ RUN_FILES = frozenset(
         "model.pt2",
         "model.onnx",
         "model.onnx.data",
+        "model.pte",
         "model_state.pt",
         "model_state.txt",
         "model_shapes.txt",
@@ -75,7 +78,9 @@ RUN_FILES = frozenset(
         "roofline.png",
     }
 )
-_FIRST = ("model.pt2", "model.onnx.data", "model.onnx", "model_state.pt")
+_FIRST = ("model.pt2", "model.onnx.data", "model.onnx", "model.pte", "model_state.pt")
+#: the model files of a run; a save removes those an earlier run left that this one did not
+_MODELS = ("model.pt2", "model_shapes.txt", "model.onnx", "model.onnx.data", "model.pte")
 _LAST = ("result.json",)
 
 #: which module a winning variant saves: the input, the plain capture or opswap's candidate
@@ -89,21 +94,26 @@ SAVES = {
     "opswap+ort": "candidate",
     "openvino": "input",
     "opswap+openvino": "candidate",
+    "executorch": "input",
+    "opswap+executorch": "candidate",
 }
 
-#: the variants whose saved file is an .onnx file (bench.runtimes), by their artifact's key
-ONNX_FILES = {
+#: the variants whose saved file is a runtime's (an .onnx or .pte file, bench.runtimes), by
+#: their artifact's key
+RUNTIME_FILES = {
     "ort": "ort_input",
     "opswap+ort": "ort_candidate",
     "openvino": "openvino_input",
     "opswap+openvino": "openvino_candidate",
+    "executorch": "executorch_input",
+    "opswap+executorch": "executorch_candidate",
 }
 
 
 def artifact_key(variant: str) -> str:
     """The key in Race.artifacts of the file `variant` saves when it wins."""
-    if variant in ONNX_FILES:
-        return ONNX_FILES[variant]
+    if variant in RUNTIME_FILES:
+        return RUNTIME_FILES[variant]
     return "candidate" if SAVES.get(variant, "candidate") == "candidate" else "input"
 
 
@@ -158,10 +168,33 @@ def _deploy_onnx(result: Result) -> dict[str, Any]:
     }
 
 
+def _deploy_pte(result: Result) -> dict[str, Any]:
+    """result.json's `deploy` when an ExecuTorch variant won: DIR/model.pte."""
+    holds = (
+        "opswap's optimized model lowered to an ExecuTorch program (XNNPACK delegate)"
+        if result.best.startswith("opswap+")
+        else "your model lowered to an ExecuTorch program (XNNPACK delegate) with no "
+        "rewrite: opswap's did not beat it in this run"
+    )
+    return {
+        "variant": result.best,
+        "artifact": "model.pte" if result.verified_as is not None else None,
+        "holds": holds,
+        "compile": False,
+        "how": 'executorch.runtime.Runtime.get().load_program("DIR/model.pte")'
+        '.load_method("forward").execute([...]) on the device (an ExecuTorch runtime built '
+        "with the XNNPACK backend), or opswap.load_optimized(DIR) here",
+        "timed": saved_artifact(result) is not None,
+        "verified_as": result.verified_as,
+        "run_under": "executorch (XNNPACK delegate, CPU)",
+    }
+
+
 def deploy(result: Result) -> dict[str, Any]:
-    """What model.pt2 (or model.onnx) holds and how to run it (result.json's `deploy`)."""
-    if result.best in ONNX_FILES:
-        return _deploy_onnx(result)
+    """What model.pt2 (or model.onnx, model.pte) holds and how to run it (result.json's
+    `deploy`)."""
+    if result.best in RUNTIME_FILES:
+        return _deploy_pte(result) if "executorch" in result.best else _deploy_onnx(result)
     kind = saved_kind(result)
     compiled = result.best.endswith("compile")
     holds = {
@@ -315,6 +348,8 @@ def save_model(
     out = Path(out)
     if artifact is not None and artifact.path is not None and artifact.path.suffix == ".onnx":
         return _save_onnx(artifact, out)
+    if artifact is not None and artifact.path is not None and artifact.path.suffix == ".pte":
+        return _save_pte(artifact, out)
     path = out / "model.pt2"
     if artifact is None or artifact.path is None:
         artifact = export_artifact(model, tuple(example_inputs), dynamic, out)
@@ -326,13 +361,14 @@ def save_model(
         elif note_path.exists():
             note_path.unlink()
         _remove(out, "model_state.pt", "model_state.txt", "model.onnx", "model.onnx.data")
+        _remove(out, "model.pte")
         return {"model": path}
     # export can fail on any construct; the state_dict always works
     path = out / "model_state.pt"
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     _partial_then_replace(path, lambda p: torch.save(state, str(p)))
     # an earlier save's model, not this one
-    _remove(out, "model.pt2", "model_shapes.txt", "model.onnx", "model.onnx.data")
+    _remove(out, *_MODELS)
     (out / "model_state.txt").write_text(
         "model.pt2 could not be written because torch.export failed on the optimized "
         f"model: {artifact.error}\n"
@@ -355,7 +391,21 @@ def _save_onnx(artifact: Artifact, out: Path) -> dict[str, Path]:
         note_path.write_text(artifact.note + "\n")
     elif note_path.exists():
         note_path.unlink()
-    _remove(out, "model.pt2", "model_state.pt", "model_state.txt")
+    _remove(out, "model.pt2", "model_state.pt", "model_state.txt", "model.pte")
+    return {"model": path}
+
+
+def _save_pte(artifact: Artifact, out: Path) -> dict[str, Path]:
+    """The ExecuTorch program the race timed as OUT/model.pte."""
+    path = out / "model.pte"
+    src = cast(Path, artifact.path)
+    _partial_then_replace(path, lambda p: shutil.copyfile(src, p))
+    note_path = out / "model_shapes.txt"
+    if artifact.note:
+        note_path.write_text(artifact.note + "\n")
+    elif note_path.exists():
+        note_path.unlink()
+    _remove(out, "model.pt2", "model_state.pt", "model_state.txt", "model.onnx", "model.onnx.data")
     return {"model": path}
 
 
@@ -367,13 +417,18 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
     from opswap.backends.pt2 import load as load_program
 
     path = Path(directory)
-    folder = path.parent if path.suffix in (".pt2", ".onnx") else path
+    folder = path.parent if path.suffix in (".pt2", ".onnx", ".pte") else path
     onnx = path if path.suffix == ".onnx" else folder / "model.onnx"
+    pte = path if path.suffix == ".pte" else folder / "model.pte"
     pt2 = path if path.suffix == ".pt2" else path / "model.pt2"
     if not pt2.is_file() and onnx.is_file():
         from opswap.backends.ort import OrtModule
 
         return OrtModule(onnx)  # outputs as a tensor or a tuple: the file has no pytree
+    if not pt2.is_file() and pte.is_file():
+        from opswap.backends.executorch import ExecuTorchModule
+
+        return ExecuTorchModule(pte)  # the same: a tensor or a tuple
     if not pt2.is_file():
         state = folder / "model_state.pt"
         if state.is_file():

@@ -9,7 +9,7 @@ from torch import nn
 
 import opswap
 from opswap import artifact
-from opswap.bench.runtimes import onnx_winner
+from opswap.bench.runtimes import export_winner
 from opswap.bench.stats import BenchResult
 from opswap.bench.variants import VariantTiming
 
@@ -67,15 +67,15 @@ def _res(rounds):
     return BenchResult(stats, rounds, [names] * len(rounds), "cpu", 0)
 
 
-def test_onnx_winner_needs_opswap_faster_beyond_noise():
+def test_export_winner_needs_opswap_faster_beyond_noise():
     ort, mine = _timing("ort", 2.0), _timing("opswap+ort", 1.0)
     faster = _res([{"ort": 2.0 + 0.01 * i, "opswap+ort": 1.0} for i in range(30)])
     same = _res([{"ort": 1.0 + 0.02 * (i % 3 - 1), "opswap+ort": 1.0} for i in range(30)])
     files = {"ort", "opswap+ort"}
-    assert onnx_winner([ort, mine], files, faster).name == "opswap+ort"
-    assert onnx_winner([ort, mine], files, same).name == "ort"
-    assert onnx_winner([ort, mine], {"ort"}, faster).name == "ort"  # its file failed
-    assert onnx_winner([_timing("ort", None, False), mine], {"opswap+ort"}, faster).name == (
+    assert export_winner([ort, mine], files, faster).name == "opswap+ort"
+    assert export_winner([ort, mine], files, same).name == "ort"
+    assert export_winner([ort, mine], {"ort"}, faster).name == "ort"  # its file failed
+    assert export_winner([_timing("ort", None, False), mine], {"opswap+ort"}, faster).name == (
         "opswap+ort"
     )
-    assert onnx_winner([_timing("ort", None, False)], set(), faster) is None
+    assert export_winner([_timing("ort", None, False)], set(), faster) is None

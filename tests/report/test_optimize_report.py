@@ -2,18 +2,16 @@ import re
 
 import pytest
 
-from opswap.models import load
 from opswap.pipeline import OptimizeConfig, optimize
 from opswap.report import build_report, write_reports
 from opswap.report.document import Heading, Image, Table, to_html, to_markdown
 
+pytestmark = pytest.mark.xdist_group("bert_report")  # bert_result is made once (conftest)
+
 
 @pytest.fixture(scope="module")
-def result():
-    m = load("zoo:bert")
-    return optimize(
-        m.module, m.example_inputs, OptimizeConfig(samples=2, compare="none"), name="zoo:bert"
-    )
+def result(bert_result):
+    return bert_result
 
 
 def test_report_sections(result):

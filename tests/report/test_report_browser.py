@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from opswap.models import load
-from opswap.pipeline import OptimizeConfig, optimize
 from opswap.report import write_reports
 
 # What the machine's closed network needs: no background connections, no sandbox as root.
@@ -51,14 +49,13 @@ def _chromium() -> str:
     )
 
 
+pytestmark = pytest.mark.xdist_group("bert_report")  # bert_result is made once (conftest)
+
+
 @pytest.fixture(scope="module")
-def report_dir(tmp_path_factory) -> Path:
-    m = load("zoo:bert")
-    r = optimize(
-        m.module, m.example_inputs, OptimizeConfig(samples=2, compare="none"), name="zoo:bert"
-    )
+def report_dir(tmp_path_factory, bert_result) -> Path:
     out = tmp_path_factory.mktemp("report")
-    write_reports(r, out)
+    write_reports(bert_result, out)
     return out
 
 

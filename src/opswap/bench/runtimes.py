@@ -6,17 +6,22 @@
   and onnxscript's ORT fusions on the ONNX graph) and run in ONNX Runtime;
 - `openvino` and `opswap+openvino` (with `--compare openvino`): the same two programs
   exported to ONNX without ORT's fusions (contrib ops OpenVINO does not read) and
-  compiled by OpenVINO for the CPU (backends.openvino).
+  compiled by OpenVINO for the CPU (backends.openvino);
+- `executorch` and `opswap+executorch` (with `--compare executorch`): the same two
+  programs lowered to ExecuTorch programs (.pte files) with the XNNPACK delegate and run
+  in ExecuTorch's runtime (backends.executorch), the edge path.
 
-Each ONNX file translates the very program model.pt2 holds (the exported program is
-kept, not traced again), so it keeps the same dynamic axes, and the session timed is
-the session over the file that is saved when it wins (DIR/model.onnx). They are
+Each file translates the very program model.pt2 holds (the exported program is
+kept, not traced again), so it keeps the same dynamic axes (a .pte file up to an upper
+bound per axis, since ExecuTorch plans memory ahead), and the session timed is the
+session over the file that is saved when it wins (DIR/model.onnx or DIR/model.pte). They are
 verified against the input at every size the file keeps, like the saved-graph
 variants, before they may win.
 
-With `--export onnx` (or `ort`) the user deploys an .onnx file whatever else wins, so
-`onnx_winner` picks between the two ONNX variants: opswap's when it is faster than the
-input's export beyond the run's noise, else the input's export.
+With `--export onnx` (or `ort`) the user deploys an .onnx file whatever else wins (with
+`--export executorch` a .pte file), so `export_winner` picks between that engine's two
+variants: opswap's when it is faster than the input's file beyond the run's noise, else
+the input's.
 """
 
 from __future__ import annotations
@@ -28,9 +33,17 @@ import torch
 #: the variants this module adds per engine, and the key of their file in Race.artifacts
 ORT = {"ort": "ort_input", "opswap+ort": "ort_candidate"}
 OPENVINO = {"openvino": "openvino_input", "opswap+openvino": "openvino_candidate"}
-ENGINES = {"ort": ORT, "openvino": OPENVINO}
-ARTIFACTS = {**ORT, **OPENVINO}
-EXPORTS = ("onnx", "ort")
+EXECUTORCH = {"executorch": "executorch_input", "opswap+executorch": "executorch_candidate"}
+ENGINES = {"ort": ORT, "openvino": OPENVINO, "executorch": EXECUTORCH}
+#: the runtime each engine's variants run in, for the message when the race is not on the CPU
+_RUNS = {
+    "ort": "ONNX Runtime runs on its CPU provider",
+    "openvino": "OpenVINO runs",
+    "executorch": "ExecuTorch runs",
+}
+ARTIFACTS = {**ORT, **OPENVINO, **EXECUTORCH}
+#: --export's formats, and the engine whose two variants they race
+EXPORTS = {"onnx": "ort", "ort": "ort", "executorch": "executorch", "pte": "executorch"}
 
 
 def exports(
@@ -40,18 +53,18 @@ def exports(
     device: torch.device,
     engines: tuple[str, ...] = ("ort",),
 ) -> None:
-    """Add the ONNX files of `engines` ("ort", "openvino"; loaded in the engine) to
+    """Add the files of `engines` ("ort", "openvino", "executorch"; loaded in the engine) to
     `artifacts`, from the programs kept in its "input" and "candidate"
     backends.pt2.Artifacts, which are then let go."""
     from opswap.backends.pt2 import Artifact
 
     if device.type != "cpu":
         for engine in engines:
-            name = "ONNX Runtime runs on its CPU provider" if engine == "ort" else "OpenVINO runs"
-            why = f"{name} here, and the race is on {device}"
+            why = f"{_RUNS[engine]} here, and the race is on {device}"
             for key in ENGINES[engine].values():
                 artifacts[key] = Artifact(None, None, error=why)
         return
+    from opswap.backends.executorch import executorch_artifact
     from opswap.backends.openvino import openvino_artifact
     from opswap.backends.ort import ort_artifact
 
@@ -68,8 +81,10 @@ def exports(
                 artifacts[key] = ort_artifact(
                     None, inputs, dynamic, exported=exported, fusions=fusions
                 )
-            else:
+            elif engine == "openvino":
                 artifacts[key] = openvino_artifact(None, inputs, dynamic, exported=exported)
+            else:
+                artifacts[key] = executorch_artifact(None, inputs, dynamic, exported=exported)
         if pt2 is not None:
             cast(Any, pt2).exported = None  # the program's weights: not held past the translation
 
@@ -80,22 +95,28 @@ def describe(art) -> tuple[str, str | None]:
         why = art.error if art is not None else "not exported"
         return why[:200], why
     engine = getattr(art.module, "engine", "ONNX Runtime")
-    note = f"model.onnx in {engine} (CPU, {art.module.session_threads} threads)"
+    file = art.path.name if art.path is not None else "model.onnx"
+    note = f"{file} in {engine} (CPU, {art.module.session_threads} threads)"
     return (note + "; " + art.note if art.note else note), None
 
 
-def onnx_winner(timings: list, files_ok: set[str], res) -> Any:
-    """The ONNX variant saved with --export: `opswap+ort` when it passed and is faster than
-    `ort` beyond the noise of the run (its interval of the ratio above 1), else `ort`;
-    None when neither passed."""
+def export_winner(timings: list, files_ok: set[str], res, engine: str = "ort") -> Any:
+    """The variant saved with --export for `engine`: `opswap+ENGINE` when it passed and is
+    faster than `ENGINE` beyond the noise of the run (its interval of the ratio above 1),
+    else `ENGINE`; None when neither passed."""
     by = {t.name: t for t in timings}
-    ok = [n for n in ORT if n in by and by[n].verified and by[n].ms is not None and n in files_ok]
+    mine = f"opswap+{engine}"
+    ok = [
+        n
+        for n in ENGINES[engine]
+        if n in by and by[n].verified and by[n].ms is not None and n in files_ok
+    ]
     if not ok:
         return None
-    if ok == ["opswap+ort"]:
-        return by["opswap+ort"]
-    if "opswap+ort" in ok:
-        r = res.ratio("ort", "opswap+ort")
+    if ok == [mine]:
+        return by[mine]
+    if mine in ok:
+        r = res.ratio(engine, mine)
         if r.ci_low is not None and cast(float, r.ci_low) > 1.0:
-            return by["opswap+ort"]
-    return by["ort"]
+            return by[mine]
+    return by[engine]

@@ -16,7 +16,9 @@ what I would do anyway?" So the candidates are
   input's and the candidate's programs as .onnx files run in ONNX Runtime
   (bench.runtimes);
 - with `compare=["openvino"]`: `openvino` and `opswap+openvino`, the same programs as
-  .onnx files compiled by OpenVINO for the CPU (bench.runtimes).
+  .onnx files compiled by OpenVINO for the CPU (bench.runtimes);
+- with `compare=["executorch"]`: `executorch` and `opswap+executorch`, the same programs
+  as .pte files with the XNNPACK delegate in ExecuTorch's runtime (bench.runtimes).
 
 A model that does not export is timed in memory instead, and the variant's note says
 that the file cannot hold it.
@@ -42,7 +44,7 @@ import torch
 from opswap.errors import OpswapError
 from opswap.graph.inputs import caller, fresh
 
-BASELINES = ("compile", "ort", "openvino")
+BASELINES = ("compile", "ort", "openvino", "executorch")
 
 
 @dataclass
@@ -116,7 +118,7 @@ class VariantTiming:
 
 def parse_compare(compare) -> list[str]:
     """The baselines a `--compare` setting asks for: "compile" (default), "ort", "openvino",
-    "none",
+    "executorch", "none",
     or a list / comma-separated string of baseline names."""
     if compare is None:
         return ["compile"]
@@ -211,7 +213,7 @@ def build(
     from opswap.bench.runtimes import ENGINES, describe
 
     for engine in (e for e in ENGINES if e in compare):
-        for name, key in ENGINES[engine].items():  # the engines over their .onnx files
+        for name, key in ENGINES[engine].items():  # the engines over their files
             art = artifacts.get(key)
             saves = "candidate" if name.startswith("opswap+") else "input"
             note, why = describe(art)
@@ -356,6 +358,8 @@ FILE_OF = {
     "opswap+ort": "opswap+ort",
     "openvino": "openvino",
     "opswap+openvino": "opswap+openvino",
+    "executorch": "executorch",
+    "opswap+executorch": "opswap+executorch",
 }
 
 
@@ -434,7 +438,8 @@ def run(
     `shapes` (a graph.dynamic.Dynamic: the capture's, or the axes a saved file keeps),
     or at the example's only when `shapes` is False (compiled variants would recompile
     for each new shape). `export` "onnx" or "ort" races the ONNX Runtime variants and
-    saves the faster of the two .onnx files (bench.runtimes.onnx_winner)."""
+    saves the faster of the two .onnx files ("executorch": the two .pte files;
+    bench.runtimes.export_winner)."""
     from opswap.backends.pt2 import export_artifact
     from opswap.bench import runtimes
     from opswap.bench.device import resolve_device
@@ -442,10 +447,11 @@ def run(
 
     dev = resolve_device(device)
     inputs = captured.example_inputs
-    if export is not None and "ort" not in compare:
-        compare = [*compare, "ort"]
+    engine = runtimes.EXPORTS[export] if export is not None else None
+    if engine is not None and engine not in compare:
+        compare = [*compare, engine]
     engines = tuple(e for e in runtimes.ENGINES if e in compare)
-    keep = bool(engines)  # the programs, for the ONNX files
+    keep = bool(engines)  # the programs, for the runtimes' files
     with preserved_state(model, candidate_gm):
         artifacts = {
             "input": export_artifact(model, inputs, captured.dynamic, keep_program=keep),
@@ -476,14 +482,15 @@ def run(
     ok = {n for n, f in files.items() if f is not None}
     winner = best(timings, ok)
     notes = []
-    if export is not None:
-        onnx = runtimes.onnx_winner(timings, ok, res)
-        if onnx is not None:
-            winner = onnx
+    if engine is not None:
+        chosen = runtimes.export_winner(timings, ok, res, engine)
+        if chosen is not None:
+            winner = chosen
         else:
+            kind = ".pte" if engine == "executorch" else ".onnx"
+            said = "; ".join(t.note for t in timings if t.name in runtimes.ENGINES[engine])
             notes.append(
-                f"--export {export}: no .onnx file passed verification "
-                f"({'; '.join(t.note for t in timings if t.name in runtimes.ORT)}), "
+                f"--export {export}: no {kind} file passed verification ({said}), "
                 f"so the run saves {winner.name}'s file instead."
             )
     return Race(

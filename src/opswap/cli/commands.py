@@ -290,11 +290,15 @@ def export_cmd(
     to: Annotated[
         str,
         typer.Option(
-            "--to", metavar="FORMAT", help="onnx or ort (the same .onnx file, for ONNX Runtime)."
+            "--to",
+            metavar="FORMAT",
+            help="onnx or ort (the same .onnx file, for ONNX Runtime), or executorch / pte "
+            "(model.pte, an ExecuTorch program with the XNNPACK delegate).",
         ),
     ] = "onnx",
     out: Annotated[
-        Path, typer.Option("--out", "-o", metavar="DIR", help="Where to write model.onnx.")
+        Path,
+        typer.Option("--out", "-o", metavar="DIR", help="Where to write model.onnx or model.pte."),
     ] = Path("opswap-export"),
     samples: Annotated[int, typer.Option(metavar="N", help="Random input samples.")] = 3,
     sets: SetOpt = None,
@@ -303,8 +307,9 @@ def export_cmd(
     rules_from: RulesFromOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
-    """Export the plan's result to DIR/model.onnx (dynamic in the sizes the capture claims)
-    and verify it in ONNX Runtime against the original; exit 1 when it breaks the
+    """Export the plan's result to DIR/model.onnx (or DIR/model.pte with --to executorch),
+    dynamic in the sizes the capture claims, and verify it in its runtime against the
+    original; exit 1 when it breaks the
     tolerance or decisions of the plan could not be applied."""
     check_outputs(json_path, out, out_dir=True)
     _rules_from(rules_from)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import weakref
 
 import torch
 import torch.fx as fx
@@ -40,14 +41,46 @@ _INPLACE_OPERATORS = {
 }
 
 
+# target -> its signature when it has an `inplace` parameter, else None. inspect.signature
+# costs about as much as the rest of a rewrite's bookkeeping, and every dead-code pass asks
+# about every node: asked once per function. Weakly keyed, so a user's function can go.
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NO_WEAKREF: dict = {}  # targets that take no weak reference (builtins): few, kept
+
+
+def _inplace_signature(target) -> inspect.Signature | None:
+    for cache in (_SIGNATURES, _NO_WEAKREF):
+        try:
+            return cache[target]
+        except (KeyError, TypeError):
+            continue
+    try:
+        sig: inspect.Signature | None = inspect.signature(target)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None and "inplace" not in sig.parameters:
+        sig = None
+    try:
+        _SIGNATURES[target] = sig
+    except TypeError:
+        try:
+            _NO_WEAKREF[target] = sig
+        except TypeError:  # not hashable: not cached
+            pass
+    return sig
+
+
 def _inplace_flag(node: fx.Node) -> bool:
     if node.kwargs.get("inplace") is True:
         return True
     if node.op != "call_function" or not callable(node.target):
         return False
+    sig = _inplace_signature(node.target)
+    if sig is None:
+        return False
     try:
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-    except (TypeError, ValueError):
+        bound = sig.bind(*node.args, **node.kwargs)
+    except TypeError:
         return False
     return bound.arguments.get("inplace") is True
 

@@ -123,12 +123,8 @@ def unsettled_warning(race: bool = True) -> str:
 def _headline(data) -> str:
     """The best opswap variant against the best baseline, and what was saved."""
     timed = {v["name"]: v for v in data["variants"] if v["ms"] is not None}
-    ours = [
-        timed[n]
-        for n in ("opswap", "opswap+compile", "opswap+ort", "opswap+openvino")
-        if n in timed
-    ]
-    theirs = [timed[n] for n in ("input", "compile", "ort", "openvino") if n in timed]
+    ours = [v for n, v in timed.items() if n.startswith("opswap")]
+    theirs = [v for n, v in timed.items() if not n.startswith("opswap") and n != "captured"]
     mine = min(ours, key=lambda v: v["ms"]) if ours else None
     peer = min(theirs, key=lambda v: v["ms"])
     saved = data["deploy"]

@@ -1,0 +1,311 @@
+"""ExecuTorch as a place to run the model: the program model.pt2 holds, lowered to an
+ExecuTorch program (a .pte file) with the XNNPACK delegate, loaded in ExecuTorch's
+runtime and wrapped as a module that takes and returns torch tensors, so that
+verification and the race treat it like any other variant. This is the edge path
+(phones, ARM boards); XNNPACK's x86 kernels run the same file here.
+
+    from opswap.backends.executorch import executorch_artifact
+    art = executorch_artifact(model, inputs, captured.dynamic)   # model.pte, loaded
+    y = art.module(x)                                            # runs in ExecuTorch
+
+What the lowering does, in order:
+
+1. The program is exported again from its own graph, with two changes. opswap's own
+   ops (`torch.ops.opswap.*`) call the Python definitions they were registered with,
+   so the export traces them into the ATen ops they are made of (and makes an
+   in-place write in one functional, as for the model's own): an ExecuTorch runtime
+   has no kernel for an op it was not built with, and XNNPACK fuses a convolution
+   with its ReLU by itself. An op whose definition does not trace to ATen ops
+   ExecuTorch runs fails the lowering with its reason. And ExecuTorch plans all
+   memory ahead of time, so every dynamic size needs an upper bound: each axis the
+   file keeps dynamic is bounded by `upper_bound` (four times the example's size, at
+   least 8 and at least the size verification probes). The module refuses a larger
+   size in one sentence; the note names the bounds.
+2. `to_edge_transform_and_lower` with the XnnpackPartitioner (the delegate takes what
+   XNNPACK runs; the rest stays on ExecuTorch's portable kernels), then
+   `to_executorch()`, written as one .pte file.
+
+The runtime (`executorch.runtime.Runtime`) runs XNNPACK on a thread pool sized to
+torch's thread count here, so that it races the PyTorch variants on the same cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from opswap.backends.ort import structured
+from opswap.backends.pt2 import Artifact
+from opswap.errors import ExportError, InputError
+
+INSTALL = "install it with pip install 'opswap[executorch]'"
+
+
+def _first(e: BaseException, limit: int = 200) -> str:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
+def _require() -> None:
+    try:
+        import executorch.exir  # noqa: F401
+    except ImportError as e:
+        raise ExportError(f"Running in ExecuTorch needs executorch; {INSTALL}.") from e
+
+
+@contextlib.contextmanager
+def _quiet():
+    """ExecuTorch's and torchao's import-time warnings and log lines."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        level = logging.root.level
+        logging.root.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logging.root.setLevel(level)
+
+
+def upper_bound(axis) -> int:
+    """The largest size of a dynamic axis the .pte file accepts (memory is planned for it)."""
+    return max(4 * axis.size, axis.probe, 8)
+
+
+def _definitions(program) -> dict[Any, Any]:
+    """{op: its Python definition} for every opswap op in `program`: the function the op
+    was registered with (`torch.library.custom_op` / `triton_op` keep it as `_init_fn`),
+    which on a CPU tensor computes the op with ATen ops."""
+    from torch._library.custom_ops import OPDEFS
+
+    table = {}
+    for node in program.graph.nodes:
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            continue
+        if t.namespace != "opswap":
+            continue
+        opdef = OPDEFS.get(t.name().removesuffix(".default"))
+        fn = getattr(opdef, "_init_fn", None)
+        if fn is None:
+            raise ExportError(
+                f"The model calls {t.name()}, which has no definition ExecuTorch can run; "
+                "leave out the rule that puts it there (--rules) or export to model.pt2."
+            )
+        table[t] = fn
+    return table
+
+
+def _reexport(program, kept) -> Any:
+    """`program` exported again from its own graph, with each opswap op replaced by its
+    definition (traced through, so an in-place write in it is made functional like the
+    model's own) and upper bounds on the axes it keeps dynamic (ExecuTorch plans memory
+    for the largest sizes)."""
+    table = _definitions(program)
+    if not table and (kept is None or not kept.axes):
+        return program
+    module = program.module()
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target in table:
+            node.target = table[node.target]
+    module.recompile()
+    example = program.example_inputs
+    if example is None:
+        raise ExportError("The exported program holds no example inputs to export it again.")
+    args, kwargs = example
+    shapes = None
+    if kept is not None and kept.axes:
+        marks = {d: a for a in kept.axes for d in a.dims}
+        leaves, spec = pytree.tree_flatten(list(args))
+        per_leaf: list[Any] = []
+        for i, x in enumerate(leaves):
+            dims = {
+                d: torch.export.Dim.AUTO(min=1, max=upper_bound(a))
+                for (li, d), a in marks.items()
+                if li == i
+            }
+            per_leaf.append(dims if isinstance(x, torch.Tensor) and dims else None)
+        shapes = tuple(pytree.tree_unflatten(per_leaf, spec))
+    return torch.export.export(module, tuple(args), kwargs, dynamic_shapes=shapes, strict=False)
+
+
+def to_pte(program, path: str | Path, kept=None) -> Path:
+    """Lower `program` (an ExportedProgram, dynamic along `kept`'s axes) to an ExecuTorch
+    program with the XNNPACK delegate, written to `path`. Raises ExportError with the
+    reason."""
+    _require()
+    path = Path(path)
+    try:
+        with _quiet():
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+                XnnpackPartitioner,
+            )
+            from executorch.exir import to_edge_transform_and_lower
+
+            program = _reexport(program, kept)
+            edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+            path.write_bytes(edge.to_executorch().buffer)
+    except ExportError:
+        raise
+    except Exception as e:
+        raise ExportError(f"ExecuTorch could not lower the model: {_first(e)}.") from e
+    return path
+
+
+def _set_threads(threads: int) -> None:
+    """XNNPACK's thread pool in this process, to `threads` threads."""
+    from executorch.extension.pybindings import portable_lib
+
+    reset = getattr(portable_lib, "_unsafe_reset_threadpool", None)
+    get = getattr(portable_lib, "_threadpool_get_thread_count", None)
+    if reset is not None and (get is None or get() != threads):
+        reset(threads)
+
+
+class ExecuTorchModule(nn.Module):
+    """An ExecuTorch program's `forward` called like the module it was lowered from:
+    positional tensors in (the program's inputs, in order), the model's output structure
+    out."""
+
+    engine = "ExecuTorch"  # the race's note names it (bench.runtimes.describe)
+
+    def __init__(
+        self,
+        path: str | Path,
+        out_spec: Any = None,
+        threads: int | None = None,
+        names: list[str] | None = None,
+        bounds: dict[str, int] | None = None,
+        limits: list[dict[int, tuple[str, int]]] | None = None,
+    ):
+        super().__init__()
+        _require()
+        self.path = Path(path)
+        self.out_spec = out_spec
+        self.threads = threads
+        self.session_threads = threads or torch.get_num_threads()
+        self.bounds = dict(bounds or {})
+        self.limits = list(limits or [])  # per input: {dim: (axis name, upper bound)}
+        with _quiet():
+            from executorch.runtime import Runtime
+
+            _set_threads(self.session_threads)
+            try:
+                program = Runtime.get().load_program(self.path)
+                self.method = program.load_method("forward")
+            except Exception as e:
+                raise ExportError(
+                    f"ExecuTorch could not load {self.path.name}: {_first(e)}."
+                ) from e
+        meta = self.method.metadata
+        self.input_names = list(names or [f"arg{i}" for i in range(meta.num_inputs())])
+        if not self.limits:  # a file loaded on its own: the sizes its memory is planned for
+            self.limits = [
+                {d: (f"dim {d}", n) for d, n in enumerate(meta.input_tensor_meta(i).sizes())}
+                for i in range(meta.num_inputs())
+            ]
+        self.training = False
+
+    def __deepcopy__(self, memo):  # a loaded method does not pickle: a copy loads anew
+        return ExecuTorchModule(
+            self.path,
+            copy.deepcopy(self.out_spec, memo),
+            self.threads,
+            self.input_names,
+            self.bounds,
+            self.limits,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.path.name}, inputs={', '.join(self.input_names)}"
+
+    def forward(self, *args: Any) -> Any:
+        name = self.path.name
+        leaves = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
+        if len(leaves) != len(self.input_names):
+            raise InputError(
+                f"{name} takes {len(self.input_names)} input tensor(s) "
+                f"({', '.join(self.input_names)}), got {len(leaves)}."
+            )
+        for i, x in enumerate(leaves):
+            if x.device.type != "cpu":
+                raise InputError(
+                    f"{name} runs in ExecuTorch on the CPU; input {self.input_names[i]} "
+                    f"is on {x.device}."
+                )
+            lim = self.limits[i] if i < len(self.limits) else {}
+            for d, (axis, top) in lim.items():
+                if d < x.dim() and x.shape[d] > top:
+                    raise InputError(
+                        f"{name} accepts {axis} up to {top} (ExecuTorch plans its memory "
+                        f"for that size); input {self.input_names[i]} has {x.shape[d]}."
+                    )
+        _set_threads(self.session_threads)
+        feed = [x.detach().contiguous() for x in leaves]
+        try:
+            outs = self.method.execute(feed)
+        except Exception as e:
+            raise InputError(f"{name} refused the inputs: {_first(e, 240)}.") from e
+        return structured([o.clone() for o in outs], self.out_spec)
+
+
+def executorch_artifact(
+    model: nn.Module | None,
+    inputs: tuple,
+    dynamic=None,
+    directory: str | Path | None = None,
+    *,
+    exported: Any = None,
+    name: str = "model.pte",
+) -> Artifact:
+    """`model` (or `exported`, backends.pt2's (program, note, kept) of it) lowered to an
+    ExecuTorch program with the XNNPACK delegate and loaded in ExecuTorch's runtime: an
+    Artifact whose `module` is the ExecuTorchModule over the file that is timed; never
+    raises (its `error` says why)."""
+    from opswap.backends.pt2 import export
+
+    try:
+        if exported is None:
+            if model is None:
+                raise ValueError("executorch_artifact needs a model or its exported program")
+            with torch.no_grad():
+                exported = export(model, tuple(inputs), dynamic)
+        program, note, kept = exported
+    except Exception as e:
+        return Artifact(None, None, error=f"torch.export failed: {_first(e)}")
+    directory = Path(directory or tempfile.mkdtemp(prefix="opswap-pte-"))
+    path = directory / name
+    if note:
+        note = note.replace("model.pt2", name)
+    bounds = {a.name: upper_bound(a) for a in kept.axes} if kept is not None else {}
+    if bounds:
+        said = ", ".join(f"{k} up to {v}" for k, v in bounds.items())
+        note = "; ".join(filter(None, [note, f"{name} accepts {said}"]))
+    try:
+        to_pte(program, path, kept)
+        limits: list[dict[int, tuple[str, int]]] = [{} for _ in program.graph_signature.user_inputs]
+        for a in kept.axes if kept is not None else []:
+            for i, d in a.dims:
+                if i < len(limits):
+                    limits[i][d] = (a.name, bounds[a.name])
+        module = ExecuTorchModule(
+            path,
+            program.call_spec.out_spec,
+            names=list(program.graph_signature.user_inputs),
+            bounds=bounds,
+            limits=limits,
+        )
+    except ExportError as e:
+        path.unlink(missing_ok=True)
+        return Artifact(None, None, note=note, error=str(e), kept=kept)
+    return Artifact(path, module, note=note, kept=kept)
