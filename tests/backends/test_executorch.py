@@ -69,7 +69,7 @@ def test_export_executorch_races_both_files_and_saves_the_timed_pte(tmp_path):
         assert torch.equal(v, before[k]), k
 
 
-def test_opswap_ops_are_lowered_and_sizes_past_the_bound_are_refused():
+def test_opswap_ops_and_nhwc_weights_are_lowered_and_sizes_past_the_bound_are_refused():
     from opswap.api import capture
     from opswap.backends.pt2 import export
 
@@ -91,6 +91,9 @@ def test_opswap_ops_are_lowered_and_sizes_past_the_bound_are_refused():
             return self.net.fc(h.mean((2, 3)))
 
     fused = _Fused(model).eval()
+    # as layout.channels_last leaves it: an NHWC weight, which XNNPACK's passes refuse
+    w = model.conv.weight
+    w.data = w.data.contiguous(memory_format=torch.channels_last)
     ex = export(fused, (x,), cap.dynamic)
     assert any("conv_relu" in str(n.target) for n in ex[0].graph.nodes)
     art = executorch_artifact(None, (x,), cap.dynamic, exported=ex)

@@ -112,13 +112,24 @@ def _reexport(program, kept) -> Any:
     model's own) and upper bounds on the axes it keeps dynamic (ExecuTorch plans memory
     for the largest sizes)."""
     table = _definitions(program)
-    if not table and (kept is None or not kept.axes):
+    plain = all(t.is_contiguous() for t in program.state_dict.values())
+    if not table and plain and (kept is None or not kept.axes):
         return program
     module = program.module()
     for node in module.graph.nodes:
         if node.op == "call_function" and node.target in table:
             node.target = table[node.target]
     module.recompile()
+    # XNNPACK's passes read weights in the default (NCHW) layout; the channels_last rule
+    # leaves them NHWC in memory. The module is the program's own copy: its tensors are
+    # swapped, the program's stay.
+    for owner in module.modules():
+        for pname, p in list(owner.named_parameters(recurse=False)):
+            if not p.is_contiguous():
+                setattr(owner, pname, nn.Parameter(p.detach().contiguous(), p.requires_grad))
+        for bname, b in list(owner.named_buffers(recurse=False)):
+            if b is not None and not b.is_contiguous():
+                owner.register_buffer(bname, b.contiguous())
     example = program.example_inputs
     if example is None:
         raise ExportError("The exported program holds no example inputs to export it again.")
