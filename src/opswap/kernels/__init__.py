@@ -8,7 +8,10 @@ from opswap.kernels import (
     int8_linear,  # noqa: F401  (registers opswap::int8_linear)
     int8_static,  # noqa: F401  (registers opswap::int8_static_linear and _conv2d)
     layer_norm,  # noqa: F401  (registers opswap::layer_norm)
+    reduction,  # noqa: F401  (registers opswap::row_reduce and row_dot)
     rms_norm,  # noqa: F401  (registers opswap::rms_norm and add_rms_norm)
+    rope,  # noqa: F401  (registers opswap::rope)
+    softmax,  # noqa: F401  (registers opswap::softmax, log_softmax and masked_softmax)
     swiglu,  # noqa: F401  (registers opswap::glu and glu_packed)
     weight_only,  # noqa: F401  (registers opswap::wo_linear)
 )
@@ -19,7 +22,10 @@ __all__ = [
     "int8_linear",
     "int8_static",
     "layer_norm",
+    "reduction",
     "rms_norm",
+    "rope",
+    "softmax",
     "swiglu",
     "weight_only",
 ]
