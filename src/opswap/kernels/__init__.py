@@ -3,6 +3,7 @@ reference implementation. Importing this package registers them, which is what l
 a saved `model.pt2` that uses them needs (`opswap.load_optimized` does it)."""
 
 from opswap.kernels import (
+    bias_gelu_cuda,  # noqa: F401  (registers opswap::bias_gelu_cuda; builds on first CUDA use)
     conv_relu,  # noqa: F401  (registers opswap::conv_relu)
     fp8_linear,  # noqa: F401  (registers opswap::fp8_linear)
     int8_linear,  # noqa: F401  (registers opswap::int8_linear)
@@ -17,6 +18,7 @@ from opswap.kernels import (
 )
 
 __all__ = [
+    "bias_gelu_cuda",
     "conv_relu",
     "fp8_linear",
     "int8_linear",
