@@ -29,7 +29,9 @@ def test_kernel_matches_float64(shape, dtype):
     yd = F.gelu(xd + bd)
     yd.backward(dy.double())
     eager = F.gelu(x.detach() + b.detach())  # PyTorch's own in the dtype: the yardstick
-    tol = 1e-6 if dtype == torch.float32 else 3 * max(float((eager.double() - yd).abs().max()), 1e-3)
+    tol = (
+        1e-6 if dtype == torch.float32 else 3 * max(float((eager.double() - yd).abs().max()), 1e-3)
+    )
     assert float((y.double() - yd).abs().max()) <= tol
     assert torch.allclose(x.grad.double(), xd.grad, rtol=2e-2, atol=tol * 4)
     assert torch.allclose(b.grad.double(), bd.grad, rtol=2e-2, atol=tol * shape[0] * 8)

@@ -31,7 +31,10 @@ import torch.nn.functional as F
 
 from opswap.errors import OpswapError
 
-SOURCES = [Path(__file__).with_name("cuda") / "bias_gelu.cpp", Path(__file__).with_name("cuda") / "bias_gelu.cu"]
+SOURCES = [
+    Path(__file__).with_name("cuda") / "bias_gelu.cpp",
+    Path(__file__).with_name("cuda") / "bias_gelu.cu",
+]
 _MODULE: Any = None
 
 
@@ -133,7 +136,8 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
     x, b = ctx.saved_tensors
     z = x.float() + b.float()
     d = dy.float() * (
-        0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+        0.5 * (1 + torch.erf(z / math.sqrt(2)))
+        + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
     )
     db = d.reshape(-1, x.shape[-1]).sum(0).to(b.dtype) if ctx.needs_input_grad[1] else None
     return d.to(x.dtype), db

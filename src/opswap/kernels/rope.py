@@ -205,9 +205,9 @@ def triton_apply(
             "[B, 1, S, D] with unit stride (or a [P, D] table with positions); pass them so."
         )
     pos = positions if positions is not None else q
-    sp = (0, 0)
+    sp: tuple[int, ...] = (0, 0)
     if positions is not None:
-        sp = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
+        sp = (0, positions.stride(0)) if positions.dim() == 1 else tuple(positions.stride())
     if b and s and hq + hk:
         wrap_triton(jitted(_rope_fn))[(b * s, hq + hk)](
             q,

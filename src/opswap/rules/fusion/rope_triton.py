@@ -124,7 +124,7 @@ class RopeTriton(Rule):
     chapter = 8
     exactness = "exact"
     targets = ("cuda", "cpu")
-    after = ("fusion.matmul_add", "fusion.parallel_linear", "layout.*")
+    after = ("fusion.matmul_add", "fusion.parallel_linear")
     relieves = ("memory:elementwise", "memory:data-movement")
     anchors = ("add",)
     description = (

@@ -107,5 +107,12 @@ class SumOfSquaresTriton(Rule):
         elt = torch.empty((), dtype=dtype).element_size()
         fused = NodeCost(2 * m * n, m * n * elt + m * elt)
         return _triton.predict(
-            target, "row_sumsq", found.nodes, fused, dtype, n, m, f"square and sum -> 1 at {m} x {n}"
+            target,
+            "row_sumsq",
+            found.nodes,
+            fused,
+            dtype,
+            n,
+            m,
+            f"square and sum -> 1 at {m} x {n}",
         )

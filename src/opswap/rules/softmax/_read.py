@@ -92,16 +92,18 @@ def _folded(z: fx.Node) -> tuple[fx.Node, fx.Node | None, float, list[fx.Node]]:
         and not z.kwargs.get("alpha")
     ):
         a, b = z.args
-        ai, bi = info(a), info(b)  # type: ignore[arg-type]
+        assert isinstance(a, fx.Node) and isinstance(b, fx.Node)
+        ai, bi = info(a), info(b)
         if ai is not None and bi is not None and ai.dtype == bi.dtype == zi.dtype:
             # the scores have the sum's shape: the scaled side, else the side whose other
             # broadcasts, else the first
-            full = [(s, m) for s, m, si in ((a, b, ai), (b, a, bi)) if si.shape == zi.shape]
-            full.sort(key=lambda p: (not _scale_of(p[0])[2], info(p[1]).shape == zi.shape))
+            sides = [(a, b, bi), (b, a, ai)]
+            full = [(s, m, mi) for s, m, mi in sides if (ai if s is a else bi).shape == zi.shape]
+            full.sort(key=lambda p: (not _scale_of(p[0])[2], p[2].shape == zi.shape))
             if full and len(zi.shape) <= 4:
-                s, m = full[0]
-                x, c, scaled = _scale_of(s)  # type: ignore[arg-type]
-                return x, m, c, [*scaled, z]  # type: ignore[list-item]
+                s, m, _ = full[0]
+                x, c, scaled = _scale_of(s)
+                return x, m, c, [*scaled, z]
     x, c, scaled = _scale_of(z)
     return x, None, c, scaled
 

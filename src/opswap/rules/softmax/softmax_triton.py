@@ -69,7 +69,7 @@ class SoftmaxTriton(Rule):
     chapter = 16
     exactness = "exact"
     targets = ("cuda", "cpu")
-    after = ("fusion.*", "layout.*")
+    after = ("fusion.*",)
     relieves = ("memory:softmax", "memory:elementwise")
     anchors = ("softmax", "log_softmax", "div")
     description = (

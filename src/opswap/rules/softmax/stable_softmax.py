@@ -26,7 +26,7 @@ class StableSoftmax(Rule):
     chapter = 16
     exactness = "approx"
     targets = ("cuda", "cpu")
-    after = ("fusion.*", "layout.*")
+    after = ("fusion.*",)
     relieves = ("memory:softmax", "memory:elementwise")
     anchors = ("div",)
     description = (
