@@ -122,6 +122,17 @@ KERNEL_TESTS = [
     "tests/rules/activation",
 ]
 
+# the tests of the issue-18 kernels (softmax, reductions, RoPE, CUDA bias + GELU) and rules
+KERNEL18_TESTS = [
+    "tests/kernels/test_softmax.py",
+    "tests/kernels/test_reduction.py",
+    "tests/kernels/test_rope.py",
+    "tests/kernels/test_bias_gelu_cuda.py",
+    "tests/rules/softmax",
+    "tests/rules/reduce",
+    "tests/rules/fusion/test_rope_triton.py",
+]
+
 # the tests with CUDA paths of the low-precision schemes
 PRECISION_TESTS = [
     "tests/kernels/test_weight_only.py",
@@ -405,13 +416,15 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=["lowbit", "precision", "kernels"],
+        choices=["lowbit", "precision", "kernels", "kernels18"],
         help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
         "the precision tests on CUDA, bf16 whole models and optimize --exactness lossy on a "
         "Llama decoder (benchmarks/bench_precision_gpu.py, writes precision_h200.json); kernels = "
         "benchmarks/bench_norm_kernels.py (Triton RMSNorm, add + RMSNorm, LayerNorm, SwiGLU "
-        "against eager, torch.compile and Liger-Kernel, writes norm_kernels_h200.json)",
+        "against eager, torch.compile and Liger-Kernel, writes norm_kernels_h200.json); kernels18 = "
+        "the tests of the softmax, reduction, RoPE and CUDA bias + GELU kernels and rules, then "
+        "benchmarks/bench_kernels18.py (writes kernels18_h200.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"
@@ -445,6 +458,13 @@ def main() -> None:
         if not args.skip_tests:
             res = run_tests(args.out, args.workers, KERNEL_TESTS)
             print("tests:", res, flush=True)
+        subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        return
+    if args.only == "kernels18":
+        if not args.skip_tests:
+            res = run_tests(args.out, args.workers, KERNEL18_TESTS)
+            print("tests:", res, flush=True)
+        cmd = [sys.executable, str(ROOT / "benchmarks/bench_kernels18.py"), "--out", str(args.out)]
         subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         return
     if args.only == "precision":

@@ -4,7 +4,7 @@ benchmark's JSON (`benchmarks/bench_norm_kernels.py --update-crossover`).
 
 An entry is keyed by (kernel, device class, dtype, shape class, pass):
 
-- kernel: "rms_norm", "add_rms_norm", "layer_norm", "swiglu";
+- kernel: one of KERNELS ("rms_norm", ..., "softmax", "rope", "bias_gelu_cuda");
 - device class: "sm90" for Hopper (H100, H200), "sm80" for the A100, ... (`device_class`);
 - dtype: "bfloat16", "float16", "float32";
 - shape class: the hidden size's bucket (the next power of two at or above it) and the
@@ -30,7 +30,20 @@ import torch
 from opswap.errors import OpswapError
 
 TABLE = Path(__file__).with_name("crossover.json")
-KERNELS = ("rms_norm", "add_rms_norm", "layer_norm", "swiglu")
+KERNELS = (
+    "rms_norm",
+    "add_rms_norm",
+    "layer_norm",
+    "swiglu",
+    "softmax",
+    "log_softmax",
+    "masked_softmax",
+    "row_sum",
+    "row_var",
+    "row_sumsq",
+    "rope",
+    "bias_gelu_cuda",
+)
 PASSES = ("forward", "forward+backward")
 #: row-count buckets: few rows are launch-bound, many are bandwidth-bound
 ROW_BUCKETS = (256, 4096, 32768)

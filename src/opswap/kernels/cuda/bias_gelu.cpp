@@ -1,0 +1,9 @@
+// The Python binding of bias_gelu.cu: opswap's op (kernels/bias_gelu_cuda.py) calls
+// `bias_gelu(x, b)` of the module torch.utils.cpp_extension builds from the two files.
+#include <torch/extension.h>
+
+torch::Tensor bias_gelu(torch::Tensor x, torch::Tensor b);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bias_gelu", &bias_gelu, "gelu(x + b), erf form, fp32 math (CUDA)");
+}
