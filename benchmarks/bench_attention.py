@@ -39,6 +39,13 @@ def _eager(q, k, v, causal):
     return torch.softmax(s.float(), -1).to(q.dtype) @ v
 
 
+def _device_class(dev: str) -> str | None:
+    if dev != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm{major}{minor}"
+
+
 def run(smoke: bool = False, quick: bool = False) -> dict:
     import triton
     import triton.testing
@@ -110,6 +117,7 @@ def run(smoke: bool = False, quick: bool = False) -> dict:
         "torch": torch.__version__,
         "triton": _t.__version__,
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
+        "device_class": _device_class(dev),
         "dtype": str(dtype),
         "pass": "forward",
         "flops": "4*B*H*S_q*S_k*D, halved for causal",
@@ -133,11 +141,36 @@ def table(res: dict) -> str:
     return "\n".join(out)
 
 
+def crossover_rows(res: dict) -> dict:
+    """The run as kernels/crossover.py's benchmark rows: "eager" is the fastest SDPA
+    backend at the point (what the rule replaces), the pass says causal or not."""
+    rows = []
+    for r in res["rows"]:
+        sd = [r.get(f"{n}_ms") for n in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")]
+        sd = [x for x in sd if x]
+        if not sd or not r.get("ours_ms"):
+            continue
+        rows.append(
+            {
+                "kernel": "flash_attention",
+                "dtype": res["dtype"].removeprefix("torch."),
+                "hidden": r["head_dim"],
+                "rows": r["seq"],
+                "pass": "forward,causal" if r["causal"] else "forward",
+                "ours_ms": r["ours_ms"],
+                "eager_ms": min(sd),
+                "compile_ms": None,
+            }
+        )
+    return {"device_class": res.get("device_class"), "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpreter")
     ap.add_argument("--quick", action="store_true", help="seq 1024 and 4096 only")
+    ap.add_argument("--update-crossover", action="store_true", help="rewrite crossover.json")
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -147,6 +180,11 @@ def main() -> None:
     path.write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(table(res))
     print("wrote", path)
+    if args.update_crossover and not args.smoke:
+        from opswap.kernels import crossover
+
+        new = crossover.update(crossover_rows(res), f"measured {path.name} {res['date'][:10]}")
+        print(f"crossover.json: {len(new)} flash_attention entries measured")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ KERNELS = (
     "row_sumsq",
     "rope",
     "bias_gelu_cuda",
+    "flash_attention",  # against the fastest SDPA backend ("eager" here), per (head dim, length)
 )
 PASSES = ("forward", "forward+backward")
 #: row-count buckets: few rows are launch-bound, many are bandwidth-bound

@@ -34,6 +34,7 @@ def predict(
     hidden: int,
     rows: int,
     note: str,
+    pass_: str = "forward",
 ) -> Estimate:
     """The Estimate of replacing `removed` by the kernel of cost `fused` on `target`."""
     if getattr(target, "kind", "cpu") != "cuda":
@@ -41,7 +42,7 @@ def predict(
         return Estimate(0.0, 0.0, -max(overhead, 1e-9), CPU_REASON)
     est = saving(target, removed, [fused], note)
     dev = crossover.device_class(target)
-    entry = crossover.lookup(kernel, dev, dtype, hidden, rows)
+    entry = crossover.lookup(kernel, dev, dtype, hidden, rows, pass_)
     if entry is None:
         return dataclasses.replace(
             est, note=f"{note}; roofline (no measured crossover for {kernel} on {dev})"
