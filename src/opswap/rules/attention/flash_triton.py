@@ -31,7 +31,7 @@ class FlashTriton(Rule):
     chapter = 8
     exactness = "exact"
     targets = ("cuda", "cpu")
-    after = ("fusion.*", "layout.*")
+    after = ("fusion.*", "layout.drop_*")
     relieves = ("compute:attention",)
     anchors = ("attention",)
     description = (
