@@ -150,7 +150,9 @@ def _flash_bwd_dkdv_fn(
         for start in range(lo, hi, BLOCK_M):
             rows = start + rows0
             rmask = rows < M
-            q = tl.load(q_base + rows[:, None] * sqm + dims[None, :], mask=rmask[:, None], other=0.0)
+            q = tl.load(
+                q_base + rows[:, None] * sqm + dims[None, :], mask=rmask[:, None], other=0.0
+            )
             do = tl.load(
                 do_base + rows[:, None] * sqm + dims[None, :], mask=rmask[:, None], other=0.0
             )
