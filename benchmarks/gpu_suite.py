@@ -133,6 +133,12 @@ KERNEL18_TESTS = [
     "tests/rules/fusion/test_rope_triton.py",
 ]
 
+# the FlashAttention kernel (its interpreter cases run compiled on the GPU) and its rule
+ATTENTION_TESTS = [
+    "tests/kernels/test_flash_attention.py",
+    "tests/rules/attention",
+]
+
 # the tests with CUDA paths of the low-precision schemes
 PRECISION_TESTS = [
     "tests/kernels/test_weight_only.py",
@@ -416,7 +422,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=["lowbit", "precision", "kernels", "kernels18"],
+        choices=["lowbit", "precision", "kernels", "kernels18", "attention"],
         help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
         "the precision tests on CUDA, bf16 whole models and optimize --exactness lossy on a "
@@ -424,7 +430,9 @@ def main() -> None:
         "benchmarks/bench_norm_kernels.py (Triton RMSNorm, add + RMSNorm, LayerNorm, SwiGLU "
         "against eager, torch.compile and Liger-Kernel, writes norm_kernels_h200.json); kernels18 = "
         "the tests of the softmax, reduction, RoPE and CUDA bias + GELU kernels and rules, then "
-        "benchmarks/bench_kernels18.py (writes kernels18_h200.json)",
+        "benchmarks/bench_kernels18.py (writes kernels18_h200.json); attention = the "
+        "FlashAttention kernel's and rule's tests on the GPU, then benchmarks/bench_attention.py "
+        "(forward and forward+backward against SDPA's backends, writes attention_h200.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"
@@ -465,6 +473,13 @@ def main() -> None:
             res = run_tests(args.out, args.workers, KERNEL18_TESTS)
             print("tests:", res, flush=True)
         cmd = [sys.executable, str(ROOT / "benchmarks/bench_kernels18.py"), "--out", str(args.out)]
+        subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        return
+    if args.only == "attention":
+        if not args.skip_tests:
+            res = run_tests(args.out, args.workers, ATTENTION_TESTS)
+            print("tests:", res, flush=True)
+        cmd = [sys.executable, str(ROOT / "benchmarks/bench_attention.py"), "--out", str(args.out)]
         subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         return
     if args.only == "precision":
