@@ -78,8 +78,10 @@ def _reference(q, k, v, causal, lengths=None, mask=None, key_padding=None):
 def _case(*c):
     (q, k, v, do), kw = _inputs(*c)
     FA.set_tma(c[-1])
-    got = _grads(q, k, v, do, kw, FA.flash_attention)
-    FA.set_tma(False)
+    try:
+        got = _grads(q, k, v, do, kw, FA.flash_attention)
+    finally:
+        FA.set_tma(False)
     truth = _grads(*(t.double() for t in (q, k, v, do)), kw, _reference)
     own = _grads(q, k, v, do, kw, _reference)  # PyTorch's math in the dtype
     names = ("o", "dq", "dk", "dv")
