@@ -62,7 +62,7 @@ def unsupported(
     return None
 
 
-def _prune(table: tuple, block_m_of: str) -> Any:
+def _prune() -> Any:
     """An early_config_prune: drop tiles larger than the sequence they cover (a decode step's
     single query row gets the smallest BLOCK_M) and large tiles at head dim 256."""
 
@@ -74,8 +74,8 @@ def _prune(table: tuple, block_m_of: str) -> Any:
         keep = [
             c
             for c in configs
-            if c.kwargs["BLOCK_M"] <= max(m if block_m_of == "M" else n, 32)
-            and c.kwargs["BLOCK_N"] <= max(n if block_m_of == "M" else m, 32)
+            if c.kwargs["BLOCK_M"] <= max(m, 32)  # BLOCK_M tiles the queries in every kernel
+            and c.kwargs["BLOCK_N"] <= max(n, 32)
             and not (d >= 256 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)
         ]
         return keep or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
@@ -92,13 +92,13 @@ def _kernel(name: str) -> Any:
     interpreter (which takes the one INTERP_BLOCK tile)."""
     key = (name, interpreting())
     if key not in _KERNELS:
-        kernels: dict[str, tuple[Any, Any, str]] = {
-            "fwd": (_flash_fwd._flash_fwd_fn, FWD_CONFIGS, "M"),
-            "dkdv": (_flash_bwd._flash_bwd_dkdv_fn, DKDV_CONFIGS, "N"),
-            "dq": (_flash_bwd._flash_bwd_dq_fn, DQ_CONFIGS, "M"),
-            "pre": (_flash_bwd._flash_bwd_pre_fn, None, ""),
+        kernels: dict[str, tuple[Any, Any]] = {
+            "fwd": (_flash_fwd._flash_fwd_fn, FWD_CONFIGS),
+            "dkdv": (_flash_bwd._flash_bwd_dkdv_fn, DKDV_CONFIGS),
+            "dq": (_flash_bwd._flash_bwd_dq_fn, DQ_CONFIGS),
+            "pre": (_flash_bwd._flash_bwd_pre_fn, None),
         }
-        fn, table, big = kernels[name]
+        fn, table = kernels[name]
         k = jitted(fn)
         if table is not None and not interpreting():
             configs = [
@@ -107,7 +107,7 @@ def _kernel(name: str) -> Any:
             ]
             keys = _KEY + (["USE_TMA"] if name == "fwd" else [])
             k = triton.autotune(
-                configs, key=keys, prune_configs_by={"early_config_prune": _prune(table, big)}
+                configs, key=keys, prune_configs_by={"early_config_prune": _prune()}
             )(k)
         _KERNELS[key] = k
     return _KERNELS[key]
