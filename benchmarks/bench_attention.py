@@ -1,16 +1,21 @@
-"""Attention forward on the GPU: opswap's Triton FlashAttention against SDPA's backends and
-hand-written attention, in one run.
+"""Attention on the GPU, forward and forward+backward: opswap's Triton FlashAttention
+against SDPA's backends and hand-written attention, in one run.
 
-    PYTHONPATH=src python3 benchmarks/bench_attention.py --out DIR [--quick]
+    PYTHONPATH=src python3 benchmarks/bench_attention.py --out DIR [--quick] [--update-crossover]
     PYTHONPATH=src python benchmarks/bench_attention.py --smoke     # CPU, interpreter, tiny
 
-bf16, batch 8, 16 heads, head dims 64 and 128, sequence 512 to 8192, causal and not. Per
-point: ours (`opswap::flash_attention`, autotuned), SDPA forced to each backend
-(torch.nn.attention.sdpa_kernel: FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION;
-a backend that refuses the point is recorded as such) and the hand-written
-matmul-softmax-matmul, each timed by triton.testing.do_bench (median ms). TFLOP/s count
-4·B·H·S_q·S_k·D for the two matmuls, halved for causal. Ours is checked against SDPA
-(rel. L2) before it is timed. Writes DIR/attention_h200.json with device, versions, date.
+bf16, batch 8, 16 heads, head dims 64 and 128, sequence 1024 to 8192, causal and not. Per
+point: ours (`opswap::flash_attention`, autotuned; pointer loads, and the tensor-descriptor
+loads as `ours_tma` where the GPU has them), SDPA forced to each backend
+(torch.nn.attention.sdpa_kernel: FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION; a
+backend that refuses the point is recorded as such) and the hand-written
+matmul-softmax-matmul (up to 4096: past it the scores alone are 8 GiB a pass), each timed
+by triton.testing.do_bench (median ms). TFLOP/s count 4·B·H·S_q·S_k·D for the forward,
+2.5x that for forward+backward, halved for causal. Before timing, ours is checked against
+SDPA at the point (rel. L2 of the output and of dq, dk, dv). Writes
+DIR/attention_h200.json with device, versions, date; `--update-crossover` rewrites
+src/opswap/kernels/crossover.json's flash_attention entries from it (ours against SDPA's
+fastest backend at each point).
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+PASSES = ("forward", "forward+backward")
+#: the hand-written attention is timed up to this length (memory: B·H·S² scores)
+EAGER_MAX_SEQ = 4096
+
 
 def _eager(q, k, v, causal):
     s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
@@ -39,130 +48,170 @@ def _eager(q, k, v, causal):
     return torch.softmax(s.float(), -1).to(q.dtype) @ v
 
 
-def _device_class(dev: str) -> str | None:
-    if dev != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm{major}{minor}"
+def _rel(a, b) -> float:
+    return float(((a.float() - b.float()).norm() / b.float().norm()).item())
+
+
+def _variants(causal: bool, dev: str) -> dict:
+    """name -> fn(q, k, v) for every contender at one point."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from opswap.kernels import flash_attention as FA
+
+    def ours(q, k, v):
+        return FA.flash_attention(q, k, v, causal=causal)
+
+    def ours_tma(q, k, v):
+        FA.set_tma(True)
+        try:
+            return FA.flash_attention(q, k, v, causal=causal)
+        finally:
+            FA.set_tma(False)
+
+    fns = {"ours": ours}
+    if dev == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
+        fns["ours_tma"] = ours_tma
+    for name, be in (
+        ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+        ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
+
+        def f(q, k, v, be=be):
+            with sdpa_kernel([be]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        fns[name] = f
+    fns["eager"] = lambda q, k, v: _eager(q, k, v, causal)
+    return fns
+
+
+def _check(fn, q, k, v, do, causal) -> dict:
+    """Ours against SDPA (default backend) at the point: rel. L2 of o, dq, dk, dv."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+    wg = torch.autograd.grad(want, leaves, do)
+    got = fn(*leaves)
+    gg = torch.autograd.grad(got, leaves, do)
+    out = {"o": _rel(got, want)}
+    out.update({n: _rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), gg, wg, strict=True)})
+    return out
 
 
 def run(smoke: bool = False, quick: bool = False) -> dict:
     import triton
     import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from opswap.kernels.flash_attention import flash_attention
+    from opswap.kernels import crossover
 
     dev = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     b, h = (1, 2) if smoke else (8, 16)
-    seqs = [32] if smoke else ([1024, 4096] if quick else [512, 1024, 2048, 4096, 8192])
+    seqs = [32] if smoke else ([1024, 4096] if quick else [1024, 2048, 4096, 8192])
     dims = [64] if smoke else [64, 128]
-    backends = {
-        "sdpa_flash": SDPBackend.FLASH_ATTENTION,
-        "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-    }
-    rows = []
+    rows, cx_rows = [], []
     for d in dims:
         for causal in (False, True):
+            fns = _variants(causal, dev)
             for s in seqs:
                 g = torch.Generator(device=dev).manual_seed(s + d)
-                q, k, v = (
-                    torch.randn(b, h, s, d, device=dev, dtype=dtype, generator=g) for _ in range(3)
+                q, k, v, do = (
+                    torch.randn(b, h, s, d, device=dev, dtype=dtype, generator=g) for _ in range(4)
                 )
-                flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+                fwd_flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
                 row: dict = {"batch": b, "heads": h, "seq": s, "head_dim": d, "causal": causal}
-
-                def ours(q=q, k=k, v=v, causal=causal):
-                    return flash_attention(q, k, v, causal=causal)
-
-                want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                got = ours()
-                row["rel_l2_vs_sdpa"] = float(
-                    ((got.float() - want.float()).norm() / want.float().norm()).item()
-                )
-                fns = {"ours": ours, "eager": lambda q=q, k=k, v=v, c=causal: _eager(q, k, v, c)}
-                for name, be in backends.items():
-
-                    def f(q=q, k=k, v=v, causal=causal, be=be):
-                        with sdpa_kernel([be]):
-                            return torch.nn.functional.scaled_dot_product_attention(
-                                q, k, v, is_causal=causal
-                            )
-
-                    fns[name] = f
-                for name, fn in fns.items():
-                    if smoke:
+                for name in ("ours", "ours_tma"):
+                    if name in fns:
                         try:
-                            fn()
-                            row[f"{name}_ms"] = None
-                        except Exception as e:
+                            row[f"{name}_rel_l2_vs_sdpa"] = _check(fns[name], q, k, v, do, causal)
+                        except Exception as e:  # a path that does not build here
                             row[f"{name}_error"] = str(e).splitlines()[0][:160]
+                bad = [
+                    n
+                    for n in ("ours", "ours_tma")
+                    if max(row.get(f"{n}_rel_l2_vs_sdpa", {"_": 0.0}).values()) > 2e-2
+                ]
+                for name, fn in fns.items():
+                    if name in bad or f"{name}_error" in row:
                         continue
-                    try:
-                        ms = triton.testing.do_bench(fn, warmup=25, rep=100)
-                        row[f"{name}_ms"] = ms
-                        row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
-                    except Exception as e:  # a backend that refuses the point
-                        row[f"{name}_error"] = str(e).splitlines()[0][:160]
-                        torch.cuda.synchronize() if dev == "cuda" else None
+                    if name == "eager" and s > EAGER_MAX_SEQ:
+                        row["eager_error"] = f"not timed past {EAGER_MAX_SEQ} (memory)"
+                        continue
+                    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+                    def fwd(fn=fn, leaves=leaves):
+                        with torch.no_grad():
+                            return fn(*leaves)
+
+                    def fwd_bwd(fn=fn, leaves=leaves, do=do):
+                        fn(*leaves).backward(do)
+
+                    for pass_, call, mult in (
+                        ("forward", fwd, 1.0),
+                        ("forward+backward", fwd_bwd, 2.5),
+                    ):
+                        tag = "" if pass_ == "forward" else "_fb"
+                        try:
+                            if smoke:
+                                call()
+                                row[f"{name}{tag}_ms"] = None
+                                continue
+                            ms = triton.testing.do_bench(
+                                call, warmup=10, rep=40, grad_to_none=leaves
+                            )
+                            row[f"{name}{tag}_ms"] = ms
+                            row[f"{name}{tag}_tflops"] = mult * fwd_flops / (ms * 1e-3) / 1e12
+                        except Exception as e:  # a backend that refuses the point
+                            row[f"{name}{tag}_error"] = str(e).splitlines()[0][:160]
+                            if dev == "cuda":
+                                torch.cuda.synchronize()
+                for pass_, tag in zip(PASSES, ("", "_fb"), strict=True):
+                    sd = [
+                        row.get(f"{n}{tag}_ms")
+                        for n in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+                    ]
+                    sd = [x for x in sd if x]
+                    if row.get(f"ours{tag}_ms") and sd:
+                        cx_rows.append({
+                            "kernel": "flash_attention", "dtype": str(dtype).removeprefix("torch."),
+                            "shape": crossover.attention_shape(s, s, d, causal), "pass": pass_,
+                            "hidden": d, "rows": s, "ours_ms": row[f"ours{tag}_ms"],
+                            "eager_ms": min(sd), "compile_ms": None,
+                        })  # fmt: skip
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    import triton as _t
-
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": _t.__version__,
+        "triton": triton.__version__,
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
-        "device_class": _device_class(dev),
+        "device_class": crossover.device_class(torch.device(dev)) if dev == "cuda" else "",
         "dtype": str(dtype),
-        "pass": "forward",
-        "flops": "4*B*H*S_q*S_k*D, halved for causal",
+        "flops": "forward 4*B*H*S_q*S_k*D, forward+backward 2.5x, halved for causal",
         "rows": rows,
+        "crossover_rows": cx_rows,
     }
 
 
 def table(res: dict) -> str:
-    names = ["ours", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "eager"]
-    out = ["| D | causal | seq | " + " | ".join(names) + " | ours / best SDPA |", "|---" * 9 + "|"]
-    for r in res["rows"]:
-        vals = [r.get(f"{n}_tflops") for n in names]
-        sd = [x for x in vals[1:4] if x]
-        ratio = f"{vals[0] / max(sd):.2f}" if vals[0] and sd else "-"
-        cells = [f"{x:.0f}" if x else "-" for x in vals]
-        out.append(
-            f"| {r['head_dim']} | {r['causal']} | {r['seq']} | "
-            + " | ".join(cells)
-            + f" | {ratio} |"
-        )
+    names = ["ours", "ours_tma", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "eager"]
+    out = [
+        "| pass | D | causal | seq | " + " | ".join(names) + " | ours / best SDPA |",
+        "|---" * 11 + "|",
+    ]
+    for pass_, tag in zip(PASSES, ("", "_fb"), strict=True):
+        for r in res["rows"]:
+            vals = [r.get(f"{n}{tag}_tflops") for n in names]
+            sd = [x for x in vals[2:5] if x]
+            ratio = f"{vals[0] / max(sd):.2f}" if vals[0] and sd else "-"
+            cells = [f"{x:.0f}" if x else "-" for x in vals]
+            out.append(
+                f"| {pass_} | {r['head_dim']} | {r['causal']} | {r['seq']} | "
+                + " | ".join(cells)
+                + f" | {ratio} |"
+            )
     return "\n".join(out)
-
-
-def crossover_rows(res: dict) -> dict:
-    """The run as kernels/crossover.py's benchmark rows: "eager" is the fastest SDPA
-    backend at the point (what the rule replaces), the pass says causal or not."""
-    rows = []
-    for r in res["rows"]:
-        sd = [r.get(f"{n}_ms") for n in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")]
-        sd = [x for x in sd if x]
-        if not sd or not r.get("ours_ms"):
-            continue
-        rows.append(
-            {
-                "kernel": "flash_attention",
-                "dtype": res["dtype"].removeprefix("torch."),
-                "hidden": r["head_dim"],
-                "rows": r["seq"],
-                "pass": "forward,causal" if r["causal"] else "forward",
-                "ours_ms": r["ours_ms"],
-                "eager_ms": min(sd),
-                "compile_ms": None,
-            }
-        )
-    return {"device_class": res.get("device_class"), "rows": rows}
 
 
 def main() -> None:
@@ -180,11 +229,15 @@ def main() -> None:
     path.write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(table(res))
     print("wrote", path)
-    if args.update_crossover and not args.smoke:
-        from opswap.kernels import crossover
+    if args.update_crossover:
+        if args.smoke:
+            print("--update-crossover ignored with --smoke: the interpreter measures nothing")
+        else:
+            from opswap.kernels import crossover
 
-        new = crossover.update(crossover_rows(res), f"measured {path.name} {res['date'][:10]}")
-        print(f"crossover.json: {len(new)} flash_attention entries measured")
+            table_in = {"device_class": res["device_class"], "rows": res["crossover_rows"]}
+            new = crossover.update(table_in, f"measured {path.name} {res['date'][:10]}")
+            print(f"crossover.json: {len(new)} entries measured")
 
 
 if __name__ == "__main__":

@@ -132,7 +132,12 @@ KERNEL18_TESTS = [
     "tests/rules/reduce",
     "tests/rules/fusion/test_rope_triton.py",
 ]
-ATTENTION_TESTS = ["tests/kernels/test_flash_attention.py", "tests/rules/attention"]
+
+# the FlashAttention kernel (its interpreter cases run compiled on the GPU) and its rule
+ATTENTION_TESTS = [
+    "tests/kernels/test_flash_attention.py",
+    "tests/rules/attention",
+]
 
 # the tests with CUDA paths of the low-precision schemes
 PRECISION_TESTS = [
@@ -426,8 +431,8 @@ def main() -> None:
         "against eager, torch.compile and Liger-Kernel, writes norm_kernels_h200.json); kernels18 = "
         "the tests of the softmax, reduction, RoPE and CUDA bias + GELU kernels and rules, then "
         "benchmarks/bench_kernels18.py (writes kernels18_h200.json); attention = the "
-        "FlashAttention kernel's tests on the GPU, then benchmarks/bench_attention.py (ours "
-        "against SDPA's backends, writes attention_h200.json and the crossover entries)",
+        "FlashAttention kernel's and rule's tests on the GPU, then benchmarks/bench_attention.py "
+        "(forward and forward+backward against SDPA's backends, writes attention_h200.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"
@@ -474,13 +479,7 @@ def main() -> None:
         if not args.skip_tests:
             res = run_tests(args.out, args.workers, ATTENTION_TESTS)
             print("tests:", res, flush=True)
-        cmd = [
-            sys.executable,
-            str(ROOT / "benchmarks/bench_attention.py"),
-            "--out",
-            str(args.out),
-            "--update-crossover",
-        ]
+        cmd = [sys.executable, str(ROOT / "benchmarks/bench_attention.py"), "--out", str(args.out)]
         subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         return
     if args.only == "precision":

@@ -4,17 +4,22 @@ benchmark's JSON (`benchmarks/bench_norm_kernels.py --update-crossover`).
 
 An entry is keyed by (kernel, device class, dtype, shape class, pass):
 
-- kernel: one of KERNELS ("rms_norm", ..., "softmax", "rope", "bias_gelu_cuda");
+- kernel: one of KERNELS ("rms_norm", ..., "softmax", "rope", "bias_gelu_cuda",
+  "flash_attention");
 - device class: "sm90" for Hopper (H100, H200), "sm80" for the A100, ... (`device_class`);
 - dtype: "bfloat16", "float16", "float32";
 - shape class: the hidden size's bucket (the next power of two at or above it) and the
-  row count's ("h<=4096,rows<=32768"; `shape_class`);
+  row count's ("h<=4096,rows<=32768"; `shape_class`); for attention, the head dim, the
+  query and key lengths' buckets and causality ("d=64,sq<=4096,sk<=4096,causal";
+  `attention_shape`);
 - pass: "forward" or "forward+backward".
 
 and says `beats_eager` / `beats_compile` (true, false, or null when not measured), with
 the measured speed-ups and `source`: "measured <file> <date>" or "none yet". The rules
 consult `lookup` when they plan for a CUDA target; with no measured entry they fall back
 to the roofline prediction (bytes moved by the replaced ops against the kernel's).
+For flash_attention, "eager" is SDPA's fastest backend at the point (what eager PyTorch
+runs for `scaled_dot_product_attention`), and `beats_compile` stays null.
 Nothing in the table is estimated: an entry without a measurement says "none yet".
 """
 
@@ -43,7 +48,7 @@ KERNELS = (
     "row_sumsq",
     "rope",
     "bias_gelu_cuda",
-    "flash_attention",  # against the fastest SDPA backend ("eager" here), per (head dim, length)
+    "flash_attention",
 )
 PASSES = ("forward", "forward+backward")
 #: row-count buckets: few rows are launch-bound, many are bandwidth-bound
@@ -115,6 +120,20 @@ def shape_class(hidden: int, rows: int) -> str:
     return f"h<={_bucket(hidden)},{r}"
 
 
+#: sequence-length buckets of attention: short, mid, long
+SEQ_BUCKETS = (1024, 4096)
+
+
+def attention_shape(sq: int, sk: int, head_dim: int, causal: bool) -> str:
+    """'d=64,sq<=4096,sk<=4096,causal': the head dim, the query and key lengths' buckets
+    (SEQ_BUCKETS; 'sq>4096' past the last) and whether the attention is causal."""
+
+    def b(name: str, n: int) -> str:
+        return next((f"{name}<={x}" for x in SEQ_BUCKETS if n <= x), f"{name}>{SEQ_BUCKETS[-1]}")
+
+    return f"d={head_dim},{b('sq', sq)},{b('sk', sk)}" + (",causal" if causal else "")
+
+
 def device_class(where: Any) -> str:
     """'sm90' for a Hopper target profile or CUDA device, 'sm80' for an A100, ...; a CPU
     (or any target without a CUDA class) gives its kind or name."""
@@ -148,10 +167,14 @@ def lookup(
     rows: int,
     pass_: str = "forward",
     entries: list[Entry] | None = None,
+    shape: str | None = None,
 ) -> Entry | None:
-    """The measured entry for this kernel and shape, or None (no entry, or "none yet")."""
+    """The measured entry for this kernel and shape, or None (no entry, or "none yet").
+    `shape` names the class outright (attention's `attention_shape`); otherwise it is
+    `shape_class(hidden, rows)`."""
     table = load() if entries is None else entries
-    key = (kernel, device, str(dtype).removeprefix("torch."), shape_class(hidden, rows), pass_)
+    cls = shape if shape is not None else shape_class(hidden, rows)
+    key = (kernel, device, str(dtype).removeprefix("torch."), cls, pass_)
     for e in table:
         if e.key == key and e.measured:
             return e
@@ -160,7 +183,8 @@ def lookup(
 
 def entries_from_benchmark(result: dict[str, Any], source: str) -> list[Entry]:
     """Entries for every row of a bench_norm_kernels.py result: {"device_class", "rows":
-    [{kernel, dtype, rows, hidden, pass, ours_ms, eager_ms, compile_ms}, ...]}. A row the
+    [{kernel, dtype, rows, hidden, pass, ours_ms, eager_ms, compile_ms}, ...]}; a row with a
+    "shape" names its class outright (bench_attention.py's). A row the
     benchmark could not time (no eager or no ours) gives no entry; one without a compile
     time leaves beats_compile null."""
     dev = result.get("device_class")
@@ -175,7 +199,7 @@ def entries_from_benchmark(result: dict[str, Any], source: str) -> list[Entry]:
             r["kernel"],
             dev,
             r["dtype"],
-            shape_class(r["hidden"], r["rows"]),
+            r["shape"] if r.get("shape") else shape_class(r["hidden"], r["rows"]),
             r["pass"],
             beats_eager=ours < eager,
             beats_compile=(ours < comp) if comp else None,

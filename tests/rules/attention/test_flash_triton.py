@@ -1,65 +1,115 @@
-"""attention.flash_triton: finds the SDPA calls the kernel takes (causal or not, GQA), leaves
-the user's module alone and the rewritten graph equal to it at other shapes, names why it
-refuses the rest (an explicit mask, dropout, head dim 96, fp32), and on a CPU target
-refuses with the CPU reason."""
+"""attention.flash_triton: on the h200 target a tiny bf16 attention block (GQA, a padding
+mask, causal) matches at each SDPA call; with no measured crossover the planner keeps
+SDPA, saying so, and with a measured win it installs opswap::flash_attention, whose
+result matches the user's module at other shapes; head dim 96, dropout, fp32 and a CPU
+target are refused with their reasons."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opswap.graph.capture import capture
+from opswap.kernels import crossover
+from opswap.planner import make_plan
 from opswap.rules._triton import CPU_REASON
 
-from .._triton_models import plan, reasons
+from .._triton_models import fired, ops_in, plan, reasons
 
 RULE = "attention.flash_triton"
 
 
-class Attn(nn.Module):
-    def __init__(self, d=64, heads=4, kv_heads=2):
-        super().__init__()
-        self.h, self.hk, self.d = heads, kv_heads, d
-        self.q = nn.Linear(32, heads * d)
-        self.kv = nn.Linear(32, 2 * kv_heads * d)
-        self.register_buffer("bias", torch.zeros(32))  # stateful: read after
+class Block(nn.Module):
+    """Self-attention with 4 query heads over 2 kv heads (head dim `d`), a key-padding
+    mask derived from the input, a causal second pass, a buffer and an in-place add."""
 
-    def forward(self, x, mask):
+    def __init__(self, d=64, dropout=0.0):
+        super().__init__()
+        self.d, self.dropout = d, dropout
+        self.q = nn.Linear(32, 4 * d)
+        self.kv = nn.Linear(32, 2 * 2 * d)
+        self.o = nn.Linear(4 * d, 32)
+        self.register_buffer("gain", torch.full((32,), 0.5))
+
+    def forward(self, x):
         b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.h, self.d).transpose(1, 2)
-        k, v = self.kv(x).view(b, s, 2, self.hk, self.d).permute(2, 0, 3, 1, 4).unbind(0)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # fires
-        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-        c = F.scaled_dot_product_attention(q, kk, vv, scale=0.3)  # fires
-        m = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)  # refused: a mask
-        out = (a + c + m).transpose(1, 2).reshape(b, s, -1)[..., :32]
-        out += self.bias  # in place, after
+        q = self.q(x).view(b, s, 4, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 2, self.d).permute(2, 0, 3, 1, 4)
+        keep = (x[..., 0] > -3.0)[:, None, None, :]  # a padding mask: [B, 1, 1, S]
+        a = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, dropout_p=self.dropout, enable_gqa=True
+        )
+        a = F.scaled_dot_product_attention(a, a, a, is_causal=True, scale=0.3)
+        out = self.o(a.transpose(1, 2).reshape(b, s, -1))
+        out.add_(x * self.gain)
         return out
 
 
-def _inputs(dtype, b=2, s=9):
-    g = torch.Generator().manual_seed(s)
-    x = torch.randn(b, s, 32, generator=g).to(dtype)
-    mask = torch.ones(s, s, dtype=torch.bool).tril()
-    return x, mask
+def _inputs(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return (torch.randn(2, 11, 32, dtype=dtype),)
 
 
-def test_finds_causal_and_gqa_sdpa_and_names_the_misses():
-    m = Attn().to(torch.bfloat16).eval()
-    x = _inputs(torch.bfloat16)
-    p, _, _ = plan(m, x, [RULE])
-    sites = [d for d in p.decisions if d.rule == RULE] + [
-        s for s in p.skipped if getattr(s, "rule", RULE) == RULE
-    ]
-    assert len(sites) == 2, (p.decisions, p.skipped, p.misses)
-    assert "explicit attn_mask" in reasons(p, RULE)
-    pc, _, _ = plan(m, x, [RULE], target="cpu")
-    assert not pc.decisions and all(CPU_REASON in s.reason for s in pc.skipped)
+def _measured(tmp_path, monkeypatch, beats: bool):
+    """A crossover table where every flash_attention class of the block is measured."""
+    entries = [
+        crossover.Entry(
+            "flash_attention", "sm90", "bfloat16", crossover.attention_shape(11, 11, 64, c),
+            "forward", beats, None, 1.3 if beats else 0.7, None, "measured test.json",
+        ).to_json()
+        for c in (False, True)
+    ]  # fmt: skip
+    path = tmp_path / "crossover.json"
+    path.write_text(json.dumps({"entries": entries}))
+    monkeypatch.setattr(crossover, "TABLE", path)
 
 
-def test_head_dim_and_dtype_it_cannot_take_are_refused():
-    m = Attn(d=96).to(torch.bfloat16).eval()
-    p, _, _ = plan(m, _inputs(torch.bfloat16), [RULE])
-    assert not p.decisions and "head dim 96" in reasons(p, RULE)
-    p32, _, _ = plan(Attn().eval(), _inputs(torch.float32), [RULE])
-    assert not p32.decisions and "TF32" in reasons(p32, RULE)
+def test_matches_each_sdpa_and_keeps_sdpa_until_measured():
+    model = Block().to(torch.bfloat16).eval()
+    p, applied, _ = plan(model, _inputs(), [RULE], method="export")
+    assert fired(p, RULE) == 0 and len(p.skipped) == 2, (p.decisions, p.misses)
+    assert all("none yet" in s.reason for s in p.skipped)
+    assert torch.ops.opswap.flash_attention.default not in ops_in(applied.gm)
+
+
+def test_installs_the_kernel_where_measured_faster(tmp_path, monkeypatch):
+    _measured(tmp_path, monkeypatch, beats=True)
+    model = Block().to(torch.bfloat16).eval()
+    for method in ("export", "fx"):
+        p, applied, _ = plan(model, _inputs(), [RULE], method=method)
+        assert fired(p, RULE) == 2, (method, p.decisions, p.misses, p.skipped)
+        assert ops_in(applied.gm).count(torch.ops.opswap.flash_attention.default) == 2
+        assert any(d.site.data.get("mask") for d in p.decisions)
+
+
+def test_a_measured_loss_is_skipped(tmp_path, monkeypatch):
+    _measured(tmp_path, monkeypatch, beats=False)
+    p, _, _ = plan(Block().to(torch.bfloat16).eval(), _inputs(), [RULE], method="export")
+    assert fired(p, RULE) == 0 and all("0.7x" in s.reason for s in p.skipped), p.skipped
+
+
+@pytest.mark.parametrize(
+    "model, dtype, why",
+    [
+        (Block(d=96), torch.bfloat16, "head dim 96"),
+        (Block(dropout=0.1), torch.bfloat16, "dropout p=0.1"),
+        (Block(), torch.float32, "float32 attention"),
+    ],
+    ids=["head-dim-96", "dropout", "fp32"],
+)
+def test_refuses_what_the_kernel_does_not_take(model, dtype, why):
+    model = model.to(dtype).eval()
+    cap = capture(model, _inputs(dtype), method="export")
+    p = make_plan(cap, rules=[RULE], target="h200")
+    assert fired(p, RULE) == 0 and why in reasons(p, RULE), reasons(p, RULE)
+
+
+def test_a_cpu_target_keeps_sdpa_with_the_reason(tmp_path, monkeypatch):
+    _measured(tmp_path, monkeypatch, beats=True)
+    model = Block().to(torch.bfloat16).eval()
+    p, _, _ = plan(model, _inputs(), [RULE], method="export", target="cpu")
+    assert not p.decisions and p.skipped and all(CPU_REASON in s.reason for s in p.skipped)
