@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -60,6 +61,7 @@ class Attention:
     out: fx.Node
     safe: bool  # _safe_softmax: a row with every key masked gives 0, as SDPA does
     groups: int = 1  # query heads per kv head when k and v are repeated (enable_gqa)
+    unmasked: bool = False  # the terms are static and add 0 everywhere: no mask
     reasons: list[tuple[fx.Node, str]] = field(default_factory=list)
 
 
@@ -125,7 +127,8 @@ def _back(gm, cur: fx.Node, steps: list, depth: int = 0) -> fx.Node | None:
     kind = op_kind(cur)
     if _passes(cur):
         steps.append((cur, None, None))
-        return _back(gm, cur.args[0], steps, depth + 1) if cur.args else None
+        src = cur.args[0] if cur.args else None
+        return _back(gm, src, steps, depth + 1) if isinstance(src, fx.Node) else None
     if kind in ("mul", "div") and len(cur.args) == 2:
         sc = _scaled(gm, cur)
         if sc is not None:
@@ -159,24 +162,26 @@ def _back(gm, cur: fx.Node, steps: list, depth: int = 0) -> fx.Node | None:
         return None
     if kind == "where" and raw_name(cur).startswith("masked_fill") and len(cur.args) >= 3:
         x, m, v = cur.args[:3]
-        term = Term("fill", m, number(gm, v) if number(gm, v) is not None else math.nan)
+        kind_, fill = "fill", v
     elif kind == "where" and raw_name(cur) == "where" and len(cur.args) == 3:
-        c, a, b = cur.args
-        if isinstance(a, fx.Node) and number(gm, a) is None:
-            x, term = a, Term("keep", c, number(gm, b) if number(gm, b) is not None else math.nan)
-        else:
-            x, term = b, Term("fill", c, number(gm, a) if number(gm, a) is not None else math.nan)
+        m, a, b = cur.args
+        keep = isinstance(a, fx.Node) and number(gm, a) is None
+        x, fill, kind_ = (a, b, "keep") if keep else (b, a, "fill")
     else:
         return None
-    if not isinstance(x, fx.Node) or not isinstance(term.tensor, fx.Node):
+    if not isinstance(x, fx.Node) or not isinstance(m, fx.Node):
         return None
+    value = number(gm, fill)
+    term = Term(kind_, m, math.nan if value is None else value)
     steps.append((cur, term, None))
     return _back(gm, x, steps, depth + 1)
 
 
 def _forward(sm: fx.Node) -> tuple[fx.Node | None, list[fx.Node], list[tuple[fx.Node, str]]]:
     """(the p @ v matmul, the nodes between, reasons) from the softmax on."""
-    cur, chain, reasons = sm, [], []
+    cur = sm
+    chain: list[fx.Node] = []
+    reasons: list[tuple[fx.Node, str]] = []
     while True:
         users = list(cur.users)
         nxt = [
@@ -233,7 +238,7 @@ def _noop_slice(n: fx.Node) -> bool:
     return a is not None and b is not None and a.shape == b.shape
 
 
-def _skip_slices(cur, nodes: list) -> object:
+def _skip_slices(cur: Any, nodes: list) -> Any:
     while isinstance(cur, fx.Node) and _noop_slice(cur) and len(cur.users) == 1:
         nodes.append(cur)
         cur = cur.args[0]
@@ -265,6 +270,8 @@ def _repeat(x: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
         return None
     nodes.append(u)
     base = _skip_slices(u.args[0], nodes)
+    if not isinstance(base, fx.Node):
+        return None
     bi, ei = info(base), info(e)
     if not isinstance(base, fx.Node) or bi is None or ei is None or len(bi.shape) != 4:
         return None
@@ -300,8 +307,10 @@ def read(gm: fx.GraphModule, sm: fx.Node) -> Attention | str | None:
     if why:
         return why
     nodes: list[fx.Node] = []
-    q, scale = _fold_scale(gm, qk.args[0], nodes)
-    kt, ks = _fold_scale(gm, qk.args[1], nodes)
+    q0, kt0 = qk.args[0], qk.args[1]
+    assert isinstance(q0, fx.Node) and isinstance(kt0, fx.Node)  # _matmul checked
+    q, scale = _fold_scale(gm, q0, nodes)
+    kt, ks = _fold_scale(gm, kt0, nodes)
     scale *= ks
     k: fx.Node | None = None
     perm, kti = perm_of(kt), info(kt)

@@ -9,7 +9,6 @@ lets `attention.sdpa` say "exactly causal" and pass `is_causal=True` instead of 
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any
 
@@ -87,8 +86,8 @@ def evaluate(gm: fx.GraphModule, value: Any, run: int | None = None, memo=None) 
         out = evaluate(gm, node.args[0], run, memo)
     else:
         for n in node.all_input_nodes:
-            tm = n.meta.get("tensor_meta")
-            if hasattr(tm, "shape") and math.prod(tm.shape) > _MAX_NUMEL:
+            ni = info(n)
+            if ni is not None and ni.numel > _MAX_NUMEL:
                 raise NotStatic
         args = evaluate(gm, node.args, run, memo)
         kwargs = evaluate(gm, dict(node.kwargs), run, memo)
@@ -174,5 +173,18 @@ def causal(gm: fx.GraphModule, terms, scores: fx.Node) -> bool:
         except RuntimeError:
             return False
         if not torch.equal(full, want.expand(shape)):
+            return False
+    return True
+
+
+def hides_nothing(gm: fx.GraphModule, terms, scores: fx.Node) -> bool:
+    """Whether the terms are static and add 0 everywhere at every shape the capture ran
+    (transformers' bidirectional mask without padding): no mask at all."""
+    seen = shapes_seen(scores)
+    if not terms or not seen:
+        return False
+    for run in range(len(seen)):
+        hidden = masked(gm, terms, run)
+        if hidden is None or bool(hidden.any()):
             return False
     return True

@@ -31,7 +31,7 @@ aten = torch.ops.aten
 def _mask_kind(att: Attention, causal: bool) -> str:
     if causal:
         return "causal"
-    if not att.terms:
+    if not att.terms or att.unmasked:
         return "no mask"
     if all(t.kind != "add" for t in att.terms) and all(t.value == -math.inf for t in att.terms):
         return "boolean mask"
@@ -83,6 +83,8 @@ class SDPA(Rule):
         if att is None or isinstance(att, str):
             return Refused(att) if isinstance(att, str) else None
         causal = _static.causal(gm, att.terms, att.scores)
+        if not causal and _static.hides_nothing(gm, att.terms, att.scores):
+            att.unmasked = True
         si = info(att.scores)
         shape = "x".join(map(str, si.shape)) if si is not None else "?"
         kind = _mask_kind(att, causal)
@@ -103,9 +105,16 @@ class SDPA(Rule):
         g = gm.graph
         dtype = info(att.q).dtype if info(att.q) is not None else torch.float32  # type: ignore[union-attr]
         with g.inserting_before(att.out):
-            k = att.k if att.k is not None else g.call_function(aten.transpose.int, (att.kt, -2, -1))
-            mask, rows = (None, None) if causal else self._mask(g, att, dtype)
-            kwargs = dict(scale=att.scale, **({"enable_gqa": True} if att.groups > 1 else {}))
+            k = (
+                att.k
+                if att.k is not None
+                else g.call_function(aten.transpose.int, (att.kt, -2, -1))
+            )
+            static = causal or att.unmasked
+            mask, rows = (None, None) if static else self._mask(g, att, dtype)
+            kwargs: dict[str, fx.node.Argument] = {"scale": att.scale}
+            if att.groups > 1:
+                kwargs["enable_gqa"] = True
             out = g.call_function(
                 aten.scaled_dot_product_attention.default,
                 (att.q, k, att.v, mask, 0.0, causal),
@@ -117,7 +126,7 @@ class SDPA(Rule):
                 copy_meta(out, att.out)
         att.out.replace_all_uses_with(out)
         dead = erase(gm, att.nodes)
-        if causal:  # the mask's own ops (a triu crop, the masking utilities) now read by none
+        if static:  # the mask's own ops (a triu crop, the masking utilities) now read by none
             dead += erase(gm, _ancestors(t.tensor for t in att.terms))
         drop_dead_attrs(gm, dead)
 
@@ -132,12 +141,14 @@ class SDPA(Rule):
         if all(t.kind != "add" and t.value == -math.inf for t in terms):
             keep = None
             for t in terms:
-                k = t.tensor if t.kind == "keep" else g.call_function(aten.logical_not.default, (t.tensor,))
+                k = (
+                    t.tensor
+                    if t.kind == "keep"
+                    else g.call_function(aten.logical_not.default, (t.tensor,))
+                )
                 keep = k if keep is None else g.call_function(aten.logical_and.default, (keep, k))
             rows = g.call_function(aten.any.dim, (keep, -1, True))
-            return keep, lambda out: g.call_function(
-                aten.where.ScalarOther, (rows, out, math.nan)
-            )
+            return keep, lambda out: g.call_function(aten.where.ScalarOther, (rows, out, math.nan))
         add = None
         for t in terms:
             if t.kind == "add":
@@ -146,21 +157,25 @@ class SDPA(Rule):
                     term = g.call_function(aten.to.dtype, (term, dtype))
                 add = term if add is None else g.call_function(aten.add.Tensor, (add, term))
                 continue
-            base = add if add is not None else g.call_function(
-                aten.scalar_tensor.default, (0.0,), dict(dtype=dtype)
+            base = (
+                add
+                if add is not None
+                else g.call_function(aten.scalar_tensor.default, (0.0,), dict(dtype=dtype))
             )
             if t.kind == "fill":  # where(m, value, base)
                 add = g.call_function(aten.where.ScalarSelf, (t.tensor, t.value, base))
             else:  # keep: where(c, base, value)
                 add = g.call_function(aten.where.ScalarOther, (t.tensor, base, t.value))
-        dead = g.call_function(aten.all.dim, (g.call_function(aten.isneginf.default, (add,)), -1, True))
+        dead = g.call_function(
+            aten.all.dim, (g.call_function(aten.isneginf.default, (add,)), -1, True)
+        )
         return add, lambda out: g.call_function(aten.where.ScalarSelf, (dead, math.nan, out))
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         att: Attention = found["att"]
         removed = att.nodes
         ins = [att.q, att.kt if att.k is None else att.k, att.v]
-        mask = [] if found["causal"] else [t.tensor for t in att.terms]
+        mask = [] if found["causal"] or att.unmasked else [t.tensor for t in att.terms]
         nbytes = sum(i.nbytes for i in map(info, [*ins, *mask, att.out]) if i is not None)
         flops = sum(node_cost(n).flops for n in removed)
         si = info(att.scores)
