@@ -68,7 +68,17 @@ class SDPA(Rule):
     targets = ("cpu", "cuda")
     phase = "main"
     after = ("layout.drop_*",)
-    before = ("fusion.*", "layout.*", "softmax.*", "precision.*", "attention.flash_triton")
+    #: fusions and layout rewrites would eat pieces of the pattern (the scores' add, the
+    #: transpose of k, the softmax); flash_triton consumes the SDPA calls made here
+    before = (
+        "fusion.*",
+        "layout.cancel_transpose",
+        "layout.collapse_view",
+        "layout.permute_matmul",
+        "softmax.*",
+        "precision.*",
+        "attention.flash_triton",
+    )
     relieves = ("memory:softmax", "memory:elementwise", "compute:matmul")
     anchors = ("softmax",)
     description = (
