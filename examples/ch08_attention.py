@@ -10,7 +10,6 @@ batch sizes and sequence lengths.
 
 import torch
 
-import opswap
 from opswap.api import capture
 from opswap.models import load
 from opswap.planner import apply_plan, make_plan
@@ -33,9 +32,14 @@ def main() -> None:
     with torch.no_grad():
         ref, out = lm.module(*lm.example_inputs)[0], applied.gm(*lm.example_inputs)[0]
     print(f"  max |difference| at the example: {(ref - out).abs().max().item():.2e}")
-    check = opswap.verify(lm.module, applied.gm, lm.example_inputs)
-    print(f"  verified at other batch sizes and lengths: {check.passed}")
-    assert len(calls) == 2 and check.passed
+    worst = 0.0
+    for label, xs in captured.variants():  # batch 1, a larger batch, another length
+        with torch.no_grad():
+            ref, out = lm.module(*xs)[0], applied.gm(*xs)[0]
+        diff = (ref - out).abs().max().item()
+        worst = max(worst, diff)
+        print(f"  {label:<10} {tuple(xs[0].shape)}: max |difference| {diff:.2e}")
+    assert len(calls) == 2 and worst < 1e-4
 
 
 if __name__ == "__main__":

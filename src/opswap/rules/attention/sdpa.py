@@ -76,7 +76,6 @@ class SDPA(Rule):
         "layout.collapse_view",
         "layout.permute_matmul",
         "softmax.*",
-        "precision.*",
         "attention.flash_triton",
     )
     relieves = ("memory:softmax", "memory:elementwise", "compute:matmul")
