@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx as fx
@@ -27,6 +26,7 @@ import torch.fx as fx
 from opswap.graph.ops import arg, is_aten, module_of, op_kind, raw_name
 from opswap.graph.shapes import info, shapes_seen
 from opswap.rules._matching import describe_source, perm_of
+from opswap.rules.attention._gqa import repeated
 from opswap.rules.attention._static import number
 
 _MATMULS = ("matmul", "bmm", "__matmul__")
@@ -231,57 +231,6 @@ def _fold_scale(gm, x: fx.Node, nodes: list) -> tuple[fx.Node, float]:
     return sc[0], sc[1]
 
 
-def _noop_slice(n: fx.Node) -> bool:
-    if raw_name(n) != "slice" or n.op != "call_function" or not n.args:
-        return False
-    a, b = info(n.args[0]), info(n)
-    return a is not None and b is not None and a.shape == b.shape
-
-
-def _skip_slices(cur: Any, nodes: list) -> Any:
-    while isinstance(cur, fx.Node) and _noop_slice(cur) and len(cur.users) == 1:
-        nodes.append(cur)
-        cur = cur.args[0]
-    return cur
-
-
-def _repeat(x: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
-    """(kv, n, nodes) when x repeats each head of kv n times along dim 1 (HF's repeat_kv:
-    [:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d), or repeat_interleave)."""
-    xi = info(x)
-    if xi is None or len(xi.shape) != 4 or len(x.users) != 1:
-        return None
-    if raw_name(x) == "repeat_interleave":
-        n, dim, base = arg(x, 1, "repeats"), arg(x, 2, "dim"), x.args[0]
-        if isinstance(base, fx.Node) and isinstance(n, int) and dim in (1, -3):
-            return base, n, [x]
-        return None
-    if op_kind(x) not in ("reshape", "view"):
-        return None
-    nodes = [x]
-    e = _skip_slices(x.args[0], nodes)
-    if not isinstance(e, fx.Node) or op_kind(e) != "expand" or len(e.users) != 1:
-        return None
-    nodes.append(e)
-    u = _skip_slices(e.args[0], nodes)
-    if not isinstance(u, fx.Node) or raw_name(u) != "unsqueeze" or len(u.users) != 1:
-        return None
-    if arg(u, 1, "dim") not in (2, -3):
-        return None
-    nodes.append(u)
-    base = _skip_slices(u.args[0], nodes)
-    if not isinstance(base, fx.Node):
-        return None
-    bi, ei = info(base), info(e)
-    if not isinstance(base, fx.Node) or bi is None or ei is None or len(bi.shape) != 4:
-        return None
-    bb, h, s, d = bi.shape
-    n = ei.shape[2] if len(ei.shape) == 5 else 0
-    if ei.shape != (bb, h, n, s, d) or xi.shape != (bb, h * n, s, d):
-        return None
-    return base, int(n), nodes
-
-
 def read(gm: fx.GraphModule, sm: fx.Node) -> Attention | str | None:
     """The attention around softmax `sm`, a reason it does not qualify, or None when the
     softmax is not between two matmuls."""
@@ -343,7 +292,7 @@ def read(gm: fx.GraphModule, sm: fx.Node) -> Attention | str | None:
     if why:
         return why
     groups = 1
-    kr, vr = (_repeat(k) if k is not None else None), _repeat(v)
+    kr, vr = (repeated(k) if k is not None else None), repeated(v)
     if GQA and kr is not None and vr is not None and kr[1] == vr[1]:
         k, v, groups = kr[0], vr[0], kr[1]
         nodes += kr[2] + vr[2]
