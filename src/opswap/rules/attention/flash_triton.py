@@ -104,7 +104,7 @@ class FlashTriton(Rule):
     chapter = 8
     exactness = "exact"
     targets = ("cuda", "cpu")
-    after = ("fusion.*",)  # the lead: add "attention.sdpa" once that rule is merged
+    after = ("fusion.*", "attention.sdpa")
     relieves = ("compute:attention", "memory:attention")
     anchors = ("attention",)
     description = (
