@@ -82,3 +82,25 @@ def compare_variants(
             }
         )
     return rows
+
+
+def write_kernel_run(
+    res: dict, out_dir: Path, stem: str, smoke: bool, update_crossover: bool, crossover_in=None
+) -> Path:
+    """A kernel benchmark's run as out_dir/STEM_h200.json (STEM_smoke.json with --smoke),
+    and with `update_crossover` its measurements written into kernels/crossover.json
+    (`crossover_in`: the rows in crossover.update's form, `res` itself by default). The
+    interpreter measures nothing, so a smoke run never updates the table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}_{'smoke' if smoke else 'h200'}.json"
+    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print("wrote", path)
+    if update_crossover and smoke:
+        print("--update-crossover ignored with --smoke: the interpreter measures nothing")
+    elif update_crossover:
+        from opswap.kernels import crossover
+
+        src = res if crossover_in is None else crossover_in
+        new = crossover.update(src, f"measured {path.name} {res['date'][:10]}")
+        print(f"crossover.json: {len(new)} entries measured")
+    return path

@@ -32,6 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PASSES = ("forward", "forward+backward")
 #: the hand-written attention is timed up to this length (memory: B·H·S² scores)
@@ -224,20 +225,11 @@ def main() -> None:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     res = run(args.smoke, args.quick)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("attention_smoke.json" if args.smoke else "attention_h200.json")
-    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(table(res))
-    print("wrote", path)
-    if args.update_crossover:
-        if args.smoke:
-            print("--update-crossover ignored with --smoke: the interpreter measures nothing")
-        else:
-            from opswap.kernels import crossover
+    from _results import write_kernel_run
 
-            table_in = {"device_class": res["device_class"], "rows": res["crossover_rows"]}
-            new = crossover.update(table_in, f"measured {path.name} {res['date'][:10]}")
-            print(f"crossover.json: {len(new)} entries measured")
+    rows = {"device_class": res.get("device_class"), "rows": res.get("crossover_rows", [])}
+    write_kernel_run(res, args.out, "attention", args.smoke, args.update_crossover, rows)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_norm_kernels import _first, _step, copy_gbps, env, time_ms  # noqa: E402
 
 from opswap.kernels import bias_gelu_cuda as BG  # noqa: E402
-from opswap.kernels import crossover  # noqa: E402
 from opswap.kernels import reduction as RD  # noqa: E402
 from opswap.kernels import rope as RP  # noqa: E402
 from opswap.kernels import softmax as SM  # noqa: E402
@@ -228,16 +227,9 @@ def main() -> None:
     ap.add_argument("--update-crossover", action="store_true", help="rewrite crossover.json")
     args = ap.parse_args()
     res = run(args.smoke)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("kernels18_smoke.json" if args.smoke else "kernels18_h200.json")
-    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
-    print("wrote", path)
-    if args.update_crossover:
-        if args.smoke:
-            print("--update-crossover ignored with --smoke: the interpreter measures nothing")
-        else:
-            new = crossover.update(res, f"measured {path.name} {res['date'][:10]}")
-            print(f"crossover.json: {len(new)} entries measured")
+    from _results import write_kernel_run
+
+    write_kernel_run(res, args.out, "kernels18", args.smoke, args.update_crossover)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from opswap.kernels import crossover  # noqa: E402
 from opswap.kernels import layer_norm as L  # noqa: E402
@@ -277,16 +278,9 @@ def main() -> None:
     ap.add_argument("--update-crossover", action="store_true", help="rewrite crossover.json")
     args = ap.parse_args()
     res = run(args.smoke)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("norm_kernels_smoke.json" if args.smoke else "norm_kernels_h200.json")
-    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
-    print("wrote", path)
-    if args.update_crossover:
-        if args.smoke:
-            print("--update-crossover ignored with --smoke: the interpreter measures nothing")
-        else:
-            new = crossover.update(res, f"measured {path.name} {res['date'][:10]}")
-            print(f"crossover.json: {len(new)} entries measured")
+    from _results import write_kernel_run
+
+    write_kernel_run(res, args.out, "norm_kernels", args.smoke, args.update_crossover)
 
 
 if __name__ == "__main__":

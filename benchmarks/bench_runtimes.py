@@ -123,11 +123,13 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     engines = [e for e in args.engines.split(",") if e]
-    versions = {}
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
     for mod in ("openvino", "executorch"):
         try:
-            versions[mod] = __import__("importlib.metadata").metadata.version(mod)
-        except Exception:
+            versions[mod] = metadata.version(mod)
+        except metadata.PackageNotFoundError:
             versions[mod] = None
     for key in args.models.split(","):
         row = _one(key, args.min_time, engines)

@@ -139,6 +139,13 @@ ATTENTION_TESTS = [
     "tests/rules/attention",
 ]
 
+#: --only parts that run a test list on the GPU, then one benchmark script
+KERNEL_PARTS = {
+    "kernels": (KERNEL_TESTS, "bench_norm_kernels.py"),
+    "kernels18": (KERNEL18_TESTS, "bench_kernels18.py"),
+    "attention": (ATTENTION_TESTS, "bench_attention.py"),
+}
+
 # the tests with CUDA paths of the low-precision schemes
 PRECISION_TESTS = [
     "tests/kernels/test_weight_only.py",
@@ -456,30 +463,12 @@ def main() -> None:
         print(bench_lowbit.table(res))
         print("wrote", path)
         return
-    if args.only == "kernels":
-        cmd = [
-            sys.executable,
-            str(ROOT / "benchmarks/bench_norm_kernels.py"),
-            "--out",
-            str(args.out),
-        ]
+    if args.only in KERNEL_PARTS:  # the part's GPU tests, then its benchmark script
+        tests, script = KERNEL_PARTS[args.only]
         if not args.skip_tests:
-            res = run_tests(args.out, args.workers, KERNEL_TESTS)
+            res = run_tests(args.out, args.workers, tests)
             print("tests:", res, flush=True)
-        subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-        return
-    if args.only == "kernels18":
-        if not args.skip_tests:
-            res = run_tests(args.out, args.workers, KERNEL18_TESTS)
-            print("tests:", res, flush=True)
-        cmd = [sys.executable, str(ROOT / "benchmarks/bench_kernels18.py"), "--out", str(args.out)]
-        subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-        return
-    if args.only == "attention":
-        if not args.skip_tests:
-            res = run_tests(args.out, args.workers, ATTENTION_TESTS)
-            print("tests:", res, flush=True)
-        cmd = [sys.executable, str(ROOT / "benchmarks/bench_attention.py"), "--out", str(args.out)]
+        cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--out", str(args.out)]
         subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         return
     if args.only == "precision":
