@@ -346,23 +346,10 @@ def save_model(
     from opswap.backends.pt2 import export_artifact
 
     out = Path(out)
-    if artifact is not None and artifact.path is not None and artifact.path.suffix == ".onnx":
-        return _save_onnx(artifact, out)
-    if artifact is not None and artifact.path is not None and artifact.path.suffix == ".pte":
-        return _save_pte(artifact, out)
-    path = out / "model.pt2"
     if artifact is None or artifact.path is None:
         artifact = export_artifact(model, tuple(example_inputs), dynamic, out)
-    note_path = out / "model_shapes.txt"
-    if artifact.path is not None:
-        _partial_then_replace(path, artifact.copy_to)
-        if artifact.note:
-            note_path.write_text(artifact.note + "\n")
-        elif note_path.exists():
-            note_path.unlink()
-        _remove(out, "model_state.pt", "model_state.txt", "model.onnx", "model.onnx.data")
-        _remove(out, "model.pte")
-        return {"model": path}
+    if artifact.path is not None:  # the file the race timed (or this export's)
+        return _save_file(artifact, out)
     # export can fail on any construct; the state_dict always works
     path = out / "model_state.pt"
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -378,34 +365,27 @@ def save_model(
     return {"model": path}
 
 
-def _save_onnx(artifact: Artifact, out: Path) -> dict[str, Path]:
-    """The .onnx file the race timed (and its external data file) as OUT/model.onnx."""
-    path = out / "model.onnx"
+#: the name a timed file is saved under, by its suffix
+_SAVED_AS = {".pt2": "model.pt2", ".onnx": "model.onnx", ".pte": "model.pte"}
+
+
+def _save_file(artifact: Artifact, out: Path) -> dict[str, Path]:
+    """The file the race timed (model.pt2, model.onnx with its external data file, or
+    model.pte) copied into OUT, model_shapes.txt with its note, and every other model file
+    an earlier save left removed."""
     src = cast(Path, artifact.path)
+    path = out / _SAVED_AS[src.suffix]
     data = src.with_name(src.name + ".data")
-    if data.is_file():  # the model refers to its data file by name: copied beside it
+    if src.suffix == ".onnx" and data.is_file():  # the model names its data file
         _partial_then_replace(out / data.name, lambda p: shutil.copyfile(data, p))
-    _partial_then_replace(path, lambda p: shutil.copyfile(src, p))
+    _partial_then_replace(path, artifact.copy_to)
     note_path = out / "model_shapes.txt"
     if artifact.note:
         note_path.write_text(artifact.note + "\n")
     elif note_path.exists():
         note_path.unlink()
-    _remove(out, "model.pt2", "model_state.pt", "model_state.txt", "model.pte")
-    return {"model": path}
-
-
-def _save_pte(artifact: Artifact, out: Path) -> dict[str, Path]:
-    """The ExecuTorch program the race timed as OUT/model.pte."""
-    path = out / "model.pte"
-    src = cast(Path, artifact.path)
-    _partial_then_replace(path, lambda p: shutil.copyfile(src, p))
-    note_path = out / "model_shapes.txt"
-    if artifact.note:
-        note_path.write_text(artifact.note + "\n")
-    elif note_path.exists():
-        note_path.unlink()
-    _remove(out, "model.pt2", "model_state.pt", "model_state.txt", "model.onnx", "model.onnx.data")
+    keep = {path.name, "model_shapes.txt"} | ({data.name} if src.suffix == ".onnx" else set())
+    _remove(out, "model_state.pt", "model_state.txt", *(n for n in _MODELS if n not in keep))
     return {"model": path}
 
 
