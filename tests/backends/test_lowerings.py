@@ -46,6 +46,45 @@ class _Row(nn.Module):
         return self.fn(x, self.w)
 
 
+class _Kernels(nn.Module):
+    """The softmax, reduction, RoPE, attention and bias+GELU ops on x [B, 4, 6, 8]:
+    GQA, causal with key lengths, bool and additive masks, positions, both rotations."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.register_buffer("w", torch.rand(8) + 0.5)
+        self.register_buffer("cos", torch.randn(6, 8))
+        self.register_buffer("sin", torch.randn(6, 8))
+        keep = (torch.rand(1, 1, 6, 6) > 0.4) | torch.eye(6, dtype=torch.bool)  # no empty row
+        self.register_buffer("keep", keep)
+        self.register_buffer("bias", torch.randn(1, 1, 6, 6))
+        self.register_buffer("pos", torch.tensor([5, 0, 1, 2, 3, 4]))
+
+    def forward(self, x):
+        ops = torch.ops.opswap
+        k, v = x[:, :2] * 0.5, x[:, 1:3] + 1  # two kv heads for four query heads
+        lengths = (x[:, 0, 0, 0] * 0 + 4).long()  # [B], as the batch
+        r = {
+            "softmax": ops.softmax(x, None),
+            "softmax_half": ops.softmax(x, torch.float16).float(),
+            "log_softmax": ops.log_softmax(x, None),
+            "masked_bool": ops.masked_softmax(x[..., :6], self.keep, 0.5, None),
+            "masked_add": ops.masked_softmax(x[..., :6], self.bias, 1.0, None),
+            "var_biased": ops.row_reduce(x, "var", False, False),
+            "dot": ops.row_dot(x, x * self.w, True),
+            "bias_gelu": ops.bias_gelu_cuda(x, self.w),
+        }
+        for kind in ("sum", "mean", "max", "var", "sumsq", "meansq"):
+            r[kind] = ops.row_reduce(x, kind, True, kind == "mean")
+        r["rope_q"], r["rope_k"] = ops.rope(x, k, self.cos, self.sin, None, False)
+        r["rope_pos_q"], r["rope_pos_k"] = ops.rope(x, k, self.cos, self.sin, self.pos, True)
+        r["flash"], r["lse"] = ops.flash_attention(x, k, v, True, 0.3, lengths, None)
+        r["flash_bool"], r["lse_bool"] = ops.flash_attention(x, x, x, False, 0.3, None, self.keep)
+        r["flash_add"], _ = ops.flash_attention(x, k, v, False, 0.3, None, self.bias)
+        return r
+
+
 def _linear() -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(K, N)
@@ -98,6 +137,7 @@ def _cases():
         packed=_Row(lambda x, w: torch.ops.opswap.glu_packed(x, "gelu_tanh")),
     )
     return {
+        "kernel ops": (_Kernels(), (3, 4, 6, 8), {"Softmax", "LogSoftmax", "ReduceLogSumExp"}),
         "row kernel ops": (rows, (3, 5, 2 * 37), {"ReduceMean", "Sqrt", "Gelu", "Split"}),
         "linear ops": (linears, (3, K), {"MatMulNBits", "MatMulInteger", "QuantizeLinear"}),
         "conv ops": (convs, (3, 3, 9, 11), {"Conv", "DequantizeLinear"}),

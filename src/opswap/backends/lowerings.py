@@ -21,8 +21,14 @@ execution provider:
 | opswap::add_rms_norm        | Add, then the same; both the normed row and the sum         |
 | opswap::layer_norm          | ReduceMean, Sub, Sqrt, Div, the weight and bias (fp32)     |
 | opswap::glu, glu_packed     | Sigmoid * g, or Gelu (erf or tanh), times u (Split if packed)|
+| opswap::softmax, log_softmax| Softmax, LogSoftmax on the last axis (fp32 inside)          |
+| opswap::masked_softmax      | x * scale, Where (bool mask) or Add (additive), Softmax     |
+| opswap::row_reduce, row_dot | ReduceSum / ReduceMean / ReduceMax; var written out (fp32)  |
+| opswap::rope                | x cos + rot(x) sin, rot by Split/Concat (half or pairs)     |
+| opswap::flash_attention     | q kᵀ scale, the hidden keys at -inf (Where), Softmax, · v; lse |
+| opswap::bias_gelu_cuda      | Add, Gelu (erf) in fp32                                     |
 
-The row kernels' backward ops (`*_backward`) appear only in training graphs, which are
+The kernels' backward ops (`*_backward`) appear only in training graphs, which are
 not exported to a runtime, and have no lowering.
 
 Why not com.microsoft DynamicQuantizeMatMul for int8_linear: it quantises the input
@@ -58,6 +64,14 @@ LOWERED = {
     "opswap::layer_norm": "ReduceMean + Sub + Sqrt + Div + Mul + Add (float32 inside)",
     "opswap::glu": "Sigmoid or Gelu + Mul",
     "opswap::glu_packed": "Split + Sigmoid or Gelu + Mul",
+    "opswap::softmax": "Softmax (float32 inside)",
+    "opswap::log_softmax": "LogSoftmax (float32 inside)",
+    "opswap::masked_softmax": "Mul + Where or Add + Softmax (float32 inside)",
+    "opswap::row_reduce": "ReduceSum, ReduceMean or ReduceMax (float32 inside)",
+    "opswap::row_dot": "Mul + ReduceSum (float32 inside)",
+    "opswap::rope": "Mul + Split/Concat (the rotation) + Add, for q and k",
+    "opswap::flash_attention": "MatMul + Where (causal, lengths, mask) + Softmax + MatMul",
+    "opswap::bias_gelu_cuda": "Add + Gelu (float32 inside)",
 }
 
 #: ops with no lowering, and why (training-only: never in an exported inference graph)
@@ -66,6 +80,10 @@ NOT_LOWERED = {
     "opswap::layer_norm_backward": "training only",
     "opswap::glu_backward": "training only",
     "opswap::glu_packed_backward": "training only",
+    "opswap::softmax_backward": "training only",
+    "opswap::row_sumsq_backward": "training only",
+    "opswap::rope_backward": "training only",
+    "opswap::flash_attention_backward": "training only",
 }
 
 _registered = False
@@ -128,6 +146,28 @@ def _back(y, x, op):
     from onnx_ir import DataType
 
     return y if x.dtype == DataType.FLOAT else op.Cast(y, to=x.dtype)
+
+
+def _to(y, dtype, like, op):
+    """y in `dtype` (an ONNX data type; None: like's dtype)."""
+    if dtype is None:
+        return _back(y, like, op)
+    from onnx_ir import DataType
+
+    return y if dtype == DataType.FLOAT else op.Cast(y, to=dtype)
+
+
+def _promoted(y, a, b, op):
+    """y in torch's promotion of a's and b's float dtypes."""
+    from onnx_ir import DataType
+
+    if a.dtype == b.dtype:
+        return _back(y, a, op)
+    if DataType.DOUBLE in (a.dtype, b.dtype):
+        return op.Cast(y, to=DataType.DOUBLE)
+    if DataType.FLOAT in (a.dtype, b.dtype):
+        return y
+    return y  # float16 with bfloat16 promotes to float32
 
 
 def table() -> dict[Any, Any]:
@@ -320,8 +360,127 @@ def table() -> dict[Any, Any]:
         g, u = op.Split(x, axis=-1, num_outputs=2)
         return act_mul(g, u, x, activation)
 
+    def softmax(x, dtype=None):
+        return _to(op.Softmax(_float(x, op), axis=-1), dtype, x, op)
+
+    def log_softmax(x, dtype=None):
+        return _to(op.LogSoftmax(_float(x, op), axis=-1), dtype, x, op)
+
+    def masked_softmax(x, mask, scale: float, dtype=None):
+        z = _float(x, op)
+        if scale != 1.0:
+            z = op.Mul(z, op.Constant(value_float=float(scale)))
+        if mask is not None and mask.dtype == DataType.BOOL:
+            z = op.Where(mask, z, op.Constant(value_float=float("-inf")))
+        elif mask is not None:
+            z = op.Add(z, _float(mask, op))
+        return _to(op.Softmax(z, axis=-1), dtype, x, op)
+
+    def row_reduce(x, op, unbiased: bool, keepdim: bool):  # `op`: the schema names it so
+        return reduce_rows(x, op, unbiased, keepdim)
+
+    def reduce_rows(x, kind: str, unbiased: bool, keepdim: bool):
+        xf, axes, keep = _float(x, op), ints([-1]), int(bool(keepdim))
+        if kind == "sum":
+            r = op.ReduceSum(xf, axes, keepdims=keep)
+        elif kind == "mean":
+            r = op.ReduceMean(xf, axes, keepdims=keep)
+        elif kind == "max":
+            r = op.ReduceMax(xf, axes, keepdims=keep)
+        elif kind in ("sumsq", "meansq"):
+            sq = op.Mul(xf, xf)
+            r = (op.ReduceSum if kind == "sumsq" else op.ReduceMean)(sq, axes, keepdims=keep)
+        else:  # var: the mean of squared deviations, times n / (n - 1) when unbiased
+            d = op.Sub(xf, op.ReduceMean(xf, axes, keepdims=1))
+            ss = op.ReduceSum(op.Mul(d, d), axes, keepdims=keep)
+            n = op.Cast(op.Shape(x, start=-1), to=DataType.FLOAT)
+            den = op.Sub(n, op.Constant(value_float=1.0)) if unbiased else n
+            r = op.Div(ss, op.Squeeze(den))
+        return _back(r, x, op)
+
+    def row_dot(x, y, keepdim: bool):
+        xy = op.Mul(_float(x, op), _float(y, op))
+        return _back(op.ReduceSum(xy, ints([-1]), keepdims=int(bool(keepdim))), x, op)
+
+    def rotate(x, interleaved: bool):
+        # HF's rotate_half (-x2, x1), or GPT-J's pairs (-x_odd, x_even); x is [B, H, S, D]
+        if not interleaved:
+            a, b = op.Split(x, axis=-1, num_outputs=2)
+            return op.Concat(op.Neg(b), a, axis=-1)
+        pairs = op.Reshape(x, ints([0, 0, 0, -1, 2]))
+        a, b = op.Split(pairs, axis=-1, num_outputs=2)
+        return op.Reshape(op.Concat(op.Neg(b), a, axis=-1), ints([0, 0, 0, -1]))
+
+    def rope(q, k, cos, sin, positions, interleaved: bool):
+        c, s = _float(cos, op), _float(sin, op)
+        if positions is not None:  # the tables' rows at the positions: [S, D] or [B, S, D]
+            c, s = op.Gather(c, positions, axis=0), op.Gather(s, positions, axis=0)
+        rank = len(cos.shape) if positions is None else len(positions.shape) + 1
+        if rank == 2:  # [S, D] -> [1, 1, S, D]; [B, S, D] -> [B, 1, S, D]
+            c, s = op.Unsqueeze(c, ints([0, 1])), op.Unsqueeze(s, ints([0, 1]))
+        elif rank == 3:
+            c, s = op.Unsqueeze(c, ints([1])), op.Unsqueeze(s, ints([1]))
+        out = []
+        for x in (q, k):
+            xf = _float(x, op)
+            y = op.Add(op.Mul(xf, c), op.Mul(rotate(xf, interleaved), s))
+            out.append(_promoted(y, x, cos, op))
+        return out[0], out[1]
+
+    def flash_attention(q, k, v, causal: bool, scale: float, lengths, mask):
+        h, hk, d = q.shape[1], k.shape[1], k.shape[3]
+        qf, kf, vf = _float(q, op), _float(k, op), _float(v, op)
+        if hk != h:  # GQA: each kv head repeated for its h / hk query heads
+            rep = ints([1, 1, h // hk, 1, 1])
+            kf, vf = (
+                op.Reshape(op.Expand(op.Unsqueeze(t, ints([2])), rep), ints([0, h, -1, d]))
+                for t in (kf, vf)
+            )
+        s = op.Mul(
+            op.MatMul(qf, op.Transpose(kf, perm=[0, 1, 3, 2])),
+            op.Constant(value_float=float(scale)),
+        )
+        keep = None
+        zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+        keys = op.Range(zero, op.Squeeze(op.Shape(k, start=2, end=3)), one)  # [S_k]
+        if causal:  # top-left aligned: query i sees keys j <= i
+            rows = op.Range(zero, op.Squeeze(op.Shape(q, start=2, end=3)), one)
+            keep = op.LessOrEqual(op.Unsqueeze(keys, ints([0])), op.Unsqueeze(rows, ints([1])))
+        if lengths is not None:  # [B] -> [B, 1, 1, S_k]
+            seen = op.Less(
+                op.Unsqueeze(keys, ints([0])),
+                op.Unsqueeze(op.Cast(lengths, to=DataType.INT64), ints([1])),
+            )
+            seen = op.Unsqueeze(seen, ints([1, 2]))
+            keep = seen if keep is None else op.And(keep, seen)
+        if mask is not None and mask.dtype == DataType.BOOL:
+            keep = mask if keep is None else op.And(keep, mask)
+        elif mask is not None:
+            s = op.Add(s, _float(mask, op))
+        ninf = op.Constant(value_float=float("-inf"))
+        if keep is not None:
+            s = op.Where(keep, s, ninf)
+        p = op.Softmax(s, axis=-1)
+        zf = op.Constant(value_float=0.0)
+        p = op.Where(op.IsNaN(p), zf, p)  # a row that sees no key: 0, as the op
+        o = _back(op.MatMul(p, vf), q, op)
+        lse = op.ReduceLogSumExp(s, ints([-1]), keepdims=0)
+        lse = op.Where(op.Or(op.IsNaN(lse), op.IsInf(lse)), zf, lse)
+        return o, lse
+
+    def bias_gelu_cuda(x, b):
+        return _back(op.Gelu(op.Add(_float(x, op), _float(b, op))), x, op)
+
     ops = torch.ops.opswap
     return {
+        ops.softmax.default: softmax,
+        ops.log_softmax.default: log_softmax,
+        ops.masked_softmax.default: masked_softmax,
+        ops.row_reduce.default: row_reduce,
+        ops.row_dot.default: row_dot,
+        ops.rope.default: rope,
+        ops.flash_attention.default: flash_attention,
+        ops.bias_gelu_cuda.default: bias_gelu_cuda,
         ops.rms_norm.default: rms_norm,
         ops.add_rms_norm.default: add_rms_norm,
         ops.layer_norm.default: layer_norm,

@@ -121,7 +121,7 @@ class RopeTriton(Rule):
 
     name = "fusion.rope_triton"
     family = "fusion"
-    chapter = 8
+    chapter = 4
     exactness = "exact"
     targets = ("cuda", "cpu")
     after = ("fusion.matmul_add", "fusion.parallel_linear")
