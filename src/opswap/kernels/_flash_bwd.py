@@ -24,9 +24,8 @@ benchmark reports (2.5x the forward's) counts the 5.
 
 from __future__ import annotations
 
-from opswap.kernels._rows import rn, tl
+from opswap.kernels._rows import NEG_INF, rn, tl
 
-NEG_INF = float("-inf")
 
 
 def _flash_bwd_pre_fn(

@@ -17,9 +17,8 @@ copy engine (`tl.make_tensor_descriptor`); otherwise plain masked pointer loads.
 
 from __future__ import annotations
 
-from opswap.kernels._rows import rn, tl
+from opswap.kernels._rows import NEG_INF, rn, tl
 
-NEG_INF = float("-inf")
 
 
 def _flash_fwd_fn(

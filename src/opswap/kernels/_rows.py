@@ -25,6 +25,8 @@ except ImportError:  # pragma: no cover - every supported environment has Triton
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
 
+#: -inf for kernels: a compiled kernel (not the interpreter) reads only constexpr globals
+NEG_INF = tl.constexpr(float("-inf")) if tl is not None else float("-inf")
 #: the longest row one program holds in registers
 MAX_ROW = 65536
 #: elements per program of the elementwise (gated activation) kernels
