@@ -238,14 +238,21 @@ VARIANT_MODELS = [
 ]
 
 
-def variants_table(device: str, target: str, dtype: str) -> list[dict]:
+#: issue 19's end-to-end row: BERT-base with transformers' eager (hand-written) attention,
+#: which `attention.sdpa` replaces
+ATTENTION_E2E_MODELS = [
+    ("hf:bert", {**VARIANT_MODELS[1][1], "attn_implementation": "eager"}),
+]
+
+
+def variants_table(device: str, target: str, dtype: str, models: list | None = None) -> list[dict]:
     """The variants race (input, capture, opswap, torch.compile of each) per model."""
     from opswap.models import load
     from opswap.pipeline import OptimizeConfig, optimize
 
     dt_ = getattr(torch, dtype)
     rows = []
-    for spec, sets in VARIANT_MODELS:
+    for spec, sets in VARIANT_MODELS if models is None else models:
         row: dict = {"model": spec, "overrides": sets, "device": device, "dtype": dtype}
         try:
             m = load(spec, sets)
@@ -429,7 +436,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=["lowbit", "precision", "kernels", "kernels18", "attention"],
+        choices=["lowbit", "precision", "kernels", "kernels18", "attention", "attention_e2e"],
         help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
         "the precision tests on CUDA, bf16 whole models and optimize --exactness lossy on a "
@@ -439,7 +446,9 @@ def main() -> None:
         "the tests of the softmax, reduction, RoPE and CUDA bias + GELU kernels and rules, then "
         "benchmarks/bench_kernels18.py (writes kernels18_h200.json); attention = the "
         "FlashAttention kernel's and rule's tests on the GPU, then benchmarks/bench_attention.py "
-        "(forward and forward+backward against SDPA's backends, writes attention_h200.json)",
+        "(forward and forward+backward against SDPA's backends, writes attention_h200.json); "
+        "attention_e2e = the variants race of BERT-base with eager attention, bf16, batch 32, "
+        "seq 128 (input, opswap, compile, opswap+compile; writes attention_e2e_h200.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"
@@ -461,6 +470,16 @@ def main() -> None:
         path = args.out / "lowbit_h200.json"
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(bench_lowbit.table(res))
+        print("wrote", path)
+        return
+    if args.only == "attention_e2e":
+        res = {"env": env(), "variants_cuda_bf16": []}
+        if torch.cuda.is_available():
+            res["variants_cuda_bf16"] = variants_table(
+                "cuda", "h200", "bfloat16", ATTENTION_E2E_MODELS
+            )
+        path = args.out / "attention_e2e_h200.json"
+        path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print("wrote", path)
         return
     if args.only in KERNEL_PARTS:  # the part's GPU tests, then its benchmark script
