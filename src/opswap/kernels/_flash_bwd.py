@@ -27,7 +27,6 @@ from __future__ import annotations
 from opswap.kernels._rows import NEG_INF, rn, tl
 
 
-
 def _flash_bwd_pre_fn(
     o_ptr,  # [B, H, S_q, D]
     do_ptr,  # [B, H, S_q, D]

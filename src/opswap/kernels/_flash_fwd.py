@@ -20,7 +20,6 @@ from __future__ import annotations
 from opswap.kernels._rows import NEG_INF, rn, tl
 
 
-
 def _flash_fwd_fn(
     q_ptr,  # [B, H, S_q, D]
     k_ptr,  # [B, H_kv, S_k, D]

@@ -68,7 +68,10 @@ def _measured(tmp_path, monkeypatch, beats: bool):
     monkeypatch.setattr(crossover, "TABLE", path)
 
 
-def test_matches_each_sdpa_and_keeps_sdpa_until_measured():
+def test_matches_each_sdpa_and_keeps_sdpa_until_measured(tmp_path, monkeypatch):
+    path = tmp_path / "crossover.json"  # a table with no flash_attention measurement
+    path.write_text(json.dumps({"entries": []}))
+    monkeypatch.setattr(crossover, "TABLE", path)
     model = Block().to(torch.bfloat16).eval()
     p, applied, _ = plan(model, _inputs(), [RULE], method="export")
     assert fired(p, RULE) == 0 and len(p.skipped) == 2, (p.decisions, p.misses)
