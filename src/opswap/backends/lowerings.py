@@ -29,7 +29,8 @@ execution provider:
 | opswap::bias_gelu_cuda      | Add, Gelu (erf) in fp32                                     |
 
 The kernels' backward ops (`*_backward`) appear only in training graphs, which are
-not exported to a runtime, and have no lowering.
+not exported to a runtime, and have no lowering; nor has `opswap::decode_attention`,
+the decode step of opswap.llm's static-cache loop, which runs in-process.
 
 Why not com.microsoft DynamicQuantizeMatMul for int8_linear: it quantises the input
 per tensor and asymmetrically, opswap's op per row and symmetrically; the lowering
@@ -74,7 +75,8 @@ LOWERED = {
     "opswap::bias_gelu_cuda": "Add + Gelu (float32 inside)",
 }
 
-#: ops with no lowering, and why (training-only: never in an exported inference graph)
+#: ops with no lowering, and why (training-only ops never reach an exported inference graph;
+#: serving ops run in opswap.llm's decode loop, which is not exported)
 NOT_LOWERED = {
     "opswap::rms_norm_backward": "training only",
     "opswap::layer_norm_backward": "training only",
@@ -84,6 +86,8 @@ NOT_LOWERED = {
     "opswap::row_sumsq_backward": "training only",
     "opswap::rope_backward": "training only",
     "opswap::flash_attention_backward": "training only",
+    "opswap::decode_attention": "a serving op: one decode step over a static KV cache, "
+    "run in-process (CUDA graphs), not exported",
 }
 
 _registered = False

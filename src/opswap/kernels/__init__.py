@@ -5,6 +5,7 @@ a saved `model.pt2` that uses them needs (`opswap.load_optimized` does it)."""
 from opswap.kernels import (
     bias_gelu_cuda,  # noqa: F401  (registers opswap::bias_gelu_cuda; builds on first CUDA use)
     conv_relu,  # noqa: F401  (registers opswap::conv_relu)
+    decode_attention,  # noqa: F401  (registers opswap::decode_attention)
     flash_attention,  # noqa: F401  (registers opswap::flash_attention)
     fp8_linear,  # noqa: F401  (registers opswap::fp8_linear)
     int8_linear,  # noqa: F401  (registers opswap::int8_linear)
@@ -21,6 +22,7 @@ from opswap.kernels import (
 __all__ = [
     "bias_gelu_cuda",
     "conv_relu",
+    "decode_attention",
     "flash_attention",
     "fp8_linear",
     "int8_linear",
