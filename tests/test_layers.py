@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("report", ("report",)),
     ("onnx", ("onnx",)),
     ("artifact", ("artifact", "result")),
+    ("llm", ("llm",)),
     ("pipeline", ("pipeline", "stages")),
     ("api", ("api", "deploy", "qat", "")),
     ("cli", ("cli",)),

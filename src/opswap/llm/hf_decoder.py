@@ -1,0 +1,249 @@
+"""The layers of a Hugging Face Llama-style causal LM (Llama, Mistral, Qwen2), run with
+opswap's static KV cache and `opswap::decode_attention`.
+
+    net = HFDecoder(model, max_len=160, device="cuda", dtype=torch.bfloat16)
+    logits = net.prefill(input_ids, cache)      # [B, T, vocab]; fills cache slots 0..T-1
+    logits = net.step(tokens, cache)            # tokens [B, 1] -> [B, vocab]; one slot more
+
+The model's weights are read once into plain tensors (the user's modules are neither
+changed nor called): q, k and v projections concatenated into one matrix and gate and up
+into another (one GEMM each per layer instead of three and two, which matters at batch 1
+where every GEMM is a matrix-vector product bound by reading its weights), o and down
+projections, the RMSNorm weights with the config's eps, embeddings and the LM head.
+The math is Hugging Face's, op for op: RMSNorm in fp32 and the weight applied in the
+model's dtype, RoPE from cos/sin tables in the model's dtype (`rotate_half`), SiLU-gated
+MLP; prefill attention is SDPA, causal, with the GQA groups expanded by SDPA.
+
+RoPE: the default kind, inv_freq = 1 / theta^(2i / head_dim) with the config's rope_theta
+(config.rope_parameters in transformers 5, rope_theta and rope_scaling before). Scaled
+kinds (linear, dynamic, yarn, llama3, ...) are refused in one sentence, as are
+sliding-window attention shorter than the cache, activations other than SiLU and
+partial rotary embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from opswap.kernels.decode_attention import decode_attention
+from opswap.llm.static_cache import DecodeError, StaticKVCache
+
+#: the transformers classes whose layout this module reads
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def rope_kind(config: Any) -> tuple[str, float]:
+    """(rope type, theta) of a config, in transformers 5's form or the older one."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return str(params.get("rope_type", params.get("type", "default"))), float(
+            params["rope_theta"]
+        )
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return str(kind), float(getattr(config, "rope_theta", 10000.0))
+
+
+def refusal(model: Any, max_len: int) -> str | None:
+    """Why HFDecoder cannot run `model` with a cache of max_len, or None when it can."""
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        return (
+            f"StaticDecoder runs {', '.join(SUPPORTED)}; {name} has another layout, so "
+            "generate with it through transformers instead."
+        )
+    c = model.config
+    kind, _ = rope_kind(c)
+    if kind != "default":
+        return f"the model's RoPE scaling '{kind}' is not supported; only the default RoPE is."
+    if getattr(c, "hidden_act", "silu") != "silu":
+        return f"the model's MLP activation '{c.hidden_act}' is not supported; only SiLU is."
+    if float(getattr(c, "partial_rotary_factor", 1.0)) != 1.0:
+        return "a partial rotary embedding (partial_rotary_factor < 1) is not supported."
+    window = getattr(c, "sliding_window", None)
+    sliding = any(t != "full_attention" for t in (getattr(c, "layer_types", None) or []))
+    if name == "Qwen2ForCausalLM":
+        sliding = sliding or bool(getattr(c, "use_sliding_window", False))
+    elif window is not None and window < max_len:
+        sliding = True
+    if sliding and (window is None or window < max_len):
+        return (
+            f"the model attends through a sliding window of {window} keys, shorter than "
+            f"max_len {max_len}; use max_len <= {window} or transformers' generate."
+        )
+    return None
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights, packed for the device and dtype of the run."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps1: float
+    eps2: float
+    wqkv: torch.Tensor  # [(H + 2 H_kv) D, hidden]
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    wgu: torch.Tensor  # [2 I, hidden]: gate over up
+    bgu: torch.Tensor | None
+    wdown: torch.Tensor
+    bdown: torch.Tensor | None
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+class HFDecoder:
+    """A Llama-style model's layers over a StaticKVCache: `prefill` and one-token `step`."""
+
+    def __init__(
+        self, model: Any, max_len: int, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
+        why = refusal(model, max_len)
+        if why is not None:
+            raise DecodeError(why)
+        c = model.config
+        self.device, self.dtype = torch.device(device), dtype
+        self.heads = int(c.num_attention_heads)
+        self.kv_heads = int(getattr(c, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // self.heads)
+        self.scale = self.head_dim**-0.5
+        self.vocab = int(c.vocab_size)
+        _, self.theta = rope_kind(c)
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            # .to() may hand back the model's own tensor: it is only ever read here
+            return t.detach().to(self.device, dtype)
+
+        def own_bias(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else own(t)
+
+        def cat(*mods: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            w = torch.cat([m.weight.detach() for m in mods]).to(self.device, dtype)
+            biases = [m.bias for m in mods]
+            if all(b is None for b in biases):
+                return w, None
+            parts = [
+                b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0])
+                for m, b in zip(mods, biases, strict=True)
+            ]
+            return w, torch.cat(parts).to(self.device, dtype)
+
+        body = model.model
+        self.layers: list[_Layer] = []
+        for layer in body.layers:
+            a, m = layer.self_attn, layer.mlp
+            wqkv, bqkv = cat(a.q_proj, a.k_proj, a.v_proj)
+            wgu, bgu = cat(m.gate_proj, m.up_proj)
+            self.layers.append(
+                _Layer(
+                    ln1=own(layer.input_layernorm.weight),
+                    ln2=own(layer.post_attention_layernorm.weight),
+                    eps1=float(layer.input_layernorm.variance_epsilon),
+                    eps2=float(layer.post_attention_layernorm.variance_epsilon),
+                    wqkv=wqkv,
+                    bqkv=bqkv,
+                    wo=own(a.o_proj.weight),
+                    bo=own_bias(a.o_proj.bias),
+                    wgu=wgu,
+                    bgu=bgu,
+                    wdown=own(m.down_proj.weight),
+                    bdown=own_bias(m.down_proj.bias),
+                )
+            )
+        self.embed = own(body.embed_tokens.weight)
+        self.norm = own(body.norm.weight)
+        self.norm_eps = float(body.norm.variance_epsilon)
+        self.lm_head = own(model.lm_head.weight)
+        self.lm_bias = own_bias(getattr(model.lm_head, "bias", None))
+        self.cos, self.sin = self.rope_tables(max_len)
+
+    def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_len, head_dim] in the run's dtype, computed in fp32 as HF does."""
+        d = self.head_dim
+        inv_freq = 1.0 / (
+            self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(self.device) / d)
+        )
+        pos = torch.arange(max_len, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), -1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        return StaticKVCache(
+            len(self.layers), batch, self.kv_heads, max_len, self.head_dim,
+            device=self.device, dtype=self.dtype,
+        )  # fmt: skip
+
+    def _qkv(self, x: torch.Tensor, layer: _Layer, positions: torch.Tensor) -> tuple:
+        """q [B, H, T, D], k, v [B, H_kv, T, D] of x [B, T, hidden], RoPE at positions."""
+        b, t, _ = x.shape
+        d, h, hk = self.head_dim, self.heads, self.kv_heads
+        qkv = _linear(x, layer.wqkv, layer.bqkv)
+        q, k, v = qkv.split((h * d, hk * d, hk * d), -1)
+        q = q.view(b, t, h, d).transpose(1, 2)
+        k = k.view(b, t, hk, d).transpose(1, 2)
+        v = v.view(b, t, hk, d).transpose(1, 2)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        gate, up = _linear(x, layer.wgu, layer.bgu).chunk(2, -1)
+        return _linear(F.silu(gate) * up, layer.wdown, layer.bdown)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(_rms_norm(x, self.norm, self.norm_eps), self.lm_head, self.lm_bias)
+
+    def prefill(self, input_ids: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """Logits [B, T, vocab] of a prompt [B, T] into an empty cache, which then holds
+        its T keys and values per layer (lengths = T)."""
+        b, t = input_ids.shape
+        positions = cache.positions(t)
+        x = self.embed[input_ids]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(_rms_norm(x, layer.ln1, layer.eps1), layer, positions)
+            cache.write(i, k, v, positions)
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.kv_heads != self.heads
+            )
+            x = x + _linear(o.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
+            x = x + self._mlp(_rms_norm(x, layer.ln2, layer.eps2), layer)
+        cache.advance(t)
+        return self._logits(x)
+
+    def step(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """Logits [B, vocab] of one token per sequence (tokens [B, 1]) at each sequence's
+        next slot; the cache gains the token (lengths + 1). Nothing here depends on a
+        Python value that changes per step: the step can be captured as a CUDA graph."""
+        b = tokens.shape[0]
+        positions = cache.lengths.to(torch.int64)[:, None]  # [B, 1]
+        lengths = cache.lengths + 1  # the keys each query sees, itself included
+        x = self.embed[tokens]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(_rms_norm(x, layer.ln1, layer.eps1), layer, positions)
+            cache.write(i, k, v, positions)
+            o = decode_attention(q, cache.k[i], cache.v[i], lengths, self.scale)
+            x = x + _linear(o.transpose(1, 2).reshape(b, 1, -1), layer.wo, layer.bo)
+            x = x + self._mlp(_rms_norm(x, layer.ln2, layer.eps2), layer)
+        cache.lengths.copy_(lengths)
+        return self._logits(x)[:, 0]
