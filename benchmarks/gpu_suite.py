@@ -139,11 +139,18 @@ ATTENTION_TESTS = [
     "tests/rules/attention",
 ]
 
+# the split-K decode-attention kernel and the static-cache decoder (CUDA graphs on the GPU)
+DECODE_TESTS = [
+    "tests/kernels/test_decode_attention.py",
+    "tests/llm",
+]
+
 #: --only parts that run a test list on the GPU, then one benchmark script
 KERNEL_PARTS = {
     "kernels": (KERNEL_TESTS, "bench_norm_kernels.py"),
     "kernels18": (KERNEL18_TESTS, "bench_kernels18.py"),
     "attention": (ATTENTION_TESTS, "bench_attention.py"),
+    "decode": (DECODE_TESTS, "bench_decode.py"),
 }
 
 # the tests with CUDA paths of the low-precision schemes
@@ -436,7 +443,15 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=["lowbit", "precision", "kernels", "kernels18", "attention", "attention_e2e"],
+        choices=[
+            "lowbit",
+            "precision",
+            "kernels",
+            "kernels18",
+            "attention",
+            "attention_e2e",
+            "decode",
+        ],
         help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
         "the precision tests on CUDA, bf16 whole models and optimize --exactness lossy on a "
@@ -448,7 +463,11 @@ def main() -> None:
         "FlashAttention kernel's and rule's tests on the GPU, then benchmarks/bench_attention.py "
         "(forward and forward+backward against SDPA's backends, writes attention_h200.json); "
         "attention_e2e = the variants race of BERT-base with eager attention, bf16, batch 32, "
-        "seq 128 (input, opswap, compile, opswap+compile; writes attention_e2e_h200.json)",
+        "seq 128 (input, opswap, compile, opswap+compile; writes attention_e2e_h200.json); "
+        "decode = the decode-attention kernel's and opswap.llm's tests on the GPU, then "
+        "benchmarks/bench_decode.py (greedy tokens/s of a 1.1B Llama at batch 1: StaticDecoder "
+        "against HF generate, HF static cache + compile and a gpt-fast-style loop, next to the "
+        "bandwidth roofline; writes decode_h200.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"
