@@ -97,7 +97,7 @@ def test_kernel_matches_float64_attention(interpreted, case):
     b, h, _, s, d, lens, dtype, splits = case
     assert r["shape"] == [b, h, 1, d] and r["dtype"] == str(dtype), r
     assert r["finite"] and r["empty_is_zero"], r
-    limit = 1e-5 if dtype == F32 else 3 * max(r["err_torch"], 2.0**-9)
+    limit = rc.bound(dtype, r["err_torch"])
     assert r["err"] <= limit, r
     if d in DA.HEAD_DIMS:
         assert r["unsupported"] is None
