@@ -24,7 +24,7 @@ benchmark reports (2.5x the forward's) counts the 5.
 
 from __future__ import annotations
 
-from opswap.kernels._rows import NEG_INF, rn, tl
+from opswap.kernels._rows import rn, tl
 
 
 def _flash_bwd_pre_fn(
@@ -103,9 +103,9 @@ def _flash_bwd_dkdv_fn(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr = "ieee",
-    DOT_F32: tl.constexpr = False,
-    RN: tl.constexpr = False,
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    RN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -164,7 +164,7 @@ def _flash_bwd_dkdv_fn(
                 mp = m_base + rows[None, :] * smm + keys[:, None] * smn
                 inside = rmask[None, :] & (keys[:, None] < N)
                 if MASK_BOOL:
-                    st = tl.where(tl.load(mp, mask=inside, other=0) != 0, st, NEG_INF)
+                    st = tl.where(tl.load(mp, mask=inside, other=0) != 0, st, float("-inf"))
                 else:
                     st += tl.load(mp, mask=inside, other=0.0).to(tl.float32) * 1.4426950408889634
             ok = (keys[:, None] < n_keys) & rmask[None, :]
@@ -221,9 +221,9 @@ def _flash_bwd_dq_fn(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr = "ieee",
-    DOT_F32: tl.constexpr = False,
-    RN: tl.constexpr = False,
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    RN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -265,7 +265,7 @@ def _flash_bwd_dq_fn(
             mp = m_base + rows[:, None] * smm + keys[None, :] * smn
             inside = rmask[:, None] & (keys[None, :] < N)
             if MASK_BOOL:
-                s = tl.where(tl.load(mp, mask=inside, other=0) != 0, s, NEG_INF)
+                s = tl.where(tl.load(mp, mask=inside, other=0) != 0, s, float("-inf"))
             else:
                 s += tl.load(mp, mask=inside, other=0.0).to(tl.float32) * 1.4426950408889634
         ok = (keys[None, :] < n_keys) & rmask[:, None]

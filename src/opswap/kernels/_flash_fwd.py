@@ -17,7 +17,7 @@ copy engine (`tl.make_tensor_descriptor`); otherwise plain masked pointer loads.
 
 from __future__ import annotations
 
-from opswap.kernels._rows import NEG_INF, rn, tl
+from opswap.kernels._rows import rn, tl
 
 
 def _flash_fwd_fn(
@@ -56,10 +56,10 @@ def _flash_fwd_fn(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr = "ieee",  # tl.dot's input_precision: "ieee" keeps fp32 inputs fp32
-    USE_TMA: tl.constexpr = False,
-    DOT_F32: tl.constexpr = False,  # the interpreter: its half-precision dot is not a GPU's
-    RN: tl.constexpr = False,
+    PREC: tl.constexpr,  # tl.dot's input_precision: "ieee" keeps fp32 inputs fp32
+    USE_TMA: tl.constexpr,
+    DOT_F32: tl.constexpr,  # the interpreter: its half-precision dot is not a GPU's
+    RN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -93,7 +93,7 @@ def _flash_fwd_fn(
         v_desc = tl.make_tensor_descriptor(
             v_base, shape=[N, D], strides=[svn, 1], block_shape=[BLOCK_N, D]
         )
-    m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for start in range(0, hi, BLOCK_N):
@@ -122,16 +122,16 @@ def _flash_fwd_fn(
             mp = m_base + rows[:, None] * smm + keys[None, :] * smn
             inside = (rows[:, None] < M) & (keys[None, :] < N)
             if MASK_BOOL:
-                s = tl.where(tl.load(mp, mask=inside, other=0) != 0, s, NEG_INF)
+                s = tl.where(tl.load(mp, mask=inside, other=0) != 0, s, float("-inf"))
             else:
                 s += tl.load(mp, mask=inside, other=0.0).to(tl.float32) * 1.4426950408889634
         if start >= safe:
             ok = keys[None, :] < n_keys
             if CAUSAL:
                 ok = ok & (keys[None, :] <= rows[:, None])
-            s = tl.where(ok, s, NEG_INF)
+            s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row with no key yet
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)

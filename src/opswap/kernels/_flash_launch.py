@@ -121,9 +121,10 @@ def _flags(q: torch.Tensor, lengths: torch.Tensor | None, mask: torch.Tensor | N
         "D": q.shape[-1],
         "PREC": "ieee" if q.dtype == torch.float32 else "tf32",
         "RN": rn_flag(q.dtype),
+        "DOT_F32": interpreting(),  # every constexpr passed: inductor's wrapper takes no defaults
     }
     if interpreting():
-        kw.update(BLOCK_M=INTERP_BLOCK, BLOCK_N=INTERP_BLOCK, DOT_F32=True)
+        kw.update(BLOCK_M=INTERP_BLOCK, BLOCK_N=INTERP_BLOCK)
     return kw
 
 

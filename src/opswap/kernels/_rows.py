@@ -25,8 +25,9 @@ except ImportError:  # pragma: no cover - every supported environment has Triton
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
 
-#: -inf for kernels: a compiled kernel (not the interpreter) reads only constexpr globals
-NEG_INF = tl.constexpr(float("-inf")) if tl is not None else float("-inf")
+# -inf inside a kernel is written `float("-inf")` there: a compiled kernel reads no plain
+# float global, and inductor, which copies a kernel's constexpr globals into its own
+# source by repr, writes a constexpr -inf as the undefined name `inf`.
 #: the longest row one program holds in registers
 MAX_ROW = 65536
 #: elements per program of the elementwise (gated activation) kernels

@@ -39,7 +39,6 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from opswap.kernels._rows import (
-    NEG_INF,
     KernelError,
     interpreting,
     jitted,
@@ -118,8 +117,8 @@ def _decode_split_fn(
     D: tl.constexpr,
     BLOCK_G: tl.constexpr,  # GROUP padded to a tile height tl.dot takes (>= 16)
     BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr = "ieee",
-    DOT_F32: tl.constexpr = False,  # the interpreter: its half-precision dot is not a GPU's
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,  # the interpreter: its half-precision dot is not a GPU's
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -141,7 +140,7 @@ def _decode_split_fn(
         q = q.to(tl.float32)
     k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    m_i = tl.full([BLOCK_G], NEG_INF, dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
@@ -153,7 +152,7 @@ def _decode_split_fn(
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s, NEG_INF)
+        s = tl.where(valid[None, :], s, float("-inf"))
         # every tile holds at least one valid key (start < hi), so m_new is finite
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -179,7 +178,7 @@ def _decode_reduce_fn(
     SPLITS,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # SPLITS padded to a power of two
-    RN: tl.constexpr = False,
+    RN: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // H
@@ -188,9 +187,9 @@ def _decode_reduce_fn(
     used = tl.arange(0, BLOCK_S) < (n_keys + SPLIT_LEN - 1) // SPLIT_LEN  # splits that wrote
     dims = tl.arange(0, D)
     base = bh.to(tl.int64) * SPLITS
-    lse = tl.load(lse_ptr + base + tl.arange(0, BLOCK_S), mask=used, other=NEG_INF)
+    lse = tl.load(lse_ptr + base + tl.arange(0, BLOCK_S), mask=used, other=float("-inf"))
     top = tl.max(lse, 0)
-    top = tl.where(top == NEG_INF, 0.0, top)  # no key at all: every weight is 0
+    top = tl.where(top == float("-inf"), 0.0, top)  # no key at all: every weight is 0
     w = tl.exp2(lse - top)
     parts = tl.load(
         o_part_ptr + (base + tl.arange(0, BLOCK_S))[:, None] * D + dims[None, :],
@@ -299,9 +298,10 @@ def triton_decode(
         "D": d,
         "BLOCK_G": max(16, triton.next_power_of_2(group)),
         "PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+        "DOT_F32": interpreting(),  # every constexpr passed: inductor's wrapper takes no defaults
     }
     if interpreting():
-        kw.update(BLOCK_N=INTERP_BLOCK_N, DOT_F32=True)
+        kw.update(BLOCK_N=INTERP_BLOCK_N)
     wrap_triton(_kernel("split"))[(bsz * hk, n_splits)](
         q, k, v, lens, o_part, lse, scale * LOG2E,
         q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3],

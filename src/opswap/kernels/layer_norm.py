@@ -69,7 +69,7 @@ def _ln_fwd_fn(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     BLOCK: tl.constexpr,
-    RN: tl.constexpr = False,  # the interpreter's bf16 rounding (kernels/_rows.py)
+    RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     # one row per program: read x once, write y once; the two moments from registers
     row = tl.program_id(0).to(tl.int64)
@@ -101,7 +101,7 @@ def _ln_bwd_fn(
     ROWS: tl.constexpr,
     HAS_W: tl.constexpr,
     BLOCK: tl.constexpr,
-    RN: tl.constexpr = False,
+    RN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)

@@ -89,7 +89,7 @@ def _reduce_fn(
     correction,
     OP: tl.constexpr,  # 0 sum, 1 mean, 2 max, 3 var, 4 sumsq, 5 meansq, 6 dot
     BLOCK: tl.constexpr,
-    RN: tl.constexpr = False,  # the interpreter's bf16 rounding (kernels/_rows.py)
+    RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -138,7 +138,7 @@ def _sumsq_bwd_fn(
     sx,
     factor,  # 2, or 2 / N for the mean of squares
     BLOCK: tl.constexpr,
-    RN: tl.constexpr = False,
+    RN: tl.constexpr,
 ):
     # program (row, tile): read x once, write dx = factor * x * dy once
     row = tl.program_id(0).to(tl.int64)

@@ -99,8 +99,8 @@ def _rms_fwd_fn(
     HAS_RES: tl.constexpr,
     CAST_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
-    RN_X: tl.constexpr = False,  # the interpreter's bf16 rounding (kernels/_rows.py)
-    RN_Y: tl.constexpr = False,
+    RN_X: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
+    RN_Y: tl.constexpr,
 ):
     # one row per program: read x (and the residual) once, write y (and s) once
     row = tl.program_id(0).to(tl.int64)
@@ -138,7 +138,7 @@ def _rms_bwd_fn(
     HAS_DRES: tl.constexpr,
     CAST_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
-    RN_X: tl.constexpr = False,
+    RN_X: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)

@@ -111,7 +111,7 @@ def _rope_fn(
     BACKWARD: tl.constexpr,  # rotate by -theta: dx = dy c - sign dy[p] s'[p]
     HAS_POS: tl.constexpr,
     BLOCK: tl.constexpr,
-    RN: tl.constexpr = False,  # the interpreter's bf16 rounding (kernels/_rows.py)
+    RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     # program (b * S + s, head of q then of k): one row of D, read once and written once
     bs = tl.program_id(0).to(tl.int64)

@@ -97,7 +97,7 @@ def _softmax_fwd_fn(
     MASK: tl.constexpr,  # 0 none, 1 additive, 2 boolean (keep where true)
     ONLINE: tl.constexpr,  # the row is longer than one block: two passes over its tiles
     BLOCK: tl.constexpr,
-    RN: tl.constexpr = False,  # the interpreter's bf16 rounding (kernels/_rows.py)
+    RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * sx
@@ -170,7 +170,7 @@ def _softmax_bwd_fn(
     LOG: tl.constexpr,
     ONLINE: tl.constexpr,
     BLOCK: tl.constexpr,
-    RN: tl.constexpr = False,
+    RN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)

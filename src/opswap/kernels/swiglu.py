@@ -93,7 +93,7 @@ def _glu_fwd_fn(
     su,
     ACT: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 gelu (tanh)
     BLOCK: tl.constexpr,
-    RN: tl.constexpr = False,  # the interpreter's bf16 rounding (kernels/_rows.py)
+    RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     # program (row, block of H): read g and u once, write y once
     row = tl.program_id(0).to(tl.int64)
@@ -124,7 +124,7 @@ def _glu_bwd_fn(
     sdu,
     ACT: tl.constexpr,
     BLOCK: tl.constexpr,
-    RN: tl.constexpr = False,
+    RN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
