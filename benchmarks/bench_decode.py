@@ -227,7 +227,11 @@ def variants(model, ids: torch.Tensor, n_new: int, smoke: bool) -> dict[str, Cal
     }
 
 
-def run(smoke: bool = False, on_row: Callable[[dict], None] | None = None) -> dict:
+def run(
+    smoke: bool = False,
+    on_row: Callable[[dict], None] | None = None,
+    only: set[str] | None = None,
+) -> dict:
     """The run's record; `on_row(record)` after every variant (to write it as it grows)."""
     import transformers
 
@@ -262,6 +266,8 @@ def run(smoke: bool = False, on_row: Callable[[dict], None] | None = None) -> di
     }
     reference = None
     for name, gen in variants(model, ids, n_new, smoke).items():
+        if only and name not in only and name != "hf_dynamic":  # the reference always runs
+            continue
         row: dict = {"name": name}
         try:
             with torch.inference_mode(name.startswith("opswap")):
@@ -315,10 +321,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, in seconds")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated variant names to run (hf_dynamic, the reference, always runs)",
+    )
     args = ap.parse_args()
+    only = {v for v in args.variants.split(",") if v} or None
     from _results import write_kernel_run
 
-    res = run(args.smoke, lambda r: write_kernel_run(r, args.out, "decode", args.smoke, False))
+    res = run(
+        args.smoke, lambda r: write_kernel_run(r, args.out, "decode", args.smoke, False), only
+    )
     print(table(res))
 
 
