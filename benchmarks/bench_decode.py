@@ -231,6 +231,7 @@ def run(
     smoke: bool = False,
     on_row: Callable[[dict], None] | None = None,
     only: set[str] | None = None,
+    reps: int = 0,
 ) -> dict:
     """The run's record; `on_row(record)` after every variant (to write it as it grows)."""
     import transformers
@@ -238,7 +239,7 @@ def run(
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     prompt, n_new = (8, 8) if smoke else (32, 128)
-    warm, reps = (1, 1) if smoke else (2, 5)
+    warm, reps = (1, 1) if smoke else (2, reps or 5)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**(TINY if smoke else LLAMA_1B))
     with torch.device(device):
@@ -326,12 +327,16 @@ def main() -> None:
         default="",
         help="comma-separated variant names to run (hf_dynamic, the reference, always runs)",
     )
+    ap.add_argument("--reps", type=int, default=0, help="timed calls a variant (default 5)")
     args = ap.parse_args()
     only = {v for v in args.variants.split(",") if v} or None
     from _results import write_kernel_run
 
     res = run(
-        args.smoke, lambda r: write_kernel_run(r, args.out, "decode", args.smoke, False), only
+        args.smoke,
+        lambda r: write_kernel_run(r, args.out, "decode", args.smoke, False),
+        only,
+        args.reps,
     )
     print(table(res))
 
