@@ -20,6 +20,8 @@ and decode; median of a few calls after warm-up calls that compile and capture):
   by hand;
 - opswap_eager: StaticDecoder without CUDA graphs (what the launches cost);
 - opswap_graphs: StaticDecoder with the step captured as a CUDA graph;
+- opswap_kernels: StaticDecoder with the step captured and kernels=True (opswap's fused
+  add+RMSNorm, RoPE and SwiGLU Triton ops in place of HF's elementwise ops);
 - opswap_compile: StaticDecoder with the step under torch.compile, then captured.
 
 Roofline: a decode step at batch 1 must read every weight once (the embedding only one
@@ -219,6 +221,7 @@ def variants(model, ids: torch.Tensor, n_new: int, smoke: bool) -> dict[str, Cal
         "hf_dynamic": hf_dynamic,
         "opswap_eager": opswap("opswap_eager", cuda_graphs=False),
         "opswap_graphs": opswap("opswap_graphs", cuda_graphs=True),
+        "opswap_kernels": opswap("opswap_kernels", cuda_graphs=True, kernels=True),
         "opswap_compile": opswap(
             "opswap_compile", cuda_graphs=True, compile="aot_eager" if smoke else True
         ),

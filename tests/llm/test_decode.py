@@ -140,6 +140,22 @@ def test_the_cache_writes_in_place_at_tensor_positions():
     assert cache.lengths.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("kv_heads,batch", [(2, 1), (4, 2)], ids=["gqa-b1", "mha-b2"])
+def test_the_fused_ops_give_hf_tokens_and_logits(kv_heads, batch):
+    # on the CPU the ops run their PyTorch references: this checks the wiring (which
+    # tensor is the residual, which norm weight reads which sum, the packed gate|up)
+    model = _llama(kv_heads, seed=3).to(DEVICE)
+    ids = _prompt(batch, 6, seed=4).to(DEVICE)
+    dec = StaticDecoder(model, max_len=20, batch=batch, kernels=True)
+    tokens, prefill, steps = dec.generate_with_logits(ids, 9)
+    want = _hf_generate(model, ids, 9)
+    assert torch.equal(tokens, want), (tokens, want)
+    with torch.no_grad():
+        ref = model(want[:, :-1]).logits
+    torch.testing.assert_close(prefill, ref[:, :6], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(steps, ref[:, 6:], rtol=1e-4, atol=1e-5)
+
+
 def test_a_compiled_step_gives_the_same_tokens():
     model = _llama().to(DEVICE)
     ids = _prompt(1, 4, seed=5).to(DEVICE)
@@ -199,6 +215,10 @@ def test_the_triton_kernel_in_the_decoder_gives_hf_tokens(kernel_run):
     assert "error" not in kernel_run, kernel_run.get("error")
     assert kernel_run["kernel"] and kernel_run["equal"], kernel_run
     assert kernel_run["max_logit_err"] <= 1e-4 * kernel_run["logit_scale"], kernel_run
+    fused = kernel_run["fused"]  # kernels=True: every fused op's Triton kernel launched
+    assert fused["launched"] == ["add_rms_norm", "glu", "rms_norm", "rope"], fused
+    assert fused["equal"], fused
+    assert fused["max_logit_err"] <= 1e-4 * kernel_run["logit_scale"], fused
 
 
 def _kernel_child() -> dict:
@@ -215,7 +235,33 @@ def _kernel_child() -> dict:
     want = _hf_generate(model, ids, 8)
     with torch.no_grad():
         ref = model(want[:, :-1]).logits[:, 9:]
+    from opswap.kernels import rms_norm as RMS
+    from opswap.kernels import rope as ROPE
+    from opswap.kernels import swiglu as GLU
+
+    launched = set()
+
+    def spy(module, attr, name):
+        real = getattr(module, attr)
+
+        def run(*a, **kw):
+            launched.add("add_rms_norm" if name == "rms_norm" and len(a) >= 6 else name)
+            return real(*a, **kw)
+
+        setattr(module, attr, run)
+
+    spy(RMS, "triton_forward", "rms_norm")
+    spy(ROPE, "triton_apply", "rope")
+    spy(GLU, "triton_forward", "glu")
+    fused_dec = StaticDecoder(model, max_len=40, batch=2, kernels=True)
+    f_tokens, _, f_steps = fused_dec.generate_with_logits(ids, 8)
+    fused = {
+        "launched": sorted(launched),
+        "equal": bool(torch.equal(f_tokens, want)),
+        "max_logit_err": float((f_steps - ref).abs().max()),
+    }
     return {
+        "fused": fused,
         "kernel": len(calls) > 0,  # launched (eagerly, or while a CUDA graph was captured)
         "equal": bool(torch.equal(tokens, want)),
         "max_logit_err": float((steps - ref).abs().max()),

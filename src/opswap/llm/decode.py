@@ -38,7 +38,9 @@ class StaticDecoder:
     Qwen2ForCausalLM) run by opswap's static cache and decode attention, greedily.
 
     `max_len` bounds prompt + new tokens; `batch` is fixed (the graph is captured for
-    it); `device` and `dtype` default to the model's. The user's model is not changed."""
+    it); `device` and `dtype` default to the model's; `kernels=True` runs the norms, the
+    rotary embedding and the gated MLP as opswap's fused Triton ops (see hf_decoder). The
+    user's model is not changed."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class StaticDecoder:
         dtype: torch.dtype | None = None,
         cuda_graphs: bool = True,
         compile: bool | str = False,
+        kernels: bool = False,
     ) -> None:
         if int(max_len) < 2 or int(batch) < 1:
             raise DecodeError(
@@ -62,7 +65,7 @@ class StaticDecoder:
             else (first.device if first is not None else torch.device("cpu"))
         )
         dt = dtype or (first.dtype if first is not None else torch.float32)
-        self.net = HFDecoder(model, int(max_len), dev, dt)
+        self.net = HFDecoder(model, int(max_len), dev, dt, kernels=kernels)
         self.max_len, self.batch, self.device, self.dtype = int(max_len), int(batch), dev, dt
         self.cache = self.net.new_cache(self.batch, self.max_len)
         self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"

@@ -14,6 +14,15 @@ The math is Hugging Face's, op for op: RMSNorm in fp32 and the weight applied in
 model's dtype, RoPE from cos/sin tables in the model's dtype (`rotate_half`), SiLU-gated
 MLP; prefill attention is SDPA, causal, with the GQA groups expanded by SDPA.
 
+`kernels=True` swaps the elementwise work between the GEMMs for opswap's fused ops, the
+ones the chapter-10, -9 and -4 rules install: `opswap::add_rms_norm` (each residual add
+and the RMSNorm that reads it, one pass; HF's formulation), `opswap::rope` (q and k
+rotated in one launch, reading the cos/sin table at the positions), `opswap::glu_packed`
+(SiLU(gate) * up from the packed gate|up GEMM). At batch 1 a layer then runs 9 kernels
+instead of about 30, which is what a CUDA graph's replay still pays for one by one. The
+rotary embedding is then computed in fp32 and rounded once (HF's rounds each product in
+the model's dtype), so bf16 logits differ from HF's by a rounding; in fp32 they agree.
+
 RoPE: the default kind, inv_freq = 1 / theta^(2i / head_dim) with the config's rope_theta
 (config.rope_parameters in transformers 5, rope_theta and rope_scaling before). Scaled
 kinds (linear, dynamic, yarn, llama3, ...) are refused in one sentence, as are
@@ -29,6 +38,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from opswap.kernels import rms_norm as _rms_ops  # noqa: F401  (registers the fused ops)
+from opswap.kernels import rope as _rope_ops  # noqa: F401
+from opswap.kernels import swiglu as _glu_ops  # noqa: F401
 from opswap.kernels.decode_attention import decode_attention
 from opswap.llm.static_cache import DecodeError, StaticKVCache
 
@@ -115,12 +127,18 @@ class HFDecoder:
     """A Llama-style model's layers over a StaticKVCache: `prefill` and one-token `step`."""
 
     def __init__(
-        self, model: Any, max_len: int, device: torch.device | str, dtype: torch.dtype
+        self,
+        model: Any,
+        max_len: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        kernels: bool = False,
     ) -> None:
         why = refusal(model, max_len)
         if why is not None:
             raise DecodeError(why)
         c = model.config
+        self.kernels = bool(kernels)
         self.device, self.dtype = torch.device(device), dtype
         self.heads = int(c.num_attention_heads)
         self.kv_heads = int(getattr(c, "num_key_value_heads", None) or self.heads)
@@ -202,48 +220,81 @@ class HFDecoder:
         q = q.view(b, t, h, d).transpose(1, 2)
         k = k.view(b, t, hk, d).transpose(1, 2)
         v = v.view(b, t, hk, d).transpose(1, 2)
+        if self.kernels:
+            q, k = torch.ops.opswap.rope(q, k, self.cos, self.sin, positions, False)
+            return q, k, v
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        gate, up = _linear(x, layer.wgu, layer.bgu).chunk(2, -1)
+        gu = _linear(x, layer.wgu, layer.bgu)
+        if self.kernels:
+            return _linear(torch.ops.opswap.glu_packed(gu, "silu"), layer.wdown, layer.bdown)
+        gate, up = gu.chunk(2, -1)
         return _linear(F.silu(gate) * up, layer.wdown, layer.bdown)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(_rms_norm(x, self.norm, self.norm_eps), self.lm_head, self.lm_bias)
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.kernels:
+            return torch.ops.opswap.rms_norm(x, w, eps, 0.0, True)
+        return _rms_norm(x, w, eps)
+
+    def _add_norm(
+        self, a: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + a), x + a): the residual stream and the next sublayer's input."""
+        if self.kernels:
+            return torch.ops.opswap.add_rms_norm(a, x, w, eps, 0.0, True)
+        s = x + a
+        return _rms_norm(s, w, eps), s
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, attend):
+        """Logits of hidden states x [B, T, hidden] at positions [B, T] through every
+        layer, writing each layer's k, v into the cache; attend(i, q, k, v) -> o."""
+        layers = self.layers
+        b, t, _ = x.shape
+        h = self._norm(x, layers[0].ln1, layers[0].eps1)
+        for i, layer in enumerate(layers):
+            q, k, v = self._qkv(h, layer, positions)
+            cache.write(i, k, v, positions)
+            o = attend(i, q, k, v)
+            a = _linear(o.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
+            h, x = self._add_norm(a, x, layer.ln2, layer.eps2)
+            m = self._mlp(h, layer)
+            w, eps = (
+                (layers[i + 1].ln1, layers[i + 1].eps1)
+                if i + 1 < len(layers)
+                else (self.norm, self.norm_eps)
+            )
+            h, x = self._add_norm(m, x, w, eps)
+        return _linear(h, self.lm_head, self.lm_bias)
 
     def prefill(self, input_ids: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """Logits [B, T, vocab] of a prompt [B, T] into an empty cache, which then holds
         its T keys and values per layer (lengths = T)."""
-        b, t = input_ids.shape
-        positions = cache.positions(t)
-        x = self.embed[input_ids]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(_rms_norm(x, layer.ln1, layer.eps1), layer, positions)
-            cache.write(i, k, v, positions)
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.kv_heads != self.heads
+        t = input_ids.shape[1]
+        gqa = self.kv_heads != self.heads
+
+        def attend(i, q, k, v):
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa
             )
-            x = x + _linear(o.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
-            x = x + self._mlp(_rms_norm(x, layer.ln2, layer.eps2), layer)
+
+        logits = self._layers(self.embed[input_ids], cache.positions(t), cache, attend)
         cache.advance(t)
-        return self._logits(x)
+        return logits
 
     def step(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """Logits [B, vocab] of one token per sequence (tokens [B, 1]) at each sequence's
         next slot; the cache gains the token (lengths + 1). Nothing here depends on a
         Python value that changes per step: the step can be captured as a CUDA graph."""
-        b = tokens.shape[0]
         positions = cache.lengths.to(torch.int64)[:, None]  # [B, 1]
         lengths = cache.lengths + 1  # the keys each query sees, itself included
-        x = self.embed[tokens]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(_rms_norm(x, layer.ln1, layer.eps1), layer, positions)
-            cache.write(i, k, v, positions)
-            o = decode_attention(q, cache.k[i], cache.v[i], lengths, self.scale)
-            x = x + _linear(o.transpose(1, 2).reshape(b, 1, -1), layer.wo, layer.bo)
-            x = x + self._mlp(_rms_norm(x, layer.ln2, layer.eps2), layer)
+
+        def attend(i, q, k, v):
+            return decode_attention(q, cache.k[i], cache.v[i], lengths, self.scale)
+
+        logits = self._layers(self.embed[tokens], positions, cache, attend)
         cache.lengths.copy_(lengths)
-        return self._logits(x)[:, 0]
+        return logits[:, 0]
