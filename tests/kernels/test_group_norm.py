@@ -127,5 +127,16 @@ def test_reference_is_f_group_norm():
     assert torch.allclose(GN.reference(x, 4, w, b, 1e-5), F.group_norm(x, 4, w, b, 1e-5))
 
 
+def test_chunks_of_a_symbolic_size_need_no_guard():
+    """torch.export and a dynamic torch.compile trace the launch with symbolic N and
+    spatial sizes: the chunk is then the cap (the walks take any length), so no guard
+    narrows the sizes the capture claims."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    n = ShapeEnv().create_unbacked_symint()
+    assert GN._block(n * 3, GN.MAX_BLOCK) == GN.MAX_BLOCK
+    assert GN._block(5, GN.MAX_BLOCK) == 16 and GN._block(3000, GN.MAX_BLOCK) == 2048
+
+
 if __name__ == "__main__":  # the interpreter's half of `interpreted`
     print(json.dumps({_key(c): _case(*c) for c in CASES}))

@@ -196,6 +196,11 @@ def _gn_bwd_fn(
 
 
 def _block(n: int, cap: int) -> int:
+    """The chunk for walks of n elements: n's next power of two up to cap; cap when n is
+    symbolic (torch.export or a dynamic torch.compile traces the launch), which the
+    chunked walks take at any n."""
+    if not isinstance(n, int):
+        return cap
     return max(16, min(cap, 1 << max(0, n - 1).bit_length()))
 
 
