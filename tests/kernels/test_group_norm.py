@@ -121,6 +121,19 @@ def test_cpu_op_is_f_group_norm_and_export_keeps_it():
     assert torch.ops.opswap.group_norm.default in ops
 
 
+def test_cpu_backward_is_f_group_norms():
+    x = torch.randn(3, 6, 4, 5, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(6, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(3, 6, 4, 5, dtype=torch.float64)
+    ours = torch.autograd.grad(
+        GN.group_norm(x.float(), 3, w.float(), b.float(), 1e-5), (x, w, b), dy.float()
+    )
+    theirs = torch.autograd.grad(F.group_norm(x, 3, w, b, 1e-5), (x, w, b), dy)
+    for a, e in zip(ours, theirs, strict=True):
+        assert rc.rel(a, e) < 1e-5
+
+
 def test_reference_is_f_group_norm():
     x = torch.randn(3, 8, 5, 7, dtype=torch.float64)
     w, b = torch.rand(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
