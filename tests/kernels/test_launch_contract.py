@@ -39,7 +39,14 @@ KERNELS = _kernel_functions()
 
 def test_the_kernels_are_found():
     names = {n.split(".")[0] for n, _ in KERNELS}
-    assert {"decode_attention", "_flash_fwd", "_flash_bwd", "softmax", "rms_norm"} <= names
+    assert {
+        "decode_attention",
+        "_flash_fwd",
+        "_flash_bwd",
+        "softmax",
+        "rms_norm",
+        "group_norm",
+    } <= names
 
 
 @pytest.mark.parametrize("name,fn", KERNELS, ids=[n for n, _ in KERNELS])

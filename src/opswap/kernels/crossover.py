@@ -11,7 +11,8 @@ An entry is keyed by (kernel, device class, dtype, shape class, pass):
 - shape class: the hidden size's bucket (the next power of two at or above it) and the
   row count's ("h<=4096,rows<=32768"; `shape_class`); for attention, the head dim, the
   query and key lengths' buckets and causality ("d=64,sq<=4096,sk<=4096,causal";
-  `attention_shape`);
+  `attention_shape`); for group_norm the "hidden size" is a group's element count
+  (C/G x spatial) and the rows are the groups (N x G);
 - pass: "forward" or "forward+backward".
 
 and says `beats_eager` / `beats_compile` (true, false, or null when not measured), with
@@ -39,6 +40,7 @@ KERNELS = (
     "rms_norm",
     "add_rms_norm",
     "layer_norm",
+    "group_norm",
     "swiglu",
     "softmax",
     "log_softmax",

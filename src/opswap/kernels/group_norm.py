@@ -1,0 +1,363 @@
+"""GroupNorm (and InstanceNorm, its G = C case), forward and backward: the ops
+`opswap::group_norm` and `opswap::group_norm_backward`.
+
+    x: [N, C, *spatial], G groups of C/G channels; a group is x[n, g*C/G:(g+1)*C/G, ...],
+    L = C/G * prod(spatial) elements, contiguous in a contiguous x.
+    mean, var over each group; rstd = rsqrt(var + eps)
+    y = ((x - mean) * rstd * w[c] + b[c]).to(x.dtype)      fp32 math inside
+
+which is what `F.group_norm` computes (it, too, accumulates in fp32 for bf16/fp16).
+
+One program per (sample, group). A group can be far larger than registers hold (32
+channels of 64 x 64 are 131 K values), so the program walks it in chunks of BLOCK: the
+first walk merges each chunk's mean and sum of squared deviations into the running ones
+(Chan's pairwise update: no E[x^2] - E[x]^2 cancellation), the second writes y. That is
+x read twice and y written once: 6 bytes an element in bf16 against ATen's CUDA kernels'
+same two reads of x (its statistics kernel, then its apply kernel) and one write, so the
+gain, if any, is one launch and the per-channel scale/shift tensor ATen builds between
+them. Not measured on a GPU yet: the crossover table has no group_norm entry, and the
+rule (norm.group_norm_triton) keeps ATen's op until it has one.
+
+Backward, one program per (sample, group) as well, with xhat = (x - mean) * rstd and
+dxhat = dy * w[c]: a walk recomputes mean and rstd; a walk per channel sums dy * xhat and
+dy (the channel's partial dw and db for this sample, summed over samples by PyTorch, and
+through w the group's sums of dxhat * xhat and dxhat); a last walk writes
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.library import triton_op, wrap_triton
+
+from opswap.kernels._rows import jitted, rn, rn_flag, runs_triton, tl
+
+#: the most elements one program holds per chunk of a group (8 warps: 16 fp32 a thread)
+MAX_BLOCK = 2048
+#: the most elements of one channel per chunk in the backward's per-channel walks
+MAX_CHANNEL_BLOCK = 1024
+
+
+def reference(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """The function in PyTorch (fp32 math for low-precision x, float64 for float64 x)."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    n, c = x.shape[0], x.shape[1]
+    g = xf.reshape(n, num_groups, -1)
+    mean = g.mean(-1, keepdim=True)
+    gc = g - mean
+    y = (gc * torch.rsqrt(gc.pow(2).mean(-1, keepdim=True) + eps)).reshape(x.shape)
+    per_channel = (1, c) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.to(y.dtype).reshape(per_channel)
+    if bias is not None:
+        y = y + bias.to(y.dtype).reshape(per_channel)
+    return y.to(x.dtype)
+
+
+def _gn_fwd_fn(
+    x_ptr,  # [N * G, L] contiguous
+    w_ptr,  # [C] (HAS_W)
+    b_ptr,  # [C] (HAS_B)
+    y_ptr,  # [N * G, L] contiguous
+    L,  # elements of a group: C/G * S
+    S,  # elements of a channel: prod(spatial)
+    CPG,  # channels per group
+    G,
+    eps,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
+):
+    pid = tl.program_id(0).to(tl.int64)
+    base = pid * L
+    offs = tl.arange(0, BLOCK)
+    # walk 1: the group's count, mean and sum of squared deviations, chunk by chunk
+    count = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for start in range(0, L, BLOCK):
+        idx = start + offs
+        ok = idx < L
+        v = tl.load(x_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
+        k = tl.minimum(L - start, BLOCK).to(tl.float32)
+        cmean = tl.sum(v, 0) / k
+        d = tl.where(ok, v - cmean, 0.0)
+        cm2 = tl.sum(d * d, 0)
+        total = count + k
+        delta = cmean - mean
+        mean = mean + delta * (k / total)
+        m2 = m2 + cm2 + delta * delta * (count * k / total)
+        count = total
+    rstd = tl.rsqrt(m2 / L + eps)
+    # walk 2: normalise, the channel's affine, store in x's dtype
+    ch0 = (pid % G) * CPG
+    for start in range(0, L, BLOCK):
+        idx = start + offs
+        ok = idx < L
+        v = tl.load(x_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
+        y = (v - mean) * rstd
+        if HAS_W or HAS_B:
+            ch = ch0 + idx // S
+        if HAS_W:
+            y = y * tl.load(w_ptr + ch, mask=ok, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + base + idx, rn(y, RN).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _gn_bwd_fn(
+    dy_ptr,  # [N * G, L] contiguous
+    x_ptr,  # [N * G, L] contiguous
+    w_ptr,  # [C] (HAS_W)
+    dx_ptr,  # [N * G, L] contiguous
+    dw_ptr,  # [N, C] fp32: sum over the channel's elements of dy * xhat, per sample
+    db_ptr,  # [N, C] fp32: sum of dy, per sample
+    L,
+    S,
+    CPG,
+    G,
+    eps,
+    HAS_W: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CBLOCK: tl.constexpr,
+    RN: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    base = pid * L
+    offs = tl.arange(0, BLOCK)
+    count = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for start in range(0, L, BLOCK):
+        idx = start + offs
+        ok = idx < L
+        v = tl.load(x_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
+        k = tl.minimum(L - start, BLOCK).to(tl.float32)
+        cmean = tl.sum(v, 0) / k
+        d = tl.where(ok, v - cmean, 0.0)
+        cm2 = tl.sum(d * d, 0)
+        total = count + k
+        delta = cmean - mean
+        mean = mean + delta * (k / total)
+        m2 = m2 + cm2 + delta * delta * (count * k / total)
+        count = total
+    rstd = tl.rsqrt(m2 / L + eps)
+    # walk 2, channel by channel: the partial dw, db, and the group's two sums through w
+    ch0 = (pid % G) * CPG
+    coffs = tl.arange(0, CBLOCK)
+    sum_dxhat_xhat = 0.0
+    sum_dxhat = 0.0
+    for j in range(0, CPG):
+        cbase = base + j * S
+        acc_dyx = tl.zeros((CBLOCK,), dtype=tl.float32)
+        acc_dy = tl.zeros((CBLOCK,), dtype=tl.float32)
+        for start in range(0, S, CBLOCK):
+            idx = start + coffs
+            ok = idx < S
+            v = tl.load(x_ptr + cbase + idx, mask=ok, other=0.0).to(tl.float32)
+            g = tl.load(dy_ptr + cbase + idx, mask=ok, other=0.0).to(tl.float32)
+            acc_dyx += g * tl.where(ok, (v - mean) * rstd, 0.0)
+            acc_dy += g
+        s_dyx = tl.sum(acc_dyx, 0)
+        s_dy = tl.sum(acc_dy, 0)
+        # pid // G is the sample: its row of the [N, C] partials
+        tl.store(dw_ptr + (pid // G) * (G * CPG) + ch0 + j, s_dyx)
+        tl.store(db_ptr + (pid // G) * (G * CPG) + ch0 + j, s_dy)
+        if HAS_W:
+            wj = tl.load(w_ptr + ch0 + j).to(tl.float32)
+            sum_dxhat_xhat += wj * s_dyx
+            sum_dxhat += wj * s_dy
+        else:
+            sum_dxhat_xhat += s_dyx
+            sum_dxhat += s_dy
+    c1 = sum_dxhat_xhat / L
+    c2 = sum_dxhat / L
+    # walk 3: dx
+    for start in range(0, L, BLOCK):
+        idx = start + offs
+        ok = idx < L
+        v = tl.load(x_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(dy_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
+        if HAS_W:
+            g = g * tl.load(w_ptr + ch0 + idx // S, mask=ok, other=0.0).to(tl.float32)
+        dx = rstd * (g - c2 - (v - mean) * rstd * c1)
+        tl.store(dx_ptr + base + idx, rn(dx, RN).to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+def _block(n: int, cap: int) -> int:
+    """The chunk for walks of n elements: n's next power of two up to cap; cap when n is
+    symbolic (torch.export or a dynamic torch.compile traces the launch), which the
+    chunked walks take at any n."""
+    if not isinstance(n, int):
+        return cap
+    return max(16, min(cap, 1 << max(0, n - 1).bit_length()))
+
+
+def _warps(block: int) -> int:
+    return 4 if block < 2048 else 8
+
+
+def _sizes(x: torch.Tensor, num_groups: int) -> tuple[int, int, int, int, int]:
+    """(N, C, S, channels per group, L) of x [N, C, *spatial]."""
+    n, c = x.shape[0], x.shape[1]
+    s = math.prod(x.shape[2:])
+    cpg = c // num_groups
+    return n, c, s, cpg, cpg * s
+
+
+def triton_forward(x, num_groups, weight, bias, eps) -> torch.Tensor:
+    n, _, s, cpg, length = _sizes(x, num_groups)
+    xc = x.contiguous()
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if x.numel():
+        block = _block(length, MAX_BLOCK)
+        wrap_triton(jitted(_gn_fwd_fn))[(n * num_groups,)](
+            xc,
+            weight if weight is not None else xc,
+            bias if bias is not None else xc,
+            y,
+            length,
+            s,
+            cpg,
+            num_groups,
+            eps,
+            HAS_W=weight is not None,
+            HAS_B=bias is not None,
+            BLOCK=block,
+            RN=rn_flag(x.dtype),
+            num_warps=_warps(block),
+        )
+    return y
+
+
+def triton_backward(
+    dy, x, num_groups, weight, eps
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db): dw, db [C] in fp32 (the caller casts them to the parameters' dtypes)."""
+    n, c, s, cpg, length = _sizes(x, num_groups)
+    xc, dyc = x.contiguous(), dy.contiguous()
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    pw = torch.empty((n, c), device=x.device)
+    pb = torch.empty((n, c), device=x.device)
+    if x.numel():
+        block = _block(length, MAX_BLOCK)
+        wrap_triton(jitted(_gn_bwd_fn))[(n * num_groups,)](
+            dyc,
+            xc,
+            weight if weight is not None else xc,
+            dx,
+            pw,
+            pb,
+            length,
+            s,
+            cpg,
+            num_groups,
+            eps,
+            HAS_W=weight is not None,
+            BLOCK=block,
+            CBLOCK=_block(s, MAX_CHANNEL_BLOCK),
+            RN=rn_flag(x.dtype),
+            num_warps=_warps(block),
+        )
+        return dx, pw.sum(0), pb.sum(0)
+    zero = torch.zeros(c, device=x.device)
+    return dx, zero, zero.clone()
+
+
+def _torch_backward(dy, x, num_groups, weight, eps):
+    n, c = x.shape[0], x.shape[1]
+    xf, dyf = x.float().reshape(n, num_groups, -1), dy.float().reshape(n, num_groups, -1)
+    mean = xf.mean(-1, keepdim=True)
+    xc = xf - mean
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xc * rstd
+    dxhat = dyf
+    if weight is not None:
+        dxhat = (dyf.reshape(n, c, -1) * weight.float().reshape(1, c, 1)).reshape(dyf.shape)
+    dx = rstd * (
+        dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True)
+    )
+    dw = (dyf * xhat).reshape(n, c, -1).sum((0, 2))
+    db = dyf.reshape(n, c, -1).sum((0, 2))
+    return dx.reshape(x.shape).to(x.dtype), dw, db
+
+
+def _kernel_takes(x: torch.Tensor, num_groups: int) -> bool:
+    return (
+        runs_triton(x)
+        and x.dim() >= 2
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and num_groups > 0
+        and x.shape[1] % num_groups == 0
+    )
+
+
+@triton_op("opswap::group_norm", mutates_args=())
+def group_norm(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """GroupNorm of x [N, C, *spatial] over num_groups groups of channels (weight and bias
+    [C], either optional). On CPU (outside the interpreter), for float64, and where C is
+    not a multiple of num_groups it is `F.group_norm` (which says what is wrong)."""
+    if _kernel_takes(x, num_groups):
+        return triton_forward(x, num_groups, weight, bias, eps)
+    return F.group_norm(x, num_groups, weight, bias, eps)
+
+
+@triton_op("opswap::group_norm_backward", mutates_args=())
+def group_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db) of group_norm, dw and db [C] in fp32."""
+    if _kernel_takes(x, num_groups):
+        return triton_backward(dy, x, num_groups, weight, eps)
+    return _torch_backward(dy, x, num_groups, weight, eps)
+
+
+def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, num_groups, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.num_groups, ctx.eps = num_groups, eps
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
+    x, weight = ctx.saved_tensors
+    dx, dw, db = group_norm_backward(dy, x, ctx.num_groups, weight, ctx.eps)
+    return (
+        dx,
+        None,
+        dw.to(weight.dtype) if weight is not None else None,
+        db.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None,
+        None,
+    )
+
+
+group_norm.register_autograd(_backward, setup_context=_setup)
+
+
+def instance_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """InstanceNorm of x [N, C, *spatial] from its own statistics (`F.instance_norm` with
+    no running stats): GroupNorm with one channel a group."""
+    return group_norm(x, x.shape[1], weight, bias, eps)
