@@ -1,11 +1,13 @@
-"""opswap's Triton RMSNorm, add + RMSNorm, LayerNorm and SwiGLU against eager PyTorch,
+"""opswap's Triton RMSNorm, add + RMSNorm, LayerNorm, GroupNorm and SwiGLU against eager PyTorch,
 torch.compile and Liger-Kernel, on a GPU (the lead runs it on the H200).
 
     PYTHONPATH=src python3 benchmarks/bench_norm_kernels.py --out DIR [--update-crossover]
     PYTHONPATH=src python3 benchmarks/bench_norm_kernels.py --smoke     (CPU, interpreter)
 
 Shapes: [rows, 4096] for the norms and [rows, 5632] for SwiGLU (Llama-7B's hidden and
-TinyLlama's intermediate size), rows 32768, 4096 and 256, bfloat16; forward alone and
+TinyLlama's intermediate size), rows 32768, 4096 and 256, bfloat16; GroupNorm as
+[rows / 32, 128, 1024]: `rows` groups of 4096 elements, 32 groups a sample (F.group_norm
+eager); forward alone and
 forward + backward. Eager is the formula as HF writes it (LlamaRMSNorm; the residual add
 then LlamaRMSNorm; F.layer_norm; F.silu(g) * u), torch.compile is that function compiled,
 Liger-Kernel its own ops (imported lazily: skipped with a note when it is not installed).
@@ -19,7 +21,7 @@ from the run. `--smoke` runs every path at tiny shapes on the CPU under TRITON_I
 Bytes counted (elements of x: n = rows * hidden, b = 2 bytes for bf16): RMSNorm and
 LayerNorm forward 2 n b (x in, y out), backward 3 n b (x, dy in, dx out); add + RMSNorm
 forward 4 n b (x, residual in, y, sum out), backward 4 n b (x, dy, dsum in, dx out);
-SwiGLU forward 3 n b (g, u in, y out; n = rows * H), backward 5 n b.
+SwiGLU forward 3 n b (g, u in, y out; n = rows * H), backward 5 n b; GroupNorm as LayerNorm.
 """
 
 from __future__ import annotations
@@ -46,17 +48,22 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from opswap.kernels import crossover  # noqa: E402
+from opswap.kernels import group_norm as GN  # noqa: E402
 from opswap.kernels import layer_norm as L  # noqa: E402
 from opswap.kernels import rms_norm as R  # noqa: E402
 from opswap.kernels import swiglu as S  # noqa: E402
 
 EPS = 1e-6
-KERNELS = ("rms_norm", "add_rms_norm", "layer_norm", "swiglu")
+KERNELS = ("rms_norm", "add_rms_norm", "layer_norm", "group_norm", "swiglu")
+#: group_norm's sweep: `rows` groups in all (GROUPS per sample) of `hidden` elements each
+#: (4 channels of hidden / 4 positions, or 1 channel where 4 does not divide it)
+GROUPS = 32
 #: bytes per element of x read and written, (forward, backward), in units of the dtype's size
 TRAFFIC = {
     "rms_norm": (2, 3),
     "add_rms_norm": (4, 4),
     "layer_norm": (2, 3),
+    "group_norm": (2, 3),
     "swiglu": (3, 5),
 }
 
@@ -80,6 +87,10 @@ def eager_ln(x, w, b):
     return F.layer_norm(x, (x.shape[-1],), w, b, EPS)
 
 
+def eager_gn(x, w, b):
+    return F.group_norm(x, GROUPS, w, b, EPS)
+
+
 def eager_swiglu(g, u):
     return F.silu(g) * u
 
@@ -89,6 +100,7 @@ def ours(kernel):
         "rms_norm": lambda x, w: R.rms_norm(x, w, EPS, 0.0, True),
         "add_rms_norm": lambda x, r, w: R.add_rms_norm(x, r, w, EPS, 0.0, True),
         "layer_norm": lambda x, w, b: L.layer_norm(x, w, b, EPS),
+        "group_norm": lambda x, w, b: GN.group_norm(x, GROUPS, w, b, EPS),
         "swiglu": lambda g, u: S.glu(g, u, "silu"),
     }[kernel]
 
@@ -98,6 +110,7 @@ def eager(kernel):
         "rms_norm": eager_rms,
         "add_rms_norm": eager_add_rms,
         "layer_norm": eager_ln,
+        "group_norm": eager_gn,
         "swiglu": eager_swiglu,
     }[kernel]
 
@@ -113,6 +126,13 @@ def liger(kernel):
             from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
             return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS), ""
+        if kernel == "group_norm":
+            from liger_kernel.ops.group_norm import LigerGroupNormFunction
+
+            return (
+                lambda x, w, b: LigerGroupNormFunction.apply(x, w, b, x.shape[1], GROUPS, EPS),
+                "",
+            )
         if kernel == "swiglu":
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -142,6 +162,11 @@ def inputs(kernel, rows, hidden, dtype, device, grad):
         return (t(rows, hidden), t(rows, hidden), t(hidden, scale=0.1, shift=1.0))
     if kernel == "layer_norm":
         return (t(rows, hidden), t(hidden, scale=0.1, shift=1.0), t(hidden, scale=0.1))
+    if kernel == "group_norm":
+        per = 4 if hidden % 4 == 0 else 1  # channels per group
+        c = GROUPS * per
+        x = t(max(1, rows // GROUPS), c, hidden // per)
+        return (x, t(c, scale=0.1, shift=1.0), t(c, scale=0.1))
     return (t(rows, hidden), t(rows, hidden))
 
 
@@ -251,6 +276,8 @@ def run(smoke: bool = False) -> dict:
         res["notes"].append("smoke: eager stands in for torch.compile (no GPU)")
     for kernel in KERNELS:
         for rows in rows_list:
+            if kernel == "group_norm":  # whole samples of GROUPS groups
+                rows = max(GROUPS, rows - rows % GROUPS)
             try:
                 res["rows"] += row(
                     kernel,

@@ -112,10 +112,13 @@ def ceilings() -> dict:
     }
 
 
-# the tests of the Triton norm and gated-activation kernels and their rules
+# the tests of the Triton norm and gated-activation kernels and their rules (and the
+# launch contracts every kernel keeps)
 KERNEL_TESTS = [
     "tests/kernels/test_rms_norm.py",
     "tests/kernels/test_layer_norm.py",
+    "tests/kernels/test_group_norm.py",
+    "tests/kernels/test_launch_contract.py",
     "tests/kernels/test_swiglu.py",
     "tests/kernels/test_crossover.py",
     "tests/rules/norm",
