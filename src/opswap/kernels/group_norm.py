@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
 
-from opswap.kernels._rows import jitted, rn, rn_flag, runs_triton, tl
+from opswap.kernels._rows import jitted, rn, rn_flag, runs_triton, tl, triton
 
 #: the most elements one program holds per chunk of a group (8 warps: 16 fp32 a thread)
 MAX_BLOCK = 2048
@@ -64,6 +64,31 @@ def reference(
     return y.to(x.dtype)
 
 
+if triton is not None:
+    # named `group_stats` where it is defined: Inductor copies a helper under its def's name
+    @triton.jit
+    def group_stats(x_ptr, base, L, eps, offs, BLOCK: tl.constexpr):
+        """(mean, rstd) of the L values at x_ptr + base, BLOCK at a time: each chunk's mean
+        and sum of squared deviations merged into the running ones (Chan's update)."""
+        count = 0.0
+        mean = 0.0
+        m2 = 0.0
+        for start in range(0, L, BLOCK):
+            idx = start + offs
+            ok = idx < L
+            v = tl.load(x_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
+            k = tl.minimum(L - start, BLOCK).to(tl.float32)
+            cmean = tl.sum(v, 0) / k
+            d = tl.where(ok, v - cmean, 0.0)
+            cm2 = tl.sum(d * d, 0)
+            total = count + k
+            delta = cmean - mean
+            mean = mean + delta * (k / total)
+            m2 = m2 + cm2 + delta * delta * (count * k / total)
+            count = total
+        return mean, tl.rsqrt(m2 / L + eps)
+
+
 def _gn_fwd_fn(
     x_ptr,  # [N * G, L] contiguous
     w_ptr,  # [C] (HAS_W)
@@ -82,24 +107,8 @@ def _gn_fwd_fn(
     pid = tl.program_id(0).to(tl.int64)
     base = pid * L
     offs = tl.arange(0, BLOCK)
-    # walk 1: the group's count, mean and sum of squared deviations, chunk by chunk
-    count = 0.0
-    mean = 0.0
-    m2 = 0.0
-    for start in range(0, L, BLOCK):
-        idx = start + offs
-        ok = idx < L
-        v = tl.load(x_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
-        k = tl.minimum(L - start, BLOCK).to(tl.float32)
-        cmean = tl.sum(v, 0) / k
-        d = tl.where(ok, v - cmean, 0.0)
-        cm2 = tl.sum(d * d, 0)
-        total = count + k
-        delta = cmean - mean
-        mean = mean + delta * (k / total)
-        m2 = m2 + cm2 + delta * delta * (count * k / total)
-        count = total
-    rstd = tl.rsqrt(m2 / L + eps)
+    # walk 1: the group's mean and rstd, chunk by chunk
+    mean, rstd = group_stats(x_ptr, base, L, eps, offs, BLOCK)
     # walk 2: normalise, the channel's affine, store in x's dtype
     ch0 = (pid % G) * CPG
     for start in range(0, L, BLOCK):
@@ -136,23 +145,7 @@ def _gn_bwd_fn(
     pid = tl.program_id(0).to(tl.int64)
     base = pid * L
     offs = tl.arange(0, BLOCK)
-    count = 0.0
-    mean = 0.0
-    m2 = 0.0
-    for start in range(0, L, BLOCK):
-        idx = start + offs
-        ok = idx < L
-        v = tl.load(x_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
-        k = tl.minimum(L - start, BLOCK).to(tl.float32)
-        cmean = tl.sum(v, 0) / k
-        d = tl.where(ok, v - cmean, 0.0)
-        cm2 = tl.sum(d * d, 0)
-        total = count + k
-        delta = cmean - mean
-        mean = mean + delta * (k / total)
-        m2 = m2 + cm2 + delta * delta * (count * k / total)
-        count = total
-    rstd = tl.rsqrt(m2 / L + eps)
+    mean, rstd = group_stats(x_ptr, base, L, eps, offs, BLOCK)
     # walk 2, channel by channel: the partial dw, db, and the group's two sums through w
     ch0 = (pid % G) * CPG
     coffs = tl.arange(0, CBLOCK)
