@@ -101,6 +101,18 @@ class _Each(nn.Module):
         return {k: m(x) for k, m in self.mods.items()}
 
 
+class _GroupNorm(nn.Module):
+    def __init__(self, groups, channels, affine):
+        super().__init__()
+        torch.manual_seed(groups)
+        self.groups = groups
+        self.w = nn.Parameter(torch.rand(channels) + 0.5) if affine else None
+        self.b = nn.Parameter(torch.randn(channels)) if affine else None
+
+    def forward(self, x):
+        return torch.ops.opswap.group_norm(x, self.groups, self.w, self.b, 1e-5)
+
+
 def _cases():
     lin = _linear()
     w, b = lin.weight.data, lin.bias.data
@@ -122,6 +134,8 @@ def _cases():
         static_tensor=Int8StaticConv2d(
             conv.weight.data, None, qp, False, (2, 2), (1, 1), (1, 1), 1, False
         ),
+        group_norm=_GroupNorm(3, 3, affine=True),  # InstanceNorm's form: G = C
+        group_norm_one=_GroupNorm(1, 3, affine=False),
     )
     rows = _Each(
         rms=_Row(lambda x, w: torch.ops.opswap.rms_norm(x, w, 1e-6, 0.0, True)),
@@ -132,6 +146,7 @@ def _cases():
         ),
         ln=_Row(lambda x, w: torch.ops.opswap.layer_norm(x, w, w * 0.1, 1e-5)),
         ln_plain=_Row(lambda x, w: torch.ops.opswap.layer_norm(x, None, None, 1e-5)),
+        gn_rows=_Row(lambda x, w: torch.ops.opswap.group_norm(x, 5, None, None, 1e-5)),
         silu=_Row(lambda x, w: torch.ops.opswap.glu(x, x * w, "silu")),
         gelu=_Row(lambda x, w: torch.ops.opswap.glu(x, x * w, "gelu")),
         packed=_Row(lambda x, w: torch.ops.opswap.glu_packed(x, "gelu_tanh")),
@@ -140,7 +155,7 @@ def _cases():
         "kernel ops": (_Kernels(), (3, 4, 6, 8), {"Softmax", "LogSoftmax", "ReduceLogSumExp"}),
         "row kernel ops": (rows, (3, 5, 2 * 37), {"ReduceMean", "Sqrt", "Gelu", "Split"}),
         "linear ops": (linears, (3, K), {"MatMulNBits", "MatMulInteger", "QuantizeLinear"}),
-        "conv ops": (convs, (3, 3, 9, 11), {"Conv", "DequantizeLinear"}),
+        "conv ops": (convs, (3, 3, 9, 11), {"Conv", "DequantizeLinear", "ReduceMean"}),
     }
 
 

@@ -20,6 +20,7 @@ execution provider:
 | opswap::rms_norm            | ReduceMean of squares, Sqrt, Div, the weight (fp32 inside)  |
 | opswap::add_rms_norm        | Add, then the same; both the normed row and the sum         |
 | opswap::layer_norm          | ReduceMean, Sub, Sqrt, Div, the weight and bias (fp32)     |
+| opswap::group_norm          | Reshape to [N, G, -1], the same, the channels' weight, bias |
 | opswap::glu, glu_packed     | Sigmoid * g, or Gelu (erf or tanh), times u (Split if packed)|
 | opswap::softmax, log_softmax| Softmax, LogSoftmax on the last axis (fp32 inside)          |
 | opswap::masked_softmax      | x * scale, Where (bool mask) or Add (additive), Softmax     |
@@ -63,6 +64,7 @@ LOWERED = {
     "opswap::rms_norm": "ReduceMean + Sqrt + Div + Mul (float32 inside)",
     "opswap::add_rms_norm": "Add + the rms_norm lowering",
     "opswap::layer_norm": "ReduceMean + Sub + Sqrt + Div + Mul + Add (float32 inside)",
+    "opswap::group_norm": "Reshape + ReduceMean + Sub + Sqrt + Div + Mul + Add (float32 inside)",
     "opswap::glu": "Sigmoid or Gelu + Mul",
     "opswap::glu_packed": "Split + Sigmoid or Gelu + Mul",
     "opswap::softmax": "Softmax (float32 inside)",
@@ -80,6 +82,7 @@ LOWERED = {
 NOT_LOWERED = {
     "opswap::rms_norm_backward": "training only",
     "opswap::layer_norm_backward": "training only",
+    "opswap::group_norm_backward": "training only",
     "opswap::glu_backward": "training only",
     "opswap::glu_packed_backward": "training only",
     "opswap::softmax_backward": "training only",
@@ -348,6 +351,24 @@ def table() -> dict[Any, Any]:
             y = op.Add(y, _float(bias, op))
         return _back(y, x, op)
 
+    def group_norm(x, num_groups: int, weight, bias, eps: float):
+        # [N, C, *spatial] -> [N, G, rest]: the statistics; back to [N, C, rest] for the
+        # channels' affine (whatever the rank, no spatial dims included), then x's shape
+        xf = _float(x, op)
+        shape = op.Shape(xf)
+        g = op.Reshape(xf, ints([0, num_groups, -1]))
+        mu = op.ReduceMean(g, ints([-1]), keepdims=1)
+        d = op.Sub(g, mu)
+        var = op.ReduceMean(op.Mul(d, d), ints([-1]), keepdims=1)
+        y = op.Div(d, op.Sqrt(op.Add(var, op.Constant(value_float=float(eps)))))
+        if weight is not None or bias is not None:
+            y = op.Reshape(op.Reshape(y, shape), ints([0, 0, -1]))
+            if weight is not None:
+                y = op.Mul(y, op.Reshape(_float(weight, op), ints([-1, 1])))
+            if bias is not None:
+                y = op.Add(y, op.Reshape(_float(bias, op), ints([-1, 1])))
+        return _back(op.Reshape(y, shape), x, op)
+
     def act_mul(g, u, like, activation: str):
         # `like`: a graph input of the op's dtype (Split's outputs carry none while traced)
         gf, uf = _float(g, op), _float(u, op)
@@ -488,6 +509,7 @@ def table() -> dict[Any, Any]:
         ops.rms_norm.default: rms_norm,
         ops.add_rms_norm.default: add_rms_norm,
         ops.layer_norm.default: layer_norm,
+        ops.group_norm.default: group_norm,
         ops.glu.default: glu,
         ops.glu_packed.default: glu_packed,
         ops.conv_relu.default: conv_relu,
