@@ -29,7 +29,10 @@ row) and the KV cache so far; the device-to-device copy bandwidth of a large ten
 measured in the same run, over those bytes bounds tokens/s, and each variant's share of
 that bound is reported. opswap's greedy tokens are checked against hf_dynamic's: the
 count of leading tokens that agree is recorded, not asserted (in bf16 two correct
-implementations part ways after a near-tie). A variant that fails records its error.
+implementations part ways after a near-tie, random weights giving many). So the logits
+are also checked by teacher forcing (`teacher_forced`): opswap's decoder, with and
+without kernels=True, stepped along HF's tokens, against HF's float32 forward, beside HF's
+own bf16 forward measured the same way. A variant that fails records its error.
 The JSON is rewritten after every variant, so a run cut short keeps what it measured;
 opswap's variants run right after hf_dynamic (the reference tokens), the other peers after.
 """
@@ -139,6 +142,44 @@ def _leading_match(a: torch.Tensor, b: torch.Tensor, prompt: int) -> int:
     n = min(len(x), len(y))
     differ = (x[:n] != y[:n]).nonzero()
     return int(differ[0, 0]) if len(differ) else n
+
+
+def teacher_forced(model, ref: torch.Tensor, prompt: int, kernels: bool) -> dict:
+    """The next-token logits of opswap's decoder along HF's own greedy tokens `ref`
+    [1, T + n] (its prefill of the prompt, then one step per reference token: teacher
+    forcing, so that a near-tie that sends two greedy runs apart does not hide how close
+    their logits are), against HF's forward over `ref` in float32; HF's forward in the
+    model's dtype is measured the same way, as the model's own rounding. Per row: the
+    lowest cosine over the n positions, the relative L2 of all of them, and the share of
+    positions whose argmax agrees with float32's."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from opswap.llm.hf_decoder import HFDecoder
+
+    n = ref.shape[1]
+    dtype = next(model.parameters()).dtype
+    with torch.inference_mode():
+        f32 = copy.deepcopy(model).float()
+        want = f32(ref).logits[0, prompt - 1 : n - 1].float()
+        del f32
+        own = model(ref).logits[0, prompt - 1 : n - 1].float()
+        net = HFDecoder(model, n, ref.device, dtype, kernels=kernels)
+        cache = net.new_cache(1, n)
+        got = [net.prefill(ref[:, :prompt], cache)[0, -1]]
+        for i in range(prompt, n - 1):
+            got.append(net.step(ref[:, i : i + 1], cache)[0])
+        ours = torch.stack(got).float()
+
+    def stats(x: torch.Tensor) -> dict:
+        return {
+            "min_cosine": F.cosine_similarity(x, want, dim=-1).min().item(),
+            "rel_l2": ((x - want).norm() / want.norm()).item(),
+            "argmax_agrees": (x.argmax(-1) == want.argmax(-1)).float().mean().item(),
+        }
+
+    return {"kernels": kernels, "ours": stats(ours), "hf_own_dtype": stats(own)}
 
 
 def _forward_kw(model) -> str:
@@ -297,6 +338,16 @@ def run(
             torch._dynamo.reset()
         print({k: v for k, v in row.items() if k != "trace"}, flush=True)
         res["rows"].append(row)
+        if on_row is not None:
+            on_row(res)
+    if reference is not None:
+        res["teacher_forced"] = []
+        for kernels in (False, True):
+            try:
+                res["teacher_forced"].append(teacher_forced(model, reference, prompt, kernels))
+            except Exception as e:  # the check's failure must not lose the timings
+                res["teacher_forced"].append({"kernels": kernels, "error": f"{e}"[:600]})
+            print(res["teacher_forced"][-1], flush=True)
         if on_row is not None:
             on_row(res)
     return res

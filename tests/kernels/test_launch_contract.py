@@ -68,3 +68,88 @@ def test_constexpr_globals_survive_inductors_copy(name, fn):
         if isinstance(value, tl.constexpr):
             text = repr(value.value)
             assert eval(text, {}) == value.value, f"{name}: global {g} is written {text}"
+
+
+#: the kernels' float scalars (every other scalar is a size or a stride)
+FLOAT_ARGS = ("qk_scale", "scale", "eps", "offset", "factor", "negative_slope")
+_POINTERS = {"len_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32"}
+
+
+def _constexpr_value(name: str):
+    """A value each constexpr takes in some launch: tiles of 32, head dim 64, the flags
+    on (more of the body is built), TMA and the fp32 dots off, op codes 0."""
+    if name in ("PREC",):
+        return "tf32"
+    if name in ("USE_TMA", "DOT_F32"):
+        return False
+    if name.startswith("BLOCK") or name in ("D", "CBLOCK"):
+        return 32 if name != "D" else 64
+    if name in ("OP", "ACT"):
+        return 0
+    if name in ("ROWS", "SPLIT_K"):
+        return 1
+    if name == "BITS":
+        return 8
+    if name == "GROUP":
+        return 32
+    return True
+
+
+def _ttir(fn) -> str:
+    """`fn` built to Triton IR for an sm_90 target with every float scalar typed fp64,
+    as inductor types a float it traced as a SymFloat."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    params = [p.name for p in inspect.signature(fn).parameters.values()]
+    consts, sig = {}, {}
+    for p in inspect.signature(fn).parameters.values():
+        if p.annotation in (tl.constexpr, "tl.constexpr"):
+            consts[p.name] = _constexpr_value(p.name)
+            sig[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = _POINTERS.get(p.name, "*fp32")
+        else:
+            sig[p.name] = "fp64" if p.name in FLOAT_ARGS else "i32"
+    assert params
+    src = triton.compiler.ASTSource(triton.jit(fn), sig, consts)
+    options = backend.parse_options({"num_warps": 4})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(
+        target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+        context,
+    )  # fmt: skip
+    return str(module)
+
+
+FLOAT_KERNELS = [
+    (n, fn)
+    for n, fn in KERNELS
+    if any(p in FLOAT_ARGS for p in inspect.signature(fn).parameters)
+    and not n.startswith("weight_only")
+]
+
+
+def test_the_float_kernels_are_found():
+    names = {n for n, _ in FLOAT_KERNELS}
+    assert {"decode_attention._decode_split_fn", "_flash_fwd._flash_fwd_fn"} <= names
+    assert {"rms_norm._rms_fwd_fn", "layer_norm._ln_bwd_fn", "softmax._softmax_fwd_fn"} <= names
+
+
+@pytest.mark.parametrize("name,fn", FLOAT_KERNELS, ids=[n for n, _ in FLOAT_KERNELS])
+def test_a_float_scalar_typed_fp64_keeps_the_math_fp32(name, fn):
+    """Inductor passes a float that dynamo did not specialise (a SymFloat: scale, eps) as
+    fp64. A kernel that multiplies its fp32 tiles by it computes in fp64 (slow on the
+    GPU) or fails to build where the product is loop-carried (the decode kernel's
+    running max under torch.compile). Each kernel casts its float scalars to fp32 first."""
+    text = _ttir(fn)
+    f64_math = [
+        line.strip()
+        for line in text.splitlines()
+        if "f64" in line and "tt.func" not in line and "arith.truncf" not in line
+    ]
+    assert not f64_math, f"{name} computes in fp64 from a float scalar: {f64_math[:3]}"

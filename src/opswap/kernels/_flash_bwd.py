@@ -107,6 +107,9 @@ def _flash_bwd_dkdv_fn(
     DOT_F32: tl.constexpr,
     RN: tl.constexpr,
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HK
@@ -225,6 +228,9 @@ def _flash_bwd_dq_fn(
     DOT_F32: tl.constexpr,
     RN: tl.constexpr,
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H

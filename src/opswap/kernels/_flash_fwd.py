@@ -61,6 +61,8 @@ def _flash_fwd_fn(
     DOT_F32: tl.constexpr,  # the interpreter: its half-precision dot is not a GPU's
     RN: tl.constexpr,
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H

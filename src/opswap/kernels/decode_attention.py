@@ -120,6 +120,8 @@ def _decode_split_fn(
     PREC: tl.constexpr,
     DOT_F32: tl.constexpr,  # the interpreter: its half-precision dot is not a GPU's
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // H_KV

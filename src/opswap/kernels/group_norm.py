@@ -104,6 +104,8 @@ def _gn_fwd_fn(
     BLOCK: tl.constexpr,
     RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0).to(tl.int64)
     base = pid * L
     offs = tl.arange(0, BLOCK)
@@ -142,6 +144,8 @@ def _gn_bwd_fn(
     CBLOCK: tl.constexpr,
     RN: tl.constexpr,
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0).to(tl.int64)
     base = pid * L
     offs = tl.arange(0, BLOCK)

@@ -72,6 +72,8 @@ def _ln_fwd_fn(
     RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     # one row per program: read x once, write y once; the two moments from registers
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    eps = tl.cast(eps, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -103,6 +105,8 @@ def _ln_bwd_fn(
     BLOCK: tl.constexpr,
     RN: tl.constexpr,
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N

@@ -141,6 +141,8 @@ def _sumsq_bwd_fn(
     RN: tl.constexpr,
 ):
     # program (row, tile): read x once, write dx = factor * x * dy once
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    factor = tl.cast(factor, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < N

@@ -103,6 +103,9 @@ def _rms_fwd_fn(
     RN_Y: tl.constexpr,
 ):
     # one row per program: read x (and the residual) once, write y (and s) once
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    eps = tl.cast(eps, tl.float32)
+    offset = tl.cast(offset, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -140,6 +143,9 @@ def _rms_bwd_fn(
     BLOCK: tl.constexpr,
     RN_X: tl.constexpr,
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    eps = tl.cast(eps, tl.float32)
+    offset = tl.cast(offset, tl.float32)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N

@@ -99,6 +99,8 @@ def _softmax_fwd_fn(
     BLOCK: tl.constexpr,
     RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    scale = tl.cast(scale, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * sx
     y_row = y_ptr + row * N
@@ -172,6 +174,8 @@ def _softmax_bwd_fn(
     BLOCK: tl.constexpr,
     RN: tl.constexpr,
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    scale = tl.cast(scale, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if not ONLINE:
