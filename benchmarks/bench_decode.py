@@ -260,11 +260,14 @@ def variants(model, ids: torch.Tensor, n_new: int, smoke: bool) -> dict[str, Cal
 
     return {  # the reference first, then ours, then the peers that compile longest
         "hf_dynamic": hf_dynamic,
-        "opswap_eager": opswap("opswap_eager", cuda_graphs=False),
-        "opswap_graphs": opswap("opswap_graphs", cuda_graphs=True),
+        "opswap_eager": opswap("opswap_eager", cuda_graphs=False, kernels=False),
+        "opswap_graphs": opswap("opswap_graphs", cuda_graphs=True, kernels=False),
         "opswap_kernels": opswap("opswap_kernels", cuda_graphs=True, kernels=True),
         "opswap_compile": opswap(
-            "opswap_compile", cuda_graphs=True, compile="aot_eager" if smoke else True
+            "opswap_compile",
+            cuda_graphs=True,
+            kernels=False,
+            compile="aot_eager" if smoke else True,
         ),
         "gpt_fast": gpt_fast,
         "hf_static_compile": hf_static_compile,

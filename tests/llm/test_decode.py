@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 import _rows_check as rc  # noqa: E402
 
 from opswap.errors import OpswapError  # noqa: E402
+from opswap.kernels import _rows  # noqa: E402
 from opswap.llm import DecodeError, StaticDecoder, StaticKVCache  # noqa: E402
 
 #: the GPU machine runs the same tests on CUDA: the Triton kernel and CUDA graphs
@@ -154,6 +155,16 @@ def test_the_fused_ops_give_hf_tokens_and_logits(kv_heads, batch):
         ref = model(want[:, :-1]).logits
     torch.testing.assert_close(prefill, ref[:, :6], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(steps, ref[:, 6:], rtol=1e-4, atol=1e-5)
+
+
+def test_the_fused_ops_are_the_default_on_a_cuda_device_only():
+    model = _llama()
+    assert StaticDecoder(model, max_len=8).net.kernels is False  # CPU: HF's own math
+    assert StaticDecoder(model, max_len=8, kernels=True).net.kernels is True
+    if torch.cuda.is_available():
+        on_gpu = StaticDecoder(_llama().cuda(), max_len=8)
+        assert on_gpu.net.kernels is (_rows.triton is not None)
+        assert StaticDecoder(_llama().cuda(), max_len=8, kernels=False).net.kernels is False
 
 
 def test_a_compiled_step_gives_the_same_tokens():

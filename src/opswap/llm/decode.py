@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from opswap.kernels import _rows
 from opswap.llm.hf_decoder import HFDecoder
 from opswap.llm.static_cache import DecodeError
 
@@ -39,8 +40,11 @@ class StaticDecoder:
 
     `max_len` bounds prompt + new tokens; `batch` is fixed (the graph is captured for
     it); `device` and `dtype` default to the model's; `kernels=True` runs the norms, the
-    rotary embedding and the gated MLP as opswap's fused Triton ops (see hf_decoder). The
-    user's model is not changed."""
+    rotary embedding and the gated MLP as opswap's fused Triton ops (see hf_decoder);
+    the default, None, takes them on a CUDA device where Triton is installed (1.42x the
+    gpt-fast recipe on the H200 with them, 0.76x without; chapter 29) and leaves HF's
+    math elsewhere, where the ops would run their slower references. The user's model is
+    not changed."""
 
     def __init__(
         self,
@@ -51,7 +55,7 @@ class StaticDecoder:
         dtype: torch.dtype | None = None,
         cuda_graphs: bool = True,
         compile: bool | str = False,
-        kernels: bool = False,
+        kernels: bool | None = None,
     ) -> None:
         if int(max_len) < 2 or int(batch) < 1:
             raise DecodeError(
@@ -65,7 +69,9 @@ class StaticDecoder:
             else (first.device if first is not None else torch.device("cpu"))
         )
         dt = dtype or (first.dtype if first is not None else torch.float32)
-        self.net = HFDecoder(model, int(max_len), dev, dt, kernels=kernels)
+        if kernels is None:
+            kernels = dev.type == "cuda" and _rows.triton is not None
+        self.net = HFDecoder(model, int(max_len), dev, dt, kernels=bool(kernels))
         self.max_len, self.batch, self.device, self.dtype = int(max_len), int(batch), dev, dt
         self.cache = self.net.new_cache(self.batch, self.max_len)
         self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"
