@@ -120,6 +120,7 @@ KERNEL_TESTS = [
     "tests/kernels/test_group_norm.py",
     "tests/kernels/test_launch_contract.py",
     "tests/kernels/test_swiglu.py",
+    "tests/kernels/test_activation.py",
     "tests/kernels/test_crossover.py",
     "tests/rules/norm",
     "tests/rules/activation",
@@ -148,12 +149,23 @@ DECODE_TESTS = [
     "tests/llm",
 ]
 
+# the bias + activation kernel (its interpreter cases run compiled on the GPU), its rule and
+# its ONNX lowering
+ACTIVATION_TESTS = [
+    "tests/kernels/test_activation.py",
+    "tests/kernels/test_launch_contract.py",
+    "tests/kernels/test_crossover.py",
+    "tests/rules/activation",
+    "tests/backends/test_lowerings.py",
+]
+
 #: --only parts that run a test list on the GPU, then one benchmark script
 KERNEL_PARTS = {
     "kernels": (KERNEL_TESTS, "bench_norm_kernels.py"),
     "kernels18": (KERNEL18_TESTS, "bench_kernels18.py"),
     "attention": (ATTENTION_TESTS, "bench_attention.py"),
     "decode": (DECODE_TESTS, "bench_decode.py"),
+    "activation": (ACTIVATION_TESTS, "bench_activation.py"),
 }
 
 # the tests with CUDA paths of the low-precision schemes
@@ -454,6 +466,7 @@ def main() -> None:
             "attention",
             "attention_e2e",
             "decode",
+            "activation",
         ],
         help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
@@ -470,7 +483,10 @@ def main() -> None:
         "decode = the decode-attention kernel's and opswap.llm's tests on the GPU, then "
         "benchmarks/bench_decode.py (greedy tokens/s of a 1.1B Llama at batch 1: StaticDecoder "
         "against HF generate, HF static cache + compile and a gpt-fast-style loop, next to the "
-        "bandwidth roofline; writes decode_h200.json)",
+        "bandwidth roofline; writes decode_h200.json); activation = the bias + activation "
+        "kernel's, rule's and lowering's tests on the GPU, then benchmarks/bench_activation.py "
+        "(opswap::bias_act against the written-out formulas in eager and torch.compile, "
+        "forward and forward+backward; writes activation_h200.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"

@@ -12,6 +12,7 @@ from opswap.backends.lowerings import LOWERED, NOT_LOWERED, table
 from opswap.backends.ort import ort_artifact
 from opswap.graph.dynamic import Axis, Dynamic
 from opswap.kernels import int8_linear as k8
+from opswap.kernels.activation import ACTIVATIONS
 from opswap.kernels.observers import QParams
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.rules.precision._int8_static_module import Int8StaticConv2d, Int8StaticLinear
@@ -150,10 +151,22 @@ def _cases():
         silu=_Row(lambda x, w: torch.ops.opswap.glu(x, x * w, "silu")),
         gelu=_Row(lambda x, w: torch.ops.opswap.glu(x, x * w, "gelu")),
         packed=_Row(lambda x, w: torch.ops.opswap.glu_packed(x, "gelu_tanh")),
+        **{  # every activation of bias_act, every other one without its bias
+            f"act_{a}": _Row(
+                lambda x, w, a=a, i=i: torch.ops.opswap.bias_act(
+                    x * 3, w - 1 if i % 2 == 0 else None, a, 0.2
+                )
+            )
+            for i, a in enumerate(ACTIVATIONS)
+        },
     )
     return {
         "kernel ops": (_Kernels(), (3, 4, 6, 8), {"Softmax", "LogSoftmax", "ReduceLogSumExp"}),
-        "row kernel ops": (rows, (3, 5, 2 * 37), {"ReduceMean", "Sqrt", "Gelu", "Split"}),
+        "row kernel ops": (
+            rows,
+            (3, 5, 2 * 37),
+            {"ReduceMean", "Sqrt", "Gelu", "Split", "HardSwish", "HardSigmoid", "LeakyRelu"},
+        ),
         "linear ops": (linears, (3, K), {"MatMulNBits", "MatMulInteger", "QuantizeLinear"}),
         "conv ops": (convs, (3, 3, 9, 11), {"Conv", "DequantizeLinear", "ReduceMean"}),
     }

@@ -46,6 +46,7 @@ def test_the_kernels_are_found():
         "softmax",
         "rms_norm",
         "group_norm",
+        "activation",
     } <= names
 
 

@@ -28,6 +28,8 @@ execution provider:
 | opswap::rope                | x cos + rot(x) sin, rot by Split/Concat (half or pairs)     |
 | opswap::flash_attention     | q kᵀ scale, the hidden keys at -inf (Where), Softmax, · v; lse |
 | opswap::bias_gelu_cuda      | Add, Gelu (erf) in fp32                                     |
+| opswap::bias_act            | Add, then Relu, Clip, LeakyRelu, HardSwish, HardSigmoid,    |
+|                             | Sigmoid * s, Gelu (erf or tanh) or s * Sigmoid(1.702 s)     |
 
 The kernels' backward ops (`*_backward`) appear only in training graphs, which are
 not exported to a runtime, and have no lowering; nor has `opswap::decode_attention`,
@@ -75,6 +77,7 @@ LOWERED = {
     "opswap::rope": "Mul + Split/Concat (the rotation) + Add, for q and k",
     "opswap::flash_attention": "MatMul + Where (causal, lengths, mask) + Softmax + MatMul",
     "opswap::bias_gelu_cuda": "Add + Gelu (float32 inside)",
+    "opswap::bias_act": "Add + the activation's ONNX op (float32 inside)",
 }
 
 #: ops with no lowering, and why (training-only ops never reach an exported inference graph;
@@ -83,6 +86,7 @@ NOT_LOWERED = {
     "opswap::rms_norm_backward": "training only",
     "opswap::layer_norm_backward": "training only",
     "opswap::group_norm_backward": "training only",
+    "opswap::bias_act_backward": "training only",
     "opswap::glu_backward": "training only",
     "opswap::glu_packed_backward": "training only",
     "opswap::softmax_backward": "training only",
@@ -496,6 +500,28 @@ def table() -> dict[Any, Any]:
     def bias_gelu_cuda(x, b):
         return _back(op.Gelu(op.Add(_float(x, op), _float(b, op))), x, op)
 
+    def bias_act(x, bias, activation: str, negative_slope: float):
+        s = _float(x, op)
+        if bias is not None:
+            s = op.Add(s, _float(bias, op))
+        if activation == "relu":
+            y = op.Relu(s)
+        elif activation == "relu6":
+            y = op.Clip(s, op.Constant(value_float=0.0), op.Constant(value_float=6.0))
+        elif activation == "leaky_relu":
+            y = op.LeakyRelu(s, alpha=float(negative_slope))
+        elif activation == "hardswish":
+            y = op.HardSwish(s)
+        elif activation == "hardsigmoid":  # relu6(s + 3) / 6 = clip(s / 6 + 1/2, 0, 1)
+            y = op.HardSigmoid(s, alpha=1.0 / 6.0, beta=0.5)
+        elif activation == "silu":
+            y = op.Mul(s, op.Sigmoid(s))
+        elif activation == "quick_gelu":
+            y = op.Mul(s, op.Sigmoid(op.Mul(s, op.Constant(value_float=1.702))))
+        else:
+            y = op.Gelu(s, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return _back(y, x, op)
+
     ops = torch.ops.opswap
     return {
         ops.softmax.default: softmax,
@@ -506,6 +532,7 @@ def table() -> dict[Any, Any]:
         ops.rope.default: rope,
         ops.flash_attention.default: flash_attention,
         ops.bias_gelu_cuda.default: bias_gelu_cuda,
+        ops.bias_act.default: bias_act,
         ops.rms_norm.default: rms_norm,
         ops.add_rms_norm.default: add_rms_norm,
         ops.layer_norm.default: layer_norm,

@@ -3,6 +3,7 @@ reference implementation. Importing this package registers them, which is what l
 a saved `model.pt2` that uses them needs (`opswap.load_optimized` does it)."""
 
 from opswap.kernels import (
+    activation,  # noqa: F401  (registers opswap::bias_act and bias_act_backward)
     bias_gelu_cuda,  # noqa: F401  (registers opswap::bias_gelu_cuda; builds on first CUDA use)
     conv_relu,  # noqa: F401  (registers opswap::conv_relu)
     decode_attention,  # noqa: F401  (registers opswap::decode_attention)
@@ -21,6 +22,7 @@ from opswap.kernels import (
 )
 
 __all__ = [
+    "activation",
     "bias_gelu_cuda",
     "conv_relu",
     "decode_attention",

@@ -5,7 +5,10 @@ benchmark's JSON (`benchmarks/bench_norm_kernels.py --update-crossover`).
 An entry is keyed by (kernel, device class, dtype, shape class, pass):
 
 - kernel: one of KERNELS ("rms_norm", ..., "softmax", "rope", "bias_gelu_cuda",
-  "flash_attention");
+  "flash_attention", "bias_act", "bias_act:gelu_new", ...); opswap::bias_act has one name
+  per kind of site it replaces, since eager's cost differs: "bias_act" for an activation
+  of x + b (two eager kernels), "bias_act:FORM" for a written-out formula (gelu_new is
+  eight);
 - device class: "sm90" for Hopper (H100, H200), "sm80" for the A100, ... (`device_class`);
 - dtype: "bfloat16", "float16", "float32";
 - shape class: the hidden size's bucket (the next power of two at or above it) and the
@@ -51,6 +54,13 @@ KERNELS = (
     "rope",
     "bias_gelu_cuda",
     "flash_attention",
+    # opswap::bias_act, per site it replaces: an activation of x + b, and each formula
+    "bias_act",
+    "bias_act:gelu_new",
+    "bias_act:fast_gelu",
+    "bias_act:quick_gelu",
+    "bias_act:hardswish",
+    "bias_act:hardsigmoid",
 )
 PASSES = ("forward", "forward+backward")
 #: row-count buckets: few rows are launch-bound, many are bandwidth-bound
