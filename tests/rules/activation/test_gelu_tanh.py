@@ -71,14 +71,18 @@ def test_an_exact_plan_leaves_it_out_and_a_cpu_target_skips_it(method):
 def test_hf_bert_erf_gelu_becomes_tanh_and_folds_into_the_epilogue():
     lm, cap = bert()
     rules = [RULE, EPILOGUE]
-    plan, applied, _, rel = run(lm.module, lm.example_inputs, rules, "export", "h200", "approx", cap)
+    plan, applied, _, rel = run(
+        lm.module, lm.example_inputs, rules, "export", "h200", "approx", cap
+    )
     assert fired(plan, RULE) == 1 and fired(plan, EPILOGUE) == 1, (plan.decisions, plan.misses)
     assert [d.rule for d in plan.decisions] == rules  # tanh first, then the fold
     assert calls(applied.gm, ADDMM_ACT) == 1
     # on this CPU the folded op computes erf-GELU (see linear_epilogue): BERT's own function
     assert rel <= 1e-5
     # tanh alone moves BERT's output by the approximation only
-    plan, applied, _, rel = run(lm.module, lm.example_inputs, [RULE], "export", "h200", "approx", cap)
+    plan, applied, _, rel = run(
+        lm.module, lm.example_inputs, [RULE], "export", "h200", "approx", cap
+    )
     assert fired(plan, RULE) == 1 and 1e-7 < rel <= 1e-3
 
 
