@@ -148,12 +148,16 @@ DECODE_TESTS = [
     "tests/llm",
 ]
 
+# the activation rules; with a GPU the Linear epilogue test also runs its rewrite on CUDA
+EPILOGUE_TESTS = ["tests/rules/activation", "tests/backends/test_lowerings.py"]
+
 #: --only parts that run a test list on the GPU, then one benchmark script
 KERNEL_PARTS = {
     "kernels": (KERNEL_TESTS, "bench_norm_kernels.py"),
     "kernels18": (KERNEL18_TESTS, "bench_kernels18.py"),
     "attention": (ATTENTION_TESTS, "bench_attention.py"),
     "decode": (DECODE_TESTS, "bench_decode.py"),
+    "epilogue": (EPILOGUE_TESTS, "bench_epilogue.py"),
 }
 
 # the tests with CUDA paths of the low-precision schemes
@@ -454,6 +458,7 @@ def main() -> None:
             "attention",
             "attention_e2e",
             "decode",
+            "epilogue",
         ],
         help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
@@ -470,7 +475,10 @@ def main() -> None:
         "decode = the decode-attention kernel's and opswap.llm's tests on the GPU, then "
         "benchmarks/bench_decode.py (greedy tokens/s of a 1.1B Llama at batch 1: StaticDecoder "
         "against HF generate, HF static cache + compile and a gpt-fast-style loop, next to the "
-        "bandwidth roofline; writes decode_h200.json)",
+        "bandwidth roofline; writes decode_h200.json); epilogue = the activation rules' tests on "
+        "the GPU, then benchmarks/bench_epilogue.py (Linear + ReLU / tanh-GELU: eager, "
+        "aten._addmm_activation's cuBLASLt epilogue and torch.compile, bf16 and fp16 at "
+        "BERT, GPT-2 and Llama shapes; writes epilogue_h200.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"
