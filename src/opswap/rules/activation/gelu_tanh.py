@@ -40,8 +40,8 @@ class GeluTanh(Rule):
     slower here, see CPU_NOTE). What it buys is what the tanh form enables: it is the
     function cuBLASLt's GELU epilogue computes, so after it activation.linear_epilogue
     (declared to run after this rule) folds a Linear + GELU into one GEMM on CUDA; and
-    it is the form several runtimes have a fused kernel for (ONNX Runtime's FastGelu,
-    TensorRT's GELU plugin). The prediction says so: zero on a CUDA target where a
+    it is the form several runtimes have a fused kernel for (ONNX Runtime's com.microsoft
+    FastGelu computes it). The prediction says so: zero on a CUDA target where a
     Linear epilogue then takes it (that rule predicts the saving), slower on a CPU and
     where nothing takes it, so that the planner leaves it out there with the reason.
     """

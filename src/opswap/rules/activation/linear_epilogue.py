@@ -102,7 +102,8 @@ class LinearEpilogue(Rule):
     on CUDA, cuBLASLt adds the bias and applies the activation to the fp32 accumulator
     in the GEMM's epilogue, so the Linear's output is written once and never re-read.
 
-    What PyTorch does with the op (read in its source, torch 2.13):
+    What PyTorch does with the op (the Python side read in the installed torch 2.13; the
+    C++ files, which the wheel does not ship, in PyTorch's current source):
 
     - CUDA, aten/src/ATen/native/cuda/Blas.cpp: `addmm_activation_out_cuda` calls
       `addmm_out_cuda_impl` with Activation::RELU or GELU. The cuBLASLt path
