@@ -158,6 +158,8 @@ ACTIVATION_TESTS = [
     "tests/rules/activation",
     "tests/backends/test_lowerings.py",
 ]
+# the activation rules; with a GPU the Linear epilogue test also runs its rewrite on CUDA
+EPILOGUE_TESTS = ["tests/rules/activation", "tests/backends/test_lowerings.py"]
 
 #: --only parts that run a test list on the GPU, then one benchmark script
 KERNEL_PARTS = {
@@ -166,6 +168,7 @@ KERNEL_PARTS = {
     "attention": (ATTENTION_TESTS, "bench_attention.py"),
     "decode": (DECODE_TESTS, "bench_decode.py"),
     "activation": (ACTIVATION_TESTS, "bench_activation.py"),
+    "epilogue": (EPILOGUE_TESTS, "bench_epilogue.py"),
 }
 
 # the tests with CUDA paths of the low-precision schemes
@@ -467,6 +470,7 @@ def main() -> None:
             "attention_e2e",
             "decode",
             "activation",
+            "epilogue",
         ],
         help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
@@ -486,7 +490,10 @@ def main() -> None:
         "bandwidth roofline; writes decode_h200.json); activation = the bias + activation "
         "kernel's, rule's and lowering's tests on the GPU, then benchmarks/bench_activation.py "
         "(opswap::bias_act against the written-out formulas in eager and torch.compile, "
-        "forward and forward+backward; writes activation_h200.json)",
+        "forward and forward+backward; writes activation_h200.json); epilogue = the activation rules' tests on "
+        "the GPU, then benchmarks/bench_epilogue.py (Linear + ReLU / tanh-GELU: eager, "
+        "aten._addmm_activation's cuBLASLt epilogue and torch.compile, bf16 and fp16 at "
+        "BERT, GPT-2 and Llama shapes; writes epilogue_h200.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"

@@ -72,7 +72,7 @@ def test_constexpr_globals_survive_inductors_copy(name, fn):
 
 
 #: the kernels' float scalars (every other scalar is a size or a stride)
-FLOAT_ARGS = ("qk_scale", "scale", "eps", "offset", "factor", "negative_slope")
+FLOAT_ARGS = ("qk_scale", "scale", "eps", "offset", "factor", "slope")
 _POINTERS = {"len_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32"}
 
 
@@ -139,6 +139,7 @@ def test_the_float_kernels_are_found():
     names = {n for n, _ in FLOAT_KERNELS}
     assert {"decode_attention._decode_split_fn", "_flash_fwd._flash_fwd_fn"} <= names
     assert {"rms_norm._rms_fwd_fn", "layer_norm._ln_bwd_fn", "softmax._softmax_fwd_fn"} <= names
+    assert {"activation._bias_act_fwd_fn", "activation._bias_act_bwd_fn"} <= names
 
 
 @pytest.mark.parametrize("name,fn", FLOAT_KERNELS, ids=[n for n, _ in FLOAT_KERNELS])

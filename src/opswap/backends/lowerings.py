@@ -30,6 +30,13 @@ execution provider:
 | opswap::bias_gelu_cuda      | Add, Gelu (erf) in fp32                                     |
 | opswap::bias_act            | Add, then Relu, Clip, LeakyRelu, HardSwish, HardSigmoid,    |
 |                             | Sigmoid * s, Gelu (erf or tanh) or s * Sigmoid(1.702 s)     |
+| aten::_addmm_activation     | MatMul, Add (fp32), Relu or Gelu(approximate="tanh")        |
+
+`aten._addmm_activation` (what activation.linear_epilogue leaves) has a decomposition the
+exporter would use, traced on the CPU, where the op's GELU is the erf form; on CUDA, the
+device the rule targets, it is the tanh form (Blas.cpp and the decomposition itself
+branch on the device). The rule folds only a tanh-GELU, so the lowering writes the tanh
+form: the ONNX file computes the user's function on every execution provider.
 
 The kernels' backward ops (`*_backward`) appear only in training graphs, which are
 not exported to a runtime, and have no lowering; nor has `opswap::decode_attention`,
@@ -78,6 +85,7 @@ LOWERED = {
     "opswap::flash_attention": "MatMul + Where (causal, lengths, mask) + Softmax + MatMul",
     "opswap::bias_gelu_cuda": "Add + Gelu (float32 inside)",
     "opswap::bias_act": "Add + the activation's ONNX op (float32 inside)",
+    "aten::_addmm_activation": "MatMul + Add + Relu or Gelu(tanh) (float32 inside)",
 }
 
 #: ops with no lowering, and why (training-only ops never reach an exported inference graph;
@@ -522,8 +530,21 @@ def table() -> dict[Any, Any]:
             y = op.Gelu(s, approximate="tanh" if activation == "gelu_tanh" else "none")
         return _back(y, x, op)
 
+    def addmm_activation(bias, mat1, mat2, beta: float = 1.0, alpha: float = 1.0, use_gelu=False):
+        # bias [N], mat1 [M, K], mat2 [K, N]; the epilogue's math on the fp32 accumulator
+        y = _float(op.MatMul(mat1, mat2), op)
+        b = _float(bias, op)
+        if alpha != 1.0:
+            y = op.Mul(y, op.Constant(value_float=float(alpha)))
+        if beta != 1.0:
+            b = op.Mul(b, op.Constant(value_float=float(beta)))
+        y = op.Add(y, b)
+        y = op.Gelu(y, approximate="tanh") if use_gelu else op.Relu(y)
+        return _back(y, mat1, op)
+
     ops = torch.ops.opswap
     return {
+        torch.ops.aten._addmm_activation.default: addmm_activation,
         ops.softmax.default: softmax,
         ops.log_softmax.default: log_softmax,
         ops.masked_softmax.default: masked_softmax,

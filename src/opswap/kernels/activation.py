@@ -240,6 +240,8 @@ def _bias_act_fwd_fn(
     BLOCK: tl.constexpr,
     RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    slope = tl.cast(slope, tl.float32)
     # one program, BLOCK elements of the flat tensor: x read once, y written once
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -263,6 +265,8 @@ def _bias_act_bwd_fn(
     BLOCK: tl.constexpr,
     RN: tl.constexpr,
 ):
+    # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
+    slope = tl.cast(slope, tl.float32)
     # s = x + b is recomputed, not stored by the forward: 6 bytes an element in bf16
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
