@@ -31,6 +31,8 @@ from opswap.kernels.flash_attention import flash_attention  # noqa: E402
 POINTS = [(1024, 64, False), (1024, 64, True), (2048, 64, False), (2048, 64, True)]
 POINTS += [(1024, 128, False), (2048, 128, True), (4096, 64, True)]
 B, H = 8, 16
+#: the point whose forward+backward host time is profiled function by function
+PROFILED = (2048, 64, True)
 
 
 def _events(fn, iters: int = 30) -> float:
@@ -100,6 +102,26 @@ def _kernel_ms(fn, iters: int = 20) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
 
 
+def _host_profile(fn, iters: int = 20) -> list[str]:
+    """The host functions that take the most cumulative time over `iters` calls of fn
+    (cProfile), as lines: where a host-bound call spends its milliseconds."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+    return [line.rstrip() for line in buf.getvalue().splitlines() if line.strip()][:45]
+
+
 def _best_configs() -> dict[str, str]:
     out = {}
     for (name, interp), k in _flash_launch._KERNELS.items():
@@ -151,6 +173,8 @@ def _point(s: int, d: int, causal: bool) -> dict:
         row["ours_bwd_kernels_ms"] = _kernel_ms(ours_bwd)
     row["ours_fb_events_ms"] = _events(ours_fb)
     row["ours_fb_host_ms"] = _host_ms(ours_fb)
+    if (s, d, causal) == PROFILED:
+        row["ours_fb_host_profile"] = _host_profile(ours_fb)
     for name, backend in (
         ("flash", SDPBackend.FLASH_ATTENTION),
         ("cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -189,9 +213,13 @@ def run() -> dict:
 
 
 def main() -> None:
+    global POINTS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--quick", action="store_true", help="the profiled point alone")
     a = ap.parse_args()
+    if a.quick:
+        POINTS = [PROFILED]
     if not torch.cuda.is_available():
         raise SystemExit("bench_flash_overhead needs a CUDA device; run it on the GPU machine.")
     res = run()
