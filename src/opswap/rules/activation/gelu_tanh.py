@@ -87,7 +87,8 @@ class GeluTanh(Rule):
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         gelu = found.nodes[-1]
         x = found["x"]
-        n = info(gelu).numel if info(gelu) is not None else 0
+        gi = info(gelu)
+        n = gi.numel if gi is not None else 0
         tanh_cost = NodeCost(ACTIVATION_FLOPS["gelu_tanh"] * n, node_cost(gelu).bytes)
         est = saving(target, [gelu], [tanh_cost], "")
         if getattr(target, "kind", "cpu") != "cuda":

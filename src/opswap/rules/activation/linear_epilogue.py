@@ -36,10 +36,10 @@ def _parts(gm: fx.GraphModule, mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, 
     mod = module_of(mm)
     if mod is not None and not isinstance(mod, torch.nn.Linear):
         return f"{mm.name} is a {type(mod).__name__}, not an nn.Linear"
-    w = weighted(gm, mm)
-    if isinstance(w, str):
-        return w
-    if w.bias is None:
+    found = weighted(gm, mm)
+    if isinstance(found, str):
+        return found
+    if found.bias is None:
         return f"{mm.name} has no bias, and the epilogue is the one that adds a bias"
     x = input_of(mm)
     if x is None:
@@ -175,7 +175,9 @@ class LinearEpilogue(Rule):
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         mm, act = found.nodes
-        x, rank, n, k = found["x"], found["rank"], found["n"], info(found["x"]).shape[-1]
+        xi = info(found["x"])
+        assert xi is not None  # check() read it
+        x, rank, n, k = found["x"], found["rank"], found["n"], xi.shape[-1]
         g = gm.graph
         with g.inserting_before(act):
             if mm.op == "call_module":

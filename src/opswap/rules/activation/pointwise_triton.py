@@ -141,7 +141,8 @@ def _activation(node: fx.Node) -> tuple[str, float] | None:
         return ("relu6", 0.0) if _bounds(node) == (0.0, 6.0) else None
     if kind == "leaky_relu":
         slope = mod.negative_slope if mod is not None else arg(node, 1, "negative_slope", 0.01)
-        return ("leaky_relu", float(slope)) if _num(slope) is not None else None
+        value = _num(slope)
+        return ("leaky_relu", float(value)) if value is not None else None
     if kind == "gelu":
         approx = mod.approximate if mod is not None else arg(node, 1, "approximate", "none")
         return (
