@@ -83,14 +83,16 @@ def test_rules_json(tmp_path):
 
 def test_plan_apply_verify_bench(tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    assert run("plan", "zoo:resnet", "--rules", "fusion.*", "--out", str(plan)) == 0
+    assert run("plan", "zoo:resnet", *SMALL, "--rules", "fusion.*", "--out", str(plan)) == 0
     data = json.loads(plan.read_text())
     assert data["decisions"] and all(d["rule"].startswith("fusion.") for d in data["decisions"])
-    assert run("apply", "zoo:resnet", str(plan), "--out", str(tmp_path / "m")) == 0
+    assert run("apply", "zoo:resnet", *SMALL, str(plan), "--out", str(tmp_path / "m")) == 0
     assert (tmp_path / "m" / "model.pt2").exists() or (tmp_path / "m" / "model_state.pt").exists()
-    assert run("verify", "zoo:resnet", str(plan), "--json", str(tmp_path / "v.json")) == 0
+    v_json = str(tmp_path / "v.json")
+    assert run("verify", "zoo:resnet", *SMALL, str(plan), "--json", v_json) == 0
     assert json.loads((tmp_path / "v.json").read_text())["passed"] is True
-    assert run("bench", "zoo:resnet", str(plan), "--json", str(tmp_path / "b.json")) == 0
+    b_json = str(tmp_path / "b.json")
+    assert run("bench", "zoo:resnet", *SMALL, str(plan), "--json", b_json) == 0
     b = json.loads((tmp_path / "b.json").read_text())
     assert b["ref_ms"] > 0 and b["opt_ms"] > 0 and b["speedup"] > 0
 
@@ -117,7 +119,7 @@ def test_verify_fails_on_a_tight_budget(tmp_path, capsys):
 @pytest.mark.slow
 def test_optimize_writes_everything(tmp_path):
     out = tmp_path / "o"
-    assert run("optimize", "zoo:resnet", "--out", str(out), "--samples", "2") == 0
+    assert run("optimize", "zoo:resnet", *SMALL, "--out", str(out), "--samples", "2") == 0
     for name in ("plan.json", "result.json", "report.md", "report.html"):
         assert (out / name).exists(), name
     data = json.loads((out / "result.json").read_text())
