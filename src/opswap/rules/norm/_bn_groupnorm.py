@@ -22,13 +22,13 @@ position) and then y' = a[c] * z + b[c]. Three starting points for (a, b):
 Measured (tests/test_norm_swap.py checks the order of the first two; the chapter page,
 docs/chapters/10-normalization.md, has the figures): on a digits conv net with two
 BatchNorm2d and a BatchNorm1d, the logits' distance from the BatchNorm model's on the
-held-out split is 0.36 from `affine`, 0.22 from `stats` and 0.31 from `fit` (8 groups;
-0.43, 0.13 and 0.23 as LayerNorm). The fit is the best per layer on its own data, and
+held-out split is 0.41 from `affine`, 0.23 from `stats` and 0.31 from `fit` (8 groups;
+0.45, 0.13 and 0.21 as LayerNorm). The fit is the best per layer on its own data, and
 still worse end to end: least squares shrinks each slope by the correlation of z with y
 (a = rho * std(y) / std(z)), so every layer hands the next a signal of smaller spread
 than it was trained on, and the shrinkage compounds. `stats` is the default for that
 reason, and needs no data; matching each channel's spread instead of least squares sat
-in between (0.27) and was not kept.
+in between (tried on the same net, not kept).
 """
 
 from __future__ import annotations
