@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opswap._finetune import args_of, train_steps
 from opswap.errors import RuleError
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import capture, copy_module
@@ -175,20 +176,12 @@ def fine_tune(
     data = list(batches)
     if not data:
         raise RuleError("fine_tune got no batches; pass (inputs, target) pairs to train on.")
-    model.train()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for step in range(steps):
-        inputs, target = data[step % len(data)]
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        opt.zero_grad()
-        loss = loss_fn(model(*args), target)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        if progress is not None:
-            progress(step, losses[-1])
-    return losses
+
+    def step_loss(batch: tuple[Any, torch.Tensor]) -> torch.Tensor:
+        inputs, target = batch
+        return loss_fn(model(*args_of(inputs)), target)
+
+    return train_steps(model, data, step_loss, steps=steps, lr=lr, progress=progress)
 
 
 def _ranges(model: nn.Module) -> dict[str, tuple[float, float]]:
