@@ -141,11 +141,14 @@ def prepare(
         pairs = _pairs(out, teacher, path, data) if teacher is not None else []
         a, b = _affine(bn, g, init, pairs, path)
         like = bn.weight if bn.weight is not None else bn.running_mean
-        kind = dict(
+        gn = nn.GroupNorm(
+            g,
+            c,
+            eps=bn.eps,
+            affine=True,
             dtype=like.dtype if like is not None else None,
             device=like.device if like is not None else None,
         )
-        gn = nn.GroupNorm(g, c, eps=bn.eps, affine=True, **kind)
         with torch.no_grad():
             gn.weight.copy_(a)
             gn.bias.copy_(b)
