@@ -104,3 +104,21 @@ def write_kernel_run(
         new = crossover.update(src, f"measured {path.name} {res['date'][:10]}")
         print(f"crossover.json: {len(new)} entries measured")
     return path
+
+
+def kernel_main(run, name: str) -> None:
+    """A kernel benchmark's command line: --out (default $OUT or benchmarks/results),
+    --smoke (tiny shapes on the CPU, in the interpreter) and --update-crossover; runs
+    `run(smoke)` and writes its record as DIR/<name>_<device>.json."""
+    import argparse
+    import os
+
+    root = Path(__file__).resolve().parent.parent
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--out", type=Path, default=Path(os.environ.get("OUT", root / "benchmarks/results"))
+    )
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpreter")
+    ap.add_argument("--update-crossover", action="store_true", help="rewrite crossover.json")
+    args = ap.parse_args()
+    write_kernel_run(run(args.smoke), args.out, name, args.smoke, args.update_crossover)

@@ -28,7 +28,6 @@ import sys
 if "--smoke" in sys.argv:  # the interpreter is chosen when Triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import traceback  # noqa: E402
@@ -158,17 +157,9 @@ def run(smoke: bool = False) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results"))
-    )
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpreter")
-    ap.add_argument("--update-crossover", action="store_true", help="rewrite crossover.json")
-    args = ap.parse_args()
-    res = run(args.smoke)
-    from _results import write_kernel_run
+    from _results import kernel_main
 
-    write_kernel_run(res, args.out, "activation", args.smoke, args.update_crossover)
+    kernel_main(run, "activation")
 
 
 if __name__ == "__main__":
