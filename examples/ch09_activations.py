@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import opswap
+from opswap.graph.capture import capture
+from opswap.planner import make_plan
 
 
 class Block(nn.Module):
@@ -49,11 +51,11 @@ def main() -> None:
     torch.manual_seed(0)
     block = Block().eval().to(torch.bfloat16)
     x = torch.randn(64, 64, 256, dtype=torch.bfloat16)  # 4096 rows
-    rules = "activation.*"
-    show("h200, exact", opswap.plan(block, (x,), target="h200", rules=rules))
-    approx = opswap.plan(block, (x,), target="h200", rules=rules, exactness="approx")
+    cap, rules = capture(block, (x,)), "activation.*"  # one capture, three plans
+    show("h200, exact", make_plan(cap, target="h200", rules=rules))
+    approx = make_plan(cap, target="h200", rules=rules, exactness="approx")
     show("h200, approx (erf GELU -> tanh, then the Linear's epilogue)", approx)
-    show("cpu, lossy", opswap.plan(block, (x,), target="cpu", rules=rules, exactness="lossy"))
+    show("cpu, lossy", make_plan(cap, target="cpu", rules=rules, exactness="lossy"))
 
     # the H200 plan's rewrites run on this CPU too (each op falls back to its reference
     # here, and _addmm_activation computes the erf GELU on a CPU): same function
