@@ -28,7 +28,6 @@ import sys
 if "--smoke" in sys.argv:  # the interpreter is chosen when Triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
-import json  # noqa: E402
 import math  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_norm_kernels import _step, copy_gbps, env, time_ms  # noqa: E402
+from bench_norm_kernels import copy_gbps, env, time_row  # noqa: E402
 
 from opswap.kernels import activation as A  # noqa: E402
 
@@ -115,16 +114,8 @@ def row(kernel, rows, width, dtype, device, smoke, compiled) -> list[dict]:
         nbytes = (2 + (3 if backward else 0)) * rows * width * elt
         r = {"kernel": kernel, "dtype": str(dtype).removeprefix("torch."), "rows": rows}
         r.update({"hidden": width, "pass": p, "rel_l2_ours_vs_eager": err, "bytes": nbytes})
-        for name, fn in (("ours", ours), ("eager", eager), ("compile", compiled[kernel])):
-            try:
-                ms = time_ms(_step(fn, args, backward), args, device, smoke)
-                r[f"{name}_ms"] = ms
-                r[f"{name}_gbps"] = nbytes / (ms * 1e-3) / 1e9
-            except Exception as e:
-                r[f"{name}_ms"] = None
-                r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        out.append(r)
-        print(json.dumps({k: v for k, v in r.items() if not k.endswith("gbps")}), flush=True)
+        fns = {"ours": ours, "eager": eager, "compile": compiled[kernel]}
+        out.append(time_row(r, fns, args, backward, nbytes, device, smoke))
     return out
 
 

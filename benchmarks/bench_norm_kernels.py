@@ -192,6 +192,21 @@ def _step(fn, args, backward):
     return run
 
 
+def time_row(r: dict, fns: dict, args, backward, nbytes, device, smoke) -> dict:
+    """Row `r` with each of `fns` timed on `args` (forward, or forward + backward): its
+    ms and effective GB/s over `nbytes`, or the error that stopped it; printed as it is."""
+    for name, fn in fns.items():
+        try:
+            ms = time_ms(_step(fn, args, backward), args, device, smoke)
+            r[f"{name}_ms"] = ms
+            r[f"{name}_gbps"] = nbytes / (ms * 1e-3) / 1e9
+        except Exception as e:
+            r[f"{name}_ms"] = None
+            r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    print(json.dumps({k: v for k, v in r.items() if not k.endswith("gbps")}), flush=True)
+    return r
+
+
 def time_ms(run, args, device, smoke) -> float:
     if smoke or device != "cuda":
         run()
@@ -231,16 +246,7 @@ def row(kernel, rows, hidden, dtype, device, smoke, compiled, notes) -> list[dic
         fwd, bwd = TRAFFIC[kernel]
         nbytes = (fwd + (bwd if backward else 0)) * rows * hidden * elt
         r["bytes"] = nbytes
-        for name, fn in fns.items():
-            try:
-                ms = time_ms(_step(fn, args, backward), args, device, smoke)
-                r[f"{name}_ms"] = ms
-                r[f"{name}_gbps"] = nbytes / (ms * 1e-3) / 1e9
-            except Exception as e:
-                r[f"{name}_ms"] = None
-                r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        out.append(r)
-        print(json.dumps({k: v for k, v in r.items() if not k.endswith("gbps")}), flush=True)
+        out.append(time_row(r, fns, args, backward, nbytes, device, smoke))
     return out
 
 
