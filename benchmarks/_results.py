@@ -108,8 +108,9 @@ def write_kernel_run(
 
 def kernel_main(run, name: str) -> None:
     """A kernel benchmark's command line: --out (default $OUT or benchmarks/results),
-    --smoke (tiny shapes on the CPU, in the interpreter) and --update-crossover; runs
-    `run(smoke)` and writes its record as DIR/<name>_<device>.json."""
+    --smoke (tiny shapes on the CPU, in the interpreter), --update-crossover and --kernels
+    (a subset, for a `run` that takes `kernels=`); runs `run(smoke)` and writes its record
+    as DIR/<name>_<device>.json."""
     import argparse
     import os
 
@@ -120,5 +121,10 @@ def kernel_main(run, name: str) -> None:
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpreter")
     ap.add_argument("--update-crossover", action="store_true", help="rewrite crossover.json")
+    ap.add_argument(
+        "--kernels", default="", help="comma-separated kernels to run (default: all of them)"
+    )
     args = ap.parse_args()
-    write_kernel_run(run(args.smoke), args.out, name, args.smoke, args.update_crossover)
+    picked = tuple(k for k in args.kernels.split(",") if k)
+    res = run(args.smoke, kernels=picked) if picked else run(args.smoke)
+    write_kernel_run(res, args.out, name, args.smoke, args.update_crossover)

@@ -165,8 +165,11 @@ def liger(name):
     return None, ""
 
 
-def run(smoke: bool = False) -> dict:
+def run(smoke: bool = False, kernels: tuple[str, ...] = tuple(CASES)) -> dict:
     device = "cpu" if smoke else "cuda"
+    unknown = set(kernels) - set(CASES)
+    if unknown:
+        raise SystemExit(f"unknown cases {sorted(unknown)}; pick from {', '.join(CASES)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: run with --smoke for the CPU check")
     dtype = torch.bfloat16
@@ -178,6 +181,8 @@ def run(smoke: bool = False) -> dict:
     if not smoke and BG.unavailable():
         res["notes"].append(f"bias_gelu_cuda: {BG.unavailable()}")
     for name, shape in shapes(smoke):
+        if name not in kernels:
+            continue
         kernel, ours, eager, has_bwd = CASES[name]
         peer, why = liger(name) if not smoke else (None, "")
         if why and why not in res["notes"]:

@@ -267,8 +267,11 @@ def env(device) -> dict:
     return d
 
 
-def run(smoke: bool = False) -> dict:
+def run(smoke: bool = False, kernels: tuple[str, ...] = KERNELS) -> dict:
     device = "cpu" if smoke else "cuda"
+    unknown = set(kernels) - set(KERNELS)
+    if unknown:
+        raise SystemExit(f"unknown kernels {sorted(unknown)}; pick from {', '.join(KERNELS)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: run with --smoke for the CPU check")
     dtype = torch.bfloat16
@@ -276,10 +279,10 @@ def run(smoke: bool = False) -> dict:
     hidden = {"swiglu": 48 if smoke else 5632}
     res: dict = {**env(device), "notes": [], "rows": []}
     res["copy_gbps"] = copy_gbps(device, smoke)
-    compiled = {k: (eager(k) if smoke else torch.compile(eager(k))) for k in KERNELS}
+    compiled = {k: (eager(k) if smoke else torch.compile(eager(k))) for k in kernels}
     if smoke:
         res["notes"].append("smoke: eager stands in for torch.compile (no GPU)")
-    for kernel in KERNELS:
+    for kernel in kernels:
         for rows in rows_list:
             if kernel == "group_norm":  # whole samples of GROUPS groups
                 rows = max(GROUPS, rows - rows % GROUPS)
