@@ -10,8 +10,10 @@ length), so it reads each element once and writes each once; up to MAX_ROW eleme
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,19 +72,61 @@ def row_settings(n: int) -> tuple[int, int]:
             "use the PyTorch op for this size."
         )
     block = max(16, 1 << (n - 1).bit_length())
-    warps = 4 if block < 2048 else 8 if block < 8192 else 16 if block < 32768 else 32
-    return block, warps
+    return block, _warps(block)
 
 
-def backward_programs(rows: int, device: torch.device) -> int:
-    """How many programs a backward launches: each takes a contiguous share of the rows and
-    writes one partial weight gradient, summed by PyTorch afterwards (4 per multiprocessor
-    on a GPU, so the partials are a few hundred rows, not one per input row; 4 in the
-    interpreter)."""
+def _warps(elements: int) -> int:
+    """Warps for a program holding `elements` fp32 values of a row tile: at most 64 values
+    a thread."""
+    return 4 if elements < 2048 else 8 if elements < 8192 else 16 if elements < 32768 else 32
+
+
+@dataclass(frozen=True)
+class BackwardGrid:
+    """How a row kernel's backward is launched: `programs`, each taking `rows` consecutive
+    rows (a multiple of `rb`) in steps of `rb` rows held as an [rb, block] tile, and
+    writing one partial weight gradient that PyTorch sums afterwards."""
+
+    programs: int
+    rows: int
+    rb: int
+    block: int
+    warps: int
+
+
+#: (rows a step, programs a multiprocessor) the backward uses; benchmarks set it through
+#: `backward_tuning` to sweep the choices
+_TUNING: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def backward_tuning(rb: int | None = None, per_sm: int | None = None) -> Iterator[None]:
+    """Within the block, `backward_grid` uses these (for benchmark sweeps)."""
+    old = dict(_TUNING)
+    _TUNING.update({k: v for k, v in (("rb", rb), ("per_sm", per_sm)) if v is not None})
+    try:
+        yield
+    finally:
+        _TUNING.clear()
+        _TUNING.update(old)
+
+
+def backward_grid(rows: int, n: int, device: torch.device) -> BackwardGrid:
+    """The launch of a backward over `rows` rows of `n` elements. Each program takes a
+    contiguous share of the rows, so the partial weight gradients are a few hundred rows,
+    not one per input row (4 programs a multiprocessor on a GPU, 4 in the interpreter);
+    rows up to 2 K elements go 2 to 4 a step, so that each step has as many bytes in flight
+    as a 4 K row."""
+    block, _ = row_settings(n)
+    rb = _TUNING.get("rb") or max(1, min(4, 4096 // block))
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(rows, 4 * sms))
-    return max(1, min(rows, 4))
+        want = _TUNING.get("per_sm", 4) * sms
+    else:
+        want = 4
+    per = -(-max(rows, 1) // max(1, min(rows, want)))  # rows a program
+    per = -(-per // rb) * rb
+    return BackwardGrid(-(-max(rows, 1) // per), per, rb, block, _warps(rb * block))
 
 
 def rows_of(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch.library import triton_op, wrap_triton
 
 from opswap.kernels._rows import (
     MAX_ROW,
-    backward_programs,
+    backward_grid,
     jitted,
     rn,
     rn_flag,
@@ -100,38 +100,41 @@ def _ln_bwd_fn(
     N,
     sx,
     eps,
-    ROWS: tl.constexpr,
+    ROWS,  # rows per program, a multiple of RB
+    RB: tl.constexpr,  # rows a step holds: [RB, BLOCK] tiles
     HAS_W: tl.constexpr,
     BLOCK: tl.constexpr,
     RN: tl.constexpr,
 ):
+    # x and dy of a step's rows are loaded before the first reduction (in flight together)
     # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
     eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)[None, :]
     ok = cols < N
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    db = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(ROWS):
-        row = (pid * ROWS + i).to(tl.int64)
-        m = ok & ((cols * 0 + row) < M)
+    dw = tl.zeros((RB, BLOCK), dtype=tl.float32)
+    db = tl.zeros((RB, BLOCK), dtype=tl.float32)
+    first = pid.to(tl.int64) * ROWS
+    for i in range(0, ROWS, RB):
+        row = (first + i + tl.arange(0, RB))[:, None]
+        m = ok & (row < M)
         x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
-        mean = tl.sum(x, 0) / N
-        xc = tl.where(ok, x - mean, 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, 0) / N + eps)
-        xhat = xc * rstd
         dy = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+        mean = (tl.sum(x, 1) / N)[:, None]
+        xc = tl.where(ok, x - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(xc * xc, 1) / N + eps)[:, None]
+        xhat = xc * rstd
         dw += dy * xhat
         db += dy
         dxhat = dy * w if HAS_W else dy
-        c1 = tl.sum(dxhat * xhat, 0) / N
-        c2 = tl.sum(dxhat, 0) / N
+        c1 = (tl.sum(dxhat * xhat, 1) / N)[:, None]
+        c2 = (tl.sum(dxhat, 1) / N)[:, None]
         dx = rstd * (dxhat - c2 - xhat * c1)
         tl.store(dx_ptr + row * N + cols, rn(dx, RN).to(dx_ptr.dtype.element_ty), mask=m)
-    tl.store(dw_ptr + pid * N + cols, dw, mask=ok)
-    tl.store(db_ptr + pid * N + cols, db, mask=ok)
+    tl.store(dw_ptr + pid * N + cols, tl.sum(dw, 0)[None, :], mask=ok)
+    tl.store(db_ptr + pid * N + cols, tl.sum(db, 0)[None, :], mask=ok)
 
 
 def triton_forward(x, weight, bias, eps) -> torch.Tensor:
@@ -165,12 +168,11 @@ def triton_backward(dy, x, weight, eps) -> tuple[torch.Tensor, torch.Tensor, tor
     m = x2.shape[0]
     dy2 = dy.reshape(m, n).contiguous()
     dx = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    progs = backward_programs(m, x.device)
-    pw = torch.empty((progs, n), device=x.device)
-    pb = torch.empty((progs, n), device=x.device)
+    grid = backward_grid(m, n, x.device)
+    pw = torch.empty((grid.programs, n), device=x.device)
+    pb = torch.empty((grid.programs, n), device=x.device)
     if m:
-        block, warps = row_settings(n)
-        wrap_triton(jitted(_ln_bwd_fn))[(progs,)](
+        wrap_triton(jitted(_ln_bwd_fn))[(grid.programs,)](
             dy2,
             x2,
             weight if weight is not None else x2,
@@ -181,11 +183,12 @@ def triton_backward(dy, x, weight, eps) -> tuple[torch.Tensor, torch.Tensor, tor
             n,
             x2.stride(0),
             eps,
-            ROWS=-(-m // progs),
+            grid.rows,
+            RB=grid.rb,
             HAS_W=weight is not None,
-            BLOCK=block,
+            BLOCK=grid.block,
             RN=rn_flag(x.dtype),
-            num_warps=warps,
+            num_warps=grid.warps,
         )
         return dx.reshape(x.shape), pw.sum(0), pb.sum(0)
     zero = torch.zeros(n, device=x.device)

@@ -41,7 +41,7 @@ from torch.library import triton_op, wrap_triton
 
 from opswap.kernels._rows import (
     MAX_ROW,
-    backward_programs,
+    backward_grid,
     jitted,
     rn,
     rn_flag,
@@ -136,30 +136,36 @@ def _rms_bwd_fn(
     sx,
     eps,
     offset,
-    ROWS: tl.constexpr,  # rows per program
+    ROWS,  # rows per program, a multiple of RB
+    RB: tl.constexpr,  # rows a step holds: [RB, BLOCK] tiles
     HAS_W: tl.constexpr,
     HAS_DRES: tl.constexpr,
     CAST_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
     RN_X: tl.constexpr,
 ):
+    # Each step loads x, dy (and dres) of RB rows before the first reduction, so the
+    # loads are in flight together rather than one after another's reduction.
     # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
     eps = tl.cast(eps, tl.float32)
     offset = tl.cast(offset, tl.float32)
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)[None, :]
     ok = cols < N
     if HAS_W:
         g = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) + offset
-    dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(ROWS):
-        row = (pid * ROWS + i).to(tl.int64)
-        m = ok & ((cols * 0 + row) < M)
+    dw = tl.zeros((RB, BLOCK), dtype=tl.float32)
+    first = pid.to(tl.int64) * ROWS
+    for i in range(0, ROWS, RB):
+        row = (first + i + tl.arange(0, RB))[:, None]
+        m = ok & (row < M)
         x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)  # as the forward computed it
-        n = xf * rstd
         dy = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_DRES:
+            dr = tl.load(dres_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 1) / N + eps)[:, None]  # as the forward computed it
+        n = xf * rstd
         if HAS_W:
             if CAST_FIRST:
                 dw += dy * rn(n, RN_X).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -168,12 +174,12 @@ def _rms_bwd_fn(
             dn = dy * g
         else:
             dn = dy
-        dx = rstd * (dn - n * (tl.sum(dn * n, 0) / N))
+        dx = rstd * (dn - n * (tl.sum(dn * n, 1) / N)[:, None])
         if HAS_DRES:
-            dx += tl.load(dres_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+            dx += dr
         tl.store(dx_ptr + row * N + cols, rn(dx, RN_X).to(dx_ptr.dtype.element_ty), mask=m)
     if HAS_W:
-        tl.store(dw_ptr + pid * N + cols, dw, mask=ok)
+        tl.store(dw_ptr + pid * N + cols, tl.sum(dw, 0)[None, :], mask=ok)
 
 
 def triton_forward(
@@ -232,12 +238,10 @@ def triton_backward(
     dy2 = dy.reshape(m, n).contiguous()
     dr2 = dres.reshape(m, n).contiguous() if dres is not None else dy2
     dx = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    progs = backward_programs(m, x.device)
-    rows = -(-m // progs) if m else 0
-    part = torch.empty((progs, n) if weight is not None else (0,), device=x.device)
+    grid = backward_grid(m, n, x.device)
+    part = torch.empty((grid.programs, n) if weight is not None else (0,), device=x.device)
     if m:
-        block, warps = row_settings(n)
-        wrap_triton(jitted(_rms_bwd_fn))[(progs,)](
+        wrap_triton(jitted(_rms_bwd_fn))[(grid.programs,)](
             dy2,
             x2,
             weight if weight is not None else x2,
@@ -249,13 +253,14 @@ def triton_backward(
             x2.stride(0),
             eps,
             offset,
-            ROWS=rows,
+            grid.rows,
+            RB=grid.rb,
             HAS_W=weight is not None,
             HAS_DRES=dres is not None,
             CAST_FIRST=cast_first,
-            BLOCK=block,
+            BLOCK=grid.block,
             RN_X=rn_flag(x.dtype),
-            num_warps=warps,
+            num_warps=grid.warps,
         )
     if weight is None:
         return dx.reshape(x.shape), x.new_empty((0,))
