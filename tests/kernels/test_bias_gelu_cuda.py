@@ -17,7 +17,9 @@ gpu = pytest.mark.skipif(WHY is not None, reason=f"bias_gelu_cuda cannot build h
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 123), (3, 7, 4096), (1, 16383), (2, 1026)])
+@pytest.mark.parametrize(
+    "shape", [(5, 123), (3, 7, 4096), (1, 16383), (2, 1026), (1037, 258), (40, 3, 77)]
+)
 def test_kernel_matches_float64(shape, dtype):
     g = torch.Generator(device="cuda").manual_seed(sum(shape))
     x = torch.randn(shape, device="cuda", generator=g).to(dtype).requires_grad_()
@@ -42,6 +44,20 @@ def test_compile_keeps_the_op():
     x, b = torch.randn(6, 130, device="cuda"), torch.randn(130, device="cuda")
     fn = torch.compile(lambda x, b: B.bias_gelu_cuda(x, b) * 2, fullgraph=True)
     assert torch.allclose(fn(x, b), 2 * F.gelu(x + b), atol=1e-5)
+
+
+def test_the_backward_op_is_the_derivative_on_cpu():
+    # the reference path of opswap::bias_gelu_cuda_backward against autograd in float64
+    g = torch.Generator().manual_seed(7)
+    x, b = torch.randn(9, 37, generator=g), torch.randn(37, generator=g)
+    dy = torch.randn(9, 37, generator=g)
+    dx, db = B.bias_gelu_cuda_backward(dy, x, b)
+    xd, bd = x.double().requires_grad_(), b.double().requires_grad_()
+    F.gelu(xd + bd).backward(dy.double())
+    assert db.dtype == torch.float32 and dx.dtype == x.dtype
+    torch.testing.assert_close(dx.double(), xd.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(db.double(), bd.grad, rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(B.bias_gelu_cuda_backward, (dy, x, b))
 
 
 def test_cpu_is_the_reference_and_export_records_the_op():

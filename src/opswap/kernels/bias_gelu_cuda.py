@@ -8,7 +8,9 @@ Why a CUDA C++ kernel next to the Triton ones (chapter 20): the same registratio
 any compiled code a torch op. `torch.library.custom_op` with a fake implementation lets
 torch.compile and torch.export trace through it (they record the op, not the kernel),
 and the autograd formula makes it trainable:
-    d/dx gelu(x + b) = Phi(z) + z phi(z),  z = x + b;  db = that, summed over rows.
+    d/dx gelu(x + b) = Phi(z) + z phi(z),  z = x + b;  db = that, summed over rows,
+computed by a second CUDA kernel, `opswap::bias_gelu_cuda_backward`: dy and x read once,
+dx written once, the column sums kept in registers per chunk of rows.
 
 The kernel reads x and b and writes y once (4 bytes per element in half precision,
 against eager's add then gelu: 8), with fp32 math and paired loads (half2 /
@@ -132,15 +134,42 @@ def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.save_for_backward(inputs[0], inputs[1])
 
 
-def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
-    x, b = ctx.saved_tensors
-    z = x.float() + b.float()
-    d = dy.float() * (
+def reference_backward(
+    dy: torch.Tensor, x: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, db) of gelu(x + b) with fp32 math (float64 for float64); db in fp32."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    z = x.to(work) + b.to(work)
+    d = dy.to(work) * (
         0.5 * (1 + torch.erf(z / math.sqrt(2)))
         + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
     )
-    db = d.reshape(-1, x.shape[-1]).sum(0).to(b.dtype) if ctx.needs_input_grad[1] else None
-    return d.to(x.dtype), db
+    return d.to(x.dtype), d.reshape(-1, x.shape[-1]).sum(0)
+
+
+@torch.library.custom_op("opswap::bias_gelu_cuda_backward", mutates_args=())
+def bias_gelu_cuda_backward(
+    dy: torch.Tensor, x: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, db) of bias_gelu_cuda, db in fp32: one CUDA kernel that reads dy and x once,
+    writes dx and sums each column's dx in registers (see the .cu), on CUDA tensors of one
+    dtype; the reference otherwise."""
+    if _kernel_takes(x, b) and dy.shape == x.shape and dy.dtype == x.dtype and dy.is_cuda:
+        dx, part = build().bias_gelu_backward(dy, x, b)
+        return dx, part.sum(0)
+    return reference_backward(dy, x, b)
+
+
+@bias_gelu_cuda_backward.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return dx, x.new_empty((x.shape[-1],), dtype=torch.float32)
+
+
+def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
+    x, b = ctx.saved_tensors
+    dx, db = bias_gelu_cuda_backward(dy, x, b)
+    return dx, (db.to(b.dtype) if ctx.needs_input_grad[1] else None)
 
 
 bias_gelu_cuda.register_autograd(_backward, setup_context=_setup)
