@@ -25,7 +25,6 @@ import sys
 if "--smoke" in sys.argv:  # the interpreter is chosen when Triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
-import json  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_norm_kernels import _first, _step, copy_gbps, env, time_ms  # noqa: E402
+from bench_norm_kernels import _first, copy_gbps, env, time_row  # noqa: E402
 
 from opswap.kernels import bias_gelu_cuda as BG  # noqa: E402
 from opswap.kernels import reduction as RD  # noqa: E402
@@ -203,18 +202,7 @@ def run(smoke: bool = False, kernels: tuple[str, ...] = tuple(CASES)) -> dict:
                 fns = {"ours": ours, "eager": eager, "compile": compiled}
                 if peer is not None:
                     fns["liger"] = peer
-                for fname, fn in fns.items():
-                    try:
-                        ms = time_ms(_step(fn, args, backward), args, device, smoke)
-                        r[f"{fname}_ms"] = ms
-                        r[f"{fname}_gbps"] = nbytes / (ms * 1e-3) / 1e9
-                    except Exception as e:
-                        r[f"{fname}_ms"] = None
-                        r[f"{fname}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                res["rows"].append(r)
-                print(
-                    json.dumps({k: v for k, v in r.items() if not k.endswith("gbps")}), flush=True
-                )
+                res["rows"].append(time_row(r, fns, args, backward, nbytes, device, smoke))
             except Exception:
                 res["notes"].append(f"{name} {shape} {p} failed: {traceback.format_exc()[-800:]}")
             if device == "cuda":

@@ -13,8 +13,9 @@ LayerNorm, SwiGLU, softmax and log_softmax. The backward alone is timed by repla
 must read and write (RMSNorm and LayerNorm 3 n b: x, dy in, dx out; add + RMSNorm 4 n b;
 SwiGLU 5 n b; softmax 3 n b: y, dy in, dx out). Writes DIR/row_backward_h200.json.
 
-`--sweep` also times the RMSNorm, add + RMSNorm and LayerNorm backward kernels alone at
-rows of 768 to 8192 elements for each launch choice (rows a step, programs a
+`--sweep` also times the RMSNorm, add + RMSNorm and LayerNorm backward kernels alone (GPU
+time: CUDA-graph replays, since the host is slower than the kernels) at rows of 768 to
+8192 elements for each launch choice (rows a step, programs a
 multiprocessor: kernels/_rows.py `backward_grid`), the data behind its defaults. `--host`
 measures what a forward + backward costs the host: at 8 rows the GPU work is a few
 microseconds, so the wall time of a call is the host's, for ours, Liger's, compile's and
@@ -139,8 +140,6 @@ def case_rows(case: str, rows: int, hidden: int, device: str, smoke: bool) -> li
 
 def sweep(device: str, smoke: bool) -> list[dict]:
     """The backward kernels alone at each (rb, per_sm), GB/s over the bytes they move."""
-    import triton.testing
-
     from opswap.kernels import layer_norm as L
     from opswap.kernels import rms_norm as R
     from opswap.kernels._rows import backward_tuning
@@ -166,10 +165,7 @@ def sweep(device: str, smoke: bool) -> list[dict]:
                     try:
                         with backward_tuning(rb=rb, per_sm=per_sm):
                             fn()
-                            if smoke:
-                                ms = None
-                            else:
-                                ms = float(triton.testing.do_bench(fn, return_mode="median"))
+                            ms = NK.graph_ms(fn, (), device, smoke)
                         r["ms"] = ms
                         r["gbps"] = nbytes / (ms * 1e-3) / 1e9 if ms else None
                     except Exception as e:

@@ -55,3 +55,16 @@ def test_update_replaces_entries_and_lookup_finds_the_measured_ones(tmp_path, mo
         get_target("h200"), "rms_norm", [], _triton.NodeCost(0, 1), torch.bfloat16, 8192, 256, "x"
     )
     assert "roofline" in est.note  # nothing measured at hidden 8192
+
+
+def test_a_tensor_shape_in_a_row_is_not_taken_for_a_shape_class(tmp_path):
+    # bench_kernels18.py's rows carry the tensor's shape as a list; the class is then made
+    # from hidden and rows (a list as a key failed the update on the H200)
+    row = {"kernel": "bias_gelu_cuda", "dtype": "bfloat16", "rows": 8192, "hidden": 4096}
+    row.update({"pass": "forward", "shape": [8192, 4096], "ours_ms": 1.0, "eager_ms": 2.0})
+    new = cx.entries_from_benchmark({"device_class": "sm90", "rows": [row]}, "measured x")
+    assert [e.shape for e in new] == [cx.shape_class(4096, 8192)]
+    attn = {**row, "kernel": "flash_attention", "shape": "d=64,sq<=4096,sk<=4096"}
+    assert cx.entries_from_benchmark({"device_class": "sm90", "rows": [attn]}, "m")[0].shape == (
+        "d=64,sq<=4096,sk<=4096"
+    )

@@ -195,8 +195,9 @@ def lookup(
 
 def entries_from_benchmark(result: dict[str, Any], source: str) -> list[Entry]:
     """Entries for every row of a bench_norm_kernels.py result: {"device_class", "rows":
-    [{kernel, dtype, rows, hidden, pass, ours_ms, eager_ms, compile_ms}, ...]}; a row with a
-    "shape" names its class outright (bench_attention.py's). A row the
+    [{kernel, dtype, rows, hidden, pass, ours_ms, eager_ms, compile_ms}, ...]}; a row whose
+    "shape" is a string names its class outright (bench_attention.py's); a list there is
+    the tensor's shape (bench_kernels18.py's), and the class comes from hidden and rows. A row the
     benchmark could not time (no eager or no ours) gives no entry; one without a compile
     time leaves beats_compile null."""
     dev = result.get("device_class")
@@ -211,7 +212,8 @@ def entries_from_benchmark(result: dict[str, Any], source: str) -> list[Entry]:
             r["kernel"],
             dev,
             r["dtype"],
-            r["shape"] if r.get("shape") else shape_class(r["hidden"], r["rows"]),
+            # a class named outright (bench_attention.py's); a list is a tensor's shape
+            r["shape"] if isinstance(r.get("shape"), str) else shape_class(r["hidden"], r["rows"]),
             r["pass"],
             beats_eager=ours < eager,
             beats_compile=(ours < comp) if comp else None,
