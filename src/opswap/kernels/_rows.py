@@ -129,6 +129,52 @@ def backward_grid(rows: int, n: int, device: torch.device) -> BackwardGrid:
     return BackwardGrid(-(-max(rows, 1) // per), per, rb, block, _warps(rb * block))
 
 
+def _hint(n: Any) -> int | None:
+    """A size as a plain int without adding a guard: a SymInt's hint (None if it has none)."""
+    if isinstance(n, int):
+        return n
+    node = getattr(n, "node", None)
+    hint = getattr(node, "hint", None)
+    return int(hint) if hint is not None else None
+
+
+def last_dim_rows(shape: list[int]) -> tuple[int, int]:
+    """(hidden, rows) of a tensor reduced or normalised over its last dim."""
+    n = shape[-1] if shape else 1
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return n, rows
+
+
+def compiles_to_reference(
+    kernel: str,
+    x: torch.Tensor,
+    shape_class: Callable[[list[int]], tuple[int, int]] = last_dim_rows,
+) -> bool:
+    """Whether an op should trace its PyTorch reference instead of its kernel: only while
+    torch.compile traces the op for Inductor (AOTAutograd functionalises the graph, so x
+    is a FunctionalTensor), and only on a device class where the crossover table measured
+    Inductor's own code for the same function faster than the kernel at this shape class
+    (`beats_compile` false; kernels/crossover.py). Inductor then fuses the reference itself,
+    so a compiled model is never slower at the site than compiling the function the rule
+    replaced. Eager calls, torch.export (which keeps the op) and unmeasured shapes take the
+    kernel. `shape_class` maps x's sizes (plain ints: a symbolic size is read through its
+    hint, adding no guard) to the table's (hidden, rows)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if not isinstance(x, FunctionalTensor) or x.device.type != "cuda":
+        return False
+    sizes = [_hint(d) for d in x.shape]
+    if any(d is None for d in sizes):
+        return False
+    from opswap.kernels import crossover
+
+    h, r = shape_class([int(d) for d in sizes if d is not None])
+    entry = crossover.lookup(kernel, crossover.device_class(x.device), x.dtype, h, r)
+    return entry is not None and entry.beats_compile is False
+
+
 def rows_of(t: torch.Tensor) -> torch.Tensor:
     """t [..., N] as a 2-D [M, N] view with unit column stride (a copy only if needed)."""
     t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t

@@ -49,6 +49,7 @@ from torch.library import triton_op, wrap_triton
 from opswap.kernels._rows import (
     ELEMENTWISE_BLOCK,
     KernelError,
+    compiles_to_reference,
     jitted,
     rn,
     rn_flag,
@@ -336,7 +337,7 @@ def bias_act(
     of ACTIVATIONS, negative_slope leaky_relu's (the others ignore it)."""
     _check_act(activation)
     _check_bias(x, bias)
-    if _kernel_takes(x):
+    if _kernel_takes(x) and not compiles_to_reference("bias_act", x):
         return triton_forward(x, bias, activation, negative_slope)
     return reference(x, bias, activation, negative_slope)
 

@@ -34,7 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
 
-from opswap.kernels._rows import jitted, rn, rn_flag, runs_triton, tl, triton
+from opswap.kernels._rows import (
+    compiles_to_reference,
+    jitted,
+    rn,
+    rn_flag,
+    runs_triton,
+    tl,
+    triton,
+)
 
 #: the most elements one program holds per chunk of a group (8 warps: 16 fp32 a thread)
 MAX_BLOCK = 2048
@@ -290,6 +298,16 @@ def _torch_backward(dy, x, num_groups, weight, eps):
     return dx.reshape(x.shape).to(x.dtype), dw, db
 
 
+def _group_class(shape: list[int], num_groups: int) -> tuple[int, int]:
+    """The crossover's (hidden, rows) of x [N, C, *spatial]: a group's element count, and
+    the number of groups N x G."""
+    groups = shape[0] * num_groups
+    numel = 1
+    for d in shape:
+        numel *= d
+    return (numel // groups if groups else 0), groups
+
+
 def _kernel_takes(x: torch.Tensor, num_groups: int) -> bool:
     return (
         runs_triton(x)
@@ -311,7 +329,9 @@ def group_norm(
     """GroupNorm of x [N, C, *spatial] over num_groups groups of channels (weight and bias
     [C], either optional). On CPU (outside the interpreter), for float64, and where C is
     not a multiple of num_groups it is `F.group_norm` (which says what is wrong)."""
-    if _kernel_takes(x, num_groups):
+    if _kernel_takes(x, num_groups) and not compiles_to_reference(
+        "group_norm", x, lambda s: _group_class(s, num_groups)
+    ):
         return triton_forward(x, num_groups, weight, bias, eps)
     return F.group_norm(x, num_groups, weight, bias, eps)
 

@@ -34,11 +34,22 @@ from typing import Any
 import torch
 from torch.library import triton_op, wrap_triton
 
-from opswap.kernels._rows import KernelError, jitted, rn, rn_flag, rows_of, runs_triton, tl
+from opswap.kernels._rows import (
+    KernelError,
+    compiles_to_reference,
+    jitted,
+    rn,
+    rn_flag,
+    rows_of,
+    runs_triton,
+    tl,
+)
 
 #: what `row_reduce` computes, by the name it takes
 OPS = ("sum", "mean", "max", "var", "sumsq", "meansq")
 _OP_ID = {o: i for i, o in enumerate(OPS)}
+#: the crossover table's kernel name of each op that has one
+_CROSSOVER = {"sum": "row_sum", "var": "row_var", "sumsq": "row_sumsq", "meansq": "row_sumsq"}
 #: the tile a program walks its row in
 BLOCK = 2048
 
@@ -225,7 +236,8 @@ def _kernel_takes(x: torch.Tensor, y: torch.Tensor | None = None) -> bool:
 def row_reduce(x: torch.Tensor, op: str, unbiased: bool, keepdim: bool) -> torch.Tensor:
     """op over x's last dim: sum, mean, max, var (unbiased or not), sumsq, meansq."""
     _check_op(op)
-    if _kernel_takes(x):
+    measured = _CROSSOVER.get(op)
+    if _kernel_takes(x) and not (measured and compiles_to_reference(measured, x)):
         return triton_forward(x, op, unbiased, keepdim)
     return reference(x, op, unbiased, keepdim)
 

@@ -42,6 +42,7 @@ from torch.library import triton_op, wrap_triton
 from opswap.kernels._rows import (
     MAX_ROW,
     backward_grid,
+    compiles_to_reference,
     jitted,
     rn,
     rn_flag,
@@ -298,7 +299,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, cast_first: bool
 ) -> torch.Tensor:
     """RMSNorm of x [..., N] over its last dim; see the module docstring for the forms."""
-    if _kernel_takes(x):
+    if _kernel_takes(x) and not compiles_to_reference("rms_norm", x):
         return triton_forward(x, weight, eps, offset, cast_first)[0]
     return reference(x, weight, eps, offset, cast_first)[0]
 
@@ -330,7 +331,12 @@ def add_rms_norm(
     cast_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass over the rows."""
-    if _kernel_takes(x) and residual.shape == x.shape and residual.dtype == x.dtype:
+    if (
+        _kernel_takes(x)
+        and residual.shape == x.shape
+        and residual.dtype == x.dtype
+        and not compiles_to_reference("add_rms_norm", x)
+    ):
         return triton_forward(x, weight, eps, offset, cast_first, residual)
     return reference(x, weight, eps, offset, cast_first, residual)
 

@@ -38,7 +38,15 @@ from typing import Any
 import torch
 from torch.library import triton_op, wrap_triton
 
-from opswap.kernels._rows import KernelError, jitted, rn, rn_flag, runs_triton, tl
+from opswap.kernels._rows import (
+    KernelError,
+    compiles_to_reference,
+    jitted,
+    rn,
+    rn_flag,
+    runs_triton,
+    tl,
+)
 
 
 def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -265,6 +273,15 @@ def _kernel_takes(q, k, cos, sin, positions) -> bool:
     return ct is not None and st is not None and ct[1:] == st[1:]
 
 
+def _rope_class(shape: list[int]) -> tuple[int, int]:
+    """The crossover's (hidden, rows) of q [B, H, S, D]: the head dim, and the rows of q and
+    k together (the benchmark's k is q's shape)."""
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return shape[-1], 2 * rows
+
+
 # ----------------------------------------------------------------------------- the ops
 
 
@@ -278,7 +295,9 @@ def rope(
     interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q', k'): the rotary embedding of q [B, Hq, S, D] and k [B, Hk, S, D] in one launch."""
-    if _kernel_takes(q, k, cos, sin, positions):
+    if _kernel_takes(q, k, cos, sin, positions) and not compiles_to_reference(
+        "rope", q, _rope_class
+    ):
         return triton_apply(q, k, cos, sin, positions, interleaved)
     return reference(q, k, cos, sin, positions, interleaved)
 

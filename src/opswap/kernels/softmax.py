@@ -42,7 +42,16 @@ from typing import Any
 import torch
 from torch.library import triton_op, wrap_triton
 
-from opswap.kernels._rows import KernelError, jitted, rn, rn_flag, rows_of, runs_triton, tl
+from opswap.kernels._rows import (
+    KernelError,
+    compiles_to_reference,
+    jitted,
+    rn,
+    rn_flag,
+    rows_of,
+    runs_triton,
+    tl,
+)
 
 #: the longest row held in registers in one block; longer rows take the online softmax
 SINGLE_MAX = 8192
@@ -342,7 +351,7 @@ def _kernel_takes(x: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
 @triton_op("opswap::softmax", mutates_args=())
 def softmax(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """softmax(x, -1), computed in fp32, returned in `dtype` (x's by default)."""
-    if _kernel_takes(x):
+    if _kernel_takes(x) and not compiles_to_reference("softmax", x):
         return triton_forward(x, False, dtype=dtype)
     return reference(x, False, dtype=dtype)
 
@@ -350,7 +359,7 @@ def softmax(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 @triton_op("opswap::log_softmax", mutates_args=())
 def log_softmax(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """log_softmax(x, -1), computed in fp32, returned in `dtype` (x's by default)."""
-    if _kernel_takes(x):
+    if _kernel_takes(x) and not compiles_to_reference("log_softmax", x):
         return triton_forward(x, True, dtype=dtype)
     return reference(x, True, dtype=dtype)
 
@@ -361,7 +370,7 @@ def masked_softmax(
 ) -> torch.Tensor:
     """softmax(x * scale + mask, -1); a boolean mask keeps where True. The mask
     broadcasts to x (at most 4 dims)."""
-    if _kernel_takes(x, mask):
+    if _kernel_takes(x, mask) and not compiles_to_reference("masked_softmax", x):
         return triton_forward(x, False, mask, scale, dtype)
     return reference(x, False, mask, scale, dtype)
 

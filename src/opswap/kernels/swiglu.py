@@ -32,6 +32,7 @@ from torch.library import triton_op, wrap_triton
 from opswap.kernels._rows import (
     ELEMENTWISE_BLOCK,
     KernelError,
+    compiles_to_reference,
     jitted,
     rn,
     rn_flag,
@@ -244,7 +245,7 @@ def _kernel_takes(g: torch.Tensor, u: torch.Tensor) -> bool:
 def glu(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
     """act(g) * u for g, u [..., H] (activation: silu, gelu or gelu_tanh)."""
     _check_act(activation)
-    if _kernel_takes(g, u):
+    if _kernel_takes(g, u) and not compiles_to_reference("swiglu", g):
         return triton_forward(g, u, activation)
     return reference(g, u, activation)
 
@@ -266,7 +267,7 @@ def glu_packed(x: torch.Tensor, activation: str) -> torch.Tensor:
     """act(g) * u for x = [g | u] of shape [..., 2H]; returns [..., H]."""
     _check_act(activation)
     g, u = halves(x)
-    if _kernel_takes(g, u):
+    if _kernel_takes(g, u) and not compiles_to_reference("swiglu", g):
         return triton_forward(g, u, activation)
     return reference(g, u, activation)
 
