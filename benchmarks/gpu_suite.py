@@ -161,14 +161,26 @@ ACTIVATION_TESTS = [
 # the activation rules; with a GPU the Linear epilogue test also runs its rewrite on CUDA
 EPILOGUE_TESTS = ["tests/rules/activation", "tests/backends/test_lowerings.py"]
 
-#: --only parts that run a test list on the GPU, then one benchmark script
-KERNEL_PARTS = {
-    "kernels": (KERNEL_TESTS, "bench_norm_kernels.py"),
-    "kernels18": (KERNEL18_TESTS, "bench_kernels18.py"),
-    "attention": (ATTENTION_TESTS, "bench_attention.py"),
-    "decode": (DECODE_TESTS, "bench_decode.py"),
-    "activation": (ACTIVATION_TESTS, "bench_activation.py"),
-    "epilogue": (EPILOGUE_TESTS, "bench_epilogue.py"),
+#: --only parts that run a test list on the GPU, then benchmark scripts (with arguments)
+KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
+    "kernels": (KERNEL_TESTS, [["bench_norm_kernels.py"]]),
+    "kernels18": (KERNEL18_TESTS, [["bench_kernels18.py"]]),
+    "attention": (ATTENTION_TESTS, [["bench_attention.py"]]),
+    "decode": (DECODE_TESTS, [["bench_decode.py"]]),
+    "activation": (ACTIVATION_TESTS, [["bench_activation.py"]]),
+    "epilogue": (EPILOGUE_TESTS, [["bench_epilogue.py"]]),
+    # every row kernel's tests, then their sweeps (eager and CUDA-graph times) rewriting the
+    # crossover table, the backward's launch sweep and the host's cost, and the Llama end to
+    # end against torch.compile
+    "rows": (
+        KERNEL_TESTS + KERNEL18_TESTS,
+        [
+            ["bench_norm_kernels.py", "--update-crossover"],
+            ["bench_kernels18.py", "--update-crossover"],
+            ["bench_row_backward.py", "--sweep", "--host"],
+            ["bench_llama_kernels.py"],
+        ],
+    ),
 }
 
 # the tests with CUDA paths of the low-precision schemes
@@ -471,8 +483,11 @@ def main() -> None:
             "decode",
             "activation",
             "epilogue",
+            "rows",
         ],
-        help="run one part alone: lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
+        help="run one part alone: rows = every row kernel's GPU tests, then "
+        "bench_norm_kernels.py and bench_kernels18.py (eager and CUDA-graph times, rewriting "
+        "the crossover table), bench_row_backward.py --sweep --host and bench_llama_kernels.py; lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
         "the precision tests on CUDA, bf16 whole models and optimize --exactness lossy on a "
         "Llama decoder (benchmarks/bench_precision_gpu.py, writes precision_h200.json); kernels = "
@@ -527,13 +542,20 @@ def main() -> None:
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print("wrote", path)
         return
-    if args.only in KERNEL_PARTS:  # the part's GPU tests, then its benchmark script
-        tests, script = KERNEL_PARTS[args.only]
+    if args.only in KERNEL_PARTS:  # the part's GPU tests, then its benchmark scripts
+        tests, scripts = KERNEL_PARTS[args.only]
         if not args.skip_tests:
             res = run_tests(args.out, args.workers, tests)
             print("tests:", res, flush=True)
-        cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--out", str(args.out)]
-        subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        for script, *extra in scripts:
+            cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--out", str(args.out)]
+            penv = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
+                ),
+            }
+            subprocess.run([*cmd, *extra], check=False, env=penv)
         return
     if args.only == "precision":
         sys.path.insert(0, str(ROOT / "benchmarks"))
