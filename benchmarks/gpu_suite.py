@@ -170,17 +170,17 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "activation": (ACTIVATION_TESTS, [["bench_activation.py"]]),
     "epilogue": (EPILOGUE_TESTS, [["bench_epilogue.py"]]),
     # every row kernel's tests, then their sweeps (eager and CUDA-graph times) rewriting the
-    # crossover table, the backward's launch sweep and the host's cost, and the Llama end to
-    # end against torch.compile
+    # crossover table, and the Llama end to end against torch.compile
     "rows": (
         KERNEL_TESTS + KERNEL18_TESTS,
         [
             ["bench_norm_kernels.py", "--update-crossover"],
             ["bench_kernels18.py", "--update-crossover"],
-            ["bench_row_backward.py", "--sweep", "--host"],
             ["bench_llama_kernels.py"],
         ],
     ),
+    # the backward kernels alone (GPU time) per launch choice, and the host's cost of a call
+    "backward": (KERNEL_TESTS[:3], [["bench_row_backward.py", "--sweep", "--host"]]),
 }
 
 # the tests with CUDA paths of the low-precision schemes
@@ -484,10 +484,12 @@ def main() -> None:
             "activation",
             "epilogue",
             "rows",
+            "backward",
         ],
         help="run one part alone: rows = every row kernel's GPU tests, then "
         "bench_norm_kernels.py and bench_kernels18.py (eager and CUDA-graph times, rewriting "
-        "the crossover table), bench_row_backward.py --sweep --host and bench_llama_kernels.py; lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
+        "the crossover table), and bench_llama_kernels.py; backward = the norm kernels' tests and "
+        "bench_row_backward.py --sweep --host; lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
         "weight-only and FP8 Linears of a 1.1B Llama, writes lowbit_h200.json); precision = "
         "the precision tests on CUDA, bf16 whole models and optimize --exactness lossy on a "
         "Llama decoder (benchmarks/bench_precision_gpu.py, writes precision_h200.json); kernels = "
