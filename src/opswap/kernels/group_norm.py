@@ -15,8 +15,10 @@ first walk merges each chunk's mean and sum of squared deviations into the runni
 x read twice and y written once: 6 bytes an element in bf16 against ATen's CUDA kernels'
 same two reads of x (its statistics kernel, then its apply kernel) and one write, so the
 gain, if any, is one launch and the per-channel scale/shift tensor ATen builds between
-them. Not measured on a GPU yet: the crossover table has no group_norm entry, and the
-rule (norm.group_norm_triton) keeps ATen's op until it has one.
+them. Measured on the H200 (bf16, 32 groups of 4096 a sample; results/norm_kernels_h200.json):
+2.79 TB/s of GPU time forward at 32768 groups, 3.7x ATen's and 1.64x torch.compile's; the
+rule (norm.group_norm_triton) keeps ATen's op wherever the crossover table has no entry
+saying the kernel wins.
 
 Backward, one program per (sample, group) as well, with xhat = (x - mean) * rstd and
 dxhat = dy * w[c]: a walk recomputes mean and rstd; a walk per channel sums dy * xhat and
