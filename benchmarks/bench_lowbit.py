@@ -55,7 +55,7 @@ FUSED_ROWS = (1, 16)
 SCHEMES = ("bf16", "fp8", "int8", "int4")
 #: torch's own INT4 GEMM (tinygemm, aten._weight_int4pack_mm: what torchao's int4
 #: weight-only layout runs on CUDA), timed as the peer of our INT4 kernel
-PEERS = ("int4 tinygemm", "int4 general kernel")
+PEERS = ("int4 tinygemm",)
 
 
 def _env() -> dict:
@@ -158,8 +158,6 @@ def _weight_bytes(scheme: str, k: int, n: int) -> int:
         return k * n + 4 * n
     if scheme == "int4 tinygemm":
         return k * n // 2 + 4 * n * (-(-k // 128))  # bfloat16 scale and zero per group
-    if scheme == "int4 general kernel":
-        return _weight_bytes("int4", k, n)
     return k * n // 2 + 8 * n * (-(-k // 128))  # int4: codes + fp32 scale and offset per group
 
 
@@ -188,19 +186,6 @@ def _build(scheme: str, w: torch.Tensor):
         return FP8Linear(w, None, rowwise=True)
     if scheme == "int4 tinygemm":
         return _tinygemm(w)
-    if scheme == "int4 general kernel":  # ours before _int4_gemv_fn, for the same-run ratio
-        from opswap.kernels import weight_only as wo
-
-        lin = WeightOnlyLinear(w, None, bits=4)
-
-        def general(x, lin=lin):
-            wo.INT4_GEMV = False
-            try:
-                return lin(x)
-            finally:
-                wo.INT4_GEMV = True
-
-        return general
     return WeightOnlyLinear(w, None, bits=8 if scheme == "int8" else 4)
 
 
@@ -319,11 +304,12 @@ def run(rounds: int = 15) -> dict:
     models = {"bf16": [{nm: _build("bf16", w) for nm, w in lay.items()} for lay in bf]}
     for s in SCHEMES[1:]:
         models[s] = [{nm: _build(s, w) for nm, w in lay.items()} for lay in bf]
-    for peer in PEERS:
-        try:
-            models[peer] = [{nm: _build(peer, w) for nm, w in lay.items()} for lay in bf]
-        except Exception as e:  # the peer failing must not lose our figures
-            res[f"{peer} error"] = f"{type(e).__name__}: {e}"[:500]
+    try:
+        models["int4 tinygemm"] = [
+            {nm: _build("int4 tinygemm", w) for nm, w in lay.items()} for lay in bf
+        ]
+    except Exception as e:  # the peer failing must not lose our figures
+        res["tinygemm_error"] = f"{type(e).__name__}: {e}"[:500]
     schemes = tuple(models)
     res["build_s"] = round(time.time() - t0, 1)
     layer_bytes = {

@@ -107,10 +107,8 @@ def _interpreted_case(m, k, n, bits, group, split):
     ref = wo.reference(x, q, s, o, b, bits, k)
     block_k = BLOCK_K.get((m, k, n, bits, group, split), 128)
     cfg = {"BLOCK_N": 32 if split > 1 else 16, "SPLIT_K": split, "BLOCK_K": block_k}
-    wo._KERNELS.clear()
     y = wo.triton_wo_linear(x, q, s, o, b, bits, k, config=cfg)
     return {
-        "int4_gemv": any(key[0] == "int4_gemv_fixed" for key in wo._KERNELS),
         "dtype": str(y.dtype),
         "shape": list(y.shape),
         "finite": bool(torch.isfinite(y).all()),
@@ -153,9 +151,6 @@ def interpreted():
 @pytest.mark.parametrize(("m", "k", "n", "bits", "group", "split"), CASES)
 def test_triton_kernel_in_the_interpreter_matches_float64(interpreted, m, k, n, bits, group, split):
     r = interpreted[str([m, k, n, bits, group, split])]
-    # one row of INT4 codes takes the word-wise GEMV (K = 301 with its mask on x, the
-    # others without); every other case the general kernel
-    assert r["int4_gemv"] == (m == 1 and bits == 4), r
     assert r["dtype"] == "torch.bfloat16" and r["shape"] == [m, n] and r["finite"]
     assert r["err"] <= _bound(r["torch_err"]), r
     assert r["counters"] == 0  # every tile's last program reset its counter

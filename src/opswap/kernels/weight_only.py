@@ -37,10 +37,6 @@ Storage (the module's buffers): `qweight` [N, Kp] int8 or [N, Kp / 2] uint8, `sc
 
 Kernels, by device and rows:
 
-- CUDA, bfloat16/float16, INT4 at one row (decoding): `_int4_gemv_fn`, which reads the
-  packed codes as 32-bit words (16-byte loads) and turns each 4-bit code into a float
-  without a conversion instruction (its comment gives the arithmetic); the general kernel
-  below took one I2F per code, which issues at a quarter of the FP32 rate on sm_90.
 - CUDA, bfloat16/float16, M <= 16 rows: `_wo_kernel`, our Triton GEMV / skinny GEMM. Each
   program owns BLOCK_N output columns and a share of K (split-K, so that the 128 or so
   column tiles of a 2048-wide layer still put several programs on each of the 132
@@ -78,9 +74,6 @@ except ImportError:  # pragma: no cover - every supported environment has Triton
 
 #: rows up to which the Triton kernel runs (measured: 1 and 16 rows, benchmarks/gpu_suite.py)
 TRITON_MAX_ROWS = 16
-#: one-row INT4 through `_int4_gemv_fn`; benchmarks/bench_lowbit.py sets it False to time
-#: the general kernel's one-row path beside it in the same run
-INT4_GEMV = True
 #: the largest split-K any tuned configuration uses (the workspace is sized for it)
 MAX_SPLIT_K = 8
 _INT8_MAX = 127.0
@@ -386,102 +379,10 @@ def _wo_kernel_fn(
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 
 
-def _int4_gemv_fn(
-    x_ptr,  # [M, K] bf16/fp16, row stride stride_xm, unit column stride: one row a program
-    w_ptr,  # [N, KW] int32: the packed codes read as words, eight a word, k = 8 j + i in
-    #         bits 4i..4i+3 (the uint8 buffer's own bytes, little-endian)
-    s_ptr,  # [N, groups] fp32 scale
-    o_ptr,  # [N, groups] fp32 offset
-    b_ptr,  # [N] or x_ptr again (unused)
-    y_ptr,  # [M, N] in x's dtype
-    ws_ptr,  # [SPLIT_K, M, N] fp32 partial sums (split-K only)
-    cnt_ptr,  # int32 counters, zero between launches (split-K only)
-    M,
-    N,
-    K,
-    KW,  # words a row: Kp / 8, a multiple of BLOCK_KW
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_KW: tl.constexpr,  # words a chunk (8 weights each)
-    GROUP: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K == Kp: x needs no mask (its loads take no compare)
-):
-    # The INT4 GEMV of decoding (one row of x). A weight is half a byte; at 4.2 TB/s the
-    # kernel may spend ~0.8 cycles of an SM's issue per weight, so the unpacking must not
-    # cost more than the load. Per 4-bit code q, no int -> float conversion (I2F issues at a
-    # quarter of the FP32 rate on sm_90): the code is shifted into the mantissa of 1.0,
-    #   bits = ((w << (19 - 4i)) & 0x00780000) | 0x3F800000  ->  as fp32: 1 + q / 16,
-    # one shift, one LOP3 and one FFMA: p = sum_i (1 + q_i / 16) x_i over a word's eight
-    # codes, and sum_i q_i x_i = 16 (p - sum_i x_i) per word (no large offset, so no
-    # cancellation). Scale and offset apply per word: s * 16 (p - xs) + m * xs, with s and
-    # m loaded per word (a group's 16 words read the same two values, from L1). The weight
-    # tile [BLOCK_N, BLOCK_KW] is loaded as 16-byte vectors (4 words a thread); x's eight
-    # strided vectors per chunk are shared by the rows a thread holds.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    rj = tl.arange(0, BLOCK_KW)
-    chunks = KW // BLOCK_KW
-    per = tl.cdiv(chunks, SPLIT_K)
-    c0 = pid_k * per
-    c1 = tl.minimum(c0 + per, chunks)
-    x_row = x_ptr + pid_m * stride_xm
-    WPG: tl.constexpr = GROUP // 8  # words a group
-    acc = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
-    for c in range(c0, c1):
-        j = c * BLOCK_KW + rj  # [BLOCK_KW] word indices
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + j[None, :], mask=n_ok[:, None], other=0)
-        g = j // WPG
-        s = tl.load(s_ptr + rn[:, None] * stride_sn + g[None, :], mask=n_ok[:, None], other=0.0)
-        m = tl.load(o_ptr + rn[:, None] * stride_sn + g[None, :], mask=n_ok[:, None], other=0.0)
-        p = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
-        xs = tl.zeros((BLOCK_KW,), dtype=tl.float32)
-        for i in tl.static_range(8):
-            k = j * 8 + i
-            if EVEN_K:
-                xi = tl.load(x_row + k).to(tl.float32)
-            else:
-                xi = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-            if i < 5:
-                code = (w << (19 - 4 * i)) & 0x00780000
-            else:
-                code = (w >> (4 * i - 19)) & 0x00780000
-            p += (code | 0x3F800000).to(tl.float32, bitcast=True) * xi[None, :]
-            xs += xi
-        acc += s * (16.0 * (p - xs[None, :])) + m * xs[None, :]
-    out = tl.sum(acc, 1)
-    out_off = pid_m * N + rn
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + out_off, out.to(y_ptr.dtype.element_ty), mask=n_ok)
-    else:
-        tl.store(ws_ptr + pid_k * M * N + out_off, out, mask=n_ok)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last of the tile's programs: add the partials in order
-            tot = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for q in range(SPLIT_K):
-                tot += tl.load(
-                    ws_ptr + q * M * N + out_off, mask=n_ok, other=0.0, cache_modifier=".cg"
-                )
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + out_off, tot.to(y_ptr.dtype.element_ty), mask=n_ok)
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
-
-
 #: the kernel's three uses, each autotuned apart: weights per channel (any rows), grouped
 #: weights at more than one row (a chunk is one group, through tl.dot), grouped at one row
 #: (a chunk is several groups, the GEMV of decoding)
-KINDS = ("per_channel", "grouped", "gemv", "int4_gemv")
+KINDS = ("per_channel", "grouped", "gemv")
 
 
 def _configs(kind: str) -> list[Any]:
@@ -535,32 +436,6 @@ def _prune_gemv(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -
     return [triton.Config({"BLOCK_N": 16, "SPLIT_K": 1, "BLOCK_K": group}, num_warps=4)]
 
 
-def _int4_configs() -> list[Any]:
-    """The INT4 GEMV's tiles: 512 to 2048 words (2 to 8 KB of codes) a chunk over 4 warps
-    (4 to 16 words a thread), split-K 1 to 8: sixteen, so that tuning a shape takes
-    seconds, not minutes, on the GPU machine's slow host."""
-    out = []
-    for bn in (16, 32):
-        for bkw in (32, 64):
-            for split in (1, 2, 4, 8):
-                kw = {"BLOCK_N": bn, "BLOCK_KW": bkw, "SPLIT_K": split}
-                out.append(triton.Config(kw, num_warps=4, num_stages=3))
-    return out
-
-
-def _prune_int4(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    kw_ = int(named_args["KW"])
-    keep = [
-        c
-        for c in configs
-        if kw_ % c.kwargs["BLOCK_KW"] == 0 and c.kwargs["SPLIT_K"] <= kw_ // c.kwargs["BLOCK_KW"]
-    ]
-    if keep:
-        return keep
-    group = int(kwargs["GROUP"] if "GROUP" in kwargs else named_args["GROUP"])
-    return [triton.Config({"BLOCK_N": 16, "BLOCK_KW": group // 8, "SPLIT_K": 1}, num_warps=4)]
-
-
 _KERNELS: dict[tuple[str | None, bool], Any] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -576,18 +451,6 @@ def _kernel(kind: str | None) -> Any:
     of KINDS on a GPU, or, for `kind=None` and in the interpreter, plain (the caller
     gives the configuration)."""
     key = (None if interpreting() else kind, interpreting())
-    if kind == "int4_gemv":  # a kernel of its own: keyed apart from the general one
-        key = ("int4_gemv" if not interpreting() else "int4_gemv_fixed", interpreting())
-        if key not in _KERNELS:
-            fn = triton.jit(_int4_gemv_fn)
-            if not interpreting():
-                fn = triton.autotune(
-                    _int4_configs(),
-                    key=["M", "N", "K"],
-                    prune_configs_by={"early_config_prune": _prune_int4},
-                )(fn)
-            _KERNELS[key] = fn
-        return _KERNELS[key]
     if key not in _KERNELS:
         fn = triton.jit(_wo_kernel_fn)
         if key[0] is not None:
@@ -649,13 +512,9 @@ def triton_wo_linear(
     if m == 0:
         return y.reshape(*lead, n)
     ws = torch.empty((MAX_SPLIT_K, m, n), device=x.device, dtype=torch.float32)
-    cnt = _counters(x.device, -(-m // block_m) * -(-n // 8))  # tiles of 8 columns at least
+    cnt = _counters(x.device, -(-m // block_m) * -(-n // 16))
     group = kp // groups
     kind = "per_channel" if per_channel else ("gemv" if block_m == 1 else "grouped")
-    if kind == "gemv" and bits == 4 and INT4_GEMV and kp % 8 == 0 and qweight.is_contiguous():
-        return _int4_gemv(
-            x2, qweight, scale, offset, bias, k, kp, group, y, ws, cnt, config
-        ).reshape(*lead, n)
     kw: dict[str, Any] = {"BLOCK_M": block_m, "DOT_F32": interpreting(), "GROUP": group}
     if kind == "grouped":
         kw["BLOCK_K"] = group
@@ -698,52 +557,6 @@ def triton_wo_linear(
         **kw,
     )
     return y.reshape(*lead, n)
-
-
-def _int4_gemv(x2, qweight, scale, offset, bias, k, kp, group, y, ws, cnt, config):
-    """`_int4_gemv_fn` on the rows of x2 (one program row each), the codes read as words."""
-    m, n = x2.shape[0], qweight.shape[0]
-    words = qweight.view(torch.int32)  # the same bytes: [N, Kp / 8]
-    kw_total = kp // 8
-    fixed = config if config is not None else (None if not interpreting() else {})
-    kw: dict[str, Any] = {"GROUP": group}
-    if fixed is not None:  # the tests' (and the interpreter's) launch: BLOCK_K in weights
-        bkw = max(1, int(fixed.get("BLOCK_K", group)) // 8)
-        if kw_total % bkw:
-            bkw = group // 8
-        kw.update(
-            BLOCK_N=fixed.get("BLOCK_N", 16),
-            BLOCK_KW=bkw,
-            SPLIT_K=min(fixed.get("SPLIT_K", 2), kw_total // bkw),
-        )
-        if "num_warps" in fixed:
-            kw["num_warps"] = fixed["num_warps"]
-    fn = _kernel("int4_gemv")
-
-    def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
-        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)
-
-    fn[grid](
-        x2,
-        words,
-        scale,
-        offset,
-        bias if bias is not None else x2,
-        y,
-        ws,
-        cnt,
-        m,
-        n,
-        k,
-        kw_total,
-        x2.stride(0),
-        words.stride(0),
-        scale.stride(0),
-        HAS_BIAS=bias is not None,
-        EVEN_K=k == kp,
-        **kw,
-    )
-    return y
 
 
 def tuned_config(kind: str) -> dict[str, Any]:
