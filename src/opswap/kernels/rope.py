@@ -116,16 +116,23 @@ def _rope_fn(
     spb,
     sps,
     INTERLEAVED: tl.constexpr,
-    BACKWARD: tl.constexpr,  # rotate by -theta: dx = dy c - sign dy[p] s'[p]
+    BACKWARD: tl.constexpr,  # rotate by -theta: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
     HAS_POS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # positions a program
+    BLOCK_H: tl.constexpr,  # the next power of two of D / 2
     RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
-    # program (b * S + s, head of q then of k): one row of D, read once and written once
-    bs = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    b = bs // S
-    s = bs % S
+    # program (b * (Hq + Hk) + head, block of BLOCK_S positions): a [BLOCK_S, D] tile of
+    # one head, read once and written once as its two halves of each pair (x1, x2: the
+    # row's halves for rotate_half, its even and odd elements interleaved), so no element
+    # is loaded twice; cos and sin of those positions are read once per head (from L2
+    # after the first). A program of a few KB keeps enough loads in flight where one row
+    # of D (256 bytes) a program did not.
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // (HQ + HK)
+    h = bh % (HQ + HK)
+    s = tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = s < S
     if h < HQ:
         src = q_ptr + b * sqb + h * sqh + s * sqs
         dst = qo_ptr + ((b * HQ + h) * S + s) * D
@@ -133,28 +140,33 @@ def _rope_fn(
         src = k_ptr + b * skb + (h - HQ) * skh + s * sks
         dst = ko_ptr + ((b * HK + h - HQ) * S + s) * D
     if HAS_POS:
-        t = tl.load(p_ptr + b * spb + s * sps).to(tl.int64) * scs
+        t = tl.load(p_ptr + b * spb + s * sps, mask=s_ok, other=0).to(tl.int64) * scs
     else:
         t = b * scb + s * scs
-    cols = tl.arange(0, BLOCK)
-    ok = cols < D
+    j = tl.arange(0, BLOCK_H)
     if INTERLEAVED:
-        p = cols ^ 1
-        sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+        i1 = 2 * j
+        i2 = 2 * j + 1
     else:
-        half = D // 2
-        p = tl.where(cols < half, cols + half, cols - half)
-        sign = tl.where(cols < half, -1.0, 1.0)
-    x = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
-    xp = tl.load(src + p, mask=ok, other=0.0).to(tl.float32)
-    c = tl.load(c_ptr + t + cols, mask=ok, other=0.0).to(tl.float32)
+        i1 = j
+        i2 = j + D // 2
+    ok = s_ok[:, None] & (j < D // 2)[None, :]
+    i1, i2 = i1[None, :], i2[None, :]
+    x1 = tl.load(src[:, None] + i1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src[:, None] + i2, mask=ok, other=0.0).to(tl.float32)
+    c1 = tl.load(c_ptr + t[:, None] + i1, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptr + t[:, None] + i2, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptr + t[:, None] + i1, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptr + t[:, None] + i2, mask=ok, other=0.0).to(tl.float32)
     if BACKWARD:
-        sn = tl.load(s_ptr + t + p, mask=ok, other=0.0).to(tl.float32)
-        y = x * c - sign * xp * sn
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
     else:
-        sn = tl.load(s_ptr + t + cols, mask=ok, other=0.0).to(tl.float32)
-        y = x * c + sign * xp * sn
-    tl.store(dst + cols, rn(y, RN).to(qo_ptr.dtype.element_ty), mask=ok)
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    out = qo_ptr.dtype.element_ty
+    tl.store(dst[:, None] + i1, rn(y1, RN).to(out), mask=ok)
+    tl.store(dst[:, None] + i2, rn(y2, RN).to(out), mask=ok)
 
 
 def _check(q, k, cos, sin, positions) -> None:
@@ -217,7 +229,9 @@ def triton_apply(
     if positions is not None:
         sp = (0, positions.stride(0)) if positions.dim() == 1 else tuple(positions.stride())
     if b and s and hq + hk:
-        wrap_triton(jitted(_rope_fn))[(b * s, hq + hk)](
+        block_h = max(8, 1 << (d // 2 - 1).bit_length())
+        block_s = max(1, min(64, 4096 // block_h, 1 << (s - 1).bit_length()))
+        wrap_triton(jitted(_rope_fn))[(b * (hq + hk), -(-s // block_s))](
             q,
             k,
             ct[0],
@@ -242,8 +256,10 @@ def triton_apply(
             INTERLEAVED=interleaved,
             BACKWARD=backward,
             HAS_POS=positions is not None,
-            BLOCK=max(16, 1 << (d - 1).bit_length()),
+            BLOCK_S=block_s,
+            BLOCK_H=block_h,
             RN=rn_flag(dtype),
+            num_warps=4,
         )
     return qo, ko
 
