@@ -379,10 +379,115 @@ def _wo_kernel_fn(
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 
 
-#: the kernel's three uses, each autotuned apart: weights per channel (any rows), grouped
-#: weights at more than one row (a chunk is one group, through tl.dot), grouped at one row
-#: (a chunk is several groups, the GEMV of decoding)
-KINDS = ("per_channel", "grouped", "gemv")
+#: 2^D: the INT4 GEMV's partial sums are kept at 2^-D times their value (see below)
+_INT4_D = tl.constexpr(64) if tl is not None else 64
+
+
+def _int4_gemv_fn(
+    x_ptr,  # [M, K] bf16/fp16, row stride stride_xm, unit column stride: one row a program
+    w_ptr,  # [N, KW] int32: the packed codes read as words, code k = 8 j + i in bits 4i..4i+3
+    s_ptr,  # [N, groups] scale (fp32 or bf16)
+    o_ptr,  # [N, groups] offset (fp32 or bf16)
+    b_ptr,  # [N] or x_ptr again (unused)
+    y_ptr,  # [M, N] in x's dtype
+    ws_ptr,  # [SPLIT_K, M, N] fp32 partial sums (split-K only)
+    cnt_ptr,  # int32 counters, zero between launches (split-K only)
+    M,
+    N,
+    K,
+    KW,  # words a row: Kp / 8 (a multiple of 4)
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_U: tl.constexpr,  # units of 4 words (32 codes, 16 bytes) a chunk
+    GROUP: tl.constexpr,  # a multiple of 32: a unit lies in one group
+    SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rnc = tl.minimum(rn, N - 1)  # rows past N read row N - 1 (not stored): no mask
+    rw = tl.arange(0, 4 * BLOCK_U)
+    rk = tl.arange(0, 32 * BLOCK_U)
+    ri = tl.arange(0, 8)
+    units = KW // 4
+    chunks = tl.cdiv(units, BLOCK_U)
+    per = tl.cdiv(chunks, SPLIT_K)
+    c0 = pid_k * per
+    c1 = tl.minimum(c0 + per, chunks)
+    x_row = x_ptr + pid_m * stride_xm
+    w_rows = w_ptr + rnc[:, None] * stride_wn
+    s_cols = s_ptr + rnc[None, :] * stride_sn
+    o_cols = o_ptr + rnc[None, :] * stride_sn
+    # x's factor for code i: 2^(149 - e - D), e = 4i (i < 5) or 4 (i - 3) (shifted codes)
+    e = 4 * (ri - 3 * (ri // 5))
+    xf = ((276 - e - _INT4_D) << 23).to(tl.float32, bitcast=True)
+    acc = tl.zeros((BLOCK_N, BLOCK_U), dtype=tl.float32)
+    for c in range(c0, c1):
+        j = c * (4 * BLOCK_U) + rw  # words
+        w = tl.load(w_rows + j[None, :], mask=(j < KW)[None, :], other=0)
+        w = tl.reshape(w.to(tl.uint32, bitcast=True), (BLOCK_N, BLOCK_U, 4))  # 16 B a unit
+        k = c * (32 * BLOCK_U) + rk
+        xv = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        xv = tl.reshape(xv, (BLOCK_U, 4, 8))  # [u, v, i]: code i of word 4u + v
+        xu = tl.sum(tl.sum(xv, 2), 1)  # [BLOCK_U]: x summed over the unit
+        # x's value for each code of each word, scaled, broadcast over the rows and split
+        # apart along in-thread axes ([e, f, g] of the reshape is code 4e + 2f + g)
+        x5 = tl.reshape(xv * xf[None, None, :], (BLOCK_U, 4, 2, 2, 2))
+        xb = tl.broadcast_to(x5[None, :, :, :, :, :], (BLOCK_N, BLOCK_U, 4, 2, 2, 2))
+        ev, od = tl.split(xb)  # g = 0, 1
+        e0, e1 = tl.split(ev)  # f = 0, 1
+        o0, o1 = tl.split(od)
+        x0, x4 = tl.split(e0)  # e = 0, 1
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        w12 = w >> 12  # codes 5, 6, 7 to bits 8..19 (in place, 7 would reach the sign bit)
+        p = (w & 0xF).to(tl.float32, bitcast=True) * x0
+        p += (w & 0xF0).to(tl.float32, bitcast=True) * x1
+        p += (w & 0xF00).to(tl.float32, bitcast=True) * x2
+        p += (w & 0xF000).to(tl.float32, bitcast=True) * x3
+        p += (w & 0xF0000).to(tl.float32, bitcast=True) * x4
+        p += (w12 & 0xF00).to(tl.float32, bitcast=True) * x5
+        p += (w12 & 0xF000).to(tl.float32, bitcast=True) * x6
+        p += (w12 & 0xF0000).to(tl.float32, bitcast=True) * x7
+        g = ((c * BLOCK_U + tl.arange(0, BLOCK_U)) * 32) // GROUP
+        gm = (g < (KW * 8) // GROUP)[None, :]
+        s = tl.trans(tl.load(s_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
+        m = tl.trans(tl.load(o_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
+        acc += m * (xu * (2.0**-_INT4_D))[None, :]
+        acc += s * tl.sum(p, 2)
+    out = tl.sum(acc, 1) * (2.0**_INT4_D)
+    out_off = pid_m * N + rn
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + out_off, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + out_off, out, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last of the tile's programs: add the partials in order
+            tot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for sk in range(SPLIT_K):
+                tot += tl.load(
+                    ws_ptr + sk * M * N + out_off, mask=n_ok, other=0.0, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + out_off, tot.to(y_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+
+
+#: the kernels' uses, each autotuned apart: `_wo_kernel` for weights per channel (any rows),
+#: grouped weights at more than one row (a chunk is one group, through tl.dot) and grouped
+#: INT8 at one row (a chunk is several groups); `_int4_gemv` for INT4 at one row
+KINDS = ("per_channel", "grouped", "gemv", "int4_gemv")
 
 
 def _configs(kind: str) -> list[Any]:
@@ -411,6 +516,33 @@ def _configs(kind: str) -> list[Any]:
                 kw2["BLOCK_K"] = chunk
             out.append(triton.Config(kw2, num_warps=4, num_stages=3))
     return out
+
+
+def _int4_configs() -> list[Any]:
+    """`_int4_gemv`'s tiles: BLOCK_N rows by BLOCK_U units (16 bytes, 32 codes each), 2 to 8
+    rows a thread (each thread holds one unit of its rows: R = BLOCK_N * BLOCK_U / (32 *
+    warps); 8 rows take about 170 registers), split-K 1 to 4."""
+    out = []
+    for bn in (8, 16, 32):
+        for bu in (16, 32, 64):
+            for nw in (2, 4, 8):
+                if not 2 <= bn * bu // (32 * nw) <= 8:
+                    continue
+                for split in (1, 2, 4):
+                    kw = {"BLOCK_N": bn, "BLOCK_U": bu, "SPLIT_K": split}
+                    out.append(triton.Config(kw, num_warps=nw, num_stages=1))
+    return out
+
+
+def _prune_int4(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    units = int(named_args["KW"]) // 4
+    keep = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_U"] <= max(units, 16)
+        and c.kwargs["SPLIT_K"] <= -(-units // c.kwargs["BLOCK_U"])
+    ]
+    return keep or [triton.Config({"BLOCK_N": 16, "BLOCK_U": 16, "SPLIT_K": 1}, num_warps=4)]
 
 
 def gemv_block_ok(block_k: int, group: int, kp: int) -> bool:
@@ -451,6 +583,18 @@ def _kernel(kind: str | None) -> Any:
     of KINDS on a GPU, or, for `kind=None` and in the interpreter, plain (the caller
     gives the configuration)."""
     key = (None if interpreting() else kind, interpreting())
+    if kind == "int4_gemv" or kind == "int4_gemv_fixed":  # a kernel of its own
+        key = (kind if not interpreting() else "int4_gemv_fixed", interpreting())
+        if key not in _KERNELS:
+            fn = triton.jit(_int4_gemv_fn)
+            if key[0] == "int4_gemv":
+                fn = triton.autotune(
+                    _int4_configs(),
+                    key=["M", "N", "K"],
+                    prune_configs_by={"early_config_prune": _prune_int4},
+                )(fn)
+            _KERNELS[key] = fn
+        return _KERNELS[key]
     if key not in _KERNELS:
         fn = triton.jit(_wo_kernel_fn)
         if key[0] is not None:
@@ -512,8 +656,11 @@ def triton_wo_linear(
     if m == 0:
         return y.reshape(*lead, n)
     ws = torch.empty((MAX_SPLIT_K, m, n), device=x.device, dtype=torch.float32)
-    cnt = _counters(x.device, -(-m // block_m) * -(-n // 16))
+    cnt = _counters(x.device, -(-m // block_m) * -(-n // 8))  # tiles of 8 columns or more
     group = kp // groups
+    if bits == 4 and m == 1 and int4_gemv_ok(qweight, group):
+        _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config)
+        return y.reshape(*lead, n)
     kind = "per_channel" if per_channel else ("gemv" if block_m == 1 else "grouped")
     kw: dict[str, Any] = {"BLOCK_M": block_m, "DOT_F32": interpreting(), "GROUP": group}
     if kind == "grouped":
@@ -557,6 +704,66 @@ def triton_wo_linear(
         **kw,
     )
     return y.reshape(*lead, n)
+
+
+def int4_gemv_ok(qweight: torch.Tensor, group: int) -> bool:
+    """Whether `_int4_gemv` can read these INT4 codes as 32-bit words: groups a multiple of
+    32 codes (a unit of 4 words lies in one group), rows of whole words, 4-byte aligned."""
+    return (
+        group % 32 == 0
+        and qweight.dtype == torch.uint8
+        and qweight.stride(-1) == 1
+        and qweight.shape[1] % 4 == 0
+        and qweight.stride(0) % 4 == 0
+        and qweight.storage_offset() % 4 == 0
+    )
+
+
+def _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config) -> None:
+    """`_int4_gemv` on the rows of x2 [M, K] (a program row each) into y [M, N]. `config`
+    (BLOCK_N, BLOCK_U, SPLIT_K, num_warps) fixes the launch; BLOCK_K (codes) is taken as
+    BLOCK_U = BLOCK_K / 32, so the tests' configurations serve both kernels."""
+    m, n = x2.shape[0], qweight.shape[0]
+    words = qweight.view(torch.int32)  # the same bytes: [N, Kp / 8], code 8j + i in bits 4i..
+    kw_total = words.shape[1]
+    units = kw_total // 4
+    fixed = config if config is not None else (None if not interpreting() else {})
+    kw: dict[str, Any] = {"GROUP": group}
+    if fixed is not None:
+        bu = int(fixed.get("BLOCK_U", max(1, int(fixed.get("BLOCK_K", 128)) // 32)))
+        kw.update(
+            BLOCK_N=int(fixed.get("BLOCK_N", 16)),
+            BLOCK_U=bu,
+            SPLIT_K=min(int(fixed.get("SPLIT_K", 2)), -(-units // bu)),
+        )
+        if "num_warps" in fixed:
+            kw["num_warps"] = fixed["num_warps"]
+        fn = _kernel("int4_gemv_fixed")
+    else:
+        fn = _kernel("int4_gemv")
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
+        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)
+
+    fn[grid](
+        x2,
+        words,
+        scale,
+        offset,
+        bias if bias is not None else x2,
+        y,
+        ws,
+        cnt,
+        m,
+        n,
+        k,
+        kw_total,
+        x2.stride(0),
+        words.stride(0),
+        scale.stride(0),
+        HAS_BIAS=bias is not None,
+        **kw,
+    )
 
 
 def tuned_config(kind: str) -> dict[str, Any]:
