@@ -379,7 +379,44 @@ def _wo_kernel_fn(
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 
 
-#: 2^D: the INT4 GEMV's partial sums are kept at 2^-D times their value (see below)
+# The INT4 GEMV of decoding (one row of x), `_int4_gemv`. Bytes: half a byte a code plus 8
+# bytes of fp32 scale and offset per group of 128, 0.5625 B a code. At 4.2 TB/s an H200
+# (132 SMs, 1.98 GHz) must retire 4.2e12 / 0.5625 / (132 * 1.98e9) = 28.6 codes per SM
+# and clock, and an SM issues 128 thread-instructions a clock: at most 4.5 instructions per
+# code, of which at most 2.2 on the integer pipe (LOP3 and shifts, 64 a clock). `_wo_kernel`
+# spends 7.4 SASS instructions per code in its one-row loop (Triton 3.6, sm_90; 7.1 with
+# 3.9), among them an I2F per code, which issues at 16 a clock: that alone caps it at 16
+# codes a clock, 2.4 TB/s. Here, with no conversion instruction at all:
+#
+# - The codes are read as 32-bit words (the uint8 buffer viewed as int32, the same bytes:
+#   code 8j + i in bits 4i..4i+3 of word j), 16 bytes (one unit, 32 codes) a thread a row.
+# - A code kept in place with one AND, every other bit cleared, is the fp32 value
+#   q * 2^(4e - 149) for bits 4e..4e+3 (a subnormal: exponent field 0, q * 2^4e in the
+#   mantissa). Codes 0..4 lie in the mantissa where they are; 5..7 after one shift by 12
+#   (7 would reach the sign bit), e = 2..4. x is scaled once per chunk by 2^(149 - e - D),
+#   so an FFMA adds q * x * 2^-D, exactly the product of two floats: no offset to take back
+#   out, no cancellation (the `1 + q / 16` form, exponent bits OR-ed in, costs a shift per
+#   code and a correction per word: 1244 instructions against 889 in an earlier form of
+#   this loop, Triton 3.9). Per
+#   word: 1 shift + 8 AND + 8 FFMA, 2.1 instructions a code, 1.1 of them integer. FFMA
+#   takes subnormals at full rate; the PTX has no .ftz (a test checks it, and no I2F).
+#   Range: x * 2^85 overflows for |x| >= 2^43; |x| < 2^-62 loses bits to subnormals.
+# - Per unit: acc += s * p + m * sum(x) (2^-D folded in), with s and m loaded per unit (a
+#   group's 4 units read the same address); acc is reduced over the chunk's units once at
+#   the end and multiplied by 2^D.
+# - x is loaded once per chunk as 16-byte vectors, converted and scaled in a layout where
+#   each element is one thread's, then exchanged through shared memory so that each thread
+#   holds the 32 values of its unit, shared by the BLOCK_N * BLOCK_U / (32 * warps) rows it
+#   owns (the reshape, broadcast and splits below keep every axis of a word in-thread).
+#
+# The compiled loop at BLOCK_N 16, BLOCK_U 64, 4 warps (a 2048-wide row in one chunk, 256
+# codes a thread): 840 instructions with Triton 3.6 (864 with 3.9), 3.3 a code: 256 LOP3,
+# 240 FFMA + 16 FMUL for the codes, 10 LDG.E.128, no I2F, 168 registers (3 programs an SM).
+# Issue then allows 39 codes a clock (5.7 TB/s-equivalent), so the bytes, not the
+# instructions, should set the time. Split-K, the workspace and the counters are
+# `_wo_kernel`'s.
+
+#: 2^D: the INT4 GEMV's partial sums are kept at 2^-D times their value
 _INT4_D = tl.constexpr(64) if tl is not None else 64
 
 
@@ -436,13 +473,13 @@ def _int4_gemv_fn(
         xv = tl.reshape(xv, (BLOCK_U, 4, 8))  # [u, v, i]: code i of word 4u + v
         xu = tl.sum(tl.sum(xv, 2), 1)  # [BLOCK_U]: x summed over the unit
         # x's value for each code of each word, scaled, broadcast over the rows and split
-        # apart along in-thread axes ([e, f, g] of the reshape is code 4e + 2f + g)
-        x5 = tl.reshape(xv * xf[None, None, :], (BLOCK_U, 4, 2, 2, 2))
-        xb = tl.broadcast_to(x5[None, :, :, :, :, :], (BLOCK_N, BLOCK_U, 4, 2, 2, 2))
-        ev, od = tl.split(xb)  # g = 0, 1
-        e0, e1 = tl.split(ev)  # f = 0, 1
+        # apart along in-thread axes ([a, b, c] of the reshape is code 4a + 2b + c)
+        xr = tl.reshape(xv * xf[None, None, :], (BLOCK_U, 4, 2, 2, 2))
+        xb = tl.broadcast_to(xr[None, :, :, :, :, :], (BLOCK_N, BLOCK_U, 4, 2, 2, 2))
+        ev, od = tl.split(xb)  # c = 0, 1
+        e0, e1 = tl.split(ev)  # b = 0, 1
         o0, o1 = tl.split(od)
-        x0, x4 = tl.split(e0)  # e = 0, 1
+        x0, x4 = tl.split(e0)  # a = 0, 1
         x2, x6 = tl.split(e1)
         x1, x5 = tl.split(o0)
         x3, x7 = tl.split(o1)
@@ -457,6 +494,9 @@ def _int4_gemv_fn(
         p += (w12 & 0xF0000).to(tl.float32, bitcast=True) * x7
         g = ((c * BLOCK_U + tl.arange(0, BLOCK_U)) * 32) // GROUP
         gm = (g < (KW * 8) // GROUP)[None, :]
+        # loaded as [BLOCK_U, BLOCK_N] and transposed: Triton 3.6 then lays s out as acc is
+        # (lanes along the units); a [BLOCK_N, BLOCK_U] load put its lanes along the rows
+        # and cost a shared-memory exchange of acc every chunk (912 instructions, not 840)
         s = tl.trans(tl.load(s_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
         m = tl.trans(tl.load(o_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
         acc += m * (xu * (2.0**-_INT4_D))[None, :]
@@ -635,9 +675,12 @@ def triton_wo_linear(
     bits: int,
     in_features: int,
     config: dict[str, int] | None = None,
+    int4_gemv: bool = True,
 ) -> torch.Tensor:
-    """`_wo_kernel` on x [..., K]. `config` (BLOCK_N, SPLIT_K, BLOCK_K, num_warps) fixes the
-    launch instead of autotuning; the interpreter always takes it (or a small default)."""
+    """`_int4_gemv` (INT4 at one row, where `int4_gemv_ok`) or `_wo_kernel` on x [..., K].
+    `config` (BLOCK_N, SPLIT_K, BLOCK_K or BLOCK_U, num_warps) fixes the launch instead of
+    autotuning; the interpreter always takes it (or a small default). `int4_gemv=False`
+    keeps INT4 at one row on `_wo_kernel` (to compare the two)."""
     why = triton_supported(x)
     if why is not None:
         raise WeightOnlyError(f"The weight-only Triton kernel cannot run: {why}.")
@@ -658,7 +701,7 @@ def triton_wo_linear(
     ws = torch.empty((MAX_SPLIT_K, m, n), device=x.device, dtype=torch.float32)
     cnt = _counters(x.device, -(-m // block_m) * -(-n // 8))  # tiles of 8 columns or more
     group = kp // groups
-    if bits == 4 and m == 1 and int4_gemv_ok(qweight, group):
+    if int4_gemv and bits == 4 and m == 1 and int4_gemv_ok(qweight, group):
         _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config)
         return y.reshape(*lead, n)
     kind = "per_channel" if per_channel else ("gemv" if block_m == 1 else "grouped")
