@@ -305,6 +305,23 @@ def _sm90_build(consts: dict, warps: int, xdtype: str):
     return k.asm["ptx"], k.asm["cubin"]
 
 
+def test_int4_gemv_configs_fit_every_row_length():
+    """The autotuner's list for `_int4_gemv`: 4 or 8 rows a thread, and per shape only
+    chunks no wider than the row and splits no larger than the chunks (a short row still
+    gets a configuration)."""
+    pytest.importorskip("triton")
+    for bn, bu, nw in wo.INT4_TILES:
+        assert bn * bu // (32 * nw) in (4, 8)
+    for k in (123, 1000, 2048, 5632):
+        units = wo.padded_k(k, 128) // 32
+        keep = wo._prune_int4(wo._int4_configs(), {"KW": 4 * units})
+        assert keep
+        for c in keep:
+            chunks = -(-units // c.kwargs["BLOCK_U"])
+            assert c.kwargs["SPLIT_K"] <= chunks
+            assert c.kwargs["BLOCK_U"] <= max(units, 16)
+
+
 @pytest.mark.slow  # two compilations to cubin and their disassembly, a few seconds each
 def test_int4_gemv_compiles_for_hopper_without_int_to_float_conversions(tmp_path):
     """The design in SASS: the codes arrive as 16-byte loads (LDG.E.128), become floats

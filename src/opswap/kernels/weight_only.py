@@ -33,21 +33,26 @@ a multiple of group_size with zero weights at quantisation (the padded inputs ar
 to zero); INT4 is packed two per byte along K, the even k in the low nibble.
 
 Storage (the module's buffers): `qweight` [N, Kp] int8 or [N, Kp / 2] uint8, `scale`
-[N, Kp / G] float32, `offset` [N, Kp / G] float32 (INT4 only).
+[N, Kp / G] float32, `offset` [N, Kp / G] float32 (INT4 only). The kernels and `reference`
+also take scale and offset in bfloat16 (converted on load).
 
 Kernels, by device and rows:
 
-- CUDA, bfloat16/float16, M <= 16 rows: `_wo_kernel`, our Triton GEMV / skinny GEMM. Each
-  program owns BLOCK_N output columns and a share of K (split-K, so that the 128 or so
-  column tiles of a 2048-wide layer still put several programs on each of the 132
-  multiprocessors and keep enough loads in flight); it loads the packed tile, unpacks in
-  registers, and either reduces with `tl.sum` (M = 1; with grouped weights a chunk holds
-  several whole groups, reshaped to [BLOCK_N, groups, group] and summed per group) or
-  feeds `tl.dot` with M padded to 16 (the tensor cores have the arithmetic to spare). Partial sums go to an fp32
-  workspace; the last program of a column tile to finish (an atomic counter, reset by
-  that program, so no memset runs per call) adds them in a fixed order, adds the bias
-  and writes the output: one launch per Linear, deterministic. Block sizes and the split
-  are tuned by `triton.autotune` per shape on first use.
+- CUDA, bfloat16/float16, INT4 at one row: `_int4_gemv`, which reads the codes as 32-bit
+  words and makes each a float with one AND (a subnormal, x pre-scaled per code position):
+  no int -> float conversion; its comment gives the design and the instruction arithmetic.
+- CUDA, bfloat16/float16, other cases up to 16 rows: `_wo_kernel`, our Triton GEMV /
+  skinny GEMM. Each program owns BLOCK_N output columns and a share of K (split-K, so
+  that the 128 or so column tiles of a 2048-wide layer still put several programs on each
+  of the 132 multiprocessors and keep enough loads in flight); it loads the packed tile,
+  unpacks in registers, and either reduces with `tl.sum` (M = 1; with grouped weights a
+  chunk holds several whole groups, reshaped to [BLOCK_N, groups, group] and summed per
+  group) or feeds `tl.dot` with M padded to 16 (the tensor cores have the arithmetic to
+  spare). Partial sums go to an fp32 workspace; the last program of a column tile to
+  finish (an atomic counter, reset by that program, so no memset runs per call) adds them
+  in a fixed order, adds the bias and writes the output: one launch per Linear,
+  deterministic. Block sizes and the split are tuned by `triton.autotune` per shape on
+  first use (`_int4_gemv` likewise).
 - CUDA, more rows or float32: dequantise to the activation dtype, then `F.linear` (cuBLAS).
 - CPU: INT8 per channel through `aten._weight_int8pack_mm`; otherwise dequantise and
   `F.linear`, so the op runs everywhere.
@@ -397,17 +402,17 @@ def _wo_kernel_fn(
 #   so an FFMA adds q * x * 2^-D, exactly the product of two floats: no offset to take back
 #   out, no cancellation (the `1 + q / 16` form, exponent bits OR-ed in, costs a shift per
 #   code and a correction per word: 1244 instructions against 889 in an earlier form of
-#   this loop, Triton 3.9). Per
-#   word: 1 shift + 8 AND + 8 FFMA, 2.1 instructions a code, 1.1 of them integer. FFMA
-#   takes subnormals at full rate; the PTX has no .ftz (a test checks it, and no I2F).
+#   this loop, Triton 3.9). Per word: 1 shift + 8 AND + 8 FFMA, 2.1 instructions a code,
+#   1.1 of them integer. FFMA takes subnormals at full rate; the PTX has no .ftz (a test
+#   checks it, and that there is no I2F).
 #   Range: x * 2^85 overflows for |x| >= 2^43; |x| < 2^-62 loses bits to subnormals.
 # - Per unit: acc += s * p + m * sum(x) (2^-D folded in), with s and m loaded per unit (a
-#   group's 4 units read the same address); acc is reduced over the chunk's units once at
-#   the end and multiplied by 2^D.
-# - x is loaded once per chunk as 16-byte vectors, converted and scaled in a layout where
-#   each element is one thread's, then exchanged through shared memory so that each thread
-#   holds the 32 values of its unit, shared by the BLOCK_N * BLOCK_U / (32 * warps) rows it
-#   owns (the reshape, broadcast and splits below keep every axis of a word in-thread).
+#   group's 4 units read the same address); acc [BLOCK_N, BLOCK_U] is reduced once, after
+#   the last chunk, and multiplied by 2^D.
+# - x is loaded once per chunk as 16-byte vectors, each element by one thread, then
+#   exchanged through shared memory so that each thread holds the 32 values of its unit,
+#   shared by the BLOCK_N * BLOCK_U / (32 * warps) rows it owns (the reshape, broadcast and
+#   splits below keep every axis of a word in-thread: no shuffles, no sum per group).
 #
 # The compiled loop at BLOCK_N 16, BLOCK_U 64, 4 warps (a 2048-wide row in one chunk, 256
 # codes a thread): 840 instructions with Triton 3.6 (864 with 3.9), 3.3 a code: 256 LOP3,
@@ -558,20 +563,30 @@ def _configs(kind: str) -> list[Any]:
     return out
 
 
+#: `_int4_gemv`'s tiles (BLOCK_N, BLOCK_U, warps): each thread holds one unit (16 bytes,
+#: 32 codes) of R = BLOCK_N * BLOCK_U / (32 * warps) rows, R = 4 or 8 (8 rows take about
+#: 170 registers, 3 programs of 4 warps an SM); BLOCK_U 64 is a 2048-wide row in one chunk
+INT4_TILES = (
+    (8, 32, 2),
+    (8, 64, 2),
+    (8, 64, 4),
+    (16, 32, 2),
+    (16, 32, 4),
+    (16, 64, 4),
+    (16, 64, 8),
+    (32, 16, 2),
+    (32, 32, 4),
+    (32, 64, 8),
+)
+
+
 def _int4_configs() -> list[Any]:
-    """`_int4_gemv`'s tiles: BLOCK_N rows by BLOCK_U units (16 bytes, 32 codes each), 2 to 8
-    rows a thread (each thread holds one unit of its rows: R = BLOCK_N * BLOCK_U / (32 *
-    warps); 8 rows take about 170 registers), split-K 1 to 4."""
-    out = []
-    for bn in (8, 16, 32):
-        for bu in (16, 32, 64):
-            for nw in (2, 4, 8):
-                if not 2 <= bn * bu // (32 * nw) <= 8:
-                    continue
-                for split in (1, 2, 4):
-                    kw = {"BLOCK_N": bn, "BLOCK_U": bu, "SPLIT_K": split}
-                    out.append(triton.Config(kw, num_warps=nw, num_stages=1))
-    return out
+    """INT4_TILES with split-K 1, 2 and 4 (pruned per shape to the chunks there are)."""
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_U": bu, "SPLIT_K": split}, num_warps=nw, num_stages=1)
+        for bn, bu, nw in INT4_TILES
+        for split in (1, 2, 4)
+    ]
 
 
 def _prune_int4(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
