@@ -430,7 +430,7 @@ def run(rounds: int = 15) -> dict:
     res["tuned"] = {kind: wo.tuned_config(kind) for kind in wo.KINDS}
     fused1: dict = next((r for r in res["fused_stack"] if r.get("rows") == 1), {})
     res["targets"] = {
-        "int4_rows1_vs_bf16": res["stack"][0]["int4"]["speedup_vs_bf16"],
+        "int4_rows1_vs_bf16": res["stack"][0].get("int4", {}).get("speedup_vs_bf16"),
         "int4_rows1_fused_vs_bf16_fused": fused1.get("int4", {}).get("speedup_vs_bf16"),
         "int4_rows1_goal": 2.5,
         "int4_variants_rows1_vs_bf16": {
