@@ -7,7 +7,10 @@ q and o 2048 -> 2048, k and v 2048 -> 256, gate and up 2048 -> 5632, down 5632 -
 Schemes: bfloat16 through cuBLAS (F.linear), FP8 e4m3 row-wise (opswap::fp8_linear:
 Triton row quantisation + torch._scaled_mm), weight-only INT8 per channel and INT4 in
 groups of 128 (opswap::wo_linear, our Triton kernel up to 16 rows), and torch.compile of
-the bfloat16 layer as the peer. Rows: 1 and 16 (decoding) and 4096 (prefill).
+the bfloat16 layer as the peer. Rows: 1 and 16 (decoding) and 4096 (prefill). At one row,
+two variants of our INT4 as well (VARIANTS): the word-wise `_int4_gemv` (not yet the
+default) with float32 and with bfloat16 scale and offset, so that one run decides between
+it and the general kernel ("int4").
 
 Every figure is a CUDA-graph replay (a Linear at one row runs for about 1-6 us, under the
 launch cost of eager PyTorch): the whole 22-layer stack of 154 Linears, and each shape
@@ -56,6 +59,10 @@ SCHEMES = ("bf16", "fp8", "int8", "int4")
 #: torch's own INT4 GEMM (tinygemm, aten._weight_int4pack_mm: what torchao's int4
 #: weight-only layout runs on CUDA), timed as the peer of our INT4 kernel
 PEERS = ("int4 tinygemm",)
+#: variants of our INT4, timed at one row only, to decide between them in one GPU run:
+#: scale and offset stored in bfloat16 (6.25% of the codes' bytes instead of 12.5%), and
+#: the previous one-row kernel (`_wo_kernel`'s grouped GEMV, int->float per code)
+VARIANTS = ("int4 word kernel", "int4 word kernel bf16 scales")
 
 
 def _env() -> dict:
@@ -156,7 +163,7 @@ def _weight_bytes(scheme: str, k: int, n: int) -> int:
         return k * n + 4 * n
     if scheme == "int8":
         return k * n + 4 * n
-    if scheme == "int4 tinygemm":
+    if scheme in ("int4 tinygemm", "int4 word kernel bf16 scales"):
         return k * n // 2 + 4 * n * (-(-k // 128))  # bfloat16 scale and zero per group
     return k * n // 2 + 8 * n * (-(-k // 128))  # int4: codes + fp32 scale and offset per group
 
@@ -169,6 +176,7 @@ def _tinygemm(w: torch.Tensor, group: int = 128):
 
     n, k = w.shape
     q, scale, lo, _ = wo.quantize(w, 4, group)
+    assert lo is not None  # INT4 has an offset
     codes = wo.unpack_int4(q).to(torch.int32)  # [N, K] in [0, 15]
     packed = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # even k high (tinygemm's order)
     wp = torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), 8)
@@ -186,7 +194,20 @@ def _build(scheme: str, w: torch.Tensor):
         return FP8Linear(w, None, rowwise=True)
     if scheme == "int4 tinygemm":
         return _tinygemm(w)
-    return WeightOnlyLinear(w, None, bits=8 if scheme == "int8" else 4)
+    mod = WeightOnlyLinear(w, None, bits=8 if scheme == "int8" else 4)
+    if scheme == "int4 word kernel bf16 scales":
+        mod.scale, mod.offset = mod.scale.bfloat16(), mod.offset.bfloat16()
+    if scheme.startswith("int4 word kernel"):  # _int4_gemv, not yet the default, at one row
+        from opswap.kernels import weight_only as wo
+
+        def words(x, mod=mod):
+            if x.numel() // mod.in_features > wo.TRITON_MAX_ROWS:
+                return mod(x)
+            args = (mod.qweight, mod.scale, mod.offset, None, 4, mod.in_features)
+            return wo.triton_wo_linear(x, *args, int4_gemv=True)
+
+        return words
+    return mod
 
 
 def _fused_layer_fn(L: dict, x: torch.Tensor, outs: list) -> torch.Tensor:
@@ -229,6 +250,8 @@ def fused_stack(rounds: int, schemes: tuple[str, ...]) -> list[dict]:
 
         graphs, errs = {}, {}
         for s in ok:
+            if m != 1 and s in VARIANTS:
+                continue
             try:
                 graphs[s] = _capture(lambda s=s: stack(models[s]))
             except Exception as e:
@@ -260,7 +283,7 @@ def layer_errors() -> dict:
         x = torch.randn(1, k, device="cuda").bfloat16()
         ref = x.double() @ w.double().t()
         res[label] = {}
-        for s in ("bf16",) + SCHEMES[1:] + PEERS:
+        for s in ("bf16",) + SCHEMES[1:] + PEERS + VARIANTS:
             try:
                 y = _build(s, w)(x)
                 res[label][s] = float((y.double() - ref).norm() / ref.norm())
@@ -310,6 +333,11 @@ def run(rounds: int = 15) -> dict:
         ]
     except Exception as e:  # the peer failing must not lose our figures
         res["tinygemm_error"] = f"{type(e).__name__}: {e}"[:500]
+    for v in VARIANTS:
+        try:
+            models[v] = [{nm: _build(v, w) for nm, w in lay.items()} for lay in bf]
+        except Exception as e:  # a variant failing must not lose the other figures
+            res.setdefault("variant_errors", {})[v] = f"{type(e).__name__}: {e}"[:500]
     schemes = tuple(models)
     res["build_s"] = round(time.time() - t0, 1)
     layer_bytes = {
@@ -327,7 +355,8 @@ def run(rounds: int = 15) -> dict:
                 h = _layer_fn(L, h, outs)
             return h, outs
 
-        here = [s for s in schemes if m <= 16 or s not in PEERS]  # tinygemm: a decoding peer
+        # tinygemm: a decoding peer; the INT4 variants differ from int4 at one row only
+        here = [s for s in schemes if (m <= 16 or s not in PEERS) and (m == 1 or s not in VARIANTS)]
         fns = {s: (lambda s=s: stack(models[s])) for s in here}
         try:
             compiled = torch.compile(_bf16_layer, dynamic=False)
@@ -356,7 +385,7 @@ def run(rounds: int = 15) -> dict:
                 print("ERROR", s, m, e, flush=True)
         t = _time_graphs(graphs, rounds, replays=3 if m > 16 else 10)
         ref = outs["bf16"].double()
-        row = {"rows": m}
+        row: dict = {"rows": m}
         for s, sec in t.items():
             wb = layer_bytes["bf16" if s == "bf16 compiled" else s]
             act = 2 * m * sum(k + n for k, n in SHAPES.values()) * LAYERS
@@ -400,11 +429,14 @@ def run(rounds: int = 15) -> dict:
     res["layer_rel_err_vs_float64"] = layer_errors()
     res["fused_stack"] = fused_stack(rounds, schemes)
     res["tuned"] = {kind: wo.tuned_config(kind) for kind in wo.KINDS}
-    fused1 = next((r for r in res["fused_stack"] if r.get("rows") == 1), {})
+    fused1: dict = next((r for r in res["fused_stack"] if r.get("rows") == 1), {})
     res["targets"] = {
-        "int4_rows1_vs_bf16": res["stack"][0]["int4"]["speedup_vs_bf16"],
+        "int4_rows1_vs_bf16": res["stack"][0].get("int4", {}).get("speedup_vs_bf16"),
         "int4_rows1_fused_vs_bf16_fused": fused1.get("int4", {}).get("speedup_vs_bf16"),
         "int4_rows1_goal": 2.5,
+        "int4_variants_rows1_vs_bf16": {
+            v: res["stack"][0][v]["speedup_vs_bf16"] for v in VARIANTS if v in res["stack"][0]
+        },
         "fp8_prefill_vs_bf16": res["stack"][-1]["fp8"]["speedup_vs_bf16"],
         "fp8_prefill_goal": 1.3,
     }

@@ -94,6 +94,9 @@ CASES = [
     (1, 768, 45, 4, 64, 2),
     (1, 1280, 37, 4, 128, 1),
     (1, 512, 29, 8, 64, 3),
+    # the tl.dot path at the INT4 GEMV's odd shapes
+    (3, 1000, 77, 4, 128, 2),
+    (16, 123, 5, 4, 128, 1),
 ]
 #: the chunk each case's launch takes (the interpreter takes a fixed configuration)
 BLOCK_K = {(1, 768, 45, 4, 64, 2): 256, (1, 1280, 37, 4, 128, 1): 256, (1, 512, 29, 8, 64, 3): 256}
@@ -133,6 +136,49 @@ def _interpreted_fp16():
     }
 
 
+# INT4 at one row: `_int4_gemv` (codes read as 32-bit words). (K, N, x dtype, bias, group,
+# split, BLOCK_U, scale dtype): K not a multiple of the group (123, 1000) and one that is,
+# N odd, chunks that do not divide the row (K = 1000: 32 units, BLOCK_U 3 -> 4: 8 chunks;
+# 5632: 176 units in chunks of 64, the last one part empty), per channel (group = K), groups
+# of 32, and scale and offset stored in bfloat16
+GEMV_CASES = [
+    (123, 5, "bf16", True, 128, 1, 4, "fp32"),
+    (123, 77, "fp16", False, 128, 1, 4, "fp32"),
+    (1000, 77, "bf16", True, 128, 3, 4, "fp32"),
+    (1000, 5, "fp16", True, 128, 2, 16, "fp32"),
+    (1000, 77, "bf16", False, 32, 1, 8, "fp32"),
+    (2048, 77, "bf16", True, 128, 4, 16, "fp32"),
+    (5632, 33, "bf16", False, 128, 2, 64, "fp32"),
+    (256, 45, "fp16", True, 256, 2, 4, "fp32"),
+    (1000, 77, "bf16", True, 128, 3, 8, "bf16"),
+    (1000, 77, "fp16", False, 128, 1, 16, "bf16"),
+]
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _interpreted_gemv(k, n, dtype, bias, group, split, block_u, sdtype, x_scale=1.0):
+    """One GEMV_CASES entry (or its x scaled by `x_scale`) through `_int4_gemv`."""
+    dt = _DTYPES[dtype]
+    w, b, q, s, o, gs = _layer(n, k, 4, group, seed=k + n + split, dtype=dt)
+    s, o = s.to(_DTYPES[sdtype]), o.to(_DTYPES[sdtype])
+    b = b if bias else None
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k * n)) * x_scale
+    x = x.to(dt)
+    ref = wo.reference(x, q, s, o, b, 4, k)
+    assert wo.int4_gemv_ok(q, gs)
+    cfg = {"BLOCK_N": 16 if n > 8 else 8, "SPLIT_K": split, "BLOCK_U": block_u}
+    y = wo.triton_wo_linear(x, q, s, o, b, 4, k, config=cfg, int4_gemv=True)
+    return {
+        "dtype": str(y.dtype),
+        "shape": list(y.shape),
+        "finite": bool(torch.isfinite(y).all()),
+        "err": _rel(y, ref),
+        "torch_err": _torch_err(x, q, s, o, b, 4, k, ref),
+        "counters": int(wo._COUNTERS[x.device].abs().sum()),
+        "gemv_kernel": ("int4_gemv_fixed", True) in wo._KERNELS,
+    }
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     """Every interpreter case, run once in a child Python with TRITON_INTERPRET=1. On a
@@ -154,6 +200,27 @@ def test_triton_kernel_in_the_interpreter_matches_float64(interpreted, m, k, n, 
     assert r["dtype"] == "torch.bfloat16" and r["shape"] == [m, n] and r["finite"]
     assert r["err"] <= _bound(r["torch_err"]), r
     assert r["counters"] == 0  # every tile's last program reset its counter
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "dtype", "bias", "group", "split", "block_u", "sdtype"), GEMV_CASES
+)
+def test_int4_gemv_in_the_interpreter_matches_float64(
+    interpreted, k, n, dtype, bias, group, split, block_u, sdtype
+):
+    r = interpreted[str(["gemv", k, n, dtype, bias, group, split, block_u, sdtype])]
+    assert r["gemv_kernel"], "INT4 at one row did not run _int4_gemv"
+    assert r["dtype"] == str(_DTYPES[dtype]) and r["shape"] == [1, n] and r["finite"]
+    assert r["err"] <= _bound(r["torch_err"]), r
+    assert r["counters"] == 0
+
+
+@pytest.mark.parametrize("x_scale", [1e4, 1e-4])
+def test_int4_gemv_keeps_its_precision_for_large_and_small_x(interpreted, x_scale):
+    """The codes are subnormal floats and x is scaled by up to 2^85 before the FMAs: large
+    activations must not overflow, small ones must not lose their bits to subnormals."""
+    r = interpreted[f"gemv x{x_scale:g}"]
+    assert r["finite"] and r["err"] <= _bound(r["torch_err"]), r
 
 
 def test_triton_kernel_takes_float16_and_no_bias(interpreted):
@@ -212,6 +279,73 @@ def test_state_dict_round_trips(bits):
         assert _rel(m1(x), a(x)) < (0.02 if bits == 8 else 0.15)
 
 
+def _sm90_build(consts: dict, warps: int, xdtype: str):
+    """`_int4_gemv_fn` compiled for sm_90 as a launch on the GPU would specialise it
+    (pointers and the sizes and strides that are multiples of 16 marked so): PTX and SASS."""
+    import inspect
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    fn = triton.jit(wo._int4_gemv_fn)
+    names = list(inspect.signature(wo._int4_gemv_fn).parameters)
+    ptrs = {"x_ptr": xdtype, "w_ptr": "*i32", "b_ptr": xdtype, "y_ptr": xdtype, "cnt_ptr": "*i32"}
+    sig = {
+        p: "constexpr" if p in consts else ptrs.get(p, "*fp32") if p.endswith("_ptr") else "i32"
+        for p in names
+    }
+    div16 = {"N", "K", "KW", "stride_xm", "stride_wn", "stride_sn"}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, p in enumerate(names)
+        if sig[p] != "constexpr" and (sig[p].startswith("*") or p in div16)
+    }
+    src = triton.compiler.ASTSource(fn, sig, consts, attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return k.asm["ptx"], k.asm["cubin"]
+
+
+def test_int4_gemv_configs_fit_every_row_length():
+    """The autotuner's list for `_int4_gemv`: 4 or 8 rows a thread, and per shape only
+    chunks no wider than the row and splits no larger than the chunks (a short row still
+    gets a configuration)."""
+    pytest.importorskip("triton")
+    for bn, bu, nw in wo.INT4_TILES:
+        assert bn * bu // (32 * nw) in (4, 8)
+    for k in (123, 1000, 2048, 5632):
+        units = wo.padded_k(k, 128) // 32
+        keep = wo._prune_int4(wo._int4_configs(), {"KW": 4 * units})
+        assert keep
+        for c in keep:
+            chunks = -(-units // c.kwargs["BLOCK_U"])
+            assert c.kwargs["SPLIT_K"] <= chunks
+            assert c.kwargs["BLOCK_U"] <= max(units, 16)
+
+
+@pytest.mark.slow  # two compilations to cubin and their disassembly, a few seconds each
+def test_int4_gemv_compiles_for_hopper_without_int_to_float_conversions(tmp_path):
+    """The design in SASS: the codes arrive as 16-byte loads (LDG.E.128), become floats
+    without I2F (the subnormal trick), and every fp32 FMA keeps subnormals (no FTZ)."""
+    triton = pytest.importorskip("triton")
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        pytest.skip("this Triton ships no nvdisasm")
+    builds = [
+        ({"HAS_BIAS": False, "BLOCK_N": 16, "BLOCK_U": 64, "GROUP": 128, "SPLIT_K": 1}, 4, "*bf16"),
+        ({"HAS_BIAS": True, "BLOCK_N": 8, "BLOCK_U": 32, "GROUP": 128, "SPLIT_K": 2}, 2, "*fp16"),
+    ]
+    for consts, warps, xdtype in builds:
+        ptx, cubin = _sm90_build(consts, warps, xdtype)
+        assert "fma.rn.f32" in ptx and ".ftz" not in ptx
+        path = tmp_path / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run(
+            [str(nvdisasm), "-c", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+        assert "LDG.E.128" in sass and "FFMA" in sass
+        assert "I2F" not in sass and "FTZ" not in sass, consts
+
+
 @needs_cuda
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m", [1, 3, 16])
@@ -246,4 +380,10 @@ def test_cuda_kernel_under_a_cuda_graph():
 if __name__ == "__main__":  # the interpreter's half of `interpreted`
     out = {str(list(c)): _interpreted_case(*c) for c in CASES}
     out["fp16"] = _interpreted_fp16()
+    for c in GEMV_CASES:
+        out[str(["gemv", *c])] = _interpreted_gemv(*c)
+    for x_scale in (1e4, 1e-4):
+        out[f"gemv x{x_scale:g}"] = _interpreted_gemv(
+            1000, 77, "bf16", True, 128, 2, 8, "fp32", x_scale
+        )
     print(json.dumps(out))

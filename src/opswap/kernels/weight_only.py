@@ -33,21 +33,27 @@ a multiple of group_size with zero weights at quantisation (the padded inputs ar
 to zero); INT4 is packed two per byte along K, the even k in the low nibble.
 
 Storage (the module's buffers): `qweight` [N, Kp] int8 or [N, Kp / 2] uint8, `scale`
-[N, Kp / G] float32, `offset` [N, Kp / G] float32 (INT4 only).
+[N, Kp / G] float32, `offset` [N, Kp / G] float32 (INT4 only). The kernels and `reference`
+also take scale and offset in bfloat16 (converted on load).
 
 Kernels, by device and rows:
 
-- CUDA, bfloat16/float16, M <= 16 rows: `_wo_kernel`, our Triton GEMV / skinny GEMM. Each
-  program owns BLOCK_N output columns and a share of K (split-K, so that the 128 or so
-  column tiles of a 2048-wide layer still put several programs on each of the 132
-  multiprocessors and keep enough loads in flight); it loads the packed tile, unpacks in
-  registers, and either reduces with `tl.sum` (M = 1; with grouped weights a chunk holds
-  several whole groups, reshaped to [BLOCK_N, groups, group] and summed per group) or
-  feeds `tl.dot` with M padded to 16 (the tensor cores have the arithmetic to spare). Partial sums go to an fp32
-  workspace; the last program of a column tile to finish (an atomic counter, reset by
-  that program, so no memset runs per call) adds them in a fixed order, adds the bias
-  and writes the output: one launch per Linear, deterministic. Block sizes and the split
-  are tuned by `triton.autotune` per shape on first use.
+- CUDA, bfloat16/float16, INT4 at one row, when INT4_GEMV_DEFAULT is on (off until it is
+  measured faster): `_int4_gemv`, which reads the codes as 32-bit
+  words and makes each a float with one AND (a subnormal, x pre-scaled per code position):
+  no int -> float conversion; its comment gives the design and the instruction arithmetic.
+- CUDA, bfloat16/float16, other cases up to 16 rows: `_wo_kernel`, our Triton GEMV /
+  skinny GEMM. Each program owns BLOCK_N output columns and a share of K (split-K, so
+  that the 128 or so column tiles of a 2048-wide layer still put several programs on each
+  of the 132 multiprocessors and keep enough loads in flight); it loads the packed tile,
+  unpacks in registers, and either reduces with `tl.sum` (M = 1; with grouped weights a
+  chunk holds several whole groups, reshaped to [BLOCK_N, groups, group] and summed per
+  group) or feeds `tl.dot` with M padded to 16 (the tensor cores have the arithmetic to
+  spare). Partial sums go to an fp32 workspace; the last program of a column tile to
+  finish (an atomic counter, reset by that program, so no memset runs per call) adds them
+  in a fixed order, adds the bias and writes the output: one launch per Linear,
+  deterministic. Block sizes and the split are tuned by `triton.autotune` per shape on
+  first use (`_int4_gemv` likewise).
 - CUDA, more rows or float32: dequantise to the activation dtype, then `F.linear` (cuBLAS).
 - CPU: INT8 per channel through `aten._weight_int8pack_mm`; otherwise dequantise and
   `F.linear`, so the op runs everywhere.
@@ -74,6 +80,10 @@ except ImportError:  # pragma: no cover - every supported environment has Triton
 
 #: rows up to which the Triton kernel runs (measured: 1 and 16 rows, benchmarks/gpu_suite.py)
 TRITON_MAX_ROWS = 16
+#: INT4 at one row through `_int4_gemv` by default. Off until measured: a first word-wise
+#: kernel of the same idea ran at 0.58x the general kernel's speed on the H200
+#: (results/lowbit_h200_int4_words.json); `gpu_suite.py --only lowbit` times both.
+INT4_GEMV_DEFAULT = False
 #: the largest split-K any tuned configuration uses (the workspace is sized for it)
 MAX_SPLIT_K = 8
 _INT8_MAX = 127.0
@@ -379,10 +389,155 @@ def _wo_kernel_fn(
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 
 
-#: the kernel's three uses, each autotuned apart: weights per channel (any rows), grouped
-#: weights at more than one row (a chunk is one group, through tl.dot), grouped at one row
-#: (a chunk is several groups, the GEMV of decoding)
-KINDS = ("per_channel", "grouped", "gemv")
+# The INT4 GEMV of decoding (one row of x), `_int4_gemv`. Bytes: half a byte a code plus 8
+# bytes of fp32 scale and offset per group of 128, 0.5625 B a code. At 4.2 TB/s an H200
+# (132 SMs, 1.98 GHz) must retire 4.2e12 / 0.5625 / (132 * 1.98e9) = 28.6 codes per SM
+# and clock, and an SM issues 128 thread-instructions a clock: at most 4.5 instructions per
+# code, of which at most 2.2 on the integer pipe (LOP3 and shifts, 64 a clock). `_wo_kernel`
+# spends 7.4 SASS instructions per code in its one-row loop (Triton 3.6, sm_90; 7.1 with
+# 3.9), among them an I2F per code, which issues at 16 a clock: that alone caps it at 16
+# codes a clock, 2.4 TB/s. Here, with no conversion instruction at all:
+#
+# - The codes are read as 32-bit words (the uint8 buffer viewed as int32, the same bytes:
+#   code 8j + i in bits 4i..4i+3 of word j), 16 bytes (one unit, 32 codes) a thread a row.
+# - A code kept in place with one AND, every other bit cleared, is the fp32 value
+#   q * 2^(4e - 149) for bits 4e..4e+3 (a subnormal: exponent field 0, q * 2^4e in the
+#   mantissa). Codes 0..4 lie in the mantissa where they are; 5..7 after one shift by 12
+#   (7 would reach the sign bit), e = 2..4. x is scaled once per chunk by 2^(149 - e - D),
+#   so an FFMA adds q * x * 2^-D, exactly the product of two floats: no offset to take back
+#   out, no cancellation (the `1 + q / 16` form, exponent bits OR-ed in, costs a shift per
+#   code and a correction per word: 1244 instructions against 889 in an earlier form of
+#   this loop, Triton 3.9). Per word: 1 shift + 8 AND + 8 FFMA, 2.1 instructions a code,
+#   1.1 of them integer. FFMA takes subnormals at full rate; the PTX has no .ftz (a test
+#   checks it, and that there is no I2F).
+#   Range: x * 2^85 overflows for |x| >= 2^43; |x| < 2^-62 loses bits to subnormals.
+# - Per unit: acc += s * p + m * sum(x) (2^-D folded in), with s and m loaded per unit (a
+#   group's 4 units read the same address); acc [BLOCK_N, BLOCK_U] is reduced once, after
+#   the last chunk, and multiplied by 2^D.
+# - x is loaded once per chunk as 16-byte vectors, each element by one thread, then
+#   exchanged through shared memory so that each thread holds the 32 values of its unit,
+#   shared by the BLOCK_N * BLOCK_U / (32 * warps) rows it owns (the reshape, broadcast and
+#   splits below keep every axis of a word in-thread: no shuffles, no sum per group).
+#
+# The compiled loop at BLOCK_N 16, BLOCK_U 64, 4 warps (a 2048-wide row in one chunk, 256
+# codes a thread): 840 instructions with Triton 3.6 (864 with 3.9), 3.3 a code: 256 LOP3,
+# 240 FFMA + 16 FMUL for the codes, 10 LDG.E.128, no I2F, 168 registers (3 programs an SM).
+# Issue then allows 39 codes a clock (5.7 TB/s-equivalent), so the bytes, not the
+# instructions, should set the time. Split-K, the workspace and the counters are
+# `_wo_kernel`'s.
+
+#: 2^D: the INT4 GEMV's partial sums are kept at 2^-D times their value
+_INT4_D = tl.constexpr(64) if tl is not None else 64
+
+
+def _int4_gemv_fn(
+    x_ptr,  # [M, K] bf16/fp16, row stride stride_xm, unit column stride: one row a program
+    w_ptr,  # [N, KW] int32: the packed codes read as words, code k = 8 j + i in bits 4i..4i+3
+    s_ptr,  # [N, groups] scale (fp32 or bf16)
+    o_ptr,  # [N, groups] offset (fp32 or bf16)
+    b_ptr,  # [N] or x_ptr again (unused)
+    y_ptr,  # [M, N] in x's dtype
+    ws_ptr,  # [SPLIT_K, M, N] fp32 partial sums (split-K only)
+    cnt_ptr,  # int32 counters, zero between launches (split-K only)
+    M,
+    N,
+    K,
+    KW,  # words a row: Kp / 8 (a multiple of 4)
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_U: tl.constexpr,  # units of 4 words (32 codes, 16 bytes) a chunk
+    GROUP: tl.constexpr,  # a multiple of 32: a unit lies in one group
+    SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rnc = tl.minimum(rn, N - 1)  # rows past N read row N - 1 (not stored): no mask
+    rw = tl.arange(0, 4 * BLOCK_U)
+    rk = tl.arange(0, 32 * BLOCK_U)
+    ri = tl.arange(0, 8)
+    units = KW // 4
+    chunks = tl.cdiv(units, BLOCK_U)
+    per = tl.cdiv(chunks, SPLIT_K)
+    c0 = pid_k * per
+    c1 = tl.minimum(c0 + per, chunks)
+    x_row = x_ptr + pid_m * stride_xm
+    w_rows = w_ptr + rnc[:, None] * stride_wn
+    s_cols = s_ptr + rnc[None, :] * stride_sn
+    o_cols = o_ptr + rnc[None, :] * stride_sn
+    # x's factor for code i: 2^(149 - e - D), e = 4i (i < 5) or 4 (i - 3) (shifted codes)
+    e = 4 * (ri - 3 * (ri // 5))
+    xf = ((276 - e - _INT4_D) << 23).to(tl.float32, bitcast=True)
+    acc = tl.zeros((BLOCK_N, BLOCK_U), dtype=tl.float32)
+    for c in range(c0, c1):
+        j = c * (4 * BLOCK_U) + rw  # words
+        w = tl.load(w_rows + j[None, :], mask=(j < KW)[None, :], other=0)
+        w = tl.reshape(w.to(tl.uint32, bitcast=True), (BLOCK_N, BLOCK_U, 4))  # 16 B a unit
+        k = c * (32 * BLOCK_U) + rk
+        xv = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        xv = tl.reshape(xv, (BLOCK_U, 4, 8))  # [u, v, i]: code i of word 4u + v
+        xu = tl.sum(tl.sum(xv, 2), 1)  # [BLOCK_U]: x summed over the unit
+        # x's value for each code of each word, scaled, broadcast over the rows and split
+        # apart along in-thread axes ([a, b, c] of the reshape is code 4a + 2b + c)
+        xr = tl.reshape(xv * xf[None, None, :], (BLOCK_U, 4, 2, 2, 2))
+        xb = tl.broadcast_to(xr[None, :, :, :, :, :], (BLOCK_N, BLOCK_U, 4, 2, 2, 2))
+        ev, od = tl.split(xb)  # c = 0, 1
+        e0, e1 = tl.split(ev)  # b = 0, 1
+        o0, o1 = tl.split(od)
+        x0, x4 = tl.split(e0)  # a = 0, 1
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        w12 = w >> 12  # codes 5, 6, 7 to bits 8..19 (in place, 7 would reach the sign bit)
+        p = (w & 0xF).to(tl.float32, bitcast=True) * x0
+        p += (w & 0xF0).to(tl.float32, bitcast=True) * x1
+        p += (w & 0xF00).to(tl.float32, bitcast=True) * x2
+        p += (w & 0xF000).to(tl.float32, bitcast=True) * x3
+        p += (w & 0xF0000).to(tl.float32, bitcast=True) * x4
+        p += (w12 & 0xF00).to(tl.float32, bitcast=True) * x5
+        p += (w12 & 0xF000).to(tl.float32, bitcast=True) * x6
+        p += (w12 & 0xF0000).to(tl.float32, bitcast=True) * x7
+        g = ((c * BLOCK_U + tl.arange(0, BLOCK_U)) * 32) // GROUP
+        gm = (g < (KW * 8) // GROUP)[None, :]
+        # loaded as [BLOCK_U, BLOCK_N] and transposed: Triton 3.6 then lays s out as acc is
+        # (lanes along the units); a [BLOCK_N, BLOCK_U] load put its lanes along the rows
+        # and cost a shared-memory exchange of acc every chunk (912 instructions, not 840)
+        s = tl.trans(tl.load(s_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
+        m = tl.trans(tl.load(o_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
+        acc += m * (xu * (2.0**-_INT4_D))[None, :]
+        acc += s * tl.sum(p, 2)
+    out = tl.sum(acc, 1) * (2.0**_INT4_D)
+    out_off = pid_m * N + rn
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + out_off, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + out_off, out, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last of the tile's programs: add the partials in order
+            tot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for sk in range(SPLIT_K):
+                tot += tl.load(
+                    ws_ptr + sk * M * N + out_off, mask=n_ok, other=0.0, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + out_off, tot.to(y_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+
+
+#: the kernels' uses, each autotuned apart: `_wo_kernel` for weights per channel (any rows),
+#: grouped weights at more than one row (a chunk is one group, through tl.dot) and grouped
+#: INT8 at one row (a chunk is several groups); `_int4_gemv` for INT4 at one row
+KINDS = ("per_channel", "grouped", "gemv", "int4_gemv")
 
 
 def _configs(kind: str) -> list[Any]:
@@ -411,6 +566,43 @@ def _configs(kind: str) -> list[Any]:
                 kw2["BLOCK_K"] = chunk
             out.append(triton.Config(kw2, num_warps=4, num_stages=3))
     return out
+
+
+#: `_int4_gemv`'s tiles (BLOCK_N, BLOCK_U, warps): each thread holds one unit (16 bytes,
+#: 32 codes) of R = BLOCK_N * BLOCK_U / (32 * warps) rows, R = 4 or 8 (8 rows take about
+#: 170 registers, 3 programs of 4 warps an SM); BLOCK_U 64 is a 2048-wide row in one chunk
+INT4_TILES = (
+    (8, 32, 2),
+    (8, 64, 2),
+    (8, 64, 4),
+    (16, 32, 2),
+    (16, 32, 4),
+    (16, 64, 4),
+    (16, 64, 8),
+    (32, 16, 2),
+    (32, 32, 4),
+    (32, 64, 8),
+)
+
+
+def _int4_configs() -> list[Any]:
+    """INT4_TILES with split-K 1, 2 and 4 (pruned per shape to the chunks there are)."""
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_U": bu, "SPLIT_K": split}, num_warps=nw, num_stages=1)
+        for bn, bu, nw in INT4_TILES
+        for split in (1, 2, 4)
+    ]
+
+
+def _prune_int4(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    units = int(named_args["KW"]) // 4
+    keep = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_U"] <= max(units, 16)
+        and c.kwargs["SPLIT_K"] <= -(-units // c.kwargs["BLOCK_U"])
+    ]
+    return keep or [triton.Config({"BLOCK_N": 16, "BLOCK_U": 16, "SPLIT_K": 1}, num_warps=4)]
 
 
 def gemv_block_ok(block_k: int, group: int, kp: int) -> bool:
@@ -451,6 +643,18 @@ def _kernel(kind: str | None) -> Any:
     of KINDS on a GPU, or, for `kind=None` and in the interpreter, plain (the caller
     gives the configuration)."""
     key = (None if interpreting() else kind, interpreting())
+    if kind == "int4_gemv" or kind == "int4_gemv_fixed":  # a kernel of its own
+        key = (kind if not interpreting() else "int4_gemv_fixed", interpreting())
+        if key not in _KERNELS:
+            fn = triton.jit(_int4_gemv_fn)
+            if key[0] == "int4_gemv":
+                fn = triton.autotune(
+                    _int4_configs(),
+                    key=["M", "N", "K"],
+                    prune_configs_by={"early_config_prune": _prune_int4},
+                )(fn)
+            _KERNELS[key] = fn
+        return _KERNELS[key]
     if key not in _KERNELS:
         fn = triton.jit(_wo_kernel_fn)
         if key[0] is not None:
@@ -491,9 +695,13 @@ def triton_wo_linear(
     bits: int,
     in_features: int,
     config: dict[str, int] | None = None,
+    int4_gemv: bool | None = None,
 ) -> torch.Tensor:
-    """`_wo_kernel` on x [..., K]. `config` (BLOCK_N, SPLIT_K, BLOCK_K, num_warps) fixes the
-    launch instead of autotuning; the interpreter always takes it (or a small default)."""
+    """`_int4_gemv` (INT4 at one row, where `int4_gemv_ok`) or `_wo_kernel` on x [..., K].
+    `config` (BLOCK_N, SPLIT_K, BLOCK_K or BLOCK_U, num_warps) fixes the launch instead of
+    autotuning; the interpreter always takes it (or a small default). `int4_gemv` sends
+    INT4 at one row to `_int4_gemv` (True) or `_wo_kernel` (False); by default
+    INT4_GEMV_DEFAULT decides."""
     why = triton_supported(x)
     if why is not None:
         raise WeightOnlyError(f"The weight-only Triton kernel cannot run: {why}.")
@@ -512,8 +720,13 @@ def triton_wo_linear(
     if m == 0:
         return y.reshape(*lead, n)
     ws = torch.empty((MAX_SPLIT_K, m, n), device=x.device, dtype=torch.float32)
-    cnt = _counters(x.device, -(-m // block_m) * -(-n // 16))
+    cnt = _counters(x.device, -(-m // block_m) * -(-n // 8))  # tiles of 8 columns or more
     group = kp // groups
+    if int4_gemv is None:
+        int4_gemv = INT4_GEMV_DEFAULT
+    if int4_gemv and bits == 4 and m == 1 and int4_gemv_ok(qweight, group):
+        _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config)
+        return y.reshape(*lead, n)
     kind = "per_channel" if per_channel else ("gemv" if block_m == 1 else "grouped")
     kw: dict[str, Any] = {"BLOCK_M": block_m, "DOT_F32": interpreting(), "GROUP": group}
     if kind == "grouped":
@@ -557,6 +770,66 @@ def triton_wo_linear(
         **kw,
     )
     return y.reshape(*lead, n)
+
+
+def int4_gemv_ok(qweight: torch.Tensor, group: int) -> bool:
+    """Whether `_int4_gemv` can read these INT4 codes as 32-bit words: groups a multiple of
+    32 codes (a unit of 4 words lies in one group), rows of whole words, 4-byte aligned."""
+    return (
+        group % 32 == 0
+        and qweight.dtype == torch.uint8
+        and qweight.stride(-1) == 1
+        and qweight.shape[1] % 4 == 0
+        and qweight.stride(0) % 4 == 0
+        and qweight.storage_offset() % 4 == 0
+    )
+
+
+def _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config) -> None:
+    """`_int4_gemv` on the rows of x2 [M, K] (a program row each) into y [M, N]. `config`
+    (BLOCK_N, BLOCK_U, SPLIT_K, num_warps) fixes the launch; BLOCK_K (codes) is taken as
+    BLOCK_U = BLOCK_K / 32, so the tests' configurations serve both kernels."""
+    m, n = x2.shape[0], qweight.shape[0]
+    words = qweight.view(torch.int32)  # the same bytes: [N, Kp / 8], code 8j + i in bits 4i..
+    kw_total = words.shape[1]
+    units = kw_total // 4
+    fixed = config if config is not None else (None if not interpreting() else {})
+    kw: dict[str, Any] = {"GROUP": group}
+    if fixed is not None:
+        bu = int(fixed.get("BLOCK_U", max(1, int(fixed.get("BLOCK_K", 128)) // 32)))
+        kw.update(
+            BLOCK_N=int(fixed.get("BLOCK_N", 16)),
+            BLOCK_U=bu,
+            SPLIT_K=min(int(fixed.get("SPLIT_K", 2)), -(-units // bu)),
+        )
+        if "num_warps" in fixed:
+            kw["num_warps"] = fixed["num_warps"]
+        fn = _kernel("int4_gemv_fixed")
+    else:
+        fn = _kernel("int4_gemv")
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
+        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)
+
+    fn[grid](
+        x2,
+        words,
+        scale,
+        offset,
+        bias if bias is not None else x2,
+        y,
+        ws,
+        cnt,
+        m,
+        n,
+        k,
+        kw_total,
+        x2.stride(0),
+        words.stride(0),
+        scale.stride(0),
+        HAS_BIAS=bias is not None,
+        **kw,
+    )
 
 
 def tuned_config(kind: str) -> dict[str, Any]:
