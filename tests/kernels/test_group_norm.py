@@ -56,13 +56,15 @@ def _case(shape, groups, dtype, affine, kind):
 
 
 #: (shape, groups): 2-D spatial; no spatial dims (3 channels a group); 8 groups of 4
-#: channels at 13 x 17; one group of 6400 (several chunks forward, two a channel
-#: backward); three spatial dims
+#: channels at 13 x 17; one group of 6400 (held in registers forward, two chunks a channel
+#: backward); one group of 2 x 91 x 91 = 16562 values, past the 16384 the forward holds
+#: (chunks forward); three spatial dims
 SHAPES = [
     ((3, 6, 7, 7), 3),
     ((3, 12), 4),
     ((2, 32, 13, 17), 8),
     ((2, 4, 40, 40), 1),
+    ((1, 2, 91, 91), 1),
     ((2, 3, 5, 4, 3), 3),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -8,8 +8,11 @@
 
 which is what `F.group_norm` computes (it, too, accumulates in fp32 for bf16/fp16).
 
-One program per (sample, group). A group can be far larger than registers hold (32
-channels of 64 x 64 are 131 K values), so the program walks it in chunks of BLOCK: the
+One program per (sample, group). A group of up to 16 K values is held in registers: x is
+read once, its mean and variance taken in two passes over the registers, and y written
+(4 bytes an element in bf16). A larger group (32 channels of 64 x 64 are 131 K values),
+or one whose size is symbolic while torch.export or a dynamic compile traces the launch,
+is walked in chunks of BLOCK: the
 first walk merges each chunk's mean and sum of squared deviations into the running ones
 (Chan's pairwise update: no E[x^2] - E[x]^2 cancellation), the second writes y. That is
 x read twice and y written once: 6 bytes an element in bf16 against ATen's CUDA kernels'
@@ -48,6 +51,9 @@ from opswap.kernels._rows import (
 
 #: the most elements one program holds per chunk of a group (8 warps: 16 fp32 a thread)
 MAX_BLOCK = 2048
+#: the largest group the forward holds in registers at once (16 warps: 32 values a thread),
+#: reading x once instead of twice
+ONE_PASS_MAX = 16384
 #: the most elements of one channel per chunk in the backward's per-channel walks
 MAX_CHANNEL_BLOCK = 1024
 
@@ -112,6 +118,7 @@ def _gn_fwd_fn(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # the whole group in one BLOCK: read once, held in registers
     RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     # a float argument may arrive as fp64 (inductor types a SymFloat so): fp32 math
@@ -119,15 +126,26 @@ def _gn_fwd_fn(
     pid = tl.program_id(0).to(tl.int64)
     base = pid * L
     offs = tl.arange(0, BLOCK)
-    # walk 1: the group's mean and rstd, chunk by chunk
-    mean, rstd = group_stats(x_ptr, base, L, eps, offs, BLOCK)
-    # walk 2: normalise, the channel's affine, store in x's dtype
     ch0 = (pid % G) * CPG
+    if ONE_PASS:
+        # a group that fits in registers (up to 16 K values): x read once, not twice
+        ok1 = offs < L
+        v1 = tl.load(x_ptr + base + offs, mask=ok1, other=0.0).to(tl.float32)
+        mean1 = tl.sum(v1, 0) / L
+        d1 = tl.where(ok1, v1 - mean1, 0.0)
+        rstd1 = tl.rsqrt(tl.sum(d1 * d1, 0) / L + eps)
+    else:
+        # walk 1: the group's mean and rstd, chunk by chunk
+        mean1, rstd1 = group_stats(x_ptr, base, L, eps, offs, BLOCK)
+    # walk 2 (one step when ONE_PASS): normalise, the channel's affine, store in x's dtype
     for start in range(0, L, BLOCK):
         idx = start + offs
         ok = idx < L
-        v = tl.load(x_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
-        y = (v - mean) * rstd
+        if ONE_PASS:
+            y = d1 * rstd1
+        else:
+            v = tl.load(x_ptr + base + idx, mask=ok, other=0.0).to(tl.float32)
+            y = (v - mean1) * rstd1
         if HAS_W or HAS_B:
             ch = ch0 + idx // S
         if HAS_W:
@@ -212,7 +230,7 @@ def _block(n: int, cap: int) -> int:
 
 
 def _warps(block: int) -> int:
-    return 4 if block < 2048 else 8
+    return 4 if block < 2048 else 8 if block < 8192 else 16
 
 
 def _sizes(x: torch.Tensor, num_groups: int) -> tuple[int, int, int, int, int]:
@@ -228,7 +246,8 @@ def triton_forward(x, num_groups, weight, bias, eps) -> torch.Tensor:
     xc = x.contiguous()
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if x.numel():
-        block = _block(length, MAX_BLOCK)
+        one_pass = isinstance(length, int) and length <= ONE_PASS_MAX
+        block = _block(length, ONE_PASS_MAX if one_pass else MAX_BLOCK)
         wrap_triton(jitted(_gn_fwd_fn))[(n * num_groups,)](
             xc,
             weight if weight is not None else xc,
@@ -242,6 +261,7 @@ def triton_forward(x, num_groups, weight, bias, eps) -> torch.Tensor:
             HAS_W=weight is not None,
             HAS_B=bias is not None,
             BLOCK=block,
+            ONE_PASS=one_pass,
             RN=rn_flag(x.dtype),
             num_warps=_warps(block),
         )
