@@ -100,6 +100,7 @@ NOT_LOWERED = {
     "opswap::softmax_backward": "training only",
     "opswap::row_sumsq_backward": "training only",
     "opswap::rope_backward": "training only",
+    "opswap::bias_gelu_cuda_backward": "training only",
     "opswap::flash_attention_backward": "training only",
     "opswap::decode_attention": "a serving op: one decode step over a static KV cache, "
     "run in-process (CUDA graphs), not exported",
