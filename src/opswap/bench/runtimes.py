@@ -6,7 +6,9 @@
   and onnxscript's ORT fusions on the ONNX graph) and run in ONNX Runtime;
 - `openvino` and `opswap+openvino` (with `--compare openvino`): the same two programs
   exported to ONNX without ORT's fusions (contrib ops OpenVINO does not read) and
-  compiled by OpenVINO for the CPU (backends.openvino);
+  compiled by OpenVINO for the CPU (backends.openvino); with `--export openvino` the
+  .onnx files are converted to OpenVINO's IR (model.xml + model.bin) first, and the IR
+  is what is compiled, timed and saved;
 - `executorch` and `opswap+executorch` (with `--compare executorch`): the same two
   programs lowered to ExecuTorch programs (.pte files) with the XNNPACK delegate and run
   in ExecuTorch's runtime (backends.executorch), the edge path.
@@ -14,14 +16,15 @@
 Each file translates the very program model.pt2 holds (the exported program is
 kept, not traced again), so it keeps the same dynamic axes (a .pte file up to an upper
 bound per axis, since ExecuTorch plans memory ahead), and the session timed is the
-session over the file that is saved when it wins (DIR/model.onnx or DIR/model.pte). They are
+session over the file that is saved when it wins (DIR/model.onnx, DIR/model.xml or
+DIR/model.pte). They are
 verified against the input at every size the file keeps, like the saved-graph
 variants, before they may win.
 
 With `--export onnx` (or `ort`) the user deploys an .onnx file whatever else wins (with
-`--export executorch` a .pte file), so `export_winner` picks between that engine's two
-variants: opswap's when it is faster than the input's file beyond the run's noise, else
-the input's.
+`--export openvino` an OpenVINO IR, with `--export executorch` a .pte file), so
+`export_winner` picks between that engine's two variants: opswap's when it is faster
+than the input's file beyond the run's noise, else the input's.
 """
 
 from __future__ import annotations
@@ -43,7 +46,42 @@ _RUNS = {
 }
 ARTIFACTS = {**ORT, **OPENVINO, **EXECUTORCH}
 #: --export's formats, and the engine whose two variants they race
-EXPORTS = {"onnx": "ort", "ort": "ort", "executorch": "executorch", "pte": "executorch"}
+EXPORTS = {
+    "onnx": "ort",
+    "ort": "ort",
+    "openvino": "openvino",
+    "executorch": "executorch",
+    "pte": "executorch",
+}
+#: what each --export format saves, in words
+SAVES = {
+    "onnx": "an .onnx file",
+    "ort": "an .onnx file",
+    "openvino": "an OpenVINO IR (model.xml)",
+    "executorch": "a .pte file",
+    "pte": "a .pte file",
+}
+#: per engine, the modules its files need and the extra that installs them
+NEEDS = {
+    "ort": (("onnxruntime", "onnxscript"), "onnx"),
+    "openvino": (("openvino", "onnxscript"), "openvino"),
+    "executorch": (("executorch",), "executorch"),
+}
+
+
+def missing(export: str) -> str | None:
+    """One sentence when a module the --export format `export` needs is not installed,
+    else None."""
+    import importlib.util
+
+    mods, extra = NEEDS[EXPORTS[export]]
+    absent = [m for m in mods if importlib.util.find_spec(m) is None]
+    if not absent:
+        return None
+    return (
+        f"--export {export} needs {' and '.join(absent)}; install "
+        f"{'it' if len(absent) == 1 else 'them'} with pip install 'opswap[{extra}]'."
+    )
 
 
 def exports(
@@ -52,10 +90,13 @@ def exports(
     dynamic,
     device: torch.device,
     engines: tuple[str, ...] = ("ort",),
+    *,
+    ir: bool = False,
 ) -> None:
     """Add the files of `engines` ("ort", "openvino", "executorch"; loaded in the engine) to
     `artifacts`, from the programs kept in its "input" and "candidate"
-    backends.pt2.Artifacts, which are then let go."""
+    backends.pt2.Artifacts, which are then let go. `ir`: OpenVINO's files are its IR
+    (model.xml), not .onnx files (--export openvino)."""
     from opswap.backends.pt2 import Artifact
 
     if device.type != "cpu":
@@ -82,7 +123,7 @@ def exports(
                     None, inputs, dynamic, exported=exported, fusions=fusions
                 )
             elif engine == "openvino":
-                artifacts[key] = openvino_artifact(None, inputs, dynamic, exported=exported)
+                artifacts[key] = openvino_artifact(None, inputs, dynamic, exported=exported, ir=ir)
             else:
                 artifacts[key] = executorch_artifact(None, inputs, dynamic, exported=exported)
         if pt2 is not None:

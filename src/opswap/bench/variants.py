@@ -438,8 +438,8 @@ def run(
     `shapes` (a graph.dynamic.Dynamic: the capture's, or the axes a saved file keeps),
     or at the example's only when `shapes` is False (compiled variants would recompile
     for each new shape). `export` "onnx" or "ort" races the ONNX Runtime variants and
-    saves the faster of the two .onnx files ("executorch": the two .pte files;
-    bench.runtimes.export_winner)."""
+    saves the faster of the two .onnx files ("openvino": the two OpenVINO IRs,
+    "executorch": the two .pte files; bench.runtimes.export_winner)."""
     from opswap.backends.pt2 import export_artifact
     from opswap.bench import runtimes
     from opswap.bench.device import resolve_device
@@ -458,7 +458,9 @@ def run(
             "candidate": export_artifact(candidate_gm, inputs, captured.dynamic, keep_program=keep),
         }
         if keep:
-            runtimes.exports(artifacts, inputs, captured.dynamic, dev, engines)
+            runtimes.exports(
+                artifacts, inputs, captured.dynamic, dev, engines, ir=export == "openvino"
+            )
     variants = build(model, captured.gm, candidate_gm, inputs, compare, dev, artifacts)
     for v in variants:
         if v.verified is not None:
@@ -487,10 +489,10 @@ def run(
         if chosen is not None:
             winner = chosen
         else:
-            kind = ".pte" if engine == "executorch" else ".onnx"
             said = "; ".join(t.note for t in timings if t.name in runtimes.ENGINES[engine])
+            kind = runtimes.SAVES[cast(str, export)].split(" ", 1)[1]  # ".onnx file", ...
             notes.append(
-                f"--export {export}: no {kind} file passed verification ({said}), "
+                f"--export {export}: no {kind} passed verification ({said}), "
                 f"so the run saves {winner.name}'s file instead."
             )
     return Race(

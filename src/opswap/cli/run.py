@@ -62,7 +62,7 @@ def optimize(
         typer.Option(
             "--export",
             metavar="FORMAT",
-            help="onnx or ort: race the ONNX Runtime variants too and save DIR/model.onnx, the faster verified .onnx file (your model's export or opswap's); executorch (or pte): the same with ExecuTorch and DIR/model.pte.",
+            help="onnx or ort: race the ONNX Runtime variants too and save DIR/model.onnx, the faster verified .onnx file (your model's export or opswap's); openvino: the same with OpenVINO and its IR, DIR/model.xml + model.bin (float32), loaded back and verified once saved; executorch (or pte): the same with ExecuTorch and DIR/model.pte.",
         ),
     ] = None,
     calibrate: Annotated[
