@@ -457,7 +457,7 @@ def optimize(
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
     bench, and the race of variants against `compare`'s baselines ("compile", "ort",
-    "openvino", "executorch" or "none"); `export="onnx"` (or "ort") races ONNX Runtime and
+    "openvino", "executorch", "tvm" or "none"); `export="onnx"` (or "ort") races ONNX Runtime and
     saves model.onnx, `export="openvino"` races OpenVINO and saves its IR (model.xml and
     model.bin), `export="executorch"` races ExecuTorch and saves model.pte.
     `model` is never called nor changed; `result.candidate` is the optimized module and

@@ -20,7 +20,8 @@ opens it in ExecuTorch's runtime; when an OpenVINO variant of `--export openvino
 is OpenVINO's IR, DIR/model.xml with its weights in DIR/model.bin, the IR that was timed,
 loaded back from DIR in a fresh OpenVINO Core and verified against the model at every
 size it keeps before the run is moved in (result.json's `deploy.reloaded`), and `load`
-opens it in OpenVINO. No model file is written when the file the winner saves passed no
+opens it in OpenVINO; when a TVM variant won (`--compare tvm`), it is DIR/model.so, the
+library TVM built for this CPU, and `load` opens it in Relax's VM. No model file is written when the file the winner saves passed no
 verification.
 
 DIR then holds exactly this run, never a mix with an earlier one: everything is written
@@ -75,6 +76,7 @@ RUN_FILES = frozenset(
         "model.pte",
         "model.xml",
         "model.bin",
+        "model.so",
         "model_state.pt",
         "model_state.txt",
         "model_shapes.txt",
@@ -91,6 +93,7 @@ _FIRST = (
     "model.pte",
     "model.bin",
     "model.xml",
+    "model.so",
     "model_state.pt",
 )
 #: the model files of a run; a save removes those an earlier run left that this one did not
@@ -102,6 +105,7 @@ _MODELS = (
     "model.pte",
     "model.xml",
     "model.bin",
+    "model.so",
 )
 _LAST = ("result.json",)
 
@@ -118,9 +122,12 @@ SAVES = {
     "opswap+openvino": "candidate",
     "executorch": "input",
     "opswap+executorch": "candidate",
+    "tvm": "input",
+    "opswap+tvm": "candidate",
 }
 
-#: the variants whose saved file is a runtime's (an .onnx, .xml or .pte file, bench.runtimes), by
+#: the variants whose saved file is a runtime's (an .onnx, .xml, .pte or .so file,
+#: bench.runtimes), by
 #: their artifact's key
 RUNTIME_FILES = {
     "ort": "ort_input",
@@ -129,6 +136,8 @@ RUNTIME_FILES = {
     "opswap+openvino": "openvino_candidate",
     "executorch": "executorch_input",
     "opswap+executorch": "executorch_candidate",
+    "tvm": "tvm_input",
+    "opswap+tvm": "tvm_candidate",
 }
 
 
@@ -246,12 +255,36 @@ def _deploy_pte(result: Result) -> dict[str, Any]:
     }
 
 
+def _deploy_so(result: Result) -> dict[str, Any]:
+    """result.json's `deploy` when a TVM variant won: DIR/model.so."""
+    holds = (
+        "opswap's optimized model compiled by Apache TVM for this CPU"
+        if result.best.startswith("opswap+")
+        else "your model compiled by Apache TVM for this CPU with no rewrite: opswap's did "
+        "not beat it in this run"
+    )
+    return {
+        "variant": result.best,
+        "artifact": "model.so" if result.verified_as is not None else None,
+        "holds": holds,
+        "compile": False,
+        "how": 'tvm.relax.VirtualMachine(tvm.runtime.load_module("DIR/model.so"), tvm.cpu())'
+        '["main"](*inputs) on a machine with this CPU and the same apache-tvm, or '
+        "opswap.load_optimized(DIR)",
+        "timed": saved_artifact(result) is not None,
+        "verified_as": result.verified_as,
+        "run_under": "tvm (Relax VM, CPU)",
+    }
+
+
 def deploy(result: Result) -> dict[str, Any]:
     """What model.pt2 (or model.onnx, model.pte) holds and how to run it (result.json's
     `deploy`)."""
     if result.best in RUNTIME_FILES:
         if "executorch" in result.best:
             return _deploy_pte(result)
+        if result.best.endswith("tvm"):
+            return _deploy_so(result)
         return _deploy_ir(result) if _saves_ir(result) else _deploy_onnx(result)
     kind = saved_kind(result)
     compiled = result.best.endswith("compile")
@@ -463,7 +496,13 @@ def save_model(
 
 
 #: the name a timed file is saved under, by its suffix
-_SAVED_AS = {".pt2": "model.pt2", ".onnx": "model.onnx", ".pte": "model.pte", ".xml": "model.xml"}
+_SAVED_AS = {
+    ".pt2": "model.pt2",
+    ".onnx": "model.onnx",
+    ".pte": "model.pte",
+    ".xml": "model.xml",
+    ".so": "model.so",
+}
 
 
 def _save_file(artifact: Artifact, out: Path) -> dict[str, Path]:
@@ -499,15 +538,20 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
     from opswap.backends.pt2 import load as load_program
 
     path = Path(directory)
-    folder = path.parent if path.suffix in (".pt2", ".onnx", ".pte", ".xml") else path
+    folder = path.parent if path.suffix in (".pt2", ".onnx", ".pte", ".xml", ".so") else path
     onnx = path if path.suffix == ".onnx" else folder / "model.onnx"
     pte = path if path.suffix == ".pte" else folder / "model.pte"
     xml = path if path.suffix == ".xml" else folder / "model.xml"
+    so = path if path.suffix == ".so" else folder / "model.so"
     pt2 = path if path.suffix == ".pt2" else path / "model.pt2"
     if not pt2.is_file() and xml.is_file():
         from opswap.backends.openvino import OpenVinoModule
 
         return OpenVinoModule(xml)  # the model's output structure, kept in the IR
+    if not pt2.is_file() and so.is_file():
+        from opswap.backends.tvm import TvmModule
+
+        return TvmModule(so)  # a tensor or a tuple, as for ONNX Runtime and ExecuTorch
     if not pt2.is_file() and onnx.is_file():
         from opswap.backends.ort import OrtModule
 

@@ -11,13 +11,16 @@
   is what is compiled, timed and saved;
 - `executorch` and `opswap+executorch` (with `--compare executorch`): the same two
   programs lowered to ExecuTorch programs (.pte files) with the XNNPACK delegate and run
-  in ExecuTorch's runtime (backends.executorch), the edge path.
+  in ExecuTorch's runtime (backends.executorch), the edge path;
+- `tvm` and `opswap+tvm` (with `--compare tvm`): the same two programs imported into
+  Apache TVM's Relax, compiled for this CPU into a shared library (model.so, TVM's
+  default schedules unless tuned) and run by Relax's VM (backends.tvm).
 
 Each file translates the very program model.pt2 holds (the exported program is
 kept, not traced again), so it keeps the same dynamic axes (a .pte file up to an upper
 bound per axis, since ExecuTorch plans memory ahead), and the session timed is the
-session over the file that is saved when it wins (DIR/model.onnx, DIR/model.xml or
-DIR/model.pte). They are
+session over the file that is saved when it wins (DIR/model.onnx, DIR/model.xml,
+DIR/model.pte or DIR/model.so). They are
 verified against the input at every size the file keeps, like the saved-graph
 variants, before they may win.
 
@@ -37,14 +40,16 @@ import torch
 ORT = {"ort": "ort_input", "opswap+ort": "ort_candidate"}
 OPENVINO = {"openvino": "openvino_input", "opswap+openvino": "openvino_candidate"}
 EXECUTORCH = {"executorch": "executorch_input", "opswap+executorch": "executorch_candidate"}
-ENGINES = {"ort": ORT, "openvino": OPENVINO, "executorch": EXECUTORCH}
+TVM = {"tvm": "tvm_input", "opswap+tvm": "tvm_candidate"}
+ENGINES = {"ort": ORT, "openvino": OPENVINO, "executorch": EXECUTORCH, "tvm": TVM}
 #: the runtime each engine's variants run in, for the message when the race is not on the CPU
 _RUNS = {
     "ort": "ONNX Runtime runs on its CPU provider",
     "openvino": "OpenVINO runs",
     "executorch": "ExecuTorch runs",
+    "tvm": "TVM runs (built for this CPU)",
 }
-ARTIFACTS = {**ORT, **OPENVINO, **EXECUTORCH}
+ARTIFACTS = {**ORT, **OPENVINO, **EXECUTORCH, **TVM}
 #: --export's formats, and the engine whose two variants they race
 EXPORTS = {
     "onnx": "ort",
@@ -66,6 +71,7 @@ NEEDS = {
     "ort": (("onnxruntime", "onnxscript"), "onnx"),
     "openvino": (("openvino", "onnxscript"), "openvino"),
     "executorch": (("executorch",), "executorch"),
+    "tvm": (("tvm",), "tvm"),
 }
 
 
@@ -93,8 +99,8 @@ def exports(
     *,
     ir: bool = False,
 ) -> None:
-    """Add the files of `engines` ("ort", "openvino", "executorch"; loaded in the engine) to
-    `artifacts`, from the programs kept in its "input" and "candidate"
+    """Add the files of `engines` ("ort", "openvino", "executorch", "tvm"; loaded in the
+    engine) to `artifacts`, from the programs kept in its "input" and "candidate"
     backends.pt2.Artifacts, which are then let go. `ir`: OpenVINO's files are its IR
     (model.xml), not .onnx files (--export openvino)."""
     from opswap.backends.pt2 import Artifact
@@ -108,6 +114,7 @@ def exports(
     from opswap.backends.executorch import executorch_artifact
     from opswap.backends.openvino import openvino_artifact
     from opswap.backends.ort import ort_artifact
+    from opswap.backends.tvm import tvm_artifact
 
     for src in ("input", "candidate"):
         pt2 = artifacts.get(src)
@@ -124,6 +131,8 @@ def exports(
                 )
             elif engine == "openvino":
                 artifacts[key] = openvino_artifact(None, inputs, dynamic, exported=exported, ir=ir)
+            elif engine == "tvm":
+                artifacts[key] = tvm_artifact(None, inputs, dynamic, exported=exported)
             else:
                 artifacts[key] = executorch_artifact(None, inputs, dynamic, exported=exported)
         if pt2 is not None:

@@ -18,7 +18,9 @@ what I would do anyway?" So the candidates are
 - with `compare=["openvino"]`: `openvino` and `opswap+openvino`, the same programs as
   .onnx files compiled by OpenVINO for the CPU (bench.runtimes);
 - with `compare=["executorch"]`: `executorch` and `opswap+executorch`, the same programs
-  as .pte files with the XNNPACK delegate in ExecuTorch's runtime (bench.runtimes).
+  as .pte files with the XNNPACK delegate in ExecuTorch's runtime (bench.runtimes);
+- with `compare=["tvm"]`: `tvm` and `opswap+tvm`, the same programs compiled by Apache
+  TVM for this CPU and run by Relax's VM (bench.runtimes).
 
 A model that does not export is timed in memory instead, and the variant's note says
 that the file cannot hold it.
@@ -44,7 +46,7 @@ import torch
 from opswap.errors import OpswapError
 from opswap.graph.inputs import caller, fresh
 
-BASELINES = ("compile", "ort", "openvino", "executorch")
+BASELINES = ("compile", "ort", "openvino", "executorch", "tvm")
 
 
 @dataclass
@@ -118,7 +120,7 @@ class VariantTiming:
 
 def parse_compare(compare) -> list[str]:
     """The baselines a `--compare` setting asks for: "compile" (default), "ort", "openvino",
-    "executorch", "none",
+    "executorch", "tvm", "none",
     or a list / comma-separated string of baseline names."""
     if compare is None:
         return ["compile"]
@@ -360,6 +362,8 @@ FILE_OF = {
     "opswap+openvino": "opswap+openvino",
     "executorch": "executorch",
     "opswap+executorch": "opswap+executorch",
+    "tvm": "tvm",
+    "opswap+tvm": "opswap+tvm",
 }
 
 

@@ -54,7 +54,7 @@ def optimize(
         typer.Option(
             "--compare",
             metavar="BASELINES",
-            help="Baselines raced in the same run, comma-separated: compile (torch.compile of the input and of opswap's result), ort (both exported to ONNX and run in ONNX Runtime), openvino (the same .onnx files compiled by OpenVINO for the CPU), executorch (both lowered to ExecuTorch programs with the XNNPACK delegate), or none.",
+            help="Baselines raced in the same run, comma-separated: compile (torch.compile of the input and of opswap's result), ort (both exported to ONNX and run in ONNX Runtime), openvino (the same .onnx files compiled by OpenVINO for the CPU), executorch (both lowered to ExecuTorch programs with the XNNPACK delegate), tvm (both compiled by Apache TVM for this CPU, untuned), or none.",
         ),
     ] = "compile",
     export: Annotated[
