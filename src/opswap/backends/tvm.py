@@ -140,6 +140,36 @@ def _slice_in_bounds(program):
     return convert
 
 
+def _tuned(mod, target, trials: int, work_dir: Path):
+    """`mod` with the kernels MetaSchedule found in `trials` measured trials (evolutionary
+    search with a random cost model: TVM's default, XGBoost, is one more package), the
+    records kept in `work_dir`; the steps of relax.pipeline.static_shape_tuning_pipeline."""
+    import tvm
+    from tvm import relax
+    from tvm.s_tir import meta_schedule as ms
+
+    with target:
+        mod = tvm.transform.Sequential(
+            [
+                relax.transform.DecomposeOpsForInference(),
+                relax.transform.CanonicalizeBindings(),
+                relax.get_pipeline("zero"),
+            ]
+        )(mod)
+        database = ms.relax_integration.tune_relax(
+            mod,
+            params={},
+            target=target,
+            work_dir=str(work_dir),
+            max_trials_global=trials,
+            num_trials_per_iter=min(64, trials),
+            cost_model="random",
+            database="memory",  # the JSON database's writer crashed in apache-tvm 0.27
+        )
+        with database:
+            return relax.transform.MetaScheduleApplyDatabase()(mod)
+
+
 def _build(program, target, tune_trials: int, work_dir: Path):
     """`program` imported into Relax and compiled for `target`: a relax Executable."""
     import tvm
@@ -150,11 +180,7 @@ def _build(program, target, tune_trials: int, work_dir: Path):
         program, custom_convert_map={"slice.Tensor": _slice_in_bounds(program)}
     )
     if tune_trials > 0:
-        from tvm.relax.pipeline import static_shape_tuning_pipeline
-
-        mod = static_shape_tuning_pipeline(
-            total_trials=tune_trials, target=target, work_dir=str(work_dir / "tuning")
-        )(mod)
+        mod = _tuned(mod, target, tune_trials, work_dir / "tuning")
     with tvm.transform.PassContext(opt_level=3):
         return relax.build(mod, target=target)
 
@@ -224,7 +250,12 @@ def to_library(program, path: str | Path, kept=None, *, tune_trials: int = 0, th
 
 
 def _set_threads(threads: int) -> None:
-    """TVM's runtime thread pool in this process, to `threads` threads."""
+    """TVM's runtime thread pool in this process, to `threads` threads, whose workers do not
+    spin between calls (TVM_THREAD_POOL_SPIN_COUNT=0 unless the user set it): spinning
+    workers would take the cores from the variants timed after it in the same loop."""
+    import os
+
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
     import tvm
 
     config = tvm.get_global_func("runtime.config_threadpool", allow_missing=True)
