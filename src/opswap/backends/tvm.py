@@ -164,7 +164,7 @@ def _tuned(mod, target, trials: int, work_dir: Path):
             max_trials_global=trials,
             num_trials_per_iter=min(64, trials),
             cost_model="random",
-            database="memory",  # the JSON database's writer crashed in apache-tvm 0.27
+            database="memory",  # applied right here: nothing to read back from disk
         )
         with database:
             return relax.transform.MetaScheduleApplyDatabase()(mod)
