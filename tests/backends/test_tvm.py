@@ -208,3 +208,22 @@ def test_compare_takes_tvm_as_a_baseline():
 
     assert parse_compare("tvm") == ["tvm"]
     assert parse_compare("ort,tvm") == ["ort", "tvm"]
+
+
+def test_tuning_builds_at_the_example_shapes_and_says_so(monkeypatch, tmp_path):
+    from opswap.backends import tvm as backend
+
+    tuned = []  # MetaSchedule itself takes minutes here (docs/chapters/21): stood in for
+    monkeypatch.setattr(backend, "_tuned", lambda mod, target, n, d: tuned.append(n) or mod)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    captured = api.capture(model, (torch.randn(4, 8),))
+    assert captured.dynamic.axes  # batch: MetaSchedule tunes static kernels
+    art = tvm_artifact(model, captured.example_inputs, captured.dynamic, tmp_path, tune_trials=8)
+    assert art.module is not None and tuned == [8], art.error
+    assert "MetaSchedule-tuned (8 trials)" in art.note
+    assert "accepts the example's shapes only (MetaSchedule tunes kernels of static" in art.note
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(art.module(x), model(x), atol=1e-5, rtol=1e-4)
+    with pytest.raises(InputError, match="size 4 in dim 0 only"):
+        art.module(torch.randn(2, 8))

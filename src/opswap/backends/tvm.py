@@ -51,6 +51,8 @@ from opswap.backends.pt2 import Artifact
 from opswap.errors import ExportError, InputError
 
 INSTALL = "install it with pip install 'opswap[tvm]'"
+#: how long MetaSchedule may take to build one candidate kernel (its default is 30 s)
+BUILD_TIMEOUT_S = 180
 
 
 def _first(e: BaseException, limit: int = 200) -> str:
@@ -165,6 +167,9 @@ def _tuned(mod, target, trials: int, work_dir: Path):
             num_trials_per_iter=min(64, trials),
             cost_model="random",
             database="memory",  # applied right here: nothing to read back from disk
+            # each candidate is built in a fresh worker process that imports TVM first:
+            # the default 30 s timed every build out on the 2-core VM
+            builder=ms.builder.LocalBuilder(timeout_sec=BUILD_TIMEOUT_S),
         )
         with database:
             return relax.transform.MetaScheduleApplyDatabase()(mod)
