@@ -285,7 +285,21 @@ class Exported:
     first_divergence: Any = None  # render.verification's field; layers are not compared
 
 
-EXPORT_FORMATS = ("onnx", "ort", "executorch", "pte")
+EXPORT_FORMATS = ("onnx", "ort", "openvino", "executorch", "pte")
+
+
+def check_export(to: str) -> None:
+    """Refuse, in one sentence, an export format opswap does not write or whose runtime is
+    not installed: before a model is loaded or a plan read."""
+    from opswap.bench.runtimes import missing
+
+    if to not in EXPORT_FORMATS:
+        raise ExportError(
+            f"Export to {to!r} is not available; use --to {' or '.join(EXPORT_FORMATS)}."
+        )
+    absent = missing(to)
+    if absent is not None:
+        raise ExportError(absent.replace(f"--export {to}", f"Export to {to}"))
 
 
 def export(
@@ -299,46 +313,53 @@ def export(
     dynamic: str = "auto",
 ) -> Exported:
     """What `plan` makes of `model`, exported to OUT/model.onnx (`to` "onnx" or "ort": the
-    same file, for ONNX Runtime) or to OUT/model.pte (`to` "executorch" or "pte": an
+    same file, for ONNX Runtime), to OUT/model.xml and OUT/model.bin (`to` "openvino":
+    OpenVINO's IR, float32) or to OUT/model.pte (`to` "executorch" or "pte": an
     ExecuTorch program with the XNNPACK delegate) with the capture's dynamic axes, and
-    verified in its runtime against (a copy of) the model at every size the file keeps."""
+    verified in its runtime against (a copy of) the model at every size the file keeps
+    (the IR as loaded back from OUT)."""
     import shutil
 
     from opswap.backends.executorch import executorch_artifact
+    from opswap.backends.openvino import OpenVinoModule, openvino_artifact
     from opswap.backends.ort import ort_artifact
     from opswap.graph.dynamic import variants
     from opswap.verify.outputs import verify as _verify
 
-    if to not in EXPORT_FORMATS:
-        raise ExportError(
-            f"Export to {to!r} is not available; use --to {' or '.join(EXPORT_FORMATS)}."
-        )
+    check_export(to)
     model, inputs = keyword_call(model, example_inputs)
     done = replay(model, inputs, plan, dynamic=dynamic)
     captured = done.captured
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    pte = to in ("executorch", "pte")
-    make = executorch_artifact if pte else ort_artifact
-    art = make(done.applied.gm, captured.example_inputs, captured.dynamic)
+    pte, ir = to in ("executorch", "pte"), to == "openvino"
+    gm, xs = done.applied.gm, captured.example_inputs
+    if ir:
+        art = openvino_artifact(gm, xs, captured.dynamic, ir=True)
+    else:
+        art = (executorch_artifact if pte else ort_artifact)(gm, xs, captured.dynamic)
     if art.module is None or art.path is None:
-        kind = "an ExecuTorch program" if pte else "ONNX"
+        kind = "an ExecuTorch program" if pte else "OpenVINO IR" if ir else "ONNX"
         raise ExportError(f"The plan's result could not be exported to {kind}: {art.error}")
     kept = art.kept if art.kept is not None else captured.dynamic
     tol = tolerance_for(done.plan.settings.exactness, None, captured.rounding)
-    v = _verify(
-        private_copy(model),
-        art.module,
-        captured.example_inputs,
-        samples=samples,
-        tolerance=tol,
-        variants=variants(captured.example_inputs, kept),
-    )
     data = art.path.with_name(art.path.name + ".data")
     if data.is_file():
         shutil.copyfile(data, out / data.name)
-    dest = out / ("model.pte" if pte else "model.onnx")
+    dest = out / ("model.pte" if pte else "model.xml" if ir else "model.onnx")
+    if ir:  # the weights first: OpenVINO reads them from model.bin beside model.xml
+        shutil.copyfile(art.path.with_suffix(".bin"), dest.with_suffix(".bin"))
     shutil.copyfile(art.path, dest)
+    # the IR is verified as it lies in OUT, loaded back in a fresh OpenVINO Core
+    module = OpenVinoModule(dest) if ir else art.module
+    v = _verify(
+        private_copy(model),
+        module,
+        xs,
+        samples=samples,
+        tolerance=tol,
+        variants=variants(xs, kept),
+    )
     return Exported(done, dest, v, art.note)
 
 
@@ -436,8 +457,9 @@ def optimize(
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
     bench, and the race of variants against `compare`'s baselines ("compile", "ort",
-    "openvino", "executorch" or "none"); `export="onnx"` (or "ort") races ONNX Runtime and
-    saves model.onnx, `export="executorch"` races ExecuTorch and saves model.pte.
+    "openvino", "executorch", "tvm" or "none"); `export="onnx"` (or "ort") races ONNX Runtime and
+    saves model.onnx, `export="openvino"` races OpenVINO and saves its IR (model.xml and
+    model.bin), `export="executorch"` races ExecuTorch and saves model.pte.
     `model` is never called nor changed; `result.candidate` is the optimized module and
     `result.saved_module` the race's winner, which `result.save` writes. The user's hooks
     are left out, with a note; `keep_hooks=True` refuses a model that has any instead.

@@ -16,8 +16,13 @@ won (`--compare ort`, `--export onnx`), the model is DIR/model.onnx instead, the
 file whose session was timed (with model.onnx.data beside it past 2 GB of weights), and
 `load` opens it in ONNX Runtime; when an ExecuTorch variant won (`--compare executorch`),
 it is DIR/model.pte, the ExecuTorch program (XNNPACK delegate) that was timed, and `load`
-opens it in ExecuTorch's runtime. No model file is written when the file the winner
-saves passed no verification.
+opens it in ExecuTorch's runtime; when an OpenVINO variant of `--export openvino` won, it
+is OpenVINO's IR, DIR/model.xml with its weights in DIR/model.bin, the IR that was timed,
+loaded back from DIR in a fresh OpenVINO Core and verified against the model at every
+size it keeps before the run is moved in (result.json's `deploy.reloaded`), and `load`
+opens it in OpenVINO; when a TVM variant won (`--compare tvm`), it is DIR/model.so, the
+library TVM built for this CPU, and `load` opens it in Relax's VM. No model file is written when the file the winner saves passed no
+verification.
 
 DIR then holds exactly this run, never a mix with an earlier one: everything is written
 into a temporary folder beside DIR (the same filesystem, so each file moves in with an
@@ -69,6 +74,9 @@ RUN_FILES = frozenset(
         "model.onnx",
         "model.onnx.data",
         "model.pte",
+        "model.xml",
+        "model.bin",
+        "model.so",
         "model_state.pt",
         "model_state.txt",
         "model_shapes.txt",
@@ -78,9 +86,27 @@ RUN_FILES = frozenset(
         "roofline.png",
     }
 )
-_FIRST = ("model.pt2", "model.onnx.data", "model.onnx", "model.pte", "model_state.pt")
+_FIRST = (
+    "model.pt2",
+    "model.onnx.data",
+    "model.onnx",
+    "model.pte",
+    "model.bin",
+    "model.xml",
+    "model.so",
+    "model_state.pt",
+)
 #: the model files of a run; a save removes those an earlier run left that this one did not
-_MODELS = ("model.pt2", "model_shapes.txt", "model.onnx", "model.onnx.data", "model.pte")
+_MODELS = (
+    "model.pt2",
+    "model_shapes.txt",
+    "model.onnx",
+    "model.onnx.data",
+    "model.pte",
+    "model.xml",
+    "model.bin",
+    "model.so",
+)
 _LAST = ("result.json",)
 
 #: which module a winning variant saves: the input, the plain capture or opswap's candidate
@@ -96,9 +122,12 @@ SAVES = {
     "opswap+openvino": "candidate",
     "executorch": "input",
     "opswap+executorch": "candidate",
+    "tvm": "input",
+    "opswap+tvm": "candidate",
 }
 
-#: the variants whose saved file is a runtime's (an .onnx or .pte file, bench.runtimes), by
+#: the variants whose saved file is a runtime's (an .onnx, .xml, .pte or .so file,
+#: bench.runtimes), by
 #: their artifact's key
 RUNTIME_FILES = {
     "ort": "ort_input",
@@ -107,6 +136,8 @@ RUNTIME_FILES = {
     "opswap+openvino": "openvino_candidate",
     "executorch": "executorch_input",
     "opswap+executorch": "executorch_candidate",
+    "tvm": "tvm_input",
+    "opswap+tvm": "tvm_candidate",
 }
 
 
@@ -168,6 +199,40 @@ def _deploy_onnx(result: Result) -> dict[str, Any]:
     }
 
 
+def _deploy_ir(result: Result) -> dict[str, Any]:
+    """result.json's `deploy` when an OpenVINO variant of `--export openvino` won:
+    DIR/model.xml and DIR/model.bin, OpenVINO's IR."""
+    holds = (
+        "opswap's optimized model as OpenVINO IR (float32)"
+        if result.best.startswith("opswap+")
+        else "your model as OpenVINO IR (float32) with no rewrite: opswap's did not beat "
+        "it in this run"
+    )
+    return {
+        "variant": result.best,
+        "artifact": "model.xml" if result.verified_as is not None else None,
+        "holds": holds,
+        "compile": False,
+        "how": 'openvino.Core().compile_model("DIR/model.xml", "CPU", '
+        '{"INFERENCE_PRECISION_HINT": "f32"}) (the settings it was timed and verified under; '
+        "model.bin beside it holds the weights), or opswap.load_optimized(DIR), which "
+        "compiles it the same way and returns your model's output structure",
+        "timed": saved_artifact(result) is not None,
+        "verified_as": result.verified_as,
+        "run_under": "openvino (CPU)",
+    }
+
+
+def _saves_ir(result: Result) -> bool:
+    """Whether the run's winner saves an OpenVINO IR (model.xml), not an .onnx file."""
+    if not result.best.endswith("openvino"):
+        return False
+    art = saved_artifact(result)
+    if art is not None:
+        return cast(Path, art.path).suffix == ".xml"
+    return result.config.export == "openvino"
+
+
 def _deploy_pte(result: Result) -> dict[str, Any]:
     """result.json's `deploy` when an ExecuTorch variant won: DIR/model.pte."""
     holds = (
@@ -190,11 +255,37 @@ def _deploy_pte(result: Result) -> dict[str, Any]:
     }
 
 
+def _deploy_so(result: Result) -> dict[str, Any]:
+    """result.json's `deploy` when a TVM variant won: DIR/model.so."""
+    holds = (
+        "opswap's optimized model compiled by Apache TVM for this CPU"
+        if result.best.startswith("opswap+")
+        else "your model compiled by Apache TVM for this CPU with no rewrite: opswap's did "
+        "not beat it in this run"
+    )
+    return {
+        "variant": result.best,
+        "artifact": "model.so" if result.verified_as is not None else None,
+        "holds": holds,
+        "compile": False,
+        "how": 'tvm.relax.VirtualMachine(tvm.runtime.load_module("DIR/model.so"), tvm.cpu())'
+        '["main"](*inputs) on a machine with this CPU and the same apache-tvm, or '
+        "opswap.load_optimized(DIR)",
+        "timed": saved_artifact(result) is not None,
+        "verified_as": result.verified_as,
+        "run_under": "tvm (Relax VM, CPU)",
+    }
+
+
 def deploy(result: Result) -> dict[str, Any]:
     """What model.pt2 (or model.onnx, model.pte) holds and how to run it (result.json's
     `deploy`)."""
     if result.best in RUNTIME_FILES:
-        return _deploy_pte(result) if "executorch" in result.best else _deploy_onnx(result)
+        if "executorch" in result.best:
+            return _deploy_pte(result)
+        if result.best.endswith("tvm"):
+            return _deploy_so(result)
+        return _deploy_ir(result) if _saves_ir(result) else _deploy_onnx(result)
     kind = saved_kind(result)
     compiled = result.best.endswith("compile")
     holds = {
@@ -305,6 +396,7 @@ def _write(result: Result, out: Path) -> dict[str, Path]:
     from opswap.report import write_reports
 
     paths = {"plan": result.plan.save(out / "plan.json")}
+    reloaded = None
     if not result.variants or result.verified_as is not None:
         # only a file that passed verification at every shape it claims is saved
         art = saved_artifact(result)
@@ -324,12 +416,50 @@ def _write(result: Result, out: Path) -> dict[str, Path]:
                 artifact=art,
             )
         )
+        if paths["model"].suffix == ".xml":
+            reloaded = check_reloaded(result, paths["model"], art)
     data = describe(result)
+    if reloaded is not None:
+        data["deploy"]["reloaded"] = reloaded
     data["model_files"] = {k: str(v.name) for k, v in paths.items() if k != "plan"}
     paths["result"] = out / "result.json"
     paths["result"].write_text(json.dumps(data, indent=2, default=json_default) + "\n")
     paths.update(write_reports(result, out))
     return paths
+
+
+def check_reloaded(result: Result, xml: Path, art: Artifact | None) -> dict[str, Any]:
+    """The OpenVINO IR just written at `xml` loaded back in a fresh Core and verified
+    against the model (the run's reference, tolerance and samples) at every size the file
+    keeps: result.json's `deploy.reloaded`. Raises OpswapError when it does not match, so
+    that the run is not moved in."""
+    from opswap.backends.openvino import OpenVinoModule
+    from opswap.graph.dynamic import variants
+    from opswap.verify.outputs import verify
+
+    kept = art.kept if art is not None and art.kept is not None else result.dynamic
+    inputs = tuple(result.example_inputs)
+    check = verify(
+        result.reference,
+        OpenVinoModule(xml),  # the output structure and input names from the IR itself
+        inputs,
+        samples=result.config.samples,
+        tolerance=result.verification.tolerance,
+        seed=result.config.seed,
+        variants=variants(inputs, kept) if kept is not None else (),
+    )
+    if not check.passed:
+        raise OpswapError(
+            f"The OpenVINO IR written as {xml.name} does not match your model when loaded "
+            f"back ({'; '.join(check.reasons)[:240]}); the run was not saved."
+        )
+    return {
+        "file": xml.name,
+        "shapes": list(check.shapes),
+        "max_abs": check.max_abs,
+        "cosine": check.cosine,
+        "passed": True,
+    }
 
 
 def save_model(
@@ -366,25 +496,36 @@ def save_model(
 
 
 #: the name a timed file is saved under, by its suffix
-_SAVED_AS = {".pt2": "model.pt2", ".onnx": "model.onnx", ".pte": "model.pte"}
+_SAVED_AS = {
+    ".pt2": "model.pt2",
+    ".onnx": "model.onnx",
+    ".pte": "model.pte",
+    ".xml": "model.xml",
+    ".so": "model.so",
+}
 
 
 def _save_file(artifact: Artifact, out: Path) -> dict[str, Path]:
-    """The file the race timed (model.pt2, model.onnx with its external data file, or
-    model.pte) copied into OUT, model_shapes.txt with its note, and every other model file
-    an earlier save left removed."""
+    """The file the race timed (model.pt2, model.onnx with its external data file,
+    model.pte, or OpenVINO's model.xml with its model.bin) copied into OUT, model_shapes.txt
+    with its note, and every other model file an earlier save left removed."""
     src = cast(Path, artifact.path)
     path = out / _SAVED_AS[src.suffix]
     data = src.with_name(src.name + ".data")
     if src.suffix == ".onnx" and data.is_file():  # the model names its data file
         _partial_then_replace(out / data.name, lambda p: shutil.copyfile(data, p))
+    elif src.suffix == ".xml":  # OpenVINO reads the weights from NAME.bin beside NAME.xml
+        data = src.with_suffix(".bin")
+        _partial_then_replace(path.with_suffix(".bin"), lambda p: shutil.copyfile(data, p))
     _partial_then_replace(path, artifact.copy_to)
     note_path = out / "model_shapes.txt"
     if artifact.note:
         note_path.write_text(artifact.note + "\n")
     elif note_path.exists():
         note_path.unlink()
-    keep = {path.name, "model_shapes.txt"} | ({data.name} if src.suffix == ".onnx" else set())
+    keep = {path.name, "model_shapes.txt"} | (
+        {data.name} if src.suffix == ".onnx" else {"model.bin"} if src.suffix == ".xml" else set()
+    )
     _remove(out, "model_state.pt", "model_state.txt", *(n for n in _MODELS if n not in keep))
     return {"model": path}
 
@@ -397,10 +538,20 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
     from opswap.backends.pt2 import load as load_program
 
     path = Path(directory)
-    folder = path.parent if path.suffix in (".pt2", ".onnx", ".pte") else path
+    folder = path.parent if path.suffix in (".pt2", ".onnx", ".pte", ".xml", ".so") else path
     onnx = path if path.suffix == ".onnx" else folder / "model.onnx"
     pte = path if path.suffix == ".pte" else folder / "model.pte"
+    xml = path if path.suffix == ".xml" else folder / "model.xml"
+    so = path if path.suffix == ".so" else folder / "model.so"
     pt2 = path if path.suffix == ".pt2" else path / "model.pt2"
+    if not pt2.is_file() and xml.is_file():
+        from opswap.backends.openvino import OpenVinoModule
+
+        return OpenVinoModule(xml)  # the model's output structure, kept in the IR
+    if not pt2.is_file() and so.is_file():
+        from opswap.backends.tvm import TvmModule
+
+        return TvmModule(so)  # a tensor or a tuple, as for ONNX Runtime and ExecuTorch
     if not pt2.is_file() and onnx.is_file():
         from opswap.backends.ort import OrtModule
 

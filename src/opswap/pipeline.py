@@ -17,7 +17,7 @@ from torch import nn
 from opswap.artifact import artifact_key, file_claim
 from opswap.bench.attribution import Attribution
 from opswap.bench.device import check_device
-from opswap.bench.runtimes import EXPORTS
+from opswap.bench.runtimes import EXPORTS, SAVES, missing
 from opswap.bench.variants import Race, parse_compare
 from opswap.cost.analyze import Analysis
 from opswap.errors import OpswapError, RuleError, VerificationError
@@ -70,7 +70,9 @@ class OptimizeConfig:
     device: str = "cpu"
     dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
     compare: str = "compile"  # baselines raced beside opswap's result: compile, ort, openvino, none
-    export: str | None = None  # "onnx" or "ort": race ONNX Runtime and save model.onnx
+    # "onnx" or "ort": race ONNX Runtime and save model.onnx; "openvino": OpenVINO and its IR
+    # (model.xml); "executorch" or "pte": ExecuTorch and model.pte
+    export: str | None = None
     keep_hooks: bool = False  # refuse a model with hooks rather than optimize it without them
     # static int8's calibration: range method (minmax, percentile, mse, entropy), how many
     # sample inputs it runs, symmetric or asymmetric activations, per-channel weights
@@ -110,9 +112,12 @@ class OptimizeConfig:
             )
         if self.export is not None and not self.bench:
             raise OpswapError(
-                f"--export {self.export} saves the .onnx file the race verified and timed; "
-                "drop --no-bench to export."
+                f"--export {self.export} saves {SAVES[self.export]}, the file the race "
+                "verified and timed; drop --no-bench to export."
             )
+        absent = missing(self.export) if self.export is not None else None
+        if absent is not None:
+            raise OpswapError(absent)
 
 
 def measure_rules(

@@ -10,17 +10,17 @@ verification and the race treat it like any other variant. This is the edge path
 
 What the lowering does, in order:
 
-1. The program is exported again from its own graph, with two changes. opswap's own
-   ops (`torch.ops.opswap.*`) call the Python definitions they were registered with,
-   so the export traces them into the ATen ops they are made of (and makes an
-   in-place write in one functional, as for the model's own): an ExecuTorch runtime
-   has no kernel for an op it was not built with, and XNNPACK fuses a convolution
-   with its ReLU by itself. An op whose definition does not trace to ATen ops
-   ExecuTorch runs fails the lowering with its reason. And ExecuTorch plans all
-   memory ahead of time, so every dynamic size needs an upper bound: each axis the
-   file keeps dynamic is bounded by `upper_bound` (four times the example's size, at
-   least 8 and at least the size verification probes). The module refuses a larger
-   size in one sentence; the note names the bounds.
+1. The program is exported again from its own graph (backends.aten.to_aten, shared
+   with the TVM path), with two changes. opswap's own ops (`torch.ops.opswap.*`) call
+   the Python definitions they were registered with, so the export traces them into
+   the ATen ops they are made of (and makes an in-place write in one functional, as
+   for the model's own): an ExecuTorch runtime has no kernel for an op it was not
+   built with, and XNNPACK fuses a convolution with its ReLU by itself. An op whose
+   definition does not trace to ATen ops ExecuTorch runs fails the lowering with its
+   reason. And ExecuTorch plans all memory ahead of time, so every dynamic size needs
+   an upper bound: each axis the file keeps dynamic is bounded by `upper_bound` (four
+   times the example's size, at least 8 and at least the size verification probes).
+   The module refuses a larger size in one sentence; the note names the bounds.
 2. `to_edge_transform_and_lower` with the XnnpackPartitioner (the delegate takes what
    XNNPACK runs; the rest stays on ExecuTorch's portable kernels), then
    `to_executorch()`, written as one .pte file.
@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from opswap.backends.aten import to_aten
 from opswap.backends.ort import structured
 from opswap.backends.pt2 import Artifact
 from opswap.errors import ExportError, InputError
@@ -82,74 +83,6 @@ def upper_bound(axis) -> int:
     return max(4 * axis.size, axis.probe, 8)
 
 
-def _definitions(program) -> dict[Any, Any]:
-    """{op: its Python definition} for every opswap op in `program`: the function the op
-    was registered with (`torch.library.custom_op` / `triton_op` keep it as `_init_fn`),
-    which on a CPU tensor computes the op with ATen ops."""
-    from torch._library.custom_ops import OPDEFS
-
-    table = {}
-    for node in program.graph.nodes:
-        t = node.target
-        if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-            continue
-        if t.namespace != "opswap":
-            continue
-        opdef = OPDEFS.get(t.name().removesuffix(".default"))
-        fn = getattr(opdef, "_init_fn", None)
-        if fn is None:
-            raise ExportError(
-                f"The model calls {t.name()}, which has no definition ExecuTorch can run; "
-                "leave out the rule that puts it there (--rules) or export to model.pt2."
-            )
-        table[t] = fn
-    return table
-
-
-def _reexport(program, kept) -> Any:
-    """`program` exported again from its own graph, with each opswap op replaced by its
-    definition (traced through, so an in-place write in it is made functional like the
-    model's own) and upper bounds on the axes it keeps dynamic (ExecuTorch plans memory
-    for the largest sizes)."""
-    table = _definitions(program)
-    plain = all(t.is_contiguous() for t in program.state_dict.values())
-    if not table and plain and (kept is None or not kept.axes):
-        return program
-    module = program.module()
-    for node in module.graph.nodes:
-        if node.op == "call_function" and node.target in table:
-            node.target = table[node.target]
-    module.recompile()
-    # XNNPACK's passes read weights in the default (NCHW) layout; the channels_last rule
-    # leaves them NHWC in memory. The module is the program's own copy: its tensors are
-    # swapped, the program's stay.
-    for owner in module.modules():
-        for pname, p in list(owner.named_parameters(recurse=False)):
-            if not p.is_contiguous():
-                setattr(owner, pname, nn.Parameter(p.detach().contiguous(), p.requires_grad))
-        for bname, b in list(owner.named_buffers(recurse=False)):
-            if b is not None and not b.is_contiguous():
-                owner.register_buffer(bname, b.contiguous())
-    example = program.example_inputs
-    if example is None:
-        raise ExportError("The exported program holds no example inputs to export it again.")
-    args, kwargs = example
-    shapes = None
-    if kept is not None and kept.axes:
-        marks = {d: a for a in kept.axes for d in a.dims}
-        leaves, spec = pytree.tree_flatten(list(args))
-        per_leaf: list[Any] = []
-        for i, x in enumerate(leaves):
-            dims = {
-                d: torch.export.Dim.AUTO(min=1, max=upper_bound(a))
-                for (li, d), a in marks.items()
-                if li == i
-            }
-            per_leaf.append(dims if isinstance(x, torch.Tensor) and dims else None)
-        shapes = tuple(pytree.tree_unflatten(per_leaf, spec))
-    return torch.export.export(module, tuple(args), kwargs, dynamic_shapes=shapes, strict=False)
-
-
 def to_pte(program, path: str | Path, kept=None) -> Path:
     """Lower `program` (an ExportedProgram, dynamic along `kept`'s axes) to an ExecuTorch
     program with the XNNPACK delegate, written to `path`. Raises ExportError with the
@@ -163,7 +96,7 @@ def to_pte(program, path: str | Path, kept=None) -> Path:
             )
             from executorch.exir import to_edge_transform_and_lower
 
-            program = _reexport(program, kept)
+            program = to_aten(program, kept, upper_bound, "ExecuTorch")
             edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
             path.write_bytes(edge.to_executorch().buffer)
     except ExportError:

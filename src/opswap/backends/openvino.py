@@ -9,13 +9,21 @@ tensors, so that verification and the race treat it like any other variant.
 The file is backends.onnx's export without onnxscript's ORT fusions (their
 com.microsoft contrib ops are ONNX Runtime's own, which OpenVINO does not read), so
 the axes the capture keeps dynamic stay dynamic in the compiled model. It is compiled
-with `openvino.Core().compile_model(path, "CPU")` under the latency hint, float32
+with `openvino.Core().compile_model(model, "CPU")` under the latency hint, float32
 inference precision (OpenVINO would otherwise run float32 models in bfloat16 on CPUs
 that have it, and fail verification for a reason that is not the model's) and as many
 threads as torch uses here, so that it races the PyTorch variants on the same cores.
 Inputs go in as NumPy views of the tensors, outputs come back copied out of the
 request's buffers and are put back into the structure the model returns (a tuple, a
 dict, a ModelOutput) from the exported program's output spec, as backends.ort does.
+
+With `ir=True` (what `--export openvino` races) the .onnx file is converted to
+OpenVINO's own format, the IR: model.xml (the graph) and model.bin (the weights, kept
+in float32: `openvino.save_model` would halve them to float16 by default), and the IR is
+what is compiled and timed, so the file saved is the one timed. The IR carries the
+model's output structure and input names in its runtime info (`opswap/out_spec`,
+`opswap/inputs`), so an OpenVinoModule loaded from model.xml alone
+(`opswap.load_optimized`) returns what the model returns.
 """
 
 from __future__ import annotations
@@ -26,10 +34,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from opswap.backends.ort import numpy_feed, structured
 from opswap.backends.pt2 import Artifact
 from opswap.errors import ExportError, InputError
+
+INSTALL = "install it with pip install 'opswap[openvino]'"
+#: where the IR keeps what opswap needs to call it like the model (its runtime info)
+_SPEC, _INPUTS = ["opswap", "out_spec"], ["opswap", "inputs"]
 
 
 def _first(e: BaseException, limit: int = 200) -> str:
@@ -37,29 +50,88 @@ def _first(e: BaseException, limit: int = 200) -> str:
     return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
-def compile_file(path: str | Path, threads: int | None = None):
-    """An openvino.CompiledModel of the .onnx file `path` on the CPU: latency hint, float32
-    inference precision, `threads` threads (default: torch's thread count)."""
+def _openvino():
     try:
         import openvino as ov
     except ImportError as e:
-        raise ExportError(
-            "Running in OpenVINO needs openvino; install it with pip install 'opswap[openvino]'."
-        ) from e
+        raise ExportError(f"Running in OpenVINO needs openvino; {INSTALL}.") from e
+    return ov
+
+
+def _read(path: str | Path):
+    """An openvino.Model of the .onnx or .xml file `path`."""
+    ov = _openvino()
+    try:
+        return ov.Core().read_model(str(path))
+    except Exception as e:
+        raise ExportError(f"OpenVINO could not compile {Path(path).name}: {_first(e)}.") from e
+
+
+def _compile(model, name: str, threads: int | None = None):
+    ov = _openvino()
     config = {
         "PERFORMANCE_HINT": "LATENCY",
         "INFERENCE_PRECISION_HINT": "f32",
         "INFERENCE_NUM_THREADS": int(threads or torch.get_num_threads()),
     }
     try:
-        return ov.Core().compile_model(str(path), "CPU", config)
+        return ov.Core().compile_model(model, "CPU", config)
     except Exception as e:
-        raise ExportError(f"OpenVINO could not compile {Path(path).name}: {_first(e)}.") from e
+        raise ExportError(f"OpenVINO could not compile {name}: {_first(e)}.") from e
+
+
+def compile_file(path: str | Path, threads: int | None = None):
+    """An openvino.CompiledModel of the .onnx or .xml file `path` on the CPU: latency hint,
+    float32 inference precision, `threads` threads (default: torch's thread count)."""
+    return _compile(_read(path), Path(path).name, threads)
+
+
+def save_ir(
+    onnx_path: str | Path,
+    xml_path: str | Path,
+    out_spec: Any = None,
+    names: list[str] | None = None,
+) -> Path:
+    """The .onnx file `onnx_path` converted to OpenVINO's IR at `xml_path` (the weights in
+    the .bin file beside it, float32 as they are), with the model's output structure and
+    input names in its runtime info. Raises ExportError with the reason."""
+    ov = _openvino()
+    model = _read(onnx_path)
+    xml = Path(xml_path)
+    if out_spec is not None:
+        try:
+            model.set_rt_info(pytree.treespec_dumps(out_spec), _SPEC)
+        except Exception:  # a type pytree cannot name: the loaded IR returns a tuple
+            pass
+    if names:
+        model.set_rt_info(",".join(names), _INPUTS)
+    try:
+        ov.save_model(model, str(xml), compress_to_fp16=False)
+    except Exception as e:
+        for p in (xml, xml.with_suffix(".bin")):
+            p.unlink(missing_ok=True)
+        raise ExportError(f"OpenVINO could not write {xml.name}: {_first(e)}.") from e
+    return xml
+
+
+def _stored(model) -> tuple[Any, list[str] | None]:
+    """The output spec and input names an IR opswap wrote keeps in its runtime info."""
+    spec = names = None
+    try:
+        if model.has_rt_info(_SPEC):
+            spec = pytree.treespec_loads(model.get_rt_info(_SPEC).astype(str))
+    except Exception:  # a type not registered in this process: outputs come as a tuple
+        spec = None
+    if model.has_rt_info(_INPUTS):
+        names = model.get_rt_info(_INPUTS).astype(str).split(",")
+    return spec, names
 
 
 class OpenVinoModule(nn.Module):
     """An OpenVINO compiled model called like the module it was exported from: positional
-    tensors in (the program's inputs, in order), the model's output structure out."""
+    tensors in (the program's inputs, in order), the model's output structure out. `path`
+    is an .onnx file or an IR's model.xml; an IR opswap wrote gives its output structure
+    and input names back when `out_spec` and `names` are not passed."""
 
     engine = "OpenVINO"  # the race's note names it (bench.runtimes.describe)
 
@@ -72,14 +144,16 @@ class OpenVinoModule(nn.Module):
     ):
         super().__init__()
         self.path = Path(path)
-        self.out_spec = out_spec
+        model = _read(self.path)
+        spec, stored = _stored(model)
+        self.out_spec = out_spec if out_spec is not None else spec
         self.threads = threads
         self.session_threads = threads or torch.get_num_threads()
-        self.compiled = compile_file(self.path, threads)
+        self.compiled = _compile(model, self.path.name, threads)
         self.request = self.compiled.create_infer_request()
         fed = [p.get_any_name() for p in self.compiled.inputs]
         # the program's inputs in order (an input the graph never reads is not in the file)
-        self.input_names = list(names or fed)
+        self.input_names = list(names or stored or fed)
         self._fed = set(fed)
         self.training = False
 
@@ -108,11 +182,13 @@ def openvino_artifact(
     directory: str | Path | None = None,
     *,
     exported: Any = None,
+    ir: bool = False,
     name: str = "model.onnx",
 ) -> Artifact:
     """`model` (or `exported`, backends.pt2's (program, note, kept) of it) exported to
     ONNX without ORT's fusions and compiled by OpenVINO: an Artifact whose `module` is the
-    OpenVinoModule over the file that is timed; never raises (its `error` says why)."""
+    OpenVinoModule over the file that is timed (with `ir`, the IR model.xml the .onnx file
+    is converted to, which replaces it); never raises (its `error` says why)."""
     from opswap.backends.onnx import export_onnx
     from opswap.backends.pt2 import export
 
@@ -126,10 +202,17 @@ def openvino_artifact(
     if art.path is None:
         return art
     program = exported[0]
+    names = list(program.graph_signature.user_inputs)
     try:
-        art.module = OpenVinoModule(
-            art.path, program.call_spec.out_spec, names=list(program.graph_signature.user_inputs)
-        )
+        if ir:
+            onnx = art.path
+            art.path = save_ir(onnx, onnx.with_suffix(".xml"), program.call_spec.out_spec, names)
+            for p in (onnx, onnx.with_name(onnx.name + ".data")):
+                p.unlink(missing_ok=True)
+            if art.note:
+                art.note = art.note.replace(onnx.name, art.path.name)
+        art.module = OpenVinoModule(art.path, program.call_spec.out_spec, names=names)
     except ExportError as e:
         art.error = str(e)
+        art.module = None
     return art

@@ -6,22 +6,28 @@
   and onnxscript's ORT fusions on the ONNX graph) and run in ONNX Runtime;
 - `openvino` and `opswap+openvino` (with `--compare openvino`): the same two programs
   exported to ONNX without ORT's fusions (contrib ops OpenVINO does not read) and
-  compiled by OpenVINO for the CPU (backends.openvino);
+  compiled by OpenVINO for the CPU (backends.openvino); with `--export openvino` the
+  .onnx files are converted to OpenVINO's IR (model.xml + model.bin) first, and the IR
+  is what is compiled, timed and saved;
 - `executorch` and `opswap+executorch` (with `--compare executorch`): the same two
   programs lowered to ExecuTorch programs (.pte files) with the XNNPACK delegate and run
-  in ExecuTorch's runtime (backends.executorch), the edge path.
+  in ExecuTorch's runtime (backends.executorch), the edge path;
+- `tvm` and `opswap+tvm` (with `--compare tvm`): the same two programs imported into
+  Apache TVM's Relax, compiled for this CPU into a shared library (model.so, TVM's
+  default schedules unless tuned) and run by Relax's VM (backends.tvm).
 
 Each file translates the very program model.pt2 holds (the exported program is
 kept, not traced again), so it keeps the same dynamic axes (a .pte file up to an upper
 bound per axis, since ExecuTorch plans memory ahead), and the session timed is the
-session over the file that is saved when it wins (DIR/model.onnx or DIR/model.pte). They are
+session over the file that is saved when it wins (DIR/model.onnx, DIR/model.xml,
+DIR/model.pte or DIR/model.so). They are
 verified against the input at every size the file keeps, like the saved-graph
 variants, before they may win.
 
 With `--export onnx` (or `ort`) the user deploys an .onnx file whatever else wins (with
-`--export executorch` a .pte file), so `export_winner` picks between that engine's two
-variants: opswap's when it is faster than the input's file beyond the run's noise, else
-the input's.
+`--export openvino` an OpenVINO IR, with `--export executorch` a .pte file), so
+`export_winner` picks between that engine's two variants: opswap's when it is faster
+than the input's file beyond the run's noise, else the input's.
 """
 
 from __future__ import annotations
@@ -34,16 +40,54 @@ import torch
 ORT = {"ort": "ort_input", "opswap+ort": "ort_candidate"}
 OPENVINO = {"openvino": "openvino_input", "opswap+openvino": "openvino_candidate"}
 EXECUTORCH = {"executorch": "executorch_input", "opswap+executorch": "executorch_candidate"}
-ENGINES = {"ort": ORT, "openvino": OPENVINO, "executorch": EXECUTORCH}
+TVM = {"tvm": "tvm_input", "opswap+tvm": "tvm_candidate"}
+ENGINES = {"ort": ORT, "openvino": OPENVINO, "executorch": EXECUTORCH, "tvm": TVM}
 #: the runtime each engine's variants run in, for the message when the race is not on the CPU
 _RUNS = {
     "ort": "ONNX Runtime runs on its CPU provider",
     "openvino": "OpenVINO runs",
     "executorch": "ExecuTorch runs",
+    "tvm": "TVM runs (built for this CPU)",
 }
-ARTIFACTS = {**ORT, **OPENVINO, **EXECUTORCH}
+ARTIFACTS = {**ORT, **OPENVINO, **EXECUTORCH, **TVM}
 #: --export's formats, and the engine whose two variants they race
-EXPORTS = {"onnx": "ort", "ort": "ort", "executorch": "executorch", "pte": "executorch"}
+EXPORTS = {
+    "onnx": "ort",
+    "ort": "ort",
+    "openvino": "openvino",
+    "executorch": "executorch",
+    "pte": "executorch",
+}
+#: what each --export format saves, in words
+SAVES = {
+    "onnx": "an .onnx file",
+    "ort": "an .onnx file",
+    "openvino": "an OpenVINO IR (model.xml)",
+    "executorch": "a .pte file",
+    "pte": "a .pte file",
+}
+#: per engine, the modules its files need and the extra that installs them
+NEEDS = {
+    "ort": (("onnxruntime", "onnxscript"), "onnx"),
+    "openvino": (("openvino", "onnxscript"), "openvino"),
+    "executorch": (("executorch",), "executorch"),
+    "tvm": (("tvm",), "tvm"),
+}
+
+
+def missing(export: str) -> str | None:
+    """One sentence when a module the --export format `export` needs is not installed,
+    else None."""
+    import importlib.util
+
+    mods, extra = NEEDS[EXPORTS[export]]
+    absent = [m for m in mods if importlib.util.find_spec(m) is None]
+    if not absent:
+        return None
+    return (
+        f"--export {export} needs {' and '.join(absent)}; install "
+        f"{'it' if len(absent) == 1 else 'them'} with pip install 'opswap[{extra}]'."
+    )
 
 
 def exports(
@@ -52,10 +96,13 @@ def exports(
     dynamic,
     device: torch.device,
     engines: tuple[str, ...] = ("ort",),
+    *,
+    ir: bool = False,
 ) -> None:
-    """Add the files of `engines` ("ort", "openvino", "executorch"; loaded in the engine) to
-    `artifacts`, from the programs kept in its "input" and "candidate"
-    backends.pt2.Artifacts, which are then let go."""
+    """Add the files of `engines` ("ort", "openvino", "executorch", "tvm"; loaded in the
+    engine) to `artifacts`, from the programs kept in its "input" and "candidate"
+    backends.pt2.Artifacts, which are then let go. `ir`: OpenVINO's files are its IR
+    (model.xml), not .onnx files (--export openvino)."""
     from opswap.backends.pt2 import Artifact
 
     if device.type != "cpu":
@@ -67,6 +114,7 @@ def exports(
     from opswap.backends.executorch import executorch_artifact
     from opswap.backends.openvino import openvino_artifact
     from opswap.backends.ort import ort_artifact
+    from opswap.backends.tvm import tvm_artifact
 
     for src in ("input", "candidate"):
         pt2 = artifacts.get(src)
@@ -82,7 +130,9 @@ def exports(
                     None, inputs, dynamic, exported=exported, fusions=fusions
                 )
             elif engine == "openvino":
-                artifacts[key] = openvino_artifact(None, inputs, dynamic, exported=exported)
+                artifacts[key] = openvino_artifact(None, inputs, dynamic, exported=exported, ir=ir)
+            elif engine == "tvm":
+                artifacts[key] = tvm_artifact(None, inputs, dynamic, exported=exported)
             else:
                 artifacts[key] = executorch_artifact(None, inputs, dynamic, exported=exported)
         if pt2 is not None:

@@ -18,7 +18,9 @@ what I would do anyway?" So the candidates are
 - with `compare=["openvino"]`: `openvino` and `opswap+openvino`, the same programs as
   .onnx files compiled by OpenVINO for the CPU (bench.runtimes);
 - with `compare=["executorch"]`: `executorch` and `opswap+executorch`, the same programs
-  as .pte files with the XNNPACK delegate in ExecuTorch's runtime (bench.runtimes).
+  as .pte files with the XNNPACK delegate in ExecuTorch's runtime (bench.runtimes);
+- with `compare=["tvm"]`: `tvm` and `opswap+tvm`, the same programs compiled by Apache
+  TVM for this CPU and run by Relax's VM (bench.runtimes).
 
 A model that does not export is timed in memory instead, and the variant's note says
 that the file cannot hold it.
@@ -44,7 +46,7 @@ import torch
 from opswap.errors import OpswapError
 from opswap.graph.inputs import caller, fresh
 
-BASELINES = ("compile", "ort", "openvino", "executorch")
+BASELINES = ("compile", "ort", "openvino", "executorch", "tvm")
 
 
 @dataclass
@@ -118,7 +120,7 @@ class VariantTiming:
 
 def parse_compare(compare) -> list[str]:
     """The baselines a `--compare` setting asks for: "compile" (default), "ort", "openvino",
-    "executorch", "none",
+    "executorch", "tvm", "none",
     or a list / comma-separated string of baseline names."""
     if compare is None:
         return ["compile"]
@@ -360,6 +362,8 @@ FILE_OF = {
     "opswap+openvino": "opswap+openvino",
     "executorch": "executorch",
     "opswap+executorch": "opswap+executorch",
+    "tvm": "tvm",
+    "opswap+tvm": "opswap+tvm",
 }
 
 
@@ -438,8 +442,8 @@ def run(
     `shapes` (a graph.dynamic.Dynamic: the capture's, or the axes a saved file keeps),
     or at the example's only when `shapes` is False (compiled variants would recompile
     for each new shape). `export` "onnx" or "ort" races the ONNX Runtime variants and
-    saves the faster of the two .onnx files ("executorch": the two .pte files;
-    bench.runtimes.export_winner)."""
+    saves the faster of the two .onnx files ("openvino": the two OpenVINO IRs,
+    "executorch": the two .pte files; bench.runtimes.export_winner)."""
     from opswap.backends.pt2 import export_artifact
     from opswap.bench import runtimes
     from opswap.bench.device import resolve_device
@@ -458,7 +462,9 @@ def run(
             "candidate": export_artifact(candidate_gm, inputs, captured.dynamic, keep_program=keep),
         }
         if keep:
-            runtimes.exports(artifacts, inputs, captured.dynamic, dev, engines)
+            runtimes.exports(
+                artifacts, inputs, captured.dynamic, dev, engines, ir=export == "openvino"
+            )
     variants = build(model, captured.gm, candidate_gm, inputs, compare, dev, artifacts)
     for v in variants:
         if v.verified is not None:
@@ -487,10 +493,10 @@ def run(
         if chosen is not None:
             winner = chosen
         else:
-            kind = ".pte" if engine == "executorch" else ".onnx"
             said = "; ".join(t.note for t in timings if t.name in runtimes.ENGINES[engine])
+            kind = runtimes.SAVES[cast(str, export)].split(" ", 1)[1]  # ".onnx file", ...
             notes.append(
-                f"--export {export}: no {kind} file passed verification ({said}), "
+                f"--export {export}: no {kind} passed verification ({said}), "
                 f"so the run saves {winner.name}'s file instead."
             )
     return Race(

@@ -292,13 +292,16 @@ def export_cmd(
         typer.Option(
             "--to",
             metavar="FORMAT",
-            help="onnx or ort (the same .onnx file, for ONNX Runtime), or executorch / pte "
-            "(model.pte, an ExecuTorch program with the XNNPACK delegate).",
+            help="onnx or ort (the same .onnx file, for ONNX Runtime), openvino (model.xml + "
+            "model.bin, OpenVINO's IR in float32), or executorch / pte (model.pte, an "
+            "ExecuTorch program with the XNNPACK delegate).",
         ),
     ] = "onnx",
     out: Annotated[
         Path,
-        typer.Option("--out", "-o", metavar="DIR", help="Where to write model.onnx or model.pte."),
+        typer.Option(
+            "--out", "-o", metavar="DIR", help="Where to write model.onnx, model.xml or model.pte."
+        ),
     ] = Path("opswap-export"),
     samples: Annotated[int, typer.Option(metavar="N", help="Random input samples.")] = 3,
     sets: SetOpt = None,
@@ -307,11 +310,12 @@ def export_cmd(
     rules_from: RulesFromOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
-    """Export the plan's result to DIR/model.onnx (or DIR/model.pte with --to executorch),
-    dynamic in the sizes the capture claims, and verify it in its runtime against the
-    original; exit 1 when it breaks the
-    tolerance or decisions of the plan could not be applied."""
+    """Export the plan's result to DIR/model.onnx (DIR/model.xml with --to openvino,
+    DIR/model.pte with --to executorch), dynamic in the sizes the capture claims, and
+    verify it in its runtime against the original; exit 1 when it breaks the tolerance or
+    decisions of the plan could not be applied."""
     check_outputs(json_path, out, out_dir=True)
+    api.check_export(to)  # a format or a runtime missing fails before any work
     _rules_from(rules_from)
     onnx_files.refuse(spec, "export")
     p = api.read_plan(plan_path)

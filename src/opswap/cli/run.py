@@ -54,7 +54,7 @@ def optimize(
         typer.Option(
             "--compare",
             metavar="BASELINES",
-            help="Baselines raced in the same run, comma-separated: compile (torch.compile of the input and of opswap's result), ort (both exported to ONNX and run in ONNX Runtime), openvino (the same .onnx files compiled by OpenVINO for the CPU), executorch (both lowered to ExecuTorch programs with the XNNPACK delegate), or none.",
+            help="Baselines raced in the same run, comma-separated: compile (torch.compile of the input and of opswap's result), ort (both exported to ONNX and run in ONNX Runtime), openvino (the same .onnx files compiled by OpenVINO for the CPU), executorch (both lowered to ExecuTorch programs with the XNNPACK delegate), tvm (both compiled by Apache TVM for this CPU, untuned), or none.",
         ),
     ] = "compile",
     export: Annotated[
@@ -62,7 +62,7 @@ def optimize(
         typer.Option(
             "--export",
             metavar="FORMAT",
-            help="onnx or ort: race the ONNX Runtime variants too and save DIR/model.onnx, the faster verified .onnx file (your model's export or opswap's); executorch (or pte): the same with ExecuTorch and DIR/model.pte.",
+            help="onnx or ort: race the ONNX Runtime variants too and save DIR/model.onnx, the faster verified .onnx file (your model's export or opswap's); openvino: the same with OpenVINO and its IR, DIR/model.xml + model.bin (float32), loaded back and verified once saved; executorch (or pte): the same with ExecuTorch and DIR/model.pte.",
         ),
     ] = None,
     calibrate: Annotated[
