@@ -11,3 +11,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def wide_cli_console(monkeypatch):
+    """The CLI's console at a fixed 160 columns, whatever COLUMNS the machine running the
+    tests sets (CI's 80 wrapped table cells mid-word). A test of narrow output replaces it
+    again with its own width."""
+    from rich.console import Console
+
+    monkeypatch.setattr("opswap.cli.consoles.console", Console(width=160))

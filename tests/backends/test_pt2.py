@@ -190,3 +190,58 @@ def test_a_file_that_cannot_be_saved_leaves_nothing_behind(tmp_path):
     assert not art.ok and art.path is None
     assert "torch.export" in art.error
     assert list(tmp_path.iterdir()) == []
+
+
+class _Heads(nn.Module):
+    """Returns a dict holding a list and a tuple, as detection and HF-style models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3)
+        self.bn = nn.BatchNorm2d(5)
+        self.fc = nn.Linear(5, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        pooled = h.mean((2, 3))
+        return {"logits": self.fc(pooled), "maps": [h, h.amax(1)], "pair": (pooled, x.shape[0])}
+
+
+def test_a_rewritten_graph_saves_plain_dicts_and_lists(tmp_path):
+    """Non-strict export of an fx.GraphModule records FX's immutable_dict/immutable_list;
+    the saved program must give back the user's own container types."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    import opswap
+    from opswap.planner import make_plan
+
+    torch.manual_seed(0)
+    model = _Heads().eval()
+    model.bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 9, 11)
+    cap = capture(model, (x,))
+    gm = opswap.apply(model, (x,), make_plan(cap, target="cpu", rules="fusion.conv_bn"))
+    assert any(n.op == "call_module" for n in gm.graph.nodes)
+    art = export_artifact(gm, (x,), cap.dynamic, tmp_path)
+    assert art.ok, art.error
+    xb = torch.randn(3, 3, 7, 8)  # another batch and image size
+    with torch.no_grad():
+        want, got = model(xb), load(art.path)(xb)
+    assert type(got) is dict and type(got["maps"]) is list and type(got["pair"]) is tuple
+    assert not isinstance(got, immutable_dict) and not isinstance(got["maps"], immutable_list)
+    assert got["pair"][1] == 3
+    torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got["maps"][1], want["maps"][1], atol=1e-5, rtol=1e-5)
+
+
+def test_the_opswap_variant_of_a_dict_model_is_verified():
+    import opswap
+
+    torch.manual_seed(0)
+    model = _Heads().eval()
+    result = opswap.optimize(
+        model, (torch.randn(2, 3, 9, 11),), rules="fusion.conv_bn", compare="none", samples=1
+    )
+    variants = {v["name"]: v for v in result.to_json()["variants"]}
+    assert variants["opswap"]["verified"], variants["opswap"]
+    assert variants["opswap"]["note"].startswith("reloaded from model.pt2")

@@ -98,7 +98,43 @@ def export(model: nn.Module, inputs: tuple, dynamic=None):
     """(program, note, kept): torch.export of `model` with the capture's dynamic axes (a
     graph.dynamic.Dynamic) kept dynamic, and the axes it kept. An axis torch.export
     specialises is exported static and named in the note; when exporting dynamic fails,
-    the program takes the example's shapes only, with a note saying so."""
+    the program takes the example's shapes only, with a note saying so. The program
+    returns plain dicts and lists where the model does (see `_plain_outputs`)."""
+    ep, note, kept = _export(model, inputs, dynamic)
+    return _plain_outputs(ep), note, kept
+
+
+def _plain_outputs(ep):
+    """`ep` with FX's immutable_dict and immutable_list in its output structure made dict
+    and list again. Non-strict torch.export of an fx.GraphModule (torch 2.11-2.14) records
+    the output node's own containers, so a rewritten model that returns a dict would come
+    back from model.pt2 as an immutable_dict: a different structure from the user's, which
+    verification rightly refuses and a caller's `out["x"] = ...` would trip over."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+    from torch.utils import _pytree as pytree
+
+    graph = ep.module_call_graph
+    if not graph or graph[0].signature is None:
+        return ep
+    spec = graph[0].signature.out_spec
+
+    def plain(o):
+        if isinstance(o, immutable_dict) or type(o) is dict:
+            return {k: plain(v) for k, v in o.items()}
+        if isinstance(o, immutable_list) or type(o) is list:
+            return [plain(v) for v in o]
+        if type(o) is tuple:
+            return tuple(plain(v) for v in o)
+        if isinstance(o, tuple) and hasattr(o, "_fields"):  # a namedtuple
+            return type(o)(*(plain(v) for v in o))
+        return o
+
+    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    graph[0].signature.out_spec = pytree.tree_flatten(plain(tree))[1]
+    return ep
+
+
+def _export(model: nn.Module, inputs: tuple, dynamic=None):
     from opswap.graph.dynamic import Dynamic, export_shapes
 
     shapes = export_shapes(inputs, dynamic) if dynamic is not None else None

@@ -26,8 +26,9 @@ def note(text: str, label: str = "note", style: str = "yellow") -> None:
 
 
 def line(text: str, style: str | None = None) -> None:
-    """One line printed as written."""
-    consoles.console.print(Text(text, style=style or ""))
+    """One line printed as written, never broken by rich (a path in it stays whole to copy;
+    the terminal wraps what is wider than it)."""
+    consoles.console.print(Text(text, style=style or ""), soft_wrap=True)
 
 
 def write_json(path: Path | None, data) -> None:
