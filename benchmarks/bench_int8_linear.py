@@ -102,7 +102,7 @@ def main() -> None:
         r = res.ratio("float32", "int8")
         if est is not None and est.note.startswith("timed"):  # the rule's own timing
             t32, t8 = rule_mod.time_on_this_cpu(
-                m, k, n, True, torch.get_num_threads(), target.timer
+                m, k, n, True, torch.get_num_threads(), target.timer, rule_mod.cpu_kernel()
             )
             pred = t32 / t8
         else:

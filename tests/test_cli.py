@@ -620,7 +620,7 @@ def test_apply_refuses_an_approx_decision_in_an_exact_plan_unless_allowed(
     # this machine's timing says int8 pays, so the approx rule is planned
     monkeypatch.setattr(
         "opswap.rules.precision.int8_linear.time_on_this_cpu",
-        lambda m, k, n, b, t, timer: (2e-3, 1e-3),
+        lambda m, k, n, b, t, timer, *kernel: (2e-3, 1e-3),
     )
     (tmp_path / "mlp.py").write_text(_MLP)
     spec = f"{tmp_path / 'mlp.py'}:build"

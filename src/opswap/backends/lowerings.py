@@ -12,6 +12,7 @@ execution provider:
 | opswap::conv_relu           | Conv + Relu (ORT fuses the pair into its FusedConv)         |
 | opswap::int8_linear         | per-row int8 quantisation, MatMulInteger, rescale           |
 | aten::_int_mm               | MatMulInteger (what Int8Linear traces to on VNNI CPUs)      |
+| opswap::int8_linear_fbgemm  | per-tensor 7-bit uint8 quantisation, MatMulInteger, rescale |
 | opswap::wo_linear, INT4     | com.microsoft MatMulNBits (groups of a power of two >= 16)  |
 | opswap::wo_linear, other    | the weight dequantised in the graph, then MatMul            |
 | opswap::int8_static_linear  | QuantizeLinear / DequantizeLinear pairs around MatMul (QDQ) |
@@ -66,6 +67,7 @@ LOWERED = {
     "opswap::conv_relu": "Conv + Relu",
     "opswap::int8_linear": "MatMulInteger with per-row int8 quantisation",
     "aten::_int_mm": "MatMulInteger",
+    "opswap::int8_linear_fbgemm": "MatMulInteger with per-tensor 7-bit uint8 quantisation",
     "opswap::wo_linear": "com.microsoft MatMulNBits (INT4) or dequantise + MatMul",
     "opswap::int8_static_linear": "QuantizeLinear/DequantizeLinear + MatMul",
     "opswap::int8_static_conv2d": "QuantizeLinear/DequantizeLinear + Conv (+ Relu)",
@@ -237,6 +239,26 @@ def table() -> dict[Any, Any]:
 
     def int_mm(a, b):
         return op.MatMulInteger(a, b)
+
+    def int8_linear_fbgemm(x, wq, w_scale, bias):
+        # x quantised per tensor to [0, 127]: s = (max(x, 0) - min(x, 0)) / 127,
+        # zp = clamp(round(-lo / s), 0, 127), q = clamp(round(x / s) + zp, 0, 127);
+        # DynamicQuantizeLinear would use all 8 bits, which is not the op's math
+        xf = _float(x, op)
+        zero = op.Constant(value_float=0.0)
+        top = op.Constant(value_float=127.0)
+        lo = op.Min(op.ReduceMin(xf, keepdims=0), zero)
+        hi = op.Max(op.ReduceMax(xf, keepdims=0), zero)
+        scale = op.Max(op.Div(op.Sub(hi, lo), top), op.Constant(value_float=1e-12))
+        zp = op.Clip(op.Round(op.Div(op.Neg(lo), scale)), zero, top)
+        q = op.Clip(op.Add(op.Round(op.Div(xf, scale)), zp), zero, top)
+        acc = op.MatMulInteger(
+            op.Cast(q, to=DataType.UINT8), wq, op.Cast(zp, to=DataType.UINT8)
+        )  # [..., N] int32, the zero point taken off by MatMulInteger
+        y = op.Mul(op.Mul(op.Cast(acc, to=DataType.FLOAT), scale), w_scale)
+        if bias is not None:
+            y = op.Add(y, bias)
+        return _back(y, x, op)
 
     def dequantized(qweight, scale, offset, bits: int, in_features: int, n: int):
         # codes [N, Kp] (INT4: low nibble first), times the group's scale, plus its offset
@@ -564,6 +586,7 @@ def table() -> dict[Any, Any]:
         ops.conv_relu.default: conv_relu,
         ops.int8_linear.default: int8_linear,
         torch.ops.aten._int_mm.default: int_mm,
+        ops.int8_linear_fbgemm.default: int8_linear_fbgemm,
         ops.wo_linear.default: wo_linear,
         ops.int8_static_linear.default: int8_static_linear,
         ops.int8_static_conv2d.default: int8_static_conv2d,

@@ -10,6 +10,7 @@ from opswap.kernels import (
     flash_attention,  # noqa: F401  (registers opswap::flash_attention)
     fp8_linear,  # noqa: F401  (registers opswap::fp8_linear)
     group_norm,  # noqa: F401  (registers opswap::group_norm and group_norm_backward)
+    int8_fbgemm,  # noqa: F401  (registers opswap::int8_linear_fbgemm)
     int8_linear,  # noqa: F401  (registers opswap::int8_linear)
     int8_static,  # noqa: F401  (registers opswap::int8_static_linear and _conv2d)
     layer_norm,  # noqa: F401  (registers opswap::layer_norm)
@@ -29,6 +30,7 @@ __all__ = [
     "flash_attention",
     "fp8_linear",
     "group_norm",
+    "int8_fbgemm",
     "int8_linear",
     "int8_static",
     "layer_norm",

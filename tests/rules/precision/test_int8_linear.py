@@ -41,8 +41,13 @@ FIXED = Target(
 
 @pytest.fixture
 def int8_pays(monkeypatch):
-    """For tests of verification and saving: this machine's timing says int8 pays."""
-    monkeypatch.setattr(rule_mod, "time_on_this_cpu", lambda m, k, n, b, t, timer: (2e-3, 1e-3))
+    """For tests of verification and saving: this machine's timing says int8 pays, with the
+    `_int_mm` kernel (FBGEMM's, which a CPU without VNNI gets, is tested in
+    tests/kernels/test_int8_fbgemm.py)."""
+    monkeypatch.setattr(
+        rule_mod, "time_on_this_cpu", lambda m, k, n, b, t, timer, *kernel: (2e-3, 1e-3)
+    )
+    monkeypatch.setattr(rule_mod, "cpu_kernel", lambda: "int_mm")
 
 
 class MLP(nn.Module):
@@ -206,8 +211,9 @@ def test_on_this_cpu_the_prediction_is_the_sites_timing_elsewhere_the_roofline(m
 
     asked = []
 
-    def timed(m, k, n, bias, threads, timer):
+    def timed(m, k, n, bias, threads, timer, kernel):
         asked.append((m, k, n, bias))
+        assert kernel == rule_mod.cpu_kernel()  # the int8 GEMM this CPU would run
         return 3e-3, 1e-3
 
     monkeypatch.setattr(rule_mod, "time_on_this_cpu", timed)
