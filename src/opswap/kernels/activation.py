@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from opswap.kernels._rows import (
     ELEMENTWISE_BLOCK,
@@ -57,6 +57,7 @@ from opswap.kernels._rows import (
     tl,
     triton,
 )
+from opswap.kernels._triton_op import triton_op
 
 #: the activations the op computes, by the name it takes (the index is the kernel's ACT)
 ACTIVATIONS = (

@@ -36,7 +36,7 @@ import math
 from typing import Any
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from opswap.kernels._rows import (
     KernelError,
@@ -48,6 +48,7 @@ from opswap.kernels._rows import (
     tl,
     triton,
 )
+from opswap.kernels._triton_op import triton_op
 
 __all__ = [
     "HEAD_DIMS",

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.library import triton_op
 
 from opswap.kernels._flash_launch import (
     FWD_CONFIGS,
@@ -54,6 +53,7 @@ from opswap.kernels._flash_launch import (
     unsupported,
 )
 from opswap.kernels._rows import runs_triton
+from opswap.kernels._triton_op import triton_op
 
 __all__ = [
     "FWD_CONFIGS",

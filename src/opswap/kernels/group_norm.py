@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from opswap.kernels._rows import (
     compiles_to_reference,
@@ -48,6 +48,7 @@ from opswap.kernels._rows import (
     tl,
     triton,
 )
+from opswap.kernels._triton_op import triton_op
 
 #: the most elements one program holds per chunk of a group (8 warps: 16 fp32 a thread)
 MAX_BLOCK = 2048

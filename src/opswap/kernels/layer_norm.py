@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from opswap.kernels._rows import (
     MAX_ROW,
@@ -41,6 +41,7 @@ from opswap.kernels._rows import (
     runs_triton,
     tl,
 )
+from opswap.kernels._triton_op import triton_op
 
 
 def reference(

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from opswap.kernels._rows import (
     KernelError,
@@ -44,6 +44,7 @@ from opswap.kernels._rows import (
     runs_triton,
     tl,
 )
+from opswap.kernels._triton_op import triton_op
 
 #: what `row_reduce` computes, by the name it takes
 OPS = ("sum", "mean", "max", "var", "sumsq", "meansq")

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from opswap.kernels._rows import (
     MAX_ROW,
@@ -51,6 +51,7 @@ from opswap.kernels._rows import (
     runs_triton,
     tl,
 )
+from opswap.kernels._triton_op import triton_op
 
 
 def reference(

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from opswap.kernels._rows import (
     KernelError,
@@ -47,6 +47,7 @@ from opswap.kernels._rows import (
     runs_triton,
     tl,
 )
+from opswap.kernels._triton_op import triton_op
 
 
 def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -40,7 +40,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from opswap.kernels._rows import (
     KernelError,
@@ -52,6 +52,7 @@ from opswap.kernels._rows import (
     runs_triton,
     tl,
 )
+from opswap.kernels._triton_op import triton_op
 
 #: the longest row held in registers in one block; longer rows take the online softmax
 SINGLE_MAX = 8192
