@@ -25,6 +25,16 @@ needs_fbgemm = pytest.mark.skipif(
 )
 
 
+# odd shapes, with and without bias; inputs all positive, mixed and all negative
+CASES = dict(
+    lead=st.sampled_from([(1,), (5,), (37,), (2, 7), (1, 3, 9)]),
+    k=st.sampled_from([9, 64, 123]),
+    n=st.sampled_from([1, 17, 40]),
+    bias=st.booleans(),
+    shift=st.sampled_from([0.0, 3.0, -2.0]),
+)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
@@ -41,13 +51,7 @@ def _step_bound(x2: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    lead=st.sampled_from([(1,), (5,), (37,), (2, 7), (1, 3, 9)]),
-    k=st.sampled_from([9, 64, 123]),
-    n=st.sampled_from([1, 17, 40]),
-    bias=st.booleans(),
-    shift=st.sampled_from([0.0, 3.0, -2.0]),  # inputs all positive, mixed, all negative
-)
+@given(**CASES)
 def test_reference_stays_inside_the_rounding_bound(lead, k, n, bias, shift):
     torch.manual_seed(k * 5 + n)
     x = torch.randn(*lead, k) + shift
@@ -63,13 +67,7 @@ def test_reference_stays_inside_the_rounding_bound(lead, k, n, bias, shift):
 
 @needs_fbgemm
 @settings(max_examples=25, deadline=None)
-@given(
-    lead=st.sampled_from([(1,), (5,), (37,), (2, 7), (1, 3, 9)]),
-    k=st.sampled_from([9, 64, 123]),
-    n=st.sampled_from([1, 17, 40]),
-    bias=st.booleans(),
-    shift=st.sampled_from([0.0, 3.0, -2.0]),
-)
+@given(**CASES)
 def test_fbgemm_matches_the_reference(lead, k, n, bias, shift):
     torch.manual_seed(k * 3 + n)
     x = torch.randn(*lead, k) + shift

@@ -33,6 +33,7 @@ op runs `reference`, the same math in float32, and the rule offers no site.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -44,8 +45,10 @@ _QMAX_X = 127  # activation levels (7 bits, see the module's docstring)
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this torch runs FBGEMM's dynamic int8 Linear on this CPU."""
+    """Whether this torch runs FBGEMM's dynamic int8 Linear on this CPU (asked once: every
+    forward of the op asks)."""
     quantized = getattr(torch.ops, "quantized", None)
     try:
         return (
