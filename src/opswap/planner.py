@@ -22,7 +22,7 @@ import torch.fx as fx
 from opswap.errors import PlanError
 from opswap.graph.capture import Captured, copy_module
 from opswap.rules import registry
-from opswap.rules.apply import Applied, apply_sites, rewrite_site
+from opswap.rules.apply import Applied, Redo, Run, apply_sites
 from opswap.rules.base import (
     EXACTNESS_ORDER,
     Estimate,
@@ -351,44 +351,67 @@ def make_plan(
     gm = copy_module(captured.gm)
     seen_misses: set[tuple[str, str, str]] = set()
     for rule in chosen:
-        found = rule.match(gm)
-        for m in misses_of(found):
-            if (m.rule, m.where, m.reason) not in seen_misses:
-                seen_misses.add((m.rule, m.where, m.reason))
-                plan.misses.append(m)
-        taken: set[str] = set()
-        changed = False
-        for site in sites_of(found):
-            if taken.intersection(site.nodes):
-                continue  # overlaps a site of this rule already applied
-            why = exclude_sites.get((rule.name, site.key))
-            if why is not None:
-                plan.skipped.append(Skipped(rule.name, site.key, why))
-                continue
-            # the match itself while the graph is as it was matched, else its anchor again
-            match = rule.replay(gm, site.kept() if changed else site)
-            if isinstance(match, str):
-                plan.failed.append(Failure(rule.name, site.key, match))
-                continue
-            est = rule.predict(gm, match, tgt)
-            where = site_module(gm, site)
-            if est.time_saved_s is not None and est.time_saved_s < 0:
-                plan.skipped.append(
-                    Skipped(rule.name, site.key, f"predicted slower on {tgt.name}: {est.note}")
-                )
-                continue
-            gm, err = rewrite_site(gm, rule, match)
-            if err:
-                plan.failed.append(Failure(rule.name, site.key, err))
-                continue
-            taken.update(site.nodes)
-            changed = True
-            plan.decisions.append(Decision(rule.name, site.kept(), est, where))
+        marks = (len(plan.decisions), len(plan.skipped), len(plan.failed))
+        try:
+            gm, changed = _plan_rule(rule, Run(gm), plan, tgt, exclude_sites, seen_misses)
+        except Redo:  # a rewrite failed: the rule's rewrites are undone, made again one by one
+            del plan.decisions[marks[0] :], plan.skipped[marks[1] :], plan.failed[marks[2] :]
+            gm, changed = _plan_rule(
+                rule, Run(gm, careful=True), plan, tgt, exclude_sites, seen_misses
+            )
         if changed:
             captured.propagate(gm)
         if progress is not None:
             progress(rule.name)
     return plan
+
+
+def _plan_rule(
+    rule: Rule,
+    run: Run,
+    plan: Plan,
+    tgt: Target,
+    exclude_sites: dict[tuple[str, str], str],
+    seen_misses: set[tuple[str, str, str]],
+) -> tuple[fx.GraphModule, bool]:
+    """Match `rule` on run's graph and rewrite each site planning takes, recording the
+    decisions, skips, failures and misses in `plan`; (the graph, whether it changed).
+    Raises Redo (the graph as it was before) when a rewrite fails in a run that is not
+    careful."""
+    found = rule.match(run.gm)
+    for m in misses_of(found):
+        if (m.rule, m.where, m.reason) not in seen_misses:
+            seen_misses.add((m.rule, m.where, m.reason))
+            plan.misses.append(m)
+    taken: set[str] = set()
+    changed = False
+    for site in sites_of(found):
+        if taken.intersection(site.nodes):
+            continue  # overlaps a site of this rule already applied
+        why = exclude_sites.get((rule.name, site.key))
+        if why is not None:
+            plan.skipped.append(Skipped(rule.name, site.key, why))
+            continue
+        # the match itself while the graph is as it was matched, else its anchor again
+        match = rule.replay(run.gm, site.kept() if changed else site)
+        if isinstance(match, str):
+            plan.failed.append(Failure(rule.name, site.key, match))
+            continue
+        est = rule.predict(run.gm, match, tgt)
+        where = site_module(run.gm, site)
+        if est.time_saved_s is not None and est.time_saved_s < 0:
+            plan.skipped.append(
+                Skipped(rule.name, site.key, f"predicted slower on {tgt.name}: {est.note}")
+            )
+            continue
+        err = run.rewrite(rule, match)  # the graph is what the next checks read
+        if err:
+            plan.failed.append(Failure(rule.name, site.key, err))
+            continue
+        taken.update(site.nodes)
+        changed = True
+        plan.decisions.append(Decision(rule.name, site.kept(), est, where))
+    return run.gm, changed
 
 
 def check_exactness(plan: Plan, rules: list[Rule]) -> None:

@@ -125,3 +125,68 @@ def test_apply_sites_works_on_a_copy_and_reports_each_decision():
     assert c.gm.code == before and len(calls) == 3
     x = torch.randn(4, 7)
     torch.testing.assert_close(out.gm(x), c.gm(x))
+
+
+class _PickyDrop(_DropSecondRelu):
+    """Drops a relu that follows a relu, but at relu_3 wrecks the graph half-way and raises:
+    a failure in the middle of a run of one rule's sites."""
+
+    name = "test.apply_picky_drop"
+
+    def rewrite(self, gm, found):
+        node = found.nodes[0]
+        if node.name == "relu_3":
+            gm.add_submodule("intruder", nn.Identity())
+            with gm.graph.inserting_after(node):
+                new = gm.graph.call_module("intruder", (node,))
+            node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+            raise ValueError("half-way")
+        super().rewrite(gm, found)
+
+
+class Three(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 7)
+        self.b = nn.Linear(7, 7)
+
+    def forward(self, x):
+        return (
+            torch.relu(torch.relu(self.a(x)))
+            + torch.relu(torch.relu(x))
+            - torch.relu(torch.relu(self.b(x)))
+        )
+
+
+def test_a_failure_inside_a_run_of_one_rule_costs_only_its_site():
+    """Sites of one rule share one snapshot; a failing one puts the run back and the run is
+    made again site by site: the sites before and after it are applied, it is reported, and
+    the result computes what the model did, its code written from the final graph."""
+    registry.register(_PickyDrop)
+    try:
+        torch.manual_seed(0)
+        c = capture(Three().eval(), (torch.randn(3, 7),))
+        relus = [n.name for n in c.gm.graph.nodes if op_kind(n) == "relu"]
+        assert relus == [f"relu{s}" for s in ("", "_1", "_2", "_3", "_4", "_5")]
+        calls = []
+        out = apply_sites(
+            c,
+            [_decision(_PickyDrop.name, k, k) for k in ("relu_1", "relu_3", "relu_5")],
+            progress=lambda: calls.append(1),
+        )
+        assert [s.key for s in out.applied] == ["relu_1", "relu_5"]
+        assert [f.where for f in out.failed] == ["relu_3"] and "half-way" in out.failed[0].reason
+        assert len(calls) == 3
+        assert not hasattr(out.gm, "intruder") and "intruder" not in out.gm.code
+        assert "relu_1" not in out.gm.code and "relu_5" not in out.gm.code
+        assert "relu_3" in out.gm.code
+        x = torch.randn(5, 7)
+        torch.testing.assert_close(out.gm(x), c.gm(x))
+
+        from opswap.planner import make_plan
+
+        plan = make_plan(c, rules=[_PickyDrop.name])
+        assert [d.site.key for d in plan.decisions] == ["relu_1", "relu_5"]
+        assert [f.where for f in plan.failed] == ["relu_3"]
+    finally:
+        registry._RULES.pop(_PickyDrop.name, None)

@@ -60,21 +60,81 @@ class _Snapshot:
         gm.graph = self.graph  # the setter re-links the graph to gm and recompiles
 
 
-def rewrite_site(gm: fx.GraphModule, rule: Rule, found: Found) -> tuple[fx.GraphModule, str | None]:
+def rewrite_site(
+    gm: fx.GraphModule, rule: Rule, found: Found, *, recompile: bool = True
+) -> tuple[fx.GraphModule, str | None]:
     """Rewrite one match on gm. Returns (gm, None) on success; on failure gm is restored to
-    what it was and the reason is returned."""
+    what it was and the reason is returned. `recompile=False` rewrites and checks the graph
+    but leaves gm's Python code to the caller (`finish`, once all its sites are done)."""
     snapshot = _Snapshot(gm)
     try:
-        rule.rewrite(gm, found)
-        eliminate_dead_code(gm)
-        gm.graph.lint()
-        gm.recompile()
-        gm.delete_all_unused_submodules()
+        _rewrite(gm, rule, found, recompile)
         return gm, None
     except Exception as e:  # a rule bug must not take the user's run down with it
         snapshot.restore(gm)
+        return gm, _why(rule, e)
+
+
+def _rewrite(gm: fx.GraphModule, rule: Rule, found: Found, recompile: bool = False) -> None:
+    rule.rewrite(gm, found)
+    eliminate_dead_code(gm)
+    gm.graph.lint()
+    if recompile:
+        gm.recompile()
+    gm.delete_all_unused_submodules()
+
+
+def _why(rule: Rule, e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{rule.name} raised {type(e).__name__}: {msg[:200]}".rstrip(": ")
+
+
+class Redo(Exception):
+    """A rewrite failed in a run of sites that shared one snapshot: the run's graph is back
+    as it was before the run, and the run is to be made again site by site."""
+
+
+class Run:
+    """Rewrites of one rule's sites, one after another, on `gm`.
+
+    Undoing a failed rewrite needs a copy of the graph from before it (`_Snapshot`), and
+    for a large graph a copy costs tens of milliseconds. Rewrites rarely fail (a rule's
+    bug, or a layout conversion that breaks a stride-sensitive op and refuses), so a run
+    copies the graph once, before its first rewrite, and a failing rewrite puts the whole
+    run back and raises Redo; the caller then makes the run again with `careful=True`,
+    where each site has its own copy and a failure costs only that site.
+    """
+
+    def __init__(self, gm: fx.GraphModule, *, careful: bool = False, recompile: bool = False):
+        self.gm = gm
+        self.careful = careful
+        self.recompile = recompile  # the code written after each site (careful runs only)
+        self._snapshot: _Snapshot | None = None
+
+    def rewrite(self, rule: Rule, found: Found) -> str | None:
+        """None when the site is rewritten; why not, when careful; raises Redo otherwise."""
+        if self.careful:
+            self.gm, err = rewrite_site(self.gm, rule, found, recompile=self.recompile)
+            return err
+        if self._snapshot is None:
+            self._snapshot = _Snapshot(self.gm)
+        try:
+            _rewrite(self.gm, rule, found)
+        except Exception as e:
+            self._snapshot.restore(self.gm)
+            raise Redo(_why(rule, e)) from e
+        return None
+
+
+def finish(gm: fx.GraphModule) -> str | None:
+    """Write gm's Python code from its graph, after rewrites; None, or why the code could
+    not be written."""
+    try:
+        gm.recompile()
+        return None
+    except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return gm, f"{rule.name} raised {type(e).__name__}: {msg[:200]}".rstrip(": ")
+        return f"{type(e).__name__}: {msg[:200]}".rstrip(": ")
 
 
 def apply_sites(
@@ -84,31 +144,74 @@ def apply_sites(
 
     Each site's anchor is checked again on the current graph (`Rule.replay`), so a
     decision whose site no longer exists (an earlier rewrite removed it, or the
-    model changed since the plan was written) is reported, not guessed at.
+    model changed since the plan was written) is reported, not guessed at. A site whose
+    rewrite raises is reported and left as it was; the others are applied.
+
+    The graph's code is written once, at the end; should that fail (a rewrite whose
+    graph lints but whose code does not write), the sites are applied again with the code
+    written after each, so that the failure is the site's that caused it.
     """
+    out = _apply_sites(captured, decisions, progress, each=False)
+    if finish(out.gm) is None:
+        return out
+    return _apply_sites(captured, decisions, None, each=True)
+
+
+def _runs(decisions: list[tuple[Rule, Site]]) -> list[tuple[Rule, list[Site]]]:
+    """The decisions as runs of consecutive sites of one rule."""
+    runs: list[tuple[Rule, list[Site]]] = []
+    for rule, site in decisions:
+        if runs and runs[-1][0] is rule:
+            runs[-1][1].append(site)
+        else:
+            runs.append((rule, [site]))
+    return runs
+
+
+def _apply_sites(
+    captured: Captured, decisions: list[tuple[Rule, Site]], progress, *, each: bool
+) -> Applied:
+    """`each`: every site rewritten carefully and the code written after it."""
     gm = cast(fx.GraphModule, copy_module(captured.gm))
     out = Applied(captured.derived(gm))
-    dirty = False
-    last_rule = None
-    for rule, site in decisions:
-        if dirty and rule is not last_rule:
-            # shapes of nodes created by the previous rule's rewrites, for this rule's checks
+    for rule, sites in _runs(decisions):
+        marks = (len(out.applied), len(out.failed))
+        counted = [0]  # the sites of this run progress has been told of
+
+        def step(counted=counted) -> None:
+            counted[0] += 1
+            if progress is not None:
+                progress()
+
+        try:
+            gm = _apply_run(rule, sites, out, Run(gm, careful=each, recompile=each), step)
+        except Redo:
+            del out.applied[marks[0] :], out.failed[marks[1] :]
+            done = counted[0]
+            run = Run(gm, careful=True, recompile=each)
+            gm = _apply_run(rule, sites, out, run, step, skip=done)
+        if len(out.applied) > marks[0]:
+            # shapes of nodes the run's rewrites made, for the next rule's checks
             captured.propagate(gm)
-            dirty = False
-        last_rule = rule
-        found = rule.replay(gm, site)
+    out.captured.gm = gm
+    return out
+
+
+def _apply_run(
+    rule: Rule, sites: list[Site], out: Applied, run: Run, step, skip: int = 0
+) -> fx.GraphModule:
+    """Replay and rewrite `sites` in `run`, recording each in `out`; `step()` after each
+    site but the first `skip` (already counted by a run that was undone)."""
+    for i, site in enumerate(sites):
+        found = rule.replay(run.gm, site)
         if isinstance(found, str):
             out.failed.append(Failure(rule.name, site.key, found))
         else:
-            gm, err = rewrite_site(gm, rule, found)
+            err = run.rewrite(rule, found)
             if err:
                 out.failed.append(Failure(rule.name, site.key, err))
             else:
                 out.applied.append(rule._site(found).kept())
-                dirty = True
-        if progress is not None:
-            progress()
-    if dirty:
-        captured.propagate(gm)
-    out.captured.gm = gm
-    return out
+        if i >= skip:
+            step()
+    return run.gm
