@@ -132,5 +132,13 @@ def is_impure(node: fx.Node) -> bool:
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> bool:
-    """Remove nodes nobody reads that have no effect; True when something was removed."""
-    return gm.graph.eliminate_dead_code(is_impure_node=is_impure)
+    """Remove nodes nobody reads that have no effect; True when something was removed.
+
+    A node something reads stays whatever it does, so `is_impure` (a module lookup and
+    torch's schema check) is asked only of the unread ones: rules call this after every
+    rewrite, and asking it of every node took a sixth of a BERT-base optimize."""
+    return gm.graph.eliminate_dead_code(is_impure_node=_kept)
+
+
+def _kept(node: fx.Node) -> bool:
+    return len(node.users) > 0 or is_impure(node)
