@@ -37,3 +37,34 @@ def test_each_run_gets_its_own_load(monkeypatch):
     first = timing.benchmark({"f": _work}, warmup=1, repeats=9, min_time_s=0.0)
     second = timing.benchmark({"f": _work}, warmup=1, repeats=9, min_time_s=0.0)
     assert first["f"].median > 2.5 * second["f"].median
+
+
+def test_opswap_max_time_s_caps_every_timing_loop(monkeypatch):
+    """OPSWAP_MAX_TIME_S stops a loop that would time on for its own max_time_s (the
+    simulated clock: 0.1 s a round of two functions)."""
+
+    def rounds() -> int:
+        monkeypatch.setattr(timing, "_Timer", busy(seed=3))
+        res = timing.benchmark(
+            {"a": _work, "b": _work}, warmup=1, repeats=3, min_time_s=5.0, max_time_s=8.0
+        )
+        return len(res.rounds)
+
+    monkeypatch.delenv("OPSWAP_MAX_TIME_S", raising=False)
+    uncapped = rounds()
+    monkeypatch.setenv("OPSWAP_MAX_TIME_S", "0.5")
+    capped = rounds()
+    assert uncapped >= 45 and 3 <= capped <= 7, (uncapped, capped)
+
+
+def test_a_bad_opswap_max_time_s_is_one_sentence(monkeypatch):
+    import pytest
+
+    from opswap.errors import OpswapError
+
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv("OPSWAP_MAX_TIME_S", bad)
+        with pytest.raises(OpswapError, match="OPSWAP_MAX_TIME_S must be a positive number"):
+            timing.benchmark({"f": _work})
+    monkeypatch.setenv("OPSWAP_MAX_TIME_S", " ")
+    assert timing.time_cap() is None

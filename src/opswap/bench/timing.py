@@ -22,6 +22,12 @@ The usual ways a speed-up is misreported, and what this module does about each:
   that fraction of its ratio; when time runs out first the result is `settled=False`, and
   what prints it says so (`UNSETTLED`) and leads with the interval's lower end.
 
+`OPSWAP_MAX_TIME_S` in the environment caps how long any one timing loop may run (its
+`min_time_s` and `max_time_s` both), whatever the caller asked for: a smoke run (the test
+suite sets it to 1) then goes through every step of the pipeline without the seconds of
+timing each step spends to settle its intervals. The figures of such a run are honest
+but wide; the report and result.json carry them as they are.
+
 No function here asserts anything about speed: tests check structure, not clocks.
 The figures a run yields (medians, ratios, intervals) are in bench.stats; the device it
 runs on is resolved and described by bench.device.
@@ -33,6 +39,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -44,6 +51,24 @@ from opswap.bench.device import describe_device, resolve_device
 from opswap.bench.stats import BenchResult, Stats, bootstrap_ratio, narrow
 from opswap.errors import OpswapError
 from opswap.targets import Target
+
+
+def time_cap() -> float | None:
+    """Seconds from OPSWAP_MAX_TIME_S, or None when it is unset or empty. A value that is
+    not a positive number is refused in one sentence."""
+    raw = os.environ.get("OPSWAP_MAX_TIME_S", "").strip()
+    if not raw:
+        return None
+    try:
+        cap = float(raw)
+    except ValueError:
+        cap = -1.0
+    if not cap > 0 or math.isinf(cap):
+        raise OpswapError(
+            f"OPSWAP_MAX_TIME_S must be a positive number of seconds; got {raw!r} "
+            "(unset it to time as long as each measurement asks)."
+        )
+    return cap
 
 
 class _Timer:
@@ -134,6 +159,9 @@ def benchmark(
     """
     if not fns:
         raise OpswapError("Nothing to time: pass at least one function.")
+    cap = time_cap()
+    if cap is not None:
+        min_time_s, max_time_s = min(min_time_s, cap), min(max_time_s, cap)
     dev = resolve_device(device)
     timer = _Timer(dev)
     names = list(fns)
