@@ -8,9 +8,9 @@ Schemes: bfloat16 through cuBLAS (F.linear), FP8 e4m3 row-wise (opswap::fp8_line
 Triton row quantisation + torch._scaled_mm), weight-only INT8 per channel and INT4 in
 groups of 128 (opswap::wo_linear, our Triton kernel up to 16 rows), and torch.compile of
 the bfloat16 layer as the peer. Rows: 1 and 16 (decoding) and 4096 (prefill). At one row,
-two variants of our INT4 as well (VARIANTS): the word-wise `_int4_gemv` (not yet the
-default) with float32 and with bfloat16 scale and offset, so that one run decides between
-it and the general kernel ("int4").
+two variants of our INT4 as well (VARIANTS): the word-wise `_int4_gemv` (the default at
+one row since 2026-12-05) with float32 and with bfloat16 scale and offset, beside the
+general kernel ("int4", `_wo_kernel` at every row count), so that each run shows both.
 
 Every figure is a CUDA-graph replay (a Linear at one row runs for about 1-6 us, under the
 launch cost of eager PyTorch): the whole 22-layer stack of 154 Linears, and each shape
@@ -197,16 +197,18 @@ def _build(scheme: str, w: torch.Tensor):
     mod = WeightOnlyLinear(w, None, bits=8 if scheme == "int8" else 4)
     if scheme == "int4 word kernel bf16 scales":
         mod.scale, mod.offset = mod.scale.bfloat16(), mod.offset.bfloat16()
-    if scheme.startswith("int4 word kernel"):  # _int4_gemv, not yet the default, at one row
+    if scheme.startswith("int4"):  # the word kernel, or the general kernel at every row count
         from opswap.kernels import weight_only as wo
 
-        def words(x, mod=mod):
+        words = scheme.startswith("int4 word kernel")
+
+        def pinned(x, mod=mod, words=words):
             if x.numel() // mod.in_features > wo.TRITON_MAX_ROWS:
                 return mod(x)
             args = (mod.qweight, mod.scale, mod.offset, None, 4, mod.in_features)
-            return wo.triton_wo_linear(x, *args, int4_gemv=True)
+            return wo.triton_wo_linear(x, *args, int4_gemv=words)
 
-        return words
+        return pinned
     return mod
 
 

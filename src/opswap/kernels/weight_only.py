@@ -38,8 +38,8 @@ also take scale and offset in bfloat16 (converted on load).
 
 Kernels, by device and rows:
 
-- CUDA, bfloat16/float16, INT4 at one row, when INT4_GEMV_DEFAULT is on (off until it is
-  measured faster): `_int4_gemv`, which reads the codes as 32-bit
+- CUDA, bfloat16/float16, INT4 at one row, when INT4_GEMV_DEFAULT is on (the default,
+  measured faster than `_wo_kernel` at every Llama shape): `_int4_gemv`, which reads the codes as 32-bit
   words and makes each a float with one AND (a subnormal, x pre-scaled per code position):
   no int -> float conversion; its comment gives the design and the instruction arithmetic.
 - CUDA, bfloat16/float16, other cases up to 16 rows: `_wo_kernel`, our Triton GEMV /
@@ -80,10 +80,11 @@ except ImportError:  # pragma: no cover - every supported environment has Triton
 
 #: rows up to which the Triton kernel runs (measured: 1 and 16 rows, benchmarks/gpu_suite.py)
 TRITON_MAX_ROWS = 16
-#: INT4 at one row through `_int4_gemv` by default. Off until measured: a first word-wise
-#: kernel of the same idea ran at 0.58x the general kernel's speed on the H200
-#: (results/lowbit_h200_int4_words.json); `gpu_suite.py --only lowbit` times both.
-INT4_GEMV_DEFAULT = False
+#: INT4 at one row through `_int4_gemv` by default: on the H200 it took 3.5, 2.4, 5.3 and
+#: 6.6 us on TinyLlama's four shapes against the general kernel's 4.8, 2.7, 7.3 and 8.8,
+#: and the 154 Linears of the model 0.670 ms against 0.869 (results/lowbit_h200.json,
+#: 2026-12-05; `gpu_suite.py --only lowbit` times both)
+INT4_GEMV_DEFAULT = True
 #: the largest split-K any tuned configuration uses (the workspace is sized for it)
 MAX_SPLIT_K = 8
 _INT8_MAX = 127.0
