@@ -65,7 +65,7 @@ def rewrite_site(
 ) -> tuple[fx.GraphModule, str | None]:
     """Rewrite one match on gm. Returns (gm, None) on success; on failure gm is restored to
     what it was and the reason is returned. `recompile=False` rewrites and checks the graph
-    but leaves gm's Python code to the caller (`finish`, once all its sites are done)."""
+    but leaves gm's Python code to the caller (written once, after all its sites)."""
     snapshot = _Snapshot(gm)
     try:
         _rewrite(gm, rule, found, recompile)
@@ -126,15 +126,14 @@ class Run:
         return None
 
 
-def finish(gm: fx.GraphModule) -> str | None:
-    """Write gm's Python code from its graph, after rewrites; None, or why the code could
-    not be written."""
+def _writes_code(gm: fx.GraphModule) -> bool:
+    """Write gm's Python code from its graph, after rewrites made without it; False when
+    the code could not be written."""
     try:
         gm.recompile()
-        return None
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"{type(e).__name__}: {msg[:200]}".rstrip(": ")
+        return True
+    except Exception:
+        return False
 
 
 def apply_sites(
@@ -152,7 +151,7 @@ def apply_sites(
     written after each, so that the failure is the site's that caused it.
     """
     out = _apply_sites(captured, decisions, progress, each=False)
-    if finish(out.gm) is None:
+    if _writes_code(out.gm):
         return out
     return _apply_sites(captured, decisions, None, each=True)
 
@@ -176,33 +175,24 @@ def _apply_sites(
     out = Applied(captured.derived(gm))
     for rule, sites in _runs(decisions):
         marks = (len(out.applied), len(out.failed))
-        counted = [0]  # the sites of this run progress has been told of
-
-        def step(counted=counted) -> None:
-            counted[0] += 1
-            if progress is not None:
-                progress()
-
         try:
-            gm = _apply_run(rule, sites, out, Run(gm, careful=each, recompile=each), step)
+            gm = _apply_run(rule, sites, out, Run(gm, careful=each, recompile=each))
         except Redo:
             del out.applied[marks[0] :], out.failed[marks[1] :]
-            done = counted[0]
-            run = Run(gm, careful=True, recompile=each)
-            gm = _apply_run(rule, sites, out, run, step, skip=done)
+            gm = _apply_run(rule, sites, out, Run(gm, careful=True, recompile=each))
         if len(out.applied) > marks[0]:
             # shapes of nodes the run's rewrites made, for the next rule's checks
             captured.propagate(gm)
+        if progress is not None:
+            for _ in sites:
+                progress()
     out.captured.gm = gm
     return out
 
 
-def _apply_run(
-    rule: Rule, sites: list[Site], out: Applied, run: Run, step, skip: int = 0
-) -> fx.GraphModule:
-    """Replay and rewrite `sites` in `run`, recording each in `out`; `step()` after each
-    site but the first `skip` (already counted by a run that was undone)."""
-    for i, site in enumerate(sites):
+def _apply_run(rule: Rule, sites: list[Site], out: Applied, run: Run) -> fx.GraphModule:
+    """Replay and rewrite `sites` in `run`, recording each in `out`."""
+    for site in sites:
         found = rule.replay(run.gm, site)
         if isinstance(found, str):
             out.failed.append(Failure(rule.name, site.key, found))
@@ -212,6 +202,4 @@ def _apply_run(
                 out.failed.append(Failure(rule.name, site.key, err))
             else:
                 out.applied.append(rule._site(found).kept())
-        if i >= skip:
-            step()
     return run.gm
