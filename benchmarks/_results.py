@@ -124,7 +124,20 @@ def kernel_main(run, name: str) -> None:
     ap.add_argument(
         "--kernels", default="", help="comma-separated kernels to run (default: all of them)"
     )
+    ap.add_argument(
+        "--widths",
+        default="",
+        help="comma-separated row widths: the width sweep at 4096 rows instead of the default "
+        "shapes (written as <name>_widths_<device>.json)",
+    )
     args = ap.parse_args()
+    kw: dict = {}
     picked = tuple(k for k in args.kernels.split(",") if k)
-    res = run(args.smoke, kernels=picked) if picked else run(args.smoke)
+    if picked:
+        kw["kernels"] = picked
+    widths = tuple(int(w) for w in args.widths.split(",") if w)
+    if widths:
+        kw["widths"] = widths
+        name += "_widths"
+    res = run(args.smoke, **kw)
     write_kernel_run(res, args.out, name, args.smoke, args.update_crossover)

@@ -164,7 +164,11 @@ def liger(name):
     return None, ""
 
 
-def run(smoke: bool = False, kernels: tuple[str, ...] = tuple(CASES)) -> dict:
+def run(
+    smoke: bool = False, kernels: tuple[str, ...] = tuple(CASES), widths: tuple[int, ...] = ()
+) -> dict:
+    """Every case at its shapes, or, with `widths`, the row cases (softmax, log_softmax,
+    sum, var, sumsq) at 4096 rows of each width."""
     device = "cpu" if smoke else "cuda"
     unknown = set(kernels) - set(CASES)
     if unknown:
@@ -179,7 +183,13 @@ def run(smoke: bool = False, kernels: tuple[str, ...] = tuple(CASES)) -> dict:
         res["notes"].append("smoke: eager stands in for torch.compile (no GPU)")
     if not smoke and BG.unavailable():
         res["notes"].append(f"bias_gelu_cuda: {BG.unavailable()}")
-    for name, shape in shapes(smoke):
+    todo = shapes(smoke)
+    if widths:
+        rowwise = ("softmax", "log_softmax", "sum", "var", "sumsq")
+        todo = [
+            (k, (3 if smoke else 4096, min(w, 96) if smoke else w)) for k in rowwise for w in widths
+        ]
+    for name, shape in todo:
         if name not in kernels:
             continue
         kernel, ours, eager, has_bwd = CASES[name]

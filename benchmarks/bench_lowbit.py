@@ -62,7 +62,9 @@ PEERS = ("int4 tinygemm",)
 #: variants of our INT4, timed at one row only, to decide between them in one GPU run:
 #: scale and offset stored in bfloat16 (6.25% of the codes' bytes instead of 12.5%), and
 #: the previous one-row kernel (`_wo_kernel`'s grouped GEMV, int->float per code)
-VARIANTS = ("int4 word kernel", "int4 word kernel bf16 scales")
+#: and the word kernel launched as a programmatic dependent launch (its first weight loads
+#: overlapping the end of the Linear before it; `weight_only.INT4_PDL`)
+VARIANTS = ("int4 word kernel", "int4 word kernel bf16 scales", "int4 word kernel pdl")
 
 
 def _env() -> dict:
@@ -201,12 +203,17 @@ def _build(scheme: str, w: torch.Tensor):
         from opswap.kernels import weight_only as wo
 
         words = scheme.startswith("int4 word kernel")
+        pdl = scheme.endswith(" pdl")
 
-        def pinned(x, mod=mod, words=words):
+        def pinned(x, mod=mod, words=words, pdl=pdl):
             if x.numel() // mod.in_features > wo.TRITON_MAX_ROWS:
                 return mod(x)
             args = (mod.qweight, mod.scale, mod.offset, None, 4, mod.in_features)
-            return wo.triton_wo_linear(x, *args, int4_gemv=words)
+            old, wo.INT4_PDL = wo.INT4_PDL, pdl
+            try:
+                return wo.triton_wo_linear(x, *args, int4_gemv=words)
+            finally:
+                wo.INT4_PDL = old
 
         return pinned
     return mod

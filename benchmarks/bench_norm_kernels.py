@@ -291,7 +291,15 @@ def env(device) -> dict:
     return d
 
 
-def run(smoke: bool = False, kernels: tuple[str, ...] = KERNELS) -> dict:
+#: the width sweep's rows (the issue's sweep: widths 768 to 16384, non-powers of two in it)
+WIDTH_ROWS = 4096
+
+
+def run(
+    smoke: bool = False, kernels: tuple[str, ...] = KERNELS, widths: tuple[int, ...] = ()
+) -> dict:
+    """Every kernel at the default shapes, or, with `widths`, at WIDTH_ROWS rows of each
+    width (GroupNorm's groups of that many elements)."""
     device = "cpu" if smoke else "cuda"
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -306,15 +314,18 @@ def run(smoke: bool = False, kernels: tuple[str, ...] = KERNELS) -> dict:
     compiled = {k: (eager(k) if smoke else torch.compile(eager(k))) for k in kernels}
     if smoke:
         res["notes"].append("smoke: eager stands in for torch.compile (no GPU)")
+    shapes = [(r, None) for r in rows_list]
+    if widths:
+        shapes = [(3 if smoke else WIDTH_ROWS, min(w, 96) if smoke else w) for w in widths]
     for kernel in kernels:
-        for rows in rows_list:
+        for rows, width in shapes:
             if kernel == "group_norm":  # whole samples of GROUPS groups
                 rows = max(GROUPS, rows - rows % GROUPS)
             try:
                 res["rows"] += row(
                     kernel,
                     rows,
-                    hidden.get(kernel, 64 if smoke else 4096),
+                    width or hidden.get(kernel, 64 if smoke else 4096),
                     dtype,
                     device,
                     smoke,

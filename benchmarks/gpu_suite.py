@@ -161,6 +161,9 @@ ACTIVATION_TESTS = [
 # the activation rules; with a GPU the Linear epilogue test also runs its rewrite on CUDA
 EPILOGUE_TESTS = ["tests/rules/activation", "tests/backends/test_lowerings.py"]
 
+#: the width sweep's widths (non-powers of two among them)
+WIDTHS = "768,2048,3072,5120,8192,16384"
+
 #: --only parts that run a test list on the GPU, then benchmark scripts (with arguments)
 KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "kernels": (KERNEL_TESTS, [["bench_norm_kernels.py"]]),
@@ -177,6 +180,17 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
             ["bench_norm_kernels.py", "--update-crossover"],
             ["bench_kernels18.py", "--update-crossover"],
             ["bench_llama_kernels.py"],
+        ],
+    ),
+    # launch choices and candidate rewrites of the row kernels beside today's (no tests)
+    "tune": ([], [["tune_rows.py"]]),
+    # the issue's width sweep (768 to 16384 at 4096 rows) of the norms, SwiGLU, softmax and
+    # the row reductions against torch.compile and Liger, rewriting the crossover table
+    "widths": (
+        [],
+        [
+            ["bench_norm_kernels.py", "--update-crossover", "--widths", WIDTHS],
+            ["bench_kernels18.py", "--update-crossover", "--widths", WIDTHS],
         ],
     ),
     # the backward kernels alone (GPU time) per launch choice, and the host's cost of a call
@@ -485,8 +499,13 @@ def main() -> None:
             "epilogue",
             "rows",
             "backward",
+            "tune",
+            "widths",
         ],
-        help="run one part alone: rows = every row kernel's GPU tests, then "
+        help="run one part alone: tune = benchmarks/tune_rows.py (launch choices and "
+        "candidate rewrites of the row kernels beside today's, writes tune_rows_h200.json); "
+        "widths = the width sweep (768 to 16384 at 4096 rows) of bench_norm_kernels.py and "
+        "bench_kernels18.py, rewriting the crossover table; rows = every row kernel's GPU tests, then "
         "bench_norm_kernels.py and bench_kernels18.py (eager and CUDA-graph times, rewriting "
         "the crossover table), and bench_llama_kernels.py; backward = the norm kernels' tests and "
         "bench_row_backward.py --sweep --host; lowbit = benchmarks/bench_lowbit.py (INT8/INT4 "
@@ -546,7 +565,7 @@ def main() -> None:
         return
     if args.only in KERNEL_PARTS:  # the part's GPU tests, then its benchmark scripts
         tests, scripts = KERNEL_PARTS[args.only]
-        if not args.skip_tests:
+        if tests and not args.skip_tests:
             res = run_tests(args.out, args.workers, tests)
             print("tests:", res, flush=True)
         for script, *extra in scripts:

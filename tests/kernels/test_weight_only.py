@@ -377,6 +377,39 @@ def test_cuda_kernel_under_a_cuda_graph():
         assert _rel(y, ref) <= _bound(_torch_err(x, q, s, o, b, 4, 1024, ref))
 
 
+@needs_cuda
+@pytest.mark.skipif(CUDA and not wo.pdl_ok(torch.device("cuda")), reason="PDL needs sm_90")
+def test_int4_gemv_as_a_dependent_launch_reads_what_the_kernel_before_wrote(monkeypatch):
+    """A chain of INT4 Linears at one row, each launched with PDL (its weight loads before
+    gdc_wait overlap the Linear before it), captured in a CUDA graph: every Linear must
+    read its input only once the one before has written it, so the chain matches the
+    same chain launched plainly, replay after replay, for shapes with split-K and without."""
+    shapes = [(1024, 2048), (2048, 640), (640, 5632), (5632, 1024)]
+    layers = [_layer(n, k, 4, 128, seed=k + n, device="cuda") for k, n in shapes]
+    x = torch.randn(1, 1024, device="cuda").bfloat16()
+
+    def chain():
+        h = x
+        for (k, _), (_, b, q, s, o, _) in zip(shapes, layers, strict=True):
+            h = wo.wo_linear(h, q, s, o, b, 4, k)
+        return h
+
+    ref = chain()  # tunes and allocates the counters outside capture
+    monkeypatch.setattr(wo, "INT4_PDL", True)
+    assert torch.equal(chain(), ref)  # eager, the same launches: the same sums
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = chain()
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        monkeypatch.setattr(wo, "INT4_PDL", False)
+        want = chain()
+        monkeypatch.setattr(wo, "INT4_PDL", True)
+        torch.cuda.synchronize()
+        assert torch.equal(y, want)
+
+
 if __name__ == "__main__":  # the interpreter's half of `interpreted`
     out = {str(list(c)): _interpreted_case(*c) for c in CASES}
     out["fp16"] = _interpreted_fp16()

@@ -85,6 +85,9 @@ TRITON_MAX_ROWS = 16
 #: and the 154 Linears of the model 0.670 ms against 0.869 (results/lowbit_h200.json,
 #: 2026-12-05; `gpu_suite.py --only lowbit` times both)
 INT4_GEMV_DEFAULT = True
+#: launch `_int4_gemv` as a programmatic dependent launch on Hopper and later (sm_90+):
+#: its first weight loads then overlap the end of the kernel before it in the stream
+INT4_PDL = False
 #: the largest split-K any tuned configuration uses (the workspace is sized for it)
 MAX_SPLIT_K = 8
 _INT8_MAX = 127.0
@@ -431,6 +434,64 @@ def _wo_kernel_fn(
 _INT4_D = tl.constexpr(64) if tl is not None else 64
 
 
+def _int4_chunk_fn(
+    acc,
+    w,
+    c,
+    x_row,
+    s_cols,
+    o_cols,
+    K,
+    KW,
+    xf,
+    BLOCK_N: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    # one chunk of `_int4_gemv`: w [BLOCK_N, 4 BLOCK_U] int32 words, already loaded
+    rk = tl.arange(0, 32 * BLOCK_U)
+    w = tl.reshape(w.to(tl.uint32, bitcast=True), (BLOCK_N, BLOCK_U, 4))  # 16 B a unit
+    k = c * (32 * BLOCK_U) + rk
+    xv = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+    xv = tl.reshape(xv, (BLOCK_U, 4, 8))  # [u, v, i]: code i of word 4u + v
+    xu = tl.sum(tl.sum(xv, 2), 1)  # [BLOCK_U]: x summed over the unit
+    # x's value for each code of each word, scaled, broadcast over the rows and split
+    # apart along in-thread axes ([a, b, c] of the reshape is code 4a + 2b + c)
+    xr = tl.reshape(xv * xf[None, None, :], (BLOCK_U, 4, 2, 2, 2))
+    xb = tl.broadcast_to(xr[None, :, :, :, :, :], (BLOCK_N, BLOCK_U, 4, 2, 2, 2))
+    ev, od = tl.split(xb)  # c = 0, 1
+    e0, e1 = tl.split(ev)  # b = 0, 1
+    o0, o1 = tl.split(od)
+    x0, x4 = tl.split(e0)  # a = 0, 1
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    w12 = w >> 12  # codes 5, 6, 7 to bits 8..19 (in place, 7 would reach the sign bit)
+    p = (w & 0xF).to(tl.float32, bitcast=True) * x0
+    p += (w & 0xF0).to(tl.float32, bitcast=True) * x1
+    p += (w & 0xF00).to(tl.float32, bitcast=True) * x2
+    p += (w & 0xF000).to(tl.float32, bitcast=True) * x3
+    p += (w & 0xF0000).to(tl.float32, bitcast=True) * x4
+    p += (w12 & 0xF00).to(tl.float32, bitcast=True) * x5
+    p += (w12 & 0xF000).to(tl.float32, bitcast=True) * x6
+    p += (w12 & 0xF0000).to(tl.float32, bitcast=True) * x7
+    g = ((c * BLOCK_U + tl.arange(0, BLOCK_U)) * 32) // GROUP
+    gm = (g < (KW * 8) // GROUP)[None, :]
+    # loaded as [BLOCK_U, BLOCK_N] and transposed: Triton 3.6 then lays s out as acc is
+    # (lanes along the units); a [BLOCK_N, BLOCK_U] load put its lanes along the rows
+    # and cost a shared-memory exchange of acc every chunk (912 instructions, not 840)
+    s = tl.trans(tl.load(s_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
+    m = tl.trans(tl.load(o_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
+    acc += m * (xu * (2.0**-_INT4_D))[None, :]
+    acc += s * tl.sum(p, 2)
+    return acc
+
+
+# a helper the kernel calls is jitted where it is defined, under the name the kernel calls
+# (as `_rows.rn`): the interpreter and the compiler both resolve it by that global
+_int4_chunk = triton.jit(_int4_chunk_fn) if triton is not None else None
+
+
 def _int4_gemv_fn(
     x_ptr,  # [M, K] bf16/fp16, row stride stride_xm, unit column stride: one row a program
     w_ptr,  # [N, KW] int32: the packed codes read as words, code k = 8 j + i in bits 4i..4i+3
@@ -452,7 +513,12 @@ def _int4_gemv_fn(
     BLOCK_U: tl.constexpr,  # units of 4 words (32 codes, 16 bytes) a chunk
     GROUP: tl.constexpr,  # a multiple of 32: a unit lies in one group
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (Hopper and later)
 ):
+    if PDL:
+        # let the next kernel of the stream start its own weight loads once every program
+        # of this one is resident; it waits (gdc_wait) before it reads what we write
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -460,7 +526,6 @@ def _int4_gemv_fn(
     n_ok = rn < N
     rnc = tl.minimum(rn, N - 1)  # rows past N read row N - 1 (not stored): no mask
     rw = tl.arange(0, 4 * BLOCK_U)
-    rk = tl.arange(0, 32 * BLOCK_U)
     ri = tl.arange(0, 8)
     units = KW // 4
     chunks = tl.cdiv(units, BLOCK_U)
@@ -475,43 +540,19 @@ def _int4_gemv_fn(
     e = 4 * (ri - 3 * (ri // 5))
     xf = ((276 - e - _INT4_D) << 23).to(tl.float32, bitcast=True)
     acc = tl.zeros((BLOCK_N, BLOCK_U), dtype=tl.float32)
-    for c in range(c0, c1):
-        j = c * (4 * BLOCK_U) + rw  # words
+    # the first chunk's weights are loaded before anything an earlier kernel writes is
+    # read: under PDL that load overlaps the end of the kernel before (the weights are
+    # never written by it); x, the only input a previous kernel makes, is read after
+    j = c0 * (4 * BLOCK_U) + rw  # words
+    kw_end = tl.where(c0 < c1, KW, 0)  # a program with no chunk (split-K's last) loads none
+    w = tl.load(w_rows + j[None, :], mask=(j < kw_end)[None, :], other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = _int4_chunk(acc, w, c0, x_row, s_cols, o_cols, K, KW, xf, BLOCK_N, BLOCK_U, GROUP)
+    for c in range(c0 + 1, c1):
+        j = c * (4 * BLOCK_U) + rw
         w = tl.load(w_rows + j[None, :], mask=(j < KW)[None, :], other=0)
-        w = tl.reshape(w.to(tl.uint32, bitcast=True), (BLOCK_N, BLOCK_U, 4))  # 16 B a unit
-        k = c * (32 * BLOCK_U) + rk
-        xv = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        xv = tl.reshape(xv, (BLOCK_U, 4, 8))  # [u, v, i]: code i of word 4u + v
-        xu = tl.sum(tl.sum(xv, 2), 1)  # [BLOCK_U]: x summed over the unit
-        # x's value for each code of each word, scaled, broadcast over the rows and split
-        # apart along in-thread axes ([a, b, c] of the reshape is code 4a + 2b + c)
-        xr = tl.reshape(xv * xf[None, None, :], (BLOCK_U, 4, 2, 2, 2))
-        xb = tl.broadcast_to(xr[None, :, :, :, :, :], (BLOCK_N, BLOCK_U, 4, 2, 2, 2))
-        ev, od = tl.split(xb)  # c = 0, 1
-        e0, e1 = tl.split(ev)  # b = 0, 1
-        o0, o1 = tl.split(od)
-        x0, x4 = tl.split(e0)  # a = 0, 1
-        x2, x6 = tl.split(e1)
-        x1, x5 = tl.split(o0)
-        x3, x7 = tl.split(o1)
-        w12 = w >> 12  # codes 5, 6, 7 to bits 8..19 (in place, 7 would reach the sign bit)
-        p = (w & 0xF).to(tl.float32, bitcast=True) * x0
-        p += (w & 0xF0).to(tl.float32, bitcast=True) * x1
-        p += (w & 0xF00).to(tl.float32, bitcast=True) * x2
-        p += (w & 0xF000).to(tl.float32, bitcast=True) * x3
-        p += (w & 0xF0000).to(tl.float32, bitcast=True) * x4
-        p += (w12 & 0xF00).to(tl.float32, bitcast=True) * x5
-        p += (w12 & 0xF000).to(tl.float32, bitcast=True) * x6
-        p += (w12 & 0xF0000).to(tl.float32, bitcast=True) * x7
-        g = ((c * BLOCK_U + tl.arange(0, BLOCK_U)) * 32) // GROUP
-        gm = (g < (KW * 8) // GROUP)[None, :]
-        # loaded as [BLOCK_U, BLOCK_N] and transposed: Triton 3.6 then lays s out as acc is
-        # (lanes along the units); a [BLOCK_N, BLOCK_U] load put its lanes along the rows
-        # and cost a shared-memory exchange of acc every chunk (912 instructions, not 840)
-        s = tl.trans(tl.load(s_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
-        m = tl.trans(tl.load(o_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
-        acc += m * (xu * (2.0**-_INT4_D))[None, :]
-        acc += s * tl.sum(p, 2)
+        acc = _int4_chunk(acc, w, c, x_row, s_cols, o_cols, K, KW, xf, BLOCK_N, BLOCK_U, GROUP)
     out = tl.sum(acc, 1) * (2.0**_INT4_D)
     out_off = pid_m * N + rn
     if SPLIT_K == 1:
@@ -786,6 +827,14 @@ def int4_gemv_ok(qweight: torch.Tensor, group: int) -> bool:
     )
 
 
+def pdl_ok(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched as programmatic dependent launches:
+    a CUDA GPU of compute capability 9.0 or later (not the interpreter)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config) -> None:
     """`_int4_gemv` on the rows of x2 [M, K] (a program row each) into y [M, N]. `config`
     (BLOCK_N, BLOCK_U, SPLIT_K, num_warps) fixes the launch; BLOCK_K (codes) is taken as
@@ -795,7 +844,10 @@ def _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config) -
     kw_total = words.shape[1]
     units = kw_total // 4
     fixed = config if config is not None else (None if not interpreting() else {})
-    kw: dict[str, Any] = {"GROUP": group}
+    pdl = pdl_ok(x2.device) and INT4_PDL
+    kw: dict[str, Any] = {"GROUP": group, "PDL": pdl}
+    if pdl:
+        kw["launch_pdl"] = True
     if fixed is not None:
         bu = int(fixed.get("BLOCK_U", max(1, int(fixed.get("BLOCK_K", 128)) // 32)))
         kw.update(
