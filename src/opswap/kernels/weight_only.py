@@ -489,7 +489,7 @@ def _int4_chunk_fn(
 
 # a helper the kernel calls is jitted where it is defined, under the name the kernel calls
 # (as `_rows.rn`): the interpreter and the compiler both resolve it by that global
-_int4_chunk = triton.jit(_int4_chunk_fn) if triton is not None else None
+_int4_chunk: Any = triton.jit(_int4_chunk_fn) if triton is not None else None
 
 
 def _int4_gemv_fn(
