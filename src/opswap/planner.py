@@ -435,13 +435,16 @@ def apply_plan(
     *,
     progress: Callable[[], None] | None = None,
     allow_looser: bool = False,
+    shapes: bool = True,
 ) -> Applied:
     """Replay `plan` on a copy of `captured`; the capture itself is left untouched. A plan
     whose fingerprint says it was made for another graph is refused (PlanError), and so is
-    a decision whose rule is looser than the plan's exactness unless `allow_looser`."""
+    a decision whose rule is looser than the plan's exactness unless `allow_looser`.
+    `shapes=False`: the result's last rewrites are left without shapes (rules.apply), for
+    a caller that only runs it."""
     check_plan_fits(captured, plan)
     rules = [registry.get(d.rule) for d in plan.decisions]
     if not allow_looser:
         check_exactness(plan, rules)
     decisions = [(rule, d.site) for rule, d in zip(rules, plan.decisions, strict=True)]
-    return apply_sites(captured, decisions, progress=progress)
+    return apply_sites(captured, decisions, progress=progress, shapes=shapes)

@@ -190,3 +190,36 @@ def test_a_failure_inside_a_run_of_one_rule_costs_only_its_site():
         assert [f.where for f in plan.failed] == ["relu_3"]
     finally:
         registry._RULES.pop(_PickyDrop.name, None)
+
+
+def test_shapes_after_the_last_run_only_when_asked(monkeypatch):
+    """Each run of a rule's sites is followed by a shape propagation (a few forward passes
+    on a large model) so that the next rule reads the new nodes' shapes; a caller that only
+    runs the result (verification, bisection) skips the one after the last run, and gets
+    the same graph."""
+    registry.register(_PickyDrop)
+    try:
+        torch.manual_seed(0)
+        c = capture(Three().eval(), (torch.randn(3, 7),))
+        calls = []
+        real = type(c).propagate
+        monkeypatch.setattr(
+            type(c), "propagate", lambda self, gm: calls.append(1) or real(self, gm)
+        )
+        picky = [_decision(_PickyDrop.name, k, k) for k in ("relu_1", "relu_5")]
+        drop = [_decision(_DropSecondRelu.name, "relu_3", "relu_3")]
+        registry.register(_DropSecondRelu)
+        both = picky + drop
+        with_shapes = apply_sites(c, both)
+        assert len(calls) == 2
+        calls.clear()
+        without = apply_sites(c, both, shapes=False)
+        assert len(calls) == 1
+        assert [s.key for s in with_shapes.applied] == ["relu_1", "relu_5", "relu_3"]
+        assert [s.key for s in without.applied] == [s.key for s in with_shapes.applied]
+        assert without.gm.code == with_shapes.gm.code
+        x = torch.randn(5, 7)
+        torch.testing.assert_close(without.gm(x), c.gm(x))
+    finally:
+        registry._RULES.pop(_PickyDrop.name, None)
+        registry._RULES.pop(_DropSecondRelu.name, None)

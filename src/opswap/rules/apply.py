@@ -137,7 +137,7 @@ def _writes_code(gm: fx.GraphModule) -> bool:
 
 
 def apply_sites(
-    captured: Captured, decisions: list[tuple[Rule, Site]], *, progress=None
+    captured: Captured, decisions: list[tuple[Rule, Site]], *, progress=None, shapes: bool = True
 ) -> Applied:
     """Carry out `(rule, site)` decisions in order on a copy of `captured`.
 
@@ -149,11 +149,16 @@ def apply_sites(
     The graph's code is written once, at the end; should that fail (a rewrite whose
     graph lints but whose code does not write), the sites are applied again with the code
     written after each, so that the failure is the site's that caused it.
+
+    After each rule's run of sites the graph's shapes are propagated again (running it at
+    the example and the probes), so that the next rule's checks read the new nodes';
+    `shapes=False` skips that after the last run, for a caller that only runs the result
+    (verification: on a large model each propagation is a few forward passes).
     """
-    out = _apply_sites(captured, decisions, progress, each=False)
+    out = _apply_sites(captured, decisions, progress, each=False, shapes=shapes)
     if _writes_code(out.gm):
         return out
-    return _apply_sites(captured, decisions, None, each=True)
+    return _apply_sites(captured, decisions, None, each=True, shapes=shapes)
 
 
 def _runs(decisions: list[tuple[Rule, Site]]) -> list[tuple[Rule, list[Site]]]:
@@ -168,19 +173,20 @@ def _runs(decisions: list[tuple[Rule, Site]]) -> list[tuple[Rule, list[Site]]]:
 
 
 def _apply_sites(
-    captured: Captured, decisions: list[tuple[Rule, Site]], progress, *, each: bool
+    captured: Captured, decisions: list[tuple[Rule, Site]], progress, *, each: bool, shapes: bool
 ) -> Applied:
     """`each`: every site rewritten carefully and the code written after it."""
     gm = cast(fx.GraphModule, copy_module(captured.gm))
     out = Applied(captured.derived(gm))
-    for rule, sites in _runs(decisions):
+    runs = _runs(decisions)
+    for i, (rule, sites) in enumerate(runs):
         marks = (len(out.applied), len(out.failed))
         try:
             gm = _apply_run(rule, sites, out, Run(gm, careful=each, recompile=each))
         except Redo:
             del out.applied[marks[0] :], out.failed[marks[1] :]
             gm = _apply_run(rule, sites, out, Run(gm, careful=True, recompile=each))
-        if len(out.applied) > marks[0]:
+        if len(out.applied) > marks[0] and (shapes or i < len(runs) - 1):
             # shapes of nodes the run's rewrites made, for the next rule's checks
             captured.propagate(gm)
         if progress is not None:

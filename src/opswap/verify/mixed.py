@@ -152,7 +152,7 @@ class _Measure:
 
     def __call__(self, plan: Plan) -> Metrics:
         self.trials += 1
-        gm = apply_plan(self.captured, plan).gm
+        gm = apply_plan(self.captured, plan, shapes=False).gm
         found = []
         with torch.no_grad(), full_precision():
             for i, x in enumerate(self.inputs):
