@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import sys
 from dataclasses import dataclass
 
@@ -65,7 +66,7 @@ def propagate(gm: fx.GraphModule, example_inputs: tuple, probes=()) -> list[Exce
             for n in gm.graph.nodes:
                 n.meta.pop("tensor_meta", None)
             try:
-                _shape_prop(gm, fresh(probe))
+                _shape_prop(gm, fresh(probe), ranges=False)
                 errors.append(None)
             except Exception as e:  # the caller decides what a graph that fails here means
                 errors.append(e)
@@ -82,16 +83,16 @@ def propagate(gm: fx.GraphModule, example_inputs: tuple, probes=()) -> list[Exce
 _PRINTED = "Traceback (most recent call last):"
 
 
-def _shape_prop(gm: fx.GraphModule, inputs: tuple) -> None:
+def _shape_prop(gm: fx.GraphModule, inputs: tuple, ranges: bool = True) -> None:
     """ShapeProp on `inputs`, raising the failing op's own error. torch's ShapeProp prints
     the traceback to stderr before it wraps the error in one that spells out the node and
     its meta (`traceback.print_exc()` in ShapeProp.run_node, torch 2.11-2.14), so a run
     that goes on and succeeds would show a raw traceback; what else the graph writes to
-    stderr is passed on."""
+    stderr is passed on. `ranges`: each node's largest magnitude too (`_RangeProp`)."""
     printed = io.StringIO()
     try:
         with contextlib.redirect_stderr(printed):
-            _RangeProp(gm).propagate(*inputs)
+            (_RangeProp(gm) if ranges else ShapeProp(gm)).propagate(*inputs)
     except RuntimeError as e:
         text = printed.getvalue()
         sys.stderr.write(text[: text.find(_PRINTED)] if _PRINTED in text else text)
@@ -107,13 +108,18 @@ def _shape_prop(gm: fx.GraphModule, inputs: tuple) -> None:
 
 class _RangeProp(ShapeProp):
     """ShapeProp that also keeps each floating-point output's largest magnitude as
-    `node.meta["amax"]` (the last run's: the example's), for rules whose safety depends
-    on the values' range (float16's 65504)."""
+    `node.meta["amax"]` (run at the example only), for rules whose safety depends on the
+    values' range (float16's 65504). One min/max pass, no |x| tensor written: over a
+    BERT-base graph `abs().amax()` was a third of a shape propagation."""
 
     def run_node(self, n: fx.Node):
         result = super().run_node(n)
         if isinstance(result, torch.Tensor) and result.is_floating_point():
-            n.meta["amax"] = float(result.detach().abs().amax()) if result.numel() else 0.0
+            if result.numel():
+                lo, hi = (float(v) for v in torch.aminmax(result.detach()))
+                n.meta["amax"] = math.nan if math.isnan(lo + hi) else max(-lo, hi)
+            else:
+                n.meta["amax"] = 0.0
         else:
             n.meta.pop("amax", None)
         return result
