@@ -55,7 +55,8 @@ def _case(shape, groups, dtype, affine, kind):
     }
 
 
-#: (shape, groups): 2-D spatial; no spatial dims (3 channels a group); 8 groups of 4
+#: (shape, groups) (13 x 17 and the three spatial dims take the forward's [channels,
+#: positions] tile, the others its flat form): 2-D spatial; no spatial dims (3 channels a group); 8 groups of 4
 #: channels at 13 x 17; one group of 6400 (held in registers forward, two chunks a channel
 #: backward); one group of 2 x 91 x 91 = 16562 values, past the 16384 the forward holds
 #: (chunks forward); three spatial dims
@@ -77,6 +78,7 @@ CASES = (
         ((2, 5, 9, 11), 5, torch.float32, True, "instance"),
         ((2, 5, 9, 11), 5, torch.bfloat16, True, "instance"),
         ((3, 4, 33), 4, torch.float32, False, "instance"),
+        ((2, 4, 8, 8), 4, torch.bfloat16, False, "instance"),  # the [channel, position] tile
     ]
 )
 
