@@ -290,6 +290,16 @@ def rope(dev, smoke, out):
 
         fns[f"flat {block} w{warps}"] = f
 
+        def pk(block=block, warps=warps):  # the package's flat kernel (any strides)
+            old = (RP.FLAT, RP.FLAT_BLOCK, RP.FLAT_WARPS)
+            RP.FLAT, RP.FLAT_BLOCK, RP.FLAT_WARPS = True, block, warps
+            try:
+                return RP.rope(q, k, cos, sin, None, False)
+            finally:
+                RP.FLAT, RP.FLAT_BLOCK, RP.FLAT_WARPS = old
+
+        fns[f"package flat {block} w{warps}"] = pk
+
     def hf(q, k, c, s_):
         return q * c + RP.rotate(q, False) * s_, k * c + RP.rotate(k, False) * s_
 
