@@ -201,7 +201,7 @@ def swiglu(dev, smoke, out):
         def f(block=block, warps=warps):
             y = torch.empty_like(g)
             jitted(SW._glu_fwd_fn)[(m, triton.cdiv(h, block))](
-                g, u, y, h, h, h, ACT=0, BLOCK=block, RN=False, num_warps=warps
+                g, u, y, h, h, h, ACT=0, BLOCK=block, RN=False, FLAT=False, num_warps=warps
             )
             return y
 
@@ -214,6 +214,16 @@ def swiglu(dev, smoke, out):
             return y
 
         fns[f"flat {block} w{warps}"] = f
+
+        def pk(block=block, warps=warps):  # the package's flat path
+            old = (SW.FLAT, SW.FLAT_BLOCK, SW.FLAT_WARPS)
+            SW.FLAT, SW.FLAT_BLOCK, SW.FLAT_WARPS = True, block, warps
+            try:
+                return SW.glu(g, u, "silu")
+            finally:
+                SW.FLAT, SW.FLAT_BLOCK, SW.FLAT_WARPS = old
+
+        fns[f"package flat {block} w{warps}"] = pk
     fns["compile"] = (lambda c: lambda: c(g, u))(_peer(lambda a, b: F.silu(a) * b, smoke))
     lg = _liger("swiglu")
     if lg and not smoke:

@@ -18,7 +18,8 @@ import _rows_check as rc  # noqa: E402
 from opswap.kernels import swiglu as S  # noqa: E402
 
 
-def _case(shape, dtype, activation):
+def _case(shape, dtype, activation, flat=False):
+    S.FLAT = flat  # g and u apart (contiguous) take the flat forward
     gen = torch.Generator().manual_seed(sum(shape) + len(activation))
     x = (
         (torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 2)
@@ -54,11 +55,13 @@ def _case(shape, dtype, activation):
 CASES = [((5, 123), dt, a) for dt in rc.DTYPES for a in S.ACTIVATIONS] + [
     ((3, 7, 1029), torch.bfloat16, "silu"),
     ((1, 4097), torch.float32, "gelu_tanh"),
+    ((3, 7, 1029), torch.bfloat16, "silu", True),
+    ((5, 123), torch.float32, "gelu", True),
 ]
 
 
 def _key(c):
-    return str([list(c[0]), str(c[1]), c[2]])
+    return str([list(c[0]), str(c[1]), *c[2:]])
 
 
 @pytest.fixture(scope="module")

@@ -96,10 +96,16 @@ def _glu_fwd_fn(
     ACT: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 gelu (tanh)
     BLOCK: tl.constexpr,
     RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
+    FLAT: tl.constexpr,  # g, u, y contiguous: H is every element, row 0
 ):
-    # program (row, block of H): read g and u once, write y once
+    # program (row, block of H): read g and u once, write y once. FLAT: program i takes
+    # elements i * BLOCK.. of the whole tensor (no half-empty last block per row)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if FLAT:
+        cols = row * BLOCK + tl.arange(0, BLOCK)
+        row = row * 0
+    else:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
     g = tl.load(g_ptr + row * sg + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * su + cols, mask=ok, other=0.0).to(tl.float32)
@@ -163,12 +169,33 @@ def _grid(m: int, h: int) -> tuple[int, int]:
     return (m, -(-h // ELEMENTWISE_BLOCK))
 
 
+#: the forward on contiguous g and u as one flat run of elements (FLAT_BLOCK a program,
+#: FLAT_WARPS warps) instead of rows of ELEMENTWISE_BLOCK blocks
+FLAT = False
+FLAT_BLOCK, FLAT_WARPS = 2048, 8
+
+
 def triton_forward(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
     ident = _check_act(activation)
     g2, u2 = _rows2(g), _rows2(u)
     m, h = g2.shape
     y = torch.empty((m, h), device=g.device, dtype=g.dtype)
-    if m and h:
+    if m and h and FLAT and g2.stride(0) == h and u2.stride(0) == h:
+        n = m * h
+        wrap_triton(jitted(_glu_fwd_fn))[(-(-n // FLAT_BLOCK),)](
+            g2,
+            u2,
+            y,
+            n,
+            0,
+            0,
+            ACT=ident,
+            BLOCK=FLAT_BLOCK,
+            RN=rn_flag(g.dtype),
+            FLAT=True,
+            num_warps=FLAT_WARPS,
+        )
+    elif m and h:
         wrap_triton(jitted(_glu_fwd_fn))[_grid(m, h)](
             g2,
             u2,
@@ -179,6 +206,7 @@ def triton_forward(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.T
             ACT=ident,
             BLOCK=ELEMENTWISE_BLOCK,
             RN=rn_flag(g.dtype),
+            FLAT=False,
         )
     return y.reshape(g.shape)
 
