@@ -246,7 +246,9 @@ def _rope_flat_fn(
 
 
 #: launch `_rope_flat_fn` (BLOCK elements a program, Inductor's layout) rather than the
-#: [positions, D / 2] tile of `_rope_fn`
+#: [positions, D / 2] tile of `_rope_fn`: off, as it measured slower than the tile on an
+#: H100 (2.74 TB/s at its best, 1024 elements and 4 warps, against the tile's 2.82; the
+#: strides it takes cost it against a contiguous-only flat kernel's 2.94)
 FLAT = False
 #: elements a program of the flat kernel, and its warps
 FLAT_BLOCK, FLAT_WARPS = 1024, 4
@@ -347,7 +349,10 @@ def triton_apply(
         )
     elif b and s and hq + hk:
         block_h = max(8, 1 << (d // 2 - 1).bit_length())
-        block_s = max(1, min(64, 4096 // block_h, 1 << (s - 1).bit_length()))
+        # 16 positions of D = 128 a program, 4 warps: the best of 8 to 64 positions and 2
+        # to 8 warps on an H100 (2.82 TB/s against 2.28 for the 64 positions used before;
+        # results/tune_rows_h100.json)
+        block_s = max(1, min(1024 // block_h, 1 << (s - 1).bit_length()))
         wrap_triton(jitted(_rope_fn))[(b * (hq + hk), -(-s // block_s))](
             q,
             k,
