@@ -400,7 +400,8 @@ def main() -> None:
         if dev == "cuda":
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"tune_rows_{'smoke' if args.smoke else 'h200'}.json"
+    card = "h100" if "H100" in res["device"] else "h200"  # the device tool lends either
+    path = args.out / f"tune_rows_{'smoke' if args.smoke else card}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
     print("wrote", path)
 
