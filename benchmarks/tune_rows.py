@@ -17,9 +17,8 @@ Effective TB/s counts the bytes the op must read and write. The candidates:
   cos/sin (L2), instead of a [positions, D/2] tile per head;
 - group_norm `2d`: the group as a [channels, positions] tile, so that the weight and bias
   are one load per channel, not a gather with an integer division per element;
-- var `chan`: each tile's mean and squared deviations in registers (two passes over the
-  tile), merged into the row's running ones once per tile (Chan et al.), instead of
-  Welford's division per element.
+- var `chan`: the package's var (each tile's mean and squared deviations merged into the
+  row's once per tile, Chan et al.) at other tile sizes.
 
 Writes DIR/tune_rows_h200.json (device, versions, date, every figure).
 """
@@ -113,27 +112,6 @@ def _gn_2d(
     w = tl.load(w_ptr + ch, mask=c < CPG, other=0.0).to(tl.float32) * rstd
     bb = tl.load(b_ptr + ch, mask=c < CPG, other=0.0).to(tl.float32)
     tl.store(y_ptr + off, (d * w[:, None] + bb[:, None]).to(y_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _var_chan(x_ptr, out_ptr, N, sx, correction, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    zero = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
-    cnt, mean, m2 = zero, zero, zero
-    for start in range(0, N, BLOCK):
-        ci = start + cols
-        ok = ci < N
-        x = tl.load(x_ptr + row * sx + ci, mask=ok, other=0.0).to(tl.float32)
-        nt = tl.minimum(N - start, BLOCK).to(tl.float32)
-        mt = tl.sum(x, 0) / nt
-        d = tl.where(ok, x - mt, 0.0)
-        tot = cnt + nt
-        delta = mt - mean
-        mean += delta * (nt / tot)
-        m2 += tl.sum(d * d, 0) + delta * delta * (cnt * nt / tot)
-        cnt = tot
-    tl.store(out_ptr + row, (m2 / (N - correction)).to(out_ptr.dtype.element_ty))
 
 
 # ----------------------------------------------------------------------------- timing
@@ -300,16 +278,6 @@ def rope(dev, smoke, out):
 
         fns[f"flat {block} w{warps}"] = f
 
-        def pk(block=block, warps=warps):  # the package's flat kernel (any strides)
-            old = (RP.FLAT, RP.FLAT_BLOCK, RP.FLAT_WARPS)
-            RP.FLAT, RP.FLAT_BLOCK, RP.FLAT_WARPS = True, block, warps
-            try:
-                return RP.rope(q, k, cos, sin, None, False)
-            finally:
-                RP.FLAT, RP.FLAT_BLOCK, RP.FLAT_WARPS = old
-
-        fns[f"package flat {block} w{warps}"] = pk
-
     def hf(q, k, c, s_):
         return q * c + RP.rotate(q, False) * s_, k * c + RP.rotate(k, False) * s_
 
@@ -370,7 +338,9 @@ def var(dev, smoke, out):
 
         def f(block=block, warps=warps):
             y = torch.empty(m, device=x.device, dtype=x.dtype)
-            _var_chan[(m,)](x, y, n, n, 1.0, BLOCK=block, num_warps=warps)
+            jitted(RD._reduce_fn)[(m,)](
+                x, x, y, n, n, n, 1.0, OP=3, BLOCK=block, RN=False, num_warps=warps
+            )
             return y
 
         fns[f"chan {block} w{warps}"] = f

@@ -18,19 +18,18 @@ import _rows_check as rc  # noqa: E402
 
 from opswap.kernels import rope as R  # noqa: E402
 
-#: (head dim, seq, dtype, interleaved, tables, the flat kernel instead of the tile one)
-_BASE = [
+#: (head dim, seq, dtype, interleaved, tables)
+CASES = [
     (64, 13, torch.float32, False, "hf"),
     (128, 7, torch.float32, False, "shared"),
     (64, 5, torch.float32, True, "positions"),
     (128, 9, torch.bfloat16, False, "hf"),
     (64, 11, torch.bfloat16, True, "shared"),
 ]
-CASES = [(*c, flat) for flat in (False, True) for c in _BASE]
 
 
 def _key(c):
-    return str([c[0], c[1], str(c[2]), c[3], c[4], c[5]])
+    return str([c[0], c[1], str(c[2]), c[3], c[4]])
 
 
 def freqs(seq: int, dim: int, interleaved: bool, offset=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,8 +43,7 @@ def freqs(seq: int, dim: int, interleaved: bool, offset=None) -> tuple[torch.Ten
     return e.cos().float(), e.sin().float()
 
 
-def _case(d, s, dtype, interleaved, kind, flat):
-    R.FLAT = flat
+def _case(d, s, dtype, interleaved, kind):
     g = torch.Generator().manual_seed(d + s)
     b, hq, hk = 2, 3, 1
     q = torch.randn(b, s, hq, d, generator=g).to(rc.DEVICE, dtype).transpose(1, 2)

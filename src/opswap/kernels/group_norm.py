@@ -302,44 +302,30 @@ def triton_forward(x, num_groups, weight, bias, eps) -> torch.Tensor:
     n, _, s, cpg, length = _sizes(x, num_groups)
     xc = x.contiguous()
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if not x.numel():
+        return y
+    args = (
+        xc,
+        weight if weight is not None else xc,
+        bias if bias is not None else xc,
+        y,
+        length,
+        s,
+        cpg,
+        num_groups,
+        eps,
+    )
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, RN=rn_flag(x.dtype))
     tile = _tile(cpg, s)
-    if x.numel() and tile is not None:
+    if tile is not None:
         wrap_triton(jitted(_gn_tile_fn))[(n * num_groups,)](
-            xc,
-            weight if weight is not None else xc,
-            bias if bias is not None else xc,
-            y,
-            length,
-            s,
-            cpg,
-            num_groups,
-            eps,
-            HAS_W=weight is not None,
-            HAS_B=bias is not None,
-            BC=tile[0],
-            BS=tile[1],
-            RN=rn_flag(x.dtype),
-            num_warps=_warps(tile[0] * tile[1]),
+            *args, **flags, BC=tile[0], BS=tile[1], num_warps=_warps(tile[0] * tile[1])
         )
-    elif x.numel():
+    else:
         one_pass = isinstance(length, int) and length <= ONE_PASS_MAX
         block = _block(length, ONE_PASS_MAX if one_pass else MAX_BLOCK)
         wrap_triton(jitted(_gn_fwd_fn))[(n * num_groups,)](
-            xc,
-            weight if weight is not None else xc,
-            bias if bias is not None else xc,
-            y,
-            length,
-            s,
-            cpg,
-            num_groups,
-            eps,
-            HAS_W=weight is not None,
-            HAS_B=bias is not None,
-            BLOCK=block,
-            ONE_PASS=one_pass,
-            RN=rn_flag(x.dtype),
-            num_warps=_warps(block),
+            *args, **flags, BLOCK=block, ONE_PASS=one_pass, num_warps=_warps(block)
         )
     return y
 

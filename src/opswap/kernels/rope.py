@@ -46,7 +46,6 @@ from opswap.kernels._rows import (
     rn_flag,
     runs_triton,
     tl,
-    triton,
 )
 from opswap.kernels._triton_op import triton_op
 
@@ -171,89 +170,6 @@ def _rope_fn(
     tl.store(dst[:, None] + i2, rn(y2, RN).to(out), mask=ok)
 
 
-def _rope_flat_fn(
-    q_ptr,  # [B, Hq, S, D], strides sqb, sqh, sqs, 1
-    k_ptr,  # [B, Hk, S, D], strides skb, skh, sks, 1
-    c_ptr,
-    s_ptr,
-    p_ptr,
-    qo_ptr,  # [B, Hq, S, D] contiguous
-    ko_ptr,  # [B, Hk, S, D] contiguous
-    NQ,  # elements of q
-    NK,
-    HQ,
-    HK,
-    S,
-    sqb,
-    sqh,
-    sqs,
-    skb,
-    skh,
-    sks,
-    scb,
-    scs,
-    spb,
-    sps,
-    D: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    BACKWARD: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    RN: tl.constexpr,
-):
-    # program: BLOCK consecutive elements of q' (the first programs) or of k', each
-    # computed on its own from its element of x, its partner's (the same row of D: a
-    # cache hit) and its angle's cos and sin. Element i of a row with partner p(i):
-    #   forward   y_i  = x_i c_i + sign_i x_p s_i         sign_i = -1 on the first of a pair
-    #   backward  dx_i = dy_i c_i - sign_i dy_p s_p
-    pid = tl.program_id(0).to(tl.int64)
-    nqb = tl.cdiv(NQ, BLOCK)
-    if pid < nqb:
-        src, dst, H, n, e0 = q_ptr, qo_ptr, HQ, NQ, pid * BLOCK
-        sb, sh, ss = sqb, sqh, sqs
-    else:
-        src, dst, H, n, e0 = k_ptr, ko_ptr, HK, NK, (pid - nqb) * BLOCK
-        sb, sh, ss = skb, skh, sks
-    e = e0 + tl.arange(0, BLOCK)
-    ok = e < n
-    i = e % D
-    r = e // D
-    s = r % S
-    bh = r // S
-    h = bh % H
-    b = bh // H
-    if INTERLEAVED:
-        first = i % 2 == 0
-        p = tl.where(first, i + 1, i - 1)
-    else:
-        first = i < D // 2
-        p = tl.where(first, i + D // 2, i - D // 2)
-    row = src + b * sb + h * sh + s * ss
-    x = tl.load(row + i, mask=ok, other=0.0).to(tl.float32)
-    xp = tl.load(row + p, mask=ok, other=0.0).to(tl.float32)
-    if HAS_POS:
-        t = tl.load(p_ptr + b * spb + s * sps, mask=ok, other=0).to(tl.int64) * scs
-    else:
-        t = b * scb + s * scs
-    c = tl.load(c_ptr + t + i, mask=ok, other=0.0).to(tl.float32)
-    if BACKWARD:
-        sn = tl.load(s_ptr + t + p, mask=ok, other=0.0).to(tl.float32)
-        y = x * c + tl.where(first, xp, -xp) * sn
-    else:
-        sn = tl.load(s_ptr + t + i, mask=ok, other=0.0).to(tl.float32)
-        y = x * c + tl.where(first, -xp, xp) * sn
-    tl.store(dst + e, rn(y, RN).to(dst.dtype.element_ty), mask=ok)
-
-
-#: launch `_rope_flat_fn` (BLOCK elements a program, Inductor's layout) rather than the
-#: [positions, D / 2] tile of `_rope_fn`: off, as it measured slower than the tile on an
-#: H100 (2.74 TB/s at its best, 1024 elements and 4 warps, against the tile's 2.82; the
-#: strides it takes cost it against a contiguous-only flat kernel's 2.94)
-FLAT = False
-#: elements a program of the flat kernel, and its warps
-FLAT_BLOCK, FLAT_WARPS = 1024, 4
-
-
 def _check(q, k, cos, sin, positions) -> None:
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise KernelError(
@@ -313,45 +229,12 @@ def triton_apply(
     sp: tuple[int, ...] = (0, 0)
     if positions is not None:
         sp = (0, positions.stride(0)) if positions.dim() == 1 else tuple(positions.stride())
-    if b and s and hq + hk and FLAT:
-        nq, nk = q.numel(), k.numel()
-        grid = (triton.cdiv(nq, FLAT_BLOCK) + triton.cdiv(nk, FLAT_BLOCK),)
-        wrap_triton(jitted(_rope_flat_fn))[grid](
-            q,
-            k,
-            ct[0],
-            st[0],
-            pos,
-            qo,
-            ko,
-            nq,
-            nk,
-            hq,
-            hk,
-            s,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            ct[1],
-            ct[2],
-            sp[0],
-            sp[1],
-            D=d,
-            INTERLEAVED=interleaved,
-            BACKWARD=backward,
-            HAS_POS=positions is not None,
-            BLOCK=FLAT_BLOCK,
-            RN=rn_flag(dtype),
-            num_warps=FLAT_WARPS,
-        )
-    elif b and s and hq + hk:
+    if b and s and hq + hk:
         block_h = max(8, 1 << (d // 2 - 1).bit_length())
         # 16 positions of D = 128 a program, 4 warps: the best of 8 to 64 positions and 2
         # to 8 warps on an H100 (2.82 TB/s against 2.28 for the 64 positions used before;
-        # results/tune_rows_h100.json)
+        # results/tune_rows_h100.json). A flat kernel in Inductor's layout (an element, its
+        # partner and its angle a lane, any strides) measured 2.74 there and was dropped
         block_s = max(1, min(1024 // block_h, 1 << (s - 1).bit_length()))
         wrap_triton(jitted(_rope_fn))[(b * (hq + hk), -(-s // block_s))](
             q,
