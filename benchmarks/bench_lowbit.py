@@ -17,7 +17,7 @@ launch cost of eager PyTorch): the whole 22-layer stack of 154 Linears, and each
 alone over its 22 layers' weights (so that the weights come from HBM, not the 50 MB L2).
 Schemes are timed interleaved, round by round, in one process; the median of the rounds
 is reported with the ceilings measured in the same run (copy bandwidth, bfloat16 and FP8
-matmul rates). Writes DIR/lowbit_h200.json with the device, versions and date.
+matmul rates). Writes DIR/lowbit_<card>.json (h100 or h200) with the device, versions and date.
 """
 
 from __future__ import annotations
@@ -317,8 +317,19 @@ def _bf16_layer(x, wq, wk, wv, wo, wg, wu, wd):
     return F.linear(F.linear(o, wg), wd), F.linear(x, wk), F.linear(x, wv), F.linear(o, wu)
 
 
-def run(rounds: int = 15) -> dict:
+def card() -> str:
+    """The file-name tag of this GPU (the device tool lends an H100 or an H200)."""
+    return "h100" if "H100" in torch.cuda.get_device_name(0) else "h200"
+
+
+def run(rounds: int = 15, path: Path | None = None) -> dict:
+    """Every figure; with `path`, the figures so far are written there after each step, so a
+    run cut short by the device's time limit keeps what it measured."""
     from opswap.kernels import weight_only as wo
+
+    def checkpoint() -> None:
+        if path is not None:
+            path.write_text(json.dumps(res, indent=2, default=str) + "\n")
 
     torch.manual_seed(0)
     res: dict = {"env": _env(), "model": "Llama-style 1.1B Linears", "layers": LAYERS}
@@ -435,7 +446,9 @@ def run(rounds: int = 15) -> dict:
             print(json.dumps(prow), flush=True)
             del gs
         torch.cuda.empty_cache()
+        checkpoint()
     res["layer_rel_err_vs_float64"] = layer_errors()
+    checkpoint()
     res["fused_stack"] = fused_stack(rounds, schemes)
     res["tuned"] = {kind: wo.tuned_config(kind) for kind in wo.KINDS}
     fused1: dict = next((r for r in res["fused_stack"] if r.get("rows") == 1), {})
@@ -471,8 +484,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    res = run(args.rounds)
-    path = args.out / "lowbit_h200.json"
+    path = args.out / f"lowbit_{card()}.json"
+    res = run(args.rounds, path)
     path.write_text(json.dumps(res, indent=2, default=str) + "\n")
     print(table(res))
     print("wrote", path)

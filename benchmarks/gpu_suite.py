@@ -547,8 +547,8 @@ def main() -> None:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         import bench_lowbit
 
-        res = bench_lowbit.run()
-        path = args.out / "lowbit_h200.json"
+        path = args.out / f"lowbit_{bench_lowbit.card()}.json"
+        res = bench_lowbit.run(path=path)
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(bench_lowbit.table(res))
         print("wrote", path)
