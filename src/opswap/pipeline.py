@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
+from torch import fx, nn
 
 from opswap.artifact import artifact_key, file_claim
 from opswap.bench.attribution import Attribution
@@ -27,7 +27,7 @@ from opswap.graph.copies import describe_hooks
 from opswap.graph.dynamic import Dynamic
 from opswap.kernels.observers import METHODS as CALIBRATION_METHODS
 from opswap.models.task import Accuracy, Task
-from opswap.planner import Plan, make_plan
+from opswap.planner import Plan, plan_with_graph
 from opswap.result import Result
 from opswap.rules.apply import Applied
 from opswap.rules.base import EXACTNESS_ORDER
@@ -136,14 +136,14 @@ def measure_rules(
 
     target = with_timer(get_target(plan.settings.target))
 
-    def replan(without: set[str] | frozenset[str] = frozenset()) -> Plan:
-        return make_plan(
+    def replan(without: set[str] | frozenset[str] = frozenset()) -> fx.GraphModule:
+        return plan_with_graph(
             captured,
             target=target,
             rules=plan.settings.rules,
             exactness=plan.settings.exactness,
             exclude_rules=set(without),
-        )
+        )[1]
 
     return leave_one_out(captured, plan, applied, replan, device, min_time_s)
 

@@ -330,6 +330,34 @@ def make_plan(
     afresh on the graph without it (a Conv+ReLU fusion whose BatchNorm fold was
     rolled back then fuses the conv as it is, or is refused with its own reason).
     """
+    return plan_with_graph(
+        captured,
+        target=target,
+        rules=rules,
+        exactness=exactness,
+        model_name=model_name,
+        progress=progress,
+        exclude_rules=exclude_rules,
+        exclude_sites=exclude_sites,
+    )[0]
+
+
+def plan_with_graph(
+    captured: Captured,
+    *,
+    target: Target | str | None = None,
+    rules: list[str] | str | None = None,
+    exactness: str = "exact",
+    model_name: str = "model",
+    progress: Callable[[str], None] | None = None,
+    exclude_rules: set[str] | frozenset[str] = frozenset(),
+    exclude_sites: dict[tuple[str, str], str] | None = None,
+) -> tuple[Plan, fx.GraphModule]:
+    """make_plan's plan, and the graph planning rewrote on the way: the plan's decisions
+    carried out on a copy of `captured`, as `apply_plan` would make them again (should its
+    code not write, apply_plan's graph instead). For a caller that only times the result
+    (leave-one-out), this saves applying the plan a second time; what is verified and
+    saved still comes from apply_plan."""
     exclude_sites = exclude_sites or {}
     from opswap.targets import get_target
 
@@ -363,7 +391,11 @@ def make_plan(
             captured.propagate(gm)
         if progress is not None:
             progress(rule.name)
-    return plan
+    try:
+        gm.recompile()
+    except Exception:  # apply_plan finds the site whose code does not write
+        gm = apply_plan(captured, plan, shapes=False).gm
+    return plan, gm
 
 
 def _plan_rule(

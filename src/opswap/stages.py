@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from opswap.bench.attribution import Attribution, attribute, reconcile
 from opswap.bench.timing import with_timer
@@ -21,7 +21,7 @@ from opswap.errors import CaptureError
 from opswap.graph.calibrate import Calibration, attach, samples_from
 from opswap.graph.capture import Captured, capture
 from opswap.graph.copies import describe_hooks, private_copy, user_hooks
-from opswap.planner import Plan, apply_plan, make_plan
+from opswap.planner import Plan, apply_plan, make_plan, plan_with_graph
 from opswap.rules.apply import Applied
 from opswap.rules.base import EXACTNESS_ORDER, Skipped
 from opswap.targets import Target, get_target
@@ -100,17 +100,21 @@ def leave_one_out(
     captured: Captured,
     plan: Plan,
     applied: Applied,
-    replan: Callable[[set[str]], Plan],
+    replan: Callable[[set[str]], fx.GraphModule],
     device: str,
     min_time_s: float = 0.5,
 ) -> Attribution:
     """Leave-one-out timing of every rule `applied` carried out (bench.attribution): the
-    candidate without each rule comes from `replan(without={rule})`."""
+    candidate without each rule is `replan(without={rule})`, the graph planning without
+    it made (planner.plan_with_graph: only timed, so not applied a second time)."""
     without = {}
     for rule in dict.fromkeys(s.rule for s in applied.applied):
-        trial = apply_plan(captured, replan({rule}))
         mine = [d for d in plan.decisions if d.rule == rule]
-        without[rule] = (trial.gm, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine))
+        without[rule] = (
+            replan({rule}),
+            len(mine),
+            sum(d.estimate.time_saved_s or 0.0 for d in mine),
+        )
     return attribute(
         applied.gm,
         captured.gm,
@@ -149,6 +153,18 @@ class Run:
             exclude_rules=self.excluded_rules | set(without),
             exclude_sites=self.excluded_sites,
         )
+
+    def replan_graph(self, without: set[str] | frozenset[str] = frozenset()) -> fx.GraphModule:
+        """The graph of replan(without) (planner.plan_with_graph), for timing only."""
+        return plan_with_graph(
+            self.captured,
+            target=self.target,
+            rules=self.config.rules,
+            exactness=self.config.exactness,
+            model_name=self.name,
+            exclude_rules=self.excluded_rules | set(without),
+            exclude_sites=self.excluded_sites,
+        )[1]
 
     def check(self, fn: Callable[..., Any], variants: Any = None) -> Verification:
         """`fn` against the model itself, not only its capture, at every shape the capture
@@ -284,7 +300,7 @@ def prune(run: Run, checked: Checked, step: Callable[[str], None]) -> Pruned:
         return out
     step("measure")
     out.attribution = leave_one_out(
-        run.captured, checked.plan, checked.applied, run.replan, config.device
+        run.captured, checked.plan, checked.applied, run.replan_graph, config.device
     )
     slow = [t for t in out.attribution.rules if t.slower]
     if not (config.prune_slow and slow):

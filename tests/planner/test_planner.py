@@ -9,7 +9,7 @@ from torch import nn
 
 from opswap.errors import PlanError, RuleError
 from opswap.graph import capture, op_kind
-from opswap.planner import Plan, apply_plan, make_plan
+from opswap.planner import Plan, apply_plan, make_plan, plan_with_graph
 from opswap.rules import registry
 from opswap.rules.base import Estimate, Found, Refused, Rule
 
@@ -444,3 +444,49 @@ def test_api_apply_takes_the_same_flag(tmp_path):
     out = opswap.apply(model, (x,), str(path), allow_looser=True)
     y = torch.randn(2, 7)
     torch.testing.assert_close(out(y), model(y))
+
+
+class _Mixed(nn.Module):
+    """Conv+BN (a buffer-holding module to fold), in-place ops, a dropout and a double
+    relu: real rules of several families have sites here."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        y.relu_()
+        y = torch.relu(torch.relu(y))
+        y = self.drop(y).mean((2, 3))
+        y.mul_(2.0)
+        return self.fc(y)
+
+
+@pytest.mark.parametrize("rules", [None, ["test.broken", "test.double_relu", "layout.*"]])
+def test_the_graph_planning_made_is_the_one_apply_makes(rules):
+    """leave-one-out times plan_with_graph's graph instead of applying the plan again: it
+    must be the graph apply_plan makes (same code, same answers at another batch size),
+    with a rule that fails half-way through its rewrites in the mix."""
+    torch.manual_seed(0)
+    m = _Mixed().eval()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-1, 1)
+        m.bn.running_var.uniform_(0.5, 2)
+    c = capture(m, (torch.randn(2, 3, 9, 9),))
+    before = c.gm.code
+    plan, gm = plan_with_graph(c, rules=rules, exactness="approx")
+    assert plan.decisions  # something was rewritten
+    applied = apply_plan(c, plan)
+    assert gm.code == applied.gm.code
+    assert c.gm.code == before  # the capture is left as it was
+    x = torch.randn(5, 3, 11, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), applied.gm(x), rtol=0, atol=0)
+        torch.testing.assert_close(gm(x), m(x))
+    assert [d.site.key for d in make_plan(c, rules=rules, exactness="approx").decisions] == [
+        d.site.key for d in plan.decisions
+    ]
