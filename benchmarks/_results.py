@@ -84,15 +84,26 @@ def compare_variants(
     return rows
 
 
+def card() -> str:
+    """The file-name tag of this machine's GPU: the device tool lends an H100 or an H200,
+    and their figures are compared only within one card."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return "h100" if "H100" in torch.cuda.get_device_name(0) else "h200"
+
+
 def write_kernel_run(
     res: dict, out_dir: Path, stem: str, smoke: bool, update_crossover: bool, crossover_in=None
 ) -> Path:
-    """A kernel benchmark's run as out_dir/STEM_h200.json (STEM_smoke.json with --smoke),
+    """A kernel benchmark's run as out_dir/STEM_<card>.json (h100 or h200; STEM_smoke.json
+    with --smoke),
     and with `update_crossover` its measurements written into kernels/crossover.json
     (`crossover_in`: the rows in crossover.update's form, `res` itself by default). The
     interpreter measures nothing, so a smoke run never updates the table."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{stem}_{'smoke' if smoke else 'h200'}.json"
+    path = out_dir / f"{stem}_{'smoke' if smoke else card()}.json"
     path.write_text(json.dumps(res, indent=1, default=str) + "\n")
     print("wrote", path)
     if update_crossover and smoke:

@@ -5,7 +5,7 @@ activation.*) beside the exact fusion and layout rules, raced against torch.comp
     PYTHONPATH=src python3 benchmarks/bench_llama_kernels.py --out DIR
 
 The figure that counts is `opswap+compile` against `compile` in the same race (issue 18:
-at least as fast). Writes DIR/llama_kernels_h200.json with the device, versions and date.
+at least as fast). Writes DIR/llama_kernels_<card>.json (h100 or h200) with the device, versions and date.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import card  # noqa: E402
 
 CONFIG = {
     "hidden_size": "2048",
@@ -87,7 +90,9 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     res = run()
-    (args.out / "llama_kernels_h200.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    (args.out / f"llama_kernels_{card()}.json").write_text(
+        json.dumps(res, indent=2, default=str) + "\n"
+    )
     print(
         json.dumps(
             {
