@@ -241,6 +241,49 @@ def _softmax_case(m, n, dev, smoke, out):
     case(f"softmax {m}x{n}", 2 * m * n * 2, fns, ref, smoke, out)
 
 
+def softmax_backward(dev, smoke, out):
+    for m, n in ((3, 200),) if smoke else ((4096, 32768), (8192, 16384)):
+        _softmax_backward_case(m, n, dev, smoke, out)
+
+
+def _softmax_backward_case(m, n, dev, smoke, out):
+    """dx = y * (dy - sum(y * dy)): the row held in one block (dy and y: twice the
+    forward's registers) against the tile walk (two reads of each) today's limit sends
+    rows wider than SINGLE_MAX_BACKWARD to."""
+    y = torch.softmax(torch.randn(m, n, device=dev), -1).bfloat16()
+    dy = torch.randn(m, n, device=dev).bfloat16()
+    yf, dyf = y.float(), dy.float()
+    ref = (yf * (dyf - (yf * dyf).sum(-1, keepdim=True))).bfloat16()
+    fns = {"today": lambda: SM.triton_backward(dy, y, False, 1.0, torch.bfloat16)}
+    choices = [(1 << (n - 1).bit_length(), False, w) for w in (16, 32)]
+    choices += [(t, True, w) for t in (4096, 8192) for w in (8, 16)]
+    for block, online, warps in choices:
+        if smoke:
+            block = min(block, 256)
+
+        def f(block=block, online=online, warps=warps):
+            dx = torch.empty_like(y)
+            jitted(SM._softmax_bwd_fn)[(m,)](
+                dy, y, dx, n, 1.0,
+                LOG=False, ONLINE=online, BLOCK=block, RN=False, num_warps=warps,
+            )  # fmt: skip
+            return dx
+
+        fns[f"{'tiles' if online else 'single'} {block} w{warps}"] = f
+    compiled = _peer(lambda a, b: a * (b - (a * b).sum(-1, keepdim=True)), smoke)
+    fns["compile"] = lambda: compiled(y, dy)
+    if not smoke:
+        try:
+            from liger_kernel.ops.softmax import _softmax_backward
+            from liger_kernel.ops.utils import calculate_settings
+
+            block, warps = calculate_settings(n)
+            fns["liger"] = lambda: _softmax_backward(dy, y, block, warps, False)
+        except Exception as e:  # the peer missing must not lose our figures
+            out.append({"case": f"softmax backward {m}x{n}", "variant": "liger", "error": str(e)})
+    case(f"softmax backward {m}x{n}", 3 * m * n * 2, fns, ref, smoke, out)
+
+
 def rope(dev, smoke, out):
     b, h, s, d = (1, 2, 5, 16) if smoke else (8, 32, 2048, 128)
     q = torch.randn(b, h, s, d, device=dev).bfloat16()
@@ -348,7 +391,14 @@ def var(dev, smoke, out):
     case("var 32768x4096", m * n * 2 + m * 2, fns, ref, smoke, out)
 
 
-CASES = {"swiglu": swiglu, "softmax": softmax, "rope": rope, "group_norm": group_norm, "var": var}
+CASES = {
+    "swiglu": swiglu,
+    "softmax": softmax,
+    "softmax_backward": softmax_backward,
+    "rope": rope,
+    "group_norm": group_norm,
+    "var": var,
+}
 
 
 def main() -> None:
