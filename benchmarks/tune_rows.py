@@ -95,6 +95,35 @@ def _rope_flat(
 
 
 @triton.jit
+def _rope_heads(
+    q_ptr, k_ptr, c_ptr, s_ptr, qo_ptr, ko_ptr, HQ, HK, S, scb, scs,
+    D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    # program (b, block of positions): cos and sin of those positions read once, then
+    # every head of q and of k turned with them (the tile kernel reads them once a head)
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    j = tl.arange(0, D // 2)[None, :]
+    ok = (s < S)[:, None]
+    t = (b * scb + s * scs)[:, None]
+    c1 = tl.load(c_ptr + t + j, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptr + t + j + D // 2, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptr + t + j, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptr + t + j + D // 2, mask=ok, other=0.0).to(tl.float32)
+    for h in range(HQ + HK):
+        if h < HQ:
+            row = ((b * HQ + h) * S + s)[:, None] * D
+            src, dst = q_ptr + row, qo_ptr + row
+        else:
+            row = ((b * HK + h - HQ) * S + s)[:, None] * D
+            src, dst = k_ptr + row, ko_ptr + row
+        x1 = tl.load(src + j, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + j + D // 2, mask=ok, other=0.0).to(tl.float32)
+        tl.store(dst + j, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=ok)
+        tl.store(dst + j + D // 2, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _gn_2d(
     x_ptr, w_ptr, b_ptr, y_ptr, L, S, CPG, G, eps, BC: tl.constexpr, BS: tl.constexpr
 ):  # fmt: skip
@@ -308,6 +337,18 @@ def rope(dev, smoke, out):
                 return qo, ko
 
             fns[f"tile s{bs} w{warps}"] = f
+    for bs in (4, 8, 16, 32):
+        for warps in (2, 4, 8):
+
+            def f(bs=bs, warps=warps):
+                qo, ko = torch.empty_like(q), torch.empty_like(k)
+                _rope_heads[(b, triton.cdiv(s, bs))](
+                    q, k, ct[0], sin[:, 0], qo, ko, h, h, s, ct[1], ct[2],
+                    D=d, BLOCK_S=bs, num_warps=warps,
+                )  # fmt: skip
+                return qo, ko
+
+            fns[f"heads s{bs} w{warps}"] = f
     for block, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8)):
 
         def f(block=block, warps=warps):
