@@ -60,8 +60,11 @@ from opswap.kernels._triton_op import triton_op
 #: against the online softmax's best 2.30 (tiles of 8192, 16 warps); 8192 rows of 16384
 #: 3.00 against 2.53; Liger-Kernel, which holds such rows in one block too, 2.82 and 2.99
 SINGLE_MAX = 32768
-#: the backward's (dy and y both held: twice the registers a row)
-SINGLE_MAX_BACKWARD = 8192
+#: the backward's (dy and y both held: twice the registers a row). Measured on an H100
+#: (bf16, GPU time, results/tune_rows_softmax_backward_rope_h100.json): 4096 rows of 32768
+#: in one block 2.93 TB/s (32 warps) against 1.86 for tiles of 8192 (compile 3.04, Liger
+#: 3.03); 8192 rows of 16384 3.06 against 2.50 (compile 2.28, Liger 3.04)
+SINGLE_MAX_BACKWARD = 32768
 #: the tile the online softmax walks a longer row in, and its warps (the best of tiles of
 #: 2 K to 16 K and 4 to 16 warps in the same run)
 TILE, TILE_WARPS = 8192, 16
