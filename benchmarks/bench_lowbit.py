@@ -63,8 +63,13 @@ PEERS = ("int4 tinygemm",)
 #: scale and offset stored in bfloat16 (6.25% of the codes' bytes instead of 12.5%), and
 #: the previous one-row kernel (`_wo_kernel`'s grouped GEMV, int->float per code)
 #: and the word kernel launched as a programmatic dependent launch (its first weight loads
-#: overlapping the end of the Linear before it; `weight_only.INT4_PDL`)
-VARIANTS = ("int4 word kernel", "int4 word kernel bf16 scales", "int4 word kernel pdl")
+#: overlapping the end of the Linear before it; `weight_only.INT4_PDL`), and both together
+VARIANTS = (
+    "int4 word kernel",
+    "int4 word kernel bf16 scales",
+    "int4 word kernel pdl",
+    "int4 word kernel bf16 scales pdl",
+)
 
 
 def _env() -> dict:
@@ -197,7 +202,7 @@ def _build(scheme: str, w: torch.Tensor):
     if scheme == "int4 tinygemm":
         return _tinygemm(w)
     mod = WeightOnlyLinear(w, None, bits=8 if scheme == "int8" else 4)
-    if scheme == "int4 word kernel bf16 scales":
+    if "bf16 scales" in scheme:
         mod.scale, mod.offset = mod.scale.bfloat16(), mod.offset.bfloat16()
     if scheme.startswith("int4"):  # the word kernel, or the general kernel at every row count
         from opswap.kernels import weight_only as wo
