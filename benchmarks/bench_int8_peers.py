@@ -8,7 +8,9 @@ loop times, each on the same inputs:
 
 - `torch_fp32`: the model as given; `compile`: torch.compile of it;
 - `opswap`: `opswap.optimize(..., exactness="approx")`'s saved model (its race decides
-  what is saved, int8 where int8 measured faster here), reloaded from model.pt2, and
+  what is saved, int8 where int8 measured faster here), reloaded from model.pt2 as
+  `opswap.load_optimized` gives it (compiled when a compiled variant won;
+  `opswap_uncompiled` beside it then), and
   `opswap_int8_static`: the model planned with `precision.int8_static_linear` for a
   profile where int8 pays, calibrated on 8 random batches (measured whatever this CPU's
   timing decides);
@@ -146,9 +148,17 @@ def main() -> None:
         )
         fns = {
             "torch_fp32": m.module,
-            "opswap": opswap.load_optimized(tmp / "opswap", compile=False),
+            # the saved file as a user loads it: compiled when the race saved a compiled
+            # variant, and the plain graph beside it
+            "opswap": opswap.load_optimized(
+                tmp / "opswap", compile=False if args.no_compile else None
+            ),
             "opswap_int8_static": apply_plan(cap, plan).gm,
         }
+        if r.best.endswith("+compile") and not args.no_compile:
+            fns["opswap_uncompiled"] = opswap.load_optimized(tmp / "opswap", compile=False)
+        with torch.inference_mode():
+            fns["opswap"](*xs)  # the compiled one's compilation, outside the timing
         if not args.no_compile:
             c = torch.compile(m.module)
             with torch.inference_mode():
