@@ -37,6 +37,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import card  # noqa: E402  (gpu_suite reads it as bench_lowbit.card)
 
 LAYERS = 22
 # name -> (K, N)
@@ -320,11 +323,6 @@ def _bf16_layer(x, wq, wk, wv, wo, wg, wu, wd):
     q = F.linear(x, wq)
     o = F.linear(q, wo)
     return F.linear(F.linear(o, wg), wd), F.linear(x, wk), F.linear(x, wv), F.linear(o, wu)
-
-
-def card() -> str:
-    """The file-name tag of this GPU (the device tool lends an H100 or an H200)."""
-    return "h100" if "H100" in torch.cuda.get_device_name(0) else "h200"
 
 
 def run(rounds: int = 15, path: Path | None = None) -> dict:

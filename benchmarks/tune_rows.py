@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _results import card  # noqa: E402
 from bench_norm_kernels import copy_gbps, env, graph_ms  # noqa: E402
 
 from opswap.kernels import group_norm as GN  # noqa: E402
@@ -461,8 +462,7 @@ def main() -> None:
         if dev == "cuda":
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    card = "h100" if "H100" in res["device"] else "h200"  # the device tool lends either
-    path = args.out / f"tune_rows_{'smoke' if args.smoke else card}.json"
+    path = args.out / f"tune_rows_{'smoke' if args.smoke else card()}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
     print("wrote", path)
 

@@ -136,14 +136,14 @@ def measure_rules(
 
     target = with_timer(get_target(plan.settings.target))
 
-    def replan(without: set[str] | frozenset[str] = frozenset()) -> fx.GraphModule:
+    def replan(without: set[str] | frozenset[str] = frozenset()) -> tuple[Plan, fx.GraphModule]:
         return plan_with_graph(
             captured,
             target=target,
             rules=plan.settings.rules,
             exactness=plan.settings.exactness,
             exclude_rules=set(without),
-        )[1]
+        )
 
     return leave_one_out(captured, plan, applied, replan, device, min_time_s)
 

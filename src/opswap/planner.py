@@ -354,8 +354,8 @@ def plan_with_graph(
     exclude_sites: dict[tuple[str, str], str] | None = None,
 ) -> tuple[Plan, fx.GraphModule]:
     """make_plan's plan, and the graph planning rewrote on the way: the plan's decisions
-    carried out on a copy of `captured`, as `apply_plan` would make them again (should its
-    code not write, apply_plan's graph instead). For a caller that only times the result
+    carried out on a copy of `captured`, as `apply_plan` would make them again, its code
+    not yet written (`gm.recompile()`). For a caller that only times the result
     (leave-one-out), this saves applying the plan a second time; what is verified and
     saved still comes from apply_plan."""
     exclude_sites = exclude_sites or {}
@@ -391,10 +391,6 @@ def plan_with_graph(
             captured.propagate(gm)
         if progress is not None:
             progress(rule.name)
-    try:
-        gm.recompile()
-    except Exception:  # apply_plan finds the site whose code does not write
-        gm = apply_plan(captured, plan, shapes=False).gm
     return plan, gm
 
 

@@ -100,21 +100,23 @@ def leave_one_out(
     captured: Captured,
     plan: Plan,
     applied: Applied,
-    replan: Callable[[set[str]], fx.GraphModule],
+    replan: Callable[[set[str]], tuple[Plan, fx.GraphModule]],
     device: str,
     min_time_s: float = 0.5,
 ) -> Attribution:
     """Leave-one-out timing of every rule `applied` carried out (bench.attribution): the
-    candidate without each rule is `replan(without={rule})`, the graph planning without
-    it made (planner.plan_with_graph: only timed, so not applied a second time)."""
+    candidate without each rule is the graph planning without it made (`replan(without=
+    {rule})`, planner.plan_with_graph's plan and graph: only timed, so not applied a
+    second time unless its code does not write)."""
     without = {}
     for rule in dict.fromkeys(s.rule for s in applied.applied):
+        trial, gm = replan({rule})
+        try:
+            gm.recompile()
+        except Exception:  # apply_plan finds the site whose code does not write
+            gm = apply_plan(captured, trial, shapes=False).gm
         mine = [d for d in plan.decisions if d.rule == rule]
-        without[rule] = (
-            replan({rule}),
-            len(mine),
-            sum(d.estimate.time_saved_s or 0.0 for d in mine),
-        )
+        without[rule] = (gm, len(mine), sum(d.estimate.time_saved_s or 0.0 for d in mine))
     return attribute(
         applied.gm,
         captured.gm,
@@ -142,10 +144,8 @@ class Run:
     excluded_rules: set[str] = field(default_factory=set)
     excluded_sites: dict[tuple[str, str], str] = field(default_factory=dict)
 
-    def replan(self, without: set[str] | frozenset[str] = frozenset()) -> Plan:
-        """A plan made afresh, without the excluded rules and sites and `without`'s rules."""
-        return make_plan(
-            self.captured,
+    def _settings(self, without: set[str] | frozenset[str]) -> dict[str, Any]:
+        return dict(
             target=self.target,
             rules=self.config.rules,
             exactness=self.config.exactness,
@@ -154,17 +154,15 @@ class Run:
             exclude_sites=self.excluded_sites,
         )
 
-    def replan_graph(self, without: set[str] | frozenset[str] = frozenset()) -> fx.GraphModule:
-        """The graph of replan(without) (planner.plan_with_graph), for timing only."""
-        return plan_with_graph(
-            self.captured,
-            target=self.target,
-            rules=self.config.rules,
-            exactness=self.config.exactness,
-            model_name=self.name,
-            exclude_rules=self.excluded_rules | set(without),
-            exclude_sites=self.excluded_sites,
-        )[1]
+    def replan(self, without: set[str] | frozenset[str] = frozenset()) -> Plan:
+        """A plan made afresh, without the excluded rules and sites and `without`'s rules."""
+        return make_plan(self.captured, **self._settings(without))
+
+    def replan_with_graph(
+        self, without: set[str] | frozenset[str] = frozenset()
+    ) -> tuple[Plan, fx.GraphModule]:
+        """replan(without) and the graph planning made (planner.plan_with_graph)."""
+        return plan_with_graph(self.captured, **self._settings(without))
 
     def check(self, fn: Callable[..., Any], variants: Any = None) -> Verification:
         """`fn` against the model itself, not only its capture, at every shape the capture
@@ -300,7 +298,7 @@ def prune(run: Run, checked: Checked, step: Callable[[str], None]) -> Pruned:
         return out
     step("measure")
     out.attribution = leave_one_out(
-        run.captured, checked.plan, checked.applied, run.replan_graph, config.device
+        run.captured, checked.plan, checked.applied, run.replan_with_graph, config.device
     )
     slow = [t for t in out.attribution.rules if t.slower]
     if not (config.prune_slow and slow):
