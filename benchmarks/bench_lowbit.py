@@ -11,6 +11,9 @@ the bfloat16 layer as the peer. Rows: 1 and 16 (decoding) and 4096 (prefill). At
 two variants of our INT4 as well (VARIANTS): the word-wise `_int4_gemv` (the default at
 one row since 2026-12-05) with float32 and with bfloat16 scale and offset, beside the
 general kernel ("int4", `_wo_kernel` at every row count), so that each run shows both.
+The word kernel launches as kernels/int4_tiles.json says where it has the shape, scale
+dtype and PDL (benchmarks/tune_int4.py measures that table), else as Triton's autotuner
+picks.
 
 Every figure is a CUDA-graph replay (a Linear at one row runs for about 1-6 us, under the
 launch cost of eager PyTorch): the whole 22-layer stack of 154 Linears, and each shape

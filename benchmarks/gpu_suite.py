@@ -193,6 +193,9 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
             ["bench_kernels18.py", "--update-crossover", "--widths", WIDTHS],
         ],
     ),
+    # `_int4_gemv`'s launch per shape chosen in a graph of dependent launches, and the
+    # decode stacks with the measured table (writes tune_int4_<card>.json)
+    "tune_int4": (["tests/kernels/test_weight_only.py"], [["tune_int4.py"]]),
     # the backward kernels alone (GPU time) per launch choice, and the host's cost of a call
     "backward": (KERNEL_TESTS[:3], [["bench_row_backward.py", "--sweep", "--host"]]),
 }
@@ -501,8 +504,11 @@ def main() -> None:
             "backward",
             "tune",
             "widths",
+            "tune_int4",
         ],
-        help="run one part alone: tune = benchmarks/tune_rows.py (launch choices and "
+        help="run one part alone: tune_int4 = the weight-only kernel's GPU tests, then "
+        "benchmarks/tune_int4.py (the INT4 GEMV's launch per shape timed in a graph of "
+        "dependent launches, and the decode stacks with that table); tune = benchmarks/tune_rows.py (launch choices and "
         "candidate rewrites of the row kernels beside today's, writes tune_rows_h200.json); "
         "widths = the width sweep (768 to 16384 at 4096 rows) of bench_norm_kernels.py and "
         "bench_kernels18.py, rewriting the crossover table; rows = every row kernel's GPU tests, then "

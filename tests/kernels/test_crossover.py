@@ -130,3 +130,24 @@ def test_against_compile_the_gpu_times_decide_where_measured():
     r.update({"ours_graph_ms": 0.016, "compile_graph_ms": 0.018})
     e = cx.entries_from_benchmark({"device_class": "sm90", "rows": [r]}, "m")[0]
     assert e.beats_eager and e.beats_compile and e.speedup_vs_compile == round(0.018 / 0.016, 3)
+
+
+def test_two_widths_of_one_class_in_a_run_give_the_least_favourable_entry():
+    """The width sweep's 5120 and 8192 both fall in h<=8192: a win at one and a loss at
+    the other must not read as a win for the class (whichever row comes last)."""
+
+    def row(hidden, ours, compile_):
+        r = {"kernel": "layer_norm", "dtype": "bfloat16", "rows": 4096, "hidden": hidden}
+        return {**r, "pass": "forward", "ours_ms": ours, "eager_ms": 1.0, "compile_ms": compile_}
+
+    for rows in (
+        [row(5120, 0.5, 0.4), row(8192, 0.2, 0.4)],
+        [row(8192, 0.2, 0.4), row(5120, 0.5, 0.4)],
+    ):
+        (e,) = cx.entries_from_benchmark({"device_class": "sm90", "rows": rows}, "m")
+        assert e.shape == "h<=8192,rows<=4096"
+        assert e.beats_eager and e.beats_compile is False
+        assert e.speedup_vs_compile == 0.8 and e.speedup_vs_eager == 2.0
+    # a class of one shape is that shape's entry
+    (e,) = cx.entries_from_benchmark({"device_class": "sm90", "rows": [row(3072, 0.2, 0.4)]}, "m")
+    assert e.beats_compile and e.speedup_vs_compile == 2.0

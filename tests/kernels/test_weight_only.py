@@ -153,10 +153,23 @@ GEMV_CASES = [
     (1000, 77, "bf16", True, 128, 3, 8, "bf16"),
     (1000, 77, "fp16", False, 128, 1, 16, "bf16"),
 ]
+# the same kernel loading 1 or 2 chunks ahead (last field): K = 1000 in 8 chunks of 4
+# units, 8, 3 and 1 a program with splits 1, 3 and 8 (the last program of split 3 has two,
+# so its second chunk ahead is empty); 5632 in 3 chunks of 64, the last part empty; a split
+# whose programs hold one chunk each
+GEMV_PREFETCH_CASES = [
+    (1000, 77, "bf16", True, 128, 1, 4, "fp32", 1),
+    (1000, 77, "bf16", True, 128, 1, 4, "fp32", 2),
+    (1000, 5, "fp16", False, 128, 3, 4, "bf16", 1),
+    (1000, 5, "fp16", False, 128, 3, 4, "bf16", 2),
+    (5632, 33, "bf16", True, 128, 1, 64, "fp32", 1),
+    (5632, 33, "bf16", True, 128, 1, 64, "bf16", 2),
+    (1000, 77, "bf16", False, 32, 8, 4, "fp32", 2),
+]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _interpreted_gemv(k, n, dtype, bias, group, split, block_u, sdtype, x_scale=1.0):
+def _interpreted_gemv(k, n, dtype, bias, group, split, block_u, sdtype, x_scale=1.0, prefetch=0):
     """One GEMV_CASES entry (or its x scaled by `x_scale`) through `_int4_gemv`."""
     dt = _DTYPES[dtype]
     w, b, q, s, o, gs = _layer(n, k, 4, group, seed=k + n + split, dtype=dt)
@@ -167,6 +180,7 @@ def _interpreted_gemv(k, n, dtype, bias, group, split, block_u, sdtype, x_scale=
     ref = wo.reference(x, q, s, o, b, 4, k)
     assert wo.int4_gemv_ok(q, gs)
     cfg = {"BLOCK_N": 16 if n > 8 else 8, "SPLIT_K": split, "BLOCK_U": block_u}
+    cfg["PREFETCH"] = prefetch
     y = wo.triton_wo_linear(x, q, s, o, b, 4, k, config=cfg, int4_gemv=True)
     return {
         "dtype": str(y.dtype),
@@ -211,6 +225,20 @@ def test_int4_gemv_in_the_interpreter_matches_float64(
     r = interpreted[str(["gemv", k, n, dtype, bias, group, split, block_u, sdtype])]
     assert r["gemv_kernel"], "INT4 at one row did not run _int4_gemv"
     assert r["dtype"] == str(_DTYPES[dtype]) and r["shape"] == [1, n] and r["finite"]
+    assert r["err"] <= _bound(r["torch_err"]), r
+    assert r["counters"] == 0
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "dtype", "bias", "group", "split", "block_u", "sdtype", "depth"),
+    GEMV_PREFETCH_CASES,
+)
+def test_int4_gemv_loading_chunks_ahead_matches_float64(
+    interpreted, k, n, dtype, bias, group, split, block_u, sdtype, depth
+):
+    key = ["gemv prefetch", k, n, dtype, bias, group, split, block_u, sdtype, depth]
+    r = interpreted[str(key)]
+    assert r["gemv_kernel"] and r["shape"] == [1, n] and r["finite"]
     assert r["err"] <= _bound(r["torch_err"]), r
     assert r["counters"] == 0
 
@@ -320,6 +348,64 @@ def test_int4_gemv_configs_fit_every_row_length():
             chunks = -(-units // c.kwargs["BLOCK_U"])
             assert c.kwargs["SPLIT_K"] <= chunks
             assert c.kwargs["BLOCK_U"] <= max(units, 16)
+            # loading d chunks ahead is kept only where a program walks more than d chunks
+            assert -(-chunks // c.kwargs["SPLIT_K"]) > c.kwargs["PREFETCH"]
+        assert any(c.kwargs["PREFETCH"] for c in keep) == (units > 16)
+        assert {c.kwargs["PREFETCH"] for c in keep} <= {0, 1}  # the autotuner's depths
+        deep = wo._prune_int4(wo._int4_configs((0, 1, 2)), {"KW": 4 * units})
+        assert any(c.kwargs["PREFETCH"] == 2 for c in deep) == (units > 32)
+
+
+def test_int4_launch_table_round_trips_and_is_read_per_device(tmp_path, monkeypatch):
+    """tune_int4.py's winners written into the table are what `int4_tile` gives for that
+    GPU class, shape, group, scale dtype and PDL, and nothing for any other (nor on the
+    CPU); an entry that no longer suits the shape is ignored; a broken table is one
+    sentence."""
+    table = tmp_path / "int4_tiles.json"
+    cfg = {"BLOCK_N": 8, "BLOCK_U": 64, "SPLIT_K": 1, "PREFETCH": True, "num_warps": 4}
+    row = {"device": "sm90", "n": 2048, "k": 5632, "group": 128, "scale_dtype": "float32"}
+    rows = [{**row, "pdl": True, "config": cfg, "us": 5.1, "speedup_vs_autotuned": 1.1}]
+    assert wo.update_int4_tiles(rows, "measured test", table) == 1
+    entries = wo.int4_tiles(table)
+    assert entries == {("sm90", 2048, 5632, 128, "float32", True): cfg}
+    monkeypatch.setattr(wo, "INT4_TILES_TABLE", table)
+    cpu = torch.device("cpu")
+    assert wo.int4_tile(cpu, 2048, 5632, 128, torch.float32, True) is None
+    from opswap.kernels import crossover
+
+    monkeypatch.setattr(wo, "interpreting", lambda: False)
+    monkeypatch.setattr(crossover, "device_class", lambda d: "sm90")
+    gpu = torch.device("cuda", 0)
+    assert wo.int4_tile(gpu, 2048, 5632, 128, torch.float32, True) == cfg
+    for other in [
+        (2048, 5632, 128, torch.bfloat16, True),
+        (2048, 5632, 128, torch.float32, False),
+        (2048, 2048, 128, torch.float32, True),
+        (2048, 5632, 64, torch.float32, True),
+    ]:
+        assert wo.int4_tile(gpu, *other) is None, other
+    # a second write replaces the entry of the same key and keeps the others
+    cfg2 = {**cfg, "BLOCK_U": 32}
+    wo.update_int4_tiles(
+        [{**rows[0], "config": cfg2}, {**rows[0], "n": 256, "config": cfg}], "again", table
+    )
+    assert wo.int4_tiles(table)[("sm90", 2048, 5632, 128, "float32", True)] == cfg2
+    assert len(wo.int4_tiles(table)) == 2
+    # prefetching over a row of one chunk a program no longer fits: autotuned instead
+    wo.update_int4_tiles([{**rows[0], "k": 2048, "config": cfg}], "short", table)
+    assert wo.int4_tile(gpu, 2048, 2048, 128, torch.float32, True) is None
+    table.write_text("{not json")
+    with pytest.raises(wo.WeightOnlyError, match="INT4 launch table"):
+        wo.int4_tiles(table)
+
+
+def test_shipped_int4_launch_table_fits_its_shapes():
+    """Every shipped entry is a configuration the kernel takes for its shape."""
+    for key, cfg in wo.int4_tiles().items():
+        _, n, k, group, sdtype, _ = key
+        assert sdtype in ("float32", "bfloat16", "float16"), key
+        assert wo._int4_fits(cfg, wo.padded_k(k, group) // 32), key
+        assert cfg["BLOCK_N"] * cfg["BLOCK_U"] // (32 * cfg["num_warps"]) in (4, 8), key
 
 
 @pytest.mark.slow  # two compilations to cubin and their disassembly, a few seconds each
@@ -333,6 +419,10 @@ def test_int4_gemv_compiles_for_hopper_without_int_to_float_conversions(tmp_path
     builds = [
         ({"HAS_BIAS": False, "BLOCK_N": 16, "BLOCK_U": 64, "GROUP": 128, "SPLIT_K": 1}, 4, "*bf16"),
         ({"HAS_BIAS": True, "BLOCK_N": 8, "BLOCK_U": 32, "GROUP": 128, "SPLIT_K": 2}, 2, "*fp16"),
+        ({"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_U": 32, "GROUP": 128, "SPLIT_K": 1}, 4, "*bf16"),
+    ]
+    builds = [
+        (c | {"PDL": False, "PREFETCH": 2 * (i == 2)}, w, d) for i, (c, w, d) in enumerate(builds)
     ]
     for consts, warps, xdtype in builds:
         ptx, cubin = _sm90_build(consts, warps, xdtype)
@@ -415,6 +505,8 @@ if __name__ == "__main__":  # the interpreter's half of `interpreted`
     out["fp16"] = _interpreted_fp16()
     for c in GEMV_CASES:
         out[str(["gemv", *c])] = _interpreted_gemv(*c)
+    for c in GEMV_PREFETCH_CASES:
+        out[str(["gemv prefetch", *c])] = _interpreted_gemv(*c[:-1], prefetch=c[-1])
     for x_scale in (1e4, 1e-4):
         out[f"gemv x{x_scale:g}"] = _interpreted_gemv(
             1000, 77, "bf16", True, 128, 2, 8, "fp32", x_scale

@@ -63,7 +63,9 @@ Kernels, by device and rows:
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -517,6 +519,7 @@ def _int4_gemv_fn(
     GROUP: tl.constexpr,  # a multiple of 32: a unit lies in one group
     SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (Hopper and later)
+    PREFETCH: tl.constexpr = 0,  # chunks loaded ahead of the one computed: 0, 1 or 2
 ):
     if PDL:
         # let the next kernel of the stream start its own weight loads once every program
@@ -549,12 +552,36 @@ def _int4_gemv_fn(
     j = c0 * (4 * BLOCK_U) + rw  # words
     kw_end = tl.where(c0 < c1, KW, 0)  # a program with no chunk (split-K's last) loads none
     w = tl.load(w_rows + j[None, :], mask=(j < kw_end)[None, :], other=0)
+    # PREFETCH chunks ahead (0, 1 or 2): the next chunks' words are in flight while this
+    # one is computed (PREFETCH + 1 chunks of weights in registers), and under PDL the
+    # first PREFETCH + 1 are loaded before the wait. A chunk past the program's share
+    # loads nothing (its mask is empty).
+    if PREFETCH >= 1:
+        j = j + 4 * BLOCK_U
+        w1 = tl.load(w_rows + j[None, :], mask=(j < tl.where(c0 + 1 < c1, KW, 0))[None, :], other=0)
+    if PREFETCH >= 2:
+        j = j + 4 * BLOCK_U
+        w2 = tl.load(w_rows + j[None, :], mask=(j < tl.where(c0 + 2 < c1, KW, 0))[None, :], other=0)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = _int4_chunk(acc, w, c0, x_row, s_cols, o_cols, K, KW, xf, BLOCK_N, BLOCK_U, GROUP)
     for c in range(c0 + 1, c1):
-        j = c * (4 * BLOCK_U) + rw
-        w = tl.load(w_rows + j[None, :], mask=(j < KW)[None, :], other=0)
+        if PREFETCH >= 2:
+            w = w1
+            w1 = w2
+            j = (c + 2) * (4 * BLOCK_U) + rw
+            w2 = tl.load(
+                w_rows + j[None, :], mask=(j < tl.where(c + 2 < c1, KW, 0))[None, :], other=0
+            )
+        elif PREFETCH == 1:
+            w = w1
+            j = (c + 1) * (4 * BLOCK_U) + rw
+            w1 = tl.load(
+                w_rows + j[None, :], mask=(j < tl.where(c + 1 < c1, KW, 0))[None, :], other=0
+            )
+        else:
+            j = c * (4 * BLOCK_U) + rw
+            w = tl.load(w_rows + j[None, :], mask=(j < KW)[None, :], other=0)
         acc = _int4_chunk(acc, w, c, x_row, s_cols, o_cols, K, KW, xf, BLOCK_N, BLOCK_U, GROUP)
     out = tl.sum(acc, 1) * (2.0**_INT4_D)
     out_off = pid_m * N + rn
@@ -630,23 +657,39 @@ INT4_TILES = (
 )
 
 
-def _int4_configs() -> list[Any]:
-    """INT4_TILES with split-K 1, 2 and 4 (pruned per shape to the chunks there are)."""
+def _int4_configs(depths: tuple[int, ...] = (0, 1)) -> list[Any]:
+    """INT4_TILES with split-K 1, 2 and 4, each prefetching `depths` chunks ahead (pruned
+    per shape to the chunks there are). The autotuner tries 0 and 1; tune_int4.py, which
+    writes the measured table, 2 as well."""
     return [
-        triton.Config({"BLOCK_N": bn, "BLOCK_U": bu, "SPLIT_K": split}, num_warps=nw, num_stages=1)
+        triton.Config(
+            {"BLOCK_N": bn, "BLOCK_U": bu, "SPLIT_K": split, "PREFETCH": pre},
+            num_warps=nw,
+            num_stages=1,
+        )
         for bn, bu, nw in INT4_TILES
         for split in (1, 2, 4)
+        for pre in depths
     ]
+
+
+def _int4_fits(cfg: dict[str, Any], units: int) -> bool:
+    """Whether an `_int4_gemv` configuration suits rows of `units` units: a chunk no wider
+    than the row, no more splits than chunks, and prefetching d chunks ahead only where a
+    program has more than d chunks (elsewhere it is the kernel of one less)."""
+    bu, split = int(cfg["BLOCK_U"]), int(cfg.get("SPLIT_K", 1))
+    chunks = -(-units // bu)
+    return (
+        bu <= max(units, 16)
+        and split <= chunks
+        and 0 <= int(cfg.get("PREFETCH", 0)) <= 2
+        and -(-chunks // split) > int(cfg.get("PREFETCH", 0))
+    )
 
 
 def _prune_int4(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     units = int(named_args["KW"]) // 4
-    keep = [
-        c
-        for c in configs
-        if c.kwargs["BLOCK_U"] <= max(units, 16)
-        and c.kwargs["SPLIT_K"] <= -(-units // c.kwargs["BLOCK_U"])
-    ]
+    keep = [c for c in configs if _int4_fits(c.kwargs, units)]
     return keep or [triton.Config({"BLOCK_N": 16, "BLOCK_U": 16, "SPLIT_K": 1}, num_warps=4)]
 
 
@@ -846,8 +889,10 @@ def _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config) -
     words = qweight.view(torch.int32)  # the same bytes: [N, Kp / 8], code 8j + i in bits 4i..
     kw_total = words.shape[1]
     units = kw_total // 4
-    fixed = config if config is not None else (None if not interpreting() else {})
     pdl = pdl_ok(x2.device) and INT4_PDL
+    fixed = config if config is not None else (None if not interpreting() else {})
+    if fixed is None:
+        fixed = int4_tile(x2.device, n, k, group, scale.dtype, pdl)
     kw: dict[str, Any] = {"GROUP": group, "PDL": pdl}
     if pdl:
         kw["launch_pdl"] = True
@@ -857,6 +902,7 @@ def _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config) -
             BLOCK_N=int(fixed.get("BLOCK_N", 16)),
             BLOCK_U=bu,
             SPLIT_K=min(int(fixed.get("SPLIT_K", 2)), -(-units // bu)),
+            PREFETCH=int(fixed.get("PREFETCH", 0)),
         )
         if "num_warps" in fixed:
             kw["num_warps"] = fixed["num_warps"]
@@ -886,6 +932,97 @@ def _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config) -
         HAS_BIAS=bias is not None,
         **kw,
     )
+
+
+#: `_int4_gemv`'s launches as measured where they run: in a CUDA graph of the layer's
+#: Linears launched one after another (dependent launches where PDL is on), per GPU class,
+#: shape, group, scale dtype and PDL; written by benchmarks/tune_int4.py --update-table.
+#: Triton's autotuner times each launch alone, and its pick varies from process to
+#: process: on an H100 (results/tune_int4_h100.json and _first.json, 2026-12-05) it was up
+#: to 1.33x slower than the measured best on a shape, and the 154 Linears of the 1.1B Llama
+#: at one row took 0.513 ms with the table in both runs against 0.532 to 0.582 autotuned
+#: (bf16 1.257: 2.45x against 2.16x to 2.38x). A shape the table lacks is autotuned.
+INT4_TILES_TABLE = Path(__file__).with_name("int4_tiles.json")
+_INT4_TABLE: dict[tuple[str, ...], dict[tuple, dict[str, Any]]] = {}
+
+
+def _tile_key(device: str, n: int, k: int, group: int, sdtype: Any, pdl: bool) -> tuple:
+    return (device, int(n), int(k), int(group), str(sdtype).removeprefix("torch."), bool(pdl))
+
+
+def int4_tiles(path: Path | None = None) -> dict[tuple, dict[str, Any]]:
+    """The table's entries by (device class, N, K, group, scale dtype, PDL), read once per
+    version of the file."""
+    p = path or INT4_TILES_TABLE
+    try:
+        st = p.stat()
+    except OSError:
+        return {}
+    key = (str(p), str(st.st_mtime_ns), str(st.st_size))
+    if key not in _INT4_TABLE:
+        try:
+            data = json.loads(p.read_text())
+            _INT4_TABLE[key] = {
+                _tile_key(e["device"], e["n"], e["k"], e["group"], e["scale_dtype"], e["pdl"]): {
+                    **e["config"]
+                }
+                for e in data.get("entries", [])
+            }
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WeightOnlyError(
+                f"the INT4 launch table {p} cannot be read ({e}); restore it from the package."
+            ) from None
+    return _INT4_TABLE[key]
+
+
+def int4_tile(
+    device: torch.device, n: int, k: int, group: int, sdtype: Any, pdl: bool
+) -> dict[str, Any] | None:
+    """The measured launch of `_int4_gemv` for this shape on this GPU, or None."""
+    if device.type != "cuda" or interpreting():
+        return None
+    from opswap.kernels.crossover import device_class
+
+    cfg = int4_tiles().get(_tile_key(device_class(device), n, k, group, sdtype, pdl))
+    units = padded_k(k, group) // 32
+    return cfg if cfg is not None and _int4_fits(cfg, units) else None
+
+
+def update_int4_tiles(rows: list[dict[str, Any]], source: str, path: Path | None = None) -> int:
+    """Write tune_int4.py's winners ({device, n, k, group, scale_dtype, pdl, config, ...})
+    into the table, replacing entries of the same key; returns how many were written."""
+    p = path or INT4_TILES_TABLE
+    old = json.loads(p.read_text()).get("entries", []) if p.exists() else []
+    keep = {
+        _tile_key(e["device"], e["n"], e["k"], e["group"], e["scale_dtype"], e["pdl"]): e
+        for e in old
+    }
+    fields = (
+        "device",
+        "n",
+        "k",
+        "group",
+        "scale_dtype",
+        "pdl",
+        "config",
+        "us",
+        "speedup_vs_autotuned",
+    )
+    for r in rows:
+        e = {f: r[f] for f in fields if f in r} | {"source": source}
+        keep[_tile_key(r["device"], r["n"], r["k"], r["group"], r["scale_dtype"], r["pdl"])] = e
+    data = {
+        "about": "Measured launches of opswap's INT4 GEMV (kernels/weight_only.py "
+        "INT4_TILES_TABLE), written by benchmarks/tune_int4.py --update-table.",
+        "entries": sorted(
+            keep.values(),
+            key=lambda e: _tile_key(
+                e["device"], e["n"], e["k"], e["group"], e["scale_dtype"], e["pdl"]
+            ),
+        ),
+    }
+    p.write_text(json.dumps(data, indent=1) + "\n")
+    return len(rows)
 
 
 def tuned_config(kind: str) -> dict[str, Any]:
