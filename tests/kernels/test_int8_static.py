@@ -127,3 +127,46 @@ def test_weight_quantisation_per_channel_and_per_tensor():
     err_c = (q.float() * s[:, None] - w).abs().sum()
     err_t = (qt.float() * st[:, None] - w).abs().sum()
     assert err_c < err_t
+
+
+@needs_onednn
+def test_weights_made_under_inference_mode_run_every_cached_kernel():
+    """A model loaded under torch.inference_mode has weights without a version counter:
+    every kernel that caches work per weight (onednn's int8 linear and convolution, FBGEMM's
+    int8 linear, the conv + ReLU op) must run them, not fail reading the counter (the int8
+    ones did: "Inference tensors do not track version counter")."""
+    from opswap.kernels import conv_relu, int8_fbgemm
+
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        x = torch.randn(5, 48)
+        w = torch.randn(24, 48)
+        b = torch.randn(24)
+        wq, ws = k.quantize_weight(w)
+        assert wq.is_inference()
+        p = qparams(float(x.min()), float(x.max()), False)
+        for _ in range(2):  # the second call takes the cached entry
+            y = torch.ops.opswap.int8_static_linear(x, wq, ws, p.scale, p.zero_point, b)
+            ref = k.reference_linear(x, wq, ws, p.scale, p.zero_point, b)
+            assert _rel(y, ref) < 1e-6
+        xc = torch.randn(2, 4, 9, 9)
+        wc = torch.randn(6, 4, 3, 3) * 0.2
+        wcq, wcs = k.quantize_weight(wc)
+        pc = qparams(float(xc.min()), float(xc.max()), False)
+        args = ([1, 1], [1, 1], [1, 1], 1, "relu")
+        for _ in range(2):
+            yc = torch.ops.opswap.int8_static_conv2d(
+                xc, wcq, wcs, pc.scale, pc.zero_point, None, *args
+            )
+            refc = k.reference_conv2d(xc, wcq, wcs, pc.scale, pc.zero_point, None, *args[:4])
+            assert _rel(yc, torch.relu(refc)) < 1e-5
+        for _ in range(2):
+            yr = conv_relu.direct(xc, wc, None, [1, 1], [1, 1], [1, 1], 1)
+            assert _rel(yr, F.relu(F.conv2d(xc, wc, None, 1, 1))) <= 1e-5
+        if int8_fbgemm.available():
+            from opswap.kernels.int8_linear import quantize_weight
+
+            fq, fs = quantize_weight(w)  # the dynamic scheme's weights
+            for _ in range(2):
+                yf = int8_fbgemm.direct(x, fq, fs, b)
+                assert _rel(yf, int8_fbgemm.reference(x, fq, fs, b)) < 1e-3

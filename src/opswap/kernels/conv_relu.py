@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from opswap.kernels._versions import version
+
 _MKLDNN = getattr(torch.ops, "mkldnn", None)
 _MKLDNN_FUSED = getattr(_MKLDNN, "_convolution_pointwise", None) if _MKLDNN else None
 _MKLDNN_REORDER = getattr(_MKLDNN, "_reorder_convolution_weight", None) if _MKLDNN else None
@@ -63,7 +65,7 @@ def reference(
 
 
 def _onednn_weight(x, weight, stride, padding, dilation, groups) -> torch.Tensor:
-    key = (weight._version, tuple(stride), tuple(padding), tuple(dilation), groups)
+    key = (version(weight), tuple(stride), tuple(padding), tuple(dilation), groups)
     hit = _PACKED.get(weight)
     if hit is not None and hit[0] == key:
         return hit[1]

@@ -39,6 +39,8 @@ import warnings
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from opswap.kernels._versions import version
+
 _QMAX_X = 127  # activation levels (7 bits, see the module's docstring)
 
 # weight tensor -> (version, bias identity and version, FBGEMM's packed weight)
@@ -74,7 +76,7 @@ def _engine(name: str):
 
 
 def _packed(wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None):
-    key = (wq._version, w_scale._version, id(bias), None if bias is None else bias._version)
+    key = (version(wq), version(w_scale), id(bias), None if bias is None else version(bias))
     hit = _PACKED.get(wq)
     if hit is not None and hit[0] == key:
         return hit[1]

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from opswap.kernels._versions import version
+
 _WIDE, _NARROW = 127, 63
 
 
@@ -132,19 +134,19 @@ def reference_conv2d(
 # Prepacked weights, one per (weight tensor, packing arguments). The weak reference
 # checks that the id still names the same tensor (ids are reused after a tensor dies),
 # and the version counter that nothing wrote into it since.
-_PACKED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+_PACKED: dict[tuple, tuple[weakref.ref, int, Any]] = {}
 
 
-def _packed(wq: torch.Tensor, key: tuple, pack) -> torch.Tensor:
+def _packed(wq: torch.Tensor, key: tuple, pack) -> Any:
     full = (id(wq), *key)
     hit = _PACKED.get(full)
-    if hit is not None and hit[0]() is wq and hit[1] == wq._version:
+    if hit is not None and hit[0]() is wq and hit[1] == version(wq):
         return hit[2]
     packed = pack()
     if len(_PACKED) > 4096:  # a process that makes many models: forget the dead ones
         for k in [k for k, v in _PACKED.items() if v[0]() is None]:
             del _PACKED[k]
-    _PACKED[full] = (weakref.ref(wq), wq._version, packed)
+    _PACKED[full] = (weakref.ref(wq), version(wq), packed)
     return packed
 
 
