@@ -16,8 +16,10 @@ loop times, each on the same inputs:
   timing decides);
 - `ort_fp32` and `ort_int8_dynamic` (`onnxruntime.quantization.quantize_dynamic`, QInt8
   weights), when onnxruntime is installed;
-- `openvino_fp32` and `openvino_int8` (`nncf.quantize` on 8 calibration batches), when
-  openvino and nncf are installed.
+- `openvino_fp32` (inference precision f32 asked for), `openvino_default` (what the CPU
+  plugin picks unasked: bfloat16 on a CPU with AVX-512 BF16) and `openvino_int8`
+  (`nncf.quantize` on 8 calibration batches, default precision for what stays float),
+  when openvino and nncf are installed; the JSON records each one's inference precision.
 
 Each row: ms, speed-up over torch_fp32 with its 95% interval, and cosine / rel L2 of the
 first output against torch_fp32's. Writes DIR/int8_peers_cpu.json.
@@ -83,11 +85,23 @@ def _openvino(path: Path, calibration) -> tuple[dict, dict] | str:
         subset_size=len(calibration),
         model_type=nncf.ModelType.TRANSFORMER,
     )
-    fns = {}
-    for name, m in (("openvino_fp32", model), ("openvino_int8", q)):
-        c = core.compile_model(m, "CPU")
+    fns, precision = {}, {}
+    # OpenVINO's CPU plugin runs float models in bfloat16 by default where the CPU has
+    # AVX-512 BF16 (this VM's does): "openvino_fp32" asks for float32, "openvino_default"
+    # is what a user gets without asking (bf16 there); the int8 model as a user gets it
+    for name, m, config in (
+        ("openvino_fp32", model, {"INFERENCE_PRECISION_HINT": "f32"}),
+        ("openvino_default", model, {}),
+        ("openvino_int8", q, {}),
+    ):
+        c = core.compile_model(m, "CPU", config)
+        precision[name] = str(c.get_property("INFERENCE_PRECISION_HINT"))
         fns[name] = lambda *a, c=c: torch.from_numpy(c(tuple(t.numpy() for t in a))[0])
-    return fns, {"openvino": ov.__version__, "nncf": nncf.__version__}
+    return fns, {
+        "openvino": ov.__version__,
+        "nncf": nncf.__version__,
+        "openvino_inference_precision": precision,
+    }
 
 
 def main() -> None:
