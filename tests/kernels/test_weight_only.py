@@ -390,6 +390,7 @@ def test_int4_launch_table_round_trips_and_is_read_per_device(tmp_path, monkeypa
         [{**rows[0], "config": cfg2}, {**rows[0], "n": 256, "config": cfg}], "again", table
     )
     assert wo.int4_tiles(table)[("sm90", 2048, 5632, 128, "float32", True)] == cfg2
+    assert wo.int4_tile(gpu, 2048, 5632, 128, torch.float32, True) == cfg2  # not the old answer
     assert len(wo.int4_tiles(table)) == 2
     # prefetching over a row of one chunk a program no longer fits: autotuned instead
     wo.update_int4_tiles([{**rows[0], "k": 2048, "config": cfg}], "short", table)

@@ -978,14 +978,22 @@ def int4_tiles(path: Path | None = None) -> dict[tuple, dict[str, Any]]:
 def int4_tile(
     device: torch.device, n: int, k: int, group: int, sdtype: Any, pdl: bool
 ) -> dict[str, Any] | None:
-    """The measured launch of `_int4_gemv` for this shape on this GPU, or None."""
+    """The measured launch of `_int4_gemv` for this shape on this GPU, or None. Asked on
+    every launch, so the answer is kept per table path and key (a decoding step calls
+    each Linear once; reading the file's status each time would cost host time)."""
     if device.type != "cuda" or interpreting():
         return None
-    from opswap.kernels.crossover import device_class
+    memo_key = (str(INT4_TILES_TABLE), device.index, n, k, group, str(sdtype), pdl)
+    if memo_key not in _INT4_MEMO:
+        from opswap.kernels.crossover import device_class
 
-    cfg = int4_tiles().get(_tile_key(device_class(device), n, k, group, sdtype, pdl))
-    units = padded_k(k, group) // 32
-    return cfg if cfg is not None and _int4_fits(cfg, units) else None
+        cfg = int4_tiles().get(_tile_key(device_class(device), n, k, group, sdtype, pdl))
+        units = padded_k(k, group) // 32
+        _INT4_MEMO[memo_key] = cfg if cfg is not None and _int4_fits(cfg, units) else None
+    return _INT4_MEMO[memo_key]
+
+
+_INT4_MEMO: dict[tuple, dict[str, Any] | None] = {}
 
 
 def update_int4_tiles(rows: list[dict[str, Any]], source: str, path: Path | None = None) -> int:
@@ -1022,6 +1030,7 @@ def update_int4_tiles(rows: list[dict[str, Any]], source: str, path: Path | None
         ),
     }
     p.write_text(json.dumps(data, indent=1) + "\n")
+    _INT4_MEMO.clear()
     return len(rows)
 
 
