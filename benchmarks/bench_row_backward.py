@@ -14,8 +14,8 @@ must read and write (RMSNorm and LayerNorm 3 n b: x, dy in, dx out; add + RMSNor
 SwiGLU 5 n b; softmax 3 n b: y, dy in, dx out). Writes DIR/row_backward_h200.json.
 
 `--sweep` also times the RMSNorm, add + RMSNorm and LayerNorm backward kernels alone (GPU
-time: CUDA-graph replays, since the host is slower than the kernels) at rows of 768 to
-8192 elements for each launch choice (rows a step, programs a
+time: CUDA-graph replays, since the host is slower than the kernels) at 4096 and 32768
+rows of 768 to 16384 elements for each launch choice (rows a step, programs a
 multiprocessor: kernels/_rows.py `backward_grid`), the data behind its defaults. `--host`
 measures what a forward + backward costs the host: at 8 rows the GPU work is a few
 microseconds, so the wall time of a call is the host's, for ours, Liger's, compile's and
@@ -138,16 +138,27 @@ def case_rows(case: str, rows: int, hidden: int, device: str, smoke: bool) -> li
     return out
 
 
+#: the sweep's row counts and widths: the width sweep's 4096 rows, where the partial weight
+#: gradients are a larger share of the bytes (at 8192 wide, 4 programs a multiprocessor
+#: write and read back 17 MB of fp32 partials beside the 201 MB of x, dy and dx), and the
+#: 32768 rows the defaults were set at
+SWEEP_ROWS = (4096, 32768)
+SWEEP_WIDTHS = (768, 2048, 3072, 5120, 8192, 16384)
+
+
 def sweep(device: str, smoke: bool) -> list[dict]:
-    """The backward kernels alone at each (rb, per_sm), GB/s over the bytes they move."""
+    """The backward kernels alone at each (rb, per_sm), GB/s over the bytes they move (the
+    fp32 partials of dw and db not counted: they are the launch's own cost)."""
     from opswap.kernels import layer_norm as L
     from opswap.kernels import rms_norm as R
     from opswap.kernels._rows import backward_tuning
 
-    rows = 6 if smoke else 32768
     out = []
+    shapes = (
+        [(6, h) for h in (48, 200)] if smoke else [(r, h) for r in SWEEP_ROWS for h in SWEEP_WIDTHS]
+    )
     for case in ("rms_norm", "add_rms_norm", "layer_norm"):
-        for hidden in (48, 200) if smoke else (768, 2048, 4096, 8192):
+        for rows, hidden in shapes:
             x, w = (torch.randn(rows, hidden, device=device, dtype=torch.bfloat16) for _ in "ab")
             w = w[0].clone()
             dy, dres = torch.randn_like(x), torch.randn_like(x)
@@ -160,7 +171,7 @@ def sweep(device: str, smoke: bool) -> list[dict]:
 
             nbytes = BACKWARD_TRAFFIC[case] * rows * hidden * 2
             for rb in (1, 2, 4):
-                for per_sm in (2, 4, 8):
+                for per_sm in (1, 2, 4, 8):
                     r = {"case": case, "hidden": hidden, "rows": rows, "rb": rb, "per_sm": per_sm}
                     try:
                         with backward_tuning(rb=rb, per_sm=per_sm):
@@ -172,9 +183,15 @@ def sweep(device: str, smoke: bool) -> list[dict]:
                         r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     out.append(r)
             best = max(
-                (r for r in out[-9:] if r.get("gbps")), key=lambda r: r["gbps"], default=None
+                (r for r in out[-12:] if r.get("gbps")), key=lambda r: r["gbps"], default=None
             )
-            print(json.dumps({"case": case, "hidden": hidden, "best": best}), flush=True)
+            print(
+                json.dumps({"case": case, "rows": rows, "hidden": hidden, "best": best}),
+                flush=True,
+            )
+            del x, w, dy, dres
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return out
 
 
