@@ -12,8 +12,9 @@ this script measures). Then one interleaved loop (inference mode) times:
 - `input`: the float32 model as given, and `compile`: torch.compile of it;
 - `opswap_int8`: the planned graph with onednn's int8 convolutions, and
   `opswap_int8+compile`;
-- `openvino_fp32` and `openvino_int8` (nncf.quantize on the same calibration batches),
-  when openvino and nncf are installed.
+- `openvino_fp32` (float32 asked for), `openvino_default` (the CPU plugin's own pick:
+  bfloat16 on a CPU with AVX-512 BF16) and `openvino_int8` (nncf.quantize on the same
+  calibration batches), when openvino and nncf are installed.
 
 Each row: time, speed-up over the input with its 95% interval, output cosine and rel L2
 against float32, and for task models top-1 accuracy. Writes DIR/int8_static_cpu.json.
@@ -43,7 +44,9 @@ def _split(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def _openvino(module, xs, calibration):
-    """(fp32 compiled model, int8 compiled model) or a reason string."""
+    """{name: compiled model} for float32 (asked for), OpenVINO's default precision for the
+    float model (bfloat16 on CPUs with AVX-512 BF16) and NNCF's int8, with the versions and
+    each one's inference precision; or a reason string."""
     try:
         import nncf
         import openvino as ov
@@ -51,15 +54,19 @@ def _openvino(module, xs, calibration):
         return f"not installed: {e.name}"
     core = ov.Core()
     ovm = ov.convert_model(module, example_input=xs if len(xs) > 1 else xs[0])
-    fp32 = core.compile_model(ovm, "CPU")
     data = nncf.Dataset([tuple(t.numpy() for t in s) for s in calibration])
     q = nncf.quantize(ovm, data, subset_size=len(calibration))
-    int8 = core.compile_model(q, "CPU")
-
-    def call(compiled):
-        return lambda *a: torch.from_numpy(compiled(tuple(t.numpy() for t in a))[0])
-
-    return call(fp32), call(int8), {"openvino": ov.__version__, "nncf": nncf.__version__}
+    fns, precision = {}, {}
+    for name, model, config in (
+        ("openvino_fp32", ovm, {"INFERENCE_PRECISION_HINT": "f32"}),
+        ("openvino_default", ovm, {}),
+        ("openvino_int8", q, {}),
+    ):
+        compiled = core.compile_model(model, "CPU", config)
+        precision[name] = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+        fns[name] = lambda *a, c=compiled: torch.from_numpy(c(tuple(t.numpy() for t in a))[0])
+    versions = {"openvino": ov.__version__, "nncf": nncf.__version__}
+    return fns, versions | {"openvino_inference_precision": precision}
 
 
 def main() -> None:
@@ -119,7 +126,9 @@ def main() -> None:
         if isinstance(ov, str):
             row["openvino"] = ov
         else:
-            fns["openvino_fp32"], fns["openvino_int8"], versions = ov
+            ov_fns, versions = ov
+            row["openvino_inference_precision"] = versions.pop("openvino_inference_precision")
+            fns.update(ov_fns)
         if not args.no_compile:
             for base in ("input", "opswap_int8"):
                 c = torch.compile(fns[base])
