@@ -519,7 +519,7 @@ def _int4_gemv_fn(
     GROUP: tl.constexpr,  # a multiple of 32: a unit lies in one group
     SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (Hopper and later)
-    PREFETCH: tl.constexpr = 0,  # chunks loaded ahead of the one computed: 0, 1 or 2
+    PREFETCH: tl.constexpr,  # chunks loaded ahead of the one computed: 0, 1 or 2
 ):
     if PDL:
         # let the next kernel of the stream start its own weight loads once every program
@@ -690,7 +690,8 @@ def _int4_fits(cfg: dict[str, Any], units: int) -> bool:
 def _prune_int4(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     units = int(named_args["KW"]) // 4
     keep = [c for c in configs if _int4_fits(c.kwargs, units)]
-    return keep or [triton.Config({"BLOCK_N": 16, "BLOCK_U": 16, "SPLIT_K": 1}, num_warps=4)]
+    fallback = {"BLOCK_N": 16, "BLOCK_U": 16, "SPLIT_K": 1, "PREFETCH": 0}
+    return keep or [triton.Config(fallback, num_warps=4)]
 
 
 def gemv_block_ok(block_k: int, group: int, kp: int) -> bool:
