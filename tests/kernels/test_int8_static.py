@@ -170,3 +170,24 @@ def test_weights_made_under_inference_mode_run_every_cached_kernel():
             for _ in range(2):
                 yf = int8_fbgemm.direct(x, fq, fs, b)
                 assert _rel(yf, int8_fbgemm.reference(x, fq, fs, b)) < 1e-3
+
+
+@needs_onednn
+def test_a_conv_weight_is_packed_for_each_input_shape_it_meets():
+    """onednn picks a convolution's weight blocking from the whole problem: the weight is
+    packed for the input shape it runs on (packed for a guessed shape, it was reordered
+    again on every call), once per shape, and every shape gets the right answer."""
+    torch.manual_seed(7)
+    w = torch.randn(24, 16, 3, 3) * 0.2
+    b = torch.randn(24)
+    wq, ws = k.quantize_weight(w)
+    args = ([1, 1], [1, 1], [1, 1], 1)
+    shapes = [(1, 16, 14, 14), (3, 16, 9, 17), (1, 16, 14, 14)]
+    for shape in shapes:
+        x = torch.randn(*shape)
+        p = qparams(float(x.min()), float(x.max()), False)
+        y = torch.ops.opswap.int8_static_conv2d(x, wq, ws, p.scale, p.zero_point, b, *args, "none")
+        ref = k.reference_conv2d(x, wq, ws, p.scale, p.zero_point, b, *args)
+        assert _rel(y, ref) < 1e-5, shape
+    packed = [key for key in k._PACKED if key[0] == id(wq) and key[1] == "conv2d"]
+    assert {key[-1] for key in packed} >= {(1, 16, 14, 14), (3, 16, 9, 17)}
