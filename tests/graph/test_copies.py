@@ -72,6 +72,18 @@ def test_writing_a_parameter_is_refused():
             m(torch.ones(3))
 
 
+def test_a_model_made_under_inference_mode_runs_under_preserved_state():
+    """Parameters made under torch.inference_mode have no version counter: the run goes
+    on (they cannot be checked) instead of failing to read it."""
+    with torch.inference_mode():
+        m = nn.Linear(4, 3)
+        x = torch.randn(2, 4)
+        assert m.weight.is_inference()
+        with preserved_state(m):
+            y = m(x)
+    assert y.shape == (2, 3)
+
+
 # Weight-computing hooks and parametrisations: torch.nn.utils.weight_norm (a forward pre-hook
 # recomputing `weight` from weight_g/weight_v), the old spectral_norm (likewise from
 # weight_orig and its u/v), and torch.nn.utils.parametrize (`weight` a property).

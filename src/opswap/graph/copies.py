@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from opswap.errors import OpswapError
+from opswap.kernels._versions import version
 
 _HOOKS = {
     "_forward_hooks": "forward hook",
@@ -254,7 +255,7 @@ def preserved_state(*modules):
                     seen.add(id(b))
                     saved.append((m, name, b, b.detach().clone()))
         for name, p in mod.named_parameters():
-            versions.append((name, p, p._version))
+            versions.append((name, p, version(p)))
     try:
         yield
     finally:
@@ -265,7 +266,8 @@ def preserved_state(*modules):
                     original.copy_(value)
                 else:  # the forward rebound the buffer (self.x = self.x + 1)
                     m._buffers[name] = value
-    changed = [name for name, p, v in versions if p._version != v]
+    # a parameter made under torch.inference_mode has no version counter: not checkable
+    changed = [name for name, p, v in versions if version(p) != v]
     if changed:
         raise OpswapError(
             f"The model writes into its parameter {changed[0]} when it runs, so its results "
