@@ -99,7 +99,10 @@ def quantize_activation(x: torch.Tensor, scale: float, zero_point: int) -> torch
     on the development CPU, twice what the int8 convolutions took."""
     offset = torch.tensor(zero_point + 0.5, dtype=torch.float32, device=x.device)
     q = torch.add(offset, x.float(), alpha=1.0 / scale).clamp_(0, 255)
-    return q.to(torch.uint8)
+    # through int16: ATen's float -> uint8 conversion is not vectorised on the CPU, float
+    # -> int16 -> uint8 is, and gives the same bytes for values in [0, 255] (214 us against
+    # 53 us for a 256 x 56 x 56 map, torch 2.13 on the development VM)
+    return q.to(torch.int16).to(torch.uint8)
 
 
 def _dequant_input(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
