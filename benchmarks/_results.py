@@ -84,6 +84,23 @@ def compare_variants(
     return rows
 
 
+def openvino_variants(core, float_model, int8_model) -> tuple[dict, dict]:
+    """The OpenVINO peers of an int8 benchmark, as callables on torch tensors, with each
+    one's inference precision: "openvino_fp32" (float32 asked for), "openvino_default" (the
+    CPU plugin's own pick, bfloat16 where the CPU has AVX-512 BF16) and "openvino_int8"
+    (NNCF's model at the default, bfloat16 for what stays float there)."""
+    fns, precision = {}, {}
+    for name, model, config in (
+        ("openvino_fp32", float_model, {"INFERENCE_PRECISION_HINT": "f32"}),
+        ("openvino_default", float_model, {}),
+        ("openvino_int8", int8_model, {}),
+    ):
+        compiled = core.compile_model(model, "CPU", config)
+        precision[name] = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+        fns[name] = lambda *a, c=compiled: torch.from_numpy(c(tuple(t.numpy() for t in a))[0])
+    return fns, precision
+
+
 def card() -> str:
     """The file-name tag of this machine's GPU: the device tool lends an H100 or an H200,
     and their figures are compared only within one card."""

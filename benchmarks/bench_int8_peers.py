@@ -85,18 +85,9 @@ def _openvino(path: Path, calibration) -> tuple[dict, dict] | str:
         subset_size=len(calibration),
         model_type=nncf.ModelType.TRANSFORMER,
     )
-    fns, precision = {}, {}
-    # OpenVINO's CPU plugin runs float models in bfloat16 by default where the CPU has
-    # AVX-512 BF16 (this VM's does): "openvino_fp32" asks for float32, "openvino_default"
-    # is what a user gets without asking (bf16 there); the int8 model as a user gets it
-    for name, m, config in (
-        ("openvino_fp32", model, {"INFERENCE_PRECISION_HINT": "f32"}),
-        ("openvino_default", model, {}),
-        ("openvino_int8", q, {}),
-    ):
-        c = core.compile_model(m, "CPU", config)
-        precision[name] = str(c.get_property("INFERENCE_PRECISION_HINT"))
-        fns[name] = lambda *a, c=c: torch.from_numpy(c(tuple(t.numpy() for t in a))[0])
+    from _results import openvino_variants
+
+    fns, precision = openvino_variants(core, model, q)
     return fns, {
         "openvino": ov.__version__,
         "nncf": nncf.__version__,

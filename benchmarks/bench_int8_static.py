@@ -56,15 +56,9 @@ def _openvino(module, xs, calibration):
     ovm = ov.convert_model(module, example_input=xs if len(xs) > 1 else xs[0])
     data = nncf.Dataset([tuple(t.numpy() for t in s) for s in calibration])
     q = nncf.quantize(ovm, data, subset_size=len(calibration))
-    fns, precision = {}, {}
-    for name, model, config in (
-        ("openvino_fp32", ovm, {"INFERENCE_PRECISION_HINT": "f32"}),
-        ("openvino_default", ovm, {}),
-        ("openvino_int8", q, {}),
-    ):
-        compiled = core.compile_model(model, "CPU", config)
-        precision[name] = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
-        fns[name] = lambda *a, c=compiled: torch.from_numpy(c(tuple(t.numpy() for t in a))[0])
+    from _results import openvino_variants
+
+    fns, precision = openvino_variants(core, ovm, q)
     versions = {"openvino": ov.__version__, "nncf": nncf.__version__}
     return fns, versions | {"openvino_inference_precision": precision}
 

@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,6 +44,13 @@ from _results import card  # noqa: E402
 #: (K, N) of every Linear shape the stacks run, before and after parallel_linear
 TUNE_SHAPES = sorted(set(lb.SHAPES.values()) | set(lb.FUSED.values()))
 GROUP = 128
+#: the peers timed in the same run: per shape ("bf16_us") and in the stacks ("bf16",
+#: "int4 tinygemm")
+PEERS = {
+    "bf16": "cuBLAS through F.linear on the bfloat16 weight, per shape and in the stacks",
+    "int4 tinygemm": "torch's INT4 GEMM (aten._weight_int4pack_mm, what torchao's int4 "
+    "weight-only layout runs on CUDA), in the stacks",
+}
 SCALE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -75,22 +83,21 @@ def _layers(k: int, n: int, sdtype: torch.dtype, seed: int) -> list:
     return mods
 
 
-def _no_table():
-    """A context in which `_int4_gemv` ignores the measured table (the autotuner decides)."""
-    from contextlib import contextmanager
-
+@contextmanager
+def _table(path: Path):
+    """`_int4_gemv` reads the launch table at `path` meanwhile (a path with no file: the
+    autotuner decides every launch, as before the table)."""
     from opswap.kernels import weight_only as wo
 
-    @contextmanager
-    def cm():
-        old = wo.INT4_TILES_TABLE
-        wo.INT4_TILES_TABLE = Path("/nonexistent/int4_tiles.json")
-        try:
-            yield
-        finally:
-            wo.INT4_TILES_TABLE = old
+    old, wo.INT4_TILES_TABLE = wo.INT4_TILES_TABLE, path
+    try:
+        yield
+    finally:
+        wo.INT4_TILES_TABLE = old
 
-    return cm()
+
+#: a table path with no file behind it
+NO_TABLE = Path("/nonexistent/int4_tiles.json")
 
 
 def tune_shape(k: int, n: int, sdtype: torch.dtype, rounds: int, dev_class: str) -> dict:
@@ -124,7 +131,7 @@ def tune_shape(k: int, n: int, sdtype: torch.dtype, rounds: int, dev_class: str)
                 errors[_name(cfg)] = f"rel error {err:.3g} against float64"
         except Exception as e:  # one configuration failing must not lose the others
             errors[_name(cfg)] = f"{type(e).__name__}: {e}"[:300]
-    with _no_table():  # the autotuner's pick, as the kernel made it before this table
+    with _table(NO_TABLE):  # the autotuner's pick, as the kernel made it before this table
         graphs["autotuned"] = lb._capture(lambda: run_all(None))
     w = torch.randn(n, k, device="cuda").bfloat16()
     graphs["bf16"] = lb._capture(lambda: [torch.nn.functional.linear(x, w) for _ in mods])
@@ -157,8 +164,6 @@ def tune_shape(k: int, n: int, sdtype: torch.dtype, rounds: int, dev_class: str)
 def stacks(rounds: int, table: Path) -> list[dict]:
     """The 154- and 88-Linear stacks at one row: bf16, tinygemm, our INT4 autotuned and
     with the measured table (float32 and bfloat16 scales), in one interleaved run each."""
-    from opswap.kernels import weight_only as wo
-
     out = []
     for label, shapes, layer_fn in (
         ("154 Linears", lb.SHAPES, lb._layer_fn),
@@ -202,14 +207,10 @@ def stacks(rounds: int, table: Path) -> list[dict]:
         graphs = {}
         for s, ms in models.items():
             if s.startswith("int4 ") and "scales" in s:
-                with _no_table():
+                with _table(NO_TABLE):
                     graphs[f"{s}, autotuned"] = lb._capture(lambda ms=ms: stack(ms))
-                old = wo.INT4_TILES_TABLE
-                wo.INT4_TILES_TABLE = table
-                try:
+                with _table(table):
                     graphs[f"{s}, table"] = lb._capture(lambda ms=ms: stack(ms))
-                finally:
-                    wo.INT4_TILES_TABLE = old
             else:
                 graphs[s] = lb._capture(lambda ms=ms: stack(ms))
         t = lb._time_graphs(graphs, rounds, replays=10)
@@ -228,7 +229,14 @@ def run(rounds: int, out_path: Path, table: Path) -> dict:
     from opswap.kernels.crossover import device_class
 
     dev_class = device_class(torch.device("cuda"))
-    res: dict = {"env": lb._env(), "device_class": dev_class, "group": GROUP, "shapes": []}
+    res: dict = {
+        "env": lb._env(),
+        "device_class": dev_class,
+        "group": GROUP,
+        # what our INT4 is timed against in this same run
+        "peers": PEERS,
+        "shapes": [],
+    }
     t0 = time.time()
     for sd in SCALE_DTYPES:
         for k, n in TUNE_SHAPES:

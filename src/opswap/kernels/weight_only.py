@@ -944,36 +944,28 @@ def _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config) -
 #: at one row took 0.513 ms with the table in both runs against 0.532 to 0.582 autotuned
 #: (bf16 1.257: 2.45x against 2.16x to 2.38x). A shape the table lacks is autotuned.
 INT4_TILES_TABLE = Path(__file__).with_name("int4_tiles.json")
-_INT4_TABLE: dict[tuple[str, ...], dict[tuple, dict[str, Any]]] = {}
 
 
 def _tile_key(device: str, n: int, k: int, group: int, sdtype: Any, pdl: bool) -> tuple:
     return (device, int(n), int(k), int(group), str(sdtype).removeprefix("torch."), bool(pdl))
 
 
+def _entry_key(e: dict[str, Any]) -> tuple:
+    return _tile_key(e["device"], e["n"], e["k"], e["group"], e["scale_dtype"], e["pdl"])
+
+
 def int4_tiles(path: Path | None = None) -> dict[tuple, dict[str, Any]]:
-    """The table's entries by (device class, N, K, group, scale dtype, PDL), read once per
-    version of the file."""
+    """The table's entries by (device class, N, K, group, scale dtype, PDL), read from the
+    file (`int4_tile` keeps its answers, so launches do not come here)."""
     p = path or INT4_TILES_TABLE
-    try:
-        st = p.stat()
-    except OSError:
+    if not p.exists():
         return {}
-    key = (str(p), str(st.st_mtime_ns), str(st.st_size))
-    if key not in _INT4_TABLE:
-        try:
-            data = json.loads(p.read_text())
-            _INT4_TABLE[key] = {
-                _tile_key(e["device"], e["n"], e["k"], e["group"], e["scale_dtype"], e["pdl"]): {
-                    **e["config"]
-                }
-                for e in data.get("entries", [])
-            }
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise WeightOnlyError(
-                f"the INT4 launch table {p} cannot be read ({e}); restore it from the package."
-            ) from None
-    return _INT4_TABLE[key]
+    try:
+        return {_entry_key(e): {**e["config"]} for e in json.loads(p.read_text())["entries"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WeightOnlyError(
+            f"the INT4 launch table {p} cannot be read ({e}); restore it from the package."
+        ) from None
 
 
 def int4_tile(
@@ -984,7 +976,7 @@ def int4_tile(
     each Linear once; reading the file's status each time would cost host time)."""
     if device.type != "cuda" or interpreting():
         return None
-    memo_key = (str(INT4_TILES_TABLE), device.index, n, k, group, str(sdtype), pdl)
+    memo_key = (INT4_TILES_TABLE, device.index, n, k, group, sdtype, pdl)
     if memo_key not in _INT4_MEMO:
         from opswap.kernels.crossover import device_class
 
@@ -1002,10 +994,7 @@ def update_int4_tiles(rows: list[dict[str, Any]], source: str, path: Path | None
     into the table, replacing entries of the same key; returns how many were written."""
     p = path or INT4_TILES_TABLE
     old = json.loads(p.read_text()).get("entries", []) if p.exists() else []
-    keep = {
-        _tile_key(e["device"], e["n"], e["k"], e["group"], e["scale_dtype"], e["pdl"]): e
-        for e in old
-    }
+    keep = {_entry_key(e): e for e in old}
     fields = (
         "device",
         "n",
@@ -1019,16 +1008,11 @@ def update_int4_tiles(rows: list[dict[str, Any]], source: str, path: Path | None
     )
     for r in rows:
         e = {f: r[f] for f in fields if f in r} | {"source": source}
-        keep[_tile_key(r["device"], r["n"], r["k"], r["group"], r["scale_dtype"], r["pdl"])] = e
+        keep[_entry_key(r)] = e
     data = {
         "about": "Measured launches of opswap's INT4 GEMV (kernels/weight_only.py "
         "INT4_TILES_TABLE), written by benchmarks/tune_int4.py --update-table.",
-        "entries": sorted(
-            keep.values(),
-            key=lambda e: _tile_key(
-                e["device"], e["n"], e["k"], e["group"], e["scale_dtype"], e["pdl"]
-            ),
-        ),
+        "entries": sorted(keep.values(), key=_entry_key),
     }
     p.write_text(json.dumps(data, indent=1) + "\n")
     _INT4_MEMO.clear()
