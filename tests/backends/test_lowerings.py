@@ -114,6 +114,20 @@ class _GroupNorm(nn.Module):
         return torch.ops.opswap.group_norm(x, self.groups, self.w, self.b, 1e-5)
 
 
+def _handoff(conv: nn.Conv2d, qp: QParams) -> nn.Sequential:
+    """Two int8 convolutions, the first handing uint8 to the second (its epilogue
+    requantises with the second's input scale)."""
+    first = Int8StaticConv2d(
+        conv.weight.data, conv.bias.data, qp, True, (1, 1), (1, 1), (1, 1), 1, True
+    )
+    second = Int8StaticConv2d(
+        torch.randn(6, 8, 3, 3) * 0.2, None, QParams(0.02, 5), True, (2, 2), (0, 0), (1, 1), 1,
+        False,
+    )  # fmt: skip
+    first.out_scale, first.out_zp = second.x_scale, second.x_zp
+    return nn.Sequential(first, second)
+
+
 def _cases():
     lin = _linear()
     w, b = lin.weight.data, lin.bias.data
@@ -135,6 +149,7 @@ def _cases():
         static_tensor=Int8StaticConv2d(
             conv.weight.data, None, qp, False, (2, 2), (1, 1), (1, 1), 1, False
         ),
+        handoff=_handoff(conv, qp),
         group_norm=_GroupNorm(3, 3, affine=True),  # InstanceNorm's form: G = C
         group_norm_one=_GroupNorm(1, 3, affine=False),
     )
@@ -168,7 +183,11 @@ def _cases():
             {"ReduceMean", "Sqrt", "Gelu", "Split", "HardSwish", "HardSigmoid", "LeakyRelu"},
         ),
         "linear ops": (linears, (3, K), {"MatMulNBits", "MatMulInteger", "QuantizeLinear"}),
-        "conv ops": (convs, (3, 3, 9, 11), {"Conv", "DequantizeLinear", "ReduceMean"}),
+        "conv ops": (
+            convs,
+            (3, 3, 9, 11),
+            {"Conv", "DequantizeLinear", "QuantizeLinear", "ReduceMean"},
+        ),
     }
 
 
@@ -191,6 +210,13 @@ def test_lowering_matches_the_op(case, tmp_path):
         for k in want:
             # the same math: float32 rounding (static int8: a rare half step apart)
             scale = want[k].abs().max().item()
+            if k == "handoff":
+                # ONNX Runtime rounds x / s where the kernels round x * (1 / s): a value
+                # near a half step of the uint8 map between the two convolutions may go the
+                # other way (one step of 256, spread by the second's weights); a wrong scale
+                # or zero point would be tens of steps off
+                assert float((got[k] - want[k]).abs().max()) < 0.01 * scale, k
+                continue
             torch.testing.assert_close(got[k], want[k], atol=1e-5 * scale, rtol=1e-4, msg=k)
 
 

@@ -191,3 +191,69 @@ def test_a_conv_weight_is_packed_for_each_input_shape_it_meets():
         assert _rel(y, ref) < 1e-5, shape
     packed = [key for key in k._PACKED if key[0] == id(wq) and key[1] == "conv2d"]
     assert {key[-1] for key in packed} >= {(1, 16, 14, 14), (3, 16, 9, 17)}
+
+
+@pytest.mark.parametrize(
+    "shape,mid,out,ksize,stride,pad,groups",
+    [
+        ((1, 16, 11, 7), 12, 20, 3, 1, 1, 1),
+        ((2, 5, 9, 9), 8, 8, 1, 2, 0, 1),  # odd channels, strided pointwise
+        ((1, 12, 13, 10), 12, 6, 3, 1, 1, 12),  # depthwise first
+    ],
+)
+@pytest.mark.parametrize("post", ["none", "relu"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["onednn", "reference"])
+def test_uint8_handoff_between_convolutions(
+    monkeypatch, shape, mid, out, ksize, stride, pad, groups, post, kernel
+):
+    """A convolution that requantises its output to the next one's input scale (uint8 out)
+    and the next one taking that uint8 map give what the two give through float32 (the
+    next one quantising the float map itself): the same bytes, up to a rounding of a value
+    that falls on a half step, at any shape, on the kernel and on the reference."""
+    if kernel and not k.onednn_available():
+        pytest.skip("onednn's int8 kernels need an x86 CPU build of torch")
+    if not kernel:
+        monkeypatch.setattr(k, "onednn_available", lambda: False)
+    g = torch.Generator().manual_seed(sum(shape) + mid + out)
+    x = torch.randn(*shape, generator=g)
+    w1 = torch.randn(mid, shape[1] // groups, ksize, ksize, generator=g) * 0.3
+    w2 = torch.randn(out, mid, 3, 3, generator=g) * 0.2
+    b1, b2 = torch.randn(mid, generator=g), torch.randn(out, generator=g)
+    q1, s1 = k.quantize_weight(w1)
+    q2, s2 = k.quantize_weight(w2)
+    p1 = qparams(float(x.min()), float(x.max()), False)
+    a1 = ([stride] * 2, [pad] * 2, [1, 1], groups)
+    a2 = ([1, 1], [1, 1], [1, 1], 1)
+    op = torch.ops.opswap.int8_static_conv2d
+    mid_f = op(x, q1, s1, p1.scale, p1.zero_point, b1, *a1, post)
+    p2 = qparams(float(mid_f.min()), float(mid_f.max()), False)
+    mid_q = op(x, q1, s1, p1.scale, p1.zero_point, b1, *a1, post, p2.scale, p2.zero_point)
+    assert mid_q.dtype == torch.uint8 and mid_q.shape == mid_f.shape
+    assert mid_q.is_contiguous(memory_format=torch.channels_last)
+    # the epilogue's requantisation is the next layer's quantise pass on the float map
+    expect = k.quantize_activation(mid_f, p2.scale, p2.zero_point)
+    diff = (mid_q.int() - expect.int()).abs()
+    assert int(diff.max()) <= 1 and float(diff.float().mean()) < 0.01
+    y_handoff = op(mid_q, q2, s2, p2.scale, p2.zero_point, b2, *a2, "none")
+    y_float = op(mid_f, q2, s2, p2.scale, p2.zero_point, b2, *a2, "none")
+    assert y_handoff.dtype == torch.float32 and y_handoff.shape == y_float.shape
+    assert _rel(y_handoff, y_float) < 2e-3
+    # and against the exact float32 convolutions, as close as int8 is
+    exact = F.conv2d(x, w1, b1, stride, pad, 1, groups)
+    exact = F.conv2d(torch.relu(exact) if post == "relu" else exact, w2, b2, 1, 1)
+    assert _rel(y_handoff, exact) < 0.06
+
+
+@needs_onednn
+def test_uint8_output_of_the_kernel_is_the_reference_bytes():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 7, 10, 9, generator=g)
+    w = torch.randn(9, 7, 3, 3, generator=g) * 0.3
+    wq, ws = k.quantize_weight(w)
+    p = qparams(float(x.min()), float(x.max()), False)
+    args = ([1, 1], [1, 1], [1, 1], 1, "relu", 0.05, 3)
+    y = torch.ops.opswap.int8_static_conv2d(x, wq, ws, p.scale, p.zero_point, None, *args)
+    ref = k.reference_conv2d(x, wq, ws, p.scale, p.zero_point, None, *args)
+    assert y.dtype == ref.dtype == torch.uint8
+    assert int((y.int() - ref.int()).abs().max()) <= 1
+    assert int(y.min()) >= 3  # ReLU then the zero point: nothing below it

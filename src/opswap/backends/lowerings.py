@@ -16,7 +16,7 @@ execution provider:
 | opswap::wo_linear, INT4     | com.microsoft MatMulNBits (groups of a power of two >= 16)  |
 | opswap::wo_linear, other    | the weight dequantised in the graph, then MatMul            |
 | opswap::int8_static_linear  | QuantizeLinear / DequantizeLinear pairs around MatMul (QDQ) |
-| opswap::int8_static_conv2d  | QDQ around Conv (+ Relu)                                    |
+| opswap::int8_static_conv2d  | QDQ around Conv (+ Relu); a uint8 input or output as is     |
 | opswap::fp8_linear          | Cast to FLOAT8E4M3FN and back (the op's CPU math)           |
 | opswap::rms_norm            | ReduceMean of squares, Sqrt, Div, the weight (fp32 inside)  |
 | opswap::add_rms_norm        | Add, then the same; both the normed row and the sum         |
@@ -324,10 +324,16 @@ def table() -> dict[Any, Any]:
         return _back(y, x, op)
 
     def int8_static_conv2d(
-        x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups, post
-    ):
+        x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups, post,
+        out_scale=0.0, out_zp=0,
+    ):  # fmt: skip
+        if x.dtype == DataType.UINT8:  # handed over already quantised with (x_scale, x_zp)
+            s = op.Constant(value_float=float(x_scale))
+            xin = op.DequantizeLinear(x, s, op.Constant(value=_u8(int(x_zp), scalar=True)))
+        else:
+            xin = qdq_input(x, x_scale, x_zp)
         y = op.Conv(
-            qdq_input(x, x_scale, x_zp),
+            xin,
             qdq_weight(wq, w_scale),
             *([bias] if bias is not None else []),
             strides=list(stride),
@@ -335,7 +341,11 @@ def table() -> dict[Any, Any]:
             dilations=list(dilation),
             group=groups,
         )
-        return _back(op.Relu(y) if post == "relu" else y, x, op)
+        y = op.Relu(y) if post == "relu" else y
+        if out_scale > 0:  # requantised for the next convolution, as the epilogue does
+            s = op.Constant(value_float=float(out_scale))
+            return op.QuantizeLinear(y, s, op.Constant(value=_u8(int(out_zp), scalar=True)))
+        return y if x.dtype == DataType.UINT8 else _back(y, x, op)
 
     def fp8_linear(x, wq, w_scale, bias, rowwise):
         # x / s in e4m3 (saturating at 448), s = max|x| / 448 per row or per tensor

@@ -106,11 +106,17 @@ def quantize_activation(x: torch.Tensor, scale: float, zero_point: int) -> torch
 
 
 def _dequant_input(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
-    return (quantize_activation(x, scale, zero_point).float() - zero_point) * scale
+    q = x if x.dtype == torch.uint8 else quantize_activation(x, scale, zero_point)
+    return (q.float() - zero_point) * scale
 
 
 def _dequant_weight(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     return wq.float() * w_scale.reshape((-1,) + (1,) * (wq.dim() - 1))
+
+
+def _float_dtype(x: torch.Tensor) -> torch.dtype:
+    """The output's dtype when it is not requantised: the input's, float32 for a uint8 one."""
+    return torch.float32 if x.dtype == torch.uint8 else x.dtype
 
 
 def reference_linear(x, wq, w_scale, x_scale: float, x_zp: int, bias) -> torch.Tensor:
@@ -120,8 +126,12 @@ def reference_linear(x, wq, w_scale, x_scale: float, x_zp: int, bias) -> torch.T
 
 
 def reference_conv2d(
-    x, wq, w_scale, x_scale: float, x_zp: int, bias, stride, padding, dilation, groups
-) -> torch.Tensor:
+    x, wq, w_scale, x_scale: float, x_zp: int, bias, stride, padding, dilation, groups,
+    post: str = "none", out_scale: float = 0.0, out_zp: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """The convolution's math in float32 (x either float, quantised here, or already uint8),
+    then the ReLU when `post` is "relu", then the output quantised to uint8 by (out_scale,
+    out_zp) when out_scale > 0."""
     y = F.conv2d(
         _dequant_input(x, x_scale, x_zp),
         _dequant_weight(wq, w_scale),
@@ -131,7 +141,10 @@ def reference_conv2d(
         dilation,
         groups,
     )
-    return y.to(x.dtype)
+    y = torch.relu_(y) if post == "relu" else y
+    if out_scale > 0:
+        return quantize_activation(y, out_scale, out_zp)
+    return y.to(_float_dtype(x))
 
 
 # Prepacked weights, one per (weight tensor, packing arguments). The weak reference
@@ -188,16 +201,25 @@ _CONV_POST = {"none": "none", "relu": "relu"}
 
 def direct_conv2d(
     x, wq, w_scale, x_scale: float, x_zp: int, bias, stride, padding, dilation, groups,
-    post: str = "none",
+    post: str = "none", out_scale: float = 0.0, out_zp: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """conv2d(x, W, b) (then ReLU when `post` is "relu") through onednn's int8 convolution;
-    the output is channels-last, as onednn writes it."""
+    the output is channels-last, as onednn writes it.
+
+    A uint8 `x` is taken as already quantised with (x_scale, x_zp): the output of a
+    convolution before it that requantised in its epilogue. With `out_scale` > 0 the output
+    is requantised the same way, in the epilogue, to uint8 with (out_scale, out_zp): the
+    next convolution's input scale, so that the float32 map between the two is never
+    written and the next one skips its quantise pass."""
     if not _kernel_ok(x, wq) or x.dim() != 4:
-        y = reference_conv2d(x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups)
-        y = torch.relu_(y) if post == "relu" else y
+        y = reference_conv2d(
+            x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups,
+            post, out_scale, out_zp,
+        )  # fmt: skip
         return y.contiguous(memory_format=torch.channels_last)
     stride, padding, dilation = list(stride), list(padding), list(dilation)
-    xq = quantize_activation(x, x_scale, x_zp).contiguous(memory_format=torch.channels_last)
+    xq = x if x.dtype == torch.uint8 else quantize_activation(x, x_scale, x_zp)
+    xq = xq.contiguous(memory_format=torch.channels_last)
     # packed for this input shape: onednn picks the convolution's weight blocking from the
     # whole problem, and a weight packed without the shape (a guessed one) was reordered
     # again on every call by onednn's slow generic reorder (ResNet-50 on a VNNI CPU: 59 ms
@@ -212,11 +234,17 @@ def direct_conv2d(
         ),
     )
     b = None if bias is None else bias.float()
+    if out_scale > 0:
+        out = (out_scale, out_zp, torch.uint8)
+    else:
+        out = (1.0, 0, torch.float32)
     y = torch.ops.onednn.qconv2d_pointwise(
         xq, x_scale, x_zp, packed, w_scale, _zero_points(wq.shape[0]), b,
-        stride, padding, dilation, groups, 1.0, 0, torch.float32, _CONV_POST[post], [], "",
+        stride, padding, dilation, groups, *out, _CONV_POST[post], [], "",
     )  # fmt: skip
-    return y.to(x.dtype).contiguous(memory_format=torch.channels_last)
+    if out_scale <= 0:
+        y = y.to(_float_dtype(x))
+    return y.contiguous(memory_format=torch.channels_last)
 
 
 @torch.library.custom_op("opswap::int8_static_linear", mutates_args=())
@@ -250,21 +278,31 @@ def int8_static_conv2d(
     dilation: list[int],
     groups: int,
     post: str,
+    out_scale: float = 0.0,
+    out_zp: int = 0,
 ) -> torch.Tensor:
-    """conv2d with x quantised by the calibrated (x_scale, x_zp) and W in int8; `post` is
-    "none" or "relu" (fused into the convolution's epilogue). The output is channels-last."""
+    """conv2d with x quantised by the calibrated (x_scale, x_zp) (or given in uint8, already
+    quantised so) and W in int8; `post` is "none" or "relu" (fused into the convolution's
+    epilogue); with out_scale > 0 the output is uint8, quantised by (out_scale, out_zp) in
+    the epilogue. The output is channels-last."""
     return direct_conv2d(
-        x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups, post
-    )
+        x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups, post,
+        out_scale, out_zp,
+    )  # fmt: skip
 
 
 @int8_static_conv2d.register_fake
-def _fake_conv(x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups, post):
+def _fake_conv(
+    x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups, post,
+    out_scale=0.0, out_zp=0,
+):  # fmt: skip
     n, _, h, w = x.shape
     kh, kw = wq.shape[2], wq.shape[3]
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    return x.new_empty((n, wq.shape[0], oh, ow)).contiguous(memory_format=torch.channels_last)
+    dtype = torch.uint8 if out_scale > 0 else _float_dtype(x)
+    y = x.new_empty((n, wq.shape[0], oh, ow), dtype=dtype)
+    return y.contiguous(memory_format=torch.channels_last)
 
 
 def describe() -> dict[str, Any]:

@@ -110,6 +110,9 @@ class Int8StaticConv2d(_Static):
         self.stride, self.padding, self.dilation = list(stride), list(padding), list(dilation)
         self.groups = groups
         self.post = "relu" if relu else "none"
+        # set by precision.int8_static_handoff: the output requantised to uint8 in the
+        # epilogue with the next convolution's input scale (0.0: a float32 output)
+        self.out_scale, self.out_zp = 0.0, 0
         self.register_buffer("weight_int8", wq)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -127,10 +130,25 @@ class Int8StaticConv2d(_Static):
             f"stride={self.stride}, padding={self.padding}, groups={self.groups}, "
             f"post={self.post}, weight=int8 {w}, input=uint8 scale={self.x_scale:.4g} "
             f"zero_point={self.x_zp}"
+            + (
+                f", output=uint8 scale={self.out_scale:.4g} zero_point={self.out_zp}"
+                if self.out_scale > 0
+                else ""
+            )
         )
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return super().get_extra_state() | {"out_scale": self.out_scale, "out_zp": self.out_zp}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        super().set_extra_state(state)
+        # a state saved before the handoff existed has a float32 output
+        self.out_scale = float(state.get("out_scale", 0.0))
+        self.out_zp = int(state.get("out_zp", 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.opswap.int8_static_conv2d(
             x, self.weight_int8, self.weight_scale, self.x_scale, self.x_zp, self.bias,
             self.stride, self.padding, self.dilation, self.groups, self.post,
+            self.out_scale, self.out_zp,
         )  # fmt: skip
