@@ -11,7 +11,9 @@ this script measures). Then one interleaved loop (inference mode) times:
 
 - `input`: the float32 model as given, and `compile`: torch.compile of it;
 - `opswap_int8`: the planned graph with onednn's int8 convolutions, and
-  `opswap_int8+compile`;
+  `opswap_int8+compile`; `opswap_int8_float_maps` (and `+compile`): the same plan without
+  `precision.int8_static_handoff`, every convolution writing float32, to show what the
+  uint8 handoff between convolutions adds;
 - `openvino_fp32` (float32 asked for), `openvino_default` (the CPU plugin's own pick:
   bfloat16 on a CPU with AVX-512 BF16) and `openvino_int8` (nncf.quantize on the same
   calibration batches), when openvino and nncf are installed.
@@ -23,6 +25,7 @@ against float32, and for task models top-1 accuracy. Writes DIR/int8_static_cpu.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+HANDOFF = "precision.int8_static_handoff"
 SPECS = [
     "zoo:resnet?batch=8",
     "hf:resnet?depths=[3,4,6,3]&hidden_sizes=[256,512,1024,2048]&embedding_size=64"
@@ -113,9 +117,18 @@ def main() -> None:
         )
         int8 = apply_plan(cap, plan).gm
         row["plan_s"] = round(time.time() - t0, 1)
-        row["int8_sites"] = sum(d.rule.startswith("precision.int8_static") for d in plan.decisions)
+        rules = [d.rule for d in plan.decisions]
+        row["int8_sites"] = sum(
+            r.startswith("precision.int8_static") and r != HANDOFF for r in rules
+        )
+        row["handoffs"] = rules.count(HANDOFF)
         row["kernels"] = int8_static.describe()
         fns = {"input": m.module, "opswap_int8": int8}
+        if row["handoffs"]:
+            # the same plan without the uint8 handoffs, timed in the same run: what they add
+            plain = copy.copy(plan)
+            plain.decisions = [d for d in plan.decisions if d.rule != HANDOFF]
+            fns["opswap_int8_float_maps"] = apply_plan(cap, plain).gm
         ov = _openvino(m.module, xs, calibration)
         if isinstance(ov, str):
             row["openvino"] = ov
@@ -124,7 +137,7 @@ def main() -> None:
             row["openvino_inference_precision"] = versions.pop("openvino_inference_precision")
             fns.update(ov_fns)
         if not args.no_compile:
-            for base in ("input", "opswap_int8"):
+            for base in [k for k in ("input", "opswap_int8", "opswap_int8_float_maps") if k in fns]:
                 c = torch.compile(fns[base])
                 with torch.inference_mode():
                     c(*xs)

@@ -46,7 +46,7 @@ class StaticInt8Handoff(Rule):
     chapter = 6
     exactness = "approx"
     targets = ("cpu",)
-    after = ("precision.int8_static_conv", "fusion.*", "layout.*")
+    after = ("precision.int8_static_conv", "fusion.*")
     relieves = ("memory:conv",)
     description = (
         "int8 Conv2d feeding only another int8 Conv2d -> its output requantised to uint8 "
