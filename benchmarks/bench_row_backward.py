@@ -152,7 +152,9 @@ def sweep(device: str, smoke: bool) -> list[dict]:
     from opswap.kernels import layer_norm as L
     from opswap.kernels import rms_norm as R
     from opswap.kernels._rows import backward_tuning
+    from opswap.kernels.crossover import device_class
 
+    dev_class = device_class(torch.device(device))
     out = []
     shapes = (
         [(6, h) for h in (48, 200)] if smoke else [(r, h) for r in SWEEP_ROWS for h in SWEEP_WIDTHS]
@@ -173,6 +175,7 @@ def sweep(device: str, smoke: bool) -> list[dict]:
             for rb in (1, 2, 4):
                 for per_sm in (1, 2, 4, 8):
                     r = {"case": case, "hidden": hidden, "rows": rows, "rb": rb, "per_sm": per_sm}
+                    r["device"] = dev_class
                     try:
                         with backward_tuning(rb=rb, per_sm=per_sm):
                             fn()
@@ -251,12 +254,24 @@ def host(device: str, smoke: bool) -> list[dict]:
     return out
 
 
-def run(smoke: bool = False, do_sweep: bool = False, do_host: bool = False) -> dict:
+#: shapes timed against Liger and compile after the sweep (the table's launch in use):
+#: 4096 rows, where the width sweep had the norms' backward behind Liger's
+AFTER_SWEEP = ((4096, 3072), (4096, 8192))
+
+
+def run(
+    smoke: bool = False, do_sweep: bool = False, do_host: bool = False, table: bool = False
+) -> dict:
     device = "cpu" if smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: run with --smoke for the CPU check")
     res: dict = {**NK.env(device), "notes": [], "rows": []}
     res["copy_gbps"] = NK.copy_gbps(device, smoke)
+    if do_sweep:
+        res["sweep"] = sweep(device, smoke)
+        if table:
+            apply_sweep(res["sweep"], "bench_row_backward --sweep " + res.get("date", ""))
+            res["notes"].append("the rows below ran with the launch table this sweep wrote")
     rows = 3 if smoke else 32768
     for case in BACKWARD_TRAFFIC:
         hidden = (48 if smoke else 5632) if case == "swiglu" else (64 if smoke else 4096)
@@ -264,10 +279,23 @@ def run(smoke: bool = False, do_sweep: bool = False, do_host: bool = False) -> d
         if device == "cuda":
             torch.cuda.empty_cache()
     if do_sweep:
-        res["sweep"] = sweep(device, smoke)
+        for rows, hidden in [(5, 200)] if smoke else AFTER_SWEEP:
+            for case in ("rms_norm", "add_rms_norm", "layer_norm"):
+                res["rows"] += case_rows(case, rows, hidden, device, smoke)
     if do_host:
         res["host"] = host(device, smoke)
     return res
+
+
+def apply_sweep(sweep_rows: list[dict], source: str) -> list[dict]:
+    """Write the launch each shape class measured best into kernels/backward_launch.json."""
+    from opswap.kernels._rows import pick_backward_launches, update_backward_launches
+
+    entries = pick_backward_launches(sweep_rows)
+    update_backward_launches(entries, source)
+    for e in entries:
+        print(json.dumps(e), flush=True)
+    return entries
 
 
 def main() -> None:
@@ -281,9 +309,23 @@ def main() -> None:
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpreter")
     ap.add_argument("--sweep", action="store_true", help="time each backward launch choice")
+    ap.add_argument(
+        "--update-table",
+        action="store_true",
+        help="with --sweep: write the best launch per shape class into the package's table",
+    )
+    ap.add_argument(
+        "--apply", type=Path, help="write the table from a committed run's JSON (no GPU)"
+    )
     ap.add_argument("--host", action="store_true", help="the host's cost of a call")
     args = ap.parse_args()
-    res = run(args.smoke, args.sweep, args.host)
+    if args.apply:
+        data = json.loads(args.apply.read_text())
+        if not data.get("sweep"):
+            raise SystemExit(f"{args.apply} holds no sweep: run with --sweep to make one")
+        apply_sweep(data["sweep"], f"{args.apply.name} ({data.get('date', '')})")
+        return
+    res = run(args.smoke, args.sweep, args.host, args.update_table and not args.smoke)
     write_kernel_run(res, args.out, "row_backward", args.smoke, False)
 
 

@@ -197,7 +197,10 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     # decode stacks with the measured table (writes tune_int4_<card>.json)
     "tune_int4": (["tests/kernels/test_weight_only.py"], [["tune_int4.py"]]),
     # the backward kernels alone (GPU time) per launch choice, and the host's cost of a call
-    "backward": (KERNEL_TESTS[:3], [["bench_row_backward.py", "--sweep", "--host"]]),
+    "backward": (
+        KERNEL_TESTS[:3],
+        [["bench_row_backward.py", "--sweep", "--update-table", "--host"]],
+    ),
 }
 
 # the tests with CUDA paths of the low-precision schemes

@@ -11,9 +11,11 @@ length), so it reads each element once and writes each once; up to MAX_ROW eleme
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,17 +113,112 @@ def backward_tuning(rb: int | None = None, per_sm: int | None = None) -> Iterato
         _TUNING.update(old)
 
 
-def backward_grid(rows: int, n: int, device: torch.device) -> BackwardGrid:
+#: measured backward launches per GPU class, kernel and shape class, written by
+#: benchmarks/bench_row_backward.py --sweep --update-table (or --apply FILE)
+BACKWARD_TABLE = Path(__file__).with_name("backward_launch.json")
+_LAUNCH_MEMO: dict[tuple, tuple[int, int] | None] = {}
+
+
+def backward_launches(path: Path | None = None) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """The table's (rows a step, programs a multiprocessor) by (device class, kernel, shape
+    class); empty without a table."""
+    p = path or BACKWARD_TABLE
+    if not p.exists():
+        return {}
+    try:
+        return {
+            (e["device"], e["kernel"], e["shape"]): (int(e["rb"]), int(e["per_sm"]))
+            for e in json.loads(p.read_text())["entries"]
+        }
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KernelError(
+            f"the backward launch table {p} cannot be read ({e}); restore it from the package."
+        ) from None
+
+
+def backward_launch(kernel: str, device: torch.device, rows: int, n: int) -> tuple[int, int] | None:
+    """The measured launch of `kernel`'s backward for this shape class on this GPU, or None
+    (no entry: the defaults). Asked on every backward, so answers are kept."""
+    if device.type != "cuda":
+        return None
+    from opswap.kernels.crossover import device_class, shape_class
+
+    key = (BACKWARD_TABLE, device.index, kernel, shape_class(n, rows))
+    if key not in _LAUNCH_MEMO:
+        _LAUNCH_MEMO[key] = backward_launches().get((device_class(device), kernel, key[-1]))
+    return _LAUNCH_MEMO[key]
+
+
+def pick_backward_launches(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Table entries from a sweep's rows ({case, device, hidden, rows, rb, per_sm, ms}): per
+    device, kernel and shape class, the launch whose time summed over the class's shapes,
+    each relative to that shape's fastest launch, is least, so that where two widths share
+    a class neither is given a launch that only suits the other."""
+    from opswap.kernels.crossover import shape_class
+
+    timed = [r for r in sweep if r.get("ms")]
+    best: dict[tuple, float] = {}
+    for r in timed:
+        k = (r["device"], r["case"], r["hidden"], r["rows"])
+        best[k] = min(best.get(k, float("inf")), r["ms"])
+    score: dict[tuple, dict[tuple[int, int], list[float]]] = {}
+    for r in timed:
+        cls = (r["device"], r["case"], shape_class(r["hidden"], r["rows"]))
+        rel = r["ms"] / best[(r["device"], r["case"], r["hidden"], r["rows"])]
+        score.setdefault(cls, {}).setdefault((r["rb"], r["per_sm"]), []).append(rel)
+    entries = []
+    for (dev, case, shape), by_launch in sorted(score.items()):
+        n = max(len(v) for v in by_launch.values())
+        full = {k: v for k, v in by_launch.items() if len(v) == n}  # timed at every shape
+        (rb, per_sm), rels = min(full.items(), key=lambda kv: (sum(kv[1]), kv[0]))
+        entries.append(
+            {
+                "device": dev, "kernel": case, "shape": shape, "rb": rb, "per_sm": per_sm,
+                "worst_vs_fastest": round(max(rels), 4),
+                "shapes": n,
+            }
+        )  # fmt: skip
+    return entries
+
+
+def update_backward_launches(
+    entries: list[dict[str, Any]], source: str, path: Path | None = None
+) -> int:
+    """Write entries (pick_backward_launches') into the table, replacing those of the same
+    key; returns how many were written."""
+    p = path or BACKWARD_TABLE
+    old = json.loads(p.read_text()).get("entries", []) if p.exists() else []
+    keep = {(e["device"], e["kernel"], e["shape"]): e for e in old}
+    for e in entries:
+        keep[(e["device"], e["kernel"], e["shape"])] = {**e, "source": source}
+    data = {
+        "about": "Measured launches of the row kernels' backward (kernels/_rows.py "
+        "BACKWARD_TABLE): rb rows a step, per_sm programs a multiprocessor; written by "
+        "benchmarks/bench_row_backward.py --sweep --update-table.",
+        "entries": [keep[k] for k in sorted(keep)],
+    }
+    p.write_text(json.dumps(data, indent=1) + "\n")
+    _LAUNCH_MEMO.clear()
+    return len(entries)
+
+
+def backward_grid(
+    rows: int, n: int, device: torch.device, kernel: str | None = None
+) -> BackwardGrid:
     """The launch of a backward over `rows` rows of `n` elements. Each program takes a
     contiguous share of the rows, so the partial weight gradients are a few hundred rows,
-    not one per input row (4 programs a multiprocessor on a GPU, 4 in the interpreter);
-    rows up to 2 K elements go 2 to 4 a step, so that each step has as many bytes in flight
-    as a 4 K row."""
+    not one per input row. Where the launch table has `kernel` at this shape class on this
+    GPU, its measured (rows a step, programs a multiprocessor); otherwise 4 programs a
+    multiprocessor (4 in the interpreter), and rows up to 2 K elements 2 to 4 a step, so
+    that each step has as many bytes in flight as a 4 K row."""
     block, _ = row_settings(n)
-    rb = _TUNING.get("rb") or max(1, min(4, 4096 // block))
+    measured = None if _TUNING or kernel is None else backward_launch(kernel, device, rows, n)
+    rb_default = max(1, min(4, 4096 // block))
+    rb = _TUNING.get("rb") or (measured[0] if measured else rb_default)
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = _TUNING.get("per_sm", 4) * sms
+        want = _TUNING.get("per_sm") or (measured[1] if measured else 4)
+        want *= sms
     else:
         want = 4
     per = -(-max(rows, 1) // max(1, min(rows, want)))  # rows a program

@@ -170,7 +170,7 @@ def triton_backward(dy, x, weight, eps) -> tuple[torch.Tensor, torch.Tensor, tor
     m = x2.shape[0]
     dy2 = dy.reshape(m, n).contiguous()
     dx = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    grid = backward_grid(m, n, x.device)
+    grid = backward_grid(m, n, x.device, "layer_norm")
     pw = torch.empty((grid.programs, n), device=x.device)
     pb = torch.empty((grid.programs, n), device=x.device)
     if m:

@@ -240,7 +240,7 @@ def triton_backward(
     dy2 = dy.reshape(m, n).contiguous()
     dr2 = dres.reshape(m, n).contiguous() if dres is not None else dy2
     dx = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    grid = backward_grid(m, n, x.device)
+    grid = backward_grid(m, n, x.device, "add_rms_norm" if dres is not None else "rms_norm")
     part = torch.empty((grid.programs, n) if weight is not None else (0,), device=x.device)
     if m:
         wrap_triton(jitted(_rms_bwd_fn))[(grid.programs,)](
