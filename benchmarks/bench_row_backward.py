@@ -146,7 +146,7 @@ SWEEP_ROWS = (4096, 32768)
 SWEEP_WIDTHS = (768, 2048, 3072, 5120, 8192, 16384)
 
 
-def sweep(device: str, smoke: bool) -> list[dict]:
+def sweep(device: str, smoke: bool, rows_list: tuple[int, ...] = SWEEP_ROWS) -> list[dict]:
     """The backward kernels alone at each (rb, per_sm), GB/s over the bytes they move (the
     fp32 partials of dw and db not counted: they are the launch's own cost)."""
     from opswap.kernels import layer_norm as L
@@ -157,7 +157,7 @@ def sweep(device: str, smoke: bool) -> list[dict]:
     dev_class = device_class(torch.device(device))
     out = []
     shapes = (
-        [(6, h) for h in (48, 200)] if smoke else [(r, h) for r in SWEEP_ROWS for h in SWEEP_WIDTHS]
+        [(6, h) for h in (48, 200)] if smoke else [(r, h) for r in rows_list for h in SWEEP_WIDTHS]
     )
     for case in ("rms_norm", "add_rms_norm", "layer_norm"):
         for rows, hidden in shapes:
@@ -260,7 +260,11 @@ AFTER_SWEEP = ((4096, 3072), (4096, 8192))
 
 
 def run(
-    smoke: bool = False, do_sweep: bool = False, do_host: bool = False, table: bool = False
+    smoke: bool = False,
+    do_sweep: bool = False,
+    do_host: bool = False,
+    table: bool = False,
+    sweep_rows: tuple[int, ...] = SWEEP_ROWS,
 ) -> dict:
     device = "cpu" if smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -268,7 +272,7 @@ def run(
     res: dict = {**NK.env(device), "notes": [], "rows": []}
     res["copy_gbps"] = NK.copy_gbps(device, smoke)
     if do_sweep:
-        res["sweep"] = sweep(device, smoke)
+        res["sweep"] = sweep(device, smoke, sweep_rows)
         if table:
             apply_sweep(res["sweep"], "bench_row_backward --sweep " + res.get("date", ""))
             res["notes"].append("the rows below ran with the launch table this sweep wrote")
@@ -318,6 +322,11 @@ def main() -> None:
         "--apply", type=Path, help="write the table from a committed run's JSON (no GPU)"
     )
     ap.add_argument("--host", action="store_true", help="the host's cost of a call")
+    ap.add_argument(
+        "--sweep-rows",
+        default=",".join(map(str, SWEEP_ROWS)),
+        help="the sweep's row counts, comma-separated",
+    )
     args = ap.parse_args()
     if args.apply:
         data = json.loads(args.apply.read_text())
@@ -325,7 +334,8 @@ def main() -> None:
             raise SystemExit(f"{args.apply} holds no sweep: run with --sweep to make one")
         apply_sweep(data["sweep"], f"{args.apply.name} ({data.get('date', '')})")
         return
-    res = run(args.smoke, args.sweep, args.host, args.update_table and not args.smoke)
+    rows = tuple(int(r) for r in args.sweep_rows.split(","))
+    res = run(args.smoke, args.sweep, args.host, args.update_table and not args.smoke, rows)
     write_kernel_run(res, args.out, "row_backward", args.smoke, False)
 
 
