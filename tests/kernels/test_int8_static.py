@@ -257,3 +257,39 @@ def test_uint8_output_of_the_kernel_is_the_reference_bytes():
     assert y.dtype == ref.dtype == torch.uint8
     assert int((y.int() - ref.int()).abs().max()) <= 1
     assert int(y.min()) >= 3  # ReLU then the zero point: nothing below it
+
+
+@pytest.mark.parametrize("post", ["none", "relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["onednn", "reference"])
+@pytest.mark.parametrize("lead,kin,mid,n", [((5,), 37, 19, 11), ((2, 7), 64, 96, 33)])
+def test_linear_handoff_with_the_activation_in_the_epilogue(
+    monkeypatch, post, kernel, lead, kin, mid, n
+):
+    """A Linear that applies its activation in the epilogue and requantises to the next
+    Linear's input scale (uint8 out), the next taking that uint8, gives what the pair gives
+    through float32 with the activation as its own op."""
+    if kernel and not k.onednn_available():
+        pytest.skip("onednn's int8 kernels need an x86 CPU build of torch")
+    if not kernel:
+        monkeypatch.setattr(k, "onednn_available", lambda: False)
+    g = torch.Generator().manual_seed(kin + mid + n)
+    x = torch.randn(*lead, kin, generator=g)
+    w1, w2 = torch.randn(mid, kin, generator=g) * 0.2, torch.randn(n, mid, generator=g) * 0.2
+    b1, b2 = torch.randn(mid, generator=g), torch.randn(n, generator=g)
+    q1, s1 = k.quantize_weight(w1)
+    q2, s2 = k.quantize_weight(w2)
+    p1 = qparams(float(x.min()), float(x.max()), False)
+    op = torch.ops.opswap.int8_static_linear
+    h = op(x, q1, s1, p1.scale, p1.zero_point, b1)
+    h = k._post(h.clone(), post)
+    p2 = qparams(float(h.min()), float(h.max()), False)
+    hq = op(x, q1, s1, p1.scale, p1.zero_point, b1, post, p2.scale, p2.zero_point)
+    assert hq.dtype == torch.uint8 and hq.shape == (*lead, mid)
+    diff = (hq.int() - k.quantize_activation(h, p2.scale, p2.zero_point).int()).abs()
+    assert int(diff.max()) <= 1 and float(diff.float().mean()) < 0.02
+    y = op(hq, q2, s2, p2.scale, p2.zero_point, b2)
+    y_float = op(h, q2, s2, p2.scale, p2.zero_point, b2)
+    assert y.dtype == torch.float32 and y.shape == (*lead, n)
+    assert _rel(y, y_float) < 3e-3
+    exact = F.linear(k._post(F.linear(x, w1, b1), post), w2, b2)
+    assert _rel(y, exact) < 0.06

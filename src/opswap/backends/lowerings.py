@@ -15,7 +15,7 @@ execution provider:
 | opswap::int8_linear_fbgemm  | per-tensor 7-bit uint8 quantisation, MatMulInteger, rescale |
 | opswap::wo_linear, INT4     | com.microsoft MatMulNBits (groups of a power of two >= 16)  |
 | opswap::wo_linear, other    | the weight dequantised in the graph, then MatMul            |
-| opswap::int8_static_linear  | QuantizeLinear / DequantizeLinear pairs around MatMul (QDQ) |
+| opswap::int8_static_linear  | QDQ around MatMul (+ Relu, Gelu); uint8 in or out as is     |
 | opswap::int8_static_conv2d  | QDQ around Conv (+ Relu); a uint8 input or output as is     |
 | opswap::fp8_linear          | Cast to FLOAT8E4M3FN and back (the op's CPU math)           |
 | opswap::rms_norm            | ReduceMean of squares, Sqrt, Div, the weight (fp32 inside)  |
@@ -69,7 +69,7 @@ LOWERED = {
     "aten::_int_mm": "MatMulInteger",
     "opswap::int8_linear_fbgemm": "MatMulInteger with per-tensor 7-bit uint8 quantisation",
     "opswap::wo_linear": "com.microsoft MatMulNBits (INT4) or dequantise + MatMul",
-    "opswap::int8_static_linear": "QuantizeLinear/DequantizeLinear + MatMul",
+    "opswap::int8_static_linear": "QuantizeLinear/DequantizeLinear + MatMul (+ Relu, Gelu)",
     "opswap::int8_static_conv2d": "QuantizeLinear/DequantizeLinear + Conv (+ Relu)",
     "opswap::fp8_linear": "Cast to FLOAT8E4M3FN and back + MatMul",
     "opswap::rms_norm": "ReduceMean + Sqrt + Div + Mul (float32 inside)",
@@ -315,25 +315,42 @@ def table() -> dict[Any, Any]:
             return op.DequantizeLinear(wq, op.Reshape(w_scale, ints([])))
         return op.DequantizeLinear(wq, w_scale, axis=0)
 
-    def int8_static_linear(x, wq, w_scale, x_scale, x_zp, bias):
+    def static_input(x, x_scale: float, x_zp: int):
+        """The layer's float input: a uint8 one (handed over already quantised with
+        (x_scale, x_zp)) dequantised, a float one through its quantise-dequantise pair."""
+        if x.dtype != DataType.UINT8:
+            return qdq_input(x, x_scale, x_zp)
+        s = op.Constant(value_float=float(x_scale))
+        return op.DequantizeLinear(x, s, op.Constant(value=_u8(int(x_zp), scalar=True)))
+
+    def static_output(y, x, post: str, out_scale: float, out_zp: int):
+        """The epilogue: the activation, then uint8 by (out_scale, out_zp) when out_scale > 0,
+        else x's float dtype (float32 for a uint8 x)."""
+        if post == "relu":
+            y = op.Relu(y)
+        elif post in ("gelu", "gelu_tanh"):
+            y = op.Gelu(y, approximate="tanh" if post == "gelu_tanh" else "none")
+        if out_scale > 0:
+            s = op.Constant(value_float=float(out_scale))
+            return op.QuantizeLinear(y, s, op.Constant(value=_u8(int(out_zp), scalar=True)))
+        return y if x.dtype == DataType.UINT8 else _back(y, x, op)
+
+    def int8_static_linear(
+        x, wq, w_scale, x_scale, x_zp, bias, post="none", out_scale=0.0, out_zp=0
+    ):
         y = op.MatMul(
-            qdq_input(x, x_scale, x_zp), op.Transpose(qdq_weight(wq, w_scale), perm=[1, 0])
+            static_input(x, x_scale, x_zp), op.Transpose(qdq_weight(wq, w_scale), perm=[1, 0])
         )
         if bias is not None:
             y = op.Add(y, bias)
-        return _back(y, x, op)
+        return static_output(y, x, post, out_scale, out_zp)
 
     def int8_static_conv2d(
         x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups, post,
         out_scale=0.0, out_zp=0,
     ):  # fmt: skip
-        if x.dtype == DataType.UINT8:  # handed over already quantised with (x_scale, x_zp)
-            s = op.Constant(value_float=float(x_scale))
-            xin = op.DequantizeLinear(x, s, op.Constant(value=_u8(int(x_zp), scalar=True)))
-        else:
-            xin = qdq_input(x, x_scale, x_zp)
         y = op.Conv(
-            xin,
+            static_input(x, x_scale, x_zp),
             qdq_weight(wq, w_scale),
             *([bias] if bias is not None else []),
             strides=list(stride),
@@ -341,11 +358,7 @@ def table() -> dict[Any, Any]:
             dilations=list(dilation),
             group=groups,
         )
-        y = op.Relu(y) if post == "relu" else y
-        if out_scale > 0:  # requantised for the next convolution, as the epilogue does
-            s = op.Constant(value_float=float(out_scale))
-            return op.QuantizeLinear(y, s, op.Constant(value=_u8(int(out_zp), scalar=True)))
-        return y if x.dtype == DataType.UINT8 else _back(y, x, op)
+        return static_output(y, x, post, out_scale, out_zp)
 
     def fp8_linear(x, wq, w_scale, bias, rowwise):
         # x / s in e4m3 (saturating at 448), s = max|x| / 448 per row or per tensor

@@ -119,10 +119,31 @@ def _float_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype == torch.uint8 else x.dtype
 
 
-def reference_linear(x, wq, w_scale, x_scale: float, x_zp: int, bias) -> torch.Tensor:
-    """The op's math in float32: what every kernel must match."""
+def _post(y: torch.Tensor, post: str) -> torch.Tensor:
+    """The activation an epilogue applies (in place on a fresh float32 tensor)."""
+    if post == "relu":
+        return torch.relu_(y)
+    if post in ("gelu", "gelu_tanh"):
+        return F.gelu(y, approximate="tanh" if post == "gelu_tanh" else "none")
+    return y
+
+
+def _out(y: torch.Tensor, x: torch.Tensor, out_scale: float, out_zp: int) -> torch.Tensor:
+    """The epilogue's output: uint8 by (out_scale, out_zp) when out_scale > 0, else x's
+    float dtype."""
+    if out_scale > 0:
+        return quantize_activation(y, out_scale, out_zp)
+    return y.to(_float_dtype(x))
+
+
+def reference_linear(
+    x, wq, w_scale, x_scale: float, x_zp: int, bias, post: str = "none",
+    out_scale: float = 0.0, out_zp: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """The op's math in float32 (x float, quantised here, or already uint8): what every
+    kernel must match."""
     y = F.linear(_dequant_input(x, x_scale, x_zp), _dequant_weight(wq, w_scale), bias)
-    return y.to(x.dtype)
+    return _out(_post(y, post), x, out_scale, out_zp)
 
 
 def reference_conv2d(
@@ -141,10 +162,7 @@ def reference_conv2d(
         dilation,
         groups,
     )
-    y = torch.relu_(y) if post == "relu" else y
-    if out_scale > 0:
-        return quantize_activation(y, out_scale, out_zp)
-    return y.to(_float_dtype(x))
+    return _out(_post(y, post), x, out_scale, out_zp)
 
 
 # Prepacked weights, one per (weight tensor, packing arguments). The weak reference
@@ -181,19 +199,41 @@ def _zero_points(n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64)
 
 
-def direct_linear(x, wq, w_scale, x_scale: float, x_zp: int, bias) -> torch.Tensor:
-    """y = x W^T + b through onednn's int8 GEMM (the reference where it does not run)."""
+#: the epilogue activations of onednn's int8 GEMM: (post-op name, algorithm)
+_LINEAR_POST = {
+    "none": ("none", ""),
+    "relu": ("relu", ""),
+    "gelu": ("gelu", "none"),
+    "gelu_tanh": ("gelu", "tanh"),
+}
+
+
+def _epilogue_out(out_scale: float, out_zp: int) -> tuple[float, int, torch.dtype]:
+    return (out_scale, out_zp, torch.uint8) if out_scale > 0 else (1.0, 0, torch.float32)
+
+
+def direct_linear(
+    x, wq, w_scale, x_scale: float, x_zp: int, bias, post: str = "none",
+    out_scale: float = 0.0, out_zp: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """y = x W^T + b through onednn's int8 GEMM (the reference where it does not run), then
+    the activation `post` ("none", "relu", "gelu", "gelu_tanh") in its epilogue; a uint8 x
+    is taken as already quantised with (x_scale, x_zp), and out_scale > 0 requantises the
+    output to uint8 there (see direct_conv2d)."""
     if not _kernel_ok(x, wq):
-        return reference_linear(x, wq, w_scale, x_scale, x_zp, bias)
+        return reference_linear(x, wq, w_scale, x_scale, x_zp, bias, post, out_scale, out_zp)
     lead, k = x.shape[:-1], x.shape[-1]
-    xq = quantize_activation(x.reshape(-1, k), x_scale, x_zp)
+    x2 = x.reshape(-1, k)
+    xq = x2 if x.dtype == torch.uint8 else quantize_activation(x2, x_scale, x_zp)
     packed = _packed(wq, ("linear",), lambda: torch.ops.onednn.qlinear_prepack(wq, None))
     b = None if bias is None else bias.float()
+    name, algorithm = _LINEAR_POST[post]
     y = torch.ops.onednn.qlinear_pointwise(
-        xq, x_scale, x_zp, packed, w_scale, _zero_points(wq.shape[0]), b,
-        1.0, 0, torch.float32, "none", [], "",
+        xq.contiguous(), x_scale, x_zp, packed, w_scale, _zero_points(wq.shape[0]), b,
+        *_epilogue_out(out_scale, out_zp), name, [], algorithm,
     )  # fmt: skip
-    return y.reshape(*lead, wq.shape[0]).to(x.dtype)
+    y = y.reshape(*lead, wq.shape[0])
+    return y if out_scale > 0 else y.to(_float_dtype(x))
 
 
 _CONV_POST = {"none": "none", "relu": "relu"}
@@ -234,13 +274,10 @@ def direct_conv2d(
         ),
     )
     b = None if bias is None else bias.float()
-    if out_scale > 0:
-        out = (out_scale, out_zp, torch.uint8)
-    else:
-        out = (1.0, 0, torch.float32)
     y = torch.ops.onednn.qconv2d_pointwise(
         xq, x_scale, x_zp, packed, w_scale, _zero_points(wq.shape[0]), b,
-        stride, padding, dilation, groups, *out, _CONV_POST[post], [], "",
+        stride, padding, dilation, groups, *_epilogue_out(out_scale, out_zp),
+        _CONV_POST[post], [], "",
     )  # fmt: skip
     if out_scale <= 0:
         y = y.to(_float_dtype(x))
@@ -255,14 +292,21 @@ def int8_static_linear(
     x_scale: float,
     x_zp: int,
     bias: torch.Tensor | None,
+    post: str = "none",
+    out_scale: float = 0.0,
+    out_zp: int = 0,
 ) -> torch.Tensor:
-    """x W^T + b with x quantised by the calibrated (x_scale, x_zp) and W in int8 [N, K]."""
-    return direct_linear(x, wq, w_scale, x_scale, x_zp, bias)
+    """x W^T + b with x quantised by the calibrated (x_scale, x_zp) (or given in uint8,
+    already quantised so) and W in int8 [N, K]; `post` ("none", "relu", "gelu",
+    "gelu_tanh") in the epilogue; with out_scale > 0 the output is uint8, quantised by
+    (out_scale, out_zp) there."""
+    return direct_linear(x, wq, w_scale, x_scale, x_zp, bias, post, out_scale, out_zp)
 
 
 @int8_static_linear.register_fake
-def _fake_linear(x, wq, w_scale, x_scale, x_zp, bias):
-    return x.new_empty((*x.shape[:-1], wq.shape[0]))
+def _fake_linear(x, wq, w_scale, x_scale, x_zp, bias, post="none", out_scale=0.0, out_zp=0):
+    dtype = torch.uint8 if out_scale > 0 else _float_dtype(x)
+    return x.new_empty((*x.shape[:-1], wq.shape[0]), dtype=dtype)
 
 
 @torch.library.custom_op("opswap::int8_static_conv2d", mutates_args=())

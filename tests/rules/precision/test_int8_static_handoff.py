@@ -36,8 +36,10 @@ def _int8_pays(monkeypatch):
     not pay for their quantise pass; whether they do is a benchmark's business)."""
     from opswap.rules.base import Estimate
     from opswap.rules.precision.int8_static_conv import StaticInt8Conv
+    from opswap.rules.precision.int8_static_linear import StaticInt8Linear
 
-    monkeypatch.setattr(StaticInt8Conv, "predict", lambda *a: Estimate(0.0, 0.0, 1e-6, "test"))
+    for rule in (StaticInt8Conv, StaticInt8Linear):
+        monkeypatch.setattr(rule, "predict", lambda *a: Estimate(0.0, 0.0, 1e-6, "test"))
 
 
 class Bottleneck(nn.Module):
@@ -196,4 +198,68 @@ def test_exported_file_and_onnx_keep_the_handoff(tmp_path):
     # step of a uint8 map may go the other way, one step of 256, spread by the next
     # convolution; a wrong scale or zero point would be off by tens of steps
     assert float((got - want).abs().max()) < 0.01 * float(want.abs().max())
+    assert _rel(got, want) < 5e-3
+
+
+class FeedForward(nn.Module):
+    """A transformer feed-forward (LayerNorm, up projection, GELU, down projection, the
+    residual), then a ReLU MLP head whose ReLU is in place, a tanh-GELU pair, and a Linear
+    read twice."""
+
+    def __init__(self, d=48, hidden=96):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+        self.h1 = nn.Linear(d, 64)
+        self.h2 = nn.Linear(64, 40)
+        self.g = nn.GELU(approximate="tanh")
+        self.h3 = nn.Linear(40, 32)
+        self.two = nn.Linear(32, 32)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps += 1
+        x = x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+        h = self.h1(x).relu_()
+        h = self.h3(self.g(self.h2(h)))
+        t = self.two(h)
+        return torch.cat([t, t * 2], -1)
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_linear_chains_hand_off_with_the_activation_in_the_epilogue(method, tmp_path):
+    torch.manual_seed(3)
+    model = FeedForward().eval()
+    x = torch.randn(2, 7, 48)
+    cap, plan, applied = _plan(model, x, ["fusion.*", "precision.int8_static_*"], method)
+    hand = [d for d in plan.decisions if d.rule == HANDOFF]
+    # up -> GELU -> down, h1 -> ReLU -> h2, h2 -> tanh GELU -> h3, h3 -> two; not down (the
+    # residual), not two (read twice)
+    assert len(hand) == 4, [d.site.key for d in hand]
+    assert any("2 readers" in m.reason for m in plan.misses if m.rule == HANDOFF)
+    from opswap.rules.precision._int8_static_module import Int8StaticLinear
+
+    lins = {type(m).__name__ + str(i): m for i, m in enumerate(applied.gm.modules())}
+    posts = sorted(m.post for m in lins.values() if isinstance(m, Int8StaticLinear))
+    assert posts == ["gelu", "gelu_tanh", "none", "none", "none", "relu"], posts
+    assert not [n for n in applied.gm.graph.nodes if "gelu" in str(n.target)]
+    rules = ["fusion.*", "precision.int8_static_conv", "precision.int8_static_linear"]
+    _, _, plain = _plan(model, x, rules, method)
+    for label, xs in [("example", (x,)), *other_shapes(cap), ("3 x 5", (torch.randn(3, 5, 48),))]:
+        with torch.inference_mode():
+            want, got, base = model(*xs), applied.gm(*xs), plain.gm(*xs)
+        assert got.shape == want.shape, label
+        assert _rel(got, base) < 5e-3, (label, _rel(got, base))
+        assert _rel(got, want) < 0.05, (label, _rel(got, want))
+
+    pytest.importorskip("onnxruntime")
+    from opswap.backends.ort import ort_artifact
+
+    art = ort_artifact(applied.gm, (x,), None, tmp_path)
+    assert art.module is not None, art.error
+    got = art.module(x)
+    got = next(iter(got.values())) if isinstance(got, dict) else got
+    with torch.inference_mode():
+        want = applied.gm(x)
     assert _rel(got, want) < 5e-3

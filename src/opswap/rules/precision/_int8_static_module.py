@@ -45,15 +45,36 @@ class _Static(nn.Module):
     x_zp: int
     weight_int8: torch.Tensor
     weight_scale: torch.Tensor
+    #: the epilogue's activation ("none", "relu"; a Linear also "gelu", "gelu_tanh")
+    post: str = "none"
+    #: set by precision.int8_static_handoff: the output requantised to uint8 in the
+    #: epilogue with the next layer's input scale (0.0: a float32 output)
+    out_scale: float = 0.0
+    out_zp: int = 0
 
     def _set_input(self, qp: QParams) -> None:
         self.x_scale, self.x_zp = float(qp.scale), int(qp.zero_point)
 
+    def _output_repr(self) -> str:
+        if self.out_scale <= 0:
+            return ""
+        return f", output=uint8 scale={self.out_scale:.4g} zero_point={self.out_zp}"
+
     def get_extra_state(self) -> dict[str, Any]:
-        return {"x_scale": self.x_scale, "x_zp": self.x_zp}
+        return {
+            "x_scale": self.x_scale,
+            "x_zp": self.x_zp,
+            "post": self.post,
+            "out_scale": self.out_scale,
+            "out_zp": self.out_zp,
+        }
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.x_scale, self.x_zp = float(state["x_scale"]), int(state["x_zp"])
+        # a state saved before the handoff existed: the module's own post, float32 output
+        self.post = str(state.get("post", self.post))
+        self.out_scale = float(state.get("out_scale", 0.0))
+        self.out_zp = int(state.get("out_zp", 0))
 
 
 class Int8StaticLinear(_Static):
@@ -78,12 +99,15 @@ class Int8StaticLinear(_Static):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"weight=int8 {w}, input=uint8 scale={self.x_scale:.4g} zero_point={self.x_zp}"
+            + (f", post={self.post}" if self.post != "none" else "")
+            + self._output_repr()
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.opswap.int8_static_linear(
-            x, self.weight_int8, self.weight_scale, self.x_scale, self.x_zp, self.bias
-        )
+            x, self.weight_int8, self.weight_scale, self.x_scale, self.x_zp, self.bias,
+            self.post, self.out_scale, self.out_zp,
+        )  # fmt: skip
 
 
 class Int8StaticConv2d(_Static):
@@ -110,9 +134,6 @@ class Int8StaticConv2d(_Static):
         self.stride, self.padding, self.dilation = list(stride), list(padding), list(dilation)
         self.groups = groups
         self.post = "relu" if relu else "none"
-        # set by precision.int8_static_handoff: the output requantised to uint8 in the
-        # epilogue with the next convolution's input scale (0.0: a float32 output)
-        self.out_scale, self.out_zp = 0.0, 0
         self.register_buffer("weight_int8", wq)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -129,22 +150,8 @@ class Int8StaticConv2d(_Static):
             f"out_channels={self.out_channels}, kernel={tuple(self.weight_int8.shape[2:])}, "
             f"stride={self.stride}, padding={self.padding}, groups={self.groups}, "
             f"post={self.post}, weight=int8 {w}, input=uint8 scale={self.x_scale:.4g} "
-            f"zero_point={self.x_zp}"
-            + (
-                f", output=uint8 scale={self.out_scale:.4g} zero_point={self.out_zp}"
-                if self.out_scale > 0
-                else ""
-            )
+            f"zero_point={self.x_zp}" + self._output_repr()
         )
-
-    def get_extra_state(self) -> dict[str, Any]:
-        return super().get_extra_state() | {"out_scale": self.out_scale, "out_zp": self.out_zp}
-
-    def set_extra_state(self, state: dict[str, Any]) -> None:
-        super().set_extra_state(state)
-        # a state saved before the handoff existed has a float32 output
-        self.out_scale = float(state.get("out_scale", 0.0))
-        self.out_zp = int(state.get("out_zp", 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.opswap.int8_static_conv2d(
