@@ -13,9 +13,15 @@ loop times, each on the same inputs:
   `opswap_uncompiled` beside it then), and
   `opswap_int8_static`: the model planned with `precision.int8_static_linear` for a
   profile where int8 pays, calibrated on 8 random batches (measured whatever this CPU's
-  timing decides);
+  timing decides), and `opswap_int8_static_handoff`, the same plus
+  `precision.int8_static_handoff` (uint8 from each up projection, its GELU in the
+  epilogue, to the down projection);
 - `ort_fp32` and `ort_int8_dynamic` (`onnxruntime.quantization.quantize_dynamic`, QInt8
   weights), when onnxruntime is installed;
+- `ort_opswap_int8` and `openvino_opswap_int8`: opswap's int8 plan with the handoffs
+  exported to ONNX (QuantizeLinear / DequantizeLinear around the integer layers, its
+  calibrated scales as constants) and run by each runtime: what opswap adds to the
+  runtime, against the runtime on the input's export;
 - `openvino_fp32` (inference precision f32 asked for), `openvino_default` (what the CPU
   plugin picks unasked: bfloat16 on a CPU with AVX-512 BF16) and `openvino_int8`
   (`nncf.quantize` on 8 calibration batches, default precision for what stays float),
@@ -151,6 +157,15 @@ def main() -> None:
         row["int8_static_sites"] = sum(
             d.rule.endswith("int8_static_linear") for d in plan.decisions
         )
+        # the same with uint8 handed from each up projection (its GELU in the epilogue)
+        # to the down projection, timed beside it
+        plan_h = make_plan(
+            cap,
+            rules=["fusion.*", "precision.int8_static_linear", "precision.int8_static_handoff"],
+            exactness="approx",
+            target=pays,
+        )
+        row["handoffs"] = sum(d.rule.endswith("int8_static_handoff") for d in plan_h.decisions)
         fns = {
             "torch_fp32": m.module,
             # the saved file as a user loads it: compiled when the race saved a compiled
@@ -159,7 +174,24 @@ def main() -> None:
                 tmp / "opswap", compile=False if args.no_compile else None
             ),
             "opswap_int8_static": apply_plan(cap, plan).gm,
+            "opswap_int8_static_handoff": apply_plan(cap, plan_h).gm,
         }
+        # the runtimes on opswap's int8 export: the handoff plan's QDQ ONNX file (its
+        # calibrated scales and uint8 handoffs written as QuantizeLinear/DequantizeLinear)
+        # in ONNX Runtime and OpenVINO, against the same runtimes on the input's export
+        from opswap.backends.openvino import openvino_artifact
+        from opswap.backends.ort import ort_artifact
+
+        for label, make in (
+            ("ort_opswap_int8", ort_artifact),
+            ("openvino_opswap_int8", openvino_artifact),
+        ):
+            (tmp / label).mkdir()
+            art = make(fns["opswap_int8_static_handoff"], xs, None, tmp / label)
+            if art.module is None:
+                row[label] = art.error
+            else:
+                fns[label] = art.module
         if r.best.endswith("+compile") and not args.no_compile:
             fns["opswap_uncompiled"] = opswap.load_optimized(tmp / "opswap", compile=False)
         with torch.inference_mode():
@@ -185,6 +217,11 @@ def main() -> None:
                     versions.update(got[1])
         variants = compare_variants(fns, xs, "torch_fp32")
     row["variants"] = variants
+    by = {v["name"]: v["ms"] for v in variants}
+    for engine, base in (("ort", "ort_fp32"), ("openvino", "openvino_default")):
+        mine = by.get(f"{engine}_opswap_int8")
+        if mine and by.get(base):
+            row[f"{engine}_opswap_int8_vs_{base}"] = by[base] / mine
     int8_peers = [v for v in variants if v["name"] in ("ort_int8_dynamic", "openvino_int8")]
     ours = min((v for v in variants if v["name"].startswith("opswap")), key=lambda v: v["ms"])
     if int8_peers:
