@@ -246,3 +246,35 @@ def test_every_registered_opswap_op_has_a_lowering():
         if isinstance(getattr(torch.ops.opswap, name), torch._ops.OpOverloadPacket)
     }
     assert {f"opswap::{n}" for n in registered} <= lowered | set(NOT_LOWERED)
+
+
+@pytest.mark.parametrize("form", ["qdq", "integer"])
+def test_static_int8_linear_in_both_onnx_forms(form, tmp_path):
+    """The static int8 Linear written as QDQ (for OpenVINO and other readers) and as
+    MatMulInteger (for ONNX Runtime): the same numbers in ONNX Runtime, with and without
+    a handed-over uint8 input, a GELU and a uint8 output in the epilogue."""
+    import onnxruntime as ort
+
+    from opswap.backends.onnx import export_onnx
+
+    torch.manual_seed(5)
+    first = Int8StaticLinear(torch.randn(40, K) * 0.1, torch.randn(40), QParams(0.03, 120), True)
+    second = Int8StaticLinear(torch.randn(N, 40) * 0.1, None, QParams(0.02, 4), False)
+    first.post, first.out_scale, first.out_zp = "gelu", second.x_scale, second.x_zp
+    model = nn.Sequential(first, second).eval()
+    x = torch.randn(3, K)
+    art = export_onnx(model, (x,), BATCH, tmp_path, int8=form)
+    assert art.path is not None, art.error
+    ops = {n.op_type for n in onnx.load(str(art.path)).graph.node}
+    assert ("MatMulInteger" in ops) == (form == "integer"), ops
+    assert "Gelu" in ops and "QuantizeLinear" in ops
+    sess = ort.InferenceSession(str(art.path), providers=["CPUExecutionProvider"])
+    for batch in (1, 5):
+        xb = torch.randn(batch, K)
+        (got,) = sess.run(None, {sess.get_inputs()[0].name: xb.numpy()})
+        with torch.no_grad():
+            want = model(xb)
+        # a value on a half step of the uint8 tensor between the two may round the other way
+        assert float((torch.from_numpy(got) - want).abs().max()) < 0.01 * float(want.abs().max())
+    with pytest.raises(ValueError, match="int8 must be one of"):
+        table("int4")

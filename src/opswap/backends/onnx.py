@@ -76,9 +76,10 @@ def _quiet():
         log.setLevel(level)
 
 
-def to_onnx(program, path: str | Path, *, fusions: bool = False) -> Path:
-    """Translate `program` (an ExportedProgram) to ONNX at `path`. Raises ExportError
-    naming an op without a lowering, or the exporter's reason."""
+def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "qdq") -> Path:
+    """Translate `program` (an ExportedProgram) to ONNX at `path`, static int8 Linears in
+    the form `int8` names (lowerings.INT8_FORMS). Raises ExportError naming an op without a
+    lowering, or the exporter's reason."""
     try:
         import onnxscript  # noqa: F401
     except ImportError as e:
@@ -100,7 +101,7 @@ def to_onnx(program, path: str | Path, *, fusions: bool = False) -> Path:
                 program,
                 (),
                 dynamo=True,
-                custom_translation_table=table(),
+                custom_translation_table=table(int8),
                 opset_version=OPSET,
                 optimize=True,
                 verbose=False,
@@ -128,12 +129,14 @@ def export_onnx(
     *,
     exported: Any = None,
     fusions: bool = False,
+    int8: str = "qdq",
 ) -> Artifact:
     """Export `model` (or translate `exported`, the (program, note, kept) backends.pt2's
-    export made of it)
-    to DIRECTORY/NAME (a fresh temporary folder by default); never raises for a model that
-    does not export: the Artifact's `error` says why (its `module` is left to the runtime
-    that loads the file, backends.ort)."""
+    export made of it) to DIRECTORY/NAME (a fresh temporary folder by default), static int8
+    Linears in the form `int8` (lowerings.INT8_FORMS: "qdq", the interchange form, unless
+    the file is for ONNX Runtime); never raises for a model that does not export: the
+    Artifact's `error` says why (its `module` is left to the runtime that loads the file,
+    backends.ort)."""
     from opswap.backends.pt2 import _first_line, export
 
     directory = Path(directory or tempfile.mkdtemp(prefix="opswap-onnx-"))
@@ -150,7 +153,7 @@ def export_onnx(
     if note:
         note = note.replace("model.pt2", name)
     try:
-        to_onnx(program, path, fusions=fusions)
+        to_onnx(program, path, fusions=fusions, int8=int8)
     except ExportError as e:
         for p in (path, path.with_name(path.name + ".data")):
             p.unlink(missing_ok=True)

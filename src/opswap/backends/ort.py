@@ -147,7 +147,10 @@ def ort_artifact(
             from opswap.backends.pt2 import _first_line
 
             return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
-    art = export_onnx(None, inputs, dynamic, directory, name, exported=exported, fusions=fusions)
+    # static int8 Linears as MatMulInteger: the form ONNX Runtime runs as an int8 GEMM
+    art = export_onnx(
+        None, inputs, dynamic, directory, name, exported=exported, fusions=fusions, int8="integer"
+    )
     if art.path is None:
         return art
     program = exported[0]
