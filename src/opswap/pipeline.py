@@ -229,7 +229,7 @@ def _result(
 ) -> Result:
     """The stages' values gathered into one Result; `raced` is the race, None untimed."""
     dynamic: Dynamic | None = run.captured.dynamic
-    notes: list[str] = []
+    notes: list[str] = list(run.notes)
     if raced is not None:
         saved = raced.artifacts.get(artifact_key(raced.winner.name))
         dynamic = file_claim(dynamic, saved, notes)

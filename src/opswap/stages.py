@@ -143,6 +143,8 @@ class Run:
     hooks: list[Any]
     excluded_rules: set[str] = field(default_factory=set)
     excluded_sites: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: what the stages say to the report (rules left out for the chosen export, ...)
+    notes: list[str] = field(default_factory=list)
 
     def _settings(self, without: set[str] | frozenset[str]) -> dict[str, Any]:
         return dict(
@@ -224,7 +226,20 @@ def capture_stage(
     step("capture")
     captured = capture(model, example_inputs, dynamic=config.dynamic, check=capture_check)
     tol = tolerance_for(config.exactness, config.budget, captured.rounding)
-    return Run(config, name, target, model, captured, tol, hooks)
+    run = Run(config, name, target, model, captured, tol, hooks)
+    if config.export in ("onnx", "ort") and config.device == "cpu":
+        # the saved file is what ONNX Runtime's CPU provider ran: it has no bfloat16 or
+        # float16 GEMM, so a candidate with half-precision Linears could not load there
+        run.excluded_rules |= set(HALF_PRECISION_RULES)
+        run.notes.append(
+            f"{', '.join(HALF_PRECISION_RULES)} left out: --export {config.export} saves "
+            "a file for ONNX Runtime's CPU provider, which has no bfloat16 or float16 GEMM."
+        )
+    return run
+
+
+#: the rules that leave Linears and convolutions in bfloat16 or float16
+HALF_PRECISION_RULES = ("precision.autocast", "precision.bf16", "precision.fp16")
 
 
 def calibrate_stage(run: Run, data: Sequence[Any] | None = None) -> None:

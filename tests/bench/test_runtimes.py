@@ -79,3 +79,70 @@ def test_export_winner_needs_opswap_faster_beyond_noise():
         "opswap+ort"
     )
     assert export_winner([_timing("ort", None, False)], set(), faster) is None
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(48, 96), nn.Linear(96, 40)
+        self.head = nn.Linear(40, 40)
+
+    def forward(self, x):
+        return self.head(self.down(nn.functional.gelu(self.up(x))) + 1.0)
+
+
+def test_an_ort_export_plans_no_half_precision_and_says_so(monkeypatch):
+    """ONNX Runtime's CPU provider has no bfloat16 GEMM: with --export ort (or onnx) the
+    half-precision rules are left out of every plan, with a note; without it they plan."""
+    from opswap.pipeline import OptimizeConfig
+    from opswap.rules.base import Estimate
+    from opswap.rules.precision.bf16 import BF16
+    from opswap.stages import capture_stage
+
+    monkeypatch.setattr(BF16, "predict", lambda *a: Estimate(0.0, 0.0, 1e-6, "test"))
+    x = torch.randn(3, 48)
+    rules = ["precision.bf16"]
+    plain = capture_stage(
+        _Mlp().eval(), (x,), OptimizeConfig(rules=rules, exactness="approx"), "m", lambda s: None
+    )
+    assert any(d.rule == "precision.bf16" for d in plain.replan().decisions)
+    for export in ("ort", "onnx"):
+        config = OptimizeConfig(rules=rules, exactness="approx", export=export)
+        run = capture_stage(_Mlp().eval(), (x,), config, "m", lambda s: None)
+        assert not run.replan().decisions
+        assert any("no bfloat16 or float16 GEMM" in n for n in run.notes)
+
+
+def test_ort_export_of_static_int8_with_handoffs_runs_in_ort(monkeypatch):
+    """--exactness approx --export ort: the static int8 Linears (the up projection handing
+    uint8 and its GELU to the down projection) become MatMulInteger in the file ONNX
+    Runtime loads, verified against the model like every variant."""
+    import onnx
+
+    import opswap.rules.precision._timing as timing
+
+    monkeypatch.setattr(timing, "timed_pair", lambda key, timer, make: (2e-3, 1e-3))
+    torch.manual_seed(2)
+    model = _Mlp().eval()
+    x = torch.randn(6, 48)
+    from opswap.pipeline import OptimizeConfig, optimize
+
+    config = OptimizeConfig(
+        compare="none",
+        export="ort",
+        exactness="approx",
+        rules=["precision.int8_static_*"],
+        layers=False,
+        measure_rules=False,
+        samples=2,
+    )
+    r = optimize(model, (x,), config, name="mlp")
+    rules = [d.rule for d in r.plan.decisions]
+    assert rules.count("precision.int8_static_linear") == 3, rules
+    assert rules.count("precision.int8_static_handoff") == 1, rules
+    rows = {v.name: v for v in r.variants}
+    assert rows["opswap+ort"].verified, rows["opswap+ort"].note
+    path = r.artifacts["ort_candidate"].path
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("MatMulInteger") == 3 and any("Gelu" in o for o in ops)  # BiasGelu too
+    assert any("no bfloat16 or float16 GEMM" in n for n in r.notes)
