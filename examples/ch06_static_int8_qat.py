@@ -3,7 +3,7 @@
 The digits CNN of the zoo (trained on scikit-learn's digits) is quantised statically:
 its BatchNorms fold into the convolutions, each convolution's input gets a scale and a
 zero point from calibration on training batches (four range methods compared), and
-onednn's int8 convolutions run it. Then the same model goes through QAT: a few steps of
+onednn's int8 convolutions run it, each one read only by another handing it uint8. Then the same model goes through QAT: a few steps of
 training with the int8 rounding simulated, and conversion to the real int8 model.
 Top-1 accuracy on the held-out split is printed for each.
 
@@ -55,8 +55,17 @@ def main() -> None:
     print(f"int8 kernels here: {int8_static.describe()}")
     for method in ("minmax", "entropy"):  # percentile and mse too: see the chapter
         int8, plan = static_int8(m.module, example, task.calibration, method)
-        sites = [d.site.key for d in plan.decisions if d.rule.startswith("precision")]
-        print(f"  static int8, {method:<10} {task.evaluate(int8):.4f}  ({len(sites)} int8 sites)")
+        rules = [d.rule for d in plan.decisions]
+        layers = sum(
+            r in ("precision.int8_static_conv", "precision.int8_static_linear") for r in rules
+        )
+        # precision.int8_static_handoff: a layer read only by another int8 layer hands it
+        # uint8, requantised in its epilogue, instead of a float32 tensor
+        handoffs = rules.count("precision.int8_static_handoff")
+        print(
+            f"  static int8, {method:<10} {task.evaluate(int8):.4f}  "
+            f"({layers} int8 layers, {handoffs} uint8 handoffs between them)"
+        )
     for miss in plan.misses:
         if miss.rule.startswith("precision"):
             print(f"    not {miss.where}: {miss.reason}")
