@@ -14,6 +14,8 @@ this script measures). Then one interleaved loop (inference mode) times:
   `opswap_int8+compile`; `opswap_int8_float_maps` (and `+compile`): the same plan without
   `precision.int8_static_handoff`, every convolution writing float32, to show what the
   uint8 handoff between convolutions adds;
+- `ort_fp32` and `ort_opswap_int8`: ONNX Runtime on the input's float32 export and on
+  opswap's int8 export (QDQ around each convolution, uint8 between handed-off ones);
 - `openvino_fp32` (float32 asked for), `openvino_default` (the CPU plugin's own pick:
   bfloat16 on a CPU with AVX-512 BF16) and `openvino_int8` (nncf.quantize on the same
   calibration batches), when openvino and nncf are installed.
@@ -28,6 +30,7 @@ import argparse
 import copy
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,6 +132,19 @@ def main() -> None:
             plain = copy.copy(plan)
             plain.decisions = [d for d in plan.decisions if d.rule != HANDOFF]
             fns["opswap_int8_float_maps"] = apply_plan(cap, plain).gm
+        # ONNX Runtime on the input's float32 export and on opswap's int8 export (its
+        # convolutions as QDQ around Conv, the handoffs as uint8 values between them)
+        try:
+            from opswap.backends.ort import ort_artifact
+
+            for label, mod in (("ort_fp32", m.module), ("ort_opswap_int8", int8)):
+                art = ort_artifact(mod, xs, None, tempfile.mkdtemp(prefix=f"{label}-"))
+                if art.module is None:
+                    row[label] = art.error
+                else:
+                    fns[label] = art.module
+        except ImportError as e:
+            row["onnxruntime"] = f"not installed: {e.name}"
         ov = _openvino(m.module, xs, calibration)
         if isinstance(ov, str):
             row["openvino"] = ov
