@@ -69,6 +69,9 @@ def _ort(path: Path, tmp: Path, spec: tuple[str, dict] | None) -> tuple[dict, di
     quantize_dynamic(str(path), str(q), weight_type=QuantType.QInt8)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = torch.get_num_threads()
+    # as opswap's own ORT variants (backends.ort.session): spinning threads would take the
+    # cores from the variant timed next in the interleaved loop
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     fns = {}
     files = [("ort_fp32", path), ("ort_int8_dynamic", q)]
     if spec is not None:

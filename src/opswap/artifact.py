@@ -555,7 +555,9 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
     if not pt2.is_file() and onnx.is_file():
         from opswap.backends.ort import OrtModule
 
-        return OrtModule(onnx)  # outputs as a tensor or a tuple: the file has no pytree
+        # outputs as a tensor or a tuple (the file has no pytree); a session for use, its
+        # threads spinning as ORT's default has them (backends.ort.session)
+        return OrtModule(onnx, spinning=True)
     if not pt2.is_file() and pte.is_file():
         from opswap.backends.executorch import ExecuTorchModule
 

@@ -59,3 +59,27 @@ def test_a_file_ort_cannot_load_is_an_export_error(tmp_path):
     bad.write_bytes(b"not a model")
     with pytest.raises(ExportError, match="could not load bad.onnx"):
         session(bad)
+
+
+def test_timed_sessions_do_not_spin_and_sessions_for_use_do(tmp_path):
+    """The race's ORT sessions keep their threads from spin-waiting (they would take the
+    cores from the variant timed next); a copy keeps the setting; a saved file loaded for
+    use (opswap.load_optimized) spins, as ORT's default has it."""
+    import opswap
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    x = torch.randn(2, 8)
+    art = ort_artifact(model, (x,), None, tmp_path)
+    assert art.module is not None, art.error
+
+    def spins(mod) -> str:
+        return mod.session.get_session_options().get_session_config_entry(
+            "session.intra_op.allow_spinning"
+        )
+
+    assert spins(art.module) == "0"
+    assert spins(copy.deepcopy(art.module)) == "0"
+    loaded = opswap.load_optimized(art.path)
+    assert isinstance(loaded, OrtModule) and spins(loaded) == "1"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))

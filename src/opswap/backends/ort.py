@@ -30,9 +30,20 @@ from opswap.backends.pt2 import Artifact
 from opswap.errors import ExportError, InputError
 
 
-def session(path: str | Path, threads: int | None = None):
+def session(path: str | Path, threads: int | None = None, spinning: bool = False):
     """An onnxruntime.InferenceSession over `path` on the CPU, ORT_ENABLE_ALL, with
-    `threads` intra-op threads (default: torch's thread count)."""
+    `threads` intra-op threads (default: torch's thread count).
+
+    `spinning`: whether ORT's intra-op threads spin-wait for work after a run (ORT's
+    default, and what a process that runs only this model wants). Off by default, for the
+    race: timed between PyTorch variants in one process, the spinning threads take the
+    cores from whatever runs next, and from ORT itself. Measured on the 2-core VNNI VM
+    (ResNet-50-size int8 model, 2026-12-05): with spinning, the torch int8 model took
+    47.6 ms right after an ORT call against 22.9 on its own, and ORT's int8 file 40.3 ms
+    right after a torch call against 26.5 on its own; without spinning, 22.1 and 30.2
+    against 23.8 and 30.2. So the race times ORT without spinning (at most that run's
+    14% slower than ORT alone with it) and every variant without the other's threads in
+    its way; a saved file loaded for use (`opswap.load_optimized`) spins."""
     try:
         import onnxruntime as ort
     except ImportError as e:
@@ -43,6 +54,7 @@ def session(path: str | Path, threads: int | None = None):
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.intra_op_num_threads = threads or torch.get_num_threads()
     opts.log_severity_level = 3  # errors only: ORT warns about every unused initializer
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     try:
         return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:
@@ -60,13 +72,15 @@ class OrtModule(nn.Module):
         out_spec: Any = None,
         threads: int | None = None,
         names: list[str] | None = None,
+        spinning: bool = False,
     ):
         super().__init__()
         self.path = Path(path)
         self.out_spec = out_spec
         self.threads = threads
+        self.spinning = spinning
         self.session_threads = threads or torch.get_num_threads()
-        self.session = session(self.path, threads)
+        self.session = session(self.path, threads, spinning)
         # the program's inputs in order (an input the graph never reads is not in the file)
         self.input_names = list(names or [i.name for i in self.session.get_inputs()])
         self._fed = {i.name for i in self.session.get_inputs()}
@@ -75,7 +89,11 @@ class OrtModule(nn.Module):
 
     def __deepcopy__(self, memo):  # a session does not pickle: a copy opens its own
         return OrtModule(
-            self.path, copy.deepcopy(self.out_spec, memo), self.threads, self.input_names
+            self.path,
+            copy.deepcopy(self.out_spec, memo),
+            self.threads,
+            self.input_names,
+            self.spinning,
         )
 
     def extra_repr(self) -> str:
