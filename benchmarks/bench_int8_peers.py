@@ -67,11 +67,10 @@ def _ort(path: Path, tmp: Path, spec: tuple[str, dict] | None) -> tuple[dict, di
         return f"not installed: {e.name}"
     q = tmp / "int8.onnx"
     quantize_dynamic(str(path), str(q), weight_type=QuantType.QInt8)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = torch.get_num_threads()
-    # as opswap's own ORT variants (backends.ort.session): spinning threads would take the
-    # cores from the variant timed next in the interleaved loop
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # the sessions opswap's own ORT variants get (ORT_ENABLE_ALL, torch's thread count, no
+    # spinning threads to take the cores from the variant timed next)
+    from opswap.backends.ort import session
+
     fns = {}
     files = [("ort_fp32", path), ("ort_int8_dynamic", q)]
     if spec is not None:
@@ -90,7 +89,7 @@ def _ort(path: Path, tmp: Path, spec: tuple[str, dict] | None) -> tuple[dict, di
         except Exception as e:  # the peer's own failure: the others are still timed
             print(f"ORT's transformer optimizer failed: {type(e).__name__}: {e}", flush=True)
     for name, p in files:
-        sess = ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"])
+        sess = session(p)
         inputs = [i.name for i in sess.get_inputs()]
         fns[name] = lambda *a, s=sess, n=inputs: torch.from_numpy(
             s.run(None, {k: v.numpy() for k, v in zip(n, a, strict=False)})[0]

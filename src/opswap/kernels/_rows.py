@@ -11,7 +11,6 @@ length), so it reads each element once and writes each once; up to MAX_ROW eleme
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from opswap.errors import OpswapError
+from opswap.kernels._tables import merge_entries, read_entries
 
 try:  # Triton is optional: without it every op runs its PyTorch reference
     import triton
@@ -122,18 +122,18 @@ _LAUNCH_MEMO: dict[tuple, tuple[int, int] | None] = {}
 def backward_launches(path: Path | None = None) -> dict[tuple[str, str, str], tuple[int, int]]:
     """The table's (rows a step, programs a multiprocessor) by (device class, kernel, shape
     class); empty without a table."""
-    p = path or BACKWARD_TABLE
-    if not p.exists():
-        return {}
+    entries = read_entries(path or BACKWARD_TABLE, "backward launch table", KernelError)
     try:
-        return {
-            (e["device"], e["kernel"], e["shape"]): (int(e["rb"]), int(e["per_sm"]))
-            for e in json.loads(p.read_text())["entries"]
-        }
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        return {_launch_key(e): (int(e["rb"]), int(e["per_sm"])) for e in entries}
+    except (KeyError, TypeError, ValueError) as e:
         raise KernelError(
-            f"the backward launch table {p} cannot be read ({e}); restore it from the package."
+            f"the backward launch table {path or BACKWARD_TABLE} has an entry without its "
+            f"launch ({e}); restore it from the package."
         ) from None
+
+
+def _launch_key(e: dict[str, Any]) -> tuple[str, str, str]:
+    return (e["device"], e["kernel"], e["shape"])
 
 
 def backward_launch(kernel: str, device: torch.device, rows: int, n: int) -> tuple[int, int] | None:
@@ -186,18 +186,16 @@ def update_backward_launches(
 ) -> int:
     """Write entries (pick_backward_launches') into the table, replacing those of the same
     key; returns how many were written."""
-    p = path or BACKWARD_TABLE
-    old = json.loads(p.read_text()).get("entries", []) if p.exists() else []
-    keep = {(e["device"], e["kernel"], e["shape"]): e for e in old}
-    for e in entries:
-        keep[(e["device"], e["kernel"], e["shape"])] = {**e, "source": source}
-    data = {
-        "about": "Measured launches of the row kernels' backward (kernels/_rows.py "
-        "BACKWARD_TABLE): rb rows a step, per_sm programs a multiprocessor; written by "
+    merge_entries(
+        path or BACKWARD_TABLE,
+        [{**e, "source": source} for e in entries],
+        _launch_key,
+        "Measured launches of the row kernels' backward (kernels/_rows.py BACKWARD_TABLE): "
+        "rb rows a step, per_sm programs a multiprocessor; written by "
         "benchmarks/bench_row_backward.py --sweep --update-table.",
-        "entries": [keep[k] for k in sorted(keep)],
-    }
-    p.write_text(json.dumps(data, indent=1) + "\n")
+        "backward launch table",
+        KernelError,
+    )
     _LAUNCH_MEMO.clear()
     return len(entries)
 

@@ -34,7 +34,6 @@ Nothing in the table is estimated: an entry without a measurement says "none yet
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from opswap.errors import OpswapError
+from opswap.kernels._tables import merge_entries, read_entries
 
 TABLE = Path(__file__).with_name("crossover.json")
 KERNELS = (
@@ -175,12 +175,12 @@ def load(path: Path | str | None = None) -> list[Entry]:
     p = Path(path) if path is not None else TABLE
     try:
         st = p.stat()
-        key = (str(p), st.st_mtime_ns, st.st_size)
-        if key not in _LOADED:
-            data = json.loads(p.read_text())
-            _LOADED[key] = [Entry.from_json(d) for d in data.get("entries", [])]
-    except (OSError, json.JSONDecodeError) as e:
+    except OSError as e:
         raise CrossoverError(f"the crossover table {p} cannot be read ({e}).") from None
+    key = (str(p), st.st_mtime_ns, st.st_size)
+    if key not in _LOADED:
+        entries = read_entries(p, "crossover table", CrossoverError)
+        _LOADED[key] = [Entry.from_json(d) for d in entries]
     return list(_LOADED[key])
 
 
@@ -276,13 +276,14 @@ def update(result: dict[str, Any], source: str, path: Path | str | None = None) 
     the same key, the others stay. Returns the new entries."""
     p = Path(path) if path is not None else TABLE
     new = entries_from_benchmark(result, source)
-    keep = {e.key: e for e in (load(p) if p.exists() else [])}
-    keep.update({e.key: e for e in new})
-    data = {
-        "about": "Where opswap's Triton kernels beat eager PyTorch and torch.compile; see "
+    merge_entries(
+        p,
+        [e.to_json() for e in new],
+        lambda d: Entry.from_json(d).key,
+        "Where opswap's Triton kernels beat eager PyTorch and torch.compile; see "
         "opswap/kernels/crossover.py. Written by benchmarks/bench_norm_kernels.py "
         "--update-crossover; entries without a measurement say 'none yet'.",
-        "entries": [e.to_json() for e in sorted(keep.values(), key=lambda e: e.key)],
-    }
-    p.write_text(json.dumps(data, indent=1) + "\n")
+        "crossover table",
+        CrossoverError,
+    )
     return new

@@ -63,7 +63,6 @@ Kernels, by device and rows:
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from opswap.errors import OpswapError
+from opswap.kernels._tables import merge_entries, read_entries
 
 try:  # Triton is optional: without it the op runs its dequantise + F.linear path
     import triton
@@ -958,13 +958,13 @@ def int4_tiles(path: Path | None = None) -> dict[tuple, dict[str, Any]]:
     """The table's entries by (device class, N, K, group, scale dtype, PDL), read from the
     file (`int4_tile` keeps its answers, so launches do not come here)."""
     p = path or INT4_TILES_TABLE
-    if not p.exists():
-        return {}
+    entries = read_entries(p, "INT4 launch table", WeightOnlyError)
     try:
-        return {_entry_key(e): {**e["config"]} for e in json.loads(p.read_text())["entries"]}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        return {_entry_key(e): {**e["config"]} for e in entries}
+    except (KeyError, TypeError, ValueError) as e:
         raise WeightOnlyError(
-            f"the INT4 launch table {p} cannot be read ({e}); restore it from the package."
+            f"the INT4 launch table {p} has an entry without its launch ({e}); restore it "
+            "from the package."
         ) from None
 
 
@@ -992,29 +992,17 @@ _INT4_MEMO: dict[tuple, dict[str, Any] | None] = {}
 def update_int4_tiles(rows: list[dict[str, Any]], source: str, path: Path | None = None) -> int:
     """Write tune_int4.py's winners ({device, n, k, group, scale_dtype, pdl, config, ...})
     into the table, replacing entries of the same key; returns how many were written."""
-    p = path or INT4_TILES_TABLE
-    old = json.loads(p.read_text()).get("entries", []) if p.exists() else []
-    keep = {_entry_key(e): e for e in old}
-    fields = (
-        "device",
-        "n",
-        "k",
-        "group",
-        "scale_dtype",
-        "pdl",
-        "config",
-        "us",
-        "speedup_vs_autotuned",
+    fields = ("device", "n", "k", "group", "scale_dtype", "pdl", "config", "us",
+              "speedup_vs_autotuned")  # fmt: skip
+    merge_entries(
+        path or INT4_TILES_TABLE,
+        [{f: r[f] for f in fields if f in r} | {"source": source} for r in rows],
+        _entry_key,
+        "Measured launches of opswap's INT4 GEMV (kernels/weight_only.py INT4_TILES_TABLE), "
+        "written by benchmarks/tune_int4.py --update-table.",
+        "INT4 launch table",
+        WeightOnlyError,
     )
-    for r in rows:
-        e = {f: r[f] for f in fields if f in r} | {"source": source}
-        keep[_entry_key(r)] = e
-    data = {
-        "about": "Measured launches of opswap's INT4 GEMV (kernels/weight_only.py "
-        "INT4_TILES_TABLE), written by benchmarks/tune_int4.py --update-table.",
-        "entries": sorted(keep.values(), key=_entry_key),
-    }
-    p.write_text(json.dumps(data, indent=1) + "\n")
     _INT4_MEMO.clear()
     return len(rows)
 
