@@ -5,8 +5,10 @@ the input's export against the same runtime on opswap's.
         [--engines ort,openvino,executorch] [--out DIR]
 
 Models, float32, random weights, batch 1: BERT-base (`hf:bert` at full size, sequence
-128) and ResNet-50 (`hf:resnet` at full size: Hugging Face's ResNetConfig defaults are
-ResNet-50's bottleneck stages, 224 x 224; torchvision is not needed). One interleaved
+128; `bert_sdpa` the same calling scaled_dot_product_attention), ResNet-50
+(`hf:resnet` at full size: Hugging Face's ResNetConfig defaults are ResNet-50's
+bottleneck stages, 224 x 224; torchvision is not needed) and, with `--models vit_sdpa`,
+ViT-base/16 at 224 calling scaled_dot_product_attention. One interleaved
 loop per model times, on the same inputs:
 
 - `eager`: the model as given; `compile`: torch.compile of it;
@@ -18,7 +20,9 @@ loop per model times, on the same inputs:
 - `openvino_input` / `openvino_opswap`: the same two programs as .onnx files without
   ORT's fusions, compiled by OpenVINO for the CPU (f32, latency hint);
 - `executorch_input` / `executorch_opswap`: the same two programs lowered to ExecuTorch
-  programs with the XNNPACK delegate.
+  programs with the XNNPACK delegate; the input's with ExecuTorch's own lowering, opswap's
+  as `--export executorch` makes it (without the rules it leaves out for XNNPACK, and
+  with attention written out for XNNPACK).
 
 Each row: ms, speed-up over eager with its 95% interval, and cosine / rel L2 of the
 first output against eager's. `ENGINE_opswap_vs_ENGINE_input` is the ratio of those two
@@ -29,6 +33,7 @@ Writes DIR/runtimes_cpu.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -40,6 +45,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 MODELS = {
     "bert": ("hf:bert", {"size": "full", "batch": "1", "seq": "128"}),
     "resnet50": ("hf:resnet", {"size": "full", "batch": "1"}),
+    # the same BERT calling scaled_dot_product_attention (transformers' default), which
+    # ExecuTorch's own lowering leaves mostly to its portable kernels
+    "bert_sdpa": (
+        "hf:bert",
+        {"size": "full", "batch": "1", "seq": "128", "attn_implementation": "sdpa"},
+    ),
+    # ViT-base/16 at 224 x 224, the same way
+    "vit_sdpa": ("hf:vit", {"size": "full", "batch": "1", "attn_implementation": "sdpa"}),
 }
 
 
@@ -52,7 +65,7 @@ def _artifact(engine: str, exported, xs, dynamic, mine: bool):
         return ort_artifact(None, xs, dynamic, exported=exported, fusions=mine)
     if engine == "openvino":
         return openvino_artifact(None, xs, dynamic, exported=exported)
-    return executorch_artifact(None, xs, dynamic, exported=exported)
+    return executorch_artifact(None, xs, dynamic, exported=exported, lowerings=mine)
 
 
 def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
@@ -63,6 +76,7 @@ def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
     from opswap import api
     from opswap.backends.pt2 import export
     from opswap.planner import apply_plan
+    from opswap.stages import EXECUTORCH_LEFT_OUT
 
     spec, sets = MODELS[key]
     loaded = api.load(spec, **sets)
@@ -75,13 +89,24 @@ def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
     for src, module in (("input", model), ("opswap", gm)):
         with torch.no_grad():
             programs[src] = export(module, xs, captured.dynamic)
+    # what --export executorch plans: without the rules it leaves out for XNNPACK
+    kept = [d for d in plan.decisions if d.rule not in EXECUTORCH_LEFT_OUT]
+    if "executorch" in engines and len(kept) < len(plan.decisions):
+        et_plan = copy.copy(plan)
+        et_plan.decisions = kept
+        with torch.no_grad():
+            et_gm = apply_plan(captured, et_plan).gm
+            programs["opswap_executorch"] = export(et_gm, xs, captured.dynamic)
     fns = {"eager": model, "compile": torch.compile(model)}
     build_s, failed = {}, {}
     for engine in engines:
         for src in ("input", "opswap"):
             name = f"{engine}_{src}"
             t0 = time.perf_counter()
-            art = _artifact(engine, programs[src], xs, captured.dynamic, src == "opswap")
+            program = programs[src]
+            if engine == "executorch" and src == "opswap":
+                program = programs.get("opswap_executorch", program)
+            art = _artifact(engine, program, xs, captured.dynamic, src == "opswap")
             build_s[name] = round(time.perf_counter() - t0, 1)
             if art.module is None:
                 failed[name] = art.error
@@ -116,7 +141,7 @@ def main() -> None:
     from opswap.bench.timing import describe_device
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="bert,resnet50")
+    ap.add_argument("--models", default="bert,resnet50,bert_sdpa")
     ap.add_argument("--engines", default="ort,openvino,executorch")
     ap.add_argument("--min-time", type=float, default=3.0)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

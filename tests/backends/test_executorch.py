@@ -105,3 +105,139 @@ def test_opswap_ops_and_nhwc_weights_are_lowered_and_sizes_past_the_bound_are_re
     with pytest.raises(InputError, match="accepts batch up to 12"):
         art.module(torch.randn(13, 3, 10, 10))
     assert gm is cap.gm  # the capture's graph is not replaced by the lowering
+
+
+# --- attention written out for XNNPACK --------------------------------------------------
+
+
+def _attention_cases():
+    """(kwargs, q, k, v) on odd sizes: no mask, causal with fewer and more queries than
+    keys, float masks with rows all -inf, bool masks with rows all False, a 2-D mask."""
+    g = torch.Generator().manual_seed(3)
+
+    def qkv(n, m):
+        return [torch.randn(2, 3, s, 5, generator=g, dtype=torch.float64) for s in (n, m, m)]
+
+    fmask = torch.randn(2, 1, 7, 9, generator=g, dtype=torch.float64)
+    fmask[0, 0, 2] = -torch.inf
+    fmask[1, 0, 4, 1:] = -torch.inf
+    bmask = torch.rand(2, 1, 7, 9, generator=g) > 0.6
+    bmask[1, 0, 0] = False
+    return [
+        ({}, *qkv(7, 9)),
+        ({"is_causal": True}, *qkv(7, 9)),
+        ({"is_causal": True}, *qkv(11, 4)),
+        ({"attn_mask": fmask}, *qkv(7, 9)),
+        ({"attn_mask": bmask, "scale": 0.7}, *qkv(7, 9)),
+        ({"attn_mask": bmask[1, 0]}, *qkv(7, 9)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_attention_written_out_computes_what_the_op_computes_with_emptied_rows(case):
+    import torch.nn.functional as F
+
+    from opswap.backends.executorch import _attention_written_out
+
+    kw, q, k, v = _attention_cases()[case]
+    want = F.scaled_dot_product_attention(q, k, v, **kw)
+    got = _attention_written_out(q, k, v, **kw)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+class _Attend(nn.Module):
+    """Projections, then scaled_dot_product_attention with a bool padding mask made from
+    the input (a row of padding queries sees no key), in place ops around it."""
+
+    def __init__(self, mask: bool, causal: bool = False):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(12, 36), nn.Linear(12, 12)
+        self.mask, self.causal = mask, causal
+
+    def forward(self, x, keep):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 3, 4).permute(2, 0, 3, 1, 4)
+        m = (keep[:, None, :, None] & keep[:, None, None, :]) if self.mask else None
+        h = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, is_causal=self.causal
+        )
+        h = h.transpose(1, 2).reshape(b, n, 12)
+        return self.out(h).relu_()
+
+
+def _non_delegated(edge) -> int:
+    gm = edge.exported_program().graph_module
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and "executorch_call_delegate" not in str(n.target)
+        and "getitem" not in str(n.target)
+    )
+
+
+@pytest.mark.parametrize("mask,causal", [(True, False), (False, True)])
+def test_attention_is_written_out_for_xnnpack_and_the_pte_matches_at_other_sizes(mask, causal):
+    from opswap.api import capture
+    from opswap.backends.executorch import lower_to_edge
+    from opswap.backends.pt2 import export
+
+    torch.manual_seed(0)
+    model = _Attend(mask, causal).eval()
+    x, keep = torch.randn(2, 6, 12), torch.ones(2, 6, dtype=torch.bool)
+    cap = capture(model, (x, keep))
+    ex = export(model, cap.example_inputs, cap.dynamic)
+    ours = _non_delegated(lower_to_edge(ex[0], ex[2]))
+    theirs = _non_delegated(lower_to_edge(ex[0], ex[2], lowerings=False))
+    assert ours < theirs, (ours, theirs)  # the scores' passes are XNNPACK's now
+    art = executorch_artifact(None, cap.example_inputs, cap.dynamic, exported=ex)
+    assert art.error is None, art.error
+    names = [a.name for a in cap.dynamic.axes]
+    assert "batch" in names
+    # other batch sizes, and other lengths where the capture keeps them dynamic (the mask
+    # built from two inputs makes it keep the masked model's length static)
+    sizes = [(2, 6), (3, 6), (7, 6)] + ([(3, 5), (2, 9)] if "seq" in names else [])
+    assert ("seq" in names) == causal
+    for b, n in sizes:
+        xb, kb = torch.randn(b, n, 12), torch.rand(b, n) > 0.3
+        kb[0, : n // 2] = False  # padding queries: their mask rows are empty
+        got = art.module(xb, kb)
+        with torch.no_grad():
+            want = model(xb, kb)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_attention_for_xnnpack_leaves_dropout_and_grouped_heads_to_executorch():
+    from opswap.backends.executorch import _SDPA, attention_for_xnnpack
+
+    class _N:
+        def __init__(self, args, kwargs):
+            self.target, self.args, self.kwargs = _SDPA, args, kwargs
+
+    assert attention_for_xnnpack(_N(("q", "k", "v"), {})) is not None
+    assert attention_for_xnnpack(_N(("q", "k", "v", None, 0.1), {})) is None
+    assert attention_for_xnnpack(_N(("q", "k", "v"), {"enable_gqa": True})) is None
+    assert attention_for_xnnpack(_N(("q", "k", "v", "m", 0.0, True), {})) is None
+
+
+def test_export_executorch_leaves_the_attention_rule_out_with_a_note():
+    """zoo:bert's written-out attention is what the sdpa rule fuses; with --export
+    executorch the rule is left out of the plan (XNNPACK runs the matmuls and softmax
+    faster than the one op) and the run says so; without it, the rule plans there."""
+    from opswap.models import load
+    from opswap.pipeline import OptimizeConfig
+    from opswap.stages import capture_stage
+
+    lm = load("zoo:bert")
+    rules = ["attention.sdpa"]
+    plain = capture_stage(
+        lm.module, lm.example_inputs, OptimizeConfig(rules=rules), "bert", lambda s: None
+    )
+    assert any(d.rule == "attention.sdpa" for d in plain.replan().decisions)
+    for export in ("executorch", "pte"):
+        config = OptimizeConfig(rules=rules, export=export)
+        run = capture_stage(lm.module, lm.example_inputs, config, "bert", lambda s: None)
+        assert not run.replan().decisions
+        assert any("attention.sdpa left out" in n and ".pte" in n for n in run.notes)

@@ -57,18 +57,26 @@ def to_aten(
     kept=None,
     bound: Callable[[Any], int] | None = None,
     runtime: str = "the runtime",
+    lower: Callable[[Any], Callable | None] | None = None,
 ) -> Any:
     """`program` exported again with each opswap op replaced by its definition (traced
     through), contiguous weights, and the axes of `kept` (a graph.dynamic.Dynamic) dynamic,
-    up to `bound(axis)` each when given."""
+    up to `bound(axis)` each when given. `lower(node)`, when given, may name a function to
+    trace in place of any other call (a runtime's own lowering of an ATen op), or None."""
     table = definitions(program, runtime)
     plain = all(t.is_contiguous() for t in program.state_dict.values())
     bounded = bound is not None and kept is not None and bool(kept.axes)
-    if not table and plain and not bounded:
+
+    def ours(n) -> Callable | None:
+        return lower(n) if lower is not None and n.op == "call_function" else None
+
+    if not table and plain and not bounded and not any(ours(n) for n in program.graph.nodes):
         return program
     module = program.module()
     for node in module.graph.nodes:
-        if node.op == "call_function" and node.target in table:
+        if (fn := ours(node)) is not None:
+            node.target = fn
+        elif node.op == "call_function" and node.target in table:
             node.target = table[node.target]
     module.recompile()
     # The module is the program's own copy: its tensors are swapped, the program's stay.

@@ -21,7 +21,10 @@ What the lowering does, in order:
    an upper bound: each axis the file keeps dynamic is bounded by `upper_bound` (four
    times the example's size, at least 8 and at least the size verification probes).
    The module refuses a larger size in one sentence; the note names the bounds.
-2. `to_edge_transform_and_lower` with the XnnpackPartitioner (the delegate takes what
+2. Each scaled_dot_product_attention call is written out as two matmuls and a softmax
+   (`attention_for_xnnpack`), which XNNPACK takes; ExecuTorch's own decomposition of
+   the op leaves its scaling, copies and empty-row guard on the portable kernels.
+3. `to_edge_transform_and_lower` with the XnnpackPartitioner (the delegate takes what
    XNNPACK runs; the rest stays on ExecuTorch's portable kernels), then
    `to_executorch()`, written as one .pte file.
 
@@ -83,27 +86,86 @@ def upper_bound(axis) -> int:
     return max(4 * axis.size, axis.probe, 8)
 
 
-def to_pte(program, path: str | Path, kept=None) -> Path:
-    """Lower `program` (an ExportedProgram, dynamic along `kept`'s axes) to an ExecuTorch
-    program with the XNNPACK delegate, written to `path`. Raises ExportError with the
-    reason."""
+def lower_to_edge(program, kept=None, *, lowerings: bool = True) -> Any:
+    """`program` (an ExportedProgram, dynamic along `kept`'s axes) lowered to ExecuTorch's
+    edge dialect with the XNNPACK delegate (an EdgeProgramManager). `lowerings`: attention
+    written out for XNNPACK (attention_for_xnnpack); off, ExecuTorch's own decomposition,
+    as a user without opswap gets."""
     _require()
+    with _quiet():
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+            XnnpackPartitioner,
+        )
+        from executorch.exir import to_edge_transform_and_lower
+
+        lower = attention_for_xnnpack if lowerings else None
+        program = to_aten(program, kept, upper_bound, "ExecuTorch", lower=lower)
+        return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+
+
+def to_pte(program, path: str | Path, kept=None, *, lowerings: bool = True) -> Path:
+    """`lower_to_edge`'s program as an ExecuTorch program, written to `path`. Raises
+    ExportError with the reason."""
     path = Path(path)
     try:
+        edge = lower_to_edge(program, kept, lowerings=lowerings)
         with _quiet():
-            from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
-                XnnpackPartitioner,
-            )
-            from executorch.exir import to_edge_transform_and_lower
-
-            program = to_aten(program, kept, upper_bound, "ExecuTorch")
-            edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
             path.write_bytes(edge.to_executorch().buffer)
     except ExportError:
         raise
     except Exception as e:
         raise ExportError(f"ExecuTorch could not lower the model: {_first(e)}.") from e
     return path
+
+
+def _attention_written_out(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """Scaled dot-product attention as two matmuls and a softmax, the ops XNNPACK takes.
+
+    ExecuTorch's own decomposition of the op scales q and k apart, copies both for the
+    batched matmul and guards the rows a mask empties with four element-wise passes over
+    the scores, all on its portable kernels. Here the guard works on the mask, which has
+    no head axis: a row whose every key is masked out (-inf, or False) is given a zero
+    mask, so its softmax stays finite, and its output row is multiplied by 0, which is
+    what the op returns for it. A row that keeps a key gets the op's softmax unchanged;
+    a causal row always keeps its first key."""
+    s = scale if scale is not None else q.size(-1) ** -0.5
+    w = torch.matmul(q, k.transpose(-2, -1)) * s
+    keep = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            kept = attn_mask.any(dim=-1, keepdim=True)
+            bias = torch.zeros(attn_mask.shape, dtype=w.dtype, device=w.device)
+            bias = bias.masked_fill(~attn_mask, -torch.inf)
+        else:
+            bias = attn_mask.to(w.dtype)
+            kept = (bias != -torch.inf).any(dim=-1, keepdim=True)
+        w = w + bias.masked_fill(~kept, 0.0)
+        keep = kept.to(w.dtype)
+    elif is_causal:
+        n, m = q.size(-2), k.size(-2)
+        upper = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1)
+        w = w + torch.zeros(n, m, dtype=w.dtype, device=q.device).masked_fill(upper, -torch.inf)
+    out = torch.matmul(torch.softmax(w, dim=-1), v)
+    return out if keep is None else out * keep
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def attention_for_xnnpack(node) -> Any:
+    """`_attention_written_out` for a call of scaled_dot_product_attention without dropout
+    or grouped heads (where it computes what the op computes), else None."""
+    if node.target is not _SDPA:
+        return None
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    given = {**dict(zip(names, node.args, strict=False)), **node.kwargs}
+    if given.get("dropout_p", 0.0) != 0.0 or given.get("enable_gqa", False):
+        return None
+    if given.get("attn_mask") is not None and given.get("is_causal", False):
+        return None  # the op refuses the two together; leave it to say so
+    return _attention_written_out
 
 
 def _set_threads(threads: int) -> None:
@@ -211,6 +273,7 @@ def executorch_artifact(
     *,
     exported: Any = None,
     name: str = "model.pte",
+    lowerings: bool = True,
 ) -> Artifact:
     """`model` (or `exported`, backends.pt2's (program, note, kept) of it) lowered to an
     ExecuTorch program with the XNNPACK delegate and loaded in ExecuTorch's runtime: an
@@ -236,7 +299,7 @@ def executorch_artifact(
         said = ", ".join(f"{k} up to {v}" for k, v in bounds.items())
         note = "; ".join(filter(None, [note, f"{name} accepts {said}"]))
     try:
-        to_pte(program, path, kept)
+        to_pte(program, path, kept, lowerings=lowerings)
         limits: list[dict[int, tuple[str, int]]] = [{} for _ in program.graph_signature.user_inputs]
         for a in kept.axes if kept is not None else []:
             for i, d in a.dims:

@@ -134,7 +134,9 @@ def exports(
             elif engine == "tvm":
                 artifacts[key] = tvm_artifact(None, inputs, dynamic, exported=exported)
             else:
-                artifacts[key] = executorch_artifact(None, inputs, dynamic, exported=exported)
+                artifacts[key] = executorch_artifact(
+                    None, inputs, dynamic, exported=exported, lowerings=src == "candidate"
+                )
         if pt2 is not None:
             cast(Any, pt2).exported = None  # the program's weights: not held past the translation
 
