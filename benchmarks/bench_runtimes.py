@@ -8,7 +8,8 @@ Models, float32, random weights, batch 1: BERT-base (`hf:bert` at full size, seq
 128; `bert_sdpa` the same calling scaled_dot_product_attention), ResNet-50
 (`hf:resnet` at full size: Hugging Face's ResNetConfig defaults are ResNet-50's
 bottleneck stages, 224 x 224; torchvision is not needed) and, with `--models vit_sdpa`,
-ViT-base/16 at 224 calling scaled_dot_product_attention. One interleaved
+ViT-base/16 at 224 (`--models gpt2_sdpa`: GPT-2 at sequence 128) calling
+scaled_dot_product_attention. One interleaved
 loop per model times, on the same inputs:
 
 - `eager`: the model as given; `compile`: torch.compile of it;
@@ -53,6 +54,11 @@ MODELS = {
     ),
     # ViT-base/16 at 224 x 224, the same way
     "vit_sdpa": ("hf:vit", {"size": "full", "batch": "1", "attn_implementation": "sdpa"}),
+    # GPT-2 (124M) at sequence 128, the same way
+    "gpt2_sdpa": (
+        "hf:gpt2",
+        {"size": "full", "batch": "1", "seq": "128", "attn_implementation": "sdpa"},
+    ),
 }
 
 
