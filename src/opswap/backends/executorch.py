@@ -126,9 +126,9 @@ def _attention_written_out(
     ExecuTorch's own decomposition of the op scales q and k apart, copies both for the
     batched matmul and guards the rows a mask empties with four element-wise passes over
     the scores, all on its portable kernels. Here the guard works on the mask, which
-    seldom has a head axis (one per batch, or one for all): a row whose every key is masked out (-inf, or False) is given a zero
-    mask, so its softmax stays finite, and its output row is multiplied by 0, which is
-    what the op returns for it. A row that keeps a key gets the op's softmax unchanged;
+    seldom has a head axis (one per batch, or one for all): a row whose every key is
+    masked out (-inf, or False) is given a zero mask, so its softmax stays finite, and its
+    output row is multiplied by 0, which is what the op returns for it. A row that keeps a key gets the op's softmax unchanged;
     a causal row always keeps its first key."""
     s = scale if scale is not None else q.size(-1) ** -0.5
     w = torch.matmul(q, k.transpose(-2, -1)) * s
