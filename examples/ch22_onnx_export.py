@@ -2,6 +2,8 @@
 network is planned (conv_bn folds the BatchNorm, conv_relu leaves the custom op
 opswap::conv_relu, which the export lowers to Conv + Relu), exported with its batch and
 image sizes dynamic, and run in ONNX Runtime at other sizes against the PyTorch model.
+Then every value ONNX Runtime computes inside the file is compared with PyTorch running
+the same exported graph, layer by layer (`opswap verify --backend ort --layers`).
 
     python examples/ch22_onnx_export.py [OUT_DIR]
 """
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 import opswap
+from opswap.api import verify_plan
 from opswap.backends.ort import OrtModule
 
 
@@ -47,6 +50,14 @@ def main(out_dir: str) -> None:
         with torch.no_grad():
             err = (session(xs) - model(xs)).abs().max().item()
         print(f"batch {shape[0]}, {shape[2]}x{shape[3]}: max abs difference {err:.2e}")
+    check = verify_plan(model, (x,), plan, backend="ort", layers=True)
+    rows = [r for r in check.runtime_layers.rows if r.metrics is not None]
+    worst = max(rows, key=lambda r: r.metrics.rel_l2)
+    print(
+        f"inside ONNX Runtime: {len(rows)} values against PyTorch, largest rel_l2 "
+        f"{worst.metrics.rel_l2:.1e} ({worst.name}), first divergence: "
+        f"{check.runtime_divergence or 'none'}"
+    )
 
 
 if __name__ == "__main__":

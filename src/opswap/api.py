@@ -165,31 +165,83 @@ def apply(
 @dataclass
 class PlanCheck:
     """A replayed plan's verification against the model, the tolerance it was held to,
-    and, when it failed, the first layer where the two diverge."""
+    and, when it failed, the first layer where the two diverge. With a runtime backend
+    that exposes its intermediate values (ort, openvino), `runtime_layers` compares each
+    of them with PyTorch running the same exported graph, when asked for or when the
+    verification failed (a verify.layers.LayerReport, or a sentence why it could not be
+    made), and `runtime_divergence` is its first row past the tolerance."""
 
     replay: Replay
     verification: Verification
     tolerance: Tolerance
     first_divergence: Any = None  # verify.layers.Divergence
+    runtime_layers: Any = None
+    runtime_divergence: Any = None
 
 
-BACKENDS = ("pytorch", "ort")
+#: where `verify_plan` and `bench_plan` run the model and the plan's result
+BACKENDS = ("pytorch", "ort", "openvino", "executorch")
+
+_RUNTIME_NAMES = {"ort": "ONNX Runtime", "openvino": "OpenVINO", "executorch": "ExecuTorch"}
 
 
 def _check_backend(backend: str) -> None:
+    from opswap.bench.runtimes import missing
+
     if backend not in BACKENDS:
-        raise ExportError(f"Unknown backend {backend!r}; use {' or '.join(BACKENDS)}.")
+        raise ExportError(f"Unknown backend {backend!r}; use {', '.join(BACKENDS)}.")
+    absent = missing(backend) if backend != "pytorch" else None
+    if absent is not None:
+        raise ExportError(absent.replace(f"--export {backend}", f"--backend {backend}"))
 
 
-def _in_ort(module: nn.Module, captured: Captured, what: str) -> nn.Module:
-    """`module` exported to ONNX (dynamic as the capture claims) in an ONNX Runtime session."""
+def _in_runtime(
+    module: nn.Module, captured: Captured, what: str, backend: str, *, lowerings: bool = True
+) -> tuple[nn.Module, Any]:
+    """`module` exported (dynamic as the capture claims) and loaded in the `backend`
+    runtime on the CPU: the runtime's module, and the exported program it was written
+    from. ExecuTorch gets opswap's lowerings for XNNPACK unless `lowerings` is False (the
+    input's file, as a user without opswap lowers it)."""
+    from opswap.backends.executorch import executorch_artifact
+    from opswap.backends.openvino import openvino_artifact
     from opswap.backends.ort import ort_artifact
+    from opswap.backends.pt2 import _first_line
+    from opswap.backends.pt2 import export as _export
 
+    xs = captured.example_inputs
     with preserved_state(module):
-        art = ort_artifact(module, captured.example_inputs, captured.dynamic)
+        try:
+            with torch.no_grad():
+                exported = _export(module, tuple(xs), captured.dynamic)
+        except Exception as e:
+            raise ExportError(f"{what} could not be exported: {_first_line(e)}.") from e
+        if backend == "executorch":
+            art = executorch_artifact(None, xs, exported=exported, lowerings=lowerings)
+        else:
+            make = ort_artifact if backend == "ort" else openvino_artifact
+            art = make(None, xs, captured.dynamic, exported=exported)
     if art.module is None:
-        raise ExportError(f"{what} could not be run in ONNX Runtime: {art.error}")
-    return art.module
+        raise ExportError(f"{what} could not be run in {_RUNTIME_NAMES[backend]}: {art.error}")
+    return art.module, exported[0]
+
+
+def _runtime_layers(program, backend: str, captured: Captured, tol: Tolerance):
+    """backends.runtime_layers' report of `program` in `backend` and its first divergence,
+    or a sentence why there is none."""
+    from opswap.backends.runtime_layers import RUNTIMES, runtime_layers
+
+    if backend not in RUNTIMES:
+        return (
+            f"{_RUNTIME_NAMES[backend]} keeps its intermediate values inside the XNNPACK "
+            "delegate, so there is no layer-by-layer comparison in it",
+            None,
+        )
+    try:
+        int8 = "integer" if backend == "ort" else "qdq"  # as each runtime's file is written
+        report = runtime_layers(program, backend, captured.example_inputs, int8=int8)
+    except ExportError as e:
+        return f"no layer-by-layer comparison in {_RUNTIME_NAMES[backend]}: {e}", None
+    return report, report.first_divergence(tol)
 
 
 def verify_plan(
@@ -201,11 +253,15 @@ def verify_plan(
     samples: int = 3,
     dynamic: str = "auto",
     backend: str = "pytorch",
+    layers: bool = False,
 ) -> PlanCheck:
     """Verify what `plan` makes of `model` against (a copy of) the model itself, at every
     shape the capture claims, with the plan's exactness defaults (loosened to the model's
     own rounding) and `budget` on top. Every decision is judged as the plan holds it.
-    `backend="ort"` verifies the plan's result exported to ONNX and run in ONNX Runtime."""
+    `backend` "ort", "openvino" or "executorch" verifies the plan's result exported and
+    run in that runtime on the CPU; with `layers` (and whenever verification fails), a
+    runtime that exposes its intermediate values is also compared with PyTorch layer by
+    layer (PlanCheck.runtime_layers)."""
     from opswap.verify.layers import compare_layers
     from opswap.verify.outputs import verify as _verify
 
@@ -214,11 +270,9 @@ def verify_plan(
     done = replay(model, inputs, plan, dynamic=dynamic)
     captured = done.captured
     tol = tolerance_for(done.plan.settings.exactness, budget, captured.rounding)
-    candidate = (
-        _in_ort(done.applied.gm, captured, "The plan's result")
-        if backend == "ort"
-        else done.applied.gm
-    )
+    candidate, program = done.applied.gm, None
+    if backend != "pytorch":
+        candidate, program = _in_runtime(candidate, captured, "The plan's result", backend)
     v = _verify(
         private_copy(model),
         candidate,
@@ -232,7 +286,12 @@ def verify_plan(
         first = compare_layers(captured, done.applied, captured.example_inputs).first_divergence(
             tol
         )
-    return PlanCheck(done, v, tol, first)
+    check = PlanCheck(done, v, tol, first)
+    if program is not None and (layers or not v.passed):
+        check.runtime_layers, check.runtime_divergence = _runtime_layers(
+            program, backend, captured, tol
+        )
+    return check
 
 
 @dataclass
@@ -253,8 +312,9 @@ def bench_plan(
     backend: str = "pytorch",
 ) -> PlanBench:
     """Time (a copy of) `model` and what `plan` makes of it side by side on `device`;
-    `backend="ort"` times both exported to ONNX and run in ONNX Runtime (CPU), the
-    comparison a user deploying on ORT makes."""
+    `backend` "ort", "openvino" or "executorch" times both exported and run in that
+    runtime on the CPU, the comparison a user deploying on it makes (for ExecuTorch the
+    model's file is lowered as ExecuTorch lowers it, the plan's with opswap's lowerings)."""
     from opswap.bench.compare import bench_models
 
     _check_backend(backend)
@@ -262,13 +322,14 @@ def bench_plan(
     done = replay(model, inputs, plan, dynamic=dynamic)
     ref: nn.Module = private_copy(model)
     opt: nn.Module = done.applied.gm
-    if backend == "ort":
+    if backend != "pytorch":
         if device != "cpu":
             raise ExportError(
-                "--backend ort times on ONNX Runtime's CPU provider; use --device cpu."
+                f"--backend {backend} times on {_RUNTIME_NAMES[backend]} on the CPU; "
+                "use --device cpu."
             )
-        ref = _in_ort(ref, done.captured, "Your model")
-        opt = _in_ort(opt, done.captured, "The plan's result")
+        ref, _ = _in_runtime(ref, done.captured, "Your model", backend, lowerings=False)
+        opt, _ = _in_runtime(opt, done.captured, "The plan's result", backend)
     return PlanBench(done, bench_models(ref, opt, done.captured.example_inputs, device=device))
 
 

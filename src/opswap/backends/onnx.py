@@ -76,10 +76,12 @@ def _quiet():
         log.setLevel(level)
 
 
-def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "qdq") -> Path:
-    """Translate `program` (an ExportedProgram) to ONNX at `path`, static int8 Linears in
-    the form `int8` names (lowerings.INT8_FORMS). Raises ExportError naming an op without a
-    lowering, or the exporter's reason."""
+def translate(program, *, fusions: bool = False, int8: str = "qdq") -> Any:
+    """torch.onnx's ONNXProgram of `program` (an ExportedProgram), static int8 Linears in
+    the form `int8` names (lowerings.INT8_FORMS), with onnxscript's ORT fusions when
+    `fusions`. Its `exported_program` is the decomposed program that was translated, whose
+    node names the file's values carry (backends.runtime_layers pairs them). Raises
+    ExportError naming an op without a lowering, or the exporter's reason."""
     try:
         import onnxscript  # noqa: F401
     except ImportError as e:
@@ -94,7 +96,6 @@ def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "qd
             f"The model calls {', '.join(missing)}, which has no ONNX lowering; "
             "leave out the rule that puts it there (--rules) or export to model.pt2."
         )
-    path = Path(path)
     try:
         with _quiet():
             onnx_program = torch.onnx.export(
@@ -112,11 +113,23 @@ def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "qd
                 from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
                 onnx_program.model, _ = optimize_for_ort(onnx_program.model)
-            onnx_program.save(str(path))  # external data only past 2 GB, by size
     except ExportError:
         raise
     except Exception as e:  # the exporter fails on constructs it has no translation for
         raise ExportError(f"torch.onnx could not export the model: {_cause(e)}.") from e
+    return onnx_program
+
+
+def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "qdq") -> Path:
+    """Translate `program` (an ExportedProgram) to ONNX at `path` (see `translate`).
+    Raises ExportError naming an op without a lowering, or the exporter's reason."""
+    onnx_program = translate(program, fusions=fusions, int8=int8)
+    path = Path(path)
+    try:
+        with _quiet():
+            onnx_program.save(str(path))  # external data only past 2 GB, by size
+    except Exception as e:
+        raise ExportError(f"torch.onnx could not write {path.name}: {_cause(e)}.") from e
     return path
 
 

@@ -58,7 +58,7 @@ def _openvino():
     return ov
 
 
-def _read(path: str | Path):
+def read_model(path: str | Path):
     """An openvino.Model of the .onnx or .xml file `path`."""
     ov = _openvino()
     try:
@@ -67,7 +67,7 @@ def _read(path: str | Path):
         raise ExportError(f"OpenVINO could not compile {Path(path).name}: {_first(e)}.") from e
 
 
-def _compile(model, name: str, threads: int | None = None):
+def compile_model(model, name: str, threads: int | None = None):
     ov = _openvino()
     config = {
         "PERFORMANCE_HINT": "LATENCY",
@@ -83,7 +83,7 @@ def _compile(model, name: str, threads: int | None = None):
 def compile_file(path: str | Path, threads: int | None = None):
     """An openvino.CompiledModel of the .onnx or .xml file `path` on the CPU: latency hint,
     float32 inference precision, `threads` threads (default: torch's thread count)."""
-    return _compile(_read(path), Path(path).name, threads)
+    return compile_model(read_model(path), Path(path).name, threads)
 
 
 def save_ir(
@@ -96,7 +96,7 @@ def save_ir(
     the .bin file beside it, float32 as they are), with the model's output structure and
     input names in its runtime info. Raises ExportError with the reason."""
     ov = _openvino()
-    model = _read(onnx_path)
+    model = read_model(onnx_path)
     xml = Path(xml_path)
     if out_spec is not None:
         try:
@@ -144,12 +144,12 @@ class OpenVinoModule(nn.Module):
     ):
         super().__init__()
         self.path = Path(path)
-        model = _read(self.path)
+        model = read_model(self.path)
         spec, stored = _stored(model)
         self.out_spec = out_spec if out_spec is not None else spec
         self.threads = threads
         self.session_threads = threads or torch.get_num_threads()
-        self.compiled = _compile(model, self.path.name, threads)
+        self.compiled = compile_model(model, self.path.name, threads)
         self.request = self.compiled.create_infer_request()
         fed = [p.get_any_name() for p in self.compiled.inputs]
         # the program's inputs in order (an input the graph never reads is not in the file)

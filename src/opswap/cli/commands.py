@@ -219,11 +219,20 @@ def verify(
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
     backend: BackendOpt = "pytorch",
+    layers: Annotated[
+        bool,
+        typer.Option(
+            "--layers",
+            help="With --backend ort or openvino: also compare every value the runtime "
+            "computes with PyTorch running the same exported graph, layer by layer (done "
+            "on its own when verification fails).",
+        ),
+    ] = False,
     json_path: JsonOpt = None,
 ) -> None:
-    """Compare the plan's result with the original (in PyTorch, or with --backend ort as
-    the .onnx file ONNX Runtime runs); exit 1 when it breaks the tolerance or decisions
-    of the plan could not be applied."""
+    """Compare the plan's result with the original (in PyTorch, or with --backend as the
+    file that runtime runs); exit 1 when it breaks the tolerance or decisions of the plan
+    could not be applied."""
     check_outputs(json_path)
     _rules_from(rules_from)
     onnx_files.refuse(spec, "verify")
@@ -237,12 +246,17 @@ def verify(
         samples=samples,
         dynamic=dynamic,
         backend=backend,
+        layers=layers,
     )
     render.not_applied(check.replay.applied)
     render.verification(check, budget, samples)
+    render.runtime_layers(check, backend)
     render.inputs(loaded.module)
     render.partial(p, check.replay.applied, "verified the model with the {n} that did")
-    render.write_json(json_path, check.verification.to_json())
+    data = check.verification.to_json()
+    if check.runtime_layers is not None:
+        data["runtime_layers"] = render.runtime_layers_json(check)
+    render.write_json(json_path, data)
     if not check.verification.passed or check.replay.applied.failed:
         raise typer.Exit(1)
 
@@ -262,7 +276,7 @@ def bench(
     json_path: JsonOpt = None,
 ) -> None:
     """Time the original and the plan's result side by side (interleaved, after warm-up),
-    in PyTorch or, with --backend ort, both as .onnx files in ONNX Runtime.
+    in PyTorch or, with --backend, both exported and run in that runtime on the CPU.
     Exit status 1 when decisions of the plan could not be applied (the rest is timed)."""
     check_outputs(json_path)
     api.check_device(device)

@@ -91,6 +91,7 @@ BackendOpt = Annotated[
     typer.Option(
         "--backend",
         metavar="BACKEND",
-        help="Where the models run: pytorch, or ort (both exported to ONNX and run in ONNX Runtime on the CPU).",
+        help="Where the models run: pytorch, or a runtime on the CPU that both are exported "
+        "to: ort (ONNX Runtime), openvino or executorch (the XNNPACK delegate).",
     ),
 ]

@@ -199,6 +199,49 @@ def verification(check, budget: str | None, samples: int) -> None:
         line(f"first divergence: {check.first_divergence}")
 
 
+#: rows of the runtime's layer table shown past its first divergence, or in all without one
+_LAYER_ROWS = 40
+
+
+def runtime_layers(check, backend: str) -> None:
+    """An api.PlanCheck's comparison inside the runtime, when it was made: what it
+    compares, its table up to a little past the first divergence, and that divergence."""
+    report = check.runtime_layers
+    if report is None:
+        return
+    if isinstance(report, str):
+        note(report)
+        return
+    from opswap.backends.runtime_layers import NOTE
+
+    compared = sum(r.metrics is not None for r in report.rows)
+    first = check.runtime_divergence
+    line(
+        f"{backend} layer by layer: {n(compared, 'value')} compared ({NOTE}); "
+        f"{n(len(report.only_in_reference), 'node')} of the graph not in the file"
+    )
+    shown = [i for i, r in enumerate(report.rows) if r.metrics is not None]
+    upto = _LAYER_ROWS if first is None else shown.index(first.index) + 4
+    text = report.table(max_rows=upto, mark=first)
+    consoles.console.print(Text(text.split("\nonly in the reference")[0]), soft_wrap=True)
+    if first is None:
+        line(f"no value in {backend} breaks the tolerance or jumps past the ones before it")
+    else:
+        line(f"first divergence in {backend}: {first}", "red")
+
+
+def runtime_layers_json(check) -> dict | str:
+    """The runtime's layer comparison for --json: its rows and first divergence, or the
+    sentence why there is none."""
+    report = check.runtime_layers
+    if isinstance(report, str):
+        return report
+    data = report.to_json()
+    first = check.runtime_divergence
+    data["first_divergence"] = first.to_json() if first is not None else None
+    return data
+
+
 def _samples_text(v, asked: int) -> str:
     """'5 samples: 3 at the example shape 2x3x32x32, one at each of batch 1, batch 3'."""
     first, others = (v.shapes[0], v.shapes[1:]) if v.shapes else ("example shape", [])

@@ -183,14 +183,14 @@ def module_path(node: fx.Node) -> str:
     return path
 
 
-def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if is_compute(n)]
 
 
 def _pair(ref: fx.GraphModule, cand: fx.GraphModule, rewritten: set[str]):
     """The reference compute nodes, and {ref node name: (cand node name, how paired)}."""
-    ref_nodes = _compute_nodes(ref)
-    cand_by_name = {n.name: n for n in _compute_nodes(cand)}
+    ref_nodes = compute_nodes(ref)
+    cand_by_name = {n.name: n for n in compute_nodes(cand)}
     last_ref: dict[str, str] = {}
     for n in ref_nodes:
         last_ref[module_path(n)] = n.name
@@ -239,7 +239,7 @@ def _tensors(value) -> list[torch.Tensor] | None:
     return leaves
 
 
-class _Recorder(fx.Interpreter):
+class Recorder(fx.Interpreter):
     """Runs a graph and hands selected nodes' outputs to `sink(name, tensors)`."""
 
     def __init__(self, gm: fx.GraphModule, wanted: set[str], sink):
@@ -255,7 +255,7 @@ class _Recorder(fx.Interpreter):
         return out
 
 
-def _flat_args(gm: fx.GraphModule, inputs: tuple) -> tuple:
+def flat_args(gm: fx.GraphModule, inputs: tuple) -> tuple:
     codegen = gm.graph._codegen
     if isinstance(codegen, fx.graph._PyTreeCodeGen):  # torch.export graphs take flat inputs
         return tuple(codegen.process_inputs(*inputs))
@@ -302,9 +302,9 @@ def compare_layers(
 
     with torch.no_grad(), full_precision(), preserved_state(ref_gm, cand_gm):
         with same_random(0):
-            _Recorder(ref_gm, set(pairs), keep).run(*_flat_args(ref_gm, fresh(inputs)))
+            Recorder(ref_gm, set(pairs), keep).run(*flat_args(ref_gm, fresh(inputs)))
         with same_random(0):
-            _Recorder(cand_gm, set(wanted_cand), measure).run(*_flat_args(cand_gm, fresh(inputs)))
+            Recorder(cand_gm, set(wanted_cand), measure).run(*flat_args(cand_gm, fresh(inputs)))
 
     rows: list[LayerRow] = []
     only_ref: list[str] = []
@@ -323,5 +323,5 @@ def compare_layers(
         else:  # no tensor output, or a shape change
             rows.append(LayerRow(n.name, path, kind, None, c, how, res or "no tensor output"))
     paired_cand = {c for c, _ in pairs.values()}
-    only_cand = [n.name for n in _compute_nodes(cand_gm) if n.name not in paired_cand]
+    only_cand = [n.name for n in compute_nodes(cand_gm) if n.name not in paired_cand]
     return LayerReport(rows, only_ref, only_cand)
