@@ -270,7 +270,8 @@ def verify_plan(
     done = replay(model, inputs, plan, dynamic=dynamic)
     captured = done.captured
     tol = tolerance_for(done.plan.settings.exactness, budget, captured.rounding)
-    candidate, program = done.applied.gm, None
+    candidate: nn.Module = done.applied.gm
+    program = None
     if backend != "pytorch":
         candidate, program = _in_runtime(candidate, captured, "The plan's result", backend)
     v = _verify(

@@ -9,7 +9,7 @@ from torch import nn
 
 import opswap
 from opswap import artifact
-from opswap.bench.runtimes import export_winner
+from opswap.bench.runtimes import added, export_winner
 from opswap.bench.stats import BenchResult
 from opswap.bench.variants import VariantTiming
 
@@ -65,6 +65,28 @@ def _res(rounds):
     names = list(rounds[0])
     stats = {n: Stats(n, [r[n] for r in rounds], 1) for n in names}
     return BenchResult(stats, rounds, [names] * len(rounds), "cpu", 0)
+
+
+def test_the_report_says_what_opswap_adds_to_each_runtime():
+    ort, mine = _timing("ort", 2.0), _timing("opswap+ort", 1.0)
+    ov, ov_mine = _timing("openvino", 1.0), _timing("opswap+openvino", 1.0)
+    rounds = [
+        {
+            "ort": 2.0 + 0.01 * i,
+            "opswap+ort": 1.0,
+            "openvino": 1.0 + 0.02 * (i % 3 - 1),
+            "opswap+openvino": 1.0,
+        }
+        for i in range(30)
+    ]
+    files = {"ort", "opswap+ort", "openvino", "opswap+openvino"}
+    said = added([ort, mine, ov, ov_mine], files, _res(rounds), "openvino")
+    assert said[0].startswith("ONNX Runtime, opswap's file against your model's file: 2.")
+    assert "saves" not in said[0] and "noise" not in said[0]
+    assert said[1].startswith("OpenVINO") and "within noise" in said[1]
+    assert said[1].endswith("so --export saves your model's file (openvino).")
+    # an engine whose file failed verification gets no sentence
+    assert len(added([ort, mine, ov, ov_mine], files - {"openvino"}, _res(rounds))) == 1
 
 
 def test_export_winner_needs_opswap_faster_beyond_noise():

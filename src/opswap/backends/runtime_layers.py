@@ -160,7 +160,7 @@ def runtime_layers(
             Recorder(gm, set(names), keep).run(*flat_args(gm, fresh(inputs)))
         user = list(translated.graph_signature.user_inputs)
         leaves = [x for x in flat_args(gm, inputs) if isinstance(x, torch.Tensor)]
-        feed = numpy_feed(path.name, "in the runtime", user, set(user), leaves)
+        feed = numpy_feed(path.name, "in the runtime", user, set(user), tuple(leaves))
         wanted = [n for n in names if n in ref]
         got = (_ort_values if runtime == "ort" else _openvino_values)(path, wanted, feed)
 

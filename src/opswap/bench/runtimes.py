@@ -152,6 +152,31 @@ def describe(art) -> tuple[str, str | None]:
     return (note + "; " + art.note if art.note else note), None
 
 
+#: each engine's runtime, in the report's words
+NAMES = {"ort": "ONNX Runtime", "openvino": "OpenVINO", "executorch": "ExecuTorch", "tvm": "TVM"}
+
+
+def added(timings: list, files_ok: set[str], res, saved: str | None = None) -> list[str]:
+    """What opswap adds to each runtime of the race, one sentence per engine whose two
+    files both passed and were timed: opswap's file against your model's file in the same
+    runtime, with the run's interval (and, for the engine `saved` by --export, when
+    opswap's is not faster beyond the noise, that your model's file is the one saved)."""
+    by = {t.name: t for t in timings}
+    out = []
+    for engine, names in ENGINES.items():
+        mine = f"opswap+{engine}"
+        if not all(n in by and by[n].verified and by[n].ms and n in files_ok for n in names):
+            continue
+        r = res.ratio(engine, mine)
+        said = f"{NAMES[engine]}, opswap's file against your model's file: {r.describe()}"
+        if not r.ci_low > 1.0:  # within the noise (describe says so), slower, or no interval
+            said += ", slower" if r.ci_high < 1.0 else ""
+            if engine == saved:
+                said += f", so --export saves your model's file ({engine})"
+        out.append(said + ".")
+    return out
+
+
 def export_winner(timings: list, files_ok: set[str], res, engine: str = "ort") -> Any:
     """The variant saved with --export for `engine`: `opswap+ENGINE` when it passed and is
     faster than `ENGINE` beyond the noise of the run (its interval of the ratio above 1),

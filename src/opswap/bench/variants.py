@@ -487,7 +487,7 @@ def run(
     files = saved_verification(variants)
     ok = {n for n, f in files.items() if f is not None}
     winner = best(timings, ok)
-    notes = []
+    notes = runtimes.added(timings, ok, res, engine)
     if engine is not None:
         chosen = runtimes.export_winner(timings, ok, res, engine)
         if chosen is not None:
