@@ -174,3 +174,36 @@ def test_cli_verify_layers_in_openvino_writes_the_rows(tmp_path, capsys):
     assert _run("verify", "zoo:resnet", *small, str(plan), "--backend", "trt") != 0
     said = capsys.readouterr()
     assert "Unknown backend 'trt'" in said.out + said.err
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_static_int8_linears_are_compared_by_name(runtime):
+    from opswap.graph.calibrate import Calibration, attach
+    from opswap.targets.base import Target
+    from opswap.verify.samples import make_samples
+
+    model, xs = _net()
+    captured = api.capture(model, xs)
+    attach(captured.gm, Calibration(make_samples(captured.example_inputs, 4, seed=1)))
+    pays = Target(
+        name="int8-pays",
+        description="int8 at 4x float32, so that the int8 rule is planned",
+        kind="cpu",
+        peak_flops={"float32": 1e11, "int8": 4e11},
+        mem_bandwidth=2e10,
+        memory_bytes=2**34,
+        dtypes=("float32", "int8"),
+    )
+    plan = planner.make_plan(
+        captured, rules=["precision.int8_static_linear"], exactness="approx", target=pays
+    )
+    applied = planner.apply_plan(captured, plan)
+    sites = {s.data["linear"] for s in applied.applied}
+    assert sites  # (the rule leaves out Linears it predicts no gain for)
+    program, _, _ = export(applied.gm, captured.example_inputs, captured.dynamic)
+    form = "integer" if runtime == "ort" else "qdq"  # as each runtime's file is written
+    report = runtime_layers(program, runtime, captured.example_inputs, int8=form)
+    int8 = [r for r in report.rows if r.metrics is not None and "int8_static_linear" in r.name]
+    assert {r.module for r in int8} == sites
+    # the same int8 codes in both: only a value exactly on a half step may round apart
+    assert report.first_divergence("cosine>=0.9999") is None, report.table()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -100,13 +99,11 @@ def _openvino_values(path: Path, names: list[str], feed: dict) -> dict[str, np.n
     from opswap.backends.openvino import compile_model, read_model
 
     model = read_model(path)
-    added: list[tuple[str, Any]] = []
     for n in names:
         try:
-            (port,) = model.add_outputs([n])
+            model.add_outputs([n])
         except Exception:  # folded or renamed while the file was read
             continue
-        added.append((n, port))
     compiled = compile_model(model, path.name)
     request = compiled.create_infer_request()
     fed = {p.get_any_name() for p in compiled.inputs}

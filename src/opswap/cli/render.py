@@ -199,7 +199,7 @@ def verification(check, budget: str | None, samples: int) -> None:
         line(f"first divergence: {check.first_divergence}")
 
 
-#: rows of the runtime's layer table shown past its first divergence, or in all without one
+#: rows of the runtime's layer table shown when none diverges (else up to 3 past the first)
 _LAYER_ROWS = 40
 
 
@@ -222,8 +222,9 @@ def runtime_layers(check, backend: str) -> None:
     )
     shown = [i for i, r in enumerate(report.rows) if r.metrics is not None]
     upto = _LAYER_ROWS if first is None else shown.index(first.index) + 4
-    text = report.table(max_rows=upto, mark=first)
-    consoles.console.print(Text(text.split("\nonly in the reference")[0]), soft_wrap=True)
+    # the nodes not in the file are counted above, not listed (hundreds in a large model)
+    table = report.table(max_rows=upto, mark=first, unpaired=False)
+    consoles.console.print(Text(table), soft_wrap=True)
     if first is None:
         line(f"no value in {backend} breaks the tolerance or jumps past the ones before it")
     else:

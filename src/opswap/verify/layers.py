@@ -132,8 +132,11 @@ class LayerReport:
             "only_in_candidate": self.only_in_candidate,
         }
 
-    def table(self, *, max_rows: int | None = None, mark: Divergence | None = None) -> str:
-        """A plain-text table of the compared rows (unpaired rows are summarised below it)."""
+    def table(
+        self, *, max_rows: int | None = None, mark: Divergence | None = None, unpaired: bool = True
+    ) -> str:
+        """A plain-text table of the compared rows (with `unpaired`, the unpaired rows are
+        summarised below it)."""
         head = (
             f"{'#':>3}  {'node':<24} {'op':<14} {'module':<20} {'by':<8} "
             f"{'max_abs':>9} {'cosine':>12} {'sqnr_db':>8} {'rel_l2':>9}"
@@ -151,9 +154,9 @@ class LayerReport:
                 f"{r.paired_by:<8} {m.max_abs:>9.2e} {m.cosine:>12.9f} "
                 f"{m.sqnr_db:>8.1f} {m.rel_l2:>9.2e}{flag}"
             )
-        if self.only_in_reference:
+        if unpaired and self.only_in_reference:
             lines.append(f"only in the reference: {', '.join(self.only_in_reference)}")
-        if self.only_in_candidate:
+        if unpaired and self.only_in_candidate:
             lines.append(f"only in the candidate: {', '.join(self.only_in_candidate)}")
         return "\n".join(lines)
 
