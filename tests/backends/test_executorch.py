@@ -241,3 +241,41 @@ def test_export_executorch_leaves_the_attention_rule_out_with_a_note():
         run = capture_stage(lm.module, lm.example_inputs, config, "bert", lambda s: None)
         assert not run.replan().decisions
         assert any("attention.sdpa left out" in n and ".pte" in n for n in run.notes)
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        ["attention.sdpa"],  # the op laid its output out as [batch, queries, heads, dim]
+        ["fusion.parallel_linear"],  # one projection split in three
+        None,  # the whole exact CPU plan
+    ],
+)
+def test_zoo_bert_plans_lowered_with_opswaps_lowerings_run_at_every_batch(rules):
+    """Two holes the race's verification found in `opswap optimize zoo:bert --compare
+    executorch`: the written-out attention returned a contiguous output where the program
+    viewed the op's transposed one (the file could not be lowered), and the split of
+    parallel_linear's projection left a .pte that refused every batch but the example's."""
+    from opswap import api, planner
+    from opswap.graph.dynamic import variants
+    from opswap.targets import get_target
+
+    loaded = opswap.load("zoo:bert")
+    model = loaded.module.eval()
+    captured = api.capture(model, loaded.example_inputs)
+    kw = {} if rules is None else {"rules": [*rules, "layout.drop_dropout"]}
+    plan = planner.make_plan(captured, target=get_target("cpu"), **kw)
+    applied = planner.apply_plan(captured, plan)
+    taken = {s.rule for s in applied.applied}
+    assert set(rules or ["attention.sdpa", "fusion.parallel_linear"]) <= taken
+    art = executorch_artifact(applied.gm, captured.example_inputs, captured.dynamic)
+    assert art.module is not None, art.error
+    shapes = variants(captured.example_inputs, captured.dynamic)
+    assert {"batch 1", "batch 3"} <= {s for s, _ in shapes}
+    for _, xs in [("example", captured.example_inputs), *shapes]:
+        with torch.no_grad():
+            want = model(*xs)
+        got = art.module(*xs)
+        want = want if isinstance(want, torch.Tensor) else want[0]
+        got = got if isinstance(got, torch.Tensor) else got[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

@@ -98,7 +98,7 @@ def lower_to_edge(program, kept=None, *, lowerings: bool = True) -> Any:
         )
         from executorch.exir import to_edge_transform_and_lower
 
-        lower = attention_for_xnnpack if lowerings else None
+        lower = for_executorch if lowerings else None
         program = to_aten(program, kept, upper_bound, "ExecuTorch", lower=lower)
         return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
 
@@ -119,7 +119,16 @@ def to_pte(program, path: str | Path, kept=None, *, lowerings: bool = True) -> P
 
 
 def _attention_written_out(
-    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    q,
+    k,
+    v,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    heads_inner=False,
 ):
     """Scaled dot-product attention as two matmuls and a softmax, the ops XNNPACK takes.
 
@@ -129,7 +138,12 @@ def _attention_written_out(
     seldom has a head axis (one per batch, or one for all): a row whose every key is
     masked out (-inf, or False) is given a zero mask, so its softmax stays finite, and its
     output row is multiplied by 0, which is what the op returns for it. A row that keeps a key gets the op's softmax unchanged;
-    a causal row always keeps its first key."""
+    a causal row always keeps its first key.
+
+    `heads_inner`: the op's output was laid out [batch, queries, heads, dim] in memory (as
+    PyTorch's CPU kernel writes it when q is a transposed [batch, queries, heads, dim]
+    tensor), and the program after it relies on that (a view of its transpose); the
+    written-out output is laid out the same way."""
     s = scale if scale is not None else q.size(-1) ** -0.5
     w = torch.matmul(q, k.transpose(-2, -1)) * s
     keep = None
@@ -148,7 +162,8 @@ def _attention_written_out(
         upper = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1)
         w = w + torch.zeros(n, m, dtype=w.dtype, device=q.device).masked_fill(upper, -torch.inf)
     out = torch.matmul(torch.softmax(w, dim=-1), v)
-    return out if keep is None else out * keep
+    out = out if keep is None else out * keep
+    return out.transpose(1, 2).contiguous().transpose(1, 2) if heads_inner else out
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -165,7 +180,55 @@ def attention_for_xnnpack(node) -> Any:
         return None
     if given.get("attn_mask") is not None and given.get("is_causal", False):
         return None  # the op refuses the two together; leave it to say so
+    if _heads_inner(node.meta.get("val")):
+        return _attention_written_out_heads_inner
     return _attention_written_out
+
+
+def _attention_written_out_heads_inner(*args, **kwargs):
+    """`_attention_written_out` with its output laid out as the op laid out its own (a
+    function of its own: the graph calls it by name)."""
+    return _attention_written_out(*args, **kwargs, heads_inner=True)
+
+
+_SPLIT = torch.ops.aten.split_with_sizes.default
+
+
+def _split_as_slices(x, split_sizes, dim=0):
+    """split_with_sizes as one slice per piece. ExecuTorch runs the op as
+    split_with_sizes_copy, whose list of outputs kept the example's sizes in the .pte: a
+    file lowered from a program that splits a [batch, seq, 3 * hidden] projection (what
+    fusion.parallel_linear makes) refused every batch but the example's at a later
+    select_copy ("Attempted to resize a static tensor"), with or without XNNPACK."""
+    out, start = [], 0
+    for size in split_sizes:
+        out.append(x.narrow(dim, start, size))
+        start = start + size
+    return tuple(out)
+
+
+def for_executorch(node) -> Any:
+    """opswap's lowering of an ATen call for ExecuTorch, or None: attention written out
+    for XNNPACK (attention_for_xnnpack), and split_with_sizes as slices."""
+    if node.target is _SPLIT:
+        return _split_as_slices
+    return attention_for_xnnpack(node)
+
+
+def _heads_inner(val) -> bool:
+    """Whether the op's output (its FakeTensor `val`) is [batch, heads, queries, dim] laid
+    out as [batch, queries, heads, dim], known without adding a guard on a symbolic size."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not isinstance(val, torch.Tensor) or val.dim() != 4:
+        return False
+    st, sz = val.stride(), val.shape
+    return (
+        statically_known_true(st[3] == 1)
+        and statically_known_true(st[1] == sz[3])
+        and statically_known_true(st[2] == sz[1] * sz[3])
+        and not statically_known_true(sz[1] == 1)
+    )
 
 
 def _set_threads(threads: int) -> None:
