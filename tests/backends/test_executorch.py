@@ -210,13 +210,26 @@ def test_attention_is_written_out_for_xnnpack_and_the_pte_matches_at_other_sizes
 
 
 def test_attention_for_xnnpack_leaves_dropout_and_grouped_heads_to_executorch():
+    from opswap.backends import executorch as et
     from opswap.backends.executorch import _SDPA, attention_for_xnnpack
 
     class _N:
-        def __init__(self, args, kwargs):
+        def __init__(self, args, kwargs, val=None):
             self.target, self.args, self.kwargs = _SDPA, args, kwargs
+            self.meta = {"val": val} if val is not None else {}
 
-    assert attention_for_xnnpack(_N(("q", "k", "v"), {})) is not None
+    assert attention_for_xnnpack(_N(("q", "k", "v"), {})) is et._attention_written_out
+    # the op's output laid out [batch, queries, heads, dim]: the written-out one is too
+    inner = torch.empty(2, 5, 4, 8).transpose(1, 2)
+    assert attention_for_xnnpack(_N(("q", "k", "v"), {}, inner)) is (
+        et._attention_written_out_heads_inner
+    )
+    plain = torch.empty(2, 4, 5, 8)
+    assert attention_for_xnnpack(_N(("q", "k", "v"), {}, plain)) is et._attention_written_out
+    q, k, v = (inner.clone().normal_() for _ in range(3))
+    got = et._attention_written_out_heads_inner(q, k, v)
+    torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert got.transpose(1, 2).is_contiguous()
     assert attention_for_xnnpack(_N(("q", "k", "v", None, 0.1), {})) is None
     assert attention_for_xnnpack(_N(("q", "k", "v"), {"enable_gqa": True})) is None
     assert attention_for_xnnpack(_N(("q", "k", "v", "m", 0.0, True), {})) is None
