@@ -21,9 +21,12 @@ What the lowering does, in order:
    an upper bound: each axis the file keeps dynamic is bounded by `upper_bound` (four
    times the example's size, at least 8 and at least the size verification probes).
    The module refuses a larger size in one sentence; the note names the bounds.
-2. Each scaled_dot_product_attention call is written out as two matmuls and a softmax
+2. opswap's lowerings (`for_executorch`, traced in place of the ATen call): each
+   scaled_dot_product_attention call is written out as two matmuls and a softmax
    (`attention_for_xnnpack`), which XNNPACK takes; ExecuTorch's own decomposition of
-   the op leaves its scaling, copies and empty-row guard on the portable kernels.
+   the op leaves its scaling, copies and empty-row guard on the portable kernels. And
+   split_with_sizes becomes one slice per piece, whose outputs keep their dynamic
+   sizes in the .pte (ExecuTorch's split_with_sizes_copy kept the example's).
 3. `to_edge_transform_and_lower` with the XnnpackPartitioner (the delegate takes what
    XNNPACK runs; the rest stays on ExecuTorch's portable kernels), then
    `to_executorch()`, written as one .pte file.
@@ -137,8 +140,8 @@ def _attention_written_out(
     the scores, all on its portable kernels. Here the guard works on the mask, which
     seldom has a head axis (one per batch, or one for all): a row whose every key is
     masked out (-inf, or False) is given a zero mask, so its softmax stays finite, and its
-    output row is multiplied by 0, which is what the op returns for it. A row that keeps a key gets the op's softmax unchanged;
-    a causal row always keeps its first key.
+    output row is multiplied by 0, which is what the op returns for it. A row that keeps a
+    key gets the op's softmax unchanged; a causal row always keeps its first key.
 
     `heads_inner`: the op's output was laid out [batch, queries, heads, dim] in memory (as
     PyTorch's CPU kernel writes it when q is a transposed [batch, queries, heads, dim]
