@@ -62,18 +62,6 @@ MODELS = {
 }
 
 
-def _artifact(engine: str, exported, xs, dynamic, mine: bool):
-    from opswap.backends.executorch import executorch_artifact
-    from opswap.backends.openvino import openvino_artifact
-    from opswap.backends.ort import ort_artifact
-
-    if engine == "ort":
-        return ort_artifact(None, xs, dynamic, exported=exported, fusions=mine)
-    if engine == "openvino":
-        return openvino_artifact(None, xs, dynamic, exported=exported)
-    return executorch_artifact(None, xs, dynamic, exported=exported, lowerings=mine)
-
-
 def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
     import time
 
@@ -81,6 +69,7 @@ def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
 
     from opswap import api
     from opswap.backends.pt2 import export
+    from opswap.bench.runtimes import engine_artifact
     from opswap.planner import apply_plan
     from opswap.stages import EXECUTORCH_LEFT_OUT
 
@@ -112,7 +101,7 @@ def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
             program = programs[src]
             if engine == "executorch" and src == "opswap":
                 program = programs.get("opswap_executorch", program)
-            art = _artifact(engine, program, xs, captured.dynamic, src == "opswap")
+            art = engine_artifact(engine, program, xs, captured.dynamic, src == "opswap")
             build_s[name] = round(time.perf_counter() - t0, 1)
             if art.module is None:
                 failed[name] = art.error

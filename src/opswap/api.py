@@ -29,6 +29,7 @@ from torch import nn
 
 from opswap import planner
 from opswap.bench.device import check_device as check_device  # the CLI checks it first
+from opswap.bench.runtimes import NAMES
 from opswap.bench.timing import with_timer
 from opswap.errors import ExportError
 from opswap.graph.capture import Captured, Method, as_inputs
@@ -182,8 +183,6 @@ class PlanCheck:
 #: where `verify_plan` and `bench_plan` run the model and the plan's result
 BACKENDS = ("pytorch", "ort", "openvino", "executorch")
 
-_RUNTIME_NAMES = {"ort": "ONNX Runtime", "openvino": "OpenVINO", "executorch": "ExecuTorch"}
-
 
 def _check_backend(backend: str) -> None:
     from opswap.bench.runtimes import missing
@@ -196,17 +195,15 @@ def _check_backend(backend: str) -> None:
 
 
 def _in_runtime(
-    module: nn.Module, captured: Captured, what: str, backend: str, *, lowerings: bool = True
+    module: nn.Module, captured: Captured, what: str, backend: str, *, mine: bool = True
 ) -> tuple[nn.Module, Any]:
     """`module` exported (dynamic as the capture claims) and loaded in the `backend`
-    runtime on the CPU: the runtime's module, and the exported program it was written
-    from. ExecuTorch gets opswap's lowerings for XNNPACK unless `lowerings` is False (the
-    input's file, as a user without opswap lowers it)."""
-    from opswap.backends.executorch import executorch_artifact
-    from opswap.backends.openvino import openvino_artifact
-    from opswap.backends.ort import ort_artifact
+    runtime on the CPU, as the race makes its file (bench.runtimes.engine_artifact:
+    opswap's when `mine`, else as the runtime makes it without opswap): the runtime's
+    module, and the exported program it was written from."""
     from opswap.backends.pt2 import _first_line
     from opswap.backends.pt2 import export as _export
+    from opswap.bench.runtimes import engine_artifact
 
     xs = captured.example_inputs
     with preserved_state(module):
@@ -215,13 +212,9 @@ def _in_runtime(
                 exported = _export(module, tuple(xs), captured.dynamic)
         except Exception as e:
             raise ExportError(f"{what} could not be exported: {_first_line(e)}.") from e
-        if backend == "executorch":
-            art = executorch_artifact(None, xs, exported=exported, lowerings=lowerings)
-        else:
-            make = ort_artifact if backend == "ort" else openvino_artifact
-            art = make(None, xs, captured.dynamic, exported=exported)
+        art = engine_artifact(backend, exported, xs, captured.dynamic, mine)
     if art.module is None:
-        raise ExportError(f"{what} could not be run in {_RUNTIME_NAMES[backend]}: {art.error}")
+        raise ExportError(f"{what} could not be run in {NAMES[backend]}: {art.error}")
     return art.module, exported[0]
 
 
@@ -232,15 +225,25 @@ def _runtime_layers(program, backend: str, captured: Captured, tol: Tolerance):
 
     if backend not in RUNTIMES:
         return (
-            f"{_RUNTIME_NAMES[backend]} keeps its intermediate values inside the XNNPACK "
+            f"{NAMES[backend]} keeps its intermediate values inside the XNNPACK "
             "delegate, so there is no layer-by-layer comparison in it",
             None,
         )
-    try:
-        int8 = "integer" if backend == "ort" else "qdq"  # as each runtime's file is written
-        report = runtime_layers(program, backend, captured.example_inputs, int8=int8)
-    except ExportError as e:
-        return f"no layer-by-layer comparison in {_RUNTIME_NAMES[backend]}: {e}", None
+    # translated as engine_artifact writes opswap's file for that runtime: for ORT with
+    # onnxscript's fusions, and without them where ORT refuses those (as ort_artifact does)
+    ort = backend == "ort"
+    int8 = "integer" if ort else "qdq"
+    why = ""
+    for fusions in (True, False) if ort else (False,):
+        try:
+            report = runtime_layers(
+                program, backend, captured.example_inputs, int8=int8, fusions=fusions
+            )
+            break
+        except ExportError as e:
+            why = str(e)
+    else:
+        return f"no layer-by-layer comparison in {NAMES[backend]}: {why}", None
     return report, report.first_divergence(tol)
 
 
@@ -314,8 +317,8 @@ def bench_plan(
 ) -> PlanBench:
     """Time (a copy of) `model` and what `plan` makes of it side by side on `device`;
     `backend` "ort", "openvino" or "executorch" times both exported and run in that
-    runtime on the CPU, the comparison a user deploying on it makes (for ExecuTorch the
-    model's file is lowered as ExecuTorch lowers it, the plan's with opswap's lowerings)."""
+    runtime on the CPU, the comparison a user deploying on it makes (each file made as the
+    race makes it: bench.runtimes.engine_artifact)."""
     from opswap.bench.compare import bench_models
 
     _check_backend(backend)
@@ -326,10 +329,9 @@ def bench_plan(
     if backend != "pytorch":
         if device != "cpu":
             raise ExportError(
-                f"--backend {backend} times on {_RUNTIME_NAMES[backend]} on the CPU; "
-                "use --device cpu."
+                f"--backend {backend} times on {NAMES[backend]} on the CPU; use --device cpu."
             )
-        ref, _ = _in_runtime(ref, done.captured, "Your model", backend, lowerings=False)
+        ref, _ = _in_runtime(ref, done.captured, "Your model", backend, mine=False)
         opt, _ = _in_runtime(opt, done.captured, "The plan's result", backend)
     return PlanBench(done, bench_models(ref, opt, done.captured.example_inputs, device=device))
 

@@ -111,11 +111,6 @@ def exports(
             for key in ENGINES[engine].values():
                 artifacts[key] = Artifact(None, None, error=why)
         return
-    from opswap.backends.executorch import executorch_artifact
-    from opswap.backends.openvino import openvino_artifact
-    from opswap.backends.ort import ort_artifact
-    from opswap.backends.tvm import tvm_artifact
-
     for src in ("input", "candidate"):
         pt2 = artifacts.get(src)
         exported = getattr(pt2, "exported", None)
@@ -124,21 +119,33 @@ def exports(
             if exported is None:
                 why = getattr(pt2, "error", None) or "not exported"
                 artifacts[key] = Artifact(None, None, error=f"no program to translate ({why})")
-            elif engine == "ort":
-                fusions = src == "candidate"
-                artifacts[key] = ort_artifact(
-                    None, inputs, dynamic, exported=exported, fusions=fusions
-                )
-            elif engine == "openvino":
-                artifacts[key] = openvino_artifact(None, inputs, dynamic, exported=exported, ir=ir)
-            elif engine == "tvm":
-                artifacts[key] = tvm_artifact(None, inputs, dynamic, exported=exported)
             else:
-                artifacts[key] = executorch_artifact(
-                    None, inputs, dynamic, exported=exported, lowerings=src == "candidate"
-                )
+                mine = src == "candidate"
+                artifacts[key] = engine_artifact(engine, exported, inputs, dynamic, mine, ir=ir)
         if pt2 is not None:
             cast(Any, pt2).exported = None  # the program's weights: not held past the translation
+
+
+def engine_artifact(
+    engine: str, exported, inputs: tuple, dynamic, mine: bool, *, ir: bool = False
+) -> Any:
+    """`engine`'s file of `exported` (backends.pt2's (program, note, kept)), loaded in the
+    engine: opswap's when `mine` (ONNX Runtime's with onnxscript's ORT fusions, ExecuTorch's
+    with opswap's lowerings for XNNPACK), else the input's as the runtime makes it. `ir`:
+    OpenVINO's file is its IR. The one place the race, `verify --backend` and `bench
+    --backend` make a runtime's file."""
+    from opswap.backends.executorch import executorch_artifact
+    from opswap.backends.openvino import openvino_artifact
+    from opswap.backends.ort import ort_artifact
+    from opswap.backends.tvm import tvm_artifact
+
+    if engine == "ort":
+        return ort_artifact(None, inputs, dynamic, exported=exported, fusions=mine)
+    if engine == "openvino":
+        return openvino_artifact(None, inputs, dynamic, exported=exported, ir=ir)
+    if engine == "tvm":
+        return tvm_artifact(None, inputs, dynamic, exported=exported)
+    return executorch_artifact(None, inputs, dynamic, exported=exported, lowerings=mine)
 
 
 def describe(art) -> tuple[str, str | None]:
