@@ -256,6 +256,175 @@ def run(rounds: int, out_path: Path, table: Path) -> dict:
     return res
 
 
+def _against(path: Path):
+    """A file holding another `_int4_gemv_fn` (and the helpers it calls), loaded as a
+    module of its own: the kernel to time beside the tree's (--against)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("int4_against", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextmanager
+def _kernel_of(mod):
+    """`_int4_gemv` launches `mod`'s kernel meanwhile (None: the tree's)."""
+    import triton
+
+    from opswap.kernels import weight_only as wo
+
+    key = ("int4_gemv_fixed", False)
+    old = wo._KERNELS.get(key)
+    wo._KERNELS[key] = (
+        triton.jit(mod._int4_gemv_fn) if mod is not None else (old or triton.jit(wo._int4_gemv_fn))
+    )
+    try:
+        yield
+    finally:
+        if old is None:
+            wo._KERNELS.pop(key, None)
+        else:
+            wo._KERNELS[key] = old
+
+
+def ab(rounds: int, against: Path, out_path: Path, splits: tuple[int, ...]) -> dict:
+    """The tree's kernel ("tree") against the one in `against` ("against"): every
+    candidate launch of both on each Linear shape of the stacks (float32 scales), timed
+    round-robin in one process; then the 154- and 88-Linear stacks with each kernel on
+    its own measured table, beside bf16 and tinygemm, in one interleaved run."""
+    from opswap.kernels import weight_only as wo
+    from opswap.kernels.crossover import device_class
+    from opswap.rules.precision._lowbit_modules import WeightOnlyLinear
+
+    mod = _against(against)
+    dev_class = device_class(torch.device("cuda"))
+    kernels = {"tree": None, "against": mod}
+    res: dict = {"env": lb._env(), "against": against.name, "peers": PEERS, "shapes": []}
+    rows: dict[str, list] = {k: [] for k in kernels}
+    # the unfused layer's shapes first, costliest first, then parallel_linear's
+    order = sorted(set(lb.SHAPES.values()), key=lambda kn: -kn[0] * kn[1] - kn[0])
+    order += [kn for kn in TUNE_SHAPES if kn not in order]
+    for k, n in order:
+        mods = _layers(k, n, torch.float32, seed=k + n)
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        ref = wo.reference(x, mods[0].qweight, mods[0].scale, mods[0].offset, None, 4, k)
+        cands = [c for c in _candidates(k) if c["SPLIT_K"] in splits]
+        graphs, errors = {}, {}
+        for kname, kmod in kernels.items():
+            with _kernel_of(kmod):
+                for cfg in cands:
+                    nm = f"{kname} {_name(cfg)}"
+
+                    def run_all(cfg=cfg, x=x, k=k, mods=mods):
+                        return [
+                            wo.triton_wo_linear(
+                                x,
+                                m.qweight,
+                                m.scale,
+                                m.offset,
+                                None,
+                                4,
+                                k,
+                                config=cfg,
+                                int4_gemv=True,
+                            )
+                            for m in mods
+                        ]
+
+                    try:
+                        graphs[nm] = lb._capture(run_all)
+                        err = float((run_all()[0].double() - ref).norm() / ref.norm())
+                        if not err < 1e-2:
+                            graphs.pop(nm)
+                            errors[nm] = f"rel error {err:.3g} against float64"
+                    except Exception as e:  # one launch failing must not lose the others
+                        errors[nm] = f"{type(e).__name__}: {e}"[:300]
+        t = lb._time_graphs(graphs, rounds, replays=10)
+        per = {nm: sec / lb.LAYERS * 1e6 for nm, sec in t.items()}
+        shape = {"n": n, "k": k, "errors": errors}
+        for kname in kernels:
+            ranked = sorted(
+                (v, nm.split(" ", 1)[1]) for nm, v in per.items() if nm.startswith(kname + " ")
+            )
+            best_us, best = ranked[0]
+            cfg = next(c for c in cands if _name(c) == best)
+            shape[kname] = {
+                "us": round(best_us, 3),
+                "config": cfg,
+                "all": [[round(v, 3), nm] for v, nm in ranked],
+            }
+            rows[kname].append(
+                {
+                    "device": dev_class,
+                    "n": n,
+                    "k": k,
+                    "group": GROUP,
+                    "scale_dtype": "float32",
+                    "pdl": wo.pdl_ok(x.device) and wo.INT4_PDL,
+                    "config": cfg,
+                    "us": round(best_us, 3),
+                }
+            )
+        res["shapes"].append(shape)
+        print(
+            f"K={k} N={n}: tree {shape['tree']['us']} us ({_name(shape['tree']['config'])}), "
+            f"against {shape['against']['us']} us ({_name(shape['against']['config'])})",
+            flush=True,
+        )
+        out_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+        del graphs
+        torch.cuda.empty_cache()
+    tables = {}
+    for kname in kernels:
+        tables[kname] = out_path.parent / f"int4_tiles_{kname}_scratch.json"
+        tables[kname].unlink(missing_ok=True)
+        wo.update_int4_tiles(rows[kname], "measured (scratch)", tables[kname])
+    res["stacks"] = []
+    for label, shapes, layer_fn in (
+        ("154 Linears", lb.SHAPES, lb._layer_fn),
+        ("88 Linears (parallel_linear)", lb.FUSED, lb._fused_layer_fn),
+    ):
+        torch.manual_seed(3)
+        bf = [
+            {
+                nm: torch.randn(n, k, device="cuda").bfloat16() / k**0.5
+                for nm, (k, n) in shapes.items()
+            }
+            for _ in range(lb.LAYERS)
+        ]
+        models = {
+            "bf16": [{nm: lb._build("bf16", w) for nm, w in lay.items()} for lay in bf],
+            "int4 tinygemm": [
+                {nm: lb._build("int4 tinygemm", w) for nm, w in lay.items()} for lay in bf
+            ],
+        }
+        int4 = [{nm: WeightOnlyLinear(w, None, bits=4) for nm, w in lay.items()} for lay in bf]
+        x = torch.randn(1, 2048, device="cuda").bfloat16()
+
+        def stack(L_all, x=x, layer_fn=layer_fn):
+            outs: list = []
+            h = x
+            for L in L_all:
+                h = layer_fn(L, h, outs)
+            return h, outs
+
+        graphs = {s: lb._capture(lambda ms=ms: stack(ms)) for s, ms in models.items()}
+        for kname, kmod in kernels.items():
+            with _kernel_of(kmod), _table(tables[kname]):
+                graphs[f"int4 {kname}, table"] = lb._capture(lambda int4=int4: stack(int4))
+        t = lb._time_graphs(graphs, rounds, replays=10)
+        row = {"stack": label, "rows": 1}
+        for s, sec in t.items():
+            row[s] = {"ms": round(sec * 1e3, 4), "speedup_vs_bf16": round(t["bf16"] / sec, 3)}
+        res["stacks"].append(row)
+        print(json.dumps(row), flush=True)
+        out_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+        del graphs
+        torch.cuda.empty_cache()
+    return res
+
+
 def apply(path: Path) -> None:
     from opswap.kernels import weight_only as wo
 
@@ -270,6 +439,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--update-table", action="store_true", help="rewrite int4_tiles.json")
     ap.add_argument("--apply", type=Path, help="write a earlier run's winners into the table")
+    ap.add_argument(
+        "--against", type=Path, help="a file with another _int4_gemv_fn: time both, A/B"
+    )
+    ap.add_argument("--splits", default="1,2", help="split-K values tried with --against")
     args = ap.parse_args()
     if args.apply:
         apply(args.apply)
@@ -277,6 +450,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: tune_int4.py times launches on one")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.against:
+        splits = tuple(int(v) for v in args.splits.split(","))
+        ab(args.rounds, args.against, args.out / f"tune_int4_ab_{card()}.json", splits)
+        return
     path = args.out / f"tune_int4_{card()}.json"
     res = run(args.rounds, path, args.out / "int4_tiles_scratch.json")
     if args.update_table:

@@ -439,21 +439,45 @@ def _wo_kernel_fn(
 _INT4_D = tl.constexpr(64) if tl is not None else 64
 
 
-def _int4_chunk_fn(
-    acc,
-    w,
-    c,
-    x_row,
+def _int4_load_fn(
+    w_rows,
     s_cols,
     o_cols,
-    K,
+    c,
+    c1,
     KW,
-    xf,
-    BLOCK_N: tl.constexpr,
     BLOCK_U: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    # one chunk of `_int4_gemv`: w [BLOCK_N, 4 BLOCK_U] int32 words, already loaded
+    # chunk c's weights [BLOCK_N, 4 BLOCK_U] (int32 words) and its units' scales and
+    # offsets [BLOCK_N, BLOCK_U]; a chunk at or past c1 (the program's end) loads nothing.
+    # None of it is written by an earlier kernel, so all of it may load before gdc_wait.
+    j = c * (4 * BLOCK_U) + tl.arange(0, 4 * BLOCK_U)
+    w = tl.load(w_rows + j[None, :], mask=(j < tl.where(c < c1, KW, 0))[None, :], other=0)
+    g = ((c * BLOCK_U + tl.arange(0, BLOCK_U)) * 32) // GROUP
+    gm = (g < tl.where(c < c1, (KW * 8) // GROUP, 0))[:, None]
+    # loaded as [BLOCK_U, BLOCK_N] and transposed: Triton 3.6 then lays s out as acc is
+    # (lanes along the units); a [BLOCK_N, BLOCK_U] load put its lanes along the rows
+    # and cost a shared-memory exchange of acc every chunk (912 instructions, not 840)
+    s = tl.trans(tl.load(s_cols + g[:, None], mask=gm, other=0.0).to(tl.float32))
+    m = tl.trans(tl.load(o_cols + g[:, None], mask=gm, other=0.0).to(tl.float32))
+    return w, s, m
+
+
+def _int4_chunk_fn(
+    acc,
+    w,
+    s,
+    m,
+    c,
+    x_row,
+    K,
+    xf,
+    BLOCK_N: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+):
+    # one chunk of `_int4_gemv`: w [BLOCK_N, 4 BLOCK_U] int32 words, s and m [BLOCK_N,
+    # BLOCK_U], all loaded (`_int4_load`); x is read here, after any wait
     rk = tl.arange(0, 32 * BLOCK_U)
     w = tl.reshape(w.to(tl.uint32, bitcast=True), (BLOCK_N, BLOCK_U, 4))  # 16 B a unit
     k = c * (32 * BLOCK_U) + rk
@@ -480,13 +504,6 @@ def _int4_chunk_fn(
     p += (w12 & 0xF00).to(tl.float32, bitcast=True) * x5
     p += (w12 & 0xF000).to(tl.float32, bitcast=True) * x6
     p += (w12 & 0xF0000).to(tl.float32, bitcast=True) * x7
-    g = ((c * BLOCK_U + tl.arange(0, BLOCK_U)) * 32) // GROUP
-    gm = (g < (KW * 8) // GROUP)[None, :]
-    # loaded as [BLOCK_U, BLOCK_N] and transposed: Triton 3.6 then lays s out as acc is
-    # (lanes along the units); a [BLOCK_N, BLOCK_U] load put its lanes along the rows
-    # and cost a shared-memory exchange of acc every chunk (912 instructions, not 840)
-    s = tl.trans(tl.load(s_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
-    m = tl.trans(tl.load(o_cols + g[:, None], mask=gm.T, other=0.0).to(tl.float32))
     acc += m * (xu * (2.0**-_INT4_D))[None, :]
     acc += s * tl.sum(p, 2)
     return acc
@@ -494,6 +511,7 @@ def _int4_chunk_fn(
 
 # a helper the kernel calls is jitted where it is defined, under the name the kernel calls
 # (as `_rows.rn`): the interpreter and the compiler both resolve it by that global
+_int4_load: Any = triton.jit(_int4_load_fn) if triton is not None else None
 _int4_chunk: Any = triton.jit(_int4_chunk_fn) if triton is not None else None
 
 
@@ -531,7 +549,6 @@ def _int4_gemv_fn(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rnc = tl.minimum(rn, N - 1)  # rows past N read row N - 1 (not stored): no mask
-    rw = tl.arange(0, 4 * BLOCK_U)
     ri = tl.arange(0, 8)
     units = KW // 4
     chunks = tl.cdiv(units, BLOCK_U)
@@ -546,43 +563,31 @@ def _int4_gemv_fn(
     e = 4 * (ri - 3 * (ri // 5))
     xf = ((276 - e - _INT4_D) << 23).to(tl.float32, bitcast=True)
     acc = tl.zeros((BLOCK_N, BLOCK_U), dtype=tl.float32)
-    # the first chunk's weights are loaded before anything an earlier kernel writes is
-    # read: under PDL that load overlaps the end of the kernel before (the weights are
-    # never written by it); x, the only input a previous kernel makes, is read after
-    j = c0 * (4 * BLOCK_U) + rw  # words
-    kw_end = tl.where(c0 < c1, KW, 0)  # a program with no chunk (split-K's last) loads none
-    w = tl.load(w_rows + j[None, :], mask=(j < kw_end)[None, :], other=0)
-    # PREFETCH chunks ahead (0, 1 or 2): the next chunks' words are in flight while this
-    # one is computed (PREFETCH + 1 chunks of weights in registers), and under PDL the
-    # first PREFETCH + 1 are loaded before the wait. A chunk past the program's share
-    # loads nothing (its mask is empty).
+    # the first PREFETCH + 1 chunks (weights, scales and offsets) are loaded before
+    # anything an earlier kernel writes is read: under PDL those loads overlap the end of
+    # the kernel before (none of it is written by it), and only x, the one input a
+    # previous kernel makes, and what comes after wait for it. Later chunks are loaded
+    # PREFETCH ahead of the one computed (PREFETCH + 1 chunks in registers). A chunk past
+    # the program's share loads nothing.
+    w, s, m = _int4_load(w_rows, s_cols, o_cols, c0, c1, KW, BLOCK_U, GROUP)
     if PREFETCH >= 1:
-        j = j + 4 * BLOCK_U
-        w1 = tl.load(w_rows + j[None, :], mask=(j < tl.where(c0 + 1 < c1, KW, 0))[None, :], other=0)
+        w1, s1, m1 = _int4_load(w_rows, s_cols, o_cols, c0 + 1, c1, KW, BLOCK_U, GROUP)
     if PREFETCH >= 2:
-        j = j + 4 * BLOCK_U
-        w2 = tl.load(w_rows + j[None, :], mask=(j < tl.where(c0 + 2 < c1, KW, 0))[None, :], other=0)
+        w2, s2, m2 = _int4_load(w_rows, s_cols, o_cols, c0 + 2, c1, KW, BLOCK_U, GROUP)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    acc = _int4_chunk(acc, w, c0, x_row, s_cols, o_cols, K, KW, xf, BLOCK_N, BLOCK_U, GROUP)
+    acc = _int4_chunk(acc, w, s, m, c0, x_row, K, xf, BLOCK_N, BLOCK_U)
     for c in range(c0 + 1, c1):
         if PREFETCH >= 2:
-            w = w1
-            w1 = w2
-            j = (c + 2) * (4 * BLOCK_U) + rw
-            w2 = tl.load(
-                w_rows + j[None, :], mask=(j < tl.where(c + 2 < c1, KW, 0))[None, :], other=0
-            )
+            w, s, m = w1, s1, m1
+            w1, s1, m1 = w2, s2, m2
+            w2, s2, m2 = _int4_load(w_rows, s_cols, o_cols, c + 2, c1, KW, BLOCK_U, GROUP)
         elif PREFETCH == 1:
-            w = w1
-            j = (c + 1) * (4 * BLOCK_U) + rw
-            w1 = tl.load(
-                w_rows + j[None, :], mask=(j < tl.where(c + 1 < c1, KW, 0))[None, :], other=0
-            )
+            w, s, m = w1, s1, m1
+            w1, s1, m1 = _int4_load(w_rows, s_cols, o_cols, c + 1, c1, KW, BLOCK_U, GROUP)
         else:
-            j = c * (4 * BLOCK_U) + rw
-            w = tl.load(w_rows + j[None, :], mask=(j < KW)[None, :], other=0)
-        acc = _int4_chunk(acc, w, c, x_row, s_cols, o_cols, K, KW, xf, BLOCK_N, BLOCK_U, GROUP)
+            w, s, m = _int4_load(w_rows, s_cols, o_cols, c, c1, KW, BLOCK_U, GROUP)
+        acc = _int4_chunk(acc, w, s, m, c, x_row, K, xf, BLOCK_N, BLOCK_U)
     out = tl.sum(acc, 1) * (2.0**_INT4_D)
     out_off = pid_m * N + rn
     if SPLIT_K == 1:
