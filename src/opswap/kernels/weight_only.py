@@ -944,10 +944,11 @@ def _int4_gemv(x2, qweight, scale, offset, bias, k, group, y, ws, cnt, config) -
 #: Linears launched one after another (dependent launches where PDL is on), per GPU class,
 #: shape, group, scale dtype and PDL; written by benchmarks/tune_int4.py --update-table.
 #: Triton's autotuner times each launch alone, and its pick varies from process to
-#: process: on an H100 (results/tune_int4_h100.json and _first.json, 2026-12-05) it was up
-#: to 1.33x slower than the measured best on a shape, and the 154 Linears of the 1.1B Llama
-#: at one row took 0.513 ms with the table in both runs against 0.532 to 0.582 autotuned
-#: (bf16 1.257: 2.45x against 2.16x to 2.38x). A shape the table lacks is autotuned.
+#: process. On an H100 (results/tune_int4_h100.json, 2026-12-06, the kernel with its
+#: scales loaded before the wait) it was up to 1.33x slower than the measured best on a
+#: shape, and the 154 Linears of the 1.1B Llama at one row took 0.445 ms with the table
+#: against 0.502 autotuned (bf16 1.241: 2.79x against 2.47x). A shape the table lacks is
+#: autotuned.
 INT4_TILES_TABLE = Path(__file__).with_name("int4_tiles.json")
 
 
