@@ -16,6 +16,9 @@ this script measures). Then one interleaved loop (inference mode) times:
   uint8 handoff between convolutions adds;
 - `ort_fp32` and `ort_opswap_int8`: ONNX Runtime on the input's float32 export and on
   opswap's int8 export (QDQ around each convolution, uint8 between handed-off ones);
+- `torchao_pt2e_x86+compile`: torchao's PT2E static int8 with the x86 Inductor quantizer on
+  the same calibration batches, compiled with Inductor's freezing (the flow its docs give
+  for CPU inference);
 - `openvino_fp32` (float32 asked for), `openvino_default` (the CPU plugin's own pick:
   bfloat16 on a CPU with AVX-512 BF16) and `openvino_int8` (nncf.quantize on the same
   calibration batches), when openvino and nncf are installed.
@@ -68,6 +71,37 @@ def _openvino(module, xs, calibration):
     fns, precision = openvino_variants(core, ovm, q)
     versions = {"openvino": ov.__version__, "nncf": nncf.__version__}
     return fns, versions | {"openvino_inference_precision": precision}
+
+
+def _pt2e(module, xs, calibration):
+    """torchao's PT2E static int8 with the x86 Inductor quantizer, as its docs give the flow
+    for CPU inference: export, prepare_pt2e with the default x86 config (per-channel int8
+    weights, per-tensor uint8 activations), calibrate on the same batches, convert_pt2e,
+    then torch.compile with Inductor's freezing on, which lowers the quantize / dequantize
+    patterns to onednn's int8 convolutions and Linears (with their ReLU, residual add and
+    requantisation fused); or a reason string."""
+    try:
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    except ImportError as e:
+        return f"not installed: {e.name}"
+    import torch._inductor.config as inductor_config
+
+    try:
+        gm = torch.export.export(module, tuple(xs)).module()
+        quantizer = xiq.X86InductorQuantizer()
+        quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
+        prepared = prepare_pt2e(gm, quantizer)
+        with torch.no_grad():
+            for batch in calibration:
+                prepared(*batch)
+        converted = convert_pt2e(prepared)
+        with inductor_config.patch(freezing=True), torch.inference_mode():
+            fn = torch.compile(converted)
+            fn(*xs)  # compiled here, with freezing
+    except Exception as e:  # the peer failing must not lose the run
+        return f"{type(e).__name__}: {e}"[:300]
+    return fn
 
 
 def main() -> None:
@@ -153,6 +187,11 @@ def main() -> None:
             row["openvino_inference_precision"] = versions.pop("openvino_inference_precision")
             fns.update(ov_fns)
         if not args.no_compile:
+            pt2e = _pt2e(m.module, xs, calibration)
+            if isinstance(pt2e, str):
+                row["torchao_pt2e"] = pt2e
+            else:
+                fns["torchao_pt2e_x86+compile"] = pt2e
             for base in [k for k in ("input", "opswap_int8", "opswap_int8_float_maps") if k in fns]:
                 c = torch.compile(fns[base])
                 with torch.inference_mode():
