@@ -169,3 +169,34 @@ def kernel_main(run, name: str) -> None:
         name += "_widths"
     res = run(args.smoke, **kw)
     write_kernel_run(res, args.out, name, args.smoke, args.update_crossover)
+
+
+def pt2e_x86(module, xs, calibration):
+    """torchao's PT2E static int8 with the x86 Inductor quantizer, as its docs give the flow
+    for CPU inference: export, prepare_pt2e with the default x86 config (per-channel int8
+    weights, per-tensor uint8 activations), calibrate on the same batches, convert_pt2e,
+    then torch.compile with Inductor's freezing on, which lowers the quantize / dequantize
+    patterns to onednn's int8 convolutions and Linears (with their ReLU, residual add and
+    requantisation fused); or a reason string."""
+    try:
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    except ImportError as e:
+        return f"not installed: {e.name}"
+    import torch._inductor.config as inductor_config
+
+    try:
+        gm = torch.export.export(module, tuple(xs)).module()
+        quantizer = xiq.X86InductorQuantizer()
+        quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
+        prepared = prepare_pt2e(gm, quantizer)
+        with torch.no_grad():
+            for batch in calibration:
+                prepared(*batch)
+        converted = convert_pt2e(prepared)
+        with inductor_config.patch(freezing=True), torch.inference_mode():
+            fn = torch.compile(converted)
+            fn(*xs)  # compiled here, with freezing
+    except Exception as e:  # the peer failing must not lose the run
+        return f"{type(e).__name__}: {e}"[:300]
+    return fn

@@ -7,6 +7,8 @@ weights) is exported to ONNX once (torch.onnx's dynamo exporter). Then one inter
 loop times, each on the same inputs:
 
 - `torch_fp32`: the model as given; `compile`: torch.compile of it;
+- `torchao_pt2e_x86+compile`: torchao's PT2E static int8 with the x86 Inductor quantizer,
+  calibrated on the same batches, compiled with Inductor's freezing;
 - `opswap`: `opswap.optimize(..., exactness="approx")`'s saved model (its race decides
   what is saved, int8 where int8 measured faster here), reloaded from model.pt2 as
   `opswap.load_optimized` gives it (compiled when a compiled variant won;
@@ -129,7 +131,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from _results import compare_variants, write_results
+    from _results import compare_variants, pt2e_x86, write_results
 
     import opswap
     from opswap.bench.timing import describe_device
@@ -222,6 +224,12 @@ def main() -> None:
             with torch.inference_mode():
                 c(*xs)
             fns["compile"] = c
+            # torchao's PT2E static int8 (x86 Inductor quantizer, compiled with freezing)
+            pt2e = pt2e_x86(m.module, xs, calibration)
+            if isinstance(pt2e, str):
+                row["torchao_pt2e"] = pt2e
+            else:
+                fns["torchao_pt2e_x86+compile"] = pt2e
         onnx_path = tmp / "model.onnx"
         why = _onnx(m.module, xs, onnx_path)
         if why:
@@ -249,7 +257,11 @@ def main() -> None:
         mine = by.get(f"{engine}_opswap_int8")
         if mine and by.get(base):
             row[f"{engine}_opswap_int8_vs_{base}"] = by[base] / mine
-    int8_peers = [v for v in variants if v["name"] in ("ort_int8_dynamic", "openvino_int8")]
+    int8_peers = [
+        v
+        for v in variants
+        if v["name"] in ("ort_int8_dynamic", "openvino_int8", "torchao_pt2e_x86+compile")
+    ]
     ours = min((v for v in variants if v["name"].startswith("opswap")), key=lambda v: v["ms"])
     if int8_peers:
         peer = min(int8_peers, key=lambda v: v["ms"])
