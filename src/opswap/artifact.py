@@ -577,7 +577,10 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
         compile = _compiled(result) if result.is_file() else False
     module = load_program(pt2)
     if compile:
-        return cast(nn.Module, torch.compile(module))  # an OptimizedModule for a module
+        from opswap.kernels.int8_inductor import compile_module
+
+        # as the race compiled it: static int8 sites through Inductor's int8 lowering
+        return compile_module(module)
     return module
 
 

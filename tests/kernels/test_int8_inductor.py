@@ -1,0 +1,184 @@
+"""kernels.int8_inductor: opswap's static int8 sites lowered to Inductor's own int8 path
+under torch.compile. The compiled model computes what the ops compute (at batch sizes and
+image sizes other than the example's, so across recompiles), runs onednn's int8 kernels
+that Inductor emits (not a float convolution on dequantised weights), leaves the graph it
+was given as it was, and is what the race times and `load_optimized` compiles."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import opswap.rules.precision._timing as timing
+from opswap.graph.calibrate import Calibration, attach
+from opswap.graph.capture import capture
+from opswap.kernels import int8_inductor, int8_static
+from opswap.planner import apply_plan, make_plan
+from opswap.targets.base import Target
+from opswap.verify.samples import make_samples
+
+pytestmark = pytest.mark.skipif(
+    not int8_static.onednn_available(), reason="onednn's int8 kernels need an x86 CPU torch"
+)
+
+PAYS = Target(
+    name="int8-pays",
+    description="test profile: int8 at 4x the float32 rate",
+    kind="cpu",
+    peak_flops={"float32": 2.5e11, "int8": 1.0e12},
+    mem_bandwidth=2.5e10,
+    memory_bytes=2**34,
+    dtypes=("float32", "int8"),
+    dispatch_s=2e-6,
+    view_dispatch_s=1e-6,
+)
+RULES = ["fusion.*", "precision.int8_static_*"]
+
+
+class Net(nn.Module):
+    """Conv+BN+ReLU, a conv pair (uint8 handed between them) in a residual block whose add
+    and ReLU are in place, a running-count buffer that forward updates (stateful), then
+    tokens through two Linears with a GELU between (3-D input, a handoff with the GELU in
+    its epilogue)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(16, 64, 3, padding=1)
+        self.b1 = nn.BatchNorm2d(64)
+        self.c2 = nn.Conv2d(64, 64, 3, padding=1)
+        self.c3 = nn.Conv2d(64, 64, 1)
+        self.up = nn.Linear(64, 192)
+        self.down = nn.Linear(192, 64)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        y = torch.relu(self.b1(self.c1(x)))
+        z = self.c3(torch.relu(self.c2(y)))
+        z += y
+        z.relu_()
+        t = z.flatten(2).transpose(1, 2)  # [batch, tokens, channels]
+        return self.down(nn.functional.gelu(self.up(t)))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    m = Net().eval()
+    with torch.no_grad():
+        m.b1.running_mean.uniform_(-0.5, 0.5)
+        m.b1.running_var.uniform_(0.5, 2.0)
+    return m
+
+
+def _exported_plan(x: torch.Tensor):
+    """The planned int8 graph as model.pt2 holds it: exported with a dynamic batch and
+    size, reloaded as a module (the op calls on constants)."""
+    model = _net()
+    cap = capture(model, (x,))
+    attach(cap.gm, Calibration(make_samples((x,), 6, seed=1)))
+    plan = make_plan(cap, rules=RULES, exactness="approx", target=PAYS)
+    gm = apply_plan(cap, plan).gm
+    dims = {0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO, 3: torch.export.Dim.AUTO}
+    ep = torch.export.export(gm, (x,), dynamic_shapes=(dims,))
+    return model, plan, ep.module()
+
+
+def _sites(gm) -> int:
+    return sum("int8_static" in str(n.target) for n in gm.graph.nodes)
+
+
+def test_lowered_and_compiled_computes_what_the_ops_compute_across_recompiles():
+    x = torch.randn(2, 16, 12, 12)
+    model, plan, program = _exported_plan(x)
+    rules = [d.rule for d in plan.decisions]
+    # c2 and c3 (c1, with 16 input channels, is predicted slower in int8), both Linears,
+    # and uint8 handed on from one of each pair
+    assert rules.count("precision.int8_static_conv") == 2, rules
+    assert rules.count("precision.int8_static_linear") == 2, rules
+    assert rules.count("precision.int8_static_handoff") >= 1, rules
+    before = _sites(program)
+    state = {k: v.clone() for k, v in program.state_dict().items()}
+    lowered, n = int8_inductor.lower(program)
+    assert n == before == 4
+    assert _sites(lowered) == 0
+    # the graph given is left as it was
+    assert _sites(program) == before
+    assert all(torch.equal(v, program.state_dict()[k]) for k, v in state.items())
+    fn = int8_inductor.compile_module(program)
+    assert isinstance(fn, int8_inductor.FrozenCompiled) and fn.sites == 4
+    for shape in [(2, 16, 12, 12), (3, 16, 12, 12), (1, 16, 14, 10)]:
+        xb = torch.randn(*shape)
+        with torch.inference_mode():
+            want, got, ref = program(xb), fn(xb), model(xb)
+        assert got.shape == want.shape == ref.shape
+        scale = float(want.abs().max())
+        assert float((got - want).abs().max()) <= 1e-2 * scale, shape
+        cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+        assert float(cos) > 0.99999, shape
+        # and both stay near the user's float32 module
+        assert float((got - ref).norm() / ref.norm()) < 0.05, shape
+    # called with autograd on, it still freezes (no_grad inside) and answers alike
+    got = fn(x)
+    assert not got.requires_grad
+    with torch.inference_mode():
+        assert float((got - program(x)).abs().max()) <= 1e-2 * float(got.abs().max())
+
+
+def test_inductor_emits_onednn_int8_kernels_not_a_float_convolution():
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(2, 16, 12, 12)
+    _, _, program = _exported_plan(x)
+    fn = int8_inductor.compile_module(program)
+    with torch.inference_mode():
+        _, codes = run_and_get_code(fn, x)
+    called = set(re.findall(r"onednn\.(\w+)", "\n".join(codes)))
+    assert {"qconv_pointwise", "qlinear_pointwise"} <= called, called
+    # the weights were prepacked once, as constants: no prepack left in the call path
+    assert not any("prepack" in c for c in called), called
+
+
+def test_graphs_without_int8_sites_compile_as_they_are():
+    plain = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    assert int8_inductor.lower(plain) == (plain, 0)
+    assert not isinstance(int8_inductor.compile_module(plain), int8_inductor.FrozenCompiled)
+    mod = nn.Linear(4, 4)  # not a graph at all
+    assert int8_inductor.lower(mod) == (mod, 0)
+
+
+def test_the_race_times_and_load_optimized_compiles_the_lowered_model(tmp_path, monkeypatch):
+    import opswap
+    from opswap.pipeline import OptimizeConfig, optimize
+
+    # this machine's timing says int8 pays (whether it does is a benchmark's business)
+    monkeypatch.setattr(timing, "timed_pair", lambda key, timer, make: (2e-3, 1e-3))
+    model = _net()
+    x = torch.randn(2, 16, 12, 12)
+    r = optimize(
+        model,
+        (x,),
+        OptimizeConfig(
+            rules=RULES,
+            samples=2,
+            compare="compile",
+            exactness="approx",
+            layers=False,
+            measure_rules=False,
+        ),  # fmt: skip
+        calibration_data=[(torch.randn(2, 16, 12, 12),) for _ in range(4)],
+    )
+    raced = {v.name: v for v in r.variants}
+    assert raced["opswap+compile"].verified, raced["opswap+compile"].note
+    assert raced["opswap+compile"].ms is not None
+    r.save(tmp_path)
+    loaded = opswap.load_optimized(tmp_path, compile=True)
+    assert isinstance(loaded, int8_inductor.FrozenCompiled)
+    with torch.inference_mode():
+        xb = torch.randn(3, 16, 12, 12)
+        plain = opswap.load_optimized(tmp_path, compile=False)
+        got, want = loaded(xb), plain(xb)
+        assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+        assert float((got - model(xb)).norm() / model(xb).norm()) < 0.05
