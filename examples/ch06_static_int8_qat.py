@@ -3,7 +3,9 @@
 The digits CNN of the zoo (trained on scikit-learn's digits) is quantised statically:
 its BatchNorms fold into the convolutions, each convolution's input gets a scale and a
 zero point from calibration on training batches (four range methods compared), and
-onednn's int8 convolutions run it, each one read only by another handing it uint8. Then the same model goes through QAT: a few steps of
+onednn's int8 convolutions run it, each one read only by another handing it uint8; then
+the same int8 model compiled, its sites lowered to Inductor's own int8 path. Then the
+same model goes through QAT: a few steps of
 training with the int8 rounding simulated, and conversion to the real int8 model.
 Top-1 accuracy on the held-out split is printed for each.
 
@@ -17,6 +19,7 @@ from opswap import qat
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import capture
 from opswap.kernels import int8_static
+from opswap.kernels.int8_inductor import compile_module
 from opswap.models import load
 from opswap.models.zoo_digits import digits
 from opswap.planner import apply_plan, make_plan
@@ -69,6 +72,16 @@ def main() -> None:
     for miss in plan.misses:
         if miss.rule.startswith("precision"):
             print(f"    not {miss.where}: {miss.reason}")
+
+    # Compiled, the int8 sites go through Inductor's own int8 lowering: the same scales,
+    # onednn's int8 kernels with the work between them fused (what the race's
+    # opswap+compile and opswap.load_optimized(compile=True) run). The graph is exported
+    # as model.pt2 holds it, with a dynamic batch for the held-out split's batches.
+    program = torch.export.export(
+        int8, example, dynamic_shapes=({0: torch.export.Dim.AUTO},)
+    ).module()
+    compiled = compile_module(program)
+    print(f"  static int8, compiled through Inductor's int8 path: {task.evaluate(compiled):.4f}")
 
     # QAT: simulate the rounding in training, then convert with the trained ranges
     data = digits()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -227,4 +227,4 @@ def compile_module(module: nn.Module) -> nn.Module:
     lowered, sites = lower(module)
     if sites:
         return FrozenCompiled(lowered, sites)
-    return torch.compile(module)
+    return cast(nn.Module, torch.compile(module))  # an OptimizedModule for a module
