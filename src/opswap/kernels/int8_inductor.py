@@ -98,7 +98,9 @@ def lower(module: nn.Module) -> tuple[nn.Module, int]:
     be float32 or uint8 keeps the op). The module given is not changed."""
     if not isinstance(module, fx.GraphModule):
         return module, 0
-    import torch.ao.quantization.fx._decomposed  # noqa: F401  (the quantized_decomposed ops)
+    # registers torch.ops.quantized_decomposed, the ops Inductor's int8 passes match (torch's
+    # own module, not the deprecated eager quantization API; no warning on 2.13)
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
 
     qd = torch.ops.quantized_decomposed
     ops = _ops()
@@ -117,7 +119,7 @@ def lower(module: nn.Module) -> tuple[nn.Module, int]:
         return module, 0
     gm = copy.deepcopy(module)
     g = gm.graph
-    # the dtype each lowered site writes (uint8 for a handoff), for the sites that read it
+    # the dtype each lowered site writes (float32: a handoff too, below), for its readers
     wrote: dict[fx.Node, torch.dtype] = {}
     count = 0
     for node in list(g.nodes):
