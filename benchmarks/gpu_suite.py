@@ -196,6 +196,8 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     # `_int4_gemv`'s launch per shape chosen in a graph of dependent launches, and the
     # decode stacks with the measured table (writes tune_int4_<card>.json)
     "tune_int4": (["tests/kernels/test_weight_only.py"], [["tune_int4.py"]]),
+    # the decode stacks alone with the committed table (writes tune_int4_stacks_<card>.json)
+    "int4_stacks": ([], [["tune_int4.py", "--stacks-only"]]),
     # the backward kernels alone (GPU time) per launch choice, and the host's cost of a call
     "backward": (
         KERNEL_TESTS[:3],
@@ -508,8 +510,11 @@ def main() -> None:
             "tune",
             "widths",
             "tune_int4",
+            "int4_stacks",
         ],
-        help="run one part alone: tune_int4 = the weight-only kernel's GPU tests, then "
+        help="run one part alone: int4_stacks = benchmarks/tune_int4.py --stacks-only (the "
+        "INT4 decode stacks with the committed launch table, beside bf16 and tinygemm); "
+        "tune_int4 = the weight-only kernel's GPU tests, then "
         "benchmarks/tune_int4.py (the INT4 GEMV's launch per shape timed in a graph of "
         "dependent launches, and the decode stacks with that table); tune = benchmarks/tune_rows.py (launch choices and "
         "candidate rewrites of the row kernels beside today's, writes tune_rows_h200.json); "

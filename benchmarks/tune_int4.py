@@ -2,6 +2,8 @@
 
     PYTHONPATH=src python3 benchmarks/tune_int4.py --out DIR      (or gpu_suite.py --only tune_int4)
     PYTHONPATH=src python3 benchmarks/tune_int4.py --apply DIR/tune_int4_h100.json
+    PYTHONPATH=src python3 benchmarks/tune_int4.py --stacks-only --out DIR   (the stacks alone)
+    PYTHONPATH=src python3 benchmarks/tune_int4.py --against OLD.py --out DIR  (A/B of two kernels)
 
 Triton's autotuner times each launch of a kernel alone, back to back, on the first call.
 A decoding model runs a Linear between other kernels, launched as a programmatic dependent
@@ -425,6 +427,13 @@ def ab(rounds: int, against: Path, out_path: Path, splits: tuple[int, ...]) -> d
     return res
 
 
+def wo_table() -> Path:
+    """The launch table the package reads (kernels/int4_tiles.json)."""
+    from opswap.kernels import weight_only as wo
+
+    return wo.INT4_TILES_TABLE
+
+
 def apply(path: Path) -> None:
     from opswap.kernels import weight_only as wo
 
@@ -443,6 +452,12 @@ def main() -> None:
         "--against", type=Path, help="a file with another _int4_gemv_fn: time both, A/B"
     )
     ap.add_argument("--splits", default="1,2", help="split-K values tried with --against")
+    ap.add_argument(
+        "--stacks-only",
+        action="store_true",
+        help="time the decode stacks with the committed table only (a few minutes: the "
+        "autotuned variants timed beside it tune on their first call)",
+    )
     args = ap.parse_args()
     if args.apply:
         apply(args.apply)
@@ -450,6 +465,17 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: tune_int4.py times launches on one")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.stacks_only:
+        res = {
+            "env": lb._env(),
+            "table": "src/opswap/kernels/int4_tiles.json as committed",
+            "peers": PEERS,
+            "stacks": stacks(args.rounds, wo_table()),
+        }
+        path = args.out / f"tune_int4_stacks_{card()}.json"
+        path.write_text(json.dumps(res, indent=1) + "\n")
+        print("wrote", path)
+        return
     if args.against:
         splits = tuple(int(v) for v in args.splits.split(","))
         ab(args.rounds, args.against, args.out / f"tune_int4_ab_{card()}.json", splits)
