@@ -4,6 +4,7 @@ which turns opswap's errors into one line and exit status 2."""
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -127,7 +128,20 @@ def _click_errors() -> tuple[type[ClickException], ...]:
     return tuple(found)
 
 
+#: loggers whose import-time lines say nothing to a user of the command: torchao's build
+#: for CPU failing to load its CUDA-only extensions, and torch noting that torchao registers
+#: Enum constants (both printed whenever transformers loads a model and imports torchao)
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+def quiet_import_noise() -> None:
+    """Keep only errors from IMPORT_NOISE's loggers (the command's process only)."""
+    for name in IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> None:
+    quiet_import_noise()
     try:
         rc = app(args=argv, standalone_mode=False)
     except OpswapError as e:
