@@ -163,9 +163,11 @@ def tune_shape(k: int, n: int, sdtype: torch.dtype, rounds: int, dev_class: str)
     }
 
 
-def stacks(rounds: int, table: Path) -> list[dict]:
-    """The 154- and 88-Linear stacks at one row: bf16, tinygemm, our INT4 autotuned and
-    with the measured table (float32 and bfloat16 scales), in one interleaved run each."""
+def time_stacks(rounds: int, int4_graphs, after_each=None) -> list[dict]:
+    """The 154- and 88-Linear stacks at one row, each in one interleaved run: bf16 and
+    tinygemm (the peers), and the graphs `int4_graphs(weights, stack)` captures (weights:
+    the 22 layers' bf16 weights by name; stack(layers) runs the layers' modules).
+    `after_each(row)` is called after each stack (a checkpoint)."""
     out = []
     for label, shapes, layer_fn in (
         ("154 Linears", lb.SHAPES, lb._layer_fn),
@@ -179,24 +181,6 @@ def stacks(rounds: int, table: Path) -> list[dict]:
             }
             for _ in range(lb.LAYERS)
         ]
-        models = {
-            "bf16": [{nm: lb._build("bf16", w) for nm, w in lay.items()} for lay in bf],
-            "int4 tinygemm": [
-                {nm: lb._build("int4 tinygemm", w) for nm, w in lay.items()} for lay in bf
-            ],
-        }
-        from opswap.rules.precision._lowbit_modules import WeightOnlyLinear
-
-        for sd in SCALE_DTYPES:
-            mods = []
-            for lay in bf:
-                d = {}
-                for nm, w in lay.items():
-                    m = WeightOnlyLinear(w, None, bits=4)
-                    m.scale, m.offset = m.scale.to(sd), m.offset.to(sd)
-                    d[nm] = m
-                mods.append(d)
-            models[f"int4 {str(sd).removeprefix('torch.')} scales"] = mods
         x = torch.randn(1, 2048, device="cuda").bfloat16()
 
         def stack(L_all, x=x, layer_fn=layer_fn):
@@ -206,24 +190,49 @@ def stacks(rounds: int, table: Path) -> list[dict]:
                 h = layer_fn(L, h, outs)
             return h, outs
 
-        graphs = {}
-        for s, ms in models.items():
-            if s.startswith("int4 ") and "scales" in s:
-                with _table(NO_TABLE):
-                    graphs[f"{s}, autotuned"] = lb._capture(lambda ms=ms: stack(ms))
-                with _table(table):
-                    graphs[f"{s}, table"] = lb._capture(lambda ms=ms: stack(ms))
-            else:
-                graphs[s] = lb._capture(lambda ms=ms: stack(ms))
+        peers = {
+            s: [{nm: lb._build(s, w) for nm, w in lay.items()} for lay in bf]
+            for s in ("bf16", "int4 tinygemm")
+        }
+        graphs = {s: lb._capture(lambda ms=ms: stack(ms)) for s, ms in peers.items()}
+        graphs.update(int4_graphs(bf, stack))
         t = lb._time_graphs(graphs, rounds, replays=10)
         row = {"stack": label, "rows": 1}
         for s, sec in t.items():
             row[s] = {"ms": round(sec * 1e3, 4), "speedup_vs_bf16": round(t["bf16"] / sec, 3)}
         out.append(row)
         print(json.dumps(row), flush=True)
+        if after_each is not None:
+            after_each(row)
         del graphs
         torch.cuda.empty_cache()
     return out
+
+
+def stacks(rounds: int, table: Path) -> list[dict]:
+    """The stacks with our INT4 autotuned and with the measured table at `table`, float32
+    and bfloat16 scales, beside bf16 and tinygemm."""
+    from opswap.rules.precision._lowbit_modules import WeightOnlyLinear
+
+    def int4_graphs(bf, stack):
+        graphs = {}
+        for sd in SCALE_DTYPES:
+            mods = []
+            for lay in bf:
+                d = {}
+                for nm, w in lay.items():
+                    m = WeightOnlyLinear(w, None, bits=4)
+                    m.scale, m.offset = m.scale.to(sd), m.offset.to(sd)
+                    d[nm] = m
+                mods.append(d)
+            name = f"int4 {str(sd).removeprefix('torch.')} scales"
+            with _table(NO_TABLE):
+                graphs[f"{name}, autotuned"] = lb._capture(lambda mods=mods: stack(mods))
+            with _table(table):
+                graphs[f"{name}, table"] = lb._capture(lambda mods=mods: stack(mods))
+        return graphs
+
+    return time_stacks(rounds, int4_graphs)
 
 
 def run(rounds: int, out_path: Path, table: Path) -> dict:
@@ -382,48 +391,22 @@ def ab(rounds: int, against: Path, out_path: Path, splits: tuple[int, ...]) -> d
         tables[kname] = out_path.parent / f"int4_tiles_{kname}_scratch.json"
         tables[kname].unlink(missing_ok=True)
         wo.update_int4_tiles(rows[kname], "measured (scratch)", tables[kname])
-    res["stacks"] = []
-    for label, shapes, layer_fn in (
-        ("154 Linears", lb.SHAPES, lb._layer_fn),
-        ("88 Linears (parallel_linear)", lb.FUSED, lb._fused_layer_fn),
-    ):
-        torch.manual_seed(3)
-        bf = [
-            {
-                nm: torch.randn(n, k, device="cuda").bfloat16() / k**0.5
-                for nm, (k, n) in shapes.items()
-            }
-            for _ in range(lb.LAYERS)
-        ]
-        models = {
-            "bf16": [{nm: lb._build("bf16", w) for nm, w in lay.items()} for lay in bf],
-            "int4 tinygemm": [
-                {nm: lb._build("int4 tinygemm", w) for nm, w in lay.items()} for lay in bf
-            ],
-        }
+
+    def int4_graphs(bf, stack):
         int4 = [{nm: WeightOnlyLinear(w, None, bits=4) for nm, w in lay.items()} for lay in bf]
-        x = torch.randn(1, 2048, device="cuda").bfloat16()
-
-        def stack(L_all, x=x, layer_fn=layer_fn):
-            outs: list = []
-            h = x
-            for L in L_all:
-                h = layer_fn(L, h, outs)
-            return h, outs
-
-        graphs = {s: lb._capture(lambda ms=ms: stack(ms)) for s, ms in models.items()}
+        graphs = {}
         for kname, kmod in kernels.items():
             with _kernel_of(kmod), _table(tables[kname]):
-                graphs[f"int4 {kname}, table"] = lb._capture(lambda int4=int4: stack(int4))
-        t = lb._time_graphs(graphs, rounds, replays=10)
-        row = {"stack": label, "rows": 1}
-        for s, sec in t.items():
-            row[s] = {"ms": round(sec * 1e3, 4), "speedup_vs_bf16": round(t["bf16"] / sec, 3)}
+                graphs[f"int4 {kname}, table"] = lb._capture(lambda: stack(int4))
+        return graphs
+
+    res["stacks"] = []
+
+    def checkpoint(row: dict) -> None:
         res["stacks"].append(row)
-        print(json.dumps(row), flush=True)
         out_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
-        del graphs
-        torch.cuda.empty_cache()
+
+    time_stacks(rounds, int4_graphs, checkpoint)
     return res
 
 
