@@ -209,7 +209,7 @@ def _in_runtime(
     with preserved_state(module):
         try:
             with torch.no_grad():
-                exported = _export(module, tuple(xs), captured.dynamic)
+                exported = _export(module, tuple(xs), captured.dynamic, runtime=True)
         except Exception as e:
             raise ExportError(f"{what} could not be exported: {_first_line(e)}.") from e
         art = engine_artifact(backend, exported, xs, captured.dynamic, mine)

@@ -35,7 +35,7 @@ result.json beside a model it does not describe.
 
 `load(DIR)` is the one loader of a saved model.pt2: backends.pt2's, which runs no pickled
 code, registers opswap's ops first (by `import opswap`) and checks each call against the
-program's guards compiled into one cheap function (backends.guards). When the winner was
+program's guards compiled into one cheap function (graph.guards). When the winner was
 a compiled variant, the loaded graph is handed to torch.compile, as it was when timed.
 Run it under `torch.inference_mode()` (or `torch.no_grad()`): with autograd recording,
 the fused kernels give way to differentiable ones and most of the speed-up is gone.

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from opswap.backends import guards
 from opswap.backends.pt2 import export_artifact, load
 from opswap.errors import InputError
+from opswap.graph import guards
 from opswap.graph.capture import capture
 from opswap.graph.dynamic import variants
 from opswap.models.checkpoint import program_module, read_program

@@ -56,7 +56,8 @@ def test_variants_keep_structure_and_cover_batch_one():
     inputs = _text(b=3, s=6)
     dyn = detect(lambda xs: Text()(*xs), inputs)
     labels = [label for label, _ in variants(inputs, dyn)]
-    assert labels == ["batch 1", "batch 4", "seq 5"]
+    # the sequence's large end (4x the example) is checked too, at batch 1
+    assert labels == ["batch 1", "batch 4", "seq 5", "seq 24 (largest verified), batch 1"]
     ids, mask = at(inputs, dyn.axis("batch"), 5)
     assert ids.shape == (5, 6) and mask.shape == (5, 6)
     assert torch.equal(ids[:3], inputs[0]) and torch.equal(ids[4], inputs[0][2])

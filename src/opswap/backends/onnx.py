@@ -159,7 +159,7 @@ def export_onnx(
             if model is None:
                 raise ValueError("export_onnx needs a model or its exported program")
             with torch.no_grad():
-                exported = export(model, tuple(inputs), dynamic)
+                exported = export(model, tuple(inputs), dynamic, runtime=True)
         program, note, kept = exported
     except Exception as e:
         return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")

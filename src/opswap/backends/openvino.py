@@ -195,7 +195,7 @@ def openvino_artifact(
     if exported is None and model is not None:
         try:
             with torch.no_grad():
-                exported = export(model, tuple(inputs), dynamic)
+                exported = export(model, tuple(inputs), dynamic, runtime=True)
         except Exception as e:
             return Artifact(None, None, error=f"torch.export failed: {_first(e)}")
     art = export_onnx(None, inputs, dynamic, directory, name, exported=exported)

@@ -160,7 +160,7 @@ def ort_artifact(
     if exported is None and model is not None:
         try:
             with torch.no_grad():
-                exported = export(model, tuple(inputs), dynamic)
+                exported = export(model, tuple(inputs), dynamic, runtime=True)
         except Exception as e:
             from opswap.backends.pt2 import _first_line
 

@@ -19,7 +19,7 @@ similar checks into a pre-hook that cost 100 µs). `load` builds the module with
 both and checks instead what a wrong input would break: the number of inputs
 (positional or by their recorded names), each one's rank and dtype, every size the
 program was not exported dynamic in, and every range and relation the program's
-guards hold (backends.guards compiles them once into one function; a branch on the
+guards hold (graph.guards compiles them once into one function; a branch on the
 length traced at 32 is refused at 8 instead of answering with the other branch).
 The check costs about a microsecond: on the same one-Linear model, timed with the
 machine shared (every figure ~5x the quiet one), the pre-hook took 8.4 µs before the
@@ -94,14 +94,48 @@ def _specialised(ep, inputs: tuple, dynamic) -> list:
     ]
 
 
-def export(model: nn.Module, inputs: tuple, dynamic=None):
+def export(model: nn.Module, inputs: tuple, dynamic=None, *, runtime: bool = False):
     """(program, note, kept): torch.export of `model` with the capture's dynamic axes (a
     graph.dynamic.Dynamic) kept dynamic, and the axes it kept. An axis torch.export
     specialises is exported static and named in the note; when exporting dynamic fails,
     the program takes the example's shapes only, with a note saying so. The program
-    returns plain dicts and lists where the model does (see `_plain_outputs`)."""
-    ep, note, kept = _export(model, inputs, dynamic)
+    returns plain dicts and lists where the model does (see `_plain_outputs`).
+
+    The capture's size guards (`dynamic.guards`) go into the program as its own guards
+    (`_checked`), so that model.pt2 refuses the sizes where the model takes another path.
+    `runtime`: the program is for a file that cannot refuse a size (.onnx, OpenVINO's IR,
+    .pte, a TVM library), so the axes a branch guard reads are exported static instead
+    (graph.dynamic.Dynamic.for_files), and the note says why."""
+    why = None
+    if dynamic is not None and runtime:
+        narrowed = dynamic.for_files("the file")
+        if narrowed is not dynamic:
+            why, dynamic = narrowed.notes[-1], narrowed
+    ep, note, kept = _export(_checked(model, dynamic, runtime), inputs, dynamic)
+    if why is not None:
+        note = f"{note}; {why}" if note else why
     return _plain_outputs(ep), note, kept
+
+
+def _checked(model: nn.Module, dynamic, runtime: bool) -> nn.Module:
+    """`model`, or, when it is a graph opswap holds (an fx.GraphModule: a capture or a
+    rewrite of one) and the capture kept size guards, a graph module sharing its weights
+    whose first node checks them (graph.guards.check_sizes), which torch.export traces
+    into the program's own guards. A model of the user's holds its branches itself; a
+    runtime's program has no way to check (see `export`)."""
+    if runtime or dynamic is None or not dynamic.guards or not isinstance(model, fx.GraphModule):
+        return model
+    from opswap.graph.guards import check_sizes
+
+    graph = fx.Graph(tracer_cls=model.graph._tracer_cls)
+    graph._codegen = model.graph._codegen  # an exported graph's input and output pytrees
+    graph.output(graph.graph_copy(model.graph, {}))
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    if not places:
+        return model
+    with graph.inserting_after(places[-1]):
+        graph.call_function(check_sizes, (tuple(places), tuple(g.code for g in dynamic.guards)))
+    return fx.GraphModule(model, graph, class_name=type(model).__name__)
 
 
 def _plain_outputs(ep):
@@ -219,8 +253,8 @@ def load(path: str | Path) -> nn.Module:
 
 
 def _compiled_guards(program, module: fx.GraphModule):
-    """(input names, the all-guards predicate, each guard) or None (see backends.guards)."""
-    from opswap.backends import guards
+    """(input names, the all-guards predicate, each guard) or None (see graph.guards)."""
+    from opswap.graph import guards
 
     found = guards.guards_code(program, module)
     if found is None:
@@ -244,9 +278,9 @@ def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> n
     inputs: count (positional, or by the recorded names), then rank, dtype and the fixed
     sizes (graph.dynamic.check_inputs, the in-memory result's check too), then `holds`,
     every guard of the program compiled into one function."""
-    from opswap.backends.guards import refusal
     from opswap.errors import InputError
     from opswap.graph.dynamic import Expected, check_inputs
+    from opswap.graph.guards import refusal
 
     expected = []
     for arg, node in zip(
@@ -315,6 +349,9 @@ def export_artifact(
     try:
         with torch.no_grad():
             ep, note, kept = export(model, tuple(inputs), dynamic)
+            # a runtime's file keeps the axes a branch guard reads static: its own program
+            files = dynamic is not None and bool(dynamic.guarded_axes()) and keep_program
+            for_runtimes = export(model, tuple(inputs), dynamic, runtime=True) if files else None
         with warnings.catch_warnings():  # "No complete tensor found in the group": noise
             warnings.filterwarnings("ignore", message="No complete tensor found")
             torch.export.save(ep, str(partial))
@@ -322,7 +359,7 @@ def export_artifact(
     except Exception as e:  # export can fail on any construct
         partial.unlink(missing_ok=True)
         return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
-    exported = (ep, note, kept) if keep_program else None
+    exported = (for_runtimes or (ep, note, kept)) if keep_program else None
     try:
         return Artifact(path, load(path), note=note, kept=kept, exported=exported)
     except Exception as e:

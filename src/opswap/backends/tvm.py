@@ -381,7 +381,7 @@ def tvm_artifact(
             if model is None:
                 raise ValueError("tvm_artifact needs a model or its exported program")
             with torch.no_grad():
-                exported = export(model, tuple(inputs), dynamic)
+                exported = export(model, tuple(inputs), dynamic, runtime=True)
         program, note, kept = exported
     except Exception as e:
         return Artifact(None, None, error=f"torch.export failed: {_first(e)}")

@@ -156,7 +156,12 @@ def _fx(model: nn.Module, inputs: tuple, dyn: Dynamic) -> fx.GraphModule:
 
 
 def _export(model: nn.Module, inputs: tuple, dyn: Dynamic) -> fx.GraphModule:
+    """The exported graph, with the program's size guards (graph.guards.program_guards) in
+    `gm.meta["size_guards"]` for the capture to keep."""
+    from torch.utils import _pytree as pytree
+
     from opswap.graph.dynamic import export_shapes
+    from opswap.graph.guards import program_guards
 
     shapes = export_shapes(inputs, dyn)
     try:
@@ -165,7 +170,125 @@ def _export(model: nn.Module, inputs: tuple, dyn: Dynamic) -> fx.GraphModule:
         if shapes is None:
             raise
         ep = torch.export.export(model, inputs, strict=False)  # static; probes will say
-    return _without_guards(ep.module())
+    module = ep.module()
+    codes = program_guards(ep, module, len(pytree.tree_leaves(list(inputs))))
+    gm = _without_guards(module)
+    gm.meta["size_guards"] = codes
+    return gm
+
+
+def _guarded(
+    model: nn.Module,
+    gm: fx.GraphModule,
+    inputs: tuple,
+    dyn: Dynamic,
+    codes: list[str],
+    check: Check | None,
+    rounding: float | None,
+) -> Dynamic:
+    """`dyn` with the size guards `codes` of the capture's graph that matter, each marked
+    with whether the model itself runs at a size the guard excludes (the nearest such size
+    along the axes it reads, or one just past a bound it names). Where it runs, the graph
+    (whose own checks are removed) is run there too: when it gives the model's outputs, the
+    guard only records a choice torch made while tracing that changes nothing (a pooling
+    that is the identity at 1x1) and is dropped; otherwise the model computes something
+    else there (branch True), and a file that cannot refuse that size keeps the axis
+    static. Where the model fails (branch False), the guard restates its own limit."""
+    from opswap.graph.guards import SizeGuard
+
+    guards = []
+    for code in codes:
+        outside = _outside(inputs, dyn, SizeGuard(code))
+        branch = None
+        if outside is not None:
+            try:
+                _run(model, outside)
+                branch = True
+            except Exception:
+                branch = False
+            if branch and _same_outputs(model, gm, outside, check, rounding):
+                continue
+        guards.append(SizeGuard(code, branch))
+    return Dynamic(list(dyn.axes), list(dyn.notes), guards) if codes else dyn
+
+
+def _same_outputs(
+    model: nn.Module, gm: fx.GraphModule, xs: tuple, check: Check | None, rounding: float | None
+) -> bool:
+    """Whether `gm` gives `model`'s outputs at inputs `xs` (the capture's check, or, without
+    one, every tensor output within a relative L2 error of 1e-4 with the same shape)."""
+    if check is not None:
+        try:
+            return check.differs(model, gm, xs, rounding) is None
+        except Exception:
+            return False
+    from torch.utils import _pytree as pytree
+
+    try:
+        want = pytree.tree_leaves(_run(model, xs))
+        with torch.no_grad():
+            got = pytree.tree_leaves(gm(*fresh(xs)))
+    except Exception:
+        return False
+    if len(want) != len(got):
+        return False
+    for w, g in zip(want, got, strict=True):
+        if isinstance(w, torch.Tensor) != isinstance(g, torch.Tensor):
+            return False
+        if not isinstance(w, torch.Tensor):
+            continue
+        if w.shape != g.shape or w.dtype != g.dtype:
+            return False
+        if w.is_floating_point():
+            w64, g64 = w.double(), g.double()
+            if (w64 - g64).norm() > 1e-4 * w64.norm().clamp_min(1e-30):
+                return False
+        elif not torch.equal(w, g):
+            return False
+    return True
+
+
+def _outside(inputs: tuple, dyn: Dynamic, guard) -> tuple | None:
+    """Inputs along one axis of `dyn` at the size nearest the example's that `guard`
+    excludes (sizes on the axis's step, and just past each number the guard names; at
+    batch 1 when the guard does not read the batch); None when none is found."""
+    import re
+
+    from torch.utils import _pytree as pytree
+
+    from opswap.graph.dynamic import LARGE_FACTOR, at
+    from opswap.graph.guards import Sizes, checker
+
+    leaves = pytree.tree_leaves(list(inputs))
+    found = checker([guard], len(leaves))
+    if found is None:
+        return None
+    holds = found[0]
+    numbers = {int(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.])", guard.code)}
+    batch = dyn.axis("batch")
+    for axis in dyn.axes:
+        if not set(axis.dims) & set(guard.dims):
+            continue
+        near = [
+            axis.size + k * axis.step
+            for j in range(1, LARGE_FACTOR * axis.size // axis.step + 1)
+            for k in (-j, j)
+        ]
+        sizes = [n for n in [*near, *(c + e for c in numbers for e in (-1, 1))] if n >= 1]
+        for n in sizes:
+            shapes = [
+                Sizes([n if (i, d) in axis.dims else s for d, s in enumerate(x.shape)])
+                if isinstance(x, torch.Tensor)
+                else x
+                for i, x in enumerate(leaves)
+            ]
+            if not holds(*shapes):
+                xs = at(inputs, axis, n)
+                if batch is not None and batch is not axis and batch.size != 1:
+                    if not set(batch.dims) & set(guard.dims):
+                        xs = at(xs, batch, 1)
+                return xs
+    return None
 
 
 def _without_guards(gm: fx.GraphModule) -> fx.GraphModule:
@@ -221,9 +344,10 @@ def _reproduces(
     why = check.differs(model, gm, inputs, rounding)
     if why is not None:
         return why, dyn
-    kept = Dynamic([], list(dyn.notes))
+    kept = Dynamic([], list(dyn.notes), list(dyn.guards))
     for axis in dyn.axes:
-        why = check.differs(model, gm, inputs, rounding, variants(inputs, Dynamic([axis])))
+        one = Dynamic([axis], guards=dyn.guards)
+        why = check.differs(model, gm, inputs, rounding, variants(inputs, one))
         if why is None:
             kept.axes.append(axis)
         else:
@@ -322,6 +446,7 @@ def capture(
         here = _narrowed(dyn, failed, name)
         if here is not dyn:
             propagate(gm, inputs, probes(inputs, here))
+        here = _guarded(model, gm, inputs, here, gm.meta.pop("size_guards", []), check, rounding)
         if check is not None:
             why, checked = _reproduces(model, gm, inputs, here, rounding, name, check)
             if why is not None:

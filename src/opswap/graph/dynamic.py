@@ -31,13 +31,14 @@ that needs multiples of 16 keeps 64 x 64 symbolic through 128). Write
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from opswap.errors import CaptureError, InputError
+from opswap.graph.guards import SizeGuard, Sizes, checker
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class Axis:
     size: int
     probe: int
     step: int = 1  # the probe's distance from the example's size (a model's multiple)
+    #: the largest size verification checks the axis at (the model's own limit, or
+    #: LARGE_FACTOR times the example's size where the model runs that far); None for batch
+    largest: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -57,30 +61,67 @@ class Axis:
             "size": self.size,
             "probed_at": self.probe,
             "step": self.step,
+            "largest_verified": self.largest,
             "inputs": [f"input {i} dim {d}" for i, d in self.dims],
         }
 
 
 @dataclass
 class Dynamic:
-    """The dynamic axes of a captured model, and why others were kept static."""
+    """The dynamic axes of a captured model, why others were kept static, and the size
+    guards the captured graph holds under (graph.guards.SizeGuard: a branch on a size
+    traced one way)."""
 
     axes: list[Axis] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    guards: list[SizeGuard] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"axes": [a.to_json() for a in self.axes], "notes": list(self.notes)}
+        return {
+            "axes": [a.to_json() for a in self.axes],
+            "notes": list(self.notes),
+            "guards": [g.to_json() for g in self.guards],
+        }
 
     def describe(self) -> str:
         if not self.axes:
             return "every size is static (the model is only claimed at the example's shapes)"
-        return ", ".join(
+        text = ", ".join(
             f"{a.name} (example {a.size}; {', '.join(f'input {i} dim {d}' for i, d in a.dims)})"
             for a in self.axes
         )
+        if self.guards:
+            text += "; only where " + " and ".join(g.describe() for g in self.guards)
+        return text
 
     def axis(self, name: str) -> Axis | None:
         return next((a for a in self.axes if a.name == name), None)
+
+    def guarded_axes(self) -> list[Axis]:
+        """The axes a branch guard reads: the model computes something else at sizes the
+        guard excludes, where the captured graph would answer wrongly."""
+        dims = {d for g in self.guards if g.branch for d in g.dims}
+        return [a for a in self.axes if dims & set(a.dims)]
+
+    def for_files(self, what: str = "the file") -> Dynamic:
+        """The axes a file that cannot refuse a size (an .onnx file, OpenVINO's IR, a .pte
+        file, a TVM library) may keep dynamic: these axes less the ones a branch guard
+        reads, which stay static at the example's size, with a note naming the guard; the
+        guards of the axes kept are the model's own limits, which such a file meets by
+        failing as the model does."""
+        fixed = self.guarded_axes()
+        if not fixed:
+            return self
+        axes = [a for a in self.axes if a not in fixed]
+        dims = {d for a in fixed for d in a.dims}
+        guards = [g for g in self.guards if not dims & set(g.dims)]
+        why = " and ".join(g.describe() for g in self.guards if g.branch and dims & set(g.dims))
+        note = (
+            f"{what} keeps {', '.join(a.name for a in fixed)} static at the example's size: "
+            f"the model's graph holds only where {why} (it computes something else outside), "
+            "and such a file cannot refuse a size"
+        )
+        return Dynamic(axes, [*self.notes, note], guards)
 
 
 def _leaves(inputs: tuple) -> list:
@@ -274,9 +315,20 @@ def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
 
 
-def _try(run, inputs: tuple, request: _Request) -> tuple[Axis | None, str]:
+#: verification checks each non-batch axis up to this many times the example's size, or
+#: up to the largest size the model takes where that is smaller (a position table's length,
+#: a buffer cropped to the length): far enough that a rewrite judged at two nearby sizes (a
+#: mask read as causal at the example's length) is checked where it may stop holding
+LARGE_FACTOR = 4
+_LARGE_STEPS = 6  # bisection steps towards the model's own limit
+
+
+def _try(
+    run, inputs: tuple, request: _Request, batch: Axis | None = None
+) -> tuple[Axis | None, str]:
     """The axis when `run` takes every size verification will use along it, at the first
-    step that works; else None and what the model raised."""
+    step that works, with the largest size it takes up to LARGE_FACTOR times the example's
+    (tried at batch 1 when `batch` is dynamic); else None and what the model raised."""
     leaves = _leaves(inputs)
     size = int(leaves[request.dims[0][0]].shape[request.dims[0][1]])
     why = ""
@@ -289,8 +341,35 @@ def _try(run, inputs: tuple, request: _Request) -> tuple[Axis | None, str]:
                 why = why or f"the model raised {type(e).__name__} at {label} ({_first_line(e)})"
                 break
         else:
-            return axis, ""
+            return replace(axis, largest=_largest(run, inputs, axis, batch)), ""
     return None, why
+
+
+def _largest(run, inputs: tuple, axis: Axis, batch: Axis | None) -> int | None:
+    """The largest size, up to LARGE_FACTOR times the example's and on the axis's step, that
+    `run` takes along `axis` (bisected towards the model's limit where it refuses the
+    far end); None for the batch axis, or where nothing beyond the probe runs."""
+    if axis.name == "batch":
+        return None
+    top = max(axis.size, axis.probe)
+    far = top + (axis.size * LARGE_FACTOR - top) // axis.step * axis.step
+    good, size = top, far
+    for _ in range(_LARGE_STEPS):
+        if size <= good:
+            break
+        xs = at(inputs, axis, size)
+        if batch is not None and batch.size != 1:
+            xs = at(xs, batch, 1)
+        try:
+            run(xs)
+        except Exception:
+            far = size
+        else:
+            good = size
+            if size == far:
+                break
+        size = good + (far - good) // 2 // axis.step * axis.step
+    return good if good > top else None
 
 
 def detect(run, inputs: tuple, spec: str | None = "auto") -> Dynamic:
@@ -311,7 +390,7 @@ def detect(run, inputs: tuple, spec: str | None = "auto") -> Dynamic:
                 "different sizes in the example inputs; give dims that share "
                 "one size."
             )
-        axis, why = _try(run, inputs, request)
+        axis, why = _try(run, inputs, request, dyn.axis("batch"))
         if axis is not None:
             dyn.axes.append(axis)
         elif not request.rest:
@@ -320,7 +399,12 @@ def detect(run, inputs: tuple, spec: str | None = "auto") -> Dynamic:
             for dim in request.dims:
                 one = None
                 if len(request.dims) > 1:
-                    one, _ = _try(run, inputs, _Request(f"dim{dim[0]}_{dim[1]}", (dim,), rest=True))
+                    one, _ = _try(
+                        run,
+                        inputs,
+                        _Request(f"dim{dim[0]}_{dim[1]}", (dim,), rest=True),
+                        dyn.axis("batch"),
+                    )
                 if one is not None:
                     dyn.axes.append(one)
                 else:
@@ -340,15 +424,49 @@ def probes(inputs: tuple, dyn: Dynamic) -> list[tuple]:
 
 def variants(inputs: tuple, dyn: Dynamic) -> list[tuple[str, tuple]]:
     """(label, inputs) at the shapes verification checks besides the example's: batch 1,
-    a larger batch, and each other axis at its probe size. Each is the example cut or
+    a larger batch, and each other axis at its probe size and at its large end (`largest`,
+    at batch 1 where batch is dynamic: a rewrite that holds at two nearby sizes may still
+    fail at a far one, a mask judged at the example's length). Each is the example cut or
     extended along the axis, so integer inputs (ids, offsets, masks) keep their structure;
     verification draws fresh floating values for them."""
+    holds = within(dyn)
     out = []
+    batch = dyn.axis("batch")
     for a in dyn.axes:
         if a.name == "batch" and a.size != 1:
             out.append(("batch 1", at(inputs, a, 1)))
         out.append((f"{a.name} {a.probe}", at(inputs, a, a.probe)))
-    return out
+        far_size = a.largest
+        while far_size is not None and far_size > a.probe and not holds(at(inputs, a, far_size)):
+            far_size = (far_size + max(a.size, a.probe)) // 2  # back inside the guards
+        if far_size is not None and far_size not in (a.size, a.probe):
+            far = at(inputs, a, far_size)
+            label = f"{a.name} {far_size} (largest verified)"
+            if batch is not None and batch is not a and batch.size != 1:
+                far, label = at(far, batch, 1), label + ", batch 1"
+            out.append((label, far))
+    return [(label, xs) for label, xs in out if holds(xs)]
+
+
+def within(dyn: Dynamic):
+    """A predicate on input tuples: whether their sizes meet every guard of `dyn` (always
+    True without guards)."""
+    if not dyn.guards:
+        return lambda xs: True
+    compiled: dict[int, Any] = {}
+
+    def holds(xs: tuple) -> bool:
+        leaves = _leaves(xs)
+        if len(leaves) not in compiled:
+            compiled[len(leaves)] = checker(dyn.guards, len(leaves))
+        found = compiled[len(leaves)]
+        return found is None or bool(found[0](*(_sizes(x) for x in leaves)))
+
+    return holds
+
+
+def _sizes(x: Any) -> Any:
+    return Sizes(x.shape) if isinstance(x, torch.Tensor) else x
 
 
 def export_shapes(inputs: tuple, dyn: Dynamic):
@@ -416,9 +534,11 @@ def guard(
 ) -> torch.nn.Module:
     """`module` (opswap's in-memory result) with a check before each call that refuses, in
     one sentence, inputs it was never claimed at: another number of inputs, another rank
-    or dtype, or another size in a dim the capture kept static (`check_inputs`, which the
-    saved model.pt2 runs too). The check stands aside while torch.compile or torch.export
-    traces the module, so that it never specialises a symbolic size."""
+    or dtype, another size in a dim the capture kept static (`check_inputs`, which the
+    saved model.pt2 runs too), or sizes the capture's guards exclude (`dyn.guards`: where
+    the model takes another path than the one traced). The check stands aside while
+    torch.compile or torch.export traces the module, so that it never specialises a
+    symbolic size."""
     leaves, spec = pytree.tree_flatten(list(inputs))
     moving = {d for a in dyn.axes for d in a.dims}
     names = [
@@ -457,6 +577,30 @@ def guard(
             "the model was optimized with that size static",
             "optimize it again with an example of that size, or name the dim in --dynamic",
         )
+        if guards is not None and not guards[0](*(_sizes(x) for x in got)):
+            raise InputError(outside_guards(what, got, dyn.guards, names))
 
-    module.register_forward_pre_hook(check)
+    guards = checker(dyn.guards, len(leaves))
+    # before torch.export's own input check (ExportedProgram.module() hooks one), so the
+    # caller reads this sentence rather than its RuntimeError
+    module.register_forward_pre_hook(check, prepend=True)
     return module
+
+
+def outside_guards(what: str, got: list, guards: list[SizeGuard], names: list[str]) -> str:
+    """The sentence that refuses inputs `got` (the leaves) breaking one of `guards`."""
+    for g in guards:
+        found = checker([g], len(got))
+        if found is None or found[0](*(_sizes(x) for x in got)):
+            continue
+        sizes = " and ".join(
+            f"input {names[i]} has size {got[i].shape[d]} in dim {d}"
+            for i, d in g.dims
+            if i < len(got) and isinstance(got[i], torch.Tensor) and d < got[i].dim()
+        )
+        return (
+            f"{what}: {sizes or 'the inputs sizes'}, but the model's graph was captured where "
+            f"{g.describe(names)} and the model takes another path outside that; optimize it "
+            "again with an example of that size"
+        ) + "."
+    return f"{what}: the inputs break one of the size guards it was captured under."

@@ -1,4 +1,17 @@
-"""The guards of a saved program, compiled once into one cheap input check.
+"""Size guards: the conditions on the input sizes under which a traced graph holds, compiled
+once into one cheap input check, and carried from the capture to everything opswap makes.
+
+A graph traced at one size holds only where the model would trace the same graph: a
+branch on the length (`if x.shape[1] > 16`) is traced one way, and torch.export records
+the condition it met as a guard (`seq >= 17`). opswap keeps the capture's guards
+(`SizeGuard`, in graph.dynamic.Dynamic) and applies them wherever the graph goes: the
+in-memory result refuses a call outside them (graph.dynamic.guard), a saved model.pt2
+holds them as its own guards (backends.pt2 traces a check of each into the program), and
+a file that cannot refuse a size (.onnx, OpenVINO's IR, .pte, a TVM library) keeps the
+guarded axes static where the model computes something else outside the guard
+(`SizeGuard.branch`).
+
+The guards of a saved program, compiled once into one cheap input check:
 
 `ExportedProgram.module()` checks every call against the program's guards: the size
 ranges and relations in `range_constraints` and the conditions the tracer met in the
@@ -19,9 +32,11 @@ the caller keeps torch's own guard function.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -182,3 +197,143 @@ def refusal(name: str, args: tuple, names: list[str], each) -> str:
         what = " and ".join(given) or "the inputs' sizes"
         return f"{name}: {what}, but the saved program accepts only {shown}."
     return f"{name}: the inputs break one of the program's guards."
+
+
+#: a guard's reference to an input leaf's size, as opswap writes its guards: `x0.size()[1]`
+_LEAF_SIZE = re.compile(r"\bx(\d+)\.size\(\)\[(\d+)\]")
+
+
+@dataclass(frozen=True)
+class SizeGuard:
+    """One condition on the input sizes the captured graph holds under, written over the
+    flattened input leaves (`x0.size()[1] >= 17`). `branch` is True when the model itself
+    runs at a size the condition excludes (it takes another path there, so the graph would
+    answer wrongly), False when it refuses such a size too (the guard only restates the
+    model's own limit), None when no size the capture claims breaks it (a relation between
+    dims that move together as one axis)."""
+
+    code: str
+    branch: bool | None = None
+
+    @property
+    def dims(self) -> tuple[tuple[int, int], ...]:
+        """The (input leaf, dim) sizes the condition reads."""
+        return tuple(dict.fromkeys((int(i), int(d)) for i, d in _LEAF_SIZE.findall(self.code)))
+
+    def describe(self, names: list[str] | None = None) -> str:
+        """The condition in the user's names: `dim 1 of x >= 17`."""
+
+        def name(m: re.Match) -> str:
+            i, d = int(m[1]), int(m[2])
+            who = names[i] if names is not None and i < len(names) else f"input {i}"
+            return f"dim {d} of {who}"
+
+        return _LEAF_SIZE.sub(name, self.code)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"guard": self.code, "branch": self.branch}
+
+
+class Sizes:
+    """A stand-in for a tensor of shape `shape` that a compiled guard can read sizes from,
+    so that a condition is evaluated at sizes no tensor was made for."""
+
+    def __init__(self, shape) -> None:
+        self.shape = torch.Size(shape)
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+
+def leaf_names(n: int) -> list[str]:
+    """The names opswap's guards give the input leaves: x0, x1, ..."""
+    return [f"x{i}" for i in range(n)]
+
+
+def checker(guards: list[SizeGuard], n_leaves: int):
+    """(holds, each) for `guards` over `n_leaves` leaves (see `compile_guards`): holds(*leaves)
+    is True when every guard does; None when there is no guard (or one is not plain size
+    arithmetic, which the capture never keeps)."""
+    if not guards:
+        return None
+    compiled = compile_guards([g.code for g in guards], leaf_names(n_leaves))
+    if compiled is None or compiled[0] is None:
+        return None
+    return compiled
+
+
+def program_guards(program, module: torch.fx.GraphModule, n_leaves: int) -> list[str]:
+    """The size guards of `program` (torch.export of a model at its example inputs, whose
+    user inputs are `n_leaves` tensors), over the leaves as x0, x1, ...: torch's own list
+    (`guards_code`) renamed, without the sizes the program holds fixed; from the range of
+    each input dim's symbol where torch does not say (nested inputs, an older torch). Only
+    guards that are plain size arithmetic are kept."""
+    found = guards_code(program, module)
+    out: list[str] = []
+    if found is not None and len(found[1]) == n_leaves:
+        code, names = found
+        for g in code:
+            for i, name in enumerate(names):
+                g = g.replace(f"L['{name}']", f"x{i}")
+            out.append(g)
+    else:
+        out = _range_guards(program)
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    fixed = frozenset(
+        f"x{i}.size()[{d}] == {s}"
+        for i, n in enumerate(placeholders)
+        if isinstance(n.meta.get("val"), torch.Tensor)
+        for d, s in enumerate(n.meta["val"].shape)
+        if isinstance(s, int)
+    )
+    compiled = compile_guards(out, leaf_names(n_leaves), fixed)
+    return [text for text, _ in compiled[1]] if compiled is not None else []
+
+
+def _range_guards(program) -> list[str]:
+    """`x{i}.size()[d] >= lo` / `<= hi` for each user input dim whose symbol's range is
+    narrower than torch's default (a lower bound above 2, a finite upper bound)."""
+    import sympy
+
+    users = set(program.graph_signature.user_inputs)
+    vals = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"]
+    names = [n.name for n in program.graph.nodes if n.op == "placeholder"]
+    out = []
+    leaf = 0
+    for name, val in zip(names, vals, strict=True):
+        if name not in users:
+            continue
+        if isinstance(val, torch.Tensor):
+            for d, s in enumerate(val.shape):
+                expr = getattr(getattr(s, "node", None), "expr", None)
+                rng = (
+                    program.range_constraints.get(expr) if isinstance(expr, sympy.Symbol) else None
+                )
+                if rng is None:
+                    continue
+                lo, hi = rng.lower, rng.upper
+                if lo.is_finite and int(lo) > 2:
+                    out.append(f"x{leaf}.size()[{d}] >= {int(lo)}")
+                if hi.is_finite:
+                    out.append(f"x{leaf}.size()[{d}] <= {int(hi)}")
+        leaf += 1
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(codes: tuple[str, ...], n: int) -> tuple[tuple[str, Callable[..., Any]], ...]:
+    found = compile_guards(list(codes), leaf_names(n))
+    return tuple(found[1]) if found is not None else ()
+
+
+def check_sizes(inputs: tuple, codes: tuple[str, ...]) -> None:
+    """Check that the leaves of `inputs` meet every guard in `codes` (over x0, x1, ...), as
+    torch._check: traced by torch.export with symbolic sizes, each becomes a guard of the
+    program (a range of the size's symbol, or a check the program runs), so a program
+    exported from a graph that holds only under the capture's guards keeps them
+    (backends.pt2._checked puts a call of this at the top of the graph it exports)."""
+    from torch.utils import _pytree as pytree
+
+    leaves = pytree.tree_leaves(list(inputs))
+    for text, holds in _compiled(tuple(codes), len(leaves)):
+        torch._check(holds(*leaves), lambda text=text: f"the inputs break the size guard {text}")
