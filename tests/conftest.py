@@ -7,6 +7,10 @@ import torch
 # does and writes, never the figures, which benchmarks/ measures. Subprocesses the tests
 # start (the examples, the CLI) inherit it.
 os.environ.setdefault("OPSWAP_MAX_TIME_S", "1")
+# AOTInductor packages of a compiled winner take a minute or more of C++ compilation on
+# these CPUs: tests that save a compiled winner skip them, and the one test of the package
+# (tests/backends/test_aoti.py) asks for it with save(..., aot=True)
+os.environ.setdefault("OPSWAP_AOT", "0")
 
 
 @pytest.fixture

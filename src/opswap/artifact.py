@@ -71,6 +71,7 @@ RUN_FILES = frozenset(
         "report.md",
         "report.html",
         "model.pt2",
+        "model_aoti.pt2",
         "model.onnx",
         "model.onnx.data",
         "model.pte",
@@ -88,6 +89,7 @@ RUN_FILES = frozenset(
 )
 _FIRST = (
     "model.pt2",
+    "model_aoti.pt2",
     "model.onnx.data",
     "model.onnx",
     "model.pte",
@@ -99,6 +101,7 @@ _FIRST = (
 #: the model files of a run; a save removes those an earlier run left that this one did not
 _MODELS = (
     "model.pt2",
+    "model_aoti.pt2",
     "model_shapes.txt",
     "model.onnx",
     "model.onnx.data",
@@ -297,7 +300,7 @@ def deploy(result: Result) -> dict[str, Any]:
     how = "opswap.load_optimized(DIR)" + (" (compiles it with torch.compile)" if compiled else "")
     if kind == "input":
         cap = next((v for v in result.variants if v.name == "captured" and v.ms is not None), None)
-        if cap is not None and cap.slower:
+        if cap is not None and cap.slower and not compiled:
             # The file is the input as exported; where that export ran slower than the
             # module itself, the module is what to keep.
             holds += (
@@ -319,7 +322,12 @@ def deploy(result: Result) -> dict[str, Any]:
             "did not pass verification, so no model.pt2 is written"
         )
         how = "your own module, as it is"
-    return {
+    if compiled and result.aot is not None and result.aot.get("package"):
+        how = (
+            "opswap.load_optimized(DIR) (loads model_aoti.pt2, compiled ahead of time: no "
+            "torch.compile at load)"
+        )
+    out = {
         "variant": result.best,
         "artifact": artifact,
         "holds": holds,
@@ -329,6 +337,9 @@ def deploy(result: Result) -> dict[str, Any]:
         "verified_as": verified_as,
         "run_under": "torch.inference_mode()",
     }
+    if compiled and result.aot is not None:
+        out["aot"] = result.aot
+    return out
 
 
 def describe(result: Result) -> dict[str, Any]:
@@ -386,13 +397,50 @@ def describe(result: Result) -> dict[str, Any]:
     }
 
 
-def save(result: Result, out_dir: str | Path) -> dict[str, Path]:
+def save(result: Result, out_dir: str | Path, *, aot: bool | None = None) -> dict[str, Path]:
     """Write the run into `out_dir` (see the module's docstring): plan.json, result.json,
-    report.md, report.html and the model; returns the paths by kind."""
-    return write_run(out_dir, lambda out: _write(result, out))
+    report.md, report.html and the model; returns the paths by kind. When a compiled
+    variant won, model_aoti.pt2 as well (`aot`; None: unless the environment sets
+    OPSWAP_AOT=0), its AOTInductor package (backends.aoti)."""
+    if aot is None:
+        aot = os.environ.get("OPSWAP_AOT", "1") != "0"
+    return write_run(out_dir, lambda out: _write(result, out, aot))
 
 
-def _write(result: Result, out: Path) -> dict[str, Path]:
+def _aot(result: Result, pt2: Path) -> dict[str, Any]:
+    """model_aoti.pt2 beside `pt2` (a compiled winner's program): packaged, verified against
+    the model at the example's shapes, and both ways to load it timed from nothing to the
+    first output (result.json's `deploy.aot`); or why there is no package."""
+    from opswap.backends import aoti
+    from opswap.backends.pt2 import load as load_program
+    from opswap.graph.inputs import fresh
+    from opswap.kernels.int8_inductor import compile_module
+    from opswap.verify.outputs import verify
+
+    path, why = aoti.package(pt2, pt2.with_name(aoti.PACKAGE))
+    if path is None:
+        return {"package": None, "why": why}
+    inputs = tuple(fresh(result.example_inputs))
+    try:
+        module = aoti.load(path, pt2)
+        if module is None:
+            raise OpswapError("model.pt2's guards cannot be checked in front of it")
+        check = verify(
+            result.reference, module, inputs, samples=1, tolerance=result.verification.tolerance
+        )
+        if not check.passed:
+            raise OpswapError("; ".join(check.reasons))
+        first = {
+            "aot": aoti.first_call_s(lambda: aoti.load(path, pt2), inputs),
+            "compile": aoti.first_call_s(lambda: compile_module(load_program(pt2)), inputs),
+        }
+    except Exception as e:
+        path.unlink(missing_ok=True)
+        return {"package": None, "why": f"no AOTInductor package: {str(e).splitlines()[0][:300]}"}
+    return {"package": path.name, "load_to_first_call_s": first}
+
+
+def _write(result: Result, out: Path, aot: bool = True) -> dict[str, Path]:
     from opswap.report import write_reports
 
     paths = {"plan": result.plan.save(out / "plan.json")}
@@ -418,6 +466,12 @@ def _write(result: Result, out: Path) -> dict[str, Path]:
         )
         if paths["model"].suffix == ".xml":
             reloaded = check_reloaded(result, paths["model"], art)
+    packaged = None
+    if aot and result.best.endswith("compile") and paths.get("model", Path()).name == "model.pt2":
+        packaged = _aot(result, paths["model"])
+        if packaged["package"] is not None:
+            paths["aot"] = out / packaged["package"]
+    result.aot = packaged
     data = describe(result)
     if reloaded is not None:
         data["deploy"]["reloaded"] = reloaded
@@ -532,9 +586,10 @@ def _save_file(artifact: Artifact, out: Path) -> dict[str, Path]:
 
 def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
     """The model saved in `directory` (or a model.pt2 path), ready to run. `compile=None`
-    follows the run (torch.compile when a compiled variant won, as result.json's
-    `deploy.compile` says; no compile without a result.json); True / False force it on
-    or off."""
+    follows the run (when a compiled variant won, as result.json's `deploy.compile` says:
+    its AOTInductor package model_aoti.pt2 where the run wrote one, else model.pt2 through
+    torch.compile; no compile without a result.json); True / False force torch.compile
+    of model.pt2 on or off."""
     from opswap.backends.pt2 import load as load_program
 
     path = Path(directory)
@@ -573,8 +628,15 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
             f"No saved model at {pt2}; `opswap optimize SPEC --out DIR` writes DIR/model.pt2."
         )
     result = folder / "result.json"
+    package = pt2.with_name("model_aoti.pt2")
     if compile is None:
         compile = _compiled(result) if result.is_file() else False
+        if compile and package.is_file():
+            from opswap.backends import aoti
+
+            ahead = aoti.load(package, pt2)  # compiled ahead of time: no compile here
+            if ahead is not None:
+                return ahead
     module = load_program(pt2)
     if compile:
         from opswap.kernels.int8_inductor import compile_module

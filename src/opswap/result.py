@@ -66,6 +66,8 @@ class Result:
     # the verification the saved file passed: {"variant", "shapes"} from the race, or None
     # when the file the winner saves passed none (then no model.pt2 is written)
     verified_as: dict[str, Any] | None = None
+    # the AOTInductor package save wrote for a compiled winner, or why none (deploy.aot)
+    aot: dict[str, Any] | None = None
     settled: bool | None = None  # every interval of the race narrowed in the time allowed
     # what ran: the inputs' names, shapes and dtypes, threads, device, the model's settings
     run_info: dict[str, Any] = field(default_factory=dict)
@@ -81,11 +83,13 @@ class Result:
         """What model.pt2 holds and how to run it (artifact.deploy)."""
         return artifact.deploy(self)
 
-    def save(self, out_dir: str | Path) -> dict[str, Path]:
+    def save(self, out_dir: str | Path, *, aot: bool | None = None) -> dict[str, Path]:
         """Write plan.json, result.json, report.md, report.html and the optimized model.
         `out_dir` then holds exactly this run: it is written beside it and swapped in, and
-        the files an earlier run wrote there are removed (artifact.save)."""
-        return artifact.save(self, out_dir)
+        the files an earlier run wrote there are removed (artifact.save). When a compiled
+        variant won, also its AOTInductor package model_aoti.pt2 (`aot=False`, or
+        OPSWAP_AOT=0 in the environment, skips it)."""
+        return artifact.save(self, out_dir, aot=aot)
 
     @property
     def saved_artifact(self) -> Artifact | None:

@@ -211,15 +211,17 @@ def _faked_race(**speedups):
     return fake
 
 
-def _captured_fails(monkeypatch):
+def _captured_fails(monkeypatch, at: str = "every size"):
     """The race's `captured` variant (the plain export of the input, the file `input` and
-    `compile` save) fails its verification, as if that file were wrong."""
+    `compile` save) fails its verification, as if that file were wrong: at every size (its
+    static re-export too), or only at sizes other than the example's ("other sizes", as a
+    bf16 convolution stack on a GPU whose algorithms change with the batch)."""
     import dataclasses
 
     from opswap.bench import variants
     from opswap.verify import outputs
 
-    build, verify = variants.build, outputs.verify
+    build, verify, fallback = variants.build, outputs.verify, variants._static_fallback
 
     def tagged(*args, **kwargs):
         vs = build(*args, **kwargs)
@@ -230,12 +232,21 @@ def _captured_fails(monkeypatch):
 
     def check(model, fn, *args, **kwargs):
         out = verify(model, fn, *args, **kwargs)
-        if getattr(fn, "_injected_wrong", False):
+        wrong = getattr(fn, "_injected_wrong", False)
+        if wrong and (at == "every size" or kwargs.get("variants")):
             return dataclasses.replace(out, passed=False, reasons=["injected: wrong output"])
         return out
 
+    def static_fails_too(v, *args, **kwargs):
+        if v.name == "captured":
+            v.reasons.append("exported with static sizes, it fails too: injected")
+            return None
+        return fallback(v, *args, **kwargs)
+
     monkeypatch.setattr(variants, "build", tagged)
     monkeypatch.setattr(outputs, "verify", check)
+    if at == "every size":
+        monkeypatch.setattr(variants, "_static_fallback", static_fails_too)
 
 
 def test_a_compiled_winner_saves_a_file_verified_at_every_claimed_shape(monkeypatch, tmp_path):
@@ -290,3 +301,52 @@ def test_nothing_is_saved_as_a_file_that_failed_verification(monkeypatch, tmp_pa
     deploy = r.to_json()["deploy"]
     assert deploy["verified_as"] is None and deploy["artifact"] is None
     assert "did not pass verification" in deploy["holds"]
+
+
+def test_a_file_that_fails_only_at_other_sizes_is_saved_static_and_compile_still_wins(
+    monkeypatch, tmp_path
+):
+    import opswap
+    from opswap.bench import variants
+
+    torch.manual_seed(0)
+    m = ConvNet().eval()
+    x = torch.randn(2, 3, 12, 12)
+    config = OptimizeConfig(samples=1, layers=False, measure_rules=False)
+    monkeypatch.setattr(variants, "race", _faked_race(compile=10.0, opswap=2.0))
+    _captured_fails(monkeypatch, at="other sizes")
+    r = optimize(m, (x,), config)
+    rows = {v.name: v for v in r.variants}
+    assert rows["captured"].verified and "keeps every input size" in rows["captured"].note
+    assert "injected: wrong output" in rows["captured"].note  # why the sizes were dropped
+    assert r.best == "compile"  # never the input while a verified variant is faster
+    r.save(tmp_path)
+    assert "failed verification" in (tmp_path / "model_shapes.txt").read_text()
+    loaded = opswap.load_optimized(tmp_path)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(x), m(x), rtol=1e-4, atol=1e-5)
+        with pytest.raises(OpswapError, match="size"):
+            loaded(torch.randn(5, 3, 12, 12))  # the example's sizes only, said in one line
+
+
+def test_every_unverified_variant_says_why_in_the_result_and_result_json(monkeypatch):
+    from opswap.bench import variants
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(variants, "race", _faked_race(opswap=0.5))
+    _captured_fails(monkeypatch)
+    r = optimize(
+        ConvNet().eval(),
+        (torch.randn(2, 3, 12, 12),),
+        OptimizeConfig(samples=1, layers=False, measure_rules=False, compare="none"),
+    )
+    row = {v.name: v for v in r.variants}["captured"]
+    assert not row.verified and "injected: wrong output" in row.reasons
+    assert "static sizes, it fails too" in " ".join(row.reasons)
+    saved = {v["name"]: v for v in r.to_json()["variants"]}["captured"]
+    assert saved["reasons"] == row.reasons
+    from opswap.report.document import to_markdown
+    from opswap.report.optimize_report import build_report
+
+    md = to_markdown(build_report(r))[0]
+    assert "not verified: injected: wrong output" in md

@@ -326,6 +326,7 @@ def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> n
     # only tensors and modules)
     module.validate_inputs = False  # type: ignore[assignment]
     module.register_forward_pre_hook(check, with_kwargs=True)
+    module.opswap_check = check  # type: ignore[assignment]  # also before its AOTI package
     return module
 
 

@@ -84,6 +84,7 @@ class VariantTiming:
     ci_low: float | None = None  # 95% bootstrap interval of speedup_vs_input
     ci_high: float | None = None
     settled: bool | None = None  # the interval narrowed to the race's rel_width in time
+    reasons: list[str] = field(default_factory=list)  # why it was not verified (or raced)
 
     @property
     def within_noise(self) -> bool:
@@ -115,6 +116,7 @@ class VariantTiming:
             "verified": self.verified,
             "compile_s": self.compile_s,
             "note": self.note,
+            "reasons": list(self.reasons),
         }
 
 
@@ -229,6 +231,36 @@ def build(
     return out
 
 
+def _static_fallback(v: Variant, source, inputs: tuple, verify_fn, artifacts: dict, key: str):
+    """When the file a saved-graph variant times failed verification at sizes other than
+    the example's (a bf16 convolution stack whose GPU algorithms change with the batch),
+    its file exported again with every size static, verified at the example's and, when
+    it passes, put in the variant's place (and `artifacts[key]`'s) with a note that says
+    why: the run saves what it could verify, never the input while a verified variant is
+    faster."""
+    from opswap.backends.pt2 import export_artifact
+
+    art = v.artifact
+    if art is None or art.kept is None or not art.kept.axes:
+        return  # it claimed only the example's sizes: nothing narrower to try
+    why = "; ".join(v.reasons)[:300] or "failed"
+    static = export_artifact(source, inputs, None)
+    if not static.ok:
+        return
+    check = verify_fn(static.module, shapes=False)
+    if not check.passed:
+        v.reasons.append(f"exported with static sizes, it fails too: {'; '.join(check.reasons)}")
+        return
+    static.note = (
+        "model.pt2 keeps every input size at the example's: with "
+        f"{', '.join(a.name for a in art.kept.axes)} dynamic it failed verification ({why})"
+    )
+    v.fn, v.artifact, v.verified, v.reasons = static.module, static, True, []
+    v.shapes = list(getattr(check, "shapes", []) or [])
+    v.note = f"reloaded from model.pt2; {static.note}"
+    artifacts[key] = static
+
+
 def race(
     variants: list[Variant],
     inputs: tuple,
@@ -276,7 +308,8 @@ def race(
                     None,
                     False,
                     v.compile_s,
-                    v.note or "; ".join(v.reasons)[:200],
+                    v.note,
+                    reasons=list(v.reasons) or [v.note or "not verified"],
                 )
             )
             continue
@@ -485,6 +518,12 @@ def run(
         v.shapes = list(getattr(check, "shapes", []) or [])
         if v.compiled and v.compile_s is not None:
             v.note = f"compiled in {v.compile_s:.1f} s; verified at the example's shape"
+    sources = {"captured": ("input", model), "opswap": ("candidate", candidate_gm)}
+    for v in variants:
+        if v.name in sources and v.verified is False:
+            key, source = sources[v.name]
+            with preserved_state(model, candidate_gm):
+                _static_fallback(v, source, inputs, verify_fn, artifacts, key)
     copy = bool(getattr(captured, "writes_inputs", None))  # a forward that writes into them
     timings, res = race(variants, inputs, dev, copy=copy)
     files = saved_verification(variants)

@@ -212,7 +212,7 @@ def _summary(data: dict) -> None:
 
 
 def _variants(data: dict) -> None:
-    from opswap.report.optimize_report import interval
+    from opswap.report.optimize_report import interval, why_text
 
     table = Table(title="variants, timed in one interleaved run")
     for col in (
@@ -244,7 +244,7 @@ def _variants(data: dict) -> None:
             Text(sp),
             "yes" if v["verified"] else "no",
             comp,
-            Text(v["note"] or ""),
+            Text(why_text(v)),
         )
     consoles.console.print(table)
     if data.get("timings_settled") is False:

@@ -47,6 +47,8 @@ def _summary(result, data) -> list[Block]:
         lines.append(unsettled_warning())
     if data.get("variants"):
         lines.append(_headline(data))
+    if (data.get("deploy") or {}).get("aot"):
+        lines.append(aot_text(data["deploy"]["aot"]))
     if b:
         lines.append(
             f"Your model against opswap's result as saved (model.pt2, reloaded) on "
@@ -54,6 +56,12 @@ def _summary(result, data) -> list[Block]:
             f"{interval(b['speedup_of_medians'], b.get('speedup_ci'), b.get('settled'))} "
             f"(ratio of the medians of {b['rounds']} interleaved rounds in one process, with "
             "its 95% bootstrap interval)."
+        )
+    elif data.get("variants"):
+        mine = next((v for v in data["variants"] if v["name"] == "opswap"), None)
+        why = "; ".join((mine or {}).get("reasons") or []) or "it was not raced"
+        lines.append(
+            f"opswap's model as saved was not timed: it did not pass verification ({why})."
         )
     else:
         lines.append("Not timed (--no-bench).")
@@ -67,6 +75,18 @@ _TOLERANCE_TERMS = {
     "max_abs": "max_abs<=",
     "max_rel": "max_rel<=",
 }
+
+
+def aot_text(aot: dict) -> str:
+    """result.json's `deploy.aot` in one sentence."""
+    if not aot.get("package"):
+        return f"Saved without an ahead-of-time package ({aot.get('why')}): load compiles it."
+    t = aot["load_to_first_call_s"]
+    return (
+        f"Saved compiled ahead of time as `{aot['package']}` too: from load to the first "
+        f"output {t['aot']:.2f} s, against {t['compile']:.2f} s for model.pt2 through "
+        "torch.compile; `opswap.load_optimized` loads the package."
+    )
 
 
 def accuracy_text(acc: dict) -> str:
@@ -151,6 +171,16 @@ def _headline(data) -> str:
     return text
 
 
+def why_text(v: dict) -> str:
+    """A variant's note, and for one that was not verified, why not (the check's reasons:
+    which metric, at which shape, by how much)."""
+    reasons = [r for r in v.get("reasons") or [] if r and r != v.get("note")]
+    if v["verified"] or not reasons:
+        return v["note"] or ""
+    why = "not verified: " + "; ".join(reasons)
+    return f"{v['note']}; {why}" if v.get("note") else why
+
+
 def _variants(data) -> list[Block]:
     if not data.get("variants"):
         return []
@@ -168,7 +198,7 @@ def _variants(data) -> list[Block]:
                 else "-",
                 "yes" if v["verified"] else "no",
                 _f(v["compile_s"]) if v["compile_s"] is not None else "",
-                v["note"] or "",
+                why_text(v),
             ]
         )
     return [

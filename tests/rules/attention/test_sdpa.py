@@ -187,3 +187,57 @@ def test_misses_say_why():
     assert "not the last (keys) dim" in why
     assert "head mask" in why
     assert "-10000.0" in why and "below -1e30" in why
+
+
+class Local(nn.Module):
+    """Attention over a window of `window` keys; the mask is a buffer cropped to the length
+    (GPT-2's `bias` style) or built with arange at run time; causal or both ways."""
+
+    def __init__(self, window: int | None, causal: bool, buffer: bool, maxlen: int = 128):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.window, self.causal, self.buffer = window, causal, buffer
+        self.register_buffer("keep", self._keep(torch.arange(maxlen)))
+
+    def _keep(self, i):
+        keep = i[None, :] <= i[:, None]  # no window: plain causal
+        if self.window is not None:
+            near = (i[:, None] - i[None, :]).abs() < self.window
+            keep = keep & near if self.causal else near
+        return keep
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, 2, 8).transpose(1, 2) for y in self.qkv(x).chunk(3, -1))
+        s = q @ k.transpose(-2, -1) / math.sqrt(8)
+        keep = self.keep[:t, :t] if self.buffer else self._keep(torch.arange(t))
+        s = s.masked_fill(~keep, float("-inf"))
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, 16))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("buffer", [True, False])
+def test_a_sliding_window_wider_than_the_example_stays_a_mask(causal, buffer):
+    # at lengths 16 and 15 the window of 24 hides nothing more than causal (or nothing):
+    # read as a flag it would compute full attention at length 40
+    torch.manual_seed(0)
+    m = Local(24, causal, buffer).eval()
+    plan, applied = run(m, (torch.randn(2, 16, 16),))
+    assert masks(plan) == ["boolean mask"], plan.decisions
+    for t in (25, 40, 100):
+        x = torch.randn(1, t, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(applied.gm(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("buffer", [True, False])
+def test_a_causal_mask_is_still_proven_causal_at_every_length(buffer):
+    torch.manual_seed(0)
+    # a buffer whose window is wider than the buffer is causal wherever the model runs; an
+    # arange-built window of 10000 is not causal at length 10001, so only no window is
+    m = Local(10_000 if buffer else None, True, buffer, maxlen=96).eval()
+    plan, applied = run(m, (torch.randn(2, 16, 16),))
+    assert masks(plan) == ["causal"], plan.decisions
+    x = torch.randn(1, 90, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(applied.gm(x), m(x), rtol=1e-5, atol=1e-5)

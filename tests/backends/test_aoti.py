@@ -1,0 +1,63 @@
+"""backends.aoti: a compiled winner is saved as an AOTInductor package as well, verified,
+and load_optimized loads it with no torch.compile, behind model.pt2's input check (other
+batch sizes run; a size the program holds fixed is refused in one sentence); result.json
+gives both ways' time from load to the first output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import opswap
+from opswap.backends.aoti import AotiModule
+from opswap.errors import InputError
+from opswap.pipeline import OptimizeConfig, optimize
+
+from ..bench.test_variants import _faked_race
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_a_compiled_winner_loads_from_its_package_without_compiling(monkeypatch, tmp_path):
+    from opswap.bench import variants
+
+    torch.manual_seed(0)
+    m = Net().eval()
+    x = torch.randn(2, 3, 12, 12)
+    monkeypatch.setattr(variants, "race", _faked_race(opswap_compile=10.0))
+    r = optimize(m, (x,), OptimizeConfig(samples=1, layers=False, measure_rules=False))
+    assert r.best == "opswap+compile"
+    r.save(tmp_path, aot=True)
+    deploy = json.loads((tmp_path / "result.json").read_text())["deploy"]
+    assert deploy["aot"]["package"] == "model_aoti.pt2", deploy["aot"]
+    assert set(deploy["aot"]["load_to_first_call_s"]) == {"aot", "compile"}
+    assert "no torch.compile at load" in deploy["how"]
+    assert (
+        "Saved compiled ahead of time as `model_aoti.pt2`" in (tmp_path / "report.md").read_text()
+    )
+
+    def no_compile(*a, **k):
+        raise AssertionError("load_optimized compiled a packaged model")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    loaded = opswap.load_optimized(tmp_path)
+    assert isinstance(loaded, AotiModule)
+    with torch.inference_mode():
+        for b in (1, 5):
+            other = torch.randn(b, 3, 12, 12)
+            torch.testing.assert_close(loaded(other), m(other), rtol=1e-4, atol=1e-5)
+        with pytest.raises(InputError, match="dim 1"):
+            loaded(torch.randn(2, 4, 12, 12))  # channels are fixed: one sentence
+    # the package is removed by a later save that writes none
+    r.save(tmp_path, aot=False)
+    assert not (tmp_path / "model_aoti.pt2").exists()
