@@ -182,3 +182,32 @@ def test_transformers_outputs_load_in_a_fresh_process(tmp_path):
     assert got["type"] == "SequenceClassifierOutput"
     with torch.no_grad():
         torch.testing.assert_close(got["logits"], loaded.module(ids).logits)
+
+
+def test_a_model_optimized_with_keyword_inputs_is_called_by_those_names(tmp_path):
+    import opswap
+    from opswap.errors import InputError
+
+    class Keyed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 3)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.out((self.emb(input_ids) * attention_mask.unsqueeze(-1)).sum(1))
+
+    torch.manual_seed(0)
+    m = Keyed().eval()
+    ex = {"input_ids": torch.randint(0, 50, (2, 8)), "attention_mask": torch.ones(2, 8)}
+    r = opswap.optimize(m, ex, compare="none", bench=False)
+    r.save(tmp_path)
+    other = {"input_ids": torch.randint(0, 50, (3, 11)), "attention_mask": torch.ones(3, 11)}
+    with torch.no_grad():
+        want = m(**other)
+        for fn in (r.candidate, opswap.load_optimized(tmp_path)):
+            torch.testing.assert_close(fn(**other), want)
+            torch.testing.assert_close(
+                fn(other["input_ids"], attention_mask=other["attention_mask"]), want
+            )
+            with pytest.raises(InputError, match="no input 'mask'"):
+                fn(input_ids=other["input_ids"], mask=other["attention_mask"])

@@ -559,9 +559,34 @@ def guard(
         for i, x in enumerate(leaves)
     ]
 
-    def check(_mod, args):
+    flat = len(inputs) == len(leaves) and len(set(names)) == len(names)
+
+    def bind(args: tuple, kwargs: dict) -> tuple:
+        """Keyword inputs put in their places, when the inputs are a flat list of named
+        tensors (a dict example: ids, mask), as the saved model.pt2 takes them."""
+        if not flat or len(args) > len(names):
+            raise InputError(
+                f"{what} takes its inputs positionally, in this order: {', '.join(names)}."
+            )
+        given: list = list(args) + [None] * (len(names) - len(args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise InputError(f"{what} has no input {k!r}; its inputs are {', '.join(names)}.")
+            if names.index(k) < len(args):
+                raise InputError(f"{what} got input {k} twice, by position and by name.")
+            given[names.index(k)] = v
+        missing = [n for n, v in zip(names, given, strict=True) if v is None]
+        if missing:
+            raise InputError(f"{what} is missing input(s) {', '.join(missing)}.")
+        return tuple(given)
+
+    def check(_mod, args, kwargs):
         if torch.compiler.is_compiling():
-            return
+            return None
+        bound = None
+        if kwargs:
+            args = bind(args, kwargs)
+            bound = (args, {})
         got, got_spec = pytree.tree_flatten(list(args))
         if got_spec != spec:
             raise InputError(
@@ -579,11 +604,12 @@ def guard(
         )
         if guards is not None and not guards[0](*(_sizes(x) for x in got)):
             raise InputError(outside_guards(what, got, dyn.guards, names))
+        return bound
 
     guards = checker(dyn.guards, len(leaves))
     # before torch.export's own input check (ExportedProgram.module() hooks one), so the
     # caller reads this sentence rather than its RuntimeError
-    module.register_forward_pre_hook(check, prepend=True)
+    module.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
     return module
 
 
