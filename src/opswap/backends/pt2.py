@@ -184,15 +184,40 @@ def _export(model: nn.Module, inputs: tuple, dynamic=None):
         return torch.export.export(model, inputs, strict=False), note, Dynamic()
     fixed = _specialised(ep, inputs, dynamic)
     if not fixed:
-        return ep, None, dynamic
-    kept = Dynamic([a for a in dynamic.axes if a not in fixed], list(dynamic.notes))
+        return ep, None, _claimed(ep, inputs, dynamic)
+    kept = Dynamic(
+        [a for a in dynamic.axes if a not in fixed], list(dynamic.notes), list(dynamic.guards)
+    )
     note = (
         f"model.pt2 keeps {', '.join(a.name for a in fixed)} static at the example's "
         f"size: torch.export specialised {'it' if len(fixed) == 1 else 'them'}"
         + (f"; it stays dynamic in {', '.join(a.name for a in kept.axes)}" if kept.axes else "")
     )
     shapes = export_shapes(inputs, kept)
-    return _dynamic_export(model, inputs, shapes, kept), note, kept
+    ep = _dynamic_export(model, inputs, shapes, kept)
+    return ep, note, _claimed(ep, inputs, kept)
+
+
+def _claimed(ep, inputs: tuple, dynamic):
+    """`dynamic` with the program's own size guards added where they refuse a size
+    verification would check (a torchvision ResNet-50 exported at 224 x 224 guards on the
+    parity of `(h - 1) // 2`, and refuses 225): the file claims the sizes inside them, and
+    refuses the rest in one sentence, so verification checks it there and not at a size
+    it refuses by design."""
+    from torch.utils import _pytree as pytree
+
+    from opswap.graph.dynamic import Dynamic
+    from opswap.graph.guards import SizeGuard, program_guards
+
+    if not dynamic.axes or _admits(ep, inputs, dynamic):
+        return dynamic
+    try:
+        codes = program_guards(ep, ep.module(), len(pytree.tree_leaves(list(inputs))))
+    except Exception:
+        return dynamic
+    have = {g.code for g in dynamic.guards}
+    added = [SizeGuard(c) for c in codes if c not in have]
+    return Dynamic(list(dynamic.axes), list(dynamic.notes), [*dynamic.guards, *added])
 
 
 def _admits(ep, inputs: tuple, dynamic) -> bool:
