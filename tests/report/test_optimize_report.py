@@ -117,8 +117,9 @@ def test_a_busy_machine_is_said_and_the_lower_end_leads(busy_result, tmp_path):
         if v["name"] == "input" or v["ms"] is None:
             continue
         lo, hi = v["speedup_ci"]
-        # the interval's lower end comes first, the median after it
-        assert re.match(rf"(at least )?{lo:.2f}x \[{lo:.2f}-{hi:.2f}\]", row[col]), row[col]
+        # the end the interval supports comes first (or "within noise"), the median after it
+        lead = rf"(at least {lo:.2f}x|at most {hi:.2f}x|within noise)"
+        assert re.match(rf"{lead} \[{lo:.2f}-{hi:.2f}\]", row[col]), row[col]
         assert f"median {v['speedup_vs_input']:.2f}x" in row[col]
 
 
@@ -148,3 +149,31 @@ def test_the_tolerance_prints_as_set(tmp_path):
     )
     md = write_reports(r, tmp_path)["report_md"].read_text()
     assert "cosine>=0.9999999999" in md and not re.search(r"cosine>=1\b", md)
+
+
+def test_the_figure_read_first_is_the_one_the_interval_supports():
+    from opswap.bench.stats import describe_speedup
+    from opswap.report.optimize_report import versus
+
+    assert describe_speedup(1.40, (0.80, 2.69), False) == "within noise [0.80-2.69], median 1.40x"
+    assert describe_speedup(0.7, (0.41, 0.93), False) == "at most 0.93x [0.41-0.93], median 0.70x"
+    assert describe_speedup(14.48, (1.07, 38.37), False).startswith("at least 1.07x")
+    assert describe_speedup(1.42, (1.37, 1.48)) == "1.42x [1.37-1.48]"
+    # against another baseline: a bound from both intervals, not a bare ratio
+    mine = {"name": "opswap+compile", "speedup_ci": (5.0, 7.0), "settled": False}
+    peer = {"name": "compile", "speedup_ci": (0.9, 1.3), "settled": True}
+    text = versus(6.0 / 1.1, mine, peer)
+    assert text.startswith("at least 3.85x [3.85-7.78]"), text
+    level = versus(1.1, {**mine, "speedup_ci": (1.0, 1.2)}, {**peer, "speedup_ci": (0.95, 1.1)})
+    assert level.startswith("within noise"), level
+
+
+def test_a_rule_with_no_measured_saving_does_not_pay():
+    from types import SimpleNamespace
+
+    from opswap.report.optimize_report import _pays
+
+    rule = SimpleNamespace(verdict="pays", pruned=False, measured_saved_s=-5e-5, loo_saved_s=None)
+    assert _pays(rule) == "within noise"
+    assert _pays(SimpleNamespace(**{**vars(rule), "measured_saved_s": 2e-4})) == "yes"
+    assert _pays(SimpleNamespace(**{**vars(rule), "verdict": "slower"})).startswith("**no**")

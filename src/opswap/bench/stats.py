@@ -293,15 +293,20 @@ class ModelBench:
 
 def describe_speedup(ratio: float | None, ci, settled: bool | None = True) -> str:
     """'1.42x [1.37-1.48]', with ', within noise' when the interval holds 1.0. When the
-    interval did not narrow (`settled` False), the lower end leads, the median follows:
-    'at least 1.07x [1.07-38.37], median 14.48x'."""
+    interval did not narrow (`settled` False), the end it supports leads and the median
+    follows: 'at least 1.07x [1.07-38.37], median 14.48x', 'at most 0.93x [0.41-0.93],
+    median 0.70x', 'within noise [0.80-2.69], median 1.40x'."""
     if ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
         return "-"
     if not ci or ci[0] is None or ci[1] is None or math.isnan(ci[0]):
         return f"{ratio:.2f}x"
     lo, hi = ci
-    noise = ", within noise" if lo <= 1.0 <= hi else ""
+    noise = lo <= 1.0 <= hi
     if settled is False:
-        lead = f"at least {lo:.2f}x" if lo > 1.0 else f"{lo:.2f}x"
-        return f"{lead} [{lo:.2f}-{hi:.2f}]{noise}, median {ratio:.2f}x"
-    return f"{ratio:.2f}x [{lo:.2f}-{hi:.2f}]{noise}"
+        # the figure read first is the one the interval supports: its lower end for a
+        # faster time, its upper end for a slower one, and "within noise" otherwise
+        lead = (
+            "within noise" if noise else f"at least {lo:.2f}x" if lo > 1.0 else f"at most {hi:.2f}x"
+        )
+        return f"{lead} [{lo:.2f}-{hi:.2f}], median {ratio:.2f}x"
+    return f"{ratio:.2f}x [{lo:.2f}-{hi:.2f}]" + (", within noise" if noise else "")

@@ -158,6 +158,16 @@ def optimize(
         raise typer.Exit(1)
 
 
+def _where(axis: dict, names: list[str]) -> str:
+    """Where an axis lies, in words: 'dim 1 of input_ids and attention_mask'."""
+    by_dim: dict[int, list[str]] = {}
+    for text in axis.get("inputs") or []:  # "input I dim D"
+        _, i, _, d = text.split()
+        name = names[int(i)] if int(i) < len(names) else f"input {i}"
+        by_dim.setdefault(int(d), []).append(name)
+    return "; ".join(f"dim {d} of {' and '.join(ns)}" for d, ns in by_dim.items())
+
+
 def _summary(data: dict) -> None:
     """An optimize run's result.json, in a few lines and the table of variants."""
     from opswap.report.optimize_report import interval
@@ -170,11 +180,16 @@ def _summary(data: dict) -> None:
             f" on {data['target']}: "
             f"{render.n(len(data['applied']), 'replacement')}, "
             f"{render.n(len(data['misses']), 'near miss', 'near misses')}, "
-            f"{len(data['rolled_back'])} rolled back",
+            f"{len(data['rolled_back'])} rolled back, {len(data['failed'])} failed",
         )
     )
+    for f in data["failed"]:  # a rule that raised: its one-line reason
+        console.print(f"  failed: {f['rule']} at {f['key']}: {f['reason']}", markup=False)
     dyn = data.get("dynamic") or {}
-    axes = ", ".join(f"{a['name']} (example {a['size']})" for a in dyn.get("axes", []))
+    names = [i["name"] for i in (data.get("run") or {}).get("inputs") or []]
+    axes = ", ".join(
+        f"{a['name']} (example {a['size']}; {_where(a, names)})" for a in dyn.get("axes", [])
+    )
     console.print(f"  dynamic sizes: {axes or 'none (the example shapes only)'}", markup=False)
     status = ("PASSED", "green") if v["passed"] else ("FAILED", "red")
     console.print(

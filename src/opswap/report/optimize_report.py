@@ -154,7 +154,7 @@ def _headline(data) -> str:
         against = (
             interval(ratio, mine.get("speedup_ci"), mine.get("settled"))
             if peer["name"] == "input"
-            else f"{ratio:.2f}x"
+            else versus(ratio, mine, peer)
         )
         text += (
             f" Best opswap variant `{mine['name']}` {mine['ms']:.3f} ms against the best "
@@ -169,6 +169,21 @@ def _headline(data) -> str:
     if saved["variant"] == "input":
         text += " Nothing opswap made beat your model beyond the run's noise: keep it."
     return text
+
+
+def versus(ratio: float, mine: dict, peer: dict) -> str:
+    """opswap's best variant against another baseline than the input: the ratio of the
+    medians with a bound from the two speed-ups' intervals (each against the input, so
+    the bound is wider than the ratio's own interval would be): [mine low / peer high,
+    mine high / peer low], led by the end it supports when the run did not settle."""
+    a, b = mine.get("speedup_ci") or (None, None), peer.get("speedup_ci") or (None, None)
+    if peer["name"] == "input":
+        b = (1.0, 1.0)
+    ends = [float(x) for x in (*a, *b) if x is not None]
+    if len(ends) < 4 or any(math.isnan(x) for x in ends) or min(ends[2:]) <= 0:
+        return f"{ratio:.2f}x (ratio of the medians)"
+    settled = mine.get("settled") is not False and peer.get("settled") is not False
+    return interval(ratio, (ends[0] / ends[3], ends[1] / ends[2]), settled)
 
 
 def why_text(v: dict) -> str:
@@ -347,12 +362,26 @@ def _predicted_vs_measured(result, data) -> list[Block]:
 
 
 def _ms(x, ci=None) -> str:
-    """'0.1234 ms [0.1100-0.1400]'."""
+    """'0.1234 ms [0.1100-0.1400]'; a saving whose interval holds zero leads with that:
+    'within noise [-46.2600-1.8600] ms, median 0.5251 ms'."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     if ci is None or ci[0] is None or math.isnan(ci[0]) or math.isnan(ci[1]):
         return f"{x:.4f} ms"
+    if ci[0] <= 0 <= ci[1]:
+        return f"within noise [{ci[0]:.4f}-{ci[1]:.4f}] ms, median {x:.4f} ms"
     return f"{x:.4f} ms [{ci[0]:.4f}-{ci[1]:.4f}]"
+
+
+def _pays(t) -> str:
+    """A rule's verdict, where its leave-one-out interval and its measured saving agree:
+    'yes' only for a saving above zero whose interval excludes no gain."""
+    if t.verdict == "slower":
+        return "**no**: slower with it"
+    saved = t.loo_saved_s if t.pruned else t.measured_saved_s
+    if t.verdict == "pays" and saved is not None and saved > 0:
+        return "yes"
+    return "within noise"
 
 
 def _attribution(att) -> list[Block]:
@@ -395,7 +424,7 @@ def _attribution(att) -> list[Block]:
                 saving,
                 ratio,
                 interval(t.without_ms / t.with_ms, (t.ci_low, t.ci_high)),
-                {"pays": "yes", "slower": "**no**: slower with it"}.get(t.verdict, "within noise"),
+                _pays(t),
             ]
         )
     kept = [t for t in att.rules if not t.pruned]
