@@ -14,7 +14,7 @@ import opswap
 from opswap.api import capture
 from opswap.errors import InputError
 from opswap.graph.dynamic import guard, variants
-from opswap.graph.guards import compile_guards, refusal
+from opswap.graph.guards import SizeGuard, compile_guards, refusal
 
 
 def test_guards_compile_into_one_check_that_names_the_broken_one():
@@ -149,3 +149,12 @@ def test_a_guard_that_restates_the_models_own_limit_keeps_the_axis_dynamic():
     limits = [g for g in cap.dynamic.guards if (0, 1) in g.dims]
     assert limits and all(g.branch is False for g in limits), cap.dynamic.guards
     assert cap.dynamic.for_files() is cap.dynamic
+
+
+def test_a_guard_on_strides_is_read_at_sizes_no_tensor_was_made_for():
+    from opswap.graph.guards import Sizes, checker
+
+    holds = checker([SizeGuard("x0.stride()[0] == x0.size()[1] * x0.size()[2]")], 1)
+    assert holds is not None
+    assert holds[0](Sizes([2, 5, 7])) and holds[0](torch.zeros(3, 4, 6))
+    assert Sizes([2, 5, 7]).stride() == torch.zeros(2, 5, 7).stride()

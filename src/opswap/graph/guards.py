@@ -244,6 +244,15 @@ class Sizes:
     def size(self) -> torch.Size:
         return self.shape
 
+    def stride(self) -> tuple[int, ...]:
+        """The strides of a contiguous tensor of this shape (a guard may read them: the
+        inputs opswap makes at other sizes are contiguous)."""
+        out, step = [], 1
+        for n in reversed(self.shape):
+            out.append(step)
+            step *= max(int(n), 1)
+        return tuple(reversed(out))
+
 
 def leaf_names(n: int) -> list[str]:
     """The names opswap's guards give the input leaves: x0, x1, ..."""
