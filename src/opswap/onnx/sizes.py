@@ -203,6 +203,8 @@ def implied(model: OnnxModel) -> list[tuple[int, int]]:
     """Image sizes (height, width) the file implies: the size its metadata names, then each
     constant-size Resize's output scaled by 1, 2, 4, ... 32 (the stride it sits at is not
     known), smallest first."""
+    import onnx
+
     out: list[tuple[int, int]] = []
     for p in model.proto.metadata_props:
         if p.key.lower() in _SIZE_KEYS:
@@ -214,8 +216,6 @@ def implied(model: OnnxModel) -> list[tuple[int, int]]:
     for node in model.proto.graph.node:
         if node.op_type != "Resize" or len(node.input) < 4 or node.input[3] not in consts:
             continue
-        import onnx
-
         sz = onnx.numpy_helper.to_array(consts[node.input[3]]).reshape(-1)
         if sz.size == 4 and sz[2] > 0 and sz[3] > 0:
             scaled |= {(int(sz[2]) << k, int(sz[3]) << k) for k in range(6)}
@@ -268,8 +268,8 @@ def runnable(model: OnnxModel, given: dict[str, Any]) -> dict[str, int]:
                     "is used (--set NAME=SIZE picks another)."
                 )
                 return sizes
-        except SpecError:  # too large for the free memory: larger ones are too
-            break
+        except SpecError:  # too large for the free memory
+            pass
         tried.append(label)
     raise SpecError(
         f"{model.path.name} runs at none of the sizes tried ({'; '.join(tried)}); the first "
