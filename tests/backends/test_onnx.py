@@ -98,3 +98,44 @@ def test_an_op_without_lowering_fails_in_one_sentence_naming_it(tmp_path):
     art = export_onnx(_Mystery(), (x,), None, tmp_path)  # the artifact form never raises
     assert art.path is None and "opswaptest::mystery" in art.error
     assert len(art.error.splitlines()) == 1
+
+
+class _Heads(nn.Module):
+    """A dict, a tuple or a lone tensor out, as `kind` says."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        y = self.b(h)
+        if self.kind == "dict":
+            return {"logits": y, "hidden": h}
+        return (y, h) if self.kind == "tuple" else y
+
+
+@pytest.mark.parametrize(
+    ("kind", "names"),
+    [("dict", ["logits", "hidden"]), ("tuple", ["output_0", "output_1"]), ("tensor", ["output"])],
+)
+def test_outputs_keep_the_models_own_names_on_every_plan(tmp_path, kind, names):
+    """The exporter names an output after the node that made it (linear_13 on one plan,
+    linear_12 on another); the file names it after the model's output structure."""
+    from torch.utils._pytree import tree_leaves
+
+    from opswap.backends.onnx import output_names
+
+    torch.manual_seed(0)
+    model = _Heads(kind).eval()
+    x = torch.randn(4, 6)
+    for rules in (None, "fusion.*"):
+        captured = api.capture(model, (x,))
+        gm = apply_plan(captured, api.plan(model, (x,), rules=rules)).gm
+        program = export(gm, captured.example_inputs, captured.dynamic)[0]
+        assert output_names(program) == names
+        path = to_onnx(program, tmp_path / f"{kind}_{rules}.onnx")
+        assert [o.name for o in onnx.load(str(path)).graph.output] == names
+        got, want = OrtModule(path)(x[:3]), model(x[:3])  # in the names' order, at batch 3
+        torch.testing.assert_close(tree_leaves(got), tree_leaves(want), atol=1e-5, rtol=1e-4)

@@ -61,3 +61,26 @@ def test_apply_verify_bench_and_export_refuse_an_onnx_file_before_reading_the_pl
         assert e.value.code == 2, command
         assert f"`opswap {command[0]}` takes a PyTorch model" in err and "analyze" in err
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_sizes_too_large_to_allocate_are_one_line_and_exit_2(graphs, tmp_path, capsys):
+    """`--set seq=99999999` on an ONNX file: refused before the inputs are drawn, as on a
+    file.py spec, not numpy's out-of-memory traceback."""
+    import pytest
+
+    for sets in (["seq=99999999"], ["batch=100000000", "seq=1000"]):
+        with pytest.raises(SystemExit) as e:
+            main(
+                [
+                    "optimize",
+                    _model(graphs),
+                    *(a for s in sets for a in ("--set", s)),
+                    "--out",
+                    str(tmp_path / "o"),
+                ]
+            )
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err
+        assert (
+            "needs about" in err and "--set NAME=SIZE" in err and len(err.strip().splitlines()) <= 3
+        )

@@ -88,3 +88,49 @@ def exported(tmp_path_factory):
         return made[kind]
 
     return get
+
+
+def detector(path, opset: int = 17, metadata: dict[str, str] | None = None) -> str:
+    """A YOLO-style detector in miniature, exported with symbolic batch, height and width:
+    five stride-2 convolutions (stride 32), the deepest map upsampled twice and joined to
+    the stride-16 one, a 1x1 head. It runs where height and width are multiples of 32 (and
+    some others), not at 16x16: the upsampled map and the one it joins differ there."""
+    import torch
+    from torch import nn
+
+    class Det(nn.Module):
+        def __init__(self):
+            super().__init__()
+            c = 4
+            self.stem = nn.Sequential(nn.Conv2d(3, c, 3, 2, 1), nn.SiLU())
+            self.down = nn.ModuleList(
+                nn.Sequential(nn.Conv2d(c, c, 3, 2, 1), nn.SiLU()) for _ in range(4)
+            )
+            self.up = nn.Upsample(scale_factor=2.0, mode="nearest")
+            self.head = nn.Conv2d(2 * c, 6, 1)
+
+        def forward(self, x):
+            x = self.stem(x)
+            maps = []
+            for m in self.down:
+                x = m(x)
+                maps.append(x)
+            joined = torch.cat([self.up(maps[-1]), maps[-2]], 1)
+            return self.head(joined).flatten(2).transpose(1, 2)  # [batch, boxes, 6]
+
+    torch.manual_seed(0)
+    torch.onnx.export(
+        Det().eval(),
+        (torch.randn(1, 3, 64, 64),),
+        str(path),
+        input_names=["images"],
+        output_names=["boxes"],
+        dynamic_axes={"images": {0: "batch", 2: "height", 3: "width"}},
+        opset_version=opset,
+        dynamo=False,
+    )
+    if metadata:
+        proto = onnx.load(str(path))
+        helper.set_model_props(proto, metadata)
+        onnx.save(proto, str(path))
+    return str(path)

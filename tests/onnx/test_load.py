@@ -33,10 +33,31 @@ def test_a_file_that_is_not_onnx_is_refused(tmp_path):
         load_onnx(p)
 
 
-@pytest.mark.parametrize("opset", [12, 22])
-def test_an_opset_out_of_range_is_refused(graphs, opset):
+@pytest.mark.parametrize("opset", [11, 12, 22])
+def test_an_opset_out_of_range_is_converted_and_said(graphs, opset):
+    """Converted to the nearest opset the rules take; the reference stays the file as given."""
     path = graphs.save(_gelu_net(graphs, opset))
-    with pytest.raises(SpecError, match=f"opset {opset}.*13 to 21"):
+    m = load_onnx(path)
+    want = 13 if opset < 13 else 21
+    assert m.opset == want and m.proto.opset_import[0].version == want
+    assert m.as_given.opset_import[0].version == opset
+    assert any(f"opset {opset}" in n and f"converted to opset {want}" in n for n in m.notes)
+    plan, out, _ = graphs.apply(m, None)
+    assert graphs.matches(m, out, {"batch": 1, "seq": 3}, {"batch": 4, "seq": 9})
+
+
+def test_an_opset_the_converter_cannot_take_is_refused_in_one_sentence(graphs, monkeypatch):
+    from onnx import version_converter
+
+    def fail(model, target):
+        raise RuntimeError("No adapter for Relu\nmore lines")
+
+    monkeypatch.setattr(version_converter, "convert_version", fail)
+    path = graphs.save(_gelu_net(graphs, 12))
+    with pytest.raises(
+        SpecError,
+        match=r"opset 12, and onnx's version converter cannot bring it to opset 13 \(No adapter for Relu\)",
+    ):
         load_onnx(path)
 
 

@@ -38,3 +38,26 @@ def test_reduce_axes_reads_the_attribute_and_the_input():
     assert reduce_axes(old) == [-1] and reduce_axes(new) == [2]
     assert last_axis([2], 3) and not last_axis([1], 3) and not last_axis([1, 2], 3)
     assert scalar(ir.Value(name="c", const_value=ir.tensor(np.array([[0.5]], np.float32)))) == 0.5
+
+
+def test_unset_attributes_take_the_specs_default_at_the_models_opset():
+    """Softmax's axis defaults to 1 before opset 13 and to -1 from it; LayerNormalization's
+    epsilon to 1e-5; Gelu's approximate to "none"; an op the spec does not define keeps the
+    rule's own default."""
+    import onnx_ir as ir
+
+    from opswap.onnx.rule import attr_float, attr_int, attr_str, spec_default
+
+    def node(op, opset, domain="", **attrs):
+        graph = ir.Graph([], [], nodes=[], opset_imports={domain: opset})
+        n = ir.node(op, [], attributes=attrs, domain=domain)
+        graph.append(n)
+        return n
+
+    assert attr_int(node("Softmax", 11), "axis") == 1
+    assert attr_int(node("Softmax", 13), "axis") == -1
+    assert attr_int(node("Softmax", 13, axis=2), "axis") == 2
+    assert abs(attr_float(node("LayerNormalization", 17), "epsilon") - 1e-5) < 1e-10
+    assert attr_str(node("Gelu", 20), "approximate") == "none"
+    assert spec_default(node("SkipLayerNormalization", 1, "com.microsoft"), "epsilon") is None
+    assert attr_float(node("SkipLayerNormalization", 1, "com.microsoft"), "epsilon", 1e-12) == 1e-12

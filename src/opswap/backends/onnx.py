@@ -124,6 +124,7 @@ def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "qd
     """Translate `program` (an ExportedProgram) to ONNX at `path` (see `translate`).
     Raises ExportError naming an op without a lowering, or the exporter's reason."""
     onnx_program = translate(program, fusions=fusions, int8=int8)
+    name_outputs(onnx_program.model, output_names(program))
     path = Path(path)
     try:
         with _quiet():
@@ -131,6 +132,56 @@ def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "qd
     except Exception as e:
         raise ExportError(f"torch.onnx could not write {path.name}: {_cause(e)}.") from e
     return path
+
+
+def output_names(program) -> list[str]:
+    """A name for each output of `program` from the model's own output structure: a dict's
+    or a ModelOutput's keys (`logits`), a namedtuple's fields, positions in a tuple
+    (`output_0`), joined by `_` when nested; `output` for a lone tensor. The same on every
+    plan, where the exporter's names (`linear_13`) follow the last node."""
+    spec = program.call_spec.out_spec
+    if spec is None:
+        return []
+
+    def walk(s, path: tuple) -> list[tuple]:
+        if s.is_leaf():
+            return [path]
+        kids = s.children() if callable(getattr(s, "children", None)) else s.children_specs
+        ctx = s.context
+        keys = getattr(s.type, "_fields", None)  # a namedtuple's context is its type
+        if isinstance(ctx, (list, tuple)) and len(ctx) == len(kids):
+            keys = ctx
+        keys = keys if keys is not None and len(keys) == len(kids) else range(len(kids))
+        return [p for k, c in zip(keys, kids, strict=True) for p in walk(c, (*path, k))]
+
+    names = []
+    for path in walk(spec, ()):
+        text = "_".join(str(k) for k in path)
+        names.append(
+            "output" if not path else f"output_{text}" if isinstance(path[0], int) else text
+        )
+    return names
+
+
+def name_outputs(model, names: list[str]) -> None:
+    """Give the graph outputs of `model` (an onnx_ir Model) `names`, each through an
+    Identity, so that the values keep the names that pair them with the program's nodes
+    (backends.runtime_layers); left as they are when the counts differ or a name is taken."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    outs = list(graph.outputs)
+    taken = {v.name for v in graph.inputs} | {o.name for n in graph for o in n.outputs}
+    if len(outs) != len(names) or len(set(names)) != len(names):
+        return
+    for i, (value, name) in enumerate(zip(outs, names, strict=True)):
+        if value.name == name or name in taken:
+            continue
+        node = ir.node("Identity", [value])
+        out = node.outputs[0]
+        out.name, out.shape, out.type = name, value.shape, value.type
+        graph.append(node)
+        graph.outputs[i] = out
 
 
 def export_onnx(

@@ -35,6 +35,8 @@ def _load(spec: str, sets: dict[str, str]):
     render.line(loaded.describe() + (f"; sizes {loaded.sizes}" if loaded.sizes else ""))
     if loaded.inferred:
         render.note(f"{loaded.path.name} carried no value_info; shapes were inferred.")
+    for text in loaded.notes:
+        render.note(text)
     return loaded
 
 
@@ -91,7 +93,7 @@ def optimize(
         exactness,
         samples=samples,
         bench=bench,
-        model_type=sets.get("model_type", "bert"),
+        model_type=sets.get("model_type"),
     )
     paths = save(result, out)
     data = result.to_json()
@@ -107,7 +109,7 @@ def optimize(
             f"  {x['name']:<14} {x['ms']:8.3f} ms  {x['speedup_vs_input']:.2f}x vs input"
             + (" (saved)" if x["name"] == data["best"] else "")
         )
-    for text in data["notes"]:
+    for text in data["notes"][len(loaded.notes) :]:  # the load's were printed as they came
         render.note(text)
     for k, p in paths.items():
         render.line(f"  {k:<11} {p}")

@@ -1,11 +1,12 @@
 """ONNX in: models that arrive as .onnx files, analyzed, planned and optimized with
 rewrite rules on the ONNX graph (chapter 21).
 
-    load_onnx(path, sizes)      the file, checked (opsets 13-21), external data, shapes
+    load_onnx(path, sizes)      the file, checked (other opsets converted to 13-21), external
+                                data, shapes, sizes that fit in memory and that it runs at
     analyze_onnx(model)         per op type: count and FLOPs
     plan_onnx(model, rules)     the rules in order on a copy: sites, misses, the new model
     optimize_onnx(model, ...)   plan, verify in ONNX Runtime, race ORT's own optimizer
-    save_onnx(result, dir)      model.onnx, plan.json, result.json, report.md
+    save_onnx(result, dir)      model.onnx, plan.json, result.json, report.md, report.html
 
 The rules (opswap.onnx.rules, one per module, `onnx.<what>`) are onnxscript rewriter
 rules with opswap's name, exactness and near-miss reasons. `opswap analyze|plan|optimize

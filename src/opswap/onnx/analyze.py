@@ -95,7 +95,7 @@ def node_flops(node: ir.Node, sizes: dict[str, int]) -> float | None:
         a = node.inputs[0]
         if a is None or a.shape is None or not len(a.shape):
             return None
-        k = a.shape[0 if op == "Gemm" and attr_int(node, "transA", 0) else -1]
+        k = a.shape[0 if op == "Gemm" and attr_int(node, "transA") else -1]
         return 2.0 * out * k if isinstance(k, int) else None
     if op == "Conv":
         w = node.inputs[1] if len(node.inputs) > 1 else None

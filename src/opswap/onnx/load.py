@@ -1,11 +1,13 @@
 """Reading a `.onnx` file made by another tool: checks, external data, shapes, the inputs.
 
 `load_onnx(path)` reads the file (and the external data files beside it), refuses in one
-sentence a missing file, a file that is not ONNX, and a default-domain opset outside
-13..21, and runs ONNX's shape inference where the file carries no value_info, so that the
-rules can read ranks and sizes. The graph's inputs are described by `InputSpec`: dtype
-and dims, a dim that is a name (`batch`, `sequence`) or missing is symbolic, and the
-example sizes are chosen for it (`example_sizes`), or given by the user (`sizes`).
+sentence a missing file and a file that is not ONNX, converts a default-domain opset
+outside 13..21 to the nearest of the two with onnx's version converter (and says so; the
+file as given stays the reference), and runs ONNX's shape inference where the file
+carries no value_info, so that the rules can read ranks and sizes. The graph's inputs are
+described by `InputSpec`: dtype and dims, a dim that is a name (`batch`, `sequence`) or
+missing is symbolic, and its size is given by the user (`sizes`) or chosen where the
+model fits in memory and runs (opswap.onnx.sizes).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opswap.errors import SpecError
+from opswap.onnx.sizes import example_sizes, fit, other_sizes, runnable
 
 if TYPE_CHECKING:
     import onnx
@@ -49,6 +52,24 @@ class OnnxModel:
     inputs: list[InputSpec]
     sizes: dict[str, int] = field(default_factory=dict)
     inferred: bool = False  # whether shape inference filled in value_info
+    #: the file as given, where `proto` is its conversion to another opset
+    given: onnx.ModelProto | None = None
+    #: what loading did that the user should know (an opset converted, sizes picked)
+    notes: list[str] = field(default_factory=list)
+    _reference: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def as_given(self) -> onnx.ModelProto:
+        """The model as the file holds it: what opswap's result is checked and timed against."""
+        return self.given if self.given is not None else self.proto
+
+    def reference(self):
+        """The ORT session of the file as given, graph optimizations off (made once)."""
+        if self._reference is None:
+            from opswap.onnx.runtime import session
+
+            self._reference = session(self.as_given, optimize=False)
+        return self._reference
 
     @property
     def symbols(self) -> list[str]:
@@ -70,9 +91,14 @@ def _onnx():
     return onnx
 
 
-def load_onnx(path: str | os.PathLike, sizes: dict[str, Any] | None = None) -> OnnxModel:
+def load_onnx(
+    path: str | os.PathLike, sizes: dict[str, Any] | None = None, *, probe: bool = True
+) -> OnnxModel:
     """The model at `path`, checked, with external data and inferred shapes; `sizes` names
-    the example size of symbolic dims (`{"batch": 1, "sequence": 128}`)."""
+    the example size of symbolic dims (`{"batch": 1, "sequence": 128}`); the others are
+    chosen. Sizes that would not fit in memory are refused before anything is allocated;
+    with `probe`, the model is run once at the sizes, and where it does not run there,
+    sizes it runs at are picked for the dims not given (and `notes` says which)."""
     onnx = _onnx()
     p = Path(os.path.expanduser(os.fspath(path)))
     if not p.is_file():
@@ -97,17 +123,42 @@ def load_onnx(path: str | os.PathLike, sizes: dict[str, Any] | None = None) -> O
     if not proto.graph.node:
         raise SpecError(f"{p} holds no graph nodes; it is not an ONNX model opswap can optimize.")
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    given, was = None, opset
     if not OPSETS[0] <= opset <= OPSETS[1]:
-        raise SpecError(
-            f"{p} uses ONNX opset {opset}; opswap's ONNX rules take opsets {OPSETS[0]} to "
-            f"{OPSETS[1]}: convert it with onnx.version_converter.convert_version(model, 17)."
-        )
+        given, opset = proto, OPSETS[0] if opset < OPSETS[0] else OPSETS[1]
+        proto = _convert(onnx, proto, p, was, opset)
     inferred = not proto.graph.value_info  # the file carried no shapes of its own
     proto = _infer(onnx, proto, p)  # and where it carried some, the gaps are filled
     inputs = _inputs(onnx, proto)
-    model = OnnxModel(proto, p, opset, inputs, inferred=inferred)
+    model = OnnxModel(proto, p, opset, inputs, inferred=inferred, given=given)
+    if given is not None:
+        model.notes.append(
+            f"{p.name} uses ONNX opset {was}; opswap's ONNX rules take {OPSETS[0]} to "
+            f"{OPSETS[1]}, so it was converted to opset {opset} with "
+            "onnx.version_converter, and verified against the file as given."
+        )
     model.sizes = example_sizes(model, sizes or {})
+    fit(model, model.sizes)  # before anything is allocated
+    if probe:
+        model.sizes = runnable(model, sizes or {})
     return model
+
+
+def _convert(onnx, proto, p: Path, opset: int, target: int):
+    """`proto` at opset `target`, by onnx's version converter; refused in one sentence when
+    it cannot convert."""
+    from onnx import version_converter
+
+    try:
+        out = version_converter.convert_version(proto, target)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise SpecError(
+            f"{p} uses ONNX opset {opset}, and onnx's version converter cannot bring it to "
+            f"opset {target} ({first}); opswap's ONNX rules take opsets {OPSETS[0]} to "
+            f"{OPSETS[1]}: export it again at one of those."
+        ) from None
+    return out
 
 
 def _infer(onnx, proto, p: Path):
@@ -168,36 +219,4 @@ def _inputs(onnx, proto) -> list[InputSpec]:
     return out
 
 
-def example_sizes(model: OnnxModel, given: dict[str, Any]) -> dict[str, int]:
-    """A size for every symbolic dim: the one given, else 2 for a leading (batch) dim and 16
-    for the others; an unknown name given is refused."""
-    symbols = model.symbols
-    unknown = [k for k in given if k not in symbols]
-    if unknown:
-        raise SpecError(
-            f"{model.path.name} has no symbolic dim {unknown[0]!r}; its symbolic dims are "
-            f"{', '.join(symbols) or 'none'}."
-        )
-    leading = {i.dims[0] for i in model.inputs if i.dims and isinstance(i.dims[0], str)}
-    out = {}
-    for s in symbols:
-        v = given.get(s, 2 if s in leading else 16)
-        try:
-            out[s] = int(v)
-        except (TypeError, ValueError):
-            raise SpecError(f"the size of {s} must be a whole number; got {v!r}.") from None
-        if out[s] < 1:
-            raise SpecError(f"the size of {s} must be at least 1; got {out[s]}.")
-    return out
-
-
-def other_sizes(model: OnnxModel) -> list[dict[str, int]]:
-    """Sizes besides the example's to verify at: batch 1 and a larger batch with another
-    length of every other symbolic dim. Empty when every dim is fixed."""
-    if not model.symbols:
-        return []
-    leading = {i.dims[0] for i in model.inputs if i.dims and isinstance(i.dims[0], str)}
-    ex = model.sizes
-    one = {s: (1 if s in leading else ex[s]) for s in ex}
-    more = {s: (ex[s] + 1 if s in leading else max(1, ex[s] - 3)) for s in ex}
-    return [d for d in (one, more) if d != ex]
+__all__ = ["InputSpec", "OnnxModel", "example_sizes", "load_onnx", "other_sizes"]

@@ -1,11 +1,13 @@
 """`opswap optimize model.onnx --out DIR`: plan and apply the ONNX rules, verify the result
 in ONNX Runtime against the original file at the example sizes and at others where the
 inputs have symbolic dims, race it against the original and against ORT's own transformer
-optimizer in one interleaved loop, and save DIR/model.onnx (the file that was timed),
-DIR/plan.json, DIR/result.json and DIR/report.md.
+optimizer in one interleaved loop (where the model has the blocks that optimizer is
+written for), and save DIR/model.onnx (the file that was timed), DIR/plan.json,
+DIR/result.json, DIR/report.md and DIR/report.html.
 
-The saved model is opswap's when it passed verification and is not slower than the
-input, else the input as it was, and result.json says which (`best`).
+The saved model is opswap's when it passed verification and beat the input beyond the
+run's noise, as in the PyTorch race (bench.variants.best), else the input as it was, and
+result.json says which (`best`). Whatever fails in the peer is a note in the report.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opswap.errors import VerificationError
-from opswap.onnx.load import other_sizes
-from opswap.onnx.peer import op_counts, ort_optimize
+from opswap.bench.stats import narrow
+from opswap.bench.variants import VariantTiming, best
+from opswap.onnx.peer import applies, op_counts, ort_optimize
 from opswap.onnx.plan import OnnxPlan, plan_onnx
 from opswap.onnx.runtime import Check, time_models, verify
+from opswap.onnx.sizes import other_sizes
 
 if TYPE_CHECKING:
     import onnx
@@ -68,34 +71,21 @@ def optimize_onnx(
     *,
     samples: int = 2,
     bench: bool = True,
-    model_type: str = "bert",
+    model_type: str | None = None,
     min_time_s: float = 1.0,
 ) -> OnnxResult:
+    """Plan, verify and race `loaded`. ORT's transformer optimizer is raced with
+    `model_type` ("bert" when None) where the model has the blocks it fuses, or always when
+    `model_type` is given; whatever fails in the peer is a note, never the run's end."""
     plan, candidate = plan_onnx(loaded, rules, exactness)
     sizes = [loaded.sizes, *other_sizes(loaded)]
     check = verify(loaded, candidate, sizes, exactness, samples)
-    result = OnnxResult(plan, candidate, check, sizes=dict(loaded.sizes))
-    peer_model = None
-    try:
-        peer_model, stats = ort_optimize(loaded.proto, model_type)
-        result.peer = {"name": "ort-optimizer", "model_type": model_type, "fused": stats}
-    except Exception as e:  # the peer failing is a finding, not opswap's error
-        result.notes.append(
-            f"ONNX Runtime's transformer optimizer (model_type={model_type}) failed on this "
-            f"model: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        )
-    peer_check = None
-    if peer_model is not None:
-        try:
-            peer_check = verify(loaded, peer_model, sizes, "exact", 1)
-            result.peer["verification"] = peer_check.to_json()
-        except VerificationError as e:
-            result.notes.append(f"the output of ORT's transformer optimizer does not run: {e}")
-            peer_model = None
+    result = OnnxResult(plan, candidate, check, sizes=dict(loaded.sizes), notes=list(loaded.notes))
+    peer_model, peer_check = _peer(loaded, sizes, model_type, result)
     if not bench:
-        result.best = "opswap" if check.passed else "input"
+        _choose(result, loaded, faster=check.passed and bool(plan.sites))
         return result
-    models = {"input": loaded.proto, "opswap": candidate}
+    models = {"input": loaded.as_given, "opswap": candidate}
     if peer_model is not None:
         models["ort-optimizer"] = peer_model
     res = time_models(models, loaded, loaded.sizes, min_time_s=min_time_s)
@@ -104,96 +94,108 @@ def optimize_onnx(
         "opswap": check.passed,
         "ort-optimizer": bool(peer_check and peer_check.passed),
     }
+    timings = []
     for name in models:
         r = res.ratio("input", name)
-        result.variants.append(
-            {
-                "name": name,
-                "ms": res[name].median_ms,
-                "iqr_ms": res[name].iqr * 1e3,
-                "speedup_vs_input": r.of_medians,
-                "speedup_ci": [r.ci_low, r.ci_high],
-                "verified": verified[name],
-            }
+        timing = VariantTiming(
+            name,
+            res[name].median_ms,
+            res[name].iqr * 1e3,
+            r.of_medians,
+            r.q1,
+            r.q3,
+            verified[name],
+            ci_low=r.ci_low,
+            ci_high=r.ci_high,
+            settled=True if name == "input" else narrow(r.ci_low, r.ci_high, r.of_medians, 0.1),
         )
+        timings.append(timing)
+        result.variants.append(timing.to_json())
     sp = res.ratio("input", "opswap")
     result.benchmark = {
         "ref_ms": res["input"].median_ms,
         "opt_ms": res["opswap"].median_ms,
         "speedup": sp.of_medians,
         "speedup_ci": [sp.ci_low, sp.ci_high],
+        "within_noise": sp.within_noise,
         "device": res.device,
         "rounds": len(res.rounds),
     }
     if "ort-optimizer" in models:
         result.benchmark["vs_ort_optimizer"] = res.ratio("ort-optimizer", "opswap").of_medians
-    if not check.passed or sp.ci_high < 1.0:
-        result.best = "input"
-        result.model = loaded.proto
-        result.notes.append(
-            "opswap's model failed verification; the input is saved as it was"
-            if not check.passed
-            else "opswap's model was slower than the input here; the input is saved as it was"
-        )
+    # the PyTorch race's rule: opswap's file is saved only when it beat the input beyond
+    # the run's noise (the lower end of its interval above 1), else the input is
+    ours = [t for t in timings if t.name in ("input", "opswap")]
+    _choose(result, loaded, faster=bool(plan.sites) and best(ours).name == "opswap")
     return result
+
+
+def _peer(loaded: OnnxModel, sizes, model_type: str | None, result: OnnxResult):
+    """ORT's transformer optimizer on the file as given, and its verification: (model,
+    check), or (None, None) with a note saying why it is not raced."""
+    proto = loaded.as_given
+    if model_type is None:
+        why = applies(proto)
+        if why is not None:
+            result.notes.append(f"ONNX Runtime's transformer optimizer was not raced: {why}.")
+            return None, None
+    kind = model_type or "bert"
+    peer = f"ONNX Runtime's transformer optimizer (model_type={kind})"
+    try:
+        peer_model, stats = ort_optimize(proto, kind)
+    except Exception as e:  # the peer failing is a finding, not opswap's error
+        result.notes.append(f"{peer} failed on this model, so it was not raced: {_why(e)}")
+        return None, None
+    result.peer = {"name": "ort-optimizer", "model_type": kind, "fused": stats}
+    try:
+        peer_check = verify(loaded, peer_model, sizes, "exact", 1)
+    except Exception as e:
+        result.notes.append(f"{peer} made a model that could not be checked: {_why(e)}")
+        return None, None
+    result.peer["verification"] = peer_check.to_json()
+    if not peer_check.passed:
+        reasons = "; ".join(peer_check.reasons)[:300]
+        result.notes.append(f"{peer} made a model that failed verification ({reasons}).")
+        if not peer_check.ran:  # nothing to time
+            return None, peer_check
+    return peer_model, peer_check
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+def _choose(result: OnnxResult, loaded: OnnxModel, *, faster: bool) -> None:
+    """Save opswap's model when `faster` (verified and ahead of the input beyond noise),
+    else the file as given, with a note saying why."""
+    if faster and result.verification.passed:
+        result.best = "opswap"
+        return
+    result.best = "input"
+    result.model = loaded.as_given
+    if not result.verification.passed:
+        why = "opswap's model failed verification"
+    elif not result.plan.sites:
+        why = "no rule applied"
+    else:
+        why = "opswap's model was not faster than the input beyond the run's noise"
+    result.notes.append(f"{why}; the input is saved as it was")
 
 
 def save(result: OnnxResult, out: str | Path) -> dict[str, Path]:
     import onnx
 
+    from opswap.onnx.report import write_reports
+
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "model": d / "model.onnx",
-        "plan": d / "plan.json",
-        "result": d / "result.json",
-        "report_md": d / "report.md",
-    }
+    paths = {"model": d / "model.onnx", "plan": d / "plan.json", "result": d / "result.json"}
     big = result.model.ByteSize() > _EXTERNAL_BYTES
     onnx.save(
         result.model, str(paths["model"]), save_as_external_data=big, location="model.onnx.data"
     )
     result.plan.save(paths["plan"])
     paths["result"].write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    paths["report_md"].write_text(report(result))
+    paths.update(write_reports(result.to_json(), d))
     return paths
-
-
-def report(result: OnnxResult) -> str:
-    data = result.to_json()
-    v = data["verification"]
-    lines = [
-        f"# opswap on {data['model']} (ONNX)",
-        "",
-        f"Sizes: {data['sizes'] or 'all fixed'}; verified at {len(v['shapes'])} size set(s): "
-        f"{'PASSED' if v['passed'] else 'FAILED'} (cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}).",
-        "",
-        "## Rewrites",
-        "",
-        "| rule | sites |",
-        "|---|---|",
-        *[f"| {k} | {n} |" for k, n in data["counts"].items()],
-        "",
-        "## Near misses",
-        "",
-        *([f"- {m['rule']} at `{m['where']}`: {m['reason']}" for m in data["misses"]] or ["none"]),
-        "",
-    ]
-    if data["variants"]:
-        lines += [
-            "## Variants (ONNX Runtime, CPU, one interleaved loop)",
-            "",
-            "| variant | ms | IQR ms | vs input | verified |",
-            "|---|---|---|---|---|",
-        ]
-        for x in data["variants"]:
-            name = x["name"] + (" (saved)" if x["name"] == data["best"] else "")
-            lines.append(
-                f"| {name} | {x['ms']:.3f} | {x['iqr_ms']:.3f} | {x['speedup_vs_input']:.2f}x | {'yes' if x['verified'] else 'no'} |"
-            )
-        lines.append("")
-    if data["peer"].get("fused"):
-        fused = ", ".join(f"{k} {n}" for k, n in data["peer"]["fused"].items() if n)
-        lines += [f"ORT's transformer optimizer fused: {fused or 'nothing'}.", ""]
-    lines += [f"Note: {n}" for n in data["notes"]]
-    return "\n".join(lines) + "\n"

@@ -76,14 +76,56 @@ def bias_of(value: ir.Value) -> tuple[ir.Value, ir.Value] | None:
     return None
 
 
-def attr_int(node: ir.Node, name: str, default: int) -> int:
-    a = node.attributes.get(name)
-    return default if a is None else int(a.as_int())
+def spec_default(node: ir.Node, name: str) -> Any:
+    """The default the ONNX spec gives attribute `name` of `node`'s op at the opset the
+    model imports for its domain (bytes decoded to str); None where the spec gives none
+    or does not know the op (com.microsoft's)."""
+    import onnx
+
+    domain = node.domain or ""
+    version = node.version
+    if version is None and node.graph is not None:
+        version = node.graph.opset_imports.get(domain)
+    try:
+        if version is None:
+            schema = onnx.defs.get_schema(node.op_type, domain)
+        else:
+            schema = onnx.defs.get_schema(node.op_type, version, domain)
+    except onnx.defs.SchemaError:
+        return None
+    a = schema.attributes.get(name)
+    if a is None or a.default_value.type == onnx.AttributeProto.UNDEFINED:
+        return None
+    value = onnx.helper.get_attribute_value(a.default_value)
+    return value.decode() if isinstance(value, bytes) else value
 
 
-def attr_float(node: ir.Node, name: str, default: float) -> float:
+def _attr(node: ir.Node, name: str, default: Any) -> Any:
+    """The attribute as set on the node, else the spec's default, else `default` (for ops
+    the spec does not define)."""
     a = node.attributes.get(name)
-    return default if a is None else float(a.as_float())
+    if a is not None:
+        return a.value
+    found = spec_default(node, name)
+    if found is None and default is None:
+        raise ValueError(f"{node.op_type} has no attribute {name} and the spec no default")
+    return default if found is None else found
+
+
+def attr_int(node: ir.Node, name: str, default: int | None = None) -> int:
+    """An int attribute, defaulting as the ONNX spec says for the node's opset."""
+    return int(_attr(node, name, default))
+
+
+def attr_float(node: ir.Node, name: str, default: float | None = None) -> float:
+    """A float attribute, defaulting as the ONNX spec says for the node's opset (a
+    LayerNormalization without epsilon has 1e-5)."""
+    return float(_attr(node, name, default))
+
+
+def attr_str(node: ir.Node, name: str, default: str | None = None) -> str:
+    value = _attr(node, name, default)
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def last_dim(value: ir.Value) -> int | None:
@@ -95,7 +137,7 @@ def last_dim(value: ir.Value) -> int | None:
     if node is not None and node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1:
         w = const(node.inputs[1])
         if w is not None and w.ndim == 2:
-            trans = node.op_type == "Gemm" and attr_int(node, "transB", 0)
+            trans = node.op_type == "Gemm" and attr_int(node, "transB")
             return int(w.shape[0] if trans else w.shape[1])
     if node is not None and node.op_type == "Add":
         dims = [last_dim(v) for v in node.inputs if v is not None]

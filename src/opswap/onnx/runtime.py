@@ -86,6 +86,7 @@ class Check:
     metrics: dict[str, Any]
     shapes: list[dict[str, int]]
     reasons: list[str] = field(default_factory=list)
+    ran: bool = True  # False: the candidate did not load or run (reasons say why)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,16 +104,21 @@ def verify(
     exactness: str = "exact",
     samples: int = 2,
 ) -> Check:
-    """Run the original (ORT optimizations off) and `candidate` on the same fresh inputs
-    at each of `sizes`, `samples` draws each; compare every output with verify.metrics."""
+    """Run the file as given (ORT optimizations off) and `candidate` on the same fresh
+    inputs at each of `sizes`, `samples` draws each; compare every output with
+    verify.metrics. A candidate ORT cannot load or run fails, with the reason; the
+    original failing to run is refused (VerificationError)."""
     import torch
 
     from opswap.verify.metrics import combine, compare
     from opswap.verify.tolerance import Tolerance
 
-    ref = session(loaded.proto, optimize=False)
-    cand = session(candidate)
+    ref = loaded.reference()
     names = [o.name for o in ref.get_outputs()]
+    try:
+        cand = session(candidate)
+    except VerificationError as e:
+        return _failed(sizes, f"the model does not load in ONNX Runtime: {e}")
     got = []
     for k, sz in enumerate(sizes):
         for j in range(samples):
@@ -124,7 +130,11 @@ def verify(
                     f"the original model does not run at sizes {sz} ({str(e).splitlines()[0][:200]}); "
                     "give sizes it accepts with --set NAME=SIZE."
                 ) from None
-            c = cand.run(names, feeds)
+            try:
+                c = cand.run(names, feeds)
+            except Exception as e:
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                return _failed(sizes, f"the model does not run at sizes {sz}: {first}")
             got += [
                 compare(torch.from_numpy(np.asarray(a)), torch.from_numpy(np.asarray(b)))
                 for a, b in zip(r, c, strict=True)
@@ -132,6 +142,12 @@ def verify(
     m = combine(got)
     passed, reasons = Tolerance.for_exactness(exactness).check(m)
     return Check(passed, m.to_json(), sizes, reasons)
+
+
+def _failed(sizes: list[dict[str, int]], reason: str) -> Check:
+    nan = float("nan")
+    metrics = {"max_abs": nan, "max_rel": nan, "cosine": nan, "sqnr_db": nan, "rel_l2": nan}
+    return Check(False, metrics, sizes, [reason], ran=False)
 
 
 def time_models(

@@ -103,7 +103,7 @@ class Attention(OnnxRule):
         for t, what in ((q3, "query"), (k3, "key"), (v3, "value")):
             if rank(t) != 3:
                 return refuse(f"the {what} projection has rank {rank(t)}, not [batch, seq, hidden]")
-        axis = attr_int(probs.producer(), "axis", -1)
+        axis = attr_int(probs.producer(), "axis")
         if axis not in (-1, 3):
             return refuse(f"the Softmax is over axis {axis}, not the keys")
         if scalar(c) is None or scalar(c) == 0:

@@ -3,7 +3,7 @@ Gelu) into com.microsoft BiasGelu: the add and the GELU in one pass over the ten
 
 from __future__ import annotations
 
-from opswap.onnx.rule import MS_DOMAIN, OnnxRule, const, last_dim, ok, refuse
+from opswap.onnx.rule import MS_DOMAIN, OnnxRule, attr_str, const, last_dim, ok, refuse
 
 
 class BiasGelu(OnnxRule):
@@ -23,10 +23,10 @@ class BiasGelu(OnnxRule):
 
     def check(self, context, x, b, g=None, **_):
         if g is not None:
-            a = g.producer().attributes.get("approximate")
-            if a is not None and a.as_string() != "none":
+            how = attr_str(g.producer(), "approximate")
+            if how != "none":
                 return refuse(
-                    f"the Gelu is the {a.as_string()} approximation, which BiasGelu does not compute"
+                    f"the Gelu is the {how} approximation, which BiasGelu does not compute"
                 )
         bias = const(b)
         if bias is None:

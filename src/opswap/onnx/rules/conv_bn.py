@@ -40,7 +40,7 @@ class ConvBn(OnnxRule):
 
     def rewrite(self, op, x, w, scale, shift, mean, var, conv, bn, **_):
         cnode = conv.producer()
-        eps = attr_float(bn.producer(), "epsilon", 1e-5)
+        eps = attr_float(bn.producer(), "epsilon")
         weight = const(w)
         assert weight is not None
         s = const(scale) / np.sqrt(const(var) + eps)  # type: ignore[operator]

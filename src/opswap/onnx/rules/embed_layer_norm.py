@@ -60,14 +60,14 @@ class EmbedLayerNorm(OnnxRule):
         if why:
             return refuse(why)
         node = ln.producer()
-        if attr_int(node, "axis", -1) not in (-1, 2):
+        if attr_int(node, "axis") not in (-1, 2):
             return refuse("the LayerNormalization is not over the hidden axis")
         if len([o for o in node.outputs if o.uses()]) > 1:
             return refuse("the LayerNormalization's mean or inverse deviation is read too")
         return ok()
 
     def rewrite(self, op, ids, types, word, seg, pos, gamma, beta, ln, **_):
-        eps = attr_float(ln.producer(), "epsilon", 1e-12)
+        eps = attr_float(ln.producer(), "epsilon")
         i32 = ir.DataType.INT32
         out = op.EmbedLayerNormalization(
             op.Cast(ids, to=i32),

@@ -37,7 +37,7 @@ class SkipLayerNorm(OnnxRule):
         if len([o for o in node.outputs if o.uses()]) > 1:
             return refuse("the LayerNormalization's mean or inverse deviation is read too")
         r = rank(summed)
-        axis = attr_int(node, "axis", -1)
+        axis = attr_int(node, "axis")
         if r not in (2, 3):
             return refuse(f"the input has rank {r}; SkipLayerNormalization takes 2-D or 3-D input")
         if axis not in (-1, r - 1):
@@ -54,7 +54,7 @@ class SkipLayerNorm(OnnxRule):
         return ok()
 
     def rewrite(self, op, a, b, gamma, beta, summed, ln, **_):
-        eps = attr_float(ln.producer(), "epsilon", 1e-5)
+        eps = attr_float(ln.producer(), "epsilon")
         readers = [u for u in summed.uses() if u.node is not ln.producer()]
         inputs = [a, b, gamma, beta]
         for i, v in ((0, a), (1, b)):  # the dense layer's bias, added inside the norm
