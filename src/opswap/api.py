@@ -264,7 +264,8 @@ def verify_plan(
     `backend` "ort", "openvino" or "executorch" verifies the plan's result exported and
     run in that runtime on the CPU; with `layers` (and whenever verification fails), a
     runtime that exposes its intermediate values is also compared with PyTorch layer by
-    layer (PlanCheck.runtime_layers)."""
+    layer (PlanCheck.runtime_layers); with `layers` and no backend, the plan's graph is
+    compared with the capture layer by layer in PyTorch, in the same place."""
     from opswap.verify.layers import compare_layers
     from opswap.verify.outputs import verify as _verify
 
@@ -291,6 +292,10 @@ def verify_plan(
             tol
         )
     check = PlanCheck(done, v, tol, first)
+    if backend == "pytorch" and layers:
+        # in PyTorch: each value of the plan's graph against the same one of the capture
+        report = compare_layers(captured, done.applied, captured.example_inputs)
+        check.runtime_layers, check.runtime_divergence = report, report.first_divergence(tol)
     if program is not None and (layers or not v.passed):
         check.runtime_layers, check.runtime_divergence = _runtime_layers(
             program, backend, captured, tol

@@ -9,3 +9,18 @@ def test_an_axis_is_named_by_its_inputs_and_dims():
     image = {"name": "dim0_2", "inputs": ["input 0 dim 2", "input 0 dim 3"]}
     assert _where(image, ["x"]) == "dim 2 of x; dim 3 of x"
     assert _where({"inputs": ["input 3 dim 0"]}, ["x"]) == "dim 0 of input 3"
+
+
+def test_sites_skipped_for_one_reason_are_one_line_counted():
+    from opswap.cli.render import skipped_lines
+    from opswap.rules.base import Skipped
+
+    why = "predicted slower on cpu: the Triton kernel runs on CUDA"
+    lines = skipped_lines(
+        [Skipped("norm.layer_norm_triton", f"layer_norm_{i}", why) for i in range(5)]
+        + [Skipped("softmax.softmax_triton", "log_softmax", why)]
+    )
+    assert lines == [
+        f"norm.layer_norm_triton at 5 sites (layer_norm_0, ...): {why}",
+        f"softmax.softmax_triton at log_softmax: {why}",
+    ]

@@ -223,9 +223,10 @@ def verify(
         bool,
         typer.Option(
             "--layers",
-            help="With --backend ort or openvino: also compare every value the runtime "
-            "computes with PyTorch running the same exported graph, layer by layer (done "
-            "on its own when verification fails).",
+            help="Also compare the result layer by layer: with --backend ort or openvino, "
+            "every value the runtime computes with PyTorch running the same exported graph "
+            "(done on its own when verification fails); in PyTorch, every value of the "
+            "plan's graph with the same node of the model's capture.",
         ),
     ] = False,
     json_path: JsonOpt = None,

@@ -143,8 +143,21 @@ def plan(p) -> None:
         consoles.console.print(mt)
     for f in p.failed:
         note(f"{f.rule} at {f.where}: {f.reason}", "failed", "red")
-    for s in p.skipped:
-        note(f"{s.rule} at {s.where}: {s.reason}", "skipped")
+    for line in skipped_lines(p.skipped):
+        note(line, "skipped")
+
+
+def skipped_lines(skipped) -> list[str]:
+    """One line per rule and reason: sites skipped for the same reason are counted, not
+    listed (a Triton rule skipped on a CPU at every LayerNorm: one line)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for s in skipped:
+        groups.setdefault((s.rule, s.reason), []).append(s.where)
+    out = []
+    for (rule, reason), where in groups.items():
+        at = where[0] if len(where) == 1 else f"{len(where)} sites ({where[0]}, ...)"
+        out.append(f"{rule} at {at}: {reason}")
+    return out
 
 
 def not_applied(applied) -> None:
@@ -216,10 +229,17 @@ def runtime_layers(check, backend: str) -> None:
 
     compared = sum(r.metrics is not None for r in report.rows)
     first = check.runtime_divergence
-    line(
-        f"{backend} layer by layer: {n(compared, 'value')} compared ({NOTE}); "
-        f"{n(len(report.only_in_reference), 'node')} of the graph not in the file"
-    )
+    if backend == "pytorch":
+        line(
+            f"layer by layer in PyTorch: {n(compared, 'value')} of the plan's graph compared "
+            "with the same node of your model's capture; "
+            f"{n(len(report.only_in_reference), 'node')} of the capture rewritten away"
+        )
+    else:
+        line(
+            f"{backend} layer by layer: {n(compared, 'value')} compared ({NOTE}); "
+            f"{n(len(report.only_in_reference), 'node')} of the graph not in the file"
+        )
     shown = [i for i, r in enumerate(report.rows) if r.metrics is not None]
     upto = _LAYER_ROWS if first is None else shown.index(first.index) + 4
     # the nodes not in the file are counted above, not listed (hundreds in a large model)
