@@ -77,7 +77,9 @@ def test_export_to_openvino_writes_the_plans_ir(tmp_path, capsys):
     code = run("export", "zoo:resnet", *SMALL, str(plan), "--to", "openvino", "--out", str(out),
                "--samples", "1", "--json", str(j))  # fmt: skip
     assert code == 0, capsys.readouterr().err
-    assert f"wrote {out / 'model.xml'}" in capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"wrote {out / 'model.xml'}" in printed
+    assert '{"INFERENCE_PRECISION_HINT": "f32"}' in printed  # how to load it as verified
     data = json.loads(j.read_text())
     assert data["model"].endswith("model.xml") and data["verification"]["passed"]
     assert "batch 1" in data["verification"]["shapes"]

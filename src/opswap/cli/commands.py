@@ -343,6 +343,13 @@ def export_cmd(
     if done.note:
         render.note(done.note, "shapes")
     render.line(f"wrote {done.path}")
+    if done.path.suffix == ".xml":  # verified in float32: a bf16-capable CPU runs bf16 unless told
+        render.line(
+            f'load it as verified: openvino.Core().compile_model("{done.path}", "CPU", '
+            '{"INFERENCE_PRECISION_HINT": "f32"}), or opswap.load_optimized('
+            f'"{done.path.parent}"); without the hint a CPU with bf16 runs it in bf16 and '
+            "its numbers change"
+        )
     render.partial(p, done.replay.applied, "exported the model with the {n} that did")
     render.write_json(
         json_path, {"model": str(done.path), "verification": done.verification.to_json()}
