@@ -24,3 +24,11 @@ def test_sites_skipped_for_one_reason_are_one_line_counted():
         f"norm.layer_norm_triton at 5 sites (layer_norm_0, ...): {why}",
         f"softmax.softmax_triton at log_softmax: {why}",
     ]
+
+
+def test_a_decoder_run_says_where_generation_goes():
+    from opswap.cli.run import generation_note
+
+    assert "StaticDecoder" in generation_note("hf:llama")
+    assert "no KV cache" in generation_note("hf:gpt2")
+    assert generation_note("hf:bert") is None and generation_note("zoo:resnet") is None

@@ -147,6 +147,8 @@ def optimize(
         if k in paths:
             render.line(f"  {k:<11} {paths[k]}")
     render.inputs(loaded.module)
+    if generation_note(spec):
+        render.note(generation_note(spec), "generation")
     render.write_json(json_path, data)
     if not data["verification"]["passed"]:
         render.note(
@@ -156,6 +158,26 @@ def optimize(
             "red",
         )
         raise typer.Exit(1)
+
+
+def generation_note(spec: str) -> str | None:
+    """For a decoder spec (hf:llama, hf:gpt2, ...): what this run optimized is one forward
+    over the whole sequence with no KV cache, which is not what generate() runs token by
+    token; where generation goes instead."""
+    from opswap.models.hf import hf_kinds
+
+    if not spec.startswith("hf:"):
+        return None
+    kind = hf_kinds().get(spec[3:].split("?")[0].split(":")[0])
+    if kind != "decoder":
+        return None
+    return (
+        "this run optimized one forward over the whole sequence (a prefill) with no KV "
+        "cache; generate() runs the model token by token with a cache, which this does not "
+        "speed up: for generation use opswap.llm.StaticDecoder (a static KV cache, "
+        "split-K decode attention, CUDA graphs; chapter 29, "
+        "examples/ch29_static_cache.py)"
+    )
 
 
 def _where(axis: dict, names: list[str]) -> str:
