@@ -32,7 +32,8 @@ def strides(shape: Sequence[Any], fmt: torch.memory_format) -> list[Any]:
     step: Any = 1
     for d in _ORDERS[fmt][len(shape)] if shape else ():
         out[d] = step
-        step = step * torch.sym_max(shape[d], 1)
+        size = shape[d]  # sym_max costs 3 us a call, a plain max 0.1: ints take max
+        step = step * (max(size, 1) if isinstance(size, int) else torch.sym_max(size, 1))
     return out
 
 
@@ -56,7 +57,11 @@ def channels_last_of(t: torch.Tensor) -> torch.memory_format | None:
     longer than 1 and not also as NCHW; None otherwise, a tensor that reads both ways
     included."""
     fmt = _CHANNELS_LAST.get(t.dim())
-    if fmt is None or not _laid_out(t, fmt) or _laid_out(t, torch.contiguous_format):
+    if fmt is None or t.is_contiguous():  # is_contiguous: laid out as NCHW, the common case
+        return None
+    if t.is_contiguous(memory_format=fmt):  # dense: then not NCHW too, as it is not contiguous
+        return fmt
+    if not _laid_out(t, fmt) or _laid_out(t, torch.contiguous_format):
         return None
     return fmt
 
@@ -64,8 +69,12 @@ def channels_last_of(t: torch.Tensor) -> torch.memory_format | None:
 def in_format(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
     """t with the strides of its size-1 dims restated as fmt's when its other dims are laid
     out so (a view, no copy), so that an ATen kernel handed t reads it as fmt."""
-    if t.dim() not in _ORDERS[fmt] or not t.is_contiguous(memory_format=fmt):
-        return t
+    if (
+        t.dim() not in _ORDERS[fmt]
+        or not _has_size_one(t)
+        or not t.is_contiguous(memory_format=fmt)
+    ):
+        return t  # without a size-1 (or empty) dim, fmt's strides are the only ones it can have
     want = strides(t.shape, fmt)
     return t if list(t.stride()) == want else t.as_strided(t.shape, want)
 
@@ -75,8 +84,14 @@ def as_promised(y: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
     fake kernel gives), copying only when y's dims longer than 1 are laid out otherwise."""
     if not y.is_contiguous(memory_format=fmt):
         y = y.contiguous(memory_format=fmt)
+    if not _has_size_one(y):
+        return y
     want = strides(y.shape, fmt)
     return y if list(y.stride()) == want else y.as_strided(y.shape, want)
+
+
+def _has_size_one(t: torch.Tensor) -> bool:
+    return any(s <= 1 for s in t.shape)
 
 
 def empty_as_promised(y: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
