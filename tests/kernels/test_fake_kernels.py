@@ -303,11 +303,10 @@ def _int8_samples() -> dict[str, list[Sample]]:
     from opswap.kernels.int8_linear import quantize_weight as q_dyn
     from opswap.kernels.int8_static import quantize_weight as q_static
 
-    wq, ws = q_dyn(torch.randn(6, 16))  # [K, N]
-    wq, ws = wq.to(DEVICE), ws.to(DEVICE)
-    sq, ss = q_static(torch.randn(6, 16))  # [N, K]
-    cq, cs = q_static(torch.randn(5, 3, 3, 3))
-    cq1, cs1 = q_static(torch.randn(5, 1, 3, 3))
+    wq, ws = (t.to(DEVICE) for t in q_dyn(torch.randn(6, 16)))  # [K, N]
+    sq, ss = (t.to(DEVICE) for t in q_static(torch.randn(6, 16)))  # [N, K]
+    cq, cs = (t.to(DEVICE) for t in q_static(torch.randn(5, 3, 3, 3)))
+    cq1, cs1 = (t.to(DEVICE) for t in q_static(torch.randn(5, 1, 3, 3)))
     shapes = [(3, 5, 16), (1, 1, 16), (2, 3, 1, 16)]
 
     def conv(x):
@@ -324,7 +323,7 @@ def _int8_samples() -> dict[str, list[Sample]]:
             Sample(
                 "uint8 in, uint8 out",
                 (
-                    torch.randint(0, 255, (2, 3, 6, 5), dtype=torch.uint8),
+                    torch.randint(0, 255, (2, 3, 6, 5), dtype=torch.uint8, device=DEVICE),
                     cq,
                     cs,
                     0.05,
