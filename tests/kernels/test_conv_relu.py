@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from opswap.kernels.conv_relu import _PACKED, conv_relu, direct, reference
 from opswap.rules.fusion._fused_conv_relu import FusedConvReLU
@@ -112,3 +113,42 @@ def test_compile_keeps_the_op():
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
     with torch.inference_mode():
         assert _rel(compiled(x), F.relu(F.conv2d(x, m.weight, None, 1, 1))) <= 1e-5
+
+
+def _one_channel_cnn(batch: int, channels_last: bool) -> tuple[nn.Module, torch.Tensor]:
+    """Conv2d(1, 32)-BN-ReLU-Conv2d(32, 8)-BN-ReLU in eval mode: with one input channel,
+    NCHW and channels-last strides of the input (and of the first weight) are the same
+    memory, which the first conv_relu's layout must not depend on."""
+    torch.manual_seed(batch)
+    m = nn.Sequential(
+        nn.Conv2d(1, 32, 3), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+    ).eval()  # fmt: skip
+    for bn in (m[1], m[4]):
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(batch, 1, 9, 7)
+    if channels_last:
+        m = m.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    return m, x
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_opswap_backend_runs_a_one_channel_cnn_as_eager(channels_last):
+    """The issue's crash: Inductor asserted the fake kernel's channels-last strides for the
+    first conv_relu, whose oneDNN kernel wrote NCHW (torch 2.13, batch 4)."""
+    from opswap.backends.dynamo import backend
+
+    torch._dynamo.reset()
+    m, x = _one_channel_cnn(4, channels_last)
+    be = backend()
+    compiled = torch.compile(m, backend=be)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-5)
+        if not channels_last:  # another batch: Dynamo recompiles with the batch symbolic
+            other = torch.randn(2, 1, 9, 7)
+            torch.testing.assert_close(compiled(other), m(other), rtol=1e-5, atol=1e-5)
+    assert all(r.applied.get("fusion.conv_relu") == 2 for r in be.reports), be.summary()
+    assert len(be.reports) == (1 if channels_last else 2)
+    torch._dynamo.reset()

@@ -32,6 +32,7 @@ Nothing is printed: `Backend.reports` holds a `GraphReport` per graph, and the
 from __future__ import annotations
 
 import copy
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ from opswap.backends._dynamo_graph import (
 from opswap.errors import BackendError
 from opswap.rules.base import EXACTNESS_ORDER, Failure, Miss, Skipped
 
-__all__ = ["Backend", "GraphReport", "Options", "backend", "opswap_backend"]
+__all__ = ["Backend", "GraphReport", "Options", "backend", "compile_failure", "opswap_backend"]
 
 #: how often one graph is planned again for changed weights before it stops freezing them
 _MAX_REPLANS = 3
@@ -167,17 +168,62 @@ def _target(options: Options, example_inputs: Sequence[Any]) -> str:
 
 
 def _inductor(gm: fx.GraphModule, inputs: list[Any], config: dict | None) -> Callable:
-    """Inductor's compiled callable for `gm` (compile_fx, the `inductor` backend's own)."""
+    """Inductor's compiled callable for `gm` (compile_fx, the `inductor` backend's own), its
+    cache entries keyed on opswap's kernels too (kernels._cache_key)."""
     from torch._inductor.compile_fx import compile_fx
 
-    compiled = compile_fx(gm, inputs, config_patches=config)
+    from opswap.kernels._cache_key import inductor_options
+
+    compiled = compile_fx(gm, inputs, config_patches=inductor_options(config))
     assert callable(compiled)  # compile_fx returns other things only for AOT-compile modes
     return compiled
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+#: lines of torch's compile errors that say how to debug, not what went wrong
+_ADVICE = (
+    "Set TORCHDYNAMO_VERBOSE",
+    "For even more developer context",
+    "This error most often comes from",
+    "Use torch.library.opcheck",
+    "See https://",
+    "Hint:",
+    "Developer debug context",
+    "For more details about this graph break",
+    "You can suppress this exception",
+    "import torch._dynamo",
+    "torch._dynamo.config.suppress_errors",
+)
+#: a line that names the op (or node) an error is about
+_NAMES_OP = re.compile(r"Error in op:|target:|call_function|torch\.ops\.|\b\w+::\w+")
+
+
+def compile_failure(e: BaseException, limit: int = 300) -> str:
+    """What a torch.compile error says, in one line: `Type: message` of the error torch's
+    wrappers carry (BackendCompilerFailed's, InductorError's), its first line that is not
+    advice, and after it the line naming the op when that is another, e.g. "AssertionError:
+    expected size 32==32, stride 64==1 at dim=1; ... (Error in op: torch.ops.opswap.
+    conv_relu.default)"."""
+    seen = {id(e)}
+    while isinstance(getattr(e, "inner_exception", None), BaseException):
+        e = e.inner_exception  # type: ignore[attr-defined]
+        if id(e) in seen:
+            break
+        seen.add(id(e))
+    lines = []
+    for raw in str(e).splitlines():
+        line = raw.strip()
+        if line.startswith("from user code:"):  # the user's stack follows
+            break
+        if line and not line.startswith(_ADVICE):
+            lines.append(line)
+    if not lines:
+        return type(e).__name__
+    text = lines[0][:limit]
+    if not _NAMES_OP.search(lines[0]):
+        op = next((line for line in lines[1:] if _NAMES_OP.search(line)), None)
+        if op is not None:
+            text += f" ({op[: limit + 100]})"
+    return f"{type(e).__name__}: {text}"
 
 
 def rewrite(
@@ -322,7 +368,7 @@ class Backend:
         try:
             new, frozen = rewrite(gm, example_inputs, weights, opts, report)
         except Exception as e:  # a rule or a planner bug must not take the compile down
-            report.untouched = f"planning it raised {_first_line(e)}"
+            report.untouched = f"planning it raised {compile_failure(e)}"
             new, frozen = None, Frozen()
         if opts.report is not None:
             opts.report(report)

@@ -161,16 +161,10 @@ def _compiled(name: str, module, inputs: tuple, saves: str) -> Variant:
             fn(*fresh(inputs))
         return Variant(name, fn, saves, compiled=True, compile_s=time.perf_counter() - t0)
     except Exception as e:  # a model Dynamo or Inductor cannot take: the race goes on
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        return Variant(
-            name,
-            None,
-            saves,
-            compiled=True,
-            verified=False,
-            reasons=[f"torch.compile failed: {type(e).__name__}: {first}"],
-            note="torch.compile failed",
-        )
+        from opswap.backends.dynamo import compile_failure
+
+        why = f"torch.compile failed: {compile_failure(e)}"  # torch's own words, op included
+        return Variant(name, None, saves, compiled=True, verified=False, reasons=[why], note=why)
 
 
 def _saved_form(artifact, in_memory) -> tuple[Any, str, Any]:

@@ -340,7 +340,7 @@ def bias_act(
     _check_bias(x, bias)
     if _kernel_takes(x) and not compiles_to_reference("bias_act", x):
         return triton_forward(x, bias, activation, negative_slope)
-    return reference(x, bias, activation, negative_slope)
+    return reference(x, bias, activation, negative_slope).contiguous()  # as the kernel's
 
 
 @triton_op("opswap::bias_act_backward", mutates_args=())

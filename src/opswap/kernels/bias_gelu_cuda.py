@@ -119,10 +119,11 @@ def _kernel_takes(x: torch.Tensor, b: torch.Tensor) -> bool:
 @torch.library.custom_op("opswap::bias_gelu_cuda", mutates_args=())
 def bias_gelu_cuda(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """gelu(x + b), erf form, for x [..., N] and b [N]: the CUDA C++ kernel on CUDA
-    tensors of one dtype, the reference otherwise."""
+    tensors of one dtype, the reference otherwise. Contiguous whatever x's layout, as the
+    kernel writes it (and the fake kernel says)."""
     if _kernel_takes(x, b):
         return build().bias_gelu(x, b)
-    return reference(x, b)
+    return reference(x, b).contiguous()
 
 
 @bias_gelu_cuda.register_fake
@@ -157,7 +158,8 @@ def bias_gelu_cuda_backward(
     if _kernel_takes(x, b) and dy.shape == x.shape and dy.dtype == x.dtype and dy.is_cuda:
         dx, part = build().bias_gelu_backward(dy, x, b)
         return dx, part.sum(0)
-    return reference_backward(dy, x, b)
+    dx, db = reference_backward(dy, x, b)
+    return dx.contiguous(), db
 
 
 @bias_gelu_cuda_backward.register_fake

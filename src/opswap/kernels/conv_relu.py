@@ -19,9 +19,12 @@ Kernels, by device:
   tied or won on every float32 one measured, hence float32 only);
 - anything else: the reference, conv followed by an in-place ReLU.
 
-The fake implementation is the reference run on fake tensors, so shapes and
-strides agree with eager. Autograd goes through `aten.convolution_backward` with
-the gradient masked where the output is zero.
+Every kernel returns its output in the memory format `output_format(x, weight)` names,
+with the strides the fake implementation gives (kernels._layout): channels-last where x
+or the weight is laid out so over its dims longer than 1, as ATen picks, contiguous
+otherwise, including where only a size-1 dim's stride would tell (one input channel),
+which ATen reads and the compiler does not keep. Autograd goes through
+`aten.convolution_backward` with the gradient masked where the output is zero.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from opswap.kernels._layout import as_promised, channels_last_of, empty_as_promised, in_format
 from opswap.kernels._versions import version
 
 _MKLDNN = getattr(torch.ops, "mkldnn", None)
@@ -79,32 +83,14 @@ def _onednn_weight(x, weight, stride, padding, dilation, groups) -> torch.Tensor
     return packed
 
 
-def _strides(shape: Sequence[int], channels_last: bool) -> list[int]:
-    order = (
-        [1, *range(len(shape) - 1, 1, -1), 0]
-        if channels_last
-        else list(range(len(shape) - 1, -1, -1))
-    )  # innermost first
-    strides, step = [0] * len(shape), 1
-    for d in order:
-        strides[d] = step
-        step *= max(int(shape[d]), 1)
-    return strides
-
-
-def _like_reference(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The output in the memory format and strides the reference conv gives (what the fake
-    op promises to the compiler), copying only when the layout really differs."""
-    channels_last = (
-        x.dim() == 4
-        and x.is_contiguous(memory_format=torch.channels_last)
-        and not x.is_contiguous()
-    )
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    y = y.contiguous(memory_format=fmt)
-    want = _strides(y.shape, channels_last)
-    # strides of size-1 dims address nothing: restating them is free
-    return y if list(y.stride()) == want else y.as_strided(y.shape, want)
+def output_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
+    """The memory format of the op's output, which every kernel and the fake kernel give:
+    channels-last (3-D too) when x or the weight is laid out so over its dims longer than 1
+    (ATen's convolutions choose so too), contiguous otherwise. A tensor that reads both ways
+    (one input channel, a 1x1 image) settles nothing (kernels._layout says why)."""
+    if x.dim() != weight.dim():
+        return torch.contiguous_format
+    return channels_last_of(x) or channels_last_of(weight) or torch.contiguous_format
 
 
 @torch.library.custom_op("opswap::conv_relu", mutates_args=())
@@ -117,12 +103,22 @@ def conv_relu(
     dilation: Sequence[int],
     groups: int,
 ) -> torch.Tensor:
-    """relu(conv(x, weight, bias, stride, padding, dilation, groups)); zero padding."""
-    return reference(x, weight, bias, stride, padding, dilation, groups)
+    """relu(conv(x, weight, bias, stride, padding, dilation, groups)); zero padding. The
+    output's memory format is `output_format(x, weight)`."""
+    return _other(x, weight, bias, stride, padding, dilation, groups)
+
+
+def _other(x, weight, bias, stride, padding, dilation, groups):
+    """The kernel of a device with no fused one: the reference, laid out as promised."""
+    fmt = output_format(x, weight)
+    y = reference(in_format(x, fmt), weight, bias, stride, padding, dilation, groups)
+    return as_promised(y, fmt)
 
 
 @conv_relu.register_kernel("cpu")
 def _cpu(x, weight, bias, stride, padding, dilation, groups):
+    fmt = output_format(x, weight)
+    x = in_format(x, fmt)
     if (
         x.dim() == weight.dim()
         and x.dtype == torch.float32
@@ -133,12 +129,15 @@ def _cpu(x, weight, bias, stride, padding, dilation, groups):
         y = _MKLDNN_FUSED(
             x, w, bias, list(padding), list(stride), list(dilation), groups, "relu", [], ""
         )
-        return _like_reference(y, x)
-    return reference(x, weight, bias, stride, padding, dilation, groups)
+    else:
+        y = reference(x, weight, bias, stride, padding, dilation, groups)
+    return as_promised(y, fmt)
 
 
 @conv_relu.register_kernel("cuda")
 def _cuda(x, weight, bias, stride, padding, dilation, groups):
+    fmt = output_format(x, weight)
+    x = in_format(x, fmt)
     if (
         _CUDNN_FUSED is not None
         and x.dim() == 4
@@ -147,22 +146,23 @@ def _cuda(x, weight, bias, stride, padding, dilation, groups):
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
     ):
-        return _like_reference(
-            _CUDNN_FUSED(x, weight, bias, list(stride), list(padding), list(dilation), groups), x
-        )
-    return reference(x, weight, bias, stride, padding, dilation, groups)
+        y = _CUDNN_FUSED(x, weight, bias, list(stride), list(padding), list(dilation), groups)
+    else:
+        y = reference(x, weight, bias, stride, padding, dilation, groups)
+    return as_promised(y, fmt)
 
 
 def direct(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
     """The op's kernel for x's device, called without the dispatcher (and without
     autograd): what eager inference runs, saving the op's few microseconds of dispatch."""
-    kernel = _cuda if x.is_cuda else _cpu if x.device.type == "cpu" else reference
+    kernel = _cuda if x.is_cuda else _cpu if x.device.type == "cpu" else _other
     return kernel(x, weight, bias, stride, padding, dilation, groups)
 
 
 @conv_relu.register_fake
 def _fake(x, weight, bias, stride, padding, dilation, groups):
-    return reference(x, weight, bias, stride, padding, dilation, groups)
+    y = reference(x, weight, bias, stride, padding, dilation, groups)  # for its size and dtype
+    return empty_as_promised(y, output_format(x, weight))
 
 
 def _setup_context(ctx, inputs, output):

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
+from opswap.kernels._layout import as_promised, channels_last_of, in_format
 from opswap.kernels._rows import (
     compiles_to_reference,
     jitted,
@@ -412,12 +413,15 @@ def group_norm(
 ) -> torch.Tensor:
     """GroupNorm of x [N, C, *spatial] over num_groups groups of channels (weight and bias
     [C], either optional). On CPU (outside the interpreter), for float64, and where C is
-    not a multiple of num_groups it is `F.group_norm` (which says what is wrong)."""
+    not a multiple of num_groups it is `F.group_norm` (which says what is wrong). The
+    output is channels-last where x is (kernels._layout.channels_last_of), as ATen's, and
+    contiguous otherwise, whichever computes it."""
+    fmt = channels_last_of(x) or torch.contiguous_format
     if _kernel_takes(x, num_groups) and not compiles_to_reference(
         "group_norm", x, lambda s: _group_class(s, num_groups)
     ):
-        return triton_forward(x, num_groups, weight, bias, eps)
-    return F.group_norm(x, num_groups, weight, bias, eps)
+        return as_promised(triton_forward(x, num_groups, weight, bias, eps), fmt)
+    return as_promised(F.group_norm(in_format(x, fmt), num_groups, weight, bias, eps), fmt)
 
 
 @triton_op("opswap::group_norm_backward", mutates_args=())

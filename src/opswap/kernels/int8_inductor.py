@@ -34,6 +34,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from opswap.kernels._cache_key import inductor_options
+
 
 def _ops() -> dict[Any, str]:
     """The ops lowered (their OpOverloads), with the kind of each."""
@@ -192,7 +194,7 @@ class FrozenCompiled(nn.Module):
         super().__init__()
         self.lowered = lowered
         self.sites = sites
-        self._fn = torch.compile(lowered)
+        self._fn = torch.compile(lowered, options=inductor_options())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         import torch._inductor.config as inductor_config
@@ -214,4 +216,5 @@ def compile_module(module: nn.Module) -> nn.Module:
     lowered, sites = lower(module)
     if sites:
         return FrozenCompiled(lowered, sites)
-    return cast(nn.Module, torch.compile(module))  # an OptimizedModule for a module
+    compiled = torch.compile(module, options=inductor_options())
+    return cast(nn.Module, compiled)  # an OptimizedModule for a module

@@ -269,7 +269,8 @@ def row_sumsq_backward(dy: torch.Tensor, x: torch.Tensor, factor: float) -> torc
     """dx = factor * x * dy (dy one value per row): the backward of sumsq and meansq."""
     if _kernel_takes(x) and dy.numel() == x.numel() // max(x.shape[-1], 1):
         return triton_sumsq_backward(dy, x, factor)
-    return (factor * x.float() * dy.reshape(*x.shape[:-1], 1).float()).to(x.dtype)
+    dx = (factor * x.float() * dy.reshape(*x.shape[:-1], 1).float()).to(x.dtype)
+    return dx.contiguous()  # as the kernel writes it
 
 
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -302,7 +302,7 @@ def rms_norm(
     """RMSNorm of x [..., N] over its last dim; see the module docstring for the forms."""
     if _kernel_takes(x) and not compiles_to_reference("rms_norm", x):
         return triton_forward(x, weight, eps, offset, cast_first)[0]
-    return reference(x, weight, eps, offset, cast_first)[0]
+    return reference(x, weight, eps, offset, cast_first)[0].contiguous()  # as the kernel's
 
 
 @triton_op("opswap::rms_norm_backward", mutates_args=())
@@ -339,7 +339,8 @@ def add_rms_norm(
         and not compiles_to_reference("add_rms_norm", x)
     ):
         return triton_forward(x, weight, eps, offset, cast_first, residual)
-    return reference(x, weight, eps, offset, cast_first, residual)
+    y, s = reference(x, weight, eps, offset, cast_first, residual)
+    return y.contiguous(), s.contiguous()  # as the kernel writes them
 
 
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:

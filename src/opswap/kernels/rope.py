@@ -320,7 +320,8 @@ def rope(
         "rope", q, _rope_class
     ):
         return triton_apply(q, k, cos, sin, positions, interleaved)
-    return reference(q, k, cos, sin, positions, interleaved)
+    qo, ko = reference(q, k, cos, sin, positions, interleaved)
+    return qo.contiguous(), ko.contiguous()  # as the kernel writes them
 
 
 @triton_op("opswap::rope_backward", mutates_args=())
@@ -337,7 +338,8 @@ def rope_backward(
     """(dq, dk) of rope: the rotation by -theta of the output gradients."""
     if _kernel_takes(dq, dk, cos, sin, positions) and dq.dtype == q_dtype == k_dtype:
         return triton_apply(dq, dk, cos, sin, positions, interleaved, backward=True)
-    return _torch_backward(dq, dk, cos, sin, positions, interleaved, (q_dtype, k_dtype))
+    gq, gk = _torch_backward(dq, dk, cos, sin, positions, interleaved, (q_dtype, k_dtype))
+    return gq.contiguous(), gk.contiguous()  # as the kernel writes them
 
 
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:

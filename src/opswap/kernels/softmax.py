@@ -394,7 +394,7 @@ def softmax_backward(
     """dx of (log_)softmax(x * scale) from y and dy, in `dtype`."""
     if _kernel_takes(y) and dy.shape == y.shape:
         return triton_backward(dy, y, log, scale, dtype)
-    return _torch_backward(dy, y, log, scale, dtype)
+    return _torch_backward(dy, y, log, scale, dtype).contiguous()  # as the kernel writes it
 
 
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:

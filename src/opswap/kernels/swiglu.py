@@ -288,7 +288,7 @@ def glu(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
     _check_act(activation)
     if _kernel_takes(g, u) and not compiles_to_reference("swiglu", g):
         return triton_forward(g, u, activation)
-    return reference(g, u, activation)
+    return reference(g, u, activation).contiguous()  # as the kernel writes it
 
 
 @triton_op("opswap::glu_backward", mutates_args=())
@@ -297,10 +297,14 @@ def glu_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dg, du) of glu."""
     if _kernel_takes(g, u):
-        dg, du = torch.empty_like(g), torch.empty_like(u)
+        # contiguous: triton_backward writes through [M, H] views of them, which a
+        # transposed or channels-last empty_like(g) would not give (reshape would copy)
+        dg = torch.empty(g.shape, device=g.device, dtype=g.dtype)
+        du = torch.empty(u.shape, device=u.device, dtype=u.dtype)
         triton_backward(dy, g, u, dg, du, activation)
         return dg, du
-    return _torch_backward(dy, g, u, activation)
+    dg, du = _torch_backward(dy, g, u, activation)
+    return dg.contiguous(), du.contiguous()
 
 
 @triton_op("opswap::glu_packed", mutates_args=())
@@ -310,7 +314,7 @@ def glu_packed(x: torch.Tensor, activation: str) -> torch.Tensor:
     g, u = halves(x)
     if _kernel_takes(g, u) and not compiles_to_reference("swiglu", g):
         return triton_forward(g, u, activation)
-    return reference(g, u, activation)
+    return reference(g, u, activation).contiguous()  # as the kernel writes it
 
 
 @triton_op("opswap::glu_packed_backward", mutates_args=())
