@@ -147,8 +147,9 @@ def optimize(
         if k in paths:
             render.line(f"  {k:<11} {paths[k]}")
     render.inputs(loaded.module)
-    if generation_note(spec):
-        render.note(generation_note(spec), "generation")
+    said = generation_note(spec)
+    if said is not None:
+        render.note(said, "generation")
     render.write_json(json_path, data)
     if not data["verification"]["passed"]:
         render.note(
