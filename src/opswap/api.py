@@ -139,10 +139,12 @@ class Replay:
 
 
 def _samples(data: Any, captured: Captured, where: str = "") -> tuple[list[tuple], str]:
-    """`data` (graph.calibration_data's forms) as input tuples for `captured`, and what
-    they are, for the notes."""
+    """`data` (graph.calibration_data's forms, or a CalibrationSource) as input tuples
+    for `captured`, and what they are, for the notes."""
     from opswap.graph.calibration_data import batches
 
+    if isinstance(data, CalibrationSource):  # a spec file's calibration(), read now
+        data, where = data.fetch(), data.where
     if not where:
         where = Path(data).name if isinstance(data, str | Path) else "calibration_data"
     return batches(data, captured.example_inputs, where), f"batches from {where}"
@@ -189,7 +191,7 @@ def replay(
     fallback = None
     if calibration_fallback is not None:
         src = calibration_fallback
-        fallback = lambda: _samples(src.fetch(), captured, src.where)  # noqa: E731
+        fallback = lambda: _samples(src, captured)  # noqa: E731
     said = planner.calibrate_replay(
         captured,
         plan,

@@ -110,7 +110,8 @@ class Plan:
             "failed": [f.to_json() for f in self.failed],
             "skipped": [s.to_json() for s in self.skipped],
             "notes": self.notes,
-            "calibration": self.calibration.to_json() if self.calibration else None,
+            # only a plan with static int8 decisions has one
+            **({"calibration": self.calibration.to_json()} if self.calibration else {}),
         }
 
     @classmethod

@@ -146,8 +146,6 @@ def plan(
     _rules_from(rules_from)
     data = _calibration_file(calibration)
     loaded = _load(spec, sets, weights)
-    if data is None and loaded.calibration is not None and exactness != "exact":
-        data = loaded.calibration.fetch()
     p = api.plan(
         loaded.module,
         loaded.example_inputs,
@@ -156,7 +154,7 @@ def plan(
         exactness=exactness,
         dynamic=dynamic,
         name=spec,
-        calibration_data=data,
+        calibration_data=data if data is not None else loaded.calibration,
     )
     render.plan(p)
     p.save(out)
