@@ -360,7 +360,7 @@ def calibrate_replay(
         attach_stored(captured.gm, StoredScales(_stored_scales(plan), rec))
         return (
             f"static int8 scales as the plan holds them (calibrated on {rec.describe()}); "
-            "--calibration FILE calibrates again"
+            "--calibration FILE (calibration_data=) calibrates again"
         )
     if samples is None and fallback is not None:
         samples, source = fallback()
