@@ -32,6 +32,7 @@ from opswap.bench.device import check_device as check_device  # the CLI checks i
 from opswap.bench.runtimes import NAMES
 from opswap.bench.timing import with_timer
 from opswap.errors import ExportError
+from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import Captured, Method, as_inputs
 from opswap.graph.capture import capture as _capture
 from opswap.graph.copies import preserved_state, private_copy
@@ -39,6 +40,7 @@ from opswap.graph.inputs import fresh
 from opswap.graph.keywords import KeywordCall, keyword_call, positional
 from opswap.models import LoadedModel
 from opswap.models import load as _load
+from opswap.models._common import CalibrationSource
 from opswap.models.task import Task
 from opswap.pipeline import OptimizeConfig, Result
 from opswap.pipeline import optimize as _optimize
@@ -92,9 +94,16 @@ def plan(
     exactness: str = "exact",
     dynamic: str = "auto",
     name: str | None = None,
+    calibration_data: Any = None,
 ) -> Plan:
-    """Choose replacements for `model`; the Plan can be saved, edited and re-applied."""
+    """Choose replacements for `model`; the Plan can be saved, edited and re-applied.
+    With `calibration_data` (input batches, stacked samples or a file: graph.
+    calibration_data's forms) and `exactness` above exact, static int8 is planned,
+    calibrated on every batch of it; the plan keeps the scales it chose."""
     captured = capture(*keyword_call(model, example_inputs), dynamic=dynamic)
+    if calibration_data is not None and exactness != "exact":
+        samples, source = _samples(calibration_data, captured)
+        attach(captured.gm, Calibration(samples, source=source))
     return planner.make_plan(
         captured,
         target=with_timer(get_target(target)),
@@ -125,6 +134,33 @@ class Replay:
     captured: Captured
     applied: Applied
     files: dict[str, Path] = field(default_factory=dict)
+    #: where the static int8 scales came from, in a sentence; None without such sites
+    calibration: str | None = None
+
+
+def _samples(data: Any, captured: Captured, where: str = "") -> tuple[list[tuple], str]:
+    """`data` (graph.calibration_data's forms, or a CalibrationSource) as input tuples
+    for `captured`, and what they are, for the notes."""
+    from opswap.graph.calibration_data import batches
+
+    if isinstance(data, CalibrationSource):  # a spec file's calibration(), read now
+        data, where = data.fetch(), data.where
+    if not where:
+        where = Path(data).name if isinstance(data, str | Path) else "calibration_data"
+    return batches(data, captured.example_inputs, where), f"batches from {where}"
+
+
+def spec_calibration(loaded: LoadedModel) -> CalibrationSource | None:
+    """What a loaded spec offers to calibrate static int8 on when a plan holds no scales
+    that fit: its file's `calibration()`, else its task's training batches (as many as
+    `optimize` takes by default)."""
+    if loaded.calibration is not None:
+        return loaded.calibration
+    task = loaded.task
+    if task is not None and task.calibration:
+        n = OptimizeConfig.calibration_samples
+        return CalibrationSource(lambda: task.calibration[:n], "the task's training batches")
+    return None
 
 
 def replay(
@@ -135,31 +171,59 @@ def replay(
     dynamic: str = "auto",
     allow_looser: bool = True,
     out: str | Path | None = None,
+    calibration_data: Any = None,
+    calibration_fallback: CalibrationSource | None = None,
 ) -> Replay:
     """Apply `plan` to a capture of `model` at the sizes `dynamic` keeps symbolic; with
     `out`, save the result there (model.pt2, or its weights when it does not export).
-    The decisions that do not apply are left out and listed, the rest applied."""
+    The decisions that do not apply are left out and listed, the rest applied.
+
+    Static int8 decisions are calibrated afresh on `calibration_data` when it is given
+    (every batch: graph.calibration_data's forms); else they take the scales the plan
+    holds, when this model has the weights the plan was made with; else they calibrate on
+    `calibration_fallback` (a spec's calibration()); else a CalibrationError names
+    --calibration. `Replay.calibration` says which."""
     from opswap.artifact import save_model
 
     plan = read_plan(plan, allow_looser=allow_looser)
     captured = capture(*keyword_call(model, example_inputs), dynamic=dynamic)
+    samples = _samples(calibration_data, captured) if calibration_data is not None else None
+    fallback = None
+    if calibration_fallback is not None:
+        src = calibration_fallback
+        fallback = lambda: _samples(src, captured)  # noqa: E731
+    said = planner.calibrate_replay(
+        captured,
+        plan,
+        samples[0] if samples else None,
+        samples[1] if samples else "",
+        fallback,
+    )
+    if said is None and samples is not None:
+        said = "the calibration data was not used: the plan has no static int8 decision"
     applied = apply_plan(captured, plan, allow_looser=allow_looser)
     files: dict[str, Path] = {}
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         files = save_model(applied.gm, captured.example_inputs, Path(out), dynamic=captured.dynamic)
-    return Replay(plan, captured, applied, files)
+    return Replay(plan, captured, applied, files, said)
 
 
 def apply(
-    model: nn.Module, example_inputs, plan: Plan | str, *, allow_looser: bool = False
+    model: nn.Module,
+    example_inputs,
+    plan: Plan | str,
+    *,
+    allow_looser: bool = False,
+    calibration_data: Any = None,
 ) -> nn.Module:
     """Apply a Plan (or a path to plan.json) to a copy of `model`; returns the new module,
     which takes keyword inputs positionally (see the module doc) and refuses inputs outside
     the sizes it was captured at. A decision looser than the plan's exactness is refused
-    unless `allow_looser`."""
+    unless `allow_looser`. Static int8 decisions take the scales the plan holds, or
+    calibrate again on `calibration_data` (see `replay`)."""
     model, inputs = keyword_call(model, example_inputs)
-    done = replay(model, inputs, plan, allow_looser=allow_looser)
+    done = replay(model, inputs, plan, allow_looser=allow_looser, calibration_data=calibration_data)
     return guarded(done.applied.gm, done.captured, model)
 
 
@@ -257,6 +321,8 @@ def verify_plan(
     dynamic: str = "auto",
     backend: str = "pytorch",
     layers: bool = False,
+    calibration_data: Any = None,
+    calibration_fallback: CalibrationSource | None = None,
 ) -> PlanCheck:
     """Verify what `plan` makes of `model` against (a copy of) the model itself, at every
     shape the capture claims, with the plan's exactness defaults (loosened to the model's
@@ -271,7 +337,14 @@ def verify_plan(
 
     _check_backend(backend)
     model, inputs = keyword_call(model, example_inputs)
-    done = replay(model, inputs, plan, dynamic=dynamic)
+    done = replay(
+        model,
+        inputs,
+        plan,
+        dynamic=dynamic,
+        calibration_data=calibration_data,
+        calibration_fallback=calibration_fallback,
+    )
     captured = done.captured
     tol = tolerance_for(done.plan.settings.exactness, budget, captured.rounding)
     candidate: nn.Module = done.applied.gm
@@ -319,6 +392,8 @@ def bench_plan(
     device: str = "cpu",
     dynamic: str = "auto",
     backend: str = "pytorch",
+    calibration_data: Any = None,
+    calibration_fallback: CalibrationSource | None = None,
 ) -> PlanBench:
     """Time (a copy of) `model` and what `plan` makes of it side by side on `device`;
     `backend` "ort", "openvino" or "executorch" times both exported and run in that
@@ -328,7 +403,14 @@ def bench_plan(
 
     _check_backend(backend)
     model, inputs = keyword_call(model, example_inputs)
-    done = replay(model, inputs, plan, dynamic=dynamic)
+    done = replay(
+        model,
+        inputs,
+        plan,
+        dynamic=dynamic,
+        calibration_data=calibration_data,
+        calibration_fallback=calibration_fallback,
+    )
     ref: nn.Module = private_copy(model)
     opt: nn.Module = done.applied.gm
     if backend != "pytorch":
@@ -380,13 +462,18 @@ def export(
     out: str | Path,
     samples: int = 3,
     dynamic: str = "auto",
+    calibration_data: Any = None,
+    calibration_fallback: CalibrationSource | None = None,
 ) -> Exported:
     """What `plan` makes of `model`, exported to OUT/model.onnx (`to` "onnx" or "ort": the
     same file, for ONNX Runtime), to OUT/model.xml and OUT/model.bin (`to` "openvino":
     OpenVINO's IR, float32) or to OUT/model.pte (`to` "executorch" or "pte": an
     ExecuTorch program with the XNNPACK delegate) with the capture's dynamic axes, and
     verified in its runtime against (a copy of) the model at every size the file keeps
-    (the IR as loaded back from OUT)."""
+    (the IR as loaded back from OUT). Static int8 decisions take the scales the plan
+    holds, or calibrate on `calibration_data` (see `replay`), and are written as int8
+    operators (QuantizeLinear/DequantizeLinear around the Conv or MatMul; MatMulInteger
+    for ONNX Runtime's Linears)."""
     import shutil
 
     from opswap.backends.executorch import executorch_artifact
@@ -397,7 +484,14 @@ def export(
 
     check_export(to)
     model, inputs = keyword_call(model, example_inputs)
-    done = replay(model, inputs, plan, dynamic=dynamic)
+    done = replay(
+        model,
+        inputs,
+        plan,
+        dynamic=dynamic,
+        calibration_data=calibration_data,
+        calibration_fallback=calibration_fallback,
+    )
     captured = done.captured
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -523,6 +617,7 @@ def optimize(
     export: str | None = None,
     name: str | None = None,
     task: Task | None = None,
+    calibration_data: Any = None,
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
     bench, and the race of variants against `compare`'s baselines ("compile", "ort",
@@ -533,7 +628,13 @@ def optimize(
     `result.saved_module` the race's winner, which `result.save` writes. The user's hooks
     are left out, with a note; `keep_hooks=True` refuses a model that has any instead.
     With a `task` (models.task.Task: a metric over a held-out split), `result.accuracy`
-    holds it for the model and for the saved variant (result.json's `accuracy`)."""
+    holds it for the model and for the saved variant (result.json's `accuracy`).
+    `calibration_data` is what static int8 (exactness "approx" or looser) calibrates on,
+    every batch of it: a list of input batches (each a tensor, or a tuple of forward's
+    positional inputs), one tensor of stacked samples cut into batches of the example's
+    size, or the path of a .pt, .npy or .npz file holding either; without it, a task's
+    training batches, else random samples like the example. The plan keeps the scales,
+    so `opswap apply` and `opswap export` remake the same int8 model from plan.json."""
     config = OptimizeConfig(
         target=target,
         rules=rules or [],
@@ -549,7 +650,9 @@ def optimize(
     )
     name = name or type(model).__name__
     model, example_inputs = keyword_call(model, example_inputs)
-    result = _optimize(model, example_inputs, config, name=name, task=task)
+    result = _optimize(
+        model, example_inputs, config, name=name, task=task, calibration_data=calibration_data
+    )
     note_inputs(result, model)
     return result
 
@@ -560,9 +663,17 @@ def optimize_loaded(
     """`optimize` on a loaded spec with settings already checked (the CLI's flow): the
     loader's settings go into result.json, its notes (keyword inputs, the weights file
     read) into result.notes, and the accuracy of its task, when it has one, into
-    result.accuracy."""
+    result.accuracy. Static int8 calibrates on `config.calibration` (a file), else on the
+    spec file's `calibration()`, else on its task's batches or random samples."""
     from opswap.models.weights import describe_record
 
+    data, where = None, "calibration_data"
+    if (
+        loaded.calibration is not None
+        and config.calibration is None
+        and config.exactness != "exact"
+    ):
+        data, where = loaded.calibration.fetch(), loaded.calibration.where  # the file wins
     result = _optimize(
         loaded.module,
         loaded.example_inputs,
@@ -571,6 +682,8 @@ def optimize_loaded(
         progress=progress,
         model_settings=loaded.settings,
         task=loaded.task,
+        calibration_data=data,
+        calibration_from=where,
     )
     note_inputs(result, loaded.module)
     if loaded.settings.get("weights"):

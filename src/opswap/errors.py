@@ -42,3 +42,8 @@ class ExportError(OpswapError):
 
 class BackendError(OpswapError, ValueError):
     """A backend (the torch.compile backend, a runtime) was given an option it cannot use."""
+
+
+class CalibrationError(OpswapError, ValueError):
+    """Calibration data (the batches static int8 fixes its scales on) could not be read or
+    does not fit the model, or a plan's int8 sites have no calibration to be applied with."""

@@ -8,7 +8,7 @@ the model (opswap.artifact).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +22,13 @@ from opswap.bench.variants import Race, parse_compare
 from opswap.cost.analyze import Analysis
 from opswap.errors import OpswapError, RuleError, VerificationError
 from opswap.graph.calibrate import calibration_of
+from opswap.graph.calibration_data import check_path
 from opswap.graph.capture import Captured
 from opswap.graph.copies import describe_hooks
 from opswap.graph.dynamic import Dynamic
 from opswap.kernels.observers import METHODS as CALIBRATION_METHODS
 from opswap.models.task import Accuracy, Task
-from opswap.planner import Plan, plan_with_graph
+from opswap.planner import CALIBRATED_RULES, Plan, plan_with_graph
 from opswap.result import Result
 from opswap.rules.apply import Applied
 from opswap.rules.base import EXACTNESS_ORDER
@@ -45,9 +46,6 @@ from opswap.stages import (
     run_info,
 )
 from opswap.verify.tolerance import tolerance_for
-
-#: the rules whose sites use calibration's ranges (the run's note says how it calibrated)
-CALIBRATED_RULES = frozenset({"precision.int8_static_linear", "precision.int8_static_conv"})
 
 
 @dataclass
@@ -80,6 +78,9 @@ class OptimizeConfig:
     calibration_samples: int = 8
     symmetric_activations: bool = False
     per_channel_weights: bool = True
+    # a file of calibration batches (.pt, .npy, .npz: graph.calibration_data), every batch
+    # used; without it, `calibration_samples` random samples or a task's training batches
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
@@ -101,6 +102,8 @@ class OptimizeConfig:
             raise RuleError(
                 f"calibration_samples must be at least 1; got {self.calibration_samples!r}."
             )
+        if self.calibration is not None:  # a missing file fails before the model loads
+            self.calibration = str(check_path(self.calibration))
         tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now
         check_device(self.device)  # so do a device name and CUDA without a GPU
         if self.bench:
@@ -156,7 +159,8 @@ def optimize(
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
     model_settings: dict[str, Any] | None = None,
-    calibration_data: Sequence[Any] | None = None,
+    calibration_data: Any = None,
+    calibration_from: str = "calibration_data",
     task: Task | None = None,
 ) -> Result:
     """Run the whole flow on `model` and return a Result.
@@ -167,10 +171,13 @@ def optimize(
     `progress(stage: str)` is called as each stage starts, for progress bars.
     `model_settings` (the loader's settings: sizes, batch, --set overrides, attention
     implementation) are recorded in result.json and the report.
-    `calibration_data` (input tuples) is what static int8 calibrates on; without it, and
-    with `exactness` above exact, it calibrates on a `task`'s calibration batches (models.
-    task: from its training split), else on random samples like the example. With a
-    `task`, `result.accuracy` holds its metric for the model and for what is saved.
+    `calibration_data` is what static int8 calibrates on, every batch of it: a list of
+    input batches, one tensor of stacked samples, or a file's path (graph.
+    calibration_data's forms; `calibration_from` names it in messages); without it, and
+    with `exactness` above exact, it calibrates on the file `config.calibration`, else
+    on a `task`'s calibration batches (models.task: from its training split), else on
+    random samples like the example. With a `task`, `result.accuracy` holds its metric
+    for the model and for what is saved.
     """
     from opswap.cost.analyze import analyze
     from opswap.verify.layers import compare_layers
@@ -178,9 +185,12 @@ def optimize(
     config = config or OptimizeConfig()
     step = progress or (lambda stage: None)
     run = capture_stage(model, example_inputs, config, name or type(model).__name__, step)
-    if calibration_data is None and task is not None:
-        calibration_data = task.calibration  # batches of its training split
-    calibrate_stage(run, calibration_data)
+    calibrate_stage(
+        run,
+        calibration_data,
+        where=calibration_from,
+        task_batches=task.calibration if task is not None else None,  # its training split
+    )
     step("analyze")
     before = analyze(run.captured, run.target)
     checked = plan_and_verify(run, step)

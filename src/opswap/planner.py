@@ -6,6 +6,12 @@ overlap a site already taken, so opportunities one rewrite creates (MatMul+Add
 becoming a Linear that then merges with its siblings) are found too. The plan
 records the decisions in that order; `apply_plan` replays them on any fresh
 capture of the same model. Plans serialise to JSON for review and editing.
+
+A plan with static int8 decisions also holds their calibration (graph.calibrate's
+CalibrationRecord, and each site's scale in its data), so that replaying it needs no
+samples: `calibrate_replay` gives a fresh capture either new samples or, when the weights
+are those the plan was made with, the plan's own scales, and otherwise refuses in one
+sentence naming --calibration.
 """
 
 from __future__ import annotations
@@ -19,8 +25,17 @@ from typing import Any
 
 import torch.fx as fx
 
-from opswap.errors import PlanError
+from opswap.errors import CalibrationError, PlanError
+from opswap.graph.calibrate import (
+    Calibration,
+    CalibrationRecord,
+    StoredScales,
+    attach,
+    attach_stored,
+    calibration_of,
+)
 from opswap.graph.capture import Captured, copy_module
+from opswap.kernels.observers import QParams
 from opswap.rules import registry
 from opswap.rules.apply import Applied, Redo, Run, apply_sites
 from opswap.rules.base import (
@@ -38,6 +53,8 @@ from opswap.rules.order import ordered
 from opswap.targets.base import Target
 
 PLAN_VERSION = 1
+#: the rules whose sites quantise activations with scales calibration fixed
+CALIBRATED_RULES = frozenset({"precision.int8_static_linear", "precision.int8_static_conv"})
 
 
 @dataclass
@@ -78,6 +95,8 @@ class Plan:
     capture_method: str = ""
     fingerprint: str = ""  # of the graph it was made on (graph_fingerprint); "" = unchecked
     notes: list[str] = field(default_factory=list)  # what the settings could not give
+    #: how the static int8 decisions' scales were calibrated; None when there are none
+    calibration: CalibrationRecord | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +110,8 @@ class Plan:
             "failed": [f.to_json() for f in self.failed],
             "skipped": [s.to_json() for s in self.skipped],
             "notes": self.notes,
+            # only a plan with static int8 decisions has one
+            **({"calibration": self.calibration.to_json()} if self.calibration else {}),
         }
 
     @classmethod
@@ -125,6 +146,7 @@ class Plan:
                 capture_method=data.get("capture_method", ""),
                 fingerprint=data.get("fingerprint", ""),
                 notes=[str(n) for n in data.get("notes", [])],
+                calibration=_calibration_record(data.get("calibration")),
             )
         except (KeyError, TypeError, AttributeError) as e:  # fields _check_plan leaves alone
             raise PlanError(
@@ -159,6 +181,18 @@ class Plan:
         p = copy.copy(self)
         p.decisions = self.decisions[:index] + self.decisions[index + 1 :]
         return p
+
+
+def _calibration_record(data: Any) -> CalibrationRecord | None:
+    if data is None:
+        return None
+    try:
+        return CalibrationRecord.from_json(data)
+    except ValueError as e:
+        raise PlanError(
+            f"{e}; delete the plan's calibration (and pass --calibration FILE) or make the "
+            "plan again with `opswap optimize`."
+        ) from e
 
 
 _MISSING = object()
@@ -258,6 +292,98 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
     for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)};".encode())
     return h.hexdigest()[:16]
+
+
+def weights_digest(gm: fx.GraphModule) -> str:
+    """A short hash of the values of `gm`'s parameters and buffers, whatever their names:
+    of each tensor its shape, dtype and up to 4096 evenly spaced elements (so that a
+    billion-parameter model hashes in milliseconds; retrained or other weights differ in
+    all of them)."""
+    import hashlib
+
+    import torch
+
+    parts = []
+    for t in list(gm.parameters()) + list(gm.buffers()):
+        if t.device.type == "meta":
+            continue
+        flat = t.detach().flatten()
+        step = max(1, flat.numel() // 4096)
+        sample = flat[::step][:4096].cpu().contiguous()
+        h = hashlib.sha1(f"{tuple(t.shape)};{t.dtype};".encode())
+        h.update(sample.view(torch.uint8).numpy().tobytes())
+        parts.append(h.hexdigest())
+    return hashlib.sha1(";".join(sorted(parts)).encode()).hexdigest()[:16]
+
+
+def _stored_scales(plan: Plan) -> dict[str, QParams]:
+    """The activation scale of each static int8 decision, by the layer it quantises."""
+    out: dict[str, QParams] = {}
+    for d in plan.decisions:
+        data = d.site.data
+        layer = d.site.anchor or data.get("conv") or data.get("linear")
+        if d.rule not in CALIBRATED_RULES or not isinstance(layer, str):
+            continue
+        scale, zp = data.get("scale"), data.get("zero_point")
+        if (
+            isinstance(scale, int | float)
+            and not isinstance(scale, bool)
+            and scale > 0
+            and isinstance(zp, int)
+            and not isinstance(zp, bool)
+            and 0 <= zp <= 255
+        ):
+            out[layer] = QParams(float(scale), zp)
+    return out
+
+
+def calibrate_replay(
+    captured: Captured,
+    plan: Plan,
+    samples: list[tuple[Any, ...]] | None = None,
+    source: str = "calibration inputs",
+    fallback: Callable[[], tuple[list[tuple[Any, ...]], str]] | None = None,
+) -> str | None:
+    """Give `captured` what `plan`'s static int8 decisions need to be applied again, and
+    say in a sentence what that was (None when the plan has no such decision).
+
+    `samples` (input tuples, `source` says what they are) are calibrated on afresh, with
+    the plan's calibration settings; without them, the scales the plan holds are used
+    when this model's weights are the ones they were observed with (weights_digest);
+    else `fallback()` gives samples (a spec's calibration(), a task's training batches).
+    With none of these, a CalibrationError names --calibration."""
+    count = sum(d.rule in CALIBRATED_RULES for d in plan.decisions)
+    if not count:
+        return None
+    rec = plan.calibration
+    if samples is None and rec is not None and weights_digest(captured.gm) == rec.weights:
+        attach_stored(captured.gm, StoredScales(_stored_scales(plan), rec))
+        return (
+            f"static int8 scales as the plan holds them (calibrated on {rec.describe()}); "
+            "--calibration FILE (calibration_data=) calibrates again"
+        )
+    if samples is None and fallback is not None:
+        samples, source = fallback()
+    if samples is not None:
+        cal = (
+            rec.calibration(samples, source)
+            if rec is not None
+            else Calibration(samples, source=source)
+        )
+        attach(captured.gm, cal)
+        return f"static int8 calibrated on {cal.describe()}"
+    sites = f"{count} static int8 site{'s' if count != 1 else ''}"
+    why = (
+        "holds scales observed with other weights than this model's (did you pass the "
+        "--weights the plan was made with?)"
+        if rec is not None
+        else "holds no activation scales for them (it was made by an opswap from before "
+        "plans kept them, or without calibration)"
+    )
+    raise CalibrationError(
+        f"The plan's {sites} need calibration, and the plan {why}; pass --calibration FILE "
+        "with sample input batches (calibration_data= in Python) to calibrate them."
+    )
 
 
 def _missing_classes(exactness: str) -> list[str]:
@@ -391,6 +517,9 @@ def plan_with_graph(
             captured.propagate(gm)
         if progress is not None:
             progress(rule.name)
+    cal = calibration_of(captured.gm)
+    if cal is not None and any(d.rule in CALIBRATED_RULES for d in plan.decisions):
+        plan.calibration = cal.record(weights_digest(captured.gm))
     return plan, gm
 
 

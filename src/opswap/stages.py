@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,8 +18,9 @@ from opswap.bench.attribution import Attribution, attribute, reconcile
 from opswap.bench.timing import with_timer
 from opswap.bench.variants import Race, parse_compare
 from opswap.bench.variants import run as run_variants
-from opswap.errors import CaptureError
+from opswap.errors import CalibrationError, CaptureError
 from opswap.graph.calibrate import Calibration, attach, samples_from
+from opswap.graph.calibration_data import batches
 from opswap.graph.capture import Captured, capture
 from opswap.graph.copies import describe_hooks, private_copy, user_hooks
 from opswap.planner import Plan, apply_plan, make_plan, plan_with_graph
@@ -260,18 +262,42 @@ EXPORT_LEFT_OUT: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def calibrate_stage(run: Run, data: Sequence[Any] | None = None) -> None:
+def calibrate_stage(
+    run: Run,
+    data: Any = None,
+    *,
+    where: str = "calibration_data",
+    task_batches: Sequence[Any] | None = None,
+) -> None:
     """Give the capture its calibration samples when the plan may quantise activations
-    statically (exactness above exact): `data`'s input tuples (a task's training batches,
-    the user's samples), else random samples like the example (the example first). The
-    graph is only run when a rule asks for a range (graph.calibrate.observed)."""
+    statically (exactness above exact): every batch of the user's `data` (named `where`
+    in messages; graph.calibration_data's forms) or of the file `config.calibration`,
+    else at most `config.calibration_samples` of a task's training batches, else as many
+    random samples like the example (the example first). The graph is only run when a
+    rule asks for a range (graph.calibrate.observed)."""
     config = run.config
+    if data is not None and config.calibration is not None:
+        raise CalibrationError(
+            f"Calibration data came both from {where} and from the file "
+            f"{config.calibration}; give one of them."
+        )
+    if data is None and config.calibration is not None:
+        data, where = config.calibration, Path(config.calibration).name
     if EXACTNESS_ORDER[config.exactness] == 0:
+        if data is not None:
+            run.notes.append(
+                f"Calibration data from {where} was not used: exactness exact plans no "
+                "static int8 (exactness approx does)."
+            )
         return
-    if data:
-        samples, source = samples_from(data, config.calibration_samples), "calibration inputs"
+    example = run.captured.example_inputs
+    if data is not None:
+        samples, source = batches(data, example, where), f"batches from {where}"
+    elif task_batches:
+        samples = samples_from(task_batches, config.calibration_samples)
+        source = "training batches of the task"
     else:
-        samples = make_samples(run.captured.example_inputs, config.calibration_samples, config.seed)
+        samples = make_samples(example, config.calibration_samples, config.seed)
         source = "random samples like the example"
     attach(
         run.captured.gm,

@@ -14,6 +14,7 @@ from opswap.cli.app import app, check_outputs, overrides
 from opswap.cli.options import (
     _DEVICES,
     BackendOpt,
+    CalibrationOpt,
     DynamicOpt,
     ExactOpt,
     JsonOpt,
@@ -45,6 +46,18 @@ def _load(spec: str, sets: list[str] | None, weights: Path | None = None):
 def _rules_from(modules: list[str] | None) -> None:
     for problem in api.load_rules(modules):
         render.note(problem, "plugin")
+
+
+def _calibration_file(path: Path | None) -> str | None:
+    """The --calibration file, checked before any model is loaded."""
+    from opswap.graph.calibration_data import check_path
+
+    return str(check_path(path)) if path is not None else None
+
+
+def _calibrated(said: str | None) -> None:
+    if said:
+        render.note(said, "calibration")
 
 
 def _timed_where(target: str, device: str) -> None:
@@ -121,13 +134,17 @@ def plan(
     ] = Path("plan.json"),
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
+    calibration: CalibrationOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
-    """Match the rules on a model and write plan.json (sites chosen, misses, settings)."""
+    """Match the rules on a model and write plan.json (sites chosen, misses, settings).
+    Static int8 is planned at --exactness approx when there is calibration data: the
+    --calibration file, else the spec file's calibration(); the plan keeps its scales."""
     check_outputs(json_path, out)
     if onnx_files.is_onnx(spec):
         return onnx_files.plan(spec, overrides(sets), rules, exactness, out, json_path)
     _rules_from(rules_from)
+    data = _calibration_file(calibration)
     loaded = _load(spec, sets, weights)
     p = api.plan(
         loaded.module,
@@ -137,6 +154,7 @@ def plan(
         exactness=exactness,
         dynamic=dynamic,
         name=spec,
+        calibration_data=data if data is not None else loaded.calibration,
     )
     render.plan(p)
     p.save(out)
@@ -165,19 +183,32 @@ def apply(
             help="Apply decisions whose rule is looser than the plan's exactness (an approx rule in an exact plan); refused otherwise.",
         ),
     ] = False,
+    calibration: CalibrationOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
-    """Re-apply a plan to a model; optionally save the optimized model. Exit status 1 when
-    decisions of the plan could not be applied (the model is saved without them); 2 when a
-    decision's rule is looser than the plan's exactness and --allow-looser is not given."""
+    """Re-apply a plan to a model; optionally save the optimized model. Static int8
+    decisions take the scales the plan holds (for the weights it was made with), or
+    calibrate on --calibration FILE. Exit status 1 when decisions of the plan could not be
+    applied (the model is saved without them); 2 when a decision's rule is looser than
+    the plan's exactness and --allow-looser is not given, or the plan's int8 decisions
+    have no calibration."""
     check_outputs(json_path, out, out_dir=True)
     onnx_files.refuse(spec, "apply")
     _rules_from(rules_from)
+    data = _calibration_file(calibration)
     p = api.read_plan(plan_path, allow_looser=allow_looser)  # a refusal costs no loading
     loaded = _load(spec, sets, weights)
     done = api.replay(
-        loaded.module, loaded.example_inputs, p, dynamic=dynamic, allow_looser=allow_looser, out=out
+        loaded.module,
+        loaded.example_inputs,
+        p,
+        dynamic=dynamic,
+        allow_looser=allow_looser,
+        out=out,
+        calibration_data=data,
+        calibration_fallback=api.spec_calibration(loaded),
     )
+    _calibrated(done.calibration)
     render.not_applied(done.applied)
     consoles.console.print(
         f"applied {len(done.applied.applied)} of {render.n(len(p.decisions), 'decision')}"
@@ -229,6 +260,7 @@ def verify(
             "plan's graph with the same node of the model's capture.",
         ),
     ] = False,
+    calibration: CalibrationOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Compare the plan's result with the original (in PyTorch, or with --backend as the
@@ -237,6 +269,7 @@ def verify(
     check_outputs(json_path)
     _rules_from(rules_from)
     onnx_files.refuse(spec, "verify")
+    data = _calibration_file(calibration)
     p = api.read_plan(plan_path)
     loaded = _load(spec, sets, weights)
     check = api.verify_plan(
@@ -248,16 +281,19 @@ def verify(
         dynamic=dynamic,
         backend=backend,
         layers=layers,
+        calibration_data=data,
+        calibration_fallback=api.spec_calibration(loaded),
     )
+    _calibrated(check.replay.calibration)
     render.not_applied(check.replay.applied)
     render.verification(check, budget, samples)
     render.runtime_layers(check, backend)
     render.inputs(loaded.module)
     render.partial(p, check.replay.applied, "verified the model with the {n} that did")
-    data = check.verification.to_json()
+    report = check.verification.to_json()
     if check.runtime_layers is not None:
-        data["runtime_layers"] = render.runtime_layers_json(check)
-    render.write_json(json_path, data)
+        report["runtime_layers"] = render.runtime_layers_json(check)
+    render.write_json(json_path, report)
     if not check.verification.passed or check.replay.applied.failed:
         raise typer.Exit(1)
 
@@ -274,6 +310,7 @@ def bench(
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
     backend: BackendOpt = "pytorch",
+    calibration: CalibrationOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Time the original and the plan's result side by side (interleaved, after warm-up),
@@ -283,12 +320,21 @@ def bench(
     api.check_device(device)
     _rules_from(rules_from)
     onnx_files.refuse(spec, "bench")
+    data = _calibration_file(calibration)
     p = api.read_plan(plan_path)
     _timed_where(p.settings.target, device)
     loaded = _load(spec, sets, weights)
     timed = api.bench_plan(
-        loaded.module, loaded.example_inputs, p, device=device, dynamic=dynamic, backend=backend
+        loaded.module,
+        loaded.example_inputs,
+        p,
+        device=device,
+        dynamic=dynamic,
+        backend=backend,
+        calibration_data=data,
+        calibration_fallback=api.spec_calibration(loaded),
     )
+    _calibrated(timed.replay.calibration)
     render.not_applied(timed.replay.applied)
     data = timed.benchmark.to_json()
     render.bench(data)
@@ -323,21 +369,33 @@ def export_cmd(
     dynamic: DynamicOpt = "auto",
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
+    calibration: CalibrationOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Export the plan's result to DIR/model.onnx (DIR/model.xml with --to openvino,
     DIR/model.pte with --to executorch), dynamic in the sizes the capture claims, and
-    verify it in its runtime against the original; exit 1 when it breaks the tolerance or
-    decisions of the plan could not be applied."""
+    verify it in its runtime against the original. Static int8 decisions take the scales
+    the plan holds, or calibrate on --calibration FILE, and are written as int8 operators.
+    Exit 1 when it breaks the tolerance or decisions of the plan could not be applied."""
     check_outputs(json_path, out, out_dir=True)
     api.check_export(to)  # a format or a runtime missing fails before any work
     _rules_from(rules_from)
     onnx_files.refuse(spec, "export")
+    data = _calibration_file(calibration)
     p = api.read_plan(plan_path)
     loaded = _load(spec, sets, weights)
     done = api.export(
-        loaded.module, loaded.example_inputs, p, to=to, out=out, samples=samples, dynamic=dynamic
+        loaded.module,
+        loaded.example_inputs,
+        p,
+        to=to,
+        out=out,
+        samples=samples,
+        dynamic=dynamic,
+        calibration_data=data,
+        calibration_fallback=api.spec_calibration(loaded),
     )
+    _calibrated(done.replay.calibration)
     render.not_applied(done.replay.applied)
     render.verification(done, None, samples)
     if done.note:

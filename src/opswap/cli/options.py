@@ -95,3 +95,14 @@ BackendOpt = Annotated[
         "to: ort (ONNX Runtime), openvino or executorch (the XNNPACK delegate).",
     ),
 ]
+CalibrationOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibration",
+        metavar="FILE",
+        help="Input batches static int8 calibrates its activation scales on, every one used: "
+        "a .pt file (torch.save of a list of batches, each a tensor or a tuple of forward's "
+        "inputs; or of one tensor of stacked samples, cut into batches of the example's "
+        "size), a .npy file (stacked samples) or a .npz file (one stacked array per input).",
+    ),
+]

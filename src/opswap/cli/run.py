@@ -16,6 +16,7 @@ from opswap.cli.app import app, check_outputs, overrides
 from opswap.cli.options import (
     _DEVICES,
     _STAGES,
+    CalibrationOpt,
     DynamicOpt,
     ExactOpt,
     JsonOpt,
@@ -72,9 +73,14 @@ def optimize(
             help="Static int8's activation ranges from calibration: minmax, percentile, mse or entropy.",
         ),
     ] = "minmax",
+    calibration: CalibrationOpt = None,
     calibration_samples: Annotated[
         int,
-        typer.Option(metavar="N", help="Sample inputs static int8 calibrates on."),
+        typer.Option(
+            metavar="N",
+            help="Without --calibration (or a spec file's calibration()): how many random "
+            "samples, or batches of a zoo model's training split, static int8 calibrates on.",
+        ),
     ] = 8,
     symmetric: Annotated[
         bool,
@@ -117,6 +123,7 @@ def optimize(
         export=export,
         calibrate=calibrate,
         calibration_samples=calibration_samples,
+        calibration=str(calibration) if calibration is not None else None,
         symmetric_activations=symmetric,
         per_channel_weights=not per_tensor,
     )

@@ -26,6 +26,8 @@ class LoadedModel:
     `settings` records the builder arguments actually used (defaults plus overrides),
     so that a report can say which shapes were measured. `task`, for a model that comes
     with one (the digits models), scores it on a held-out split (models.task).
+    `calibration`, for a spec file that defines `calibration()`, gives the batches static
+    int8 calibrates on, read only when a plan needs them.
     """
 
     name: str
@@ -36,6 +38,16 @@ class LoadedModel:
     description: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     task: Task | None = None
+    calibration: CalibrationSource | None = None
+
+
+@dataclass(frozen=True)
+class CalibrationSource:
+    """Calibration batches a model's source provides: `fetch()` returns them in any form
+    graph.calibration_data reads, and `where` names them ("calibration() in model.py")."""
+
+    fetch: Callable[[], Any]
+    where: str
 
 
 def parse_value(text: Any) -> Any:

@@ -11,6 +11,11 @@ ones first, then the keyword ones in the order given) and binds the non-tensor
 values as constants; `settings["inputs"]` records that order. Overrides are
 passed to the function (and to an `example_inputs()` function) as the keyword
 arguments it declares.
+
+A file may also define `calibration` (a function, called with the overrides it
+declares, or a value): the batches static int8 calibrates on, in any form
+graph.calibration_data reads (a list of input batches, one tensor of stacked samples,
+or a file's path). It is only called when a plan needs calibration.
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ from torch import nn
 
 from opswap.errors import OpswapError, SpecError
 from opswap.graph.keywords import KeywordCall, has_constants, split_inputs
-from opswap.models._common import LoadedModel, as_input_tuple, builder_defaults, unknown_key_error
+from opswap.models._common import (
+    CalibrationSource,
+    LoadedModel,
+    as_input_tuple,
+    builder_defaults,
+    unknown_key_error,
+)
 
 
 def _import_file(path: str) -> ModuleType:
@@ -106,9 +117,11 @@ def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) ->
             + (f"; it defines: {', '.join(found)}." if found else ".")
         )
     provider = getattr(user, "example_inputs", None)
+    calibration = getattr(user, "calibration", None)
     names, var_kw = _accepted(fn)
-    if callable(provider):
-        names |= _accepted(provider)[0]
+    for other in (provider, calibration):
+        if callable(other):
+            names |= _accepted(other)[0]
     if not var_kw:
         for key in overrides:
             if key not in names:
@@ -174,4 +187,19 @@ def load_file(path: str, function: str, spec: str, overrides: dict[str, Any]) ->
         example_inputs=inputs,
         description=doc or f"{function}() from {path}",
         settings=settings,
+        calibration=_calibration(calibration, overrides, path),
+    )
+
+
+def _calibration(provider: Any, overrides: dict[str, Any], path: str) -> CalibrationSource | None:
+    """The file's `calibration` (a function or a value) as a source read when needed."""
+    if provider is None:
+        return None
+    name = os.path.basename(path)
+    if not callable(provider):
+        return CalibrationSource(lambda: provider, f"calibration in {name}")
+    where = f"calibration() in {name}"
+    return CalibrationSource(
+        lambda: _call(provider, _kwargs_for(provider, overrides), f"calibration() in {path}"),
+        where,
     )

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from opswap.graph.calibrate import Calibration, calibration_of, observed
+from opswap.graph.calibrate import Calibration, StoredScales, scale_for
 from opswap.kernels import int8_static
 from opswap.kernels.observers import QParams
 from opswap.rules.base import Refused
@@ -29,15 +29,14 @@ NO_ONEDNN = (
 )
 
 
-def calibrated(gm: fx.GraphModule, x: fx.Node) -> tuple[QParams, Calibration] | Refused:
-    """The scale and zero point calibration chose for `x`, with the calibration, or why
-    there are none (no samples attached, or no finite value seen)."""
-    obs = observed(gm, x)
-    if isinstance(obs, str):
-        return Refused(obs)
-    cal = calibration_of(gm)
-    assert cal is not None
-    return cal.qparams(obs), cal
+def calibrated(
+    gm: fx.GraphModule, layer: fx.Node, x: fx.Node
+) -> tuple[QParams, Calibration | StoredScales] | Refused:
+    """The scale and zero point calibration chose for `x`, the input of `layer` (or the
+    scale a re-applied plan holds for it), with where they came from; or why there are
+    none (no samples attached, a sample that did not run, no finite value seen)."""
+    got = scale_for(gm, layer, x)
+    return Refused(got) if isinstance(got, str) else got
 
 
 class _Static(nn.Module):

@@ -82,7 +82,7 @@ class StaticInt8Conv(Rule):
         xi = info(x) if x is not None else None
         if x is None or xi is None or xi.dtype != torch.float32 or len(xi.shape) != 4:
             return Refused(f"the input of {node.name} is not a 4-d float32 tensor of known shape")
-        got = calibrated(gm, x)
+        got = calibrated(gm, node, x)
         if isinstance(got, Refused):
             return got
         qp, cal = got
