@@ -445,6 +445,7 @@ def make_plan(
     progress: Callable[[str], None] | None = None,
     exclude_rules: set[str] | frozenset[str] = frozenset(),
     exclude_sites: dict[tuple[str, str], str] | None = None,
+    keep_slower: bool = False,
 ) -> Plan:
     """Choose (rule, site) decisions for `captured` by simulating the rules in order.
 
@@ -455,6 +456,8 @@ def make_plan(
     deleting decisions lets the sites that depended on an excluded one be matched
     afresh on the graph without it (a Conv+ReLU fusion whose BatchNorm fold was
     rolled back then fuses the conv as it is, or is refused with its own reason).
+    `keep_slower` takes the sites the speed model predicts slower too: precision
+    debugging asks which layers a scheme can take, not which pay.
     """
     return plan_with_graph(
         captured,
@@ -465,6 +468,7 @@ def make_plan(
         progress=progress,
         exclude_rules=exclude_rules,
         exclude_sites=exclude_sites,
+        keep_slower=keep_slower,
     )[0]
 
 
@@ -478,6 +482,7 @@ def plan_with_graph(
     progress: Callable[[str], None] | None = None,
     exclude_rules: set[str] | frozenset[str] = frozenset(),
     exclude_sites: dict[tuple[str, str], str] | None = None,
+    keep_slower: bool = False,
 ) -> tuple[Plan, fx.GraphModule]:
     """make_plan's plan, and the graph planning rewrote on the way: the plan's decisions
     carried out on a copy of `captured`, as `apply_plan` would make them again, its code
@@ -507,11 +512,13 @@ def plan_with_graph(
     for rule in chosen:
         marks = (len(plan.decisions), len(plan.skipped), len(plan.failed))
         try:
-            gm, changed = _plan_rule(rule, Run(gm), plan, tgt, exclude_sites, seen_misses)
+            gm, changed = _plan_rule(
+                rule, Run(gm), plan, tgt, exclude_sites, seen_misses, keep_slower
+            )
         except Redo:  # a rewrite failed: the rule's rewrites are undone, made again one by one
             del plan.decisions[marks[0] :], plan.skipped[marks[1] :], plan.failed[marks[2] :]
             gm, changed = _plan_rule(
-                rule, Run(gm, careful=True), plan, tgt, exclude_sites, seen_misses
+                rule, Run(gm, careful=True), plan, tgt, exclude_sites, seen_misses, keep_slower
             )
         if changed:
             captured.propagate(gm)
@@ -530,6 +537,7 @@ def _plan_rule(
     tgt: Target,
     exclude_sites: dict[tuple[str, str], str],
     seen_misses: set[tuple[str, str, str]],
+    keep_slower: bool = False,
 ) -> tuple[fx.GraphModule, bool]:
     """Match `rule` on run's graph and rewrite each site planning takes, recording the
     decisions, skips, failures and misses in `plan`; (the graph, whether it changed).
@@ -556,7 +564,7 @@ def _plan_rule(
             continue
         est = rule.predict(run.gm, match, tgt)
         where = site_module(run.gm, site)
-        if est.time_saved_s is not None and est.time_saved_s < 0:
+        if est.time_saved_s is not None and est.time_saved_s < 0 and not keep_slower:
             plan.skipped.append(
                 Skipped(rule.name, site.key, f"predicted slower on {tgt.name}: {est.note}")
             )

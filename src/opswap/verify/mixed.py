@@ -211,6 +211,7 @@ def debug_precision(
             exactness=exactness,
             model_name=name,
             exclude_sites=excluded,
+            keep_slower=True,  # which layers the scheme can take, whatever the speed model says
         )
 
     step("plan")
