@@ -119,6 +119,7 @@ SAVES = {
     "captured": "captured",
     "opswap": "candidate",
     "opswap+compile": "candidate",
+    "opswap+cudagraph": "candidate",
     "ort": "input",
     "opswap+ort": "candidate",
     "openvino": "input",
@@ -322,6 +323,12 @@ def deploy(result: Result) -> dict[str, Any]:
             "did not pass verification, so no model.pt2 is written"
         )
         how = "your own module, as it is"
+    graphed = result.best.endswith("cudagraph")
+    if graphed:
+        how = (
+            "opswap.load_optimized(DIR) (replays model.pt2 from a CUDA graph captured at the "
+            "first call of each input shape)"
+        )
     if compiled and result.aot is not None and result.aot.get("package"):
         how = (
             "opswap.load_optimized(DIR) (loads model_aoti.pt2, compiled ahead of time: no "
@@ -337,6 +344,8 @@ def deploy(result: Result) -> dict[str, Any]:
         "verified_as": verified_as,
         "run_under": "torch.inference_mode()",
     }
+    if graphed:
+        out["cuda_graph"] = True
     if compiled and result.aot is not None:
         out["aot"] = result.aot
     return out
@@ -638,6 +647,10 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
             if ahead is not None:
                 return ahead
     module = load_program(pt2)
+    if result.is_file() and _deploy_flag(result, "cuda_graph") and torch.cuda.is_available():
+        from opswap.backends.cudagraph import CudaGraphed
+
+        return CudaGraphed(module)  # as the race timed it
     if compile:
         from opswap.kernels.int8_inductor import compile_module
 
@@ -655,6 +668,15 @@ _JSON_TYPES = {
     float: "a number",
     type(None): "null",
 }
+
+
+def _deploy_flag(result: Path, key: str) -> bool:
+    """result.json's `deploy.KEY` where it is true, else False (never raises)."""
+    try:
+        deploy = json.loads(result.read_text()).get("deploy")
+    except Exception:
+        return False
+    return isinstance(deploy, dict) and deploy.get(key) is True
 
 
 def _compiled(result: Path) -> bool:
