@@ -284,6 +284,8 @@ def verify_plan(
         samples=samples,
         tolerance=tol,
         variants=captured.variants(),
+        graph=captured.gm,
+        dynamic=captured.dynamic,
     )
     first = None
     if not v.passed:
@@ -423,6 +425,8 @@ def export(
         samples=samples,
         tolerance=tol,
         variants=variants(xs, kept),
+        graph=captured.gm,
+        dynamic=kept,
     )
     return Exported(done, dest, v, art.note)
 
@@ -483,8 +487,16 @@ def verify(
         with torch.no_grad(), preserved_state(reference):
             reference(*fresh(xs))
 
-    shapes = variants(inputs, detect(run, inputs, dynamic))
-    return _verify(reference, candidate, inputs, samples=samples, tolerance=tol, variants=shapes)
+    dyn = detect(run, inputs, dynamic)
+    return _verify(
+        reference,
+        candidate,
+        inputs,
+        samples=samples,
+        tolerance=tol,
+        variants=variants(inputs, dyn),
+        dynamic=dyn,
+    )
 
 
 def _private(fn):
