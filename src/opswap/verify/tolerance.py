@@ -225,11 +225,12 @@ class Tolerance:
 
     def decision_rows(self, settle: bool = False) -> int:
         """Rows to judge class scores on: 0 when the top-1 budget (else the top-5 one)
-        allows no changed row (exact: the samples are enough to see one), else enough to
+        allows no changed row (exact: the samples are enough to see one) or any number
+        (a bound of 0), else enough to
         expect 10 changed rows at its rate, 1000 to 4096; with `settle`, 4096 (for a rate
         `unsettled` calls too close to the budget to tell)."""
         bound = self.top1_min if self.top1_min is not None else self.top5_min
-        if bound is None or bound >= 1:
+        if bound is None or not 0 < bound < 1:
             return 0
         return (
             _MAX_ROWS if settle else max(_MIN_ROWS, min(_MAX_ROWS, math.ceil(_FLIPS / (1 - bound))))
