@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,118 +34,9 @@ from opswap.verify.metrics import Metrics, combine, compare
 from opswap.verify.rounding import own_rounding
 from opswap.verify.samples import make_samples, refresh_floats, row_samples
 from opswap.verify.tolerance import Tolerance, as_tolerance
+from opswap.verify.verdict import OutputCheck, Verification
 
-
-@dataclass
-class OutputCheck:
-    """One output leaf (e.g. `output[0]`, `output['logits']`) over all samples."""
-
-    name: str
-    metrics: Metrics
-    passed: bool
-    reasons: list[str] = field(default_factory=list)
-    #: for an output of class scores: its reading, centred metrics and top-k agreement
-    decisions: Judged | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "passed": self.passed,
-            "reasons": self.reasons,
-            **self.metrics.to_json(),
-            "class_scores": self.decisions.to_json() if self.decisions is not None else None,
-        }
-
-
-@dataclass
-class Verification:
-    """The verdict, the worst-case metrics over all outputs and samples, and the detail."""
-
-    metrics: Metrics
-    passed: bool
-    reasons: list[str]
-    outputs: list[OutputCheck]
-    samples: int
-    tolerance: Tolerance
-    shapes: list[str] = field(default_factory=list)  # the input shapes verified at
-
-    # the metrics under their own names, as result.json carries them
-    @property
-    def max_abs(self) -> float:
-        return self.metrics.max_abs
-
-    @property
-    def max_rel(self) -> float:
-        return self.metrics.max_rel
-
-    @property
-    def cosine(self) -> float:
-        return self.metrics.cosine
-
-    @property
-    def sqnr_db(self) -> float:
-        return self.metrics.sqnr_db
-
-    @property
-    def rel_l2(self) -> float:
-        return self.metrics.rel_l2
-
-    # what decides class scores (verify.decisions), worst over such outputs; None without
-    @property
-    def centred_rel_l2(self) -> float | None:
-        found = [d.centred_metrics for d in self._decisions()]
-        return max((m.rel_l2 for m in found if m is not None), default=None)
-
-    @property
-    def top1_agreement(self) -> float | None:
-        return min((d.top1.agreement for d in self._decisions()), default=None)
-
-    @property
-    def top5_agreement(self) -> float | None:
-        return min((d.top5.agreement for d in self._decisions() if d.top5), default=None)
-
-    @property
-    def decision_rows(self) -> int | None:
-        """The fewest rows any class-score output was judged on."""
-        return min((d.top1.rows for d in self._decisions()), default=None)
-
-    def _decisions(self) -> list[Judged]:
-        return [o.decisions for o in self.outputs if o.decisions is not None]
-
-    def decisions_text(self) -> str:
-        """'centred rel_l2 0.049, top-1 agreement 0.916 on 1056 rows', or '' without
-        class-score outputs."""
-        if not self._decisions():
-            return ""
-        parts = []
-        if self.centred_rel_l2 is not None:
-            parts.append(f"centred rel_l2 {self.centred_rel_l2:.3g}")
-        parts.append(f"top-1 agreement {self.top1_agreement:.4g}")
-        if self.top5_agreement is not None:
-            parts.append(f"top-5 {self.top5_agreement:.4g}")
-        return ", ".join(parts) + f" on {self.decision_rows} rows"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.metrics.to_json(),
-            "centred_rel_l2": self.centred_rel_l2,
-            "top1_agreement": self.top1_agreement,
-            "top5_agreement": self.top5_agreement,
-            "decision_rows": self.decision_rows,
-            "passed": self.passed,
-            "reasons": list(self.reasons),
-            "samples": self.samples,
-            "shapes": list(self.shapes),
-            "tolerance": self.tolerance.to_json(),
-            "outputs": [o.to_json() for o in self.outputs],
-        }
-
-    def __str__(self) -> str:
-        verdict = "PASSED" if self.passed else "FAILED: " + "; ".join(self.reasons)
-        extra = self.decisions_text()
-        return f"{verdict} ({self.metrics}, {self.samples} samples" + (
-            f"; {extra})" if extra else ")"
-        )
+__all__ = ["OutputCheck", "Verification", "capture_check", "verify"]
 
 
 @contextlib.contextmanager
@@ -249,7 +139,7 @@ def verify(
     general: list[str] = []
     heads = graph_heads(graph if graph is not None else reference)
     judged: dict[str, Judged] = {}
-    first: dict[str, torch.Tensor] = {}  # each class-score output at the example
+    shape: dict[str, tuple[int, int]] = {}  # each class-score output's rows and size
 
     def run(sample: tuple, seed_i: int, at: str, only: Container[str] | None = None) -> bool:
         """Compare both models' outputs on `sample` (only the outputs named in `only`);
@@ -288,7 +178,7 @@ def verify(
                 order.append(name)
                 found = read_scores(name, r, heads[j] if heads and same_leaves else None)
                 if found is not None:
-                    judged[name], first[name] = Judged(found), r
+                    judged[name], shape[name] = Judged(found), (r.numel() // r.shape[-1], r.numel())
             reason = None
             if isinstance(r, torch.Tensor) != isinstance(c, torch.Tensor):
                 reason = (
@@ -356,12 +246,9 @@ def verify(
             if not want or not open_:
                 break
             needed = want - min(judged[n].top1.rows for n in open_)
-            fewest = min(open_, key=lambda n: first[n].numel() // first[n].shape[-1])
-            x = first[fewest]
+            rows, numel = min(shape[n] for n in open_)  # the output with the fewest rows
             start = seed + (20_011 if settle else 10_007)
-            label, _, draws = row_samples(
-                inputs[0], x.numel() // x.shape[-1], x.numel(), needed, start, dynamic
-            )
+            label, _, draws = row_samples(inputs[0], rows, numel, needed, start, dynamic)
             at = f"rows drawn for class scores ({label})"
             for j, sample in enumerate(draws):
                 try:
