@@ -468,8 +468,11 @@ def verify(
     computes what its module computes when called, and drops the user's other hooks (as
     `optimize` does, which notes them). With keyword inputs
     the reference is called with keywords, and so is the candidate unless it is a graph
-    opswap made (an fx.GraphModule), which takes them positionally."""
+    opswap made (an fx.GraphModule), which takes them positionally. Outputs of class
+    scores are also judged centred per row and by their top-1/top-5 agreement
+    (verify.decisions); the reference's FX trace, where it traces, names its linear heads."""
     from opswap.graph.dynamic import detect, variants
+    from opswap.verify.decisions import traced
     from opswap.verify.outputs import verify as _verify
     from opswap.verify.rounding import own_rounding
 
@@ -495,6 +498,7 @@ def verify(
         samples=samples,
         tolerance=tol,
         variants=variants(inputs, dyn),
+        graph=traced(reference),  # which outputs come from a linear head (logits)
         dynamic=dyn,
     )
 

@@ -48,6 +48,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from opswap.graph.copies import private_copy
 from opswap.graph.ops import op_kind
 from opswap.verify.metrics import Metrics, combine, compare, resolution
 
@@ -126,6 +127,20 @@ def graph_heads(gm: Any) -> list[str | None] | None:
     if out is None or not out.args:
         return None
     return [_head(x) if isinstance(x, fx.Node) else None for x in pytree.tree_leaves(out.args[0])]
+
+
+def traced(fn: Any) -> fx.GraphModule | None:
+    """A graph to read `fn`'s heads from: `fn` itself when it is a graph module, else the
+    FX trace of a copy of it (so that tracing cannot touch the module verified); None
+    where it does not trace (control flow on values: most Hugging Face models)."""
+    if isinstance(fn, fx.GraphModule):
+        return fn
+    if not isinstance(fn, torch.nn.Module):
+        return None
+    try:
+        return fx.symbolic_trace(private_copy(fn))
+    except Exception:  # untraceable: class scores are read from the values and names alone
+        return None
 
 
 def _head(node: fx.Node) -> str | None:
