@@ -242,7 +242,7 @@ def test_int8_head_through_optimize_keeps_the_decisions():
         bench=False,
     )
     v = r.verification
-    assert v.passed and v.decision_rows >= 1000 and v.top1_agreement >= 0.99
+    assert v.passed and v.decision_rows >= 300 and v.top1_agreement >= 0.99
     assert "head" in {b.decision.site.key for b in r.rolled_back}
     assert _true_agreement(m, r.candidate, d=32) >= 0.985
 

@@ -158,6 +158,11 @@ def test_agreement_and_centred_reasons_in_one_sentence():
     assert a.unsettled(Agreement(1, 1000, 12))
     assert not a.unsettled(Agreement(1, 1000, 30)) and not a.unsettled(Agreement(1, 1000, 2))
     assert not a.unsettled(Agreement(5, 1000, 2))  # only the top-1 rate is settled
+    # none changed on 300 rows: a 1% rate would have shown one with 95% probability
+    assert a.decided(Agreement(1, 300, 0)) and not a.decided(Agreement(1, 299, 0))
+    assert not a.decided(Agreement(1, 300, 1))
+    assert a.decided(Agreement(1, 100, 41))  # fails at 4096 rows whatever comes
+    assert not e.decided(Agreement(1, 10_000, 0))  # exact judges the samples as they are
     plain = compare(torch.full((4, 8), -2.0), torch.full((4, 8), -2.0) + 1e-4)
     centred = Metrics(rel_l2=0.049, numel=32)
     (why,) = a.check_centred(centred, plain, offset=25.0)

@@ -220,16 +220,11 @@ def verify(
 
     def open_to_rows(name: str) -> bool:
         """Whether more rows could change `name`'s verdict: it passes but for its top-k
-        agreement, which is judged on the rows, unless so many rows changed already that
-        it fails at any number of rows drawn."""
-        found = judged[name].top1
+        agreement, which is judged on the rows, and its rows so far do not settle that."""
         return (
             not general
             and not reasons_of(name, agreement=False)
-            and not (
-                tol.top1_min is not None
-                and found.changed > (1 - tol.top1_min) * tol.decision_rows(settle=True)
-            )
+            and not tol.decided(judged[name].top1)
         )
 
     with torch.no_grad(), full_precision(), preserved_state(reference, candidate):
@@ -256,6 +251,9 @@ def verify(
                         break
                 except VerificationError:  # the reference refuses the larger batch: judge
                     break  # on the rows it gave (OutputCheck.decisions counts them)
+                open_ = [n for n in open_ if open_to_rows(n)]
+                if not open_:
+                    break
 
     checks: list[OutputCheck] = []
     for name in order:

@@ -226,8 +226,8 @@ class Tolerance:
     def decision_rows(self, settle: bool = False) -> int:
         """Rows to judge class scores on: 0 when the top-1 budget (else the top-5 one)
         allows no changed row (exact: the samples are enough to see one) or any number
-        (a bound of 0), else enough to
-        expect 10 changed rows at its rate, 1000 to 4096; with `settle`, 4096 (for a rate
+        (a bound of 0), else enough to expect 10 changed rows at its rate, 1000 to 4096
+        (fewer where `decided` says so first); with `settle`, 4096 (for a rate
         `unsettled` calls too close to the budget to tell)."""
         bound = self.top1_min if self.top1_min is not None else self.top5_min
         if bound is None or not 0 < bound < 1:
@@ -235,6 +235,17 @@ class Tolerance:
         return (
             _MAX_ROWS if settle else max(_MIN_ROWS, min(_MAX_ROWS, math.ceil(_FLIPS / (1 - bound))))
         )
+
+    def decided(self, found: Agreement) -> bool:
+        """Whether the rows so far settle the top-1 budget either way: none changed on
+        enough rows that a rate at the budget would have shown one with 95% probability
+        (3 / budget rows: 300 at 1%), or more changed than the budget allows on 4096 rows."""
+        if self.top1_min is None or not 0 < self.top1_min < 1:
+            return False
+        budget = 1 - self.top1_min
+        if found.changed == 0:
+            return found.rows >= 3 / budget
+        return found.changed > budget * _MAX_ROWS
 
     def unsettled(self, found: Agreement) -> bool:
         """Whether the rate of rows whose top-1 class changed lies within two standard
