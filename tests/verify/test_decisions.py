@@ -64,6 +64,9 @@ def test_read_scores_from_the_values():
     assert read_scores("output", torch.softmax(x, -1)).kind == "probs"
     assert read_scores("output", torch.log_softmax(x, -1).to(torch.bfloat16)).kind == "log_probs"
     assert read_scores("output", torch.log_softmax(torch.randn(2, 5, 7), -1)).kind == "log_probs"
+    big = torch.randn(3, 50_000) * 4  # a vocabulary's worth of classes, in float32
+    assert read_scores("output", torch.softmax(big, -1)).kind == "probs"
+    assert read_scores("output", torch.log_softmax(big, -1)).kind == "log_probs"
     # masked classes (-inf) keep log-probabilities log-probabilities
     masked = torch.log_softmax(x.masked_fill(torch.arange(11) > 7, -math.inf), -1)
     assert read_scores("output", masked).kind == "log_probs"
@@ -100,6 +103,8 @@ class Heads(nn.Module):
             "box": torch.tanh(self.box(h)),  # bounded regression
             "hidden": self.norm(h),
             "folded": self.cls(h).reshape(-1, 1),  # the classes moved off the last dim
+            "negated": self.cls(h) * -1.0,  # the order reversed
+            "inverted": 1.0 / self.cls(h),
         }
 
 
@@ -115,10 +120,11 @@ def test_graph_heads_through_value_keeping_ops(how):
     else:
         gm = torch.export.export(m, (x,), strict=False).module()
     heads = graph_heads(gm)
-    assert heads is not None and len(heads) == 5
-    scores, tied, box, hidden, folded = heads
+    assert heads is not None and len(heads) == 7
+    scores, tied, box, hidden, folded, negated, inverted = heads
     assert scores is not None and tied is not None
     assert box is None and hidden is None and folded is None
+    assert negated is None and inverted is None
     assert graph_heads(m) is None  # not a graph
 
 
