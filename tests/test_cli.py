@@ -404,7 +404,8 @@ def test_verify_prints_tolerance_and_samples(tmp_path, capsys):
     assert run("verify", "zoo:resnet", *SMALL, str(plan), "--samples", "2") == 0
     out = " ".join(capsys.readouterr().out.split())
     assert (
-        "tolerance: cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100 (the exact defaults); "
+        "tolerance: cosine>=0.99999, rel_l2<=1e-05, sqnr_db>=100, top1>=1, top5>=1 (the exact "
+        "defaults); "
         "6 samples: 2 at the example shape 2x3x16x16, one at each of batch 1, batch 3, "
         "dim0_2 17, dim0_2 64 (largest verified), batch 1"
     ) in out

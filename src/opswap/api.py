@@ -358,6 +358,8 @@ def verify_plan(
         samples=samples,
         tolerance=tol,
         variants=captured.variants(),
+        graph=captured.gm,
+        dynamic=captured.dynamic,
     )
     first = None
     if not v.passed:
@@ -522,6 +524,8 @@ def export(
         samples=samples,
         tolerance=tol,
         variants=variants(xs, kept),
+        graph=captured.gm,
+        dynamic=kept,
     )
     return Exported(done, dest, v, art.note)
 
@@ -563,8 +567,11 @@ def verify(
     computes what its module computes when called, and drops the user's other hooks (as
     `optimize` does, which notes them). With keyword inputs
     the reference is called with keywords, and so is the candidate unless it is a graph
-    opswap made (an fx.GraphModule), which takes them positionally."""
+    opswap made (an fx.GraphModule), which takes them positionally. Outputs of class
+    scores are also judged centred per row and by their top-1/top-5 agreement
+    (verify.decisions); the reference's FX trace, where it traces, names its linear heads."""
     from opswap.graph.dynamic import detect, variants
+    from opswap.verify.decisions import traced
     from opswap.verify.outputs import verify as _verify
     from opswap.verify.rounding import own_rounding
 
@@ -582,8 +589,17 @@ def verify(
         with torch.no_grad(), preserved_state(reference):
             reference(*fresh(xs))
 
-    shapes = variants(inputs, detect(run, inputs, dynamic))
-    return _verify(reference, candidate, inputs, samples=samples, tolerance=tol, variants=shapes)
+    dyn = detect(run, inputs, dynamic)
+    return _verify(
+        reference,
+        candidate,
+        inputs,
+        samples=samples,
+        tolerance=tol,
+        variants=variants(inputs, dyn),
+        graph=traced(reference),  # which outputs come from a linear head (logits)
+        dynamic=dyn,
+    )
 
 
 def _private(fn):

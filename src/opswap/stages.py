@@ -168,9 +168,12 @@ class Run:
         """replan(without) and the graph planning made (planner.plan_with_graph)."""
         return plan_with_graph(self.captured, **self._settings(without))
 
-    def check(self, fn: Callable[..., Any], variants: Any = None) -> Verification:
+    def check(
+        self, fn: Callable[..., Any], variants: Any = None, dynamic: Any = None
+    ) -> Verification:
         """`fn` against the model itself, not only its capture, at every shape the capture
-        claims (or at `variants`' shapes)."""
+        claims (or at `variants`' shapes, with `dynamic` the sizes `fn` claims: None for
+        the example's only)."""
         # looked up when called, so that a test can stand in for the verifier
         return outputs.verify(
             self.reference,
@@ -180,6 +183,8 @@ class Run:
             tolerance=self.tolerance,
             seed=self.config.seed,
             variants=self.captured.variants() if variants is None else variants,
+            graph=self.captured.gm,
+            dynamic=self.captured.dynamic if variants is None else dynamic,
         )
 
 
@@ -400,7 +405,9 @@ def race(run: Run, pruned: Pruned, step: Callable[[str], None]) -> Race | None:
 
     def check_variant(fn: Callable[..., Any], shapes: Any) -> Verification:
         # shapes: the Dynamic whose sizes the variant claims (a file's own), or False
-        return run.check(fn, at_sizes(run.captured.example_inputs, shapes) if shapes else ())
+        if not shapes:
+            return run.check(fn, ())
+        return run.check(fn, at_sizes(run.captured.example_inputs, shapes), shapes)
 
     raced = run_variants(
         run.reference,

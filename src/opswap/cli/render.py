@@ -201,6 +201,8 @@ def verification(check, budget: str | None, samples: int) -> None:
         table.add_column(col, justify="right")
     table.add_row(*(f"{data[c]:.3g}" if isinstance(data[c], float) else str(data[c]) for c in cols))
     consoles.console.print(table)
+    if data.get("top1_agreement") is not None:
+        line(decisions_text(data))
     source = f"budget {budget} over the" if budget else "the"
     line(
         f"tolerance: {tolerance_text(data['tolerance'])} ({source} "
@@ -268,6 +270,13 @@ def _samples_text(v, asked: int) -> str:
     first, others = (v.shapes[0], v.shapes[1:]) if v.shapes else ("example shape", [])
     text = f"{n(v.samples, 'sample')}: {asked} at the {first}"
     return text + (f", one at each of {', '.join(others)}" if others else "")
+
+
+def decisions_text(data: dict) -> str:
+    """Verification.to_json()'s figures for class-score outputs, in one sentence."""
+    from opswap.report.optimize_report import decisions_text
+
+    return decisions_text(data)
 
 
 def tolerance_text(tol: dict) -> str:

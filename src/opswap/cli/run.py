@@ -231,6 +231,8 @@ def _summary(data: dict) -> None:
             f"tolerance {render.tolerance_text(v['tolerance'])})",
         )
     )
+    if v.get("top1_agreement") is not None:
+        console.print("  " + render.decisions_text(v), markup=False)
     if data.get("accuracy"):
         a = data["accuracy"]
         console.print(

@@ -41,6 +41,8 @@ def _summary(result, data) -> list[Block]:
         f"relative L2 {_f(v['rel_l2'])} (tolerance: "
         f"{tolerance_text(result.verification.tolerance)}).",
     ]
+    if v.get("top1_agreement") is not None:
+        lines.append(decisions_text(v))
     if data.get("accuracy"):
         lines.append(accuracy_text(data["accuracy"]))
     if data.get("timings_settled") is False:
@@ -74,6 +76,9 @@ _TOLERANCE_TERMS = {
     "sqnr_min_db": "sqnr_db>=",
     "max_abs": "max_abs<=",
     "max_rel": "max_rel<=",
+    "centred_rel_l2_max": "centred_rel_l2<=",
+    "top1_min": "top1>=",
+    "top5_min": "top5>=",
 }
 
 
@@ -87,6 +92,19 @@ def aot_text(aot: dict) -> str:
         f"output {t['aot']:.2f} s, against {t['compile']:.2f} s for model.pt2 through "
         "torch.compile; `opswap.load_optimized` loads the package."
     )
+
+
+def decisions_text(v: dict) -> str:
+    """result.json's verification figures for class-score outputs in one sentence."""
+    text = (
+        f"Class scores: top-1 class the same on {100 * v['top1_agreement']:.4g}% of "
+        f"{v['decision_rows']} rows"
+    )
+    if v.get("top5_agreement") is not None:
+        text += f", in the top 5 on {100 * v['top5_agreement']:.4g}%"
+    if v.get("centred_rel_l2") is not None:
+        text += f"; relative L2 centred per row {_f(v['centred_rel_l2'])}"
+    return text + " (worst output)."
 
 
 def accuracy_text(acc: dict) -> str:
@@ -509,6 +527,8 @@ def _verification(result) -> list[Block]:
             f"{o.metrics.cosine:.8f}",
             _f(o.metrics.sqnr_db),
             _f(o.metrics.rel_l2),
+            _centred(o.decisions),
+            _top1(o.decisions),
             "PASSED" if o.passed else "FAILED",
         ]
         for o in v.outputs
@@ -529,16 +549,48 @@ def _verification(result) -> list[Block]:
             + "."
         ),
         Table(
-            ["output", "max abs", "max rel", "cosine", "SQNR dB", "rel L2", "verdict"],
+            [
+                "output",
+                "max abs",
+                "max rel",
+                "cosine",
+                "SQNR dB",
+                "rel L2",
+                "centred rel L2",
+                "top-1 same (rows)",
+                "verdict",
+            ],
             rows,
-            align_right={1, 2, 3, 4, 5},
+            align_right={1, 2, 3, 4, 5, 6, 7},
         ),
     ]
+    judged = [o for o in v.outputs if o.decisions is not None]
+    if judged:
+        blocks.append(
+            Para(
+                "Class scores ("
+                + "; ".join(f"`{o.name}`: {o.decisions.scores.why}" for o in judged)
+                + "): compared centred per row where a common offset carries no information, "
+                "and by the rows whose top-1 class changes (or leaves the top 5), on "
+                "more rows than the samples where the tolerance lets some change."
+            )
+        )
     if v.reasons:
         blocks.append(Bullets(list(v.reasons)))
     if result.accuracy is not None:
         blocks.append(Para(accuracy_text(result.accuracy.to_json())))
     return blocks
+
+
+def _centred(judged) -> str:
+    mc = judged.centred_metrics if judged is not None else None
+    return _f(mc.rel_l2) if mc is not None else "-"
+
+
+def _top1(judged) -> str:
+    if judged is None:
+        return "-"
+    return f"{100 * judged.top1.agreement:.4g}% ({judged.top1.rows})"
 
 
 def _layers(result) -> list[Block]:

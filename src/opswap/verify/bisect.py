@@ -127,21 +127,25 @@ def rollback(
         key = tuple(id(d) for d in p.decisions)
         if key not in cache:
             gm = apply_plan(captured, p, shapes=False).gm
-            cache[key] = verify(
-                reference_fn, gm, inputs, samples=samples, tolerance=tol, seed=seed, variants=shapes
-            )
+            cache[key] = check(gm)
         return cache[key]
 
-    shapes = captured.variants() if inputs is captured.example_inputs else ()
-    base = verify(
-        reference_fn,
-        captured.gm,
-        inputs,
-        samples=samples,
-        tolerance=tol,
-        seed=seed,
-        variants=shapes,
-    )
+    own = inputs is captured.example_inputs  # at the capture's other shapes too
+
+    def check(candidate) -> Verification:
+        return verify(
+            reference_fn,
+            candidate,
+            inputs,
+            samples=samples,
+            tolerance=tol,
+            seed=seed,
+            variants=captured.variants() if own else (),
+            graph=captured.gm,
+            dynamic=captured.dynamic if own else None,
+        )
+
+    base = check(captured.gm)
     if not base.passed:
         raise VerificationError(
             "The captured graph already differs from the reference before any replacement ("

@@ -94,8 +94,11 @@ def resolution(ref: torch.Tensor) -> float:
     return max(fi.tiny, fi.eps * peak)
 
 
-def compare(ref, cand) -> Metrics:
-    """Metrics of `cand` against `ref` (tensors or numbers of the same shape).
+def compare(ref, cand, floor: float | None = None) -> Metrics:
+    """Metrics of `cand` against `ref` (tensors or numbers of the same shape); `floor` is
+    the absolute difference that counts as zero (default: `resolution(ref)`; a caller
+    comparing values derived from an output, such as the output centred per row, passes
+    the output's own).
 
     Raises VerificationError when the shapes differ: there is nothing to compare.
     """
@@ -108,7 +111,8 @@ def compare(ref, cand) -> Metrics:
     if r.is_complex() or c.is_complex():
         r = torch.view_as_real(r.to(torch.complex128))
         c = torch.view_as_real(c.to(torch.complex128))
-    floor = resolution(r)  # in the reference's own dtype, before the float64 cast
+    if floor is None:
+        floor = resolution(r)  # in the reference's own dtype, before the float64 cast
     r = r.to(torch.float64)
     c = c.to(device=r.device, dtype=torch.float64)
     n = r.numel()

@@ -17,88 +17,26 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from opswap.errors import VerificationError
 from opswap.graph.copies import preserved_state
+from opswap.graph.dynamic import Dynamic
 from opswap.graph.inputs import fresh  # an in-place op in one model must not feed the other
+from opswap.verify.decisions import Judged, graph_heads, read_scores
 from opswap.verify.metrics import Metrics, combine, compare
 from opswap.verify.rounding import own_rounding
-from opswap.verify.samples import make_samples, refresh_floats
+from opswap.verify.samples import make_samples, refresh_floats, row_samples
 from opswap.verify.tolerance import Tolerance, as_tolerance
+from opswap.verify.verdict import OutputCheck, Verification
 
-
-@dataclass
-class OutputCheck:
-    """One output leaf (e.g. `output[0]`, `output['logits']`) over all samples."""
-
-    name: str
-    metrics: Metrics
-    passed: bool
-    reasons: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "passed": self.passed,
-            "reasons": self.reasons,
-            **self.metrics.to_json(),
-        }
-
-
-@dataclass
-class Verification:
-    """The verdict, the worst-case metrics over all outputs and samples, and the detail."""
-
-    metrics: Metrics
-    passed: bool
-    reasons: list[str]
-    outputs: list[OutputCheck]
-    samples: int
-    tolerance: Tolerance
-    shapes: list[str] = field(default_factory=list)  # the input shapes verified at
-
-    # the metrics under their own names, as result.json carries them
-    @property
-    def max_abs(self) -> float:
-        return self.metrics.max_abs
-
-    @property
-    def max_rel(self) -> float:
-        return self.metrics.max_rel
-
-    @property
-    def cosine(self) -> float:
-        return self.metrics.cosine
-
-    @property
-    def sqnr_db(self) -> float:
-        return self.metrics.sqnr_db
-
-    @property
-    def rel_l2(self) -> float:
-        return self.metrics.rel_l2
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.metrics.to_json(),
-            "passed": self.passed,
-            "reasons": list(self.reasons),
-            "samples": self.samples,
-            "shapes": list(self.shapes),
-            "tolerance": self.tolerance.to_json(),
-            "outputs": [o.to_json() for o in self.outputs],
-        }
-
-    def __str__(self) -> str:
-        verdict = "PASSED" if self.passed else "FAILED: " + "; ".join(self.reasons)
-        return f"{verdict} ({self.metrics}, {self.samples} samples)"
+__all__ = ["OutputCheck", "Verification", "capture_check", "verify"]
 
 
 @contextlib.contextmanager
@@ -169,11 +107,19 @@ def verify(
     tolerance: Tolerance | str | None = None,
     seed: int = 0,
     variants=(),
+    graph: fx.GraphModule | None = None,
+    dynamic: Dynamic | None = None,
 ) -> Verification:
     """Run `reference` and `candidate` on `samples` inputs like `example_inputs`, plus one
     fresh sample like each of `variants` ((label, inputs) at other shapes), and check
     their outputs against `tolerance` (a Tolerance, an exactness name or a budget string;
     default: exact).
+
+    Outputs that hold class scores (`verify.decisions`: read from the values, and from
+    `graph`, the reference's capture, or the reference itself when it is a graph module)
+    are also judged centred per row and by how many rows change their top-1 (top-5)
+    classes, on more rows where the tolerance allows some to change (`samples.row_samples`:
+    at a larger batch where `dynamic`, the capture's dynamic sizes, claims one).
 
     Raises VerificationError when the reference itself cannot run, or `samples` < 1.
     """
@@ -191,73 +137,129 @@ def verify(
     order: list[str] = []
     failures: dict[str, list[str]] = {}
     general: list[str] = []
+    heads = graph_heads(graph if graph is not None else reference)
+    judged: dict[str, Judged] = {}
+    shape: dict[str, tuple[int, int]] = {}  # each class-score output's rows and size
+
+    def run(sample: tuple, seed_i: int, at: str, only: Container[str] | None = None) -> bool:
+        """Compare both models' outputs on `sample` (only the outputs named in `only`);
+        False when nothing more can be compared (the candidate raised, or its output
+        structure differs)."""
+        try:
+            with same_random(seed_i):
+                ref_out = reference(*fresh(sample))
+        except Exception as e:
+            raise VerificationError(
+                f"The reference model raised {type(e).__name__} on {at} "
+                f"({str(e).strip()[:200]}); check the example inputs."
+            ) from e
+        try:
+            with same_random(seed_i):
+                cand_out = candidate(*fresh(sample))
+        except Exception as e:  # a broken candidate is a failed verification
+            general.append(
+                f"the candidate raised {type(e).__name__} on {at}: {str(e).strip()[:200]}"
+            )
+            return False
+        ref_leaves, ref_spec = _flatten(ref_out)
+        cand_leaves, cand_spec = _flatten(cand_out)
+        if ref_spec != cand_spec:
+            general.append(
+                f"the candidate returns {_describe(cand_spec)} where the "
+                f"reference returns {_describe(ref_spec)}"
+            )
+            return False
+        same_leaves = heads is not None and len(heads) == len(ref_leaves)
+        for j, ((name, r), (_, c)) in enumerate(zip(ref_leaves, cand_leaves, strict=True)):
+            if only is not None and name not in only:
+                continue
+            if name not in per_output:
+                per_output[name] = []
+                order.append(name)
+                found = read_scores(name, r, heads[j] if heads and same_leaves else None)
+                if found is not None:
+                    judged[name], shape[name] = Judged(found), (r.numel() // r.shape[-1], r.numel())
+            reason = None
+            if isinstance(r, torch.Tensor) != isinstance(c, torch.Tensor):
+                reason = (
+                    f"{name} is a {type(c).__name__} in the candidate and a "
+                    f"{type(r).__name__} in the reference"
+                )
+            elif isinstance(r, torch.Tensor):
+                if r.shape != c.shape:
+                    reason = (
+                        f"{name} has shape {tuple(c.shape)} in the candidate and "
+                        f"{tuple(r.shape)} in the reference (at {at})"
+                    )
+                elif r.is_contiguous() and not c.is_contiguous():
+                    reason = (
+                        f"{name} is contiguous in the reference but has strides "
+                        f"{tuple(c.stride())} in the candidate, so a caller's "
+                        ".view() of it would raise"
+                    )
+                else:
+                    per_output[name].append(compare(r, c))
+                    if name in judged:
+                        judged[name].add(r, c, tol.rounding_rel)
+            elif isinstance(r, int | float | bool):
+                per_output[name].append(compare(torch.tensor(r), torch.tensor(c)))
+            elif r != c:
+                reason = f"{name} is {c!r} in the candidate and {r!r} in the reference"
+            if reason is not None:
+                failures.setdefault(name, [])
+                if reason not in failures[name]:
+                    failures[name].append(reason)
+        return True
+
+    def reasons_of(name: str, agreement: bool = True) -> list[str]:
+        m = combine(per_output[name])
+        why = tol.check(m)[1]
+        if name in judged:
+            why += judged[name].check(tol, m, agreement)
+        return failures.get(name, []) + [f"{name}: {w}" for w in why]
+
+    def open_to_rows(name: str) -> bool:
+        """Whether more rows could change `name`'s verdict: it passes but for its top-k
+        agreement, which is judged on the rows, and its rows so far do not settle that."""
+        return (
+            not general
+            and not reasons_of(name, agreement=False)
+            and not tol.decided(judged[name].top1)
+        )
 
     with torch.no_grad(), full_precision(), preserved_state(reference, candidate):
         for i, sample in enumerate(inputs):
-            at = f"sample {i} ({labels[i]})"
-            try:
-                with same_random(seed + i):
-                    ref_out = reference(*fresh(sample))
-            except Exception as e:
-                raise VerificationError(
-                    f"The reference model raised {type(e).__name__} on {at} "
-                    f"({str(e).strip()[:200]}); check the example inputs."
-                ) from e
-            try:
-                with same_random(seed + i):
-                    cand_out = candidate(*fresh(sample))
-            except Exception as e:  # a broken candidate is a failed verification
-                general.append(
-                    f"the candidate raised {type(e).__name__} on {at}: {str(e).strip()[:200]}"
-                )
+            if not run(sample, seed + i, f"sample {i} ({labels[i]})"):
                 break
-            ref_leaves, ref_spec = _flatten(ref_out)
-            cand_leaves, cand_spec = _flatten(cand_out)
-            if ref_spec != cand_spec:
-                general.append(
-                    f"the candidate returns {_describe(cand_spec)} where the "
-                    f"reference returns {_describe(ref_spec)}"
-                )
+        # more rows for the class scores still passing, where the budget lets rows change;
+        # more again for a rate too close to the budget to tell
+        for settle in (False, True):
+            want = tol.decision_rows(settle)
+            open_ = [n for n in judged if open_to_rows(n)]
+            if settle:
+                open_ = [n for n in open_ if tol.unsettled(judged[n].top1)]
+            if not want or not open_:
                 break
-            for (name, r), (_, c) in zip(ref_leaves, cand_leaves, strict=True):
-                if name not in per_output:
-                    per_output[name] = []
-                    order.append(name)
-                reason = None
-                if isinstance(r, torch.Tensor) != isinstance(c, torch.Tensor):
-                    reason = (
-                        f"{name} is a {type(c).__name__} in the candidate and a "
-                        f"{type(r).__name__} in the reference"
-                    )
-                elif isinstance(r, torch.Tensor):
-                    if r.shape != c.shape:
-                        reason = (
-                            f"{name} has shape {tuple(c.shape)} in the candidate and "
-                            f"{tuple(r.shape)} in the reference (at {labels[i]})"
-                        )
-                    elif r.is_contiguous() and not c.is_contiguous():
-                        reason = (
-                            f"{name} is contiguous in the reference but has strides "
-                            f"{tuple(c.stride())} in the candidate, so a caller's "
-                            ".view() of it would raise"
-                        )
-                    else:
-                        per_output[name].append(compare(r, c))
-                elif isinstance(r, int | float | bool):
-                    per_output[name].append(compare(torch.tensor(r), torch.tensor(c)))
-                elif r != c:
-                    reason = f"{name} is {c!r} in the candidate and {r!r} in the reference"
-                if reason is not None:
-                    failures.setdefault(name, [])
-                    if reason not in failures[name]:
-                        failures[name].append(reason)
+            needed = want - min(judged[n].top1.rows for n in open_)
+            rows, numel = min(shape[n] for n in open_)  # the output with the fewest rows
+            start = seed + (20_011 if settle else 10_007)
+            label, _, draws = row_samples(inputs[0], rows, numel, needed, start, dynamic)
+            at = f"rows drawn for class scores ({label})"
+            for j, sample in enumerate(draws):
+                try:
+                    if not run(sample, start + j, at, open_):
+                        break
+                except VerificationError:  # the reference refuses the larger batch: judge
+                    break  # on the rows it gave (OutputCheck.decisions counts them)
+                open_ = [n for n in open_ if open_to_rows(n)]
+                if not open_:
+                    break
 
     checks: list[OutputCheck] = []
     for name in order:
         m = combine(per_output[name])
-        ok, why = tol.check(m)
-        why = failures.get(name, []) + [f"{name}: {w}" for w in why]
-        checks.append(OutputCheck(name, m, ok and name not in failures, why))
+        why = reasons_of(name)
+        checks.append(OutputCheck(name, m, not why, why, judged.get(name)))
     reasons = general + [r for c in checks for r in c.reasons]
     total = combine(c.metrics for c in checks)
     if not checks and general:  # nothing could be compared: no number to show

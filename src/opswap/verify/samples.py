@@ -24,17 +24,28 @@ a sample would check nothing). For a model that is meant to take them,
 `extreme_sample` makes one (values at 1e4 times the example's spread, and on request
 +inf, -inf and NaN once each in three rows); pass it to `verify` as a variant,
 `variants=[("large and non-finite", extreme_sample(x, nonfinite=True))]`.
+
+Outputs of class scores are judged on many rows (about 1000 to see a 1% rate of changed
+classes, see `verify.decisions`); `row_samples` draws them as more fresh samples, at a
+larger batch where the batch size is dynamic, so that they cost few calls.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch.utils import _pytree as pytree
 
 from opswap.graph.capture import as_inputs
-from opswap.graph.dynamic import step_rows
+from opswap.graph.dynamic import Dynamic, at, step_rows, within
+
+#: rows for class scores are drawn in at most this many calls, at a batch of at most
+#: DECISION_BATCH (or the example's) and at most DECISION_NUMEL output elements a call
+DECISION_CALLS = 256
+DECISION_BATCH = 64
+DECISION_NUMEL = 1 << 22
 
 
 def _is_structural(x: torch.Tensor) -> bool:
@@ -140,3 +151,41 @@ def extreme_sample(
         return out
 
     return tuple(pytree.tree_map(wild, list(as_inputs(example_inputs))))
+
+
+def row_samples(
+    example_inputs,
+    rows: int,
+    numel: int,
+    needed: int,
+    seed: int,
+    dynamic: Dynamic | None = None,
+) -> tuple[str, int, Iterator[tuple]]:
+    """Fresh inputs like `example_inputs` that give `needed` more rows of an output having
+    `rows` rows (`numel` elements) at the example's shape: at a larger batch where
+    `dynamic` claims the batch size dynamic (up to DECISION_BATCH and DECISION_NUMEL
+    output elements a call, within its guards), else at the example's shape; at most
+    DECISION_CALLS calls. Returns the label of their shape, the number of calls, and the
+    inputs, drawn one call at a time."""
+    example = as_inputs(example_inputs)
+    xs, per, label = example, max(rows, 1), "example shape"
+    axis = dynamic.axis("batch") if dynamic is not None else None
+    if dynamic is not None and axis is not None and rows >= axis.size and rows % axis.size == 0:
+        item_rows, item_numel = rows // axis.size, max(numel // axis.size, 1)
+        size = min(
+            math.ceil(needed / item_rows),
+            max(axis.size, DECISION_BATCH),
+            max(axis.size, DECISION_NUMEL // item_numel),
+        )
+        if size > axis.size:
+            grown = at(example, axis, size)
+            if within(dynamic)(grown):
+                xs, per, label = grown, item_rows * size, f"batch {size}"
+    calls = max(0, min(DECISION_CALLS, math.ceil(needed / per)))
+
+    def draws() -> Iterator[tuple]:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(calls):
+            yield tuple(pytree.tree_map(lambda x: _fresh(x, gen), list(xs)))
+
+    return label, calls, draws()
