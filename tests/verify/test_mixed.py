@@ -173,10 +173,14 @@ def test_the_report_holds_the_table_the_plot_and_the_json(tmp_path):
     ]
 
 
-def test_the_cli_command_writes_the_report_and_says_where_nothing_is_a_candidate(tmp_path):
+def test_the_cli_command_debugs_sites_the_speed_model_rules_out_and_agrees_with_its_check(
+    tmp_path,
+):
     """`opswap debug-precision` end to end on the zoo's small BERT for the H200: its GEMMs are
-    too small there for bfloat16 to pay for the casts' launches, so no site is a candidate,
-    and the report says why for each."""
+    too small there for bfloat16 to pay for the casts, yet precision debugging measures every
+    site (it is not gated by speed), and the set it keeps in float32 passes the same
+    verification that judges the result (class scores centred and by top-1), so the command
+    never ends FAILED with a kept set it calls sufficient."""
     from opswap.cli import main
 
     out, js = tmp_path / "dp", tmp_path / "dp.json"
@@ -186,6 +190,6 @@ def test_the_cli_command_writes_the_report_and_says_where_nothing_is_a_candidate
     except SystemExit as e:
         assert not e.code
     data = json.loads(js.read_text())
-    assert data["rules"] == ["precision.bf16"] and data["sites"] == 0 and data["passed"]
-    assert data["skipped"] and all("predicted slower on h200" in s for s in data["skipped"])
-    assert "Not candidates" in (out / "report.md").read_text()
+    assert data["rules"] == ["precision.bf16"] and data["sites"] > 0
+    assert data["passed"] and data["verification"]["passed"], data["verification"]["reasons"]
+    assert (out / "report.md").exists()

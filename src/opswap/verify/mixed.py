@@ -237,16 +237,36 @@ def debug_precision(
     everywhere = measure(full) if decisions else Metrics()
 
     seen: dict[frozenset[tuple[str, str]], Metrics] = {}
+    checked: dict[frozenset[tuple[str, str]], Any] = {}
+
+    def verified(kept: set[tuple[str, str]]):
+        """The verification the result is judged by (every shape, class-score outputs
+        centred and by top-1), of the plan keeping `kept` in float32: the search keeps a
+        set only where this passes too, so its answer and the final check agree."""
+        key = frozenset(kept)
+        if key not in checked:
+            step("verify")
+            checked[key] = verify(
+                reference,
+                apply_plan(captured, plan({k: KEPT for k in kept}) if kept else full).gm,
+                captured.example_inputs,
+                samples=samples,
+                tolerance=tol,
+                seed=seed + 1000,
+                variants=captured.variants(),
+            )
+        return checked[key]
 
     def passes(kept: set[tuple[str, str]]) -> tuple[bool, Metrics]:
         key = frozenset(kept)
         if key not in seen:
             seen[key] = measure(plan({k: KEPT for k in kept}))
-        return tol.check(seen[key])[0], seen[key]
+        ok = tol.check(seen[key])[0] and verified(kept).passed
+        return ok, seen[key]
 
     kept: set[tuple[str, str]] = set()
     result = everywhere
-    if decisions and not tol.check(everywhere)[0]:
+    if decisions and not (tol.check(everywhere)[0] and verified(set()).passed):
         order = sorted(range(len(layers)), key=lambda i: _badness(layers[i].alone), reverse=True)
         ordered = [keys[i] for i in order]
         lo, hi = 0, len(ordered)  # keeping none fails; keeping all is the float32 model
@@ -266,16 +286,7 @@ def debug_precision(
     for s in layers:
         s.kept = (s.rule, s.site) in kept
     final = plan({k: KEPT for k in kept}) if kept else full
-    step("verify")
-    check = verify(
-        reference,
-        apply_plan(captured, final).gm,
-        captured.example_inputs,
-        samples=samples,
-        tolerance=tol,
-        seed=seed + 1000,
-        variants=captured.variants(),
-    )
+    check = verified(kept)
     return MixedPrecision(
         name,
         rules,
