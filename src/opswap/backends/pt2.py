@@ -304,7 +304,7 @@ def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> n
     sizes (graph.dynamic.check_inputs, the in-memory result's check too), then `holds`,
     every guard of the program compiled into one function."""
     from opswap.errors import InputError
-    from opswap.graph.dynamic import Expected, check_inputs
+    from opswap.graph.dynamic import Expected, bind_by_name, check_inputs
     from opswap.graph.guards import refusal
 
     expected = []
@@ -317,28 +317,12 @@ def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> n
     n = len(names)
     listed = ", ".join(names)
 
-    def bind(args: tuple, kwargs: dict) -> tuple:
-        given = list(args) + [None] * (n - len(args))
-        for k, v in kwargs.items():
-            i = names.index(k) if k in names else -1
-            if i < 0:
-                raise InputError(f"{name} has no input {k!r}; its inputs are {listed}.")
-            if i < len(args):
-                raise InputError(f"{name} got input {k} twice, by position and by name.")
-            given[i] = v
-        missing = [names[i] for i, v in enumerate(given) if v is None]
-        if missing:
-            raise InputError(
-                f"{name} is missing input(s) {', '.join(missing)} (it takes {listed})."
-            )
-        return tuple(given)
-
     def check(_mod, args, kwargs):
         out = None
         if kwargs:
             if len(args) > n:
                 raise InputError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
-            args = bind(args, kwargs)
+            args = bind_by_name(name, names, args, kwargs)
             out = (args, {})
         if len(args) != n:
             raise InputError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")

@@ -493,6 +493,25 @@ class Expected:
     fixed: tuple[tuple[int, int], ...] = ()
 
 
+def bind_by_name(what: str, names: list[str], args: tuple, kwargs: dict) -> tuple:
+    """`args` with the keyword inputs `kwargs` put in their places among `names` (a flat
+    list of named inputs: a dict example's ids and mask), as opswap's in-memory result and
+    the saved model.pt2 both take them; one sentence for a name it lacks, an input given
+    twice, or one missing."""
+    listed = ", ".join(names)
+    given: list = list(args) + [None] * (len(names) - len(args))
+    for k, v in kwargs.items():
+        if k not in names:
+            raise InputError(f"{what} has no input {k!r}; its inputs are {listed}.")
+        if names.index(k) < len(args):
+            raise InputError(f"{what} got input {k} twice, by position and by name.")
+        given[names.index(k)] = v
+    missing = [n for n, v in zip(names, given, strict=True) if v is None]
+    if missing:
+        raise InputError(f"{what} is missing input(s) {', '.join(missing)} (it takes {listed}).")
+    return tuple(given)
+
+
 def check_inputs(
     what: str,
     got: list[Any] | tuple[Any, ...],
@@ -561,31 +580,16 @@ def guard(
 
     flat = len(inputs) == len(leaves) and len(set(names)) == len(names)
 
-    def bind(args: tuple, kwargs: dict) -> tuple:
-        """Keyword inputs put in their places, when the inputs are a flat list of named
-        tensors (a dict example: ids, mask), as the saved model.pt2 takes them."""
-        if not flat or len(args) > len(names):
-            raise InputError(
-                f"{what} takes its inputs positionally, in this order: {', '.join(names)}."
-            )
-        given: list = list(args) + [None] * (len(names) - len(args))
-        for k, v in kwargs.items():
-            if k not in names:
-                raise InputError(f"{what} has no input {k!r}; its inputs are {', '.join(names)}.")
-            if names.index(k) < len(args):
-                raise InputError(f"{what} got input {k} twice, by position and by name.")
-            given[names.index(k)] = v
-        missing = [n for n, v in zip(names, given, strict=True) if v is None]
-        if missing:
-            raise InputError(f"{what} is missing input(s) {', '.join(missing)}.")
-        return tuple(given)
-
     def check(_mod, args, kwargs):
         if torch.compiler.is_compiling():
             return None
         bound = None
         if kwargs:
-            args = bind(args, kwargs)
+            if not flat or len(args) > len(names):
+                raise InputError(
+                    f"{what} takes its inputs positionally, in this order: {', '.join(names)}."
+                )
+            args = bind_by_name(what, names, args, kwargs)
             bound = (args, {})
         got, got_spec = pytree.tree_flatten(list(args))
         if got_spec != spec:
