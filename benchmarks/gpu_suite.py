@@ -199,6 +199,8 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "tune_int4": (["tests/kernels/test_weight_only.py"], [["tune_int4.py"]]),
     # the decode stacks alone with the committed table (writes tune_int4_stacks_<card>.json)
     "int4_stacks": ([], [["tune_int4.py", "--stacks-only"]]),
+    # issue 37 §5: where the host time of one eager call of a row op goes, layer by layer
+    "host": ([], [["bench_host_overhead.py"]]),
     # the backward kernels alone (GPU time) per launch choice, and the host's cost of a call
     "backward": (
         KERNEL_TESTS[:3],
@@ -517,8 +519,9 @@ def main() -> None:
             "widths",
             "tune_int4",
             "int4_stacks",
+            "host",
         ],
-        help="run one part alone: race = tests/bench/test_gpu_race.py on one worker (the bf16 race on torchvision ResNet-50 and BERT-base saves the fastest verified variant and it reloads; writes race_CARD.json); int4_stacks = benchmarks/tune_int4.py --stacks-only (the "
+        help="run one part alone: host = benchmarks/bench_host_overhead.py (the host time per eager call of opswap::rms_norm and opswap::layer_norm, layer by layer, beside torch eager and torch.compile; writes host_overhead_CARD.json); race = tests/bench/test_gpu_race.py on one worker (the bf16 race on torchvision ResNet-50 and BERT-base saves the fastest verified variant and it reloads; writes race_CARD.json); int4_stacks = benchmarks/tune_int4.py --stacks-only (the "
         "INT4 decode stacks with the committed launch table, beside bf16 and tinygemm); "
         "tune_int4 = the weight-only kernel's GPU tests, then "
         "benchmarks/tune_int4.py (the INT4 GEMV's launch per shape timed in a graph of "
