@@ -15,7 +15,6 @@ Top-1 accuracy on the held-out split is printed for each.
 import torch
 import torch.nn.functional as F
 
-from opswap import qat
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import capture
 from opswap.kernels import int8_static
@@ -24,6 +23,7 @@ from opswap.models import load
 from opswap.models.zoo_digits import digits
 from opswap.planner import apply_plan, make_plan
 from opswap.targets.base import Target
+from opswap.train import qat
 
 # A profile where int8 pays, so that the int8 model is built on any CPU; whether it is
 # faster on this one is what `opswap optimize` measures (its `cpu` target times each

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opswap import norm_swap
 from opswap.models.zoo_digits import digits
+from opswap.train import norm_swap
 
 
 def net() -> nn.Module:

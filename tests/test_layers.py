@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 #: from the bottom; each entry names the top-level modules of opswap in one layer ("" is
 #: the package's own __init__, the public surface beside the API functions it re-exports)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("floor", ("errors", "_callable", "_version", "_finetune")),
+    ("floor", ("errors", "_callable", "_version")),
     ("targets", ("targets",)),
     ("kernels", ("kernels",)),
     ("graph", ("graph",)),
@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("artifact", ("artifact", "result")),
     ("llm", ("llm",)),
     ("pipeline", ("pipeline", "stages")),
-    ("api", ("api", "deploy", "qat", "norm_swap", "")),
+    ("api", ("api", "deploy", "train", "")),
     ("cli", ("cli",)),
 ]
 

@@ -1,6 +1,6 @@
 """What a GroupNorm that replaces an eval BatchNorm starts from: its group count and its
 affine weight and bias. Shared by the rule norm.batchnorm_groupnorm and the model-level
-opswap.norm_swap.prepare.
+opswap.train.norm_swap.prepare.
 
 An eval BatchNorm is a per-channel affine map of its input, y = s[c] * x + t[c] with
 s = gamma / sqrt(running_var + eps) and t = beta - running_mean * s. A GroupNorm computes
@@ -19,7 +19,7 @@ position) and then y' = a[c] * z + b[c]. Three starting points for (a, b):
   the GroupNorm-normalised input, a = cov(z, y) / var(z), b = mean(y) - a * mean(z).
   The sums are accumulated in float64, so any number of batches costs a few vectors.
 
-Measured (tests/test_norm_swap.py checks the order of the first two; the chapter page,
+Measured (tests/train/test_norm_swap.py checks the order of the first two; the chapter page,
 docs/chapters/10-normalization.md, has the figures): on a digits conv net with two
 BatchNorm2d and a BatchNorm1d, the logits' distance from the BatchNorm model's on the
 held-out split is 0.41 from `affine`, 0.23 from `stats` and 0.31 from `fit` (8 groups;

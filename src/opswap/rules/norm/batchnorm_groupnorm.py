@@ -28,11 +28,11 @@ class BatchNormGroupNorm(Rule):
     and shift; rules/norm/_bn_groupnorm.py), which measured closer to the BatchNorm's
     outputs than gamma and beta, and than a least-squares fit on sample inputs. It
     ignores how a group's statistics move from sample to sample: that is the change of
-    function, which opswap.norm_swap.distill trains away.
+    function, which opswap.train.norm_swap.distill trains away.
 
     Lossy: a GroupNorm normalises each sample with its own statistics, so its output is
     not the BatchNorm's; how far it lands is the verification's to say (0.23 relative L2
-    of the logits on the digits net of tests/test_norm_swap.py before distilling).
+    of the logits on the digits net of tests/train/test_norm_swap.py before distilling).
 
     Where it pays: nowhere by speed. An eval BatchNorm folds into the conv before it for
     free (fusion.conv_bn, which runs after this rule and so loses these sites), or costs
@@ -82,7 +82,7 @@ class BatchNormGroupNorm(Rule):
         if g == 1 and c > 1:
             return Refused(
                 f"{c} channels have no divisor from 2 to {GROUPS}, so GroupNorm would be "
-                "LayerNorm over all of them; opswap.norm_swap.prepare(model, to='layer') "
+                "LayerNorm over all of them; opswap.train.norm_swap.prepare(model, to='layer') "
                 "makes that choice on purpose"
             )
         spatial = [d for i, d in enumerate(xi.shape[2:], 2) if i not in dynamic_dims(x)]

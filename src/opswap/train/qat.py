@@ -1,9 +1,9 @@
 """Quantisation-aware training: train a model with int8 rounding simulated in its forward,
 then convert it to the real int8 model that opswap's static rules build.
 
-    qat = opswap.qat.prepare(model)                  # a copy; the model is not changed
-    opswap.qat.fine_tune(qat, batches, loss_fn, steps=200)
-    int8 = opswap.qat.convert(qat, example_inputs)   # onednn int8 convolutions and GEMMs
+    qat = opswap.train.qat.prepare(model)                  # a copy; the model is not changed
+    opswap.train.qat.fine_tune(qat, batches, loss_fn, steps=200)
+    int8 = opswap.train.qat.convert(qat, example_inputs)   # onednn int8 convolutions and GEMMs
 
 `prepare` wraps every Conv2d and Linear of a copy in a module that rounds its input and
 its weight the way the int8 kernels will (`torch.fake_quantize_per_tensor_affine` for
@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opswap._finetune import args_of, train_steps
 from opswap.errors import RuleError
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import capture, copy_module
@@ -40,6 +39,7 @@ from opswap.kernels import int8_static
 from opswap.kernels.observers import Observer, qparams
 from opswap.rules.precision.int8_static_conv import MIN_CHANNELS
 from opswap.rules.precision.int8_static_linear import MIN_FEATURES
+from opswap.train._loop import args_of, train_steps
 
 _OBSERVER = "opswap.observer"
 

@@ -1,4 +1,4 @@
-"""The short fine-tuning loop that opswap.qat.fine_tune and opswap.norm_swap.distill share:
+"""The short fine-tuning loop that opswap.train.qat.fine_tune and opswap.train.norm_swap.distill share:
 Adam over a model's trainable parameters for a fixed number of steps, cycling the data."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""opswap.norm_swap: prepare swaps every BatchNorm of a copy (the model is not changed),
+"""opswap.train.norm_swap: prepare swaps every BatchNorm of a copy (the model is not changed),
 the group count is the largest divisor up to `groups`, the running-statistics start is
 closer to the BatchNorm model than gamma/beta, and distill on scikit-learn's digits
 closes the gap and keeps the teacher's accuracy within a margin; errors are sentences."""
@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opswap import norm_swap
 from opswap.errors import RuleError
 from opswap.models.zoo_digits import digits
 from opswap.rules.norm._bn_groupnorm import group_count
+from opswap.train import norm_swap
 
 
 class Net(nn.Module):

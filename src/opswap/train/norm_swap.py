@@ -1,8 +1,8 @@
 """BatchNorm -> GroupNorm or LayerNorm, for models that must normalise each sample on its
 own, and a short distillation that recovers what the swap changed.
 
-    student = opswap.norm_swap.prepare(model)                     # a copy; model unchanged
-    opswap.norm_swap.distill(student, model, batches, steps=200)  # match model's outputs
+    student = opswap.train.norm_swap.prepare(model)                     # a copy; model unchanged
+    opswap.train.norm_swap.distill(student, model, batches, steps=200)  # match model's outputs
 
 Why: a BatchNorm normalises with the batch's statistics in training and with frozen
 running statistics in eval. That breaks down at batch 1-2 (detection, segmentation,
@@ -36,7 +36,6 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from opswap._finetune import args_of, train_steps
 from opswap.errors import RuleError
 from opswap.graph.capture import copy_module
 from opswap.rules.norm._bn_groupnorm import (
@@ -47,6 +46,7 @@ from opswap.rules.norm._bn_groupnorm import (
     scale_shift,
     stats_init,
 )
+from opswap.train._loop import args_of, train_steps
 
 INITS = ("stats", "fit", "affine")
 LOSSES = ("mse", "kl")

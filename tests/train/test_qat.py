@@ -1,4 +1,4 @@
-"""opswap.qat: prepare wraps the layers static int8 quantises (a copy; the model is not
+"""opswap.train.qat: prepare wraps the layers static int8 quantises (a copy; the model is not
 changed), the straight-through estimator trains through the rounding, convert builds the
 real int8 model from the trained ranges and it computes what the QAT model computed,
 and training through the rounding learns."""
@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opswap import qat
 from opswap.errors import RuleError
 from opswap.kernels import int8_static
 from opswap.rules.precision._int8_static_module import Int8StaticConv2d, Int8StaticLinear
+from opswap.train import qat
 
 pytestmark = pytest.mark.skipif(
     not int8_static.onednn_available(), reason="onednn's int8 kernels need an x86 CPU torch"

@@ -1,0 +1,9 @@
+"""The training side of operator replacement: modules that change a model by training it
+rather than by rewriting its graph alone.
+
+- `opswap.train.qat`: quantisation-aware training for the static int8 rules (chapter 6);
+- `opswap.train.norm_swap`: BatchNorm to GroupNorm/LayerNorm with distillation (chapter 10).
+
+Both share one short fine-tuning loop (`train._loop`). The training issue (fused training
+kernels, replacements with gradients) adds its modules here.
+"""
