@@ -194,57 +194,6 @@ def reference(
     return y + bias.double() if bias is not None else y
 
 
-def _groups_row_fn(
-    acc,
-    x_row,
-    w_ptr,
-    s_ptr,
-    o_ptr,
-    rn,
-    n_ok,
-    rj,
-    c,
-    k0,
-    K,
-    stride_wn,
-    stride_sn,
-    BITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NG: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    # `_wo_kernel_fn`'s chunk at one row with NG whole groups per chunk (BLOCK_K divides Kp:
-    # no mask along K on the weight, so its loads stay 16-byte vectors): per column and
-    # group, the integer dot product, then its scale (and offset times the group's sum of x)
-    gk = c * NG + tl.arange(0, NG)
-    s = tl.load(s_ptr + rn[:, None] * stride_sn + gk[None, :], mask=n_ok[:, None], other=0.0)
-    if BITS == 4:
-        wq = tl.load(
-            w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
-            mask=n_ok[:, None],
-            other=0,
-        )
-        ke = k0 + 2 * rj
-        xe = tl.load(x_row + ke, mask=ke < K, other=0.0).to(tl.float32)
-        xo = tl.load(x_row + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
-        p = (wq & 0xF).to(tl.float32) * xe[None, :] + (wq >> 4).to(tl.float32) * xo[None, :]
-        pg = tl.sum(tl.reshape(p, (BLOCK_N, NG, GROUP // 2)), 2)  # [BLOCK_N, NG]
-        xg = tl.sum(tl.reshape(xe + xo, (NG, GROUP // 2)), 1)  # [NG]
-        off = tl.load(o_ptr + rn[:, None] * stride_sn + gk[None, :], mask=n_ok[:, None], other=0.0)
-        acc += tl.sum(pg * s + xg[None, :] * off, 1)
-    else:
-        kk = k0 + rj
-        wq = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None], other=0)
-        xv = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
-        pg = tl.sum(tl.reshape(wq.to(tl.float32) * xv[None, :], (BLOCK_N, NG, GROUP)), 2)
-        acc += tl.sum(pg * s, 1)
-    return acc
-
-
-# jitted under the name the kernel calls, like `_int4_load` below
-_groups_row: Any = triton.jit(_groups_row_fn) if triton is not None else None
-
-
 # ----------------------------------------------------------------------------- the kernel
 
 
@@ -300,10 +249,37 @@ def _wo_kernel_fn(
     for c in range(c0, c1):
         k0 = c * BLOCK_K
         if BLOCK_M == 1 and not PER_CHANNEL:
-            acc = _groups_row(
-                acc, x_row, w_ptr, s_ptr, o_ptr, rn, n_ok, rj, c, k0, K, stride_wn, stride_sn,
-                BITS, BLOCK_N, NG, GROUP,
-            )  # fmt: skip
+            # one row, NG whole groups per chunk (BLOCK_K divides Kp: no mask along K on the
+            # weight, so its loads stay 16-byte vectors): per column and group, the integer
+            # dot product, then its scale (and offset times the group's sum of x)
+            gk = c * NG + tl.arange(0, NG)
+            s = tl.load(
+                s_ptr + rn[:, None] * stride_sn + gk[None, :], mask=n_ok[:, None], other=0.0
+            )
+            if BITS == 4:
+                wq = tl.load(
+                    w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
+                    mask=n_ok[:, None],
+                    other=0,
+                )
+                ke = k0 + 2 * rj
+                xe = tl.load(x_row + ke, mask=ke < K, other=0.0).to(tl.float32)
+                xo = tl.load(x_row + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
+                p = (wq & 0xF).to(tl.float32) * xe[None, :] + (wq >> 4).to(tl.float32) * xo[None, :]
+                pg = tl.sum(tl.reshape(p, (BLOCK_N, NG, GROUP // 2)), 2)  # [BLOCK_N, NG]
+                xg = tl.sum(tl.reshape(xe + xo, (NG, GROUP // 2)), 1)  # [NG]
+                off = tl.load(
+                    o_ptr + rn[:, None] * stride_sn + gk[None, :], mask=n_ok[:, None], other=0.0
+                )
+                acc += tl.sum(pg * s + xg[None, :] * off, 1)
+            else:
+                kk = k0 + rj
+                wq = tl.load(
+                    w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None], other=0
+                )
+                xv = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+                pg = tl.sum(tl.reshape(wq.to(tl.float32) * xv[None, :], (BLOCK_N, NG, GROUP)), 2)
+                acc += tl.sum(pg * s, 1)
         elif BITS == 4:
             wq = tl.load(
                 w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
