@@ -11,9 +11,9 @@ from torch import nn
 from opswap.backends.lowerings import LOWERED, NOT_LOWERED, table
 from opswap.backends.ort import ort_artifact
 from opswap.graph.dynamic import Axis, Dynamic
+from opswap.graph.observers import QParams
 from opswap.kernels import int8_linear as k8
 from opswap.kernels.activation import ACTIVATIONS
-from opswap.kernels.observers import QParams
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.rules.precision._int8_static_module import Int8StaticConv2d, Int8StaticLinear
 from opswap.rules.precision._lowbit_modules import FP8Linear, WeightOnlyLinear
