@@ -12,7 +12,7 @@ this script measures). Then one interleaved loop (inference mode) times:
 - `input`: the float32 model as given, and `compile`: torch.compile of it;
 - `opswap_int8`: the planned graph with onednn's int8 convolutions, and
   `opswap_int8+compile`: its export compiled as the race compiles the saved file (the int8
-  sites through Inductor's own int8 lowering, kernels/int8_inductor.py); `opswap_int8_float_maps` (and `+compile`): the same plan without
+  sites through Inductor's own int8 lowering, backends/int8_inductor.py); `opswap_int8_float_maps` (and `+compile`): the same plan without
   `precision.int8_static_handoff`, every convolution writing float32, to show what the
   uint8 handoff between convolutions adds;
 - `ort_fp32` and `ort_opswap_int8`: ONNX Runtime on the input's float32 export and on
@@ -86,11 +86,11 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _results import compare_variants, pt2e_x86, write_results
 
+    from opswap.backends.int8_inductor import compile_module
     from opswap.bench.timing import describe_device
     from opswap.graph.calibrate import Calibration, attach
     from opswap.graph.capture import capture
     from opswap.kernels import int8_static
-    from opswap.kernels.int8_inductor import compile_module
     from opswap.models import load
     from opswap.planner import apply_plan, make_plan
     from opswap.targets.base import Target

@@ -15,10 +15,10 @@ Top-1 accuracy on the held-out split is printed for each.
 import torch
 import torch.nn.functional as F
 
+from opswap.backends.int8_inductor import compile_module
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import capture
 from opswap.kernels import int8_static
-from opswap.kernels.int8_inductor import compile_module
 from opswap.models import load
 from opswap.models.zoo_digits import digits
 from opswap.planner import apply_plan, make_plan

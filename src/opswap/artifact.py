@@ -421,9 +421,9 @@ def _aot(result: Result, pt2: Path) -> dict[str, Any]:
     the model at the example's shapes, and both ways to load it timed from nothing to the
     first output (result.json's `deploy.aot`); or why there is no package."""
     from opswap.backends import aoti
+    from opswap.backends.int8_inductor import compile_module
     from opswap.backends.pt2 import load as load_program
     from opswap.graph.inputs import fresh
-    from opswap.kernels.int8_inductor import compile_module
     from opswap.verify.outputs import verify
 
     path, why = aoti.package(pt2, pt2.with_name(aoti.PACKAGE))
@@ -652,7 +652,7 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
 
         return CudaGraphed(module)  # as the race timed it
     if compile:
-        from opswap.kernels.int8_inductor import compile_module
+        from opswap.backends.int8_inductor import compile_module
 
         # as the race compiled it: static int8 sites through Inductor's int8 lowering
         return compile_module(module)

@@ -26,7 +26,7 @@ from opswap.graph.calibration_data import check_path
 from opswap.graph.capture import Captured
 from opswap.graph.copies import describe_hooks
 from opswap.graph.dynamic import Dynamic
-from opswap.kernels.observers import METHODS as CALIBRATION_METHODS
+from opswap.graph.observers import METHODS as CALIBRATION_METHODS
 from opswap.models.task import Accuracy, Task
 from opswap.planner import CALIBRATED_RULES, Plan, plan_with_graph
 from opswap.result import Result

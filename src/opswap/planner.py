@@ -35,7 +35,7 @@ from opswap.graph.calibrate import (
     calibration_of,
 )
 from opswap.graph.capture import Captured, copy_module
-from opswap.kernels.observers import QParams
+from opswap.graph.observers import QParams
 from opswap.rules import registry
 from opswap.rules.apply import Applied, Redo, Run, apply_sites
 from opswap.rules.base import (

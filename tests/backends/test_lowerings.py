@@ -1,19 +1,35 @@
 """Every lowering of an opswap op, run in ONNX Runtime against the op itself in PyTorch,
-at the example's batch and at others (the file keeps batch dynamic)."""
+at the example's batch and at others (the file keeps batch dynamic); and the contract:
+every op opswap's kernels register has a lowering or a registered reason for none."""
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
 
 import onnx
 import pytest
 import torch
 from torch import nn
 
-from opswap.backends.lowerings import LOWERED, NOT_LOWERED, table
+from opswap.backends.lowerings import (
+    LOWERED,
+    NOT_LOWERED,
+    Options,
+    _registry,
+    lowering,
+    lowering_modules,
+    no_lowering,
+    registered,
+    table,
+    uncovered,
+)
 from opswap.backends.ort import ort_artifact
 from opswap.graph.dynamic import Axis, Dynamic
+from opswap.graph.observers import QParams
 from opswap.kernels import int8_linear as k8
 from opswap.kernels.activation import ACTIVATIONS
-from opswap.kernels.observers import QParams
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.rules.precision._int8_static_module import Int8StaticConv2d, Int8StaticLinear
 from opswap.rules.precision._lowbit_modules import FP8Linear, WeightOnlyLinear
@@ -235,17 +251,79 @@ def test_int_mm_lowered_where_int8_linear_traces_to_it(tmp_path, monkeypatch):
     torch.testing.assert_close(art.module(xb), want, atol=1e-5, rtol=1e-5)
 
 
-def test_every_registered_opswap_op_has_a_lowering():
-    import opswap.kernels  # noqa: F401
+def _opswap_ops() -> list[str]:
+    """Every op under torch.ops.opswap once each public module of opswap.kernels is
+    imported: walked, not read from kernels/__init__, so a new kernel file counts too."""
+    import opswap.kernels
 
-    lowered = {o.name().replace(".default", "") for o in table()}
-    assert lowered == set(LOWERED)
-    registered = {
-        name
+    for m in pkgutil.iter_modules(opswap.kernels.__path__):
+        if not m.name.startswith("_"):
+            importlib.import_module(f"opswap.kernels.{m.name}")
+    return sorted(
+        f"opswap::{name}"
         for name in dir(torch.ops.opswap)
         if isinstance(getattr(torch.ops.opswap, name), torch._ops.OpOverloadPacket)
-    }
-    assert {f"opswap::{n}" for n in registered} <= lowered | set(NOT_LOWERED)
+    )
+
+
+def _contract(ops: list[str]) -> str:
+    """The contract's failure message for `ops` ("" when every one is covered)."""
+    missing = uncovered(ops)
+    if not missing:
+        return ""
+    return (
+        f"{', '.join(missing)} has neither a lowering nor a reason for none: add "
+        "@lowering(...) (or no_lowering(op, why, __name__)) in the module of "
+        "src/opswap/backends/lowerings/ named as its kernel's"
+    )
+
+
+def test_every_opswap_op_has_a_lowering_or_says_why_not():
+    ops = _opswap_ops()
+    assert {o for o in LOWERED if o.startswith("opswap::")} <= set(ops)
+    problem = _contract(ops)
+    assert not problem, problem
+    # and the lists a reader sees are the registrations, each naming an op torch knows
+    assert set(LOWERED) | set(NOT_LOWERED) == {e.op for e in registered()}
+    assert not set(LOWERED) & set(NOT_LOWERED)
+    for e in registered():
+        assert isinstance(e.overload(), torch._ops.OpOverload), e.op
+    assert {o.name().replace(".default", "") for o in table()} == set(LOWERED)
+
+
+def test_an_op_added_without_a_lowering_fails_the_contract_by_name():
+    problem = _contract([*_opswap_ops(), "opswap::brand_new_op"])
+    assert problem.startswith("opswap::brand_new_op has neither a lowering nor a reason")
+    assert "opswap::rms_norm" not in problem
+
+
+def test_each_lowering_module_is_named_as_the_kernel_whose_ops_it_lowers():
+    import opswap.kernels
+
+    root = Path(opswap.kernels.__file__).parent
+    for name in lowering_modules():
+        stem = name.rpartition(".")[2]
+        entries = [e for e in registered() if e.module == name]
+        assert entries, f"{name} registers nothing"
+        for e in entries:
+            if e.op.startswith("aten::"):  # left by a rule: beside its kernel, or its rule's name
+                continue
+            kernel = root / f"{stem}.py"
+            assert kernel.is_file(), f"{name} lowers {e.op}, but there is no kernels/{stem}.py"
+            assert f'"{e.op}"' in kernel.read_text(), f"kernels/{stem}.py does not define {e.op}"
+
+
+def test_a_lowering_registered_twice_or_misnamed_is_refused(monkeypatch):
+    monkeypatch.setattr(_registry, "_LOWERINGS", dict(_registry._LOWERINGS))
+    with pytest.raises(TypeError, match="opswap::rms_norm is registered twice: by "):
+        lowering("opswap::rms_norm", "Relu")(lambda x: x)
+    with pytest.raises(TypeError, match="'namespace::name'"):
+        no_lowering("rms_norm_backward", "training only", "mine")
+    no_lowering("opswap::not_yet", "no op of that name", "mine")
+    with pytest.raises(LookupError, match="opswap::not_yet has no lowering"):
+        _registry._LOWERINGS["opswap::not_yet"].translation(Options())
+    with pytest.raises(LookupError, match="which torch does not know"):
+        _registry._LOWERINGS["opswap::not_yet"].overload()
 
 
 @pytest.mark.parametrize("form", ["qdq", "integer"])

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from opswap.backends.int8_inductor import compile_module
 from opswap.kernels import _cache_key
 from opswap.kernels._cache_key import KernelsKey, digest, inductor_options
-from opswap.kernels.int8_inductor import compile_module
 
 
 def test_the_digest_follows_every_kernel_source(tmp_path):

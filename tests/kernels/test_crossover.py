@@ -4,6 +4,9 @@ a rule's prediction on a CUDA target where the roofline would otherwise."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import torch
 
 from opswap.kernels import crossover as cx
@@ -13,7 +16,7 @@ from opswap.targets import get_target
 
 def test_shipped_table_is_honest_and_keyed_by_the_benchmark_shapes():
     entries = cx.load()
-    assert entries and {e.kernel for e in entries} == set(cx.KERNELS)
+    assert entries and {e.kernel for e in entries} == set(cx.kernels())
     for e in entries:
         assert e.measured == e.source.startswith("measured"), e
         if not e.measured:
@@ -22,6 +25,41 @@ def test_shipped_table_is_honest_and_keyed_by_the_benchmark_shapes():
     assert cx.shape_class(5632, 40000) == "h<=8192,rows>32768"
     assert cx.device_class(get_target("h200")) == "sm90"
     assert cx.device_class(get_target("cpu")) == "cpu"
+
+
+def _kernel_names_in_calls() -> dict[str, str]:
+    """Kernel name -> where, for every name written out in src/opswap as the kernel of a
+    table look-up: compiles_to_reference("x", ...), lookup("x", ...), predict(t, "x", ...)."""
+    where: dict[str, str] = {}
+    src = Path(cx.__file__).resolve().parents[1]
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = getattr(node.func, "attr", getattr(node.func, "id", None))
+            at = {"compiles_to_reference": 0, "lookup": 0, "predict": 1}.get(str(fn))
+            if at is None or len(node.args) <= at:
+                continue
+            arg = node.args[at]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                where[arg.value] = f"{path.relative_to(src)}:{node.lineno}"
+    return where
+
+
+def test_the_kernel_list_is_what_the_kernel_modules_declare_and_covers_every_use():
+    from opswap.kernels import activation, reduction, rms_norm
+    from opswap.rules.activation.pointwise_triton import FORMULAS
+
+    names = cx.kernels()
+    assert len(names) == len(set(names))
+    assert set(rms_norm.CROSSOVER) | set(reduction.CROSSOVER) <= set(names)
+    assert set(activation.CROSSOVER) <= set(names) and "bias_act" in names
+    # every formula the rule replaces is measured under its own name
+    assert {f"bias_act:{form}" for form, *_ in FORMULAS} <= set(names)
+    used = _kernel_names_in_calls()
+    assert {"rms_norm", "swiglu", "flash_attention", "group_norm"} <= set(used)  # the scan works
+    unknown = {k: v for k, v in used.items() if k not in names}
+    assert not unknown, f"kernel names no kernel module declares in CROSSOVER: {unknown}"
 
 
 def _result(ours, eager):

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from opswap.graph.observers import qparams
 from opswap.kernels import int8_static as k
-from opswap.kernels.observers import qparams
 
 needs_onednn = pytest.mark.skipif(
     not k.onednn_available(), reason="onednn's int8 kernels need an x86 CPU build of torch"

@@ -14,7 +14,7 @@ in the program run through AOTInductor's proxy executor, which calls them throug
 dispatcher.
 
 A program that holds opswap's static int8 sites is not packaged: the race compiles them
-through Inductor's int8 lowering (kernels.int8_inductor), which AOTInductor does not run,
+through Inductor's int8 lowering (backends.int8_inductor), which AOTInductor does not run,
 and a package would time and verify as another model.
 """
 
@@ -39,7 +39,7 @@ def _first_line(e: BaseException) -> str:
 def package(pt2: Path, out: Path) -> tuple[Path | None, str | None]:
     """(path, None) once the program in `pt2` is compiled into the AOTInductor package
     `out`, or (None, why not) in one sentence; never raises."""
-    from opswap.kernels.int8_inductor import lower
+    from opswap.backends.int8_inductor import lower
     from opswap.models.checkpoint import program_module, read_program
 
     try:

@@ -151,8 +151,8 @@ def compile_unavailable(device: torch.device) -> str | None:
 
 def _compiled(name: str, module, inputs: tuple, saves: str) -> Variant:
     """torch.compile of `module`, compiled now (first call timed as its compile time); its
-    static int8 sites through Inductor's own int8 lowering (kernels.int8_inductor)."""
-    from opswap.kernels.int8_inductor import compile_module
+    static int8 sites through Inductor's own int8 lowering (backends.int8_inductor)."""
+    from opswap.backends.int8_inductor import compile_module
 
     try:
         fn = compile_module(module)

@@ -4,7 +4,7 @@ that quantise activations with scales fixed ahead of time (static int8).
 `attach(gm, Calibration(samples, ...))` stores the samples and the settings on the graph
 module (`gm.meta`, which copies of it keep). A rule asks `observed(gm, node)` for the
 observer of one node's output; the first call runs the graph over every sample (two
-passes: the extremes, then the histograms, see opswap.kernels.observers) and records an
+passes: the extremes, then the histograms, see opswap.graph.observers) and records an
 observer on every floating-point node that feeds a Linear or a convolution, in that
 node's meta, so that one run serves every site of a plan, and the planner's copies of
 the graph carry them on. The graph is run as it is when first asked, that is after the
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from opswap.graph.observers import METHODS, Observer, QParams
 from opswap.graph.ops import op_kind
-from opswap.kernels.observers import METHODS, Observer, QParams
 
 _META = "opswap.calibration"
 _STORED = "opswap.calibration.stored"

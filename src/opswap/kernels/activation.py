@@ -77,6 +77,12 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 #: QuickGELU's constant (transformers' QuickGELUActivation)
 QUICK = 1.702
+#: the written-out formulas activation.pointwise_triton replaces with the op: each is
+#: measured under its own crossover name, "bias_act:FORM", since eager's cost differs
+FORMS = ("gelu_new", "fast_gelu", "quick_gelu", "hardswish", "hardsigmoid")
+#: the names the crossover table (kernels/crossover.py) measures this kernel under: an
+#: activation of x + b, and each formula
+CROSSOVER = ("bias_act", *(f"bias_act:{form}" for form in FORMS))
 
 
 def _check_act(activation: str) -> int:

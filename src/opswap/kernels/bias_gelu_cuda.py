@@ -33,6 +33,9 @@ import torch.nn.functional as F
 
 from opswap.errors import OpswapError
 
+#: the names the crossover table (kernels/crossover.py) measures this kernel under
+CROSSOVER = ("bias_gelu_cuda",)
+
 SOURCES = [
     Path(__file__).with_name("cuda") / "bias_gelu.cpp",
     Path(__file__).with_name("cuda") / "bias_gelu.cu",

@@ -4,11 +4,12 @@ benchmark's JSON (`benchmarks/bench_norm_kernels.py --update-crossover`).
 
 An entry is keyed by (kernel, device class, dtype, shape class, pass):
 
-- kernel: one of KERNELS ("rms_norm", ..., "softmax", "rope", "bias_gelu_cuda",
-  "flash_attention", "bias_act", "bias_act:gelu_new", ...); opswap::bias_act has one name
-  per kind of site it replaces, since eager's cost differs: "bias_act" for an activation
-  of x + b (two eager kernels), "bias_act:FORM" for a written-out formula (gelu_new is
-  eight);
+- kernel: one of `kernels()` ("rms_norm", ..., "softmax", "rope", "bias_gelu_cuda",
+  "flash_attention", "bias_act", "bias_act:gelu_new", ...): the names each kernel module
+  declares in its CROSSOVER, so that a new kernel adds its own and no list here names it;
+  opswap::bias_act has one name per kind of site it replaces, since eager's cost differs:
+  "bias_act" for an activation of x + b (two eager kernels), "bias_act:FORM" for a
+  written-out formula (gelu_new is eight);
 - device class: "sm90" for Hopper (H100, H200), "sm80" for the A100, ... (`device_class`);
 - dtype: "bfloat16", "float16", "float32";
 - shape class: the hidden size's bucket (the next power of two at or above it) and the
@@ -34,6 +35,8 @@ Nothing in the table is estimated: an entry without a measurement says "none yet
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,29 +47,6 @@ from opswap.errors import OpswapError
 from opswap.kernels._tables import merge_entries, read_entries
 
 TABLE = Path(__file__).with_name("crossover.json")
-KERNELS = (
-    "rms_norm",
-    "add_rms_norm",
-    "layer_norm",
-    "group_norm",
-    "swiglu",
-    "softmax",
-    "log_softmax",
-    "masked_softmax",
-    "row_sum",
-    "row_var",
-    "row_sumsq",
-    "rope",
-    "bias_gelu_cuda",
-    "flash_attention",
-    # opswap::bias_act, per site it replaces: an activation of x + b, and each formula
-    "bias_act",
-    "bias_act:gelu_new",
-    "bias_act:fast_gelu",
-    "bias_act:quick_gelu",
-    "bias_act:hardswish",
-    "bias_act:hardsigmoid",
-)
 PASSES = ("forward", "forward+backward")
 #: row-count buckets: few rows are launch-bound, many are bandwidth-bound
 ROW_BUCKETS = (256, 4096, 32768)
@@ -76,6 +56,18 @@ _TARGET_CLASS = {"h100": "sm90", "h200": "sm90", "a100": "sm80", "l4": "sm89", "
 
 class CrossoverError(OpswapError, ValueError):
     """A crossover table or benchmark file that cannot be read."""
+
+
+def kernels() -> tuple[str, ...]:
+    """The kernel names the table is keyed on: the CROSSOVER of every public module of
+    opswap.kernels (the names it is measured under), the modules in name order."""
+    names: list[str] = []
+    for m in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+        if m.name.startswith("_") or m.name == __name__.rpartition(".")[2]:
+            continue
+        module = importlib.import_module(f"{__package__}.{m.name}")
+        names.extend(getattr(module, "CROSSOVER", ()))
+    return tuple(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)

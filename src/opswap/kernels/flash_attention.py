@@ -55,6 +55,9 @@ from opswap.kernels._flash_launch import (
 from opswap.kernels._rows import runs_triton
 from opswap.kernels._triton_op import triton_op
 
+#: the names the crossover table (kernels/crossover.py) measures this kernel under
+CROSSOVER = ("flash_attention",)
+
 __all__ = [
     "FWD_CONFIGS",
     "HEAD_DIMS",

@@ -51,6 +51,9 @@ from opswap.kernels._rows import (
 )
 from opswap.kernels._triton_op import triton_op
 
+#: the names the crossover table (kernels/crossover.py) measures this kernel under
+CROSSOVER = ("group_norm",)
+
 #: the most elements one program holds per chunk of a group (8 warps: 16 fp32 a thread)
 MAX_BLOCK = 2048
 #: the largest group the forward holds in registers at once (16 warps: 32 values a thread),

@@ -43,6 +43,9 @@ from opswap.kernels._rows import (
 )
 from opswap.kernels._triton_op import triton_op
 
+#: the names the crossover table (kernels/crossover.py) measures this kernel under
+CROSSOVER = ("layer_norm",)
+
 
 def reference(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float

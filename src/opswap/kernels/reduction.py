@@ -56,6 +56,8 @@ OPS = ("sum", "mean", "max", "var", "sumsq", "meansq")
 _OP_ID = {o: i for i, o in enumerate(OPS)}
 #: the crossover table's kernel name of each op that has one
 _CROSSOVER = {"sum": "row_sum", "var": "row_var", "sumsq": "row_sumsq", "meansq": "row_sumsq"}
+#: the names the crossover table (kernels/crossover.py) measures this kernel under
+CROSSOVER = tuple(dict.fromkeys(_CROSSOVER.values()))
 #: the tile a program walks its row in
 BLOCK = 2048
 

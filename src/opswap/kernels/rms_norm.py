@@ -53,6 +53,9 @@ from opswap.kernels._rows import (
 )
 from opswap.kernels._triton_op import triton_op
 
+#: the names the crossover table (kernels/crossover.py) measures this kernel under
+CROSSOVER = ("rms_norm", "add_rms_norm")
+
 
 def reference(
     x: torch.Tensor,

@@ -49,6 +49,9 @@ from opswap.kernels._rows import (
 )
 from opswap.kernels._triton_op import triton_op
 
+#: the names the crossover table (kernels/crossover.py) measures this kernel under
+CROSSOVER = ("rope",)
+
 
 def rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """rot(x): HF's rotate_half, or GPT-J's pairwise rotation."""

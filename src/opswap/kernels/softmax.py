@@ -54,6 +54,9 @@ from opswap.kernels._rows import (
 )
 from opswap.kernels._triton_op import triton_op
 
+#: the names the crossover table (kernels/crossover.py) measures this kernel under
+CROSSOVER = ("softmax", "log_softmax", "masked_softmax")
+
 #: the longest row the forward holds in registers in one block (32 warps: 32 values a
 #: thread); longer rows take the online softmax. Measured on an H100 (bf16, GPU time,
 #: results/tune_rows_h100.json): 4096 rows of 32768 in one block with 32 warps 2.82 TB/s

@@ -41,6 +41,9 @@ from opswap.kernels._rows import (
 )
 from opswap.kernels._triton_op import triton_op
 
+#: the names the crossover table (kernels/crossover.py) measures this kernel under
+CROSSOVER = ("swiglu",)  # glu and glu_packed
+
 #: the activations the kernels compute, by the name the ops take
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 _ACT_ID = {a: i for i, a in enumerate(ACTIVATIONS)}

@@ -197,6 +197,20 @@ def reference(
 # ----------------------------------------------------------------------------- the kernel
 
 
+def _plus_bias_fn(acc, b_ptr, rn, n_ok, BLOCK_M: tl.constexpr):
+    """acc ([BLOCK_N] for one row, else [BLOCK_M, BLOCK_N]) plus the bias of columns rn."""
+    b = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if BLOCK_M == 1:
+        acc += b
+    else:
+        acc += b[None, :]
+    return acc
+
+
+# jitted where it is defined, under the name the kernel calls (see _int4_load below)
+_plus_bias: Any = triton.jit(_plus_bias_fn) if triton is not None else None
+
+
 def _wo_kernel_fn(
     x_ptr,  # [M, K] bf16/fp16, row stride stride_xm, unit column stride
     w_ptr,  # [N, Kp] int8 or [N, Kp / 2] uint8, row stride stride_wn
@@ -370,10 +384,7 @@ def _wo_kernel_fn(
         out_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
-            if BLOCK_M == 1:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            else:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc = _plus_bias(acc, b_ptr, rn, n_ok, BLOCK_M)
         tl.store(y_ptr + out_off, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
     else:
         tl.store(ws_ptr + pid_k * M * N + out_off, acc, mask=out_ok)
@@ -390,10 +401,7 @@ def _wo_kernel_fn(
                     ws_ptr + p * M * N + out_off, mask=out_ok, other=0.0, cache_modifier=".cg"
                 )
             if HAS_BIAS:
-                if BLOCK_M == 1:
-                    tot += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-                else:
-                    tot += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tot = _plus_bias(tot, b_ptr, rn, n_ok, BLOCK_M)
             tl.store(y_ptr + out_off, tot.to(y_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 

@@ -35,8 +35,8 @@ from torch import nn
 from opswap.errors import RuleError
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import capture, copy_module
+from opswap.graph.observers import Observer, qparams
 from opswap.kernels import int8_static
-from opswap.kernels.observers import Observer, qparams
 from opswap.rules.precision.int8_static_conv import MIN_CHANNELS
 from opswap.rules.precision.int8_static_linear import MIN_FEATURES
 from opswap.train._loop import args_of, train_steps

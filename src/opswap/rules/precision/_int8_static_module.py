@@ -19,8 +19,8 @@ import torch.fx as fx
 from torch import nn
 
 from opswap.graph.calibrate import Calibration, StoredScales, scale_for
+from opswap.graph.observers import QParams
 from opswap.kernels import int8_static
-from opswap.kernels.observers import QParams
 from opswap.rules.base import Refused
 
 NO_ONEDNN = (

@@ -1,4 +1,4 @@
-"""kernels.int8_inductor: opswap's static int8 sites lowered to Inductor's own int8 path
+"""backends.int8_inductor: opswap's static int8 sites lowered to Inductor's own int8 path
 under torch.compile. The compiled model computes what the ops compute (at batch sizes and
 image sizes other than the example's, so across recompiles), runs onednn's int8 kernels
 that Inductor emits (not a float convolution on dequantised weights), leaves the graph it
@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 import opswap.rules.precision._timing as timing
+from opswap.backends import int8_inductor
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import capture
-from opswap.kernels import int8_inductor, int8_static
+from opswap.kernels import int8_static
 from opswap.planner import apply_plan, make_plan
 from opswap.targets.base import Target
 from opswap.verify.samples import make_samples

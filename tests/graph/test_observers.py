@@ -1,4 +1,4 @@
-"""opswap.kernels.observers: scales and zero points that hold 0 exactly, what each
+"""opswap.graph.observers: scales and zero points that hold 0 exactly, what each
 calibration method picks on distributions whose answer is known, and non-finite values
 left out of the ranges."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from opswap.kernels.observers import METHODS, Observer, qparams
+from opswap.graph.observers import METHODS, Observer, qparams
 
 
 def test_qparams_hold_zero_exactly():

@@ -1,0 +1,21 @@
+"""opswap::conv_relu -> Conv + Relu (ONNX Runtime fuses the pair into its FusedConv)."""
+
+from __future__ import annotations
+
+from opswap.backends.lowerings._onnx import op
+from opswap.backends.lowerings._registry import lowering
+
+
+@lowering("opswap::conv_relu", "Conv + Relu")
+def conv_relu(x, weight, bias, stride, padding, dilation, groups):
+    # zero padding, the same on both sides of each spatial dim (the op's contract)
+    y = op.Conv(
+        x,
+        weight,
+        *([bias] if bias is not None else []),
+        strides=list(stride),
+        pads=list(padding) * 2,
+        dilations=list(dilation),
+        group=groups,
+    )
+    return op.Relu(y)
