@@ -61,3 +61,26 @@ def test_a_compiled_winner_loads_from_its_package_without_compiling(monkeypatch,
     # the package is removed by a later save that writes none
     r.save(tmp_path, aot=False)
     assert not (tmp_path / "model_aoti.pt2").exists()
+
+
+def test_a_package_whose_loading_crashes_is_dropped_with_the_reason(tmp_path):
+    """Loading runs in a child Python first: a child killed by a signal (the segmentation
+    fault torch 2.11 gave inside aoti_load_package on an H100) ends as one sentence naming
+    the signal, and this process lives on."""
+    from opswap.backends import aoti
+    from opswap.errors import OpswapError
+
+    crash = tmp_path / "python"
+    crash.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crash.chmod(0o755)
+    with pytest.raises(OpswapError, match="crashed that process \\(SIGSEGV\\)"):
+        aoti.first_call_in_child(
+            tmp_path / "p.pt2", tmp_path / "m.pt2", (torch.ones(1),), python=str(crash)
+        )
+    broken = tmp_path / "fails"
+    broken.write_text("#!/bin/sh\necho 'RuntimeError: no such package' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    with pytest.raises(OpswapError, match="failed \\(RuntimeError: no such package\\)"):
+        aoti.first_call_in_child(
+            tmp_path / "p.pt2", tmp_path / "m.pt2", (torch.ones(1),), python=str(broken)
+        )

@@ -13,6 +13,14 @@ program's size guards), since the package's runner checks none of them. opswap's
 in the program run through AOTInductor's proxy executor, which calls them through the
 dispatcher.
 
+Loading a package can crash the process that loads it (a segmentation fault inside
+`aoti_load_package`, seen with torch 2.11 on an H100, 2026-12-07, on a bf16 ResNet-50
+packaged in the same process), and a crash is not an exception anyone can catch. So the
+package is first loaded and run in a child Python (`first_call_in_child`, this module run
+as a script): it loads the package as `load_optimized` would, in a fresh process, runs it
+on the example and hands the outputs and the load-to-first-call time back; a child that
+dies, hangs or raises leaves no package behind, and the run says why.
+
 A program that holds opswap's static int8 sites is not packaged: the race compiles them
 through Inductor's int8 lowering (backends.int8_inductor), which AOTInductor does not run,
 and a package would time and verify as another model.
@@ -20,6 +28,11 @@ and a package would time and verify as another model.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -97,3 +110,81 @@ def first_call_s(make, inputs: tuple) -> float:
         fn = make()
         fn(*inputs)
     return time.perf_counter() - t0
+
+
+#: seconds the child gets to load the package and run it once
+CHILD_TIMEOUT_S = 600
+
+
+def first_call_in_child(
+    package_path: Path,
+    pt2: Path,
+    inputs: tuple,
+    timeout_s: float = CHILD_TIMEOUT_S,
+    python: str | None = None,
+) -> tuple[Any, float]:
+    """(outputs, seconds from nothing to the first output) of the package at `package_path`
+    (behind model.pt2's input check) on `inputs`, loaded and run in a child Python, so that
+    a crash while loading it cannot take this process down. Raises OpswapError with the
+    child's end in one sentence (a signal, a timeout, its exception). `python`: the
+    interpreter to run (this one by default)."""
+    from opswap.errors import OpswapError
+
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding opswap
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    with tempfile.TemporaryDirectory(prefix="opswap_aoti_") as tmp:
+        given, got = Path(tmp) / "inputs.pt", Path(tmp) / "outputs.pt"
+        torch.save(tuple(inputs), given)
+        try:
+            proc = subprocess.run(
+                [
+                    python or sys.executable,
+                    "-m",
+                    "opswap.backends.aoti",
+                    str(package_path),
+                    str(pt2),
+                    str(given),
+                    str(got),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired as e:
+            raise OpswapError(
+                f"loading it and running it once took over {timeout_s:.0f} s in a fresh process"
+            ) from e
+        if proc.returncode != 0:
+            if proc.returncode < 0:
+                name = signal.Signals(-proc.returncode).name
+                raise OpswapError(
+                    f"loading it in a fresh process crashed that process ({name}) on torch {torch.__version__}"
+                )
+            last = (proc.stderr.strip().splitlines() or ["no message"])[-1][:300]
+            raise OpswapError(f"loading it in a fresh process failed ({last})")
+        found = torch.load(got, weights_only=False)
+    return found["outputs"], float(found["first_call_s"])
+
+
+def _child(argv: list[str]) -> None:
+    """The child of `first_call_in_child`: load, run once, write the outputs and the time."""
+    package_path, pt2, given, got = (Path(a) for a in argv)
+    inputs = torch.load(given, weights_only=False)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        module = load(package_path, pt2)
+        if module is None:
+            raise SystemExit("model.pt2's guards cannot be checked in front of the package")
+        outputs = module(*inputs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    torch.save({"outputs": outputs, "first_call_s": took}, got)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])

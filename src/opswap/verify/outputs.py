@@ -309,3 +309,27 @@ class CaptureCheck:
 
 #: the check opswap's stages hand to graph.capture.capture
 capture_check = CaptureCheck()
+
+
+def compare_outputs(ref_out: Any, cand_out: Any, tolerance: Tolerance | str | None) -> list[str]:
+    """Why `cand_out` does not match `ref_out` (two outputs of one call on the same inputs)
+    within `tolerance`, output by output; empty when it does. For outputs computed
+    elsewhere (a package run in a child process), where `verify` cannot call the model."""
+    tol = as_tolerance(tolerance)
+    ref_leaves, ref_spec = _flatten(ref_out)
+    cand_leaves, cand_spec = _flatten(cand_out)
+    if ref_spec != cand_spec:
+        return [
+            f"the candidate returns {_describe(cand_spec)} where the reference returns "
+            f"{_describe(ref_spec)}"
+        ]
+    reasons: list[str] = []
+    for (name, r), (_, c) in zip(ref_leaves, cand_leaves, strict=True):
+        if isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor):
+            if r.shape != c.shape:
+                reasons.append(f"{name} has shape {tuple(c.shape)}, not {tuple(r.shape)}")
+                continue
+            reasons += [f"{name}: {w}" for w in tol.check(compare(r, c.to(r.device)))[1]]
+        elif isinstance(r, torch.Tensor) or isinstance(c, torch.Tensor) or r != c:
+            reasons.append(f"{name} is {c!r} in the candidate and {r!r} in the reference")
+    return reasons
