@@ -274,6 +274,9 @@ def load(path: str | Path) -> nn.Module:
     compiled = _compiled_guards(program, module)
     if compiled is None:  # keep torch's own guard function, and its cost
         return program_module(program)
+    from opswap.backends.eager import fast_calls
+
+    fast_calls(module)  # opswap's Triton ops called without the dispatcher where it is plain
     return _lean(module, Path(path).name, *compiled)
 
 

@@ -309,8 +309,9 @@ for _cat, _kinds in {
 
 
 def raw_name(node: fx.Node) -> str:
-    """The bare name of what a node calls: 'conv2d', 'add', 'transpose', or the module type."""
-    t = node.target
+    """The bare name of what a node calls: 'conv2d', 'add', 'transpose', or the module type
+    (for a loaded program's direct call of an opswap op, backends.eager, the op's)."""
+    t = getattr(node.target, "opswap_op", node.target)
     if node.op == "call_method":
         return str(t)
     if node.op == "call_module":
@@ -382,7 +383,8 @@ def compute_nodes(gm: fx.GraphModule) -> Iterable[fx.Node]:
 
 def is_aten(node: fx.Node) -> bool:
     """True when the node calls an ATen overload (the torch.export flavour)."""
-    return isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+    t = getattr(node.target, "opswap_op", node.target)  # backends.eager's direct calls
+    return isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
 
 
 def copy_meta(new: fx.Node, old: fx.Node) -> None:

@@ -42,9 +42,15 @@ class KernelError(OpswapError, ValueError):
     """A tensor or setting a row kernel cannot take."""
 
 
+#: Triton reads TRITON_INTERPRET when a kernel is decorated; read once here too, since every
+#: eager call asks (an environment lookup per call was a measurable part of its host time)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1), on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when opswap was
+    imported), on CPU tensors."""
+    return _INTERPRETING
 
 
 def _is_fake(t: torch.Tensor) -> bool:

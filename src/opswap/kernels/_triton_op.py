@@ -70,11 +70,17 @@ def _lazy_search():
         lib.get_inner_triton_kernels = search
 
 
+#: each op's Python implementation by op name ("opswap::rms_norm"), for eager callers that
+#: skip the dispatcher (backends.eager)
+PYTHON: dict[str, Callable[..., Any]] = {}
+
+
 def triton_op(name: str, *, mutates_args) -> Callable[[Callable[..., Any]], Any]:
     """`torch.library.triton_op(name, mutates_args=...)` as a decorator, registering the op
-    now and searching for its kernels when first asked."""
+    now and searching for its kernels when first asked; the function is kept in `PYTHON`."""
 
     def dec(fn: Callable[..., Any]):
+        PYTHON[name] = fn
         with _lazy_search():
             return torch.library.triton_op(name, mutates_args=mutates_args)(fn)
 
