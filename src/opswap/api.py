@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from opswap import planner
 from opswap.bench.device import check_device as check_device  # the CLI checks it first
 from opswap.bench.runtimes import NAMES
 from opswap.bench.timing import with_timer
+from opswap.config import Exactness, OptimizeConfig
 from opswap.errors import ExportError
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import Captured, Method, as_inputs
@@ -42,9 +43,9 @@ from opswap.models import LoadedModel
 from opswap.models import load as _load
 from opswap.models._common import CalibrationSource
 from opswap.models.task import Task
-from opswap.pipeline import OptimizeConfig, Result
 from opswap.pipeline import optimize as _optimize
 from opswap.planner import Plan, apply_plan
+from opswap.result import Result
 from opswap.rules.apply import Applied
 from opswap.stages import guarded
 from opswap.targets import Target, get_target
@@ -654,7 +655,7 @@ def optimize(
     config = OptimizeConfig(
         target=target,
         rules=rules or [],
-        exactness=exactness,
+        exactness=cast(Exactness, exactness),  # OptimizeConfig refuses any other word
         budget=budget,
         samples=samples,
         bench=bench,

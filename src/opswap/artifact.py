@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from opswap.backends.pt2 import Artifact
     from opswap.cost.analyze import Analysis
     from opswap.graph.dynamic import Dynamic
-    from opswap.result import Result
+    from opswap.record import RunRecord as Result
 
 #: every name `save` writes (report.optimize_report's plots included)
 RUN_FILES = frozenset(

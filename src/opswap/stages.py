@@ -34,7 +34,7 @@ from opswap.verify.samples import make_samples
 from opswap.verify.tolerance import Tolerance, tolerance_for
 
 if TYPE_CHECKING:
-    from opswap.pipeline import OptimizeConfig
+    from opswap.config import OptimizeConfig
 
 
 def _to_device(
