@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from opswap.backends import registry
 from opswap.bench.device import check_device
-from opswap.bench.runtimes import EXPORTS, SAVES, missing
+from opswap.bench.runtimes import missing
 from opswap.bench.variants import parse_compare
 from opswap.errors import OpswapError, RuleError, VerificationError
 from opswap.graph.calibration_data import check_path
@@ -90,14 +91,15 @@ class OptimizeConfig:
         check_device(self.device)  # so do a device name and CUDA without a GPU
         if self.bench:
             parse_compare(self.compare)  # so does a typo in the baselines
-        if self.export is not None and self.export not in EXPORTS:
+        saving = registry.for_export(self.export) if self.export is not None else None
+        if self.export is not None and saving is None:
             raise OpswapError(
-                f"export must be one of {', '.join(EXPORTS)}; got {self.export!r} "
-                "(model.pt2 is written either way)."
+                f"export must be one of {', '.join(registry.export_formats())}; got "
+                f"{self.export!r} (model.pt2 is written either way)."
             )
-        if self.export is not None and not self.bench:
+        if saving is not None and not self.bench:
             raise OpswapError(
-                f"--export {self.export} saves {SAVES[self.export]}, the file the race "
+                f"--export {self.export} saves {saving.saves}, the file the race "
                 "verified and timed; drop --no-bench to export."
             )
         absent = missing(self.export) if self.export is not None else None
