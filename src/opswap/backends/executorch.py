@@ -45,13 +45,12 @@ from torch import nn
 
 from opswap.backends.aten import to_aten
 from opswap.backends.pt2 import Artifact
-from opswap.backends.registry import Deploy, Runtime, register
+from opswap.backends.registry import Deploy, Runtime, holds, register
 from opswap.backends.runtime_module import (
     RuntimeModule,
-    exported_program,
     failed,
-    file_in,
     first_line,
+    program_file,
     require,
     tensors,
 )
@@ -304,13 +303,19 @@ def executorch_artifact(
     ExecuTorch program with the XNNPACK delegate and loaded in ExecuTorch's runtime: an
     Artifact whose `module` is the ExecuTorchModule over the file that is timed; never
     raises (its `error` says why)."""
-    exported, why = exported_program(
-        model, inputs, dynamic, exported, reason=_first, needs="executorch_artifact"
+    got = program_file(
+        model,
+        inputs,
+        dynamic,
+        exported,
+        directory,
+        name,
+        reason=_first,
+        needs="executorch_artifact",
     )
-    if why is not None:
-        return Artifact(None, None, error=why)
-    program, note, kept = exported
-    path, note = file_in(directory, name, "opswap-pte-", note)
+    if isinstance(got, Artifact):
+        return got
+    program, note, kept, path = got
     bounds = {a.name: upper_bound(a) for a in kept.axes} if kept is not None else {}
     if bounds:
         said = ", ".join(f"{k} up to {v}" for k, v in bounds.items())
@@ -362,11 +367,8 @@ class ExecuTorch(Runtime):
         return ExecuTorchModule(path)  # a tensor or a tuple: the file has no pytree
 
     def deploy(self, mine: bool, file: str) -> Deploy:
-        form = "lowered to an ExecuTorch program (XNNPACK delegate)"
         return Deploy(
-            f"opswap's optimized model {form}"
-            if mine
-            else f"your model {form} with no rewrite: opswap's did not beat it in this run",
+            holds(mine, "lowered to an ExecuTorch program (XNNPACK delegate)"),
             f'executorch.runtime.Runtime.get().load_program("DIR/{file}")'
             '.load_method("forward").execute([...]) on the device (an ExecuTorch runtime built '
             "with the XNNPACK backend), or opswap.load_optimized(DIR) here",

@@ -201,15 +201,14 @@ def export_onnx(
     Artifact's `error` says why (its `module` is left to the runtime that loads the file,
     backends.ort)."""
     from opswap.backends.pt2 import _first_line
-    from opswap.backends.runtime_module import exported_program, file_in
+    from opswap.backends.runtime_module import program_file
 
-    exported, why = exported_program(
-        model, inputs, dynamic, exported, reason=_first_line, needs="export_onnx"
+    got = program_file(
+        model, inputs, dynamic, exported, directory, name, reason=_first_line, needs="export_onnx"
     )
-    if why is not None:
-        return Artifact(None, None, error=why)
-    program, note, kept = exported
-    path, note = file_in(directory, name, "opswap-onnx-", note)
+    if isinstance(got, Artifact):
+        return got
+    program, note, kept, path = got
     try:
         to_onnx(program, path, fusions=fusions, int8=int8)
     except ExportError as e:

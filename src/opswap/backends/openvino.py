@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from opswap.backends import registry
 from opswap.backends.onnx import holds
 from opswap.backends.pt2 import Artifact
 from opswap.backends.registry import Deploy, Runtime, register
@@ -239,14 +240,8 @@ class OpenVino(Runtime):
                 "under), or opswap.load_optimized(DIR), which runs the same file in ONNX Runtime",
                 "openvino (CPU)",
             )
-        said = (
-            "opswap's optimized model as OpenVINO IR (float32)"
-            if mine
-            else "your model as OpenVINO IR (float32) with no rewrite: opswap's did not beat "
-            "it in this run"
-        )
         return Deploy(
-            said,
+            registry.holds(mine, "as OpenVINO IR (float32)"),
             f'openvino.Core().compile_model("DIR/{file}", "CPU", '
             '{"INFERENCE_PRECISION_HINT": "f32"}) (the settings it was timed and verified under; '
             "model.bin beside it holds the weights), or opswap.load_optimized(DIR), which "

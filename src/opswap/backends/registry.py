@@ -45,6 +45,14 @@ class Deploy:
     run_under: str
 
 
+def holds(mine: bool, form: str) -> str:
+    """What a saved file holds, in result.json's `deploy` words: opswap's model or the input,
+    `form` ("compiled by Apache TVM for this CPU")."""
+    if mine:
+        return f"opswap's optimized model {form}"
+    return f"your model {form} with no rewrite: opswap's did not beat it in this run"
+
+
 class Runtime:
     """One engine the race can time. Subclasses set the class attributes and define `build`,
     `load` and `deploy` (and `read_values` with `layer_forms`, for an engine that returns any

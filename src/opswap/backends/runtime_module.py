@@ -131,11 +131,28 @@ def exported_program(
     return exported, None
 
 
-def file_in(directory: str | Path | None, name: str, prefix: str, note: str | None):
-    """(DIRECTORY/NAME, a fresh temporary folder's without a directory; the program's `note`
-    speaking of NAME instead of model.pt2)."""
-    path = Path(directory or tempfile.mkdtemp(prefix=prefix)) / name
-    return path, note.replace("model.pt2", name) if note else note
+def program_file(
+    model: nn.Module | None,
+    inputs: tuple,
+    dynamic: Any,
+    exported: Any,
+    directory: str | Path | None,
+    name: str,
+    *,
+    reason: Callable[[BaseException], str],
+    needs: str,
+) -> tuple[Any, str | None, Any, Path] | Artifact:
+    """(program, note, kept, path) for a runtime's file of `model` (`exported_program`): the
+    file DIRECTORY/NAME (in a fresh temporary folder without a directory) and the program's
+    note speaking of NAME instead of model.pt2; or the Artifact saying why torch.export failed."""
+    from opswap.backends.pt2 import Artifact
+
+    exported, why = exported_program(model, inputs, dynamic, exported, reason=reason, needs=needs)
+    if why is not None:
+        return Artifact(None, None, error=why)
+    program, note, kept = exported
+    path = Path(directory or tempfile.mkdtemp(prefix=f"opswap-{Path(name).suffix[1:]}-")) / name
+    return program, note.replace("model.pt2", name) if note else note, kept, path
 
 
 def failed(path: Path, e: BaseException, note: str | None, kept: Any) -> Artifact:

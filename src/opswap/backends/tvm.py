@@ -42,8 +42,8 @@ from torch.utils import _pytree as pytree
 
 from opswap.backends.aten import to_aten
 from opswap.backends.pt2 import Artifact
-from opswap.backends.registry import Deploy, Runtime, register
-from opswap.backends.runtime_module import RuntimeModule, exported_program, failed, file_in, require
+from opswap.backends.registry import Deploy, Runtime, holds, register
+from opswap.backends.runtime_module import RuntimeModule, failed, program_file, require
 from opswap.backends.runtime_module import quiet as _quiet
 from opswap.errors import ExportError, InputError
 
@@ -335,13 +335,12 @@ def tvm_artifact(
     MetaSchedule with that many trials first (minutes; see the module's docstring)."""
     from opswap.graph.dynamic import Dynamic
 
-    exported, why = exported_program(
-        model, inputs, dynamic, exported, reason=_first, needs="tvm_artifact"
+    got = program_file(
+        model, inputs, dynamic, exported, directory, name, reason=_first, needs="tvm_artifact"
     )
-    if why is not None:
-        return Artifact(None, None, error=why)
-    program, note, kept = exported
-    path, note = file_in(directory, name, "opswap-tvm-", note)
+    if isinstance(got, Artifact):
+        return got
+    program, note, kept, path = got
     how = (
         f"MetaSchedule-tuned ({tune_trials} trials)"
         if tune_trials > 0
@@ -388,11 +387,8 @@ class Tvm(Runtime):
         return TvmModule(path)  # a tensor or a tuple, as for ONNX Runtime and ExecuTorch
 
     def deploy(self, mine: bool, file: str) -> Deploy:
-        form = "compiled by Apache TVM for this CPU"
         return Deploy(
-            f"opswap's optimized model {form}"
-            if mine
-            else f"your model {form} with no rewrite: opswap's did not beat it in this run",
+            holds(mine, "compiled by Apache TVM for this CPU"),
             f'tvm.relax.VirtualMachine(tvm.runtime.load_module("DIR/{file}"), tvm.cpu())'
             '["main"](*inputs) on a machine with this CPU and the same apache-tvm, or '
             "opswap.load_optimized(DIR)",
