@@ -90,22 +90,14 @@ def _runtime_files() -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for rt in registry.runtimes() for n in rt.files()))
 
 
-def model_files() -> tuple[str, ...]:
-    """The model files of a run: model.pt2, its AOTInductor package and note, and every
-    runtime's file with what travels with it."""
-    return (*_TORCH_MODELS, *_runtime_files())
-
-
-def run_files() -> frozenset[str]:
-    """Every name `save` writes; only these are ever removed from DIR."""
-    return frozenset((*model_files(), *_OTHER_FILES))
-
-
-#: every name `save` writes
-RUN_FILES = run_files()
+#: the model files of a run: model.pt2, its AOTInductor package and note, and every
+#: runtime's file with what travels with it
+_MODELS = (*_TORCH_MODELS, *_runtime_files())
+#: every name `save` writes; only these are ever removed from DIR
+RUN_FILES = frozenset((*_MODELS, *_OTHER_FILES))
 #: the files moved into DIR first: the model files (not model_shapes.txt, which describes
 #: them) and model_state.pt
-_FIRST = frozenset(n for n in (*model_files(), "model_state.pt") if n != "model_shapes.txt")
+_FIRST = frozenset(n for n in (*_MODELS, "model_state.pt") if n != "model_shapes.txt")
 
 
 #: which module a winning variant saves: the input, the plain capture or opswap's candidate
@@ -461,7 +453,7 @@ def save_model(
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     _partial_then_replace(path, lambda p: torch.save(state, str(p)))
     # an earlier save's model, not this one
-    _remove(out, *model_files())
+    _remove(out, *_MODELS)
     (out / "model_state.txt").write_text(
         "model.pt2 could not be written because torch.export failed on the optimized "
         f"model: {artifact.error}\n"
@@ -492,7 +484,7 @@ def _save_file(artifact: Artifact, out: Path) -> dict[str, Path]:
     elif note_path.exists():
         note_path.unlink()
     keep = {path.name, "model_shapes.txt", *beside}
-    _remove(out, "model_state.pt", "model_state.txt", *(n for n in model_files() if n not in keep))
+    _remove(out, "model_state.pt", "model_state.txt", *(n for n in _MODELS if n not in keep))
     return {"model": path}
 
 
