@@ -57,8 +57,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     import opswap
     from opswap.bench.timing import benchmark, describe_device
+    from opswap.config import OptimizeConfig
     from opswap.models import load
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.pipeline import optimize
 
     try:
         import torchao

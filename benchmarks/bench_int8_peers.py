@@ -135,10 +135,11 @@ def main() -> None:
 
     import opswap
     from opswap.bench.timing import describe_device
+    from opswap.config import OptimizeConfig
     from opswap.graph.calibrate import Calibration, attach
     from opswap.graph.capture import capture
     from opswap.models import load
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.pipeline import optimize
     from opswap.planner import apply_plan, make_plan
     from opswap.targets.base import Target
     from opswap.verify.samples import make_samples

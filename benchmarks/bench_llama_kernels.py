@@ -42,8 +42,9 @@ CONFIG = {
 def run() -> dict:
     import triton
 
+    from opswap.config import OptimizeConfig
     from opswap.models import load
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.pipeline import optimize
 
     res: dict = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

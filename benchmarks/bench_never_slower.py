@@ -52,8 +52,9 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     from opswap.bench.timing import describe_device
+    from opswap.config import OptimizeConfig
     from opswap.models import list_zoo, load
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.pipeline import optimize
 
     specs = [f"zoo:{z.name}" for z in list_zoo()] + [f"hf:{t}" for t in HF]
     rows = []

@@ -36,8 +36,9 @@ LLAMA = {
 def lossy_llama(device: str = "cuda") -> dict:
     """optimize on the decoder in bfloat16: which schemes the plan takes, verification, and
     the race (input, opswap, compile, opswap+compile) in one interleaved run."""
+    from opswap.config import OptimizeConfig
     from opswap.models import load
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.pipeline import optimize
 
     m = load("hf:llama", overrides=LLAMA)
     model = m.module.to(device, torch.bfloat16).eval()

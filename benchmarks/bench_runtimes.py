@@ -68,10 +68,9 @@ def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
     from _results import compare_variants
 
     from opswap import api
+    from opswap.backends import registry
     from opswap.backends.pt2 import export
-    from opswap.bench.runtimes import engine_artifact
     from opswap.planner import apply_plan
-    from opswap.stages import EXECUTORCH_LEFT_OUT
 
     spec, sets = MODELS[key]
     loaded = api.load(spec, **sets)
@@ -85,7 +84,8 @@ def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
         with torch.no_grad():
             programs[src] = export(module, xs, captured.dynamic)
     # what --export executorch plans: without the rules it leaves out for XNNPACK
-    kept = [d for d in plan.decisions if d.rule not in EXECUTORCH_LEFT_OUT]
+    left_out = registry.get("executorch").left_out
+    kept = [d for d in plan.decisions if left_out is None or d.rule not in left_out[0]]
     if "executorch" in engines and len(kept) < len(plan.decisions):
         et_plan = copy.copy(plan)
         et_plan.decisions = kept
@@ -101,7 +101,9 @@ def _one(key: str, min_time_s: float, engines: list[str]) -> dict:
             program = programs[src]
             if engine == "executorch" and src == "opswap":
                 program = programs.get("opswap_executorch", program)
-            art = engine_artifact(engine, program, xs, captured.dynamic, src == "opswap")
+            art = registry.get(engine).build(
+                None, xs, captured.dynamic, exported=program, mine=src == "opswap"
+            )
             build_s[name] = round(time.perf_counter() - t0, 1)
             if art.module is None:
                 failed[name] = art.error

@@ -232,8 +232,9 @@ MODELS = [
 
 
 def optimize_models(device: str, target: str) -> list[dict]:
+    from opswap.config import OptimizeConfig
     from opswap.models import load
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.pipeline import optimize
 
     rows = []
     for spec, sets in MODELS:
@@ -313,8 +314,9 @@ ATTENTION_E2E_MODELS = [
 
 def variants_table(device: str, target: str, dtype: str, models: list | None = None) -> list[dict]:
     """The variants race (input, capture, opswap, torch.compile of each) per model."""
+    from opswap.config import OptimizeConfig
     from opswap.models import load
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.pipeline import optimize
 
     dt_ = getattr(torch, dtype)
     rows = []

@@ -7,8 +7,9 @@ config): analyze, plan, apply, verify, bench, report.
 import sys
 import tempfile
 
+from opswap.config import OptimizeConfig
 from opswap.models import load
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 
 
 def main(spec: str, out_dir: str) -> None:

@@ -11,10 +11,11 @@ from torch import nn
 
 from opswap import artifact
 from opswap.artifact import save_model, write_run
+from opswap.config import OptimizeConfig
 from opswap.errors import InputError, OpswapError
 from opswap.graph import capture
 from opswap.models import load
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 from opswap.planner import apply_plan, make_plan
 
 

@@ -12,8 +12,9 @@ from torch import nn
 from opswap import artifact
 from opswap.api import capture
 from opswap.api import verify as api_verify
+from opswap.config import OptimizeConfig
 from opswap.errors import CaptureError, VerificationError
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 from opswap.planner import apply_plan, make_plan
 
 QUICK = dict(bench=False, layers=False, measure_rules=False)

@@ -14,8 +14,9 @@ from torch import nn
 import opswap
 from opswap import report
 from opswap.artifact import RUN_FILES
+from opswap.config import OptimizeConfig
 from opswap.errors import OpswapError
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 
 _QUICK = OptimizeConfig(bench=False, layers=False, samples=1)
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch import nn
 
+from opswap.config import OptimizeConfig
 from opswap.graph import op_kind
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 from opswap.rules import registry
 from opswap.rules.base import Found, Rule
 

@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+from opswap.config import OptimizeConfig
 from opswap.deploy import load_optimized
 from opswap.errors import InputError
 from opswap.graph.dynamic import at, within
 from opswap.models import list_zoo, load
 from opswap.models.hf import hf_kinds, list_hf_presets
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 
 # every zoo model, the 11 tuned hf presets, and one generic type of each kind the presets
 # lack (an encoder-decoder, a vision-text model): optimize of all 57 checked types would

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from opswap.config import OptimizeConfig
 from opswap.graph import op_kind
-from opswap.pipeline import OptimizeConfig
 from opswap.rules import registry
 from opswap.rules.base import Found, Rule
 from opswap.stages import Checked, Pruned, Run, capture_stage, plan_and_verify, prune, race

@@ -22,15 +22,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from opswap import planner
+from opswap.backends import registry
 from opswap.bench.device import check_device as check_device  # the CLI checks it first
-from opswap.bench.runtimes import NAMES
 from opswap.bench.timing import with_timer
+from opswap.config import Exactness, OptimizeConfig
 from opswap.errors import ExportError
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import Captured, Method, as_inputs
@@ -42,9 +43,9 @@ from opswap.models import LoadedModel
 from opswap.models import load as _load
 from opswap.models._common import CalibrationSource
 from opswap.models.task import Task
-from opswap.pipeline import OptimizeConfig, Result
 from opswap.pipeline import optimize as _optimize
 from opswap.planner import Plan, apply_plan
+from opswap.result import Result
 from opswap.rules.apply import Applied
 from opswap.stages import guarded
 from opswap.targets import Target, get_target
@@ -244,30 +245,32 @@ class PlanCheck:
     runtime_divergence: Any = None
 
 
-#: where `verify_plan` and `bench_plan` run the model and the plan's result
-BACKENDS = ("pytorch", "ort", "openvino", "executorch")
+def backends() -> tuple[str, ...]:
+    """Where `verify_plan` and `bench_plan` run the model and the plan's result: pytorch, or a
+    runtime of backends.registry that offers itself as a backend."""
+    return ("pytorch", *(r.name for r in registry.runtimes() if r.backend))
 
 
 def _check_backend(backend: str) -> None:
-    from opswap.bench.runtimes import missing
-
-    if backend not in BACKENDS:
-        raise ExportError(f"Unknown backend {backend!r}; use {', '.join(BACKENDS)}.")
-    absent = missing(backend) if backend != "pytorch" else None
+    known = backends()
+    if backend not in known:
+        raise ExportError(f"Unknown backend {backend!r}; use {', '.join(known)}.")
+    if backend == "pytorch":
+        return
+    absent = registry.get(backend).missing(f"--backend {backend}")
     if absent is not None:
-        raise ExportError(absent.replace(f"--export {backend}", f"--backend {backend}"))
+        raise ExportError(absent)
 
 
 def _in_runtime(
     module: nn.Module, captured: Captured, what: str, backend: str, *, mine: bool = True
 ) -> tuple[nn.Module, Any]:
     """`module` exported (dynamic as the capture claims) and loaded in the `backend`
-    runtime on the CPU, as the race makes its file (bench.runtimes.engine_artifact:
+    runtime on the CPU, as the race makes its file (the runtime's `build`, backends.registry:
     opswap's when `mine`, else as the runtime makes it without opswap): the runtime's
     module, and the exported program it was written from."""
     from opswap.backends.pt2 import _first_line
     from opswap.backends.pt2 import export as _export
-    from opswap.bench.runtimes import engine_artifact
 
     xs = captured.example_inputs
     with preserved_state(module):
@@ -276,29 +279,25 @@ def _in_runtime(
                 exported = _export(module, tuple(xs), captured.dynamic, runtime=True)
         except Exception as e:
             raise ExportError(f"{what} could not be exported: {_first_line(e)}.") from e
-        art = engine_artifact(backend, exported, xs, captured.dynamic, mine)
+        rt = registry.get(backend)
+        art = rt.build(None, xs, captured.dynamic, exported=exported, mine=mine)
     if art.module is None:
-        raise ExportError(f"{what} could not be run in {NAMES[backend]}: {art.error}")
+        raise ExportError(f"{what} could not be run in {rt.title}: {art.error}")
     return art.module, exported[0]
 
 
 def _runtime_layers(program, backend: str, captured: Captured, tol: Tolerance):
     """backends.runtime_layers' report of `program` in `backend` and its first divergence,
     or a sentence why there is none."""
-    from opswap.backends.runtime_layers import RUNTIMES, runtime_layers
+    from opswap.backends.runtime_layers import runtime_layers
 
-    if backend not in RUNTIMES:
-        return (
-            f"{NAMES[backend]} keeps its intermediate values inside the XNNPACK "
-            "delegate, so there is no layer-by-layer comparison in it",
-            None,
-        )
-    # translated as engine_artifact writes opswap's file for that runtime: for ORT with
-    # onnxscript's fusions, and without them where ORT refuses those (as ort_artifact does)
-    ort = backend == "ort"
-    int8 = "integer" if ort else "qdq"
+    rt = registry.get(backend)
+    if not rt.layer_forms:
+        return f"{rt.title} {rt.no_layers}, so there is no layer-by-layer comparison in it", None
+    # translated as the runtime's build writes opswap's file for it (for ORT with onnxscript's
+    # fusions, and without them where ORT refuses those, as ort_artifact does)
     why = ""
-    for fusions in (True, False) if ort else (False,):
+    for int8, fusions in rt.layer_forms:
         try:
             report = runtime_layers(
                 program, backend, captured.example_inputs, int8=int8, fusions=fusions
@@ -307,7 +306,7 @@ def _runtime_layers(program, backend: str, captured: Captured, tol: Tolerance):
         except ExportError as e:
             why = str(e)
     else:
-        return f"no layer-by-layer comparison in {NAMES[backend]}: {why}", None
+        return f"no layer-by-layer comparison in {rt.title}: {why}", None
     return report, report.first_divergence(tol)
 
 
@@ -400,7 +399,7 @@ def bench_plan(
     """Time (a copy of) `model` and what `plan` makes of it side by side on `device`;
     `backend` "ort", "openvino" or "executorch" times both exported and run in that
     runtime on the CPU, the comparison a user deploying on it makes (each file made as the
-    race makes it: bench.runtimes.engine_artifact)."""
+    race makes it: the runtime's `build`, backends.registry)."""
     from opswap.bench.compare import bench_models
 
     _check_backend(backend)
@@ -418,7 +417,8 @@ def bench_plan(
     if backend != "pytorch":
         if device != "cpu":
             raise ExportError(
-                f"--backend {backend} times on {NAMES[backend]} on the CPU; use --device cpu."
+                f"--backend {backend} times on {registry.get(backend).title} on the CPU; "
+                "use --device cpu."
             )
         ref, _ = _in_runtime(ref, done.captured, "Your model", backend, mine=False)
         opt, _ = _in_runtime(opt, done.captured, "The plan's result", backend)
@@ -438,21 +438,15 @@ class Exported:
     first_divergence: Any = None  # render.verification's field; layers are not compared
 
 
-EXPORT_FORMATS = ("onnx", "ort", "openvino", "executorch", "pte")
-
-
 def check_export(to: str) -> None:
     """Refuse, in one sentence, an export format opswap does not write or whose runtime is
     not installed: before a model is loaded or a plan read."""
-    from opswap.bench.runtimes import missing
-
-    if to not in EXPORT_FORMATS:
-        raise ExportError(
-            f"Export to {to!r} is not available; use --to {' or '.join(EXPORT_FORMATS)}."
-        )
-    absent = missing(to)
+    formats = registry.export_formats()
+    if to not in formats:
+        raise ExportError(f"Export to {to!r} is not available; use --to {' or '.join(formats)}.")
+    absent = cast(registry.Runtime, registry.for_export(to)).missing(f"Export to {to}")
     if absent is not None:
-        raise ExportError(absent.replace(f"--export {to}", f"Export to {to}"))
+        raise ExportError(absent)
 
 
 def export(
@@ -478,9 +472,6 @@ def export(
     for ONNX Runtime's Linears)."""
     import shutil
 
-    from opswap.backends.executorch import executorch_artifact
-    from opswap.backends.openvino import OpenVinoModule, openvino_artifact
-    from opswap.backends.ort import ort_artifact
     from opswap.graph.dynamic import variants
     from opswap.verify.outputs import verify as _verify
 
@@ -497,26 +488,22 @@ def export(
     captured = done.captured
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    pte, ir = to in ("executorch", "pte"), to == "openvino"
+    rt = cast(registry.Runtime, registry.for_export(to))
     gm, xs = done.applied.gm, captured.example_inputs
-    if ir:
-        art = openvino_artifact(gm, xs, captured.dynamic, ir=True)
-    else:
-        art = (executorch_artifact if pte else ort_artifact)(gm, xs, captured.dynamic)
+    art = rt.build(gm, xs, captured.dynamic, export=True, portable=True)
     if art.module is None or art.path is None:
-        kind = "an ExecuTorch program" if pte else "OpenVINO IR" if ir else "ONNX"
-        raise ExportError(f"The plan's result could not be exported to {kind}: {art.error}")
+        raise ExportError(
+            f"The plan's result could not be exported to {rt.exported_as}: {art.error}"
+        )
     kept = art.kept if art.kept is not None else captured.dynamic
     tol = tolerance_for(done.plan.settings.exactness, None, captured.rounding)
-    data = art.path.with_name(art.path.name + ".data")
-    if data.is_file():
-        shutil.copyfile(data, out / data.name)
-    dest = out / ("model.pte" if pte else "model.xml" if ir else "model.onnx")
-    if ir:  # the weights first: OpenVINO reads them from model.bin beside model.xml
-        shutil.copyfile(art.path.with_suffix(".bin"), dest.with_suffix(".bin"))
+    dest = out / rt.file
+    for name, data in rt.beside_of(art.path).items():  # first: the file reads them by name
+        if data.is_file():
+            shutil.copyfile(data, out / name)
     shutil.copyfile(art.path, dest)
-    # the IR is verified as it lies in OUT, loaded back in a fresh OpenVINO Core
-    module = OpenVinoModule(dest) if ir else art.module
+    # a file its runtime loads back (OpenVINO's IR) is verified as it lies in OUT, reopened
+    module = rt.load(dest) if rt.reload else art.module
     v = _verify(
         private_copy(model),
         module,
@@ -654,7 +641,7 @@ def optimize(
     config = OptimizeConfig(
         target=target,
         rules=rules or [],
-        exactness=exactness,
+        exactness=cast(Exactness, exactness),  # OptimizeConfig refuses any other word
         budget=budget,
         samples=samples,
         bench=bench,

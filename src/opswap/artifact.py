@@ -49,6 +49,7 @@ import platform
 import shutil
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -61,100 +62,79 @@ if TYPE_CHECKING:
     from opswap.backends.pt2 import Artifact
     from opswap.cost.analyze import Analysis
     from opswap.graph.dynamic import Dynamic
-    from opswap.result import Result
+    from opswap.record import RunRecord as Result
 
-#: every name `save` writes (report.optimize_report's plots included)
-RUN_FILES = frozenset(
-    {
-        "plan.json",
-        "result.json",
-        "report.md",
-        "report.html",
-        "model.pt2",
-        "model_aoti.pt2",
-        "model.onnx",
-        "model.onnx.data",
-        "model.pte",
-        "model.xml",
-        "model.bin",
-        "model.so",
-        "model_state.pt",
-        "model_state.txt",
-        "model_shapes.txt",
-        "latency.png",
-        "layer_errors.png",
-        "categories.png",
-        "roofline.png",
-    }
-)
-_FIRST = (
-    "model.pt2",
-    "model_aoti.pt2",
-    "model.onnx.data",
-    "model.onnx",
-    "model.pte",
-    "model.bin",
-    "model.xml",
-    "model.so",
+#: the model files of a run other than a runtime's (backends.registry: each runtime's file
+#: and what travels with it are model files too); a save removes those an earlier run left
+#: that this one did not
+_TORCH_MODELS = ("model.pt2", "model_aoti.pt2", "model_shapes.txt")
+#: every other name `save` writes (report.optimize_report's plots included)
+_OTHER_FILES = (
+    "plan.json",
+    "result.json",
+    "report.md",
+    "report.html",
     "model_state.pt",
-)
-#: the model files of a run; a save removes those an earlier run left that this one did not
-_MODELS = (
-    "model.pt2",
-    "model_aoti.pt2",
-    "model_shapes.txt",
-    "model.onnx",
-    "model.onnx.data",
-    "model.pte",
-    "model.xml",
-    "model.bin",
-    "model.so",
+    "model_state.txt",
+    "latency.png",
+    "layer_errors.png",
+    "categories.png",
+    "roofline.png",
 )
 _LAST = ("result.json",)
 
+
+def _runtime_files() -> tuple[str, ...]:
+    from opswap.backends import registry
+
+    return tuple(dict.fromkeys(n for rt in registry.runtimes() for n in rt.files()))
+
+
+#: the model files of a run: model.pt2, its AOTInductor package and note, and every
+#: runtime's file with what travels with it
+_MODELS = (*_TORCH_MODELS, *_runtime_files())
+#: every name `save` writes; only these are ever removed from DIR
+RUN_FILES = frozenset((*_MODELS, *_OTHER_FILES))
+#: the files moved into DIR first: the model files (not model_shapes.txt, which describes
+#: them) and model_state.pt
+_FIRST = frozenset(n for n in (*_MODELS, "model_state.pt") if n != "model_shapes.txt")
+
+
 #: which module a winning variant saves: the input, the plain capture or opswap's candidate
-SAVES = {
+#: (a runtime's variant NAME saves the input's, opswap+NAME the candidate's)
+SAVED_MODULE = {
     "input": "input",
     "compile": "input",
     "captured": "captured",
     "opswap": "candidate",
     "opswap+compile": "candidate",
     "opswap+cudagraph": "candidate",
-    "ort": "input",
-    "opswap+ort": "candidate",
-    "openvino": "input",
-    "opswap+openvino": "candidate",
-    "executorch": "input",
-    "opswap+executorch": "candidate",
-    "tvm": "input",
-    "opswap+tvm": "candidate",
-}
-
-#: the variants whose saved file is a runtime's (an .onnx, .xml, .pte or .so file,
-#: bench.runtimes), by
-#: their artifact's key
-RUNTIME_FILES = {
-    "ort": "ort_input",
-    "opswap+ort": "ort_candidate",
-    "openvino": "openvino_input",
-    "opswap+openvino": "openvino_candidate",
-    "executorch": "executorch_input",
-    "opswap+executorch": "executorch_candidate",
-    "tvm": "tvm_input",
-    "opswap+tvm": "tvm_candidate",
 }
 
 
 def artifact_key(variant: str) -> str:
-    """The key in Race.artifacts of the file `variant` saves when it wins."""
-    if variant in RUNTIME_FILES:
-        return RUNTIME_FILES[variant]
-    return "candidate" if SAVES.get(variant, "candidate") == "candidate" else "input"
+    """The key in Race.artifacts of the file `variant` saves when it wins (a runtime's
+    variant: its own file, backends.registry)."""
+    from opswap.backends import registry
+
+    rt = registry.of_variant(variant)
+    if rt is not None:
+        return rt.key(variant)
+    return "candidate" if _module_of(variant) == "candidate" else "input"
+
+
+def _module_of(variant: str) -> str:
+    """Which module `variant` saves when it wins: "input", "captured" or "candidate"."""
+    from opswap.backends import registry
+
+    if registry.of_variant(variant) is not None:
+        return "candidate" if variant.startswith("opswap+") else "input"
+    return SAVED_MODULE.get(variant, "candidate")
 
 
 def saved_kind(result: Result) -> str:
     """Which module the run's winner saves: "input", "captured" or "candidate"."""
-    return SAVES.get(result.best, "candidate")
+    return _module_of(result.best)
 
 
 def saved_artifact(result: Result) -> Artifact | None:
@@ -173,123 +153,46 @@ def saved_module(result: Result) -> nn.Module:
     return result.candidate if saved_kind(result) == "candidate" else result.reference
 
 
-def _deploy_onnx(result: Result) -> dict[str, Any]:
-    """result.json's `deploy` when an ONNX Runtime or OpenVINO variant won: DIR/model.onnx."""
-    openvino = result.best.endswith("openvino")
-    engine = "OpenVINO" if openvino else "ONNX Runtime"
-    holds = (
-        f"opswap's optimized model exported to ONNX, for {engine}"
-        if result.best.startswith("opswap+")
-        else f"your model exported to ONNX with no rewrite, for {engine}: opswap's "
-        "export did not beat it in this run"
-    )
-    how = (
-        'openvino.Core().compile_model("DIR/model.onnx", "CPU", '
-        '{"INFERENCE_PRECISION_HINT": "f32"}) (the settings it was timed and verified under), '
-        "or opswap.load_optimized(DIR), which runs the same file in ONNX Runtime"
-        if openvino
-        else 'onnxruntime.InferenceSession("DIR/model.onnx", providers=["CPUExecutionProvider"]) '
-        "with graph_optimization_level ORT_ENABLE_ALL, or opswap.load_optimized(DIR)"
-    )
-    return {
-        "variant": result.best,
-        "artifact": "model.onnx" if result.verified_as is not None else None,
-        "holds": holds,
-        "compile": False,
-        "how": how,
-        "timed": saved_artifact(result) is not None,
-        "verified_as": result.verified_as,
-        "run_under": "openvino (CPU)" if openvino else "onnxruntime (CPU execution provider)",
-    }
+def _saved_file(result: Result, rt: Any) -> str:
+    """The name of the file a runtime's winner saves in DIR: its artifact's (the .onnx file
+    OpenVINO's race times is ONNX Runtime's model.onnx), else the form the run's --export
+    asks for, else the race's."""
+    from opswap.backends import registry
 
-
-def _deploy_ir(result: Result) -> dict[str, Any]:
-    """result.json's `deploy` when an OpenVINO variant of `--export openvino` won:
-    DIR/model.xml and DIR/model.bin, OpenVINO's IR."""
-    holds = (
-        "opswap's optimized model as OpenVINO IR (float32)"
-        if result.best.startswith("opswap+")
-        else "your model as OpenVINO IR (float32) with no rewrite: opswap's did not beat "
-        "it in this run"
-    )
-    return {
-        "variant": result.best,
-        "artifact": "model.xml" if result.verified_as is not None else None,
-        "holds": holds,
-        "compile": False,
-        "how": 'openvino.Core().compile_model("DIR/model.xml", "CPU", '
-        '{"INFERENCE_PRECISION_HINT": "f32"}) (the settings it was timed and verified under; '
-        "model.bin beside it holds the weights), or opswap.load_optimized(DIR), which "
-        "compiles it the same way and returns your model's output structure",
-        "timed": saved_artifact(result) is not None,
-        "verified_as": result.verified_as,
-        "run_under": "openvino (CPU)",
-    }
-
-
-def _saves_ir(result: Result) -> bool:
-    """Whether the run's winner saves an OpenVINO IR (model.xml), not an .onnx file."""
-    if not result.best.endswith("openvino"):
-        return False
     art = saved_artifact(result)
     if art is not None:
-        return cast(Path, art.path).suffix == ".xml"
-    return result.config.export == "openvino"
+        owner = registry.of_file(cast(Path, art.path))
+        if owner is not None:
+            return owner.file
+    if result.config.export in rt.exports:
+        return rt.file
+    return rt.build_file
 
 
-def _deploy_pte(result: Result) -> dict[str, Any]:
-    """result.json's `deploy` when an ExecuTorch variant won: DIR/model.pte."""
-    holds = (
-        "opswap's optimized model lowered to an ExecuTorch program (XNNPACK delegate)"
-        if result.best.startswith("opswap+")
-        else "your model lowered to an ExecuTorch program (XNNPACK delegate) with no "
-        "rewrite: opswap's did not beat it in this run"
-    )
+def _deploy_runtime(result: Result, rt: Any) -> dict[str, Any]:
+    """result.json's `deploy` when a runtime's variant won: its file, in its own words."""
+    file = _saved_file(result, rt)
+    words = rt.deploy(result.best.startswith("opswap+"), file)
     return {
         "variant": result.best,
-        "artifact": "model.pte" if result.verified_as is not None else None,
-        "holds": holds,
+        "artifact": file if result.verified_as is not None else None,
+        "holds": words.holds,
         "compile": False,
-        "how": 'executorch.runtime.Runtime.get().load_program("DIR/model.pte")'
-        '.load_method("forward").execute([...]) on the device (an ExecuTorch runtime built '
-        "with the XNNPACK backend), or opswap.load_optimized(DIR) here",
+        "how": words.how,
         "timed": saved_artifact(result) is not None,
         "verified_as": result.verified_as,
-        "run_under": "executorch (XNNPACK delegate, CPU)",
-    }
-
-
-def _deploy_so(result: Result) -> dict[str, Any]:
-    """result.json's `deploy` when a TVM variant won: DIR/model.so."""
-    holds = (
-        "opswap's optimized model compiled by Apache TVM for this CPU"
-        if result.best.startswith("opswap+")
-        else "your model compiled by Apache TVM for this CPU with no rewrite: opswap's did "
-        "not beat it in this run"
-    )
-    return {
-        "variant": result.best,
-        "artifact": "model.so" if result.verified_as is not None else None,
-        "holds": holds,
-        "compile": False,
-        "how": 'tvm.relax.VirtualMachine(tvm.runtime.load_module("DIR/model.so"), tvm.cpu())'
-        '["main"](*inputs) on a machine with this CPU and the same apache-tvm, or '
-        "opswap.load_optimized(DIR)",
-        "timed": saved_artifact(result) is not None,
-        "verified_as": result.verified_as,
-        "run_under": "tvm (Relax VM, CPU)",
+        "run_under": words.run_under,
     }
 
 
 def deploy(result: Result) -> dict[str, Any]:
     """What model.pt2 (or model.onnx, model.pte) holds and how to run it (result.json's
     `deploy`)."""
-    if result.best in RUNTIME_FILES:
-        if "executorch" in result.best:
-            return _deploy_pte(result)
-        if result.best.endswith("tvm"):
-            return _deploy_so(result)
-        return _deploy_ir(result) if _saves_ir(result) else _deploy_onnx(result)
+    from opswap.backends import registry
+
+    rt = registry.of_variant(result.best)
+    if rt is not None:
+        return _deploy_runtime(result, rt)
     kind = saved_kind(result)
     compiled = result.best.endswith("compile")
     holds = {
@@ -472,8 +375,11 @@ def _write(result: Result, out: Path, aot: bool = True) -> dict[str, Path]:
                 artifact=art,
             )
         )
-        if paths["model"].suffix == ".xml":
-            reloaded = check_reloaded(result, paths["model"], art)
+        from opswap.backends import registry
+
+        owner = registry.of_file(paths["model"])
+        if owner is not None and owner.reload:
+            reloaded = check_reloaded(result, paths["model"], art, owner)
     packaged = None
     if aot and result.best.endswith("compile") and paths.get("model", Path()).name == "model.pt2":
         packaged = _aot(result, paths["model"])
@@ -490,12 +396,11 @@ def _write(result: Result, out: Path, aot: bool = True) -> dict[str, Path]:
     return paths
 
 
-def check_reloaded(result: Result, xml: Path, art: Artifact | None) -> dict[str, Any]:
-    """The OpenVINO IR just written at `xml` loaded back in a fresh Core and verified
-    against the model (the run's reference, tolerance and samples) at every size the file
-    keeps: result.json's `deploy.reloaded`. Raises OpswapError when it does not match, so
-    that the run is not moved in."""
-    from opswap.backends.openvino import OpenVinoModule
+def check_reloaded(result: Result, xml: Path, art: Artifact | None, rt: Any) -> dict[str, Any]:
+    """The file just written at `xml` (a runtime `rt` loads back: OpenVINO's IR, in a fresh
+    Core) loaded back and verified against the model (the run's reference, tolerance and
+    samples) at every size the file keeps: result.json's `deploy.reloaded`. Raises
+    OpswapError when it does not match, so that the run is not moved in."""
     from opswap.graph.dynamic import variants
     from opswap.verify.outputs import verify
 
@@ -503,7 +408,7 @@ def check_reloaded(result: Result, xml: Path, art: Artifact | None) -> dict[str,
     inputs = tuple(result.example_inputs)
     check = verify(
         result.reference,
-        OpenVinoModule(xml),  # the output structure and input names from the IR itself
+        rt.load(xml),  # the output structure and input names from the file itself
         inputs,
         samples=result.config.samples,
         tolerance=result.verification.tolerance,
@@ -512,7 +417,7 @@ def check_reloaded(result: Result, xml: Path, art: Artifact | None) -> dict[str,
     )
     if not check.passed:
         raise OpswapError(
-            f"The OpenVINO IR written as {xml.name} does not match your model when loaded "
+            f"The {rt.exported_as} written as {xml.name} does not match your model when loaded "
             f"back ({'; '.join(check.reasons)[:240]}); the run was not saved."
         )
     return {
@@ -557,39 +462,33 @@ def save_model(
     return {"model": path}
 
 
-#: the name a timed file is saved under, by its suffix
-_SAVED_AS = {
-    ".pt2": "model.pt2",
-    ".onnx": "model.onnx",
-    ".pte": "model.pte",
-    ".xml": "model.xml",
-    ".so": "model.so",
-}
-
-
 def _save_file(artifact: Artifact, out: Path) -> dict[str, Path]:
-    """The file the race timed (model.pt2, model.onnx with its external data file,
-    model.pte, or OpenVINO's model.xml with its model.bin) copied into OUT, model_shapes.txt
-    with its note, and every other model file an earlier save left removed."""
+    """The file the race timed (model.pt2, or a runtime's file with what travels with it:
+    model.onnx with its external data file, OpenVINO's model.xml with its model.bin, ...)
+    copied into OUT, model_shapes.txt with its note, and every other model file an earlier
+    save left removed."""
+    from opswap.backends import registry
+
     src = cast(Path, artifact.path)
-    path = out / _SAVED_AS[src.suffix]
-    data = src.with_name(src.name + ".data")
-    if src.suffix == ".onnx" and data.is_file():  # the model names its data file
-        _partial_then_replace(out / data.name, lambda p: shutil.copyfile(data, p))
-    elif src.suffix == ".xml":  # OpenVINO reads the weights from NAME.bin beside NAME.xml
-        data = src.with_suffix(".bin")
-        _partial_then_replace(path.with_suffix(".bin"), lambda p: shutil.copyfile(data, p))
+    rt = registry.of_file(src)
+    path = out / (rt.file if rt is not None else "model.pt2")
+    beside = rt.beside_of(src) if rt is not None else {}
+    for name, data in beside.items():  # first: the file names them, or reads them by name
+        if data.is_file():
+            _partial_then_replace(out / name, partial(_copy, data))
     _partial_then_replace(path, artifact.copy_to)
     note_path = out / "model_shapes.txt"
     if artifact.note:
         note_path.write_text(artifact.note + "\n")
     elif note_path.exists():
         note_path.unlink()
-    keep = {path.name, "model_shapes.txt"} | (
-        {data.name} if src.suffix == ".onnx" else {"model.bin"} if src.suffix == ".xml" else set()
-    )
+    keep = {path.name, "model_shapes.txt", *beside}
     _remove(out, "model_state.pt", "model_state.txt", *(n for n in _MODELS if n not in keep))
     return {"model": path}
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    return Path(shutil.copyfile(src, dest))
 
 
 def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
@@ -598,33 +497,19 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
     its AOTInductor package model_aoti.pt2 where the run wrote one, else model.pt2 through
     torch.compile; no compile without a result.json); True / False force torch.compile
     of model.pt2 on or off."""
+    from opswap.backends import registry
     from opswap.backends.pt2 import load as load_program
 
     path = Path(directory)
-    folder = path.parent if path.suffix in (".pt2", ".onnx", ".pte", ".xml", ".so") else path
-    onnx = path if path.suffix == ".onnx" else folder / "model.onnx"
-    pte = path if path.suffix == ".pte" else folder / "model.pte"
-    xml = path if path.suffix == ".xml" else folder / "model.xml"
-    so = path if path.suffix == ".so" else folder / "model.so"
+    owner = registry.of_file(path)
+    folder = path.parent if path.suffix == ".pt2" or owner is not None else path
     pt2 = path if path.suffix == ".pt2" else path / "model.pt2"
-    if not pt2.is_file() and xml.is_file():
-        from opswap.backends.openvino import OpenVinoModule
-
-        return OpenVinoModule(xml)  # the model's output structure, kept in the IR
-    if not pt2.is_file() and so.is_file():
-        from opswap.backends.tvm import TvmModule
-
-        return TvmModule(so)  # a tensor or a tuple, as for ONNX Runtime and ExecuTorch
-    if not pt2.is_file() and onnx.is_file():
-        from opswap.backends.ort import OrtModule
-
-        # outputs as a tensor or a tuple (the file has no pytree); a session for use, its
-        # threads spinning as ORT's default has them (backends.ort.session)
-        return OrtModule(onnx, spinning=True)
-    if not pt2.is_file() and pte.is_file():
-        from opswap.backends.executorch import ExecuTorchModule
-
-        return ExecuTorchModule(pte)  # the same: a tensor or a tuple
+    if not pt2.is_file():
+        # a runtime's file (model.onnx, model.xml, ...): the one named, else the one in DIR
+        for rt in (owner,) if owner is not None else registry.runtimes():
+            file = path if owner is not None else folder / rt.file
+            if file.is_file():
+                return rt.load(file)
     if not pt2.is_file():
         state = folder / "model_state.pt"
         if state.is_file():

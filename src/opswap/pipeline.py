@@ -9,30 +9,23 @@ the model (opswap.artifact).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import fx, nn
 
 from opswap.artifact import artifact_key, file_claim
 from opswap.bench.attribution import Attribution
-from opswap.bench.device import check_device
-from opswap.bench.runtimes import EXPORTS, SAVES, missing
-from opswap.bench.variants import Race, parse_compare
+from opswap.bench.variants import Race
+from opswap.config import OptimizeConfig
 from opswap.cost.analyze import Analysis
-from opswap.errors import OpswapError, RuleError, VerificationError
 from opswap.graph.calibrate import calibration_of
-from opswap.graph.calibration_data import check_path
 from opswap.graph.capture import Captured
 from opswap.graph.copies import describe_hooks
 from opswap.graph.dynamic import Dynamic
-from opswap.graph.observers import METHODS as CALIBRATION_METHODS
 from opswap.models.task import Accuracy, Task
 from opswap.planner import CALIBRATED_RULES, Plan, plan_with_graph
 from opswap.result import Result
 from opswap.rules.apply import Applied
-from opswap.rules.base import EXACTNESS_ORDER
-from opswap.rules.registry import parse_patterns
 from opswap.stages import (
     Pruned,
     Run,
@@ -45,82 +38,6 @@ from opswap.stages import (
     race,
     run_info,
 )
-from opswap.verify.tolerance import tolerance_for
-
-
-@dataclass
-class OptimizeConfig:
-    """Settings of one `optimize` run; the CLI flags map onto these fields. A setting the
-    run could not use is refused when the config is made, in one sentence."""
-
-    target: str = "cpu"
-    # glob patterns, or one comma-separated string of them (made a list); empty = every rule
-    rules: list[str] | str = field(default_factory=list)
-    exactness: str = "exact"  # loosest rule class allowed: exact < approx < lossy
-    budget: str | None = None  # e.g. "cosine>=0.9999"; default follows exactness
-    samples: int = 3  # random input samples verification runs on
-    seed: int = 0
-    bench: bool = True
-    layers: bool = True  # layer-by-layer comparison in the report
-    rollback: bool = True  # bisect and drop sites that break the budget
-    measure_rules: bool = True  # time the result without each rule (measured per-rule gain)
-    prune_slow: bool = True  # drop the rules the model measures faster without (beyond noise)
-    device: str = "cpu"
-    dynamic: str = "auto"  # input sizes kept symbolic: auto, none, batch, seq, I:D=name,...
-    compare: str = "compile"  # baselines raced beside opswap's result: compile, ort, openvino, none
-    # "onnx" or "ort": race ONNX Runtime and save model.onnx; "openvino": OpenVINO and its IR
-    # (model.xml); "executorch" or "pte": ExecuTorch and model.pte
-    export: str | None = None
-    keep_hooks: bool = False  # refuse a model with hooks rather than optimize it without them
-    # static int8's calibration: range method (minmax, percentile, mse, entropy), how many
-    # sample inputs it runs, symmetric or asymmetric activations, per-channel weights
-    calibrate: str = "minmax"
-    calibration_samples: int = 8
-    symmetric_activations: bool = False
-    per_channel_weights: bool = True
-    # a file of calibration batches (.pt, .npy, .npz: graph.calibration_data), every batch
-    # used; without it, `calibration_samples` random samples or a task's training batches
-    calibration: str | None = None
-
-    def __post_init__(self) -> None:
-        self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
-        if self.exactness not in EXACTNESS_ORDER:
-            raise RuleError(f"exactness must be exact, approx or lossy; got {self.exactness!r}.")
-        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
-            raise VerificationError(
-                f"samples must be at least 1 (the example itself); got {self.samples!r}."
-            )
-        if self.calibrate not in CALIBRATION_METHODS:
-            raise RuleError(
-                f"calibrate must be one of {', '.join(CALIBRATION_METHODS)}; got {self.calibrate!r}."
-            )
-        if (
-            isinstance(self.calibration_samples, bool)
-            or not isinstance(self.calibration_samples, int)
-            or self.calibration_samples < 1
-        ):
-            raise RuleError(
-                f"calibration_samples must be at least 1; got {self.calibration_samples!r}."
-            )
-        if self.calibration is not None:  # a missing file fails before the model loads
-            self.calibration = str(check_path(self.calibration))
-        tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now
-        check_device(self.device)  # so do a device name and CUDA without a GPU
-        if self.bench:
-            parse_compare(self.compare)  # so does a typo in the baselines
-        if self.export is not None and self.export not in EXPORTS:
-            raise OpswapError(
-                f"export must be one of {', '.join(EXPORTS)}; got {self.export!r} "
-                "(model.pt2 is written either way)."
-            )
-        if self.export is not None and not self.bench:
-            raise OpswapError(
-                f"--export {self.export} saves {SAVES[self.export]}, the file the race "
-                "verified and timed; drop --no-bench to export."
-            )
-        absent = missing(self.export) if self.export is not None else None
-        if absent is not None:
-            raise OpswapError(absent)
 
 
 def measure_rules(

@@ -1,79 +1,27 @@
 """`Result`: everything one optimize run found, decided, checked and measured.
 
-What a run writes to disk and how it is loaded back is opswap.artifact's; the methods
-here that speak of files (`save`, `deploy`, `to_json`, `saved_module`) hand over to it.
+Its fields are opswap.record's `RunRecord`. What a run writes to disk and how it is loaded
+back is opswap.artifact's; the methods here that speak of files (`save`, `deploy`,
+`to_json`, `saved_module`) hand over to it.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch import fx, nn
+from torch import nn
 
 from opswap import artifact
+from opswap.record import RunRecord
 
 if TYPE_CHECKING:
     from opswap.backends.pt2 import Artifact
-    from opswap.bench.attribution import Attribution, RuleTiming
-    from opswap.bench.stats import ModelBench
-    from opswap.bench.variants import VariantTiming
-    from opswap.cost.analyze import Analysis
-    from opswap.graph.dynamic import Dynamic
-    from opswap.models.task import Accuracy
-    from opswap.pipeline import OptimizeConfig
-    from opswap.planner import Plan
-    from opswap.rules.base import Failure, Site
-    from opswap.verify.bisect import Rollback
-    from opswap.verify.layers import LayerReport
-    from opswap.verify.outputs import Verification
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-
-
-@dataclass
-class Result:
-    """Everything one optimize run found, decided, checked and measured."""
-
-    model: str
-    target: str
-    config: OptimizeConfig
-    reference: nn.Module  # the private copy of the user's module that opswap ran
-    candidate: nn.Module  # the optimized module in memory, with its input check
-    example_inputs: tuple[Any, ...]
-    plan: Plan
-    applied: list[Site]
-    failed: list[Failure]  # the plan's and the replay's
-    rolled_back: list[Rollback]
-    verification: Verification
-    analysis_before: Analysis | None
-    analysis_after: Analysis | None
-    layers: LayerReport | None = None
-    benchmark: ModelBench | None = None  # the input against the candidate, from the race
-    rule_timings: list[RuleTiming] = field(default_factory=list)  # attribution.rules
-    attribution: Attribution | None = None  # per-rule savings and the total
-    notes: list[str] = field(default_factory=list)
-    dynamic: Dynamic | None = None  # the sizes the saved model keeps symbolic
-    variants: list[VariantTiming] = field(default_factory=list)  # raced
-    best: str = "opswap"  # the variant saved: input, captured, opswap, compile, opswap+compile
-    captured_gm: fx.GraphModule | None = None  # the capture with no rewrite
-    # the files of "input" and "candidate" the race timed
-    artifacts: dict[str, Artifact] = field(default_factory=dict)
-    # the verification the saved file passed: {"variant", "shapes"} from the race, or None
-    # when the file the winner saves passed none (then no model.pt2 is written)
-    verified_as: dict[str, Any] | None = None
-    # the AOTInductor package save wrote for a compiled winner, or why none (deploy.aot)
-    aot: dict[str, Any] | None = None
-    settled: bool | None = None  # every interval of the race narrowed in the time allowed
-    # what ran: the inputs' names, shapes and dtypes, threads, device, the model's settings
-    run_info: dict[str, Any] = field(default_factory=dict)
-    # the task's metric for the reference and the saved model, for a model with a task
-    accuracy: Accuracy | None = None
-    created: str = field(default_factory=_now)
+class Result(RunRecord):
+    """Everything one optimize run found, decided, checked and measured (the fields of
+    opswap.record.RunRecord), and the methods that write it and read its saved model."""
 
     def to_json(self) -> dict[str, Any]:
         """What result.json holds (artifact.describe)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx, nn
 
+from opswap.backends import registry
 from opswap.bench.attribution import Attribution, attribute, reconcile
 from opswap.bench.timing import with_timer
 from opswap.bench.variants import Race, parse_compare
@@ -34,7 +35,7 @@ from opswap.verify.samples import make_samples
 from opswap.verify.tolerance import Tolerance, tolerance_for
 
 if TYPE_CHECKING:
-    from opswap.pipeline import OptimizeConfig
+    from opswap.config import OptimizeConfig
 
 
 def _to_device(
@@ -234,37 +235,13 @@ def capture_stage(
     captured = capture(model, example_inputs, dynamic=config.dynamic, check=capture_check)
     tol = tolerance_for(config.exactness, config.budget, captured.rounding)
     run = Run(config, name, target, model, captured, tol, hooks)
-    left = EXPORT_LEFT_OUT.get(config.export or "") if config.device == "cpu" else None
+    saving = registry.for_export(config.export) if config.export is not None else None
+    left = saving.left_out if saving is not None and config.device == "cpu" else None
     if left is not None:  # the saved file runs in that runtime: rules it runs slower, or not
         rules, why = left
         run.excluded_rules |= set(rules)
         run.notes.append(f"{', '.join(rules)} left out: --export {config.export} saves {why}.")
     return run
-
-
-#: the rules that leave Linears and convolutions in bfloat16 or float16
-HALF_PRECISION_RULES = ("precision.autocast", "precision.bf16", "precision.fp16")
-#: the rules that make an op ExecuTorch's XNNPACK path runs slower than what they replace
-#: (measured: BERT-base's own attention made one scaled_dot_product_attention by the rule
-#: ran 0.84x as fast in ExecuTorch; XNNPACK takes the matmuls and softmax the model had)
-EXECUTORCH_LEFT_OUT = ("attention.sdpa",)
-_ORT = (
-    HALF_PRECISION_RULES,
-    "a file for ONNX Runtime's CPU provider, which has no bfloat16 or float16 GEMM",
-)
-_PTE = (
-    EXECUTORCH_LEFT_OUT,
-    "a .pte file, and XNNPACK runs the model's own attention faster than one "
-    "scaled_dot_product_attention call (an existing one is written out for it)",
-)
-#: per --export format (on the CPU, where its runtime is raced), the rules left out of every
-#: plan, and the end of the note that says why
-EXPORT_LEFT_OUT: dict[str, tuple[tuple[str, ...], str]] = {
-    "onnx": _ORT,
-    "ort": _ORT,
-    "executorch": _PTE,
-    "pte": _PTE,
-}
 
 
 def calibrate_stage(

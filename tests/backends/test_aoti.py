@@ -13,8 +13,9 @@ from torch import nn
 
 import opswap
 from opswap.backends.aoti import AotiModule
+from opswap.config import OptimizeConfig
 from opswap.errors import InputError
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 
 from ..bench.test_variants import _faked_race
 

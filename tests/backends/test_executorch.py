@@ -239,8 +239,8 @@ def test_export_executorch_leaves_the_attention_rule_out_with_a_note():
     """zoo:bert's written-out attention is what the sdpa rule fuses; with --export
     executorch the rule is left out of the plan (XNNPACK runs the matmuls and softmax
     faster than the one op) and the run says so; without it, the rule plans there."""
+    from opswap.config import OptimizeConfig
     from opswap.models import load
-    from opswap.pipeline import OptimizeConfig
     from opswap.stages import capture_stage
 
     lm = load("zoo:bert")

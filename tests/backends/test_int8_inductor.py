@@ -152,7 +152,8 @@ def test_graphs_without_int8_sites_compile_as_they_are():
 
 def test_the_race_times_and_load_optimized_compiles_the_lowered_model(tmp_path, monkeypatch):
     import opswap
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.config import OptimizeConfig
+    from opswap.pipeline import optimize
 
     # this machine's timing says int8 pays (whether it does is a benchmark's business)
     monkeypatch.setattr(timing, "timed_pair", lambda key, timer, make: (2e-3, 1e-3))

@@ -13,7 +13,8 @@ from torch import nn
 
 from opswap.bench.attribution import METHOD, RuleTiming, attribute
 from opswap.bench.timing import bootstrap_ratio
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.config import OptimizeConfig
+from opswap.pipeline import optimize
 
 
 def test_bootstrap_interval_brackets_a_real_ratio_and_holds_one_for_noise():

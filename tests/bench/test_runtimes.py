@@ -116,7 +116,7 @@ class _Mlp(nn.Module):
 def test_an_ort_export_plans_no_half_precision_and_says_so(monkeypatch):
     """ONNX Runtime's CPU provider has no bfloat16 GEMM: with --export ort (or onnx) the
     half-precision rules are left out of every plan, with a note; without it they plan."""
-    from opswap.pipeline import OptimizeConfig
+    from opswap.config import OptimizeConfig
     from opswap.rules.base import Estimate
     from opswap.rules.precision.bf16 import BF16
     from opswap.stages import capture_stage
@@ -147,7 +147,8 @@ def test_ort_export_of_static_int8_with_handoffs_runs_in_ort(monkeypatch):
     torch.manual_seed(2)
     model = _Mlp().eval()
     x = torch.randn(6, 48)
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.config import OptimizeConfig
+    from opswap.pipeline import optimize
 
     config = OptimizeConfig(
         compare="none",

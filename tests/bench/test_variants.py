@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from opswap.bench.variants import VariantTiming, best, build, parse_compare, race
+from opswap.config import OptimizeConfig
 from opswap.errors import OpswapError
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 
 
 def _t(name, ms, lo, hi, verified=True):

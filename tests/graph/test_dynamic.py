@@ -161,8 +161,9 @@ def _close(got, want):
 
 def test_a_time_dim_of_a_float_input_stays_symbolic(tmp_path):
     import opswap
+    from opswap.config import OptimizeConfig
     from opswap.errors import InputError
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.pipeline import optimize
 
     m = _trained(Frames())
     x = torch.randn(2, 10, 16)
@@ -184,8 +185,9 @@ def test_a_time_dim_of_a_float_input_stays_symbolic(tmp_path):
 
 def test_a_size_the_model_fixes_is_refused_in_one_sentence(tmp_path):
     import opswap
+    from opswap.config import OptimizeConfig
     from opswap.errors import InputError
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.pipeline import optimize
 
     m = _trained(Frames(norm=(10, 16)))  # normalises over time and features: time is fixed
     x = torch.randn(2, 10, 16)
@@ -222,7 +224,8 @@ class UNet(nn.Module):
 
 
 def test_sizes_that_must_be_multiples_are_probed_at_a_step_the_model_takes():
-    from opswap.pipeline import OptimizeConfig, optimize
+    from opswap.config import OptimizeConfig
+    from opswap.pipeline import optimize
 
     m = UNet().eval()
     x = torch.randn(2, 3, 12, 12)  # 12 = 4 * 3: +1 fails, the step of 4 runs

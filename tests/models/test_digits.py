@@ -13,12 +13,13 @@ import torch
 
 pytest.importorskip("sklearn")
 
+from opswap.config import OptimizeConfig  # noqa: E402
 from opswap.errors import SpecError  # noqa: E402
 from opswap.graph.calibrate import Calibration, attach  # noqa: E402
 from opswap.graph.capture import capture  # noqa: E402
 from opswap.models import load  # noqa: E402
 from opswap.models import zoo_digits as zd  # noqa: E402
-from opswap.pipeline import OptimizeConfig, optimize  # noqa: E402
+from opswap.pipeline import optimize  # noqa: E402
 from opswap.planner import Plan, apply_plan  # noqa: E402
 
 TABLE = Path(__file__).resolve().parents[2] / "benchmarks/results/digits_accuracy.json"

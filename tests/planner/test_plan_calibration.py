@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from opswap import api
+from opswap.config import OptimizeConfig
 from opswap.errors import CalibrationError, PlanError
 from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import capture
 from opswap.kernels import int8_static
 from opswap.models._common import CalibrationSource
-from opswap.pipeline import OptimizeConfig
 from opswap.planner import Plan, make_plan
 from opswap.rules.precision._int8_static_module import Int8StaticConv2d, Int8StaticLinear
 from opswap.stages import calibrate_stage

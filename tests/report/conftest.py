@@ -4,8 +4,9 @@ that the run is made once per session, not once per file."""
 
 import pytest
 
+from opswap.config import OptimizeConfig
 from opswap.models import load
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@ import re
 
 import pytest
 
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.config import OptimizeConfig
+from opswap.pipeline import optimize
 from opswap.report import build_report, write_reports
 from opswap.report.document import Heading, Image, Table, to_html, to_markdown
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -201,21 +200,15 @@ def export_onnx(
     the file is for ONNX Runtime); never raises for a model that does not export: the
     Artifact's `error` says why (its `module` is left to the runtime that loads the file,
     backends.ort)."""
-    from opswap.backends.pt2 import _first_line, export
+    from opswap.backends.pt2 import _first_line
+    from opswap.backends.runtime_module import program_file
 
-    directory = Path(directory or tempfile.mkdtemp(prefix="opswap-onnx-"))
-    path = directory / name
-    try:
-        if exported is None:
-            if model is None:
-                raise ValueError("export_onnx needs a model or its exported program")
-            with torch.no_grad():
-                exported = export(model, tuple(inputs), dynamic, runtime=True)
-        program, note, kept = exported
-    except Exception as e:
-        return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
-    if note:
-        note = note.replace("model.pt2", name)
+    got = program_file(
+        model, inputs, dynamic, exported, directory, name, reason=_first_line, needs="export_onnx"
+    )
+    if isinstance(got, Artifact):
+        return got
+    program, note, kept, path = got
     try:
         to_onnx(program, path, fusions=fusions, int8=int8)
     except ExportError as e:
@@ -235,3 +228,13 @@ def copy_onnx(src: Path, dest: Path) -> Path:
         if data.is_file():
             shutil.copyfile(data, dest.with_name(src.name + ".data"))
     return dest
+
+
+def holds(mine: bool, engine: str) -> str:
+    """What a saved .onnx file holds, in result.json's `deploy` words, for `engine`."""
+    if mine:
+        return f"opswap's optimized model exported to ONNX, for {engine}"
+    return (
+        f"your model exported to ONNX with no rewrite, for {engine}: opswap's export did not "
+        "beat it in this run"
+    )

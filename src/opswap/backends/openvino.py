@@ -28,33 +28,35 @@ model's output structure and input names in its runtime info (`opswap/out_spec`,
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from opswap.backends.ort import numpy_feed, structured
+from opswap.backends import registry
+from opswap.backends.onnx import holds
 from opswap.backends.pt2 import Artifact
+from opswap.backends.registry import Deploy, Runtime, register
+from opswap.backends.runtime_module import (
+    RuntimeModule,
+    exported_program,
+    first_line,
+    numpy_feed,
+    require,
+)
 from opswap.errors import ExportError, InputError
 
-INSTALL = "install it with pip install 'opswap[openvino]'"
 #: where the IR keeps what opswap needs to call it like the model (its runtime info)
 _SPEC, _INPUTS = ["opswap", "out_spec"], ["opswap", "inputs"]
 
 
-def _first(e: BaseException, limit: int = 200) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:limit] if text else type(e).__name__
-
-
 def _openvino():
-    try:
-        import openvino as ov
-    except ImportError as e:
-        raise ExportError(f"Running in OpenVINO needs openvino; {INSTALL}.") from e
+    require("OpenVINO", "openvino", "openvino", "openvino")
+    import openvino as ov
+
     return ov
 
 
@@ -64,7 +66,7 @@ def read_model(path: str | Path):
     try:
         return ov.Core().read_model(str(path))
     except Exception as e:
-        raise ExportError(f"OpenVINO could not compile {Path(path).name}: {_first(e)}.") from e
+        raise ExportError(f"OpenVINO could not compile {Path(path).name}: {first_line(e)}.") from e
 
 
 def compile_model(model, name: str, threads: int | None = None):
@@ -77,7 +79,7 @@ def compile_model(model, name: str, threads: int | None = None):
     try:
         return ov.Core().compile_model(model, "CPU", config)
     except Exception as e:
-        raise ExportError(f"OpenVINO could not compile {name}: {_first(e)}.") from e
+        raise ExportError(f"OpenVINO could not compile {name}: {first_line(e)}.") from e
 
 
 def compile_file(path: str | Path, threads: int | None = None):
@@ -110,7 +112,7 @@ def save_ir(
     except Exception as e:
         for p in (xml, xml.with_suffix(".bin")):
             p.unlink(missing_ok=True)
-        raise ExportError(f"OpenVINO could not write {xml.name}: {_first(e)}.") from e
+        raise ExportError(f"OpenVINO could not write {xml.name}: {first_line(e)}.") from e
     return xml
 
 
@@ -127,13 +129,11 @@ def _stored(model) -> tuple[Any, list[str] | None]:
     return spec, names
 
 
-class OpenVinoModule(nn.Module):
+class OpenVinoModule(RuntimeModule):
     """An OpenVINO compiled model called like the module it was exported from: positional
     tensors in (the program's inputs, in order), the model's output structure out. `path`
     is an .onnx file or an IR's model.xml; an IR opswap wrote gives its output structure
     and input names back when `out_spec` and `names` are not passed."""
-
-    engine = "OpenVINO"  # the race's note names it (bench.runtimes.describe)
 
     def __init__(
         self,
@@ -142,37 +142,26 @@ class OpenVinoModule(nn.Module):
         threads: int | None = None,
         names: list[str] | None = None,
     ):
-        super().__init__()
-        self.path = Path(path)
+        super().__init__(path, out_spec, threads)
         model = read_model(self.path)
         spec, stored = _stored(model)
         self.out_spec = out_spec if out_spec is not None else spec
-        self.threads = threads
-        self.session_threads = threads or torch.get_num_threads()
         self.compiled = compile_model(model, self.path.name, threads)
         self.request = self.compiled.create_infer_request()
         fed = [p.get_any_name() for p in self.compiled.inputs]
         # the program's inputs in order (an input the graph never reads is not in the file)
         self.input_names = list(names or stored or fed)
         self._fed = set(fed)
-        self.training = False
+        self.reopen = {"names": self.input_names}
 
-    def __deepcopy__(self, memo):  # a compiled model does not pickle: a copy compiles anew
-        return OpenVinoModule(
-            self.path, copy.deepcopy(self.out_spec, memo), self.threads, self.input_names
-        )
-
-    def extra_repr(self) -> str:
-        return f"{self.path.name}, inputs={', '.join(self.input_names)}"
-
-    def forward(self, *args: Any) -> Any:
+    def run(self, args: tuple) -> list[torch.Tensor]:
         name = self.path.name
         feed = numpy_feed(name, "in OpenVINO on the CPU", self.input_names, self._fed, args)
         try:
             res = self.request.infer(feed, share_inputs=True, share_outputs=False)
         except Exception as e:  # OpenVINO names the input and the shape it refused
-            raise InputError(f"{name} refused the inputs: {_first(e, 240)}.") from e
-        return structured([torch.from_numpy(res[p]) for p in self.compiled.outputs], self.out_spec)
+            raise InputError(f"{name} refused the inputs: {first_line(e, 240)}.") from e
+        return [torch.from_numpy(res[p]) for p in self.compiled.outputs]
 
 
 def openvino_artifact(
@@ -190,14 +179,10 @@ def openvino_artifact(
     OpenVinoModule over the file that is timed (with `ir`, the IR model.xml the .onnx file
     is converted to, which replaces it); never raises (its `error` says why)."""
     from opswap.backends.onnx import export_onnx
-    from opswap.backends.pt2 import export
 
-    if exported is None and model is not None:
-        try:
-            with torch.no_grad():
-                exported = export(model, tuple(inputs), dynamic, runtime=True)
-        except Exception as e:
-            return Artifact(None, None, error=f"torch.export failed: {_first(e)}")
+    exported, why = exported_program(model, inputs, dynamic, exported, needs="export_onnx")
+    if why is not None:
+        return Artifact(None, None, error=why)
     art = export_onnx(None, inputs, dynamic, directory, name, exported=exported)
     if art.path is None:
         return art
@@ -211,8 +196,78 @@ def openvino_artifact(
                 p.unlink(missing_ok=True)
             if art.note:
                 art.note = art.note.replace(onnx.name, art.path.name)
-        art.module = OpenVinoModule(art.path, program.call_spec.out_spec, names=names)
+        art.module = OpenVinoModule.of_program(art.path, program)
     except ExportError as e:
         art.error = str(e)
         art.module = None
     return art
+
+
+@register
+class OpenVino(Runtime):
+    """OpenVINO on the CPU: `openvino` and `opswap+openvino` time the .onnx files (without
+    ORT's contrib ops); `--export openvino` races and saves OpenVINO's IR, model.xml."""
+
+    name = "openvino"
+    title = "OpenVINO"
+    rank = 20
+    file = "model.xml"
+    race_file = "model.onnx"
+    beside = ("{stem}.bin",)  # the IR's weights: OpenVINO reads NAME.bin beside NAME.xml
+    needs = ("openvino", "onnxscript")
+    extra = "openvino"
+    runs = "OpenVINO runs"
+    exports = ("openvino",)
+    saves = "an OpenVINO IR (model.xml)"
+    exported_as = "OpenVINO IR"
+    reload = True  # loaded back in a fresh Core from DIR, as a user opens it
+    layer_forms = (("qdq", False),)
+
+    def build(
+        self, model, inputs, dynamic=None, *, exported=None, mine=True, export=False, portable=False
+    ) -> Artifact:
+        return openvino_artifact(model, inputs, dynamic, exported=exported, ir=export)
+
+    def load(self, path: Path) -> nn.Module:
+        return OpenVinoModule(path)  # the model's output structure, kept in the IR
+
+    def deploy(self, mine: bool, file: str) -> Deploy:
+        if not file.endswith(".xml"):  # the race's .onnx file, which ONNX Runtime loads back
+            return Deploy(
+                holds(mine, self.title),
+                f'openvino.Core().compile_model("DIR/{file}", "CPU", '
+                '{"INFERENCE_PRECISION_HINT": "f32"}) (the settings it was timed and verified '
+                "under), or opswap.load_optimized(DIR), which runs the same file in ONNX Runtime",
+                "openvino (CPU)",
+            )
+        return Deploy(
+            registry.holds(mine, "as OpenVINO IR (float32)"),
+            f'openvino.Core().compile_model("DIR/{file}", "CPU", '
+            '{"INFERENCE_PRECISION_HINT": "f32"}) (the settings it was timed and verified under; '
+            "model.bin beside it holds the weights), or opswap.load_optimized(DIR), which "
+            "compiles it the same way and returns your model's output structure",
+            "openvino (CPU)",
+        )
+
+    def read_values(self, path: Path, names: list[str], feed: dict) -> dict[str, Any]:
+        model = read_model(path)
+        for n in names:
+            try:
+                model.add_outputs([n])
+            except Exception:  # folded or renamed while the file was read
+                continue
+        compiled = compile_model(model, path.name)
+        request = compiled.create_infer_request()
+        fed = {p.get_any_name() for p in compiled.inputs}
+        try:
+            request.infer({k: v for k, v in feed.items() if k in fed}, share_inputs=True)
+        except Exception as e:
+            raise ExportError(
+                f"OpenVINO could not run {path.name}'s layers: {first_line(e)}."
+            ) from e
+        out: dict[str, Any] = {}
+        for port in compiled.outputs:
+            for n in port.get_names():
+                if n in names:
+                    out[n] = np.array(request.get_tensor(port).data, copy=True)
+        return out

@@ -18,15 +18,22 @@ tuple, a dict, a ModelOutput) from the exported program's output spec.
 
 from __future__ import annotations
 
-import copy
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from opswap.backends.onnx import holds
 from opswap.backends.pt2 import Artifact
+from opswap.backends.registry import Deploy, Runtime, register
+from opswap.backends.runtime_module import (
+    RuntimeModule,
+    exported_program,
+    first_line,
+    numpy_feed,
+)
 from opswap.errors import ExportError, InputError
 
 
@@ -58,11 +65,10 @@ def session(path: str | Path, threads: int | None = None, spinning: bool = False
     try:
         return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:
-        text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ExportError(f"ONNX Runtime could not load {Path(path).name}: {text}.") from e
+        raise ExportError(f"ONNX Runtime could not load {Path(path).name}: {first_line(e)}.") from e
 
 
-class OrtModule(nn.Module):
+class OrtModule(RuntimeModule):
     """An ONNX Runtime session called like the module it was exported from: positional
     tensors in (the program's inputs, in order), the model's output structure out."""
 
@@ -74,71 +80,23 @@ class OrtModule(nn.Module):
         names: list[str] | None = None,
         spinning: bool = False,
     ):
-        super().__init__()
-        self.path = Path(path)
-        self.out_spec = out_spec
-        self.threads = threads
+        super().__init__(path, out_spec, threads)
         self.spinning = spinning
-        self.session_threads = threads or torch.get_num_threads()
         self.session = session(self.path, threads, spinning)
         # the program's inputs in order (an input the graph never reads is not in the file)
         self.input_names = list(names or [i.name for i in self.session.get_inputs()])
         self._fed = {i.name for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self.training = False
+        self.reopen = {"names": self.input_names, "spinning": spinning}
 
-    def __deepcopy__(self, memo):  # a session does not pickle: a copy opens its own
-        return OrtModule(
-            self.path,
-            copy.deepcopy(self.out_spec, memo),
-            self.threads,
-            self.input_names,
-            self.spinning,
-        )
-
-    def extra_repr(self) -> str:
-        return f"{self.path.name}, inputs={', '.join(self.input_names)}"
-
-    def forward(self, *args: Any) -> Any:
+    def run(self, args: tuple) -> list[torch.Tensor]:
         name = self.path.name
         feed = numpy_feed(name, "on ONNX Runtime's CPU provider", self.input_names, self._fed, args)
         try:
             outs = self.session.run(self.output_names, feed)
         except Exception as e:  # ORT names the input, its rank or its size
-            text = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
-            raise InputError(f"{name} refused the inputs: {text}.") from e
-        return structured([torch.from_numpy(o) for o in outs], self.out_spec)
-
-
-def numpy_feed(
-    name: str, where: str, input_names: list[str], fed: set[str], args: tuple
-) -> dict[str, Any]:
-    """The runtime's input dict for a call with `args`: one CPU tensor per input name, as
-    NumPy (inputs the file does not read are left out); a wrong count, device or dtype is
-    one sentence. Shared by the ONNX Runtime and OpenVINO modules."""
-    leaves = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
-    if len(leaves) != len(input_names):
-        raise InputError(
-            f"{name} takes {len(input_names)} input tensor(s) "
-            f"({', '.join(input_names)}), got {len(leaves)}."
-        )
-    feed = {}
-    for n, x in zip(input_names, leaves, strict=True):
-        if x.device.type != "cpu" or x.dtype == torch.bfloat16:
-            raise InputError(
-                f"{name} runs {where} and takes CPU tensors NumPy can hold; input {n} is "
-                f"{x.dtype} on {x.device}."
-            )
-        if n in fed:
-            feed[n] = x.detach().contiguous().numpy()
-    return feed
-
-
-def structured(tensors: list[torch.Tensor], out_spec: Any) -> Any:
-    """A runtime's outputs in the model's own structure (its pytree spec), or a tensor / tuple."""
-    if out_spec is not None and out_spec.num_leaves == len(tensors):
-        return pytree.tree_unflatten(tensors, out_spec)
-    return tensors[0] if len(tensors) == 1 else tuple(tensors)
+            raise InputError(f"{name} refused the inputs: {first_line(e, 240)}.") from e
+        return [torch.from_numpy(o) for o in outs]
 
 
 def ort_artifact(
@@ -155,26 +113,21 @@ def ort_artifact(
     ONNX and loaded in an ONNX Runtime session: an Artifact whose `module` is the
     OrtModule, the file that is timed; never raises (its `error` says why)."""
     from opswap.backends.onnx import export_onnx
-    from opswap.backends.pt2 import export
+    from opswap.backends.pt2 import _first_line
 
-    if exported is None and model is not None:
-        try:
-            with torch.no_grad():
-                exported = export(model, tuple(inputs), dynamic, runtime=True)
-        except Exception as e:
-            from opswap.backends.pt2 import _first_line
-
-            return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
+    exported, why = exported_program(
+        model, inputs, dynamic, exported, reason=_first_line, needs="export_onnx"
+    )
+    if why is not None:
+        return Artifact(None, None, error=why)
     # static int8 Linears as MatMulInteger: the form ONNX Runtime runs as an int8 GEMM
     art = export_onnx(
         None, inputs, dynamic, directory, name, exported=exported, fusions=fusions, int8="integer"
     )
     if art.path is None:
         return art
-    program = exported[0]
-    names = list(program.graph_signature.user_inputs)
     try:
-        art.module = OrtModule(art.path, program.call_spec.out_spec, names=names)
+        art.module = OrtModule.of_program(art.path, exported[0])
     except ExportError as e:
         if not fusions:
             art.error = str(e)
@@ -188,3 +141,70 @@ def ort_artifact(
         )
         return plain
     return art
+
+
+@register
+class OnnxRuntime(Runtime):
+    """ONNX Runtime on its CPU provider: `ort` and `opswap+ort` (opswap's file with
+    onnxscript's ORT fusions), `--export onnx|ort` saves model.onnx."""
+
+    name = "ort"
+    title = "ONNX Runtime"
+    rank = 10
+    file = "model.onnx"
+    beside = ("{name}.data",)  # past 2 GB of weights; the model names it
+    needs = ("onnxruntime", "onnxscript")
+    extra = "onnx"
+    runs = "ONNX Runtime runs on its CPU provider"
+    exports = ("onnx", "ort")
+    saves = "an .onnx file"
+    exported_as = "ONNX"
+    # static int8 Linears as MatMulInteger, with onnxscript's fusions where ORT takes them
+    layer_forms = (("integer", True), ("integer", False))
+    left_out = (
+        ("precision.autocast", "precision.bf16", "precision.fp16"),
+        "a file for ONNX Runtime's CPU provider, which has no bfloat16 or float16 GEMM",
+    )
+
+    def build(
+        self, model, inputs, dynamic=None, *, exported=None, mine=True, export=False, portable=False
+    ) -> Artifact:
+        # onnxscript's fusions write com.microsoft ops: opswap's file for ORT, not a plain one
+        fusions = mine and not portable
+        return ort_artifact(model, inputs, dynamic, exported=exported, fusions=fusions)
+
+    def load(self, path: Path) -> nn.Module:
+        # outputs as a tensor or a tuple (the file has no pytree); a session for use, its
+        # threads spinning as ORT's default has them (see `session`)
+        return OrtModule(path, spinning=True)
+
+    def deploy(self, mine: bool, file: str) -> Deploy:
+        return Deploy(
+            holds(mine, self.title),
+            f'onnxruntime.InferenceSession("DIR/{file}", providers=["CPUExecutionProvider"]) '
+            "with graph_optimization_level ORT_ENABLE_ALL, or opswap.load_optimized(DIR)",
+            "onnxruntime (CPU execution provider)",
+        )
+
+    def read_values(self, path: Path, names: list[str], feed: dict) -> dict[str, Any]:
+        import onnx
+
+        model = onnx.load(str(path))  # external data too: the marked copy is written whole
+        have = {o.name for o in model.graph.output}
+        for n in names:
+            if n not in have:
+                model.graph.output.append(onnx.ValueInfoProto(name=n))
+        with tempfile.TemporaryDirectory(prefix="opswap-layers-") as tmp:
+            marked = Path(tmp) / "marked.onnx"
+            # past protobuf's 2 GB the weights go to a data file beside the copy
+            onnx.save(model, str(marked), save_as_external_data=model.ByteSize() > 2**31 - 2**26)
+            sess = session(marked)
+            wanted = [n for n in names if n in {o.name for o in sess.get_outputs()}]
+            fed = {i.name for i in sess.get_inputs()}
+            try:
+                outs = sess.run(wanted, {k: v for k, v in feed.items() if k in fed})
+            except Exception as e:
+                raise ExportError(
+                    f"ONNX Runtime could not run {path.name}'s layers: {first_line(e)}."
+                ) from e
+        return dict(zip(wanted, outs, strict=True))

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opswap.backends.ort import numpy_feed
+from opswap.backends import registry
+from opswap.backends.runtime_module import numpy_feed
 from opswap.errors import ExportError
 from opswap.graph.copies import preserved_state
 from opswap.graph.inputs import fresh
@@ -44,8 +45,8 @@ from opswap.verify.layers import (
 from opswap.verify.metrics import compare
 from opswap.verify.outputs import full_precision, same_random
 
-#: the runtimes whose intermediate values opswap reads
-RUNTIMES = ("ort", "openvino")
+#: the runtimes whose intermediate values opswap reads (those with a layer reader)
+RUNTIMES = tuple(r.name for r in registry.runtimes() if r.layer_forms)
 
 #: what the rows mean, for whoever prints them
 NOTE = (
@@ -64,67 +65,11 @@ def _file_values(path: Path) -> list[str]:
     return [o for node in model.graph.node for o in node.output if o]
 
 
-def _ort_values(path: Path, names: list[str], feed: dict) -> dict[str, np.ndarray]:
-    """`names` read from an ONNX Runtime session over `path` with them as extra outputs."""
-    import onnx
-
-    from opswap.backends.ort import session
-
-    model = onnx.load(str(path))  # external data too: the marked copy is written whole
-    have = {o.name for o in model.graph.output}
-    for n in names:
-        if n not in have:
-            model.graph.output.append(onnx.ValueInfoProto(name=n))
-    with tempfile.TemporaryDirectory(prefix="opswap-layers-") as tmp:
-        marked = Path(tmp) / "marked.onnx"
-        # past protobuf's 2 GB the weights go to a data file beside the copy
-        onnx.save(model, str(marked), save_as_external_data=model.ByteSize() > 2**31 - 2**26)
-        sess = session(marked)
-        wanted = [n for n in names if n in {o.name for o in sess.get_outputs()}]
-        try:
-            outs = sess.run(wanted, {k: v for k, v in feed.items() if k in _inputs(sess)})
-        except Exception as e:
-            text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise ExportError(f"ONNX Runtime could not run {path.name}'s layers: {text}.") from e
-    return dict(zip(wanted, outs, strict=True))
-
-
-def _inputs(sess) -> set[str]:
-    return {i.name for i in sess.get_inputs()}
-
-
-def _openvino_values(path: Path, names: list[str], feed: dict) -> dict[str, np.ndarray]:
-    """`names` read from OpenVINO's compiled model of `path` with them added as outputs;
-    a value OpenVINO's reader folded away is left out."""
-    from opswap.backends.openvino import compile_model, read_model
-
-    model = read_model(path)
-    for n in names:
-        try:
-            model.add_outputs([n])
-        except Exception:  # folded or renamed while the file was read
-            continue
-    compiled = compile_model(model, path.name)
-    request = compiled.create_infer_request()
-    fed = {p.get_any_name() for p in compiled.inputs}
-    try:
-        request.infer({k: v for k, v in feed.items() if k in fed}, share_inputs=True)
-    except Exception as e:
-        text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ExportError(f"OpenVINO could not run {path.name}'s layers: {text}.") from e
-    out: dict[str, np.ndarray] = {}
-    for port in compiled.outputs:
-        for n in port.get_names():
-            if n in names:
-                out[n] = np.array(request.get_tensor(port).data, copy=True)
-    return out
-
-
 def runtime_layers(
     program, runtime: str, inputs: tuple, *, int8: str = "qdq", fusions: bool = False
 ) -> LayerReport:
-    """Translate `program` (an ExportedProgram) to ONNX as the `runtime` ("ort" or
-    "openvino") file is written (static int8 Linears in the form `int8`, onnxscript's ORT
+    """Translate `program` (an ExportedProgram) to ONNX as the `runtime`'s file is written (one
+    of RUNTIMES) (static int8 Linears in the form `int8`, onnxscript's ORT
     fusions when `fusions`), run it there on `inputs`, and compare every value the file
     keeps with the same node of the translated program run in PyTorch. Raises ExportError
     for another runtime, or a program the exporter or the runtime refuses."""
@@ -159,7 +104,7 @@ def runtime_layers(
         leaves = [x for x in flat_args(gm, inputs) if isinstance(x, torch.Tensor)]
         feed = numpy_feed(path.name, "in the runtime", user, set(user), tuple(leaves))
         wanted = [n for n in names if n in ref]
-        got = (_ort_values if runtime == "ort" else _openvino_values)(path, wanted, feed)
+        got = registry.get(runtime).read_values(path, wanted, feed)
 
     rows: list[LayerRow] = []
     only_ref: list[str] = []

@@ -33,11 +33,6 @@ constraints give (BERT's sequence length up to its position table).
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import logging
-import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +41,12 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from opswap.backends.aten import to_aten
-from opswap.backends.ort import structured
 from opswap.backends.pt2 import Artifact
+from opswap.backends.registry import Deploy, Runtime, holds, register
+from opswap.backends.runtime_module import RuntimeModule, failed, program_file, require
+from opswap.backends.runtime_module import quiet as _quiet
 from opswap.errors import ExportError, InputError
 
-INSTALL = "install it with pip install 'opswap[tvm]'"
 #: how long MetaSchedule may take to build one candidate kernel (its default is 30 s)
 BUILD_TIMEOUT_S = 180
 
@@ -64,24 +60,7 @@ def _first(e: BaseException, limit: int = 200) -> str:
 
 
 def _require() -> None:
-    try:
-        import tvm  # noqa: F401
-        from tvm.relax.frontend.torch import from_exported_program  # noqa: F401
-    except ImportError as e:
-        raise ExportError(f"Running in TVM needs apache-tvm; {INSTALL}.") from e
-
-
-@contextlib.contextmanager
-def _quiet():
-    """The importer's deprecation warnings and TVM's log lines."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        level = logging.root.level
-        logging.root.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            logging.root.setLevel(level)
+    require("TVM", "apache-tvm", "tvm", "tvm", "tvm.relax.frontend.torch")
 
 
 def host_target(threads: int | None = None):
@@ -268,12 +247,10 @@ def _set_threads(threads: int) -> None:
         config(0, threads)  # 0: no core affinity, as torch's own pool runs
 
 
-class TvmModule(nn.Module):
+class TvmModule(RuntimeModule):
     """A TVM shared library's `main`, run by Relax's virtual machine, called like the module
     it was built from: positional tensors in (the program's inputs, in order, handed to TVM
     through DLPack without a copy), the model's output structure out."""
-
-    engine = "TVM"  # the race's note names it (bench.runtimes.describe)
 
     def __init__(
         self,
@@ -284,15 +261,11 @@ class TvmModule(nn.Module):
         limits: list[dict[int, tuple[str | None, int | None]]] | None = None,
         axes: dict[str, str] | None = None,
     ):
-        super().__init__()
+        super().__init__(path, out_spec, threads)
         _require()
         import tvm
         from tvm import relax
 
-        self.path = Path(path)
-        self.out_spec = out_spec
-        self.threads = threads
-        self.session_threads = threads or torch.get_num_threads()
         self.limits = list(limits or [])  # per input: {dim: (symbol or None, size / bound)}
         self.axes = dict(axes or {})  # symbol -> the axis's name, for the refusals
         _set_threads(self.session_threads)
@@ -303,20 +276,7 @@ class TvmModule(nn.Module):
         except Exception as e:
             raise ExportError(f"TVM could not load {self.path.name}: {_first(e)}.") from e
         self.input_names = list(names or [f"arg{i}" for i in range(len(self.limits))])
-        self.training = False
-
-    def __deepcopy__(self, memo):  # a loaded library does not pickle: a copy loads anew
-        return TvmModule(
-            self.path,
-            copy.deepcopy(self.out_spec, memo),
-            self.threads,
-            self.input_names,
-            self.limits,
-            self.axes,
-        )
-
-    def extra_repr(self) -> str:
-        return f"{self.path.name}, inputs={', '.join(self.input_names)}"
+        self.reopen = {"names": self.input_names, "limits": self.limits, "axes": self.axes}
 
     def _check(self, leaves: list[torch.Tensor]) -> None:
         name = self.path.name
@@ -345,7 +305,7 @@ class TvmModule(nn.Module):
                         f"input {arg} has {x.shape[d]}."
                     )
 
-    def forward(self, *args: Any) -> Any:
+    def run(self, args: tuple) -> list[torch.Tensor]:
         leaves = [x for x in pytree.tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
         self._check(leaves)
         feed = [x.detach().contiguous() for x in leaves]
@@ -356,7 +316,7 @@ class TvmModule(nn.Module):
         if not isinstance(outs, tuple | list) and not hasattr(outs, "__len__"):
             outs = [outs]
         # the VM's outputs are its own buffers: copied out, as the other runtimes' are
-        return structured([torch.from_dlpack(o).clone() for o in outs], self.out_spec)
+        return [torch.from_dlpack(o).clone() for o in outs]
 
 
 def tvm_artifact(
@@ -373,22 +333,14 @@ def tvm_artifact(
     this CPU and loaded in Relax's VM: an Artifact whose `module` is the TvmModule over the
     library that is timed; never raises (its `error` says why). `tune_trials` > 0 runs
     MetaSchedule with that many trials first (minutes; see the module's docstring)."""
-    from opswap.backends.pt2 import export
     from opswap.graph.dynamic import Dynamic
 
-    try:
-        if exported is None:
-            if model is None:
-                raise ValueError("tvm_artifact needs a model or its exported program")
-            with torch.no_grad():
-                exported = export(model, tuple(inputs), dynamic, runtime=True)
-        program, note, kept = exported
-    except Exception as e:
-        return Artifact(None, None, error=f"torch.export failed: {_first(e)}")
-    directory = Path(directory or tempfile.mkdtemp(prefix="opswap-tvm-"))
-    path = directory / name
-    if note:
-        note = note.replace("model.pt2", name)
+    got = program_file(
+        model, inputs, dynamic, exported, directory, name, reason=_first, needs="tvm_artifact"
+    )
+    if isinstance(got, Artifact):
+        return got
+    program, note, kept, path = got
     how = (
         f"MetaSchedule-tuned ({tune_trials} trials)"
         if tune_trials > 0
@@ -406,14 +358,39 @@ def tvm_artifact(
             for i, d in a.dims:
                 if i < len(limits) and d in limits[i] and limits[i][d][0] is not None:
                     axes[str(limits[i][d][0])] = a.name
-        module = TvmModule(
-            path,
-            program.call_spec.out_spec,
-            names=list(program.graph_signature.user_inputs),
-            limits=limits,
-            axes=axes,
-        )
+        module = TvmModule.of_program(path, program, limits=limits, axes=axes)
     except ExportError as e:
-        path.unlink(missing_ok=True)
-        return Artifact(None, None, note=note, error=str(e), kept=kept)
+        return failed(path, e, note, kept)
     return Artifact(path, module, note=note, kept=kept)
+
+
+@register
+class Tvm(Runtime):
+    """Apache TVM (Relax) built for this CPU, untuned: `tvm` and `opswap+tvm` (--compare
+    tvm) save model.so. Not an --export format, nor a --backend of verify and bench."""
+
+    name = "tvm"
+    title = "TVM"
+    rank = 40
+    file = "model.so"
+    needs = ("tvm",)
+    extra = "tvm"
+    runs = "TVM runs (built for this CPU)"
+    backend = False
+
+    def build(
+        self, model, inputs, dynamic=None, *, exported=None, mine=True, export=False, portable=False
+    ) -> Artifact:
+        return tvm_artifact(model, inputs, dynamic, exported=exported)
+
+    def load(self, path: Path) -> nn.Module:
+        return TvmModule(path)  # a tensor or a tuple, as for ONNX Runtime and ExecuTorch
+
+    def deploy(self, mine: bool, file: str) -> Deploy:
+        return Deploy(
+            holds(mine, "compiled by Apache TVM for this CPU"),
+            f'tvm.relax.VirtualMachine(tvm.runtime.load_module("DIR/{file}"), tvm.cpu())'
+            '["main"](*inputs) on a machine with this CPU and the same apache-tvm, or '
+            "opswap.load_optimized(DIR)",
+            "tvm (Relax VM, CPU)",
+        )

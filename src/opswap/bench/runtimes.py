@@ -1,4 +1,5 @@
-"""The runtime variants of the race: inference engines over .onnx files, two per engine.
+"""The runtime variants of the race: two per engine of backends.registry (a file of the
+input's program and one of opswap's), built, described and judged here for every engine alike.
 
 - `ort`: the input's program exported to ONNX and run in ONNX Runtime: what a user who
   deploys on ORT would do without opswap (the peer opswap's export must beat);
@@ -36,58 +37,13 @@ from typing import Any, cast
 
 import torch
 
-#: the variants this module adds per engine, and the key of their file in Race.artifacts
-ORT = {"ort": "ort_input", "opswap+ort": "ort_candidate"}
-OPENVINO = {"openvino": "openvino_input", "opswap+openvino": "openvino_candidate"}
-EXECUTORCH = {"executorch": "executorch_input", "opswap+executorch": "executorch_candidate"}
-TVM = {"tvm": "tvm_input", "opswap+tvm": "tvm_candidate"}
-ENGINES = {"ort": ORT, "openvino": OPENVINO, "executorch": EXECUTORCH, "tvm": TVM}
-#: the runtime each engine's variants run in, for the message when the race is not on the CPU
-_RUNS = {
-    "ort": "ONNX Runtime runs on its CPU provider",
-    "openvino": "OpenVINO runs",
-    "executorch": "ExecuTorch runs",
-    "tvm": "TVM runs (built for this CPU)",
-}
-ARTIFACTS = {**ORT, **OPENVINO, **EXECUTORCH, **TVM}
-#: --export's formats, and the engine whose two variants they race
-EXPORTS = {
-    "onnx": "ort",
-    "ort": "ort",
-    "openvino": "openvino",
-    "executorch": "executorch",
-    "pte": "executorch",
-}
-#: what each --export format saves, in words
-SAVES = {
-    "onnx": "an .onnx file",
-    "ort": "an .onnx file",
-    "openvino": "an OpenVINO IR (model.xml)",
-    "executorch": "a .pte file",
-    "pte": "a .pte file",
-}
-#: per engine, the modules its files need and the extra that installs them
-NEEDS = {
-    "ort": (("onnxruntime", "onnxscript"), "onnx"),
-    "openvino": (("openvino", "onnxscript"), "openvino"),
-    "executorch": (("executorch",), "executorch"),
-    "tvm": (("tvm",), "tvm"),
-}
+from opswap.backends import registry
 
 
 def missing(export: str) -> str | None:
     """One sentence when a module the --export format `export` needs is not installed,
     else None."""
-    import importlib.util
-
-    mods, extra = NEEDS[EXPORTS[export]]
-    absent = [m for m in mods if importlib.util.find_spec(m) is None]
-    if not absent:
-        return None
-    return (
-        f"--export {export} needs {' and '.join(absent)}; install "
-        f"{'it' if len(absent) == 1 else 'them'} with pip install 'opswap[{extra}]'."
-    )
+    return cast(registry.Runtime, registry.for_export(export)).missing(f"--export {export}")
 
 
 def exports(
@@ -97,70 +53,50 @@ def exports(
     device: torch.device,
     engines: tuple[str, ...] = ("ort",),
     *,
-    ir: bool = False,
+    export: str | None = None,
 ) -> None:
-    """Add the files of `engines` ("ort", "openvino", "executorch", "tvm"; loaded in the
-    engine) to `artifacts`, from the programs kept in its "input" and "candidate"
-    backends.pt2.Artifacts, which are then let go. `ir`: OpenVINO's files are its IR
-    (model.xml), not .onnx files (--export openvino)."""
+    """Add the files of `engines` (registry names; loaded in the engine) to `artifacts`, from
+    the programs kept in its "input" and "candidate" backends.pt2.Artifacts, which are then
+    let go. `export`: the run's --export format; the engine it saves writes that form (for
+    OpenVINO its IR, model.xml, not an .onnx file)."""
     from opswap.backends.pt2 import Artifact
 
+    runtimes = [registry.get(e) for e in engines]
     if device.type != "cpu":
-        for engine in engines:
-            why = f"{_RUNS[engine]} here, and the race is on {device}"
-            for key in ENGINES[engine].values():
-                artifacts[key] = Artifact(None, None, error=why)
+        for rt in runtimes:
+            why = f"{rt.runs} here, and the race is on {device}"
+            for variant in rt.variants:
+                artifacts[rt.key(variant)] = Artifact(None, None, error=why)
         return
     for src in ("input", "candidate"):
         pt2 = artifacts.get(src)
         exported = getattr(pt2, "exported", None)
-        for engine in engines:
-            key = f"{engine}_{src}"
+        for rt in runtimes:
+            key = f"{rt.name}_{src}"
             if exported is None:
                 why = getattr(pt2, "error", None) or "not exported"
                 artifacts[key] = Artifact(None, None, error=f"no program to translate ({why})")
             else:
-                mine = src == "candidate"
-                artifacts[key] = engine_artifact(engine, exported, inputs, dynamic, mine, ir=ir)
+                artifacts[key] = rt.build(
+                    None,
+                    inputs,
+                    dynamic,
+                    exported=exported,
+                    mine=src == "candidate",
+                    export=export in rt.exports,
+                )
         if pt2 is not None:
             cast(Any, pt2).exported = None  # the program's weights: not held past the translation
 
 
-def engine_artifact(
-    engine: str, exported, inputs: tuple, dynamic, mine: bool, *, ir: bool = False
-) -> Any:
-    """`engine`'s file of `exported` (backends.pt2's (program, note, kept)), loaded in the
-    engine: opswap's when `mine` (ONNX Runtime's with onnxscript's ORT fusions, ExecuTorch's
-    with opswap's lowerings for XNNPACK), else the input's as the runtime makes it. `ir`:
-    OpenVINO's file is its IR. The one place the race, `verify --backend` and `bench
-    --backend` make a runtime's file."""
-    from opswap.backends.executorch import executorch_artifact
-    from opswap.backends.openvino import openvino_artifact
-    from opswap.backends.ort import ort_artifact
-    from opswap.backends.tvm import tvm_artifact
-
-    if engine == "ort":
-        return ort_artifact(None, inputs, dynamic, exported=exported, fusions=mine)
-    if engine == "openvino":
-        return openvino_artifact(None, inputs, dynamic, exported=exported, ir=ir)
-    if engine == "tvm":
-        return tvm_artifact(None, inputs, dynamic, exported=exported)
-    return executorch_artifact(None, inputs, dynamic, exported=exported, lowerings=mine)
-
-
-def describe(art) -> tuple[str, str | None]:
-    """(the note of an engine's variant, why it cannot run or None) for its Artifact."""
+def describe(art, rt: registry.Runtime) -> tuple[str, str | None]:
+    """(the note of `rt`'s variant, why it cannot run or None) for its Artifact."""
     if art is None or art.module is None:
         why = art.error if art is not None else "not exported"
         return why[:200], why
-    engine = getattr(art.module, "engine", "ONNX Runtime")
     file = art.path.name if art.path is not None else "model.onnx"
-    note = f"{file} in {engine} (CPU, {art.module.session_threads} threads)"
+    note = f"{file} in {rt.title} (CPU, {art.module.session_threads} threads)"
     return (note + "; " + art.note if art.note else note), None
-
-
-#: each engine's runtime, in the report's words
-NAMES = {"ort": "ONNX Runtime", "openvino": "OpenVINO", "executorch": "ExecuTorch", "tvm": "TVM"}
 
 
 def added(timings: list, files_ok: set[str], res, saved: str | None = None) -> list[str]:
@@ -170,12 +106,13 @@ def added(timings: list, files_ok: set[str], res, saved: str | None = None) -> l
     opswap's is not faster beyond the noise, that your model's file is the one saved)."""
     by = {t.name: t for t in timings}
     out = []
-    for engine, names in ENGINES.items():
-        mine = f"opswap+{engine}"
+    for rt in registry.runtimes():
+        engine, mine = rt.variants
+        names = rt.variants
         if not all(n in by and by[n].verified and by[n].ms and n in files_ok for n in names):
             continue
         r = res.ratio(engine, mine)
-        said = f"{NAMES[engine]}, opswap's file against your model's file: {r.describe()}"
+        said = f"{rt.title}, opswap's file against your model's file: {r.describe()}"
         if not r.ci_low > 1.0:  # within the noise (describe says so), slower, or no interval
             said += ", slower" if r.ci_high < 1.0 else ""
             if engine == saved:
@@ -192,7 +129,7 @@ def export_winner(timings: list, files_ok: set[str], res, engine: str = "ort") -
     mine = f"opswap+{engine}"
     ok = [
         n
-        for n in ENGINES[engine]
+        for n in registry.get(engine).variants
         if n in by and by[n].verified and by[n].ms is not None and n in files_ok
     ]
     if not ok:

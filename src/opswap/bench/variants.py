@@ -46,7 +46,12 @@ import torch
 from opswap.errors import OpswapError
 from opswap.graph.inputs import caller, fresh
 
-BASELINES = ("compile", "ort", "openvino", "executorch", "tvm")
+
+def baselines() -> tuple[str, ...]:
+    """What --compare takes: compile, and every runtime's name (backends.registry)."""
+    from opswap.backends import registry
+
+    return ("compile", *registry.names())
 
 
 @dataclass
@@ -133,10 +138,11 @@ def parse_compare(compare) -> list[str]:
     ]
     if items in ([], ["none"]):
         return []
-    bad = [c for c in items if c not in BASELINES]
+    known = baselines()
+    bad = [c for c in items if c not in known]
     if bad:
         raise OpswapError(
-            f"Unknown baseline {bad[0]!r} for --compare; use {', '.join(BASELINES)} or none."
+            f"Unknown baseline {bad[0]!r} for --compare; use {', '.join(known)} or none."
         )
     return list(dict.fromkeys(items))
 
@@ -240,13 +246,14 @@ def build(
             out.append(_compiled("opswap+compile", private_copy(opt_fn), inputs, "candidate"))
     if device.type == "cuda":  # opswap's graph replayed from a CUDA graph: no host overhead
         out.append(_graphed(opt_fn, inputs))
-    from opswap.bench.runtimes import ENGINES, describe
+    from opswap.backends import registry
+    from opswap.bench.runtimes import describe
 
-    for engine in (e for e in ENGINES if e in compare):
-        for name, key in ENGINES[engine].items():  # the engines over their files
-            art = artifacts.get(key)
+    for rt in (r for r in registry.runtimes() if r.name in compare):
+        for name in rt.variants:  # the engines over their files
+            art = artifacts.get(rt.key(name))
             saves = "candidate" if name.startswith("opswap+") else "input"
-            note, why = describe(art)
+            note, why = describe(art, rt)
             if why is not None:
                 out.append(Variant(name, None, saves, verified=False, reasons=[why], note=note))
             else:
@@ -408,7 +415,8 @@ def model_bench(
 UNSETTLED_MARGIN = 1.05
 
 # The variant whose verification covers the file a winner saves: a compiled winner saves
-# the plain export it compiles, and `input` saves the input's export.
+# the plain export it compiles, and `input` saves the input's export; a runtime's variant
+# (backends.registry) saves its own file, which it was verified as.
 FILE_OF = {
     "input": "captured",
     "captured": "captured",
@@ -416,14 +424,6 @@ FILE_OF = {
     "opswap": "opswap",
     "opswap+compile": "opswap",
     "opswap+cudagraph": "opswap",
-    "ort": "ort",
-    "opswap+ort": "opswap+ort",
-    "openvino": "openvino",
-    "opswap+openvino": "opswap+openvino",
-    "executorch": "executorch",
-    "opswap+executorch": "opswap+executorch",
-    "tvm": "tvm",
-    "opswap+tvm": "opswap+tvm",
 }
 
 
@@ -504,6 +504,7 @@ def run(
     for each new shape). `export` "onnx" or "ort" races the ONNX Runtime variants and
     saves the faster of the two .onnx files ("openvino": the two OpenVINO IRs,
     "executorch": the two .pte files; bench.runtimes.export_winner)."""
+    from opswap.backends import registry
     from opswap.backends.pt2 import export_artifact
     from opswap.bench import runtimes
     from opswap.bench.device import resolve_device
@@ -511,10 +512,11 @@ def run(
 
     dev = resolve_device(device)
     inputs = captured.example_inputs
-    engine = runtimes.EXPORTS[export] if export is not None else None
+    saving = registry.for_export(export) if export is not None else None
+    engine = saving.name if saving is not None else None
     if engine is not None and engine not in compare:
         compare = [*compare, engine]
-    engines = tuple(e for e in runtimes.ENGINES if e in compare)
+    engines = tuple(e for e in registry.names() if e in compare)
     keep = bool(engines)  # the programs, for the runtimes' files
     with preserved_state(model, candidate_gm):
         artifacts = {
@@ -522,9 +524,7 @@ def run(
             "candidate": export_artifact(candidate_gm, inputs, captured.dynamic, keep_program=keep),
         }
         if keep:
-            runtimes.exports(
-                artifacts, inputs, captured.dynamic, dev, engines, ir=export == "openvino"
-            )
+            runtimes.exports(artifacts, inputs, captured.dynamic, dev, engines, export=export)
     variants = build(model, captured.gm, candidate_gm, inputs, compare, dev, artifacts)
     for v in variants:
         if v.verified is not None:
@@ -555,13 +555,13 @@ def run(
     ok = {n for n, f in files.items() if f is not None}
     winner = best(timings, ok)
     notes = runtimes.added(timings, ok, res, engine)
-    if engine is not None:
+    if saving is not None and engine is not None:
         chosen = runtimes.export_winner(timings, ok, res, engine)
         if chosen is not None:
             winner = chosen
         else:
-            said = "; ".join(t.note for t in timings if t.name in runtimes.ENGINES[engine])
-            kind = runtimes.SAVES[cast(str, export)].split(" ", 1)[1]  # ".onnx file", ...
+            said = "; ".join(t.note for t in timings if t.name in saving.variants)
+            kind = saving.saves.split(" ", 1)[1]  # ".onnx file", ...
             notes.append(
                 f"--export {export}: no {kind} passed verification ({said}), "
                 f"so the run saves {winner.name}'s file instead."

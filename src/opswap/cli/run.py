@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -27,6 +27,7 @@ from opswap.cli.options import (
     TargetOpt,
     WeightsOpt,
 )
+from opswap.config import Exactness
 
 
 @app.command()
@@ -113,7 +114,7 @@ def optimize(
     config = api.OptimizeConfig(
         target=target,
         rules=rules or [],
-        exactness=exactness,
+        exactness=cast(Exactness, exactness),  # OptimizeConfig refuses any other word
         budget=budget,
         samples=samples,
         bench=not no_bench,

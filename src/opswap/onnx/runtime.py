@@ -19,7 +19,7 @@ from opswap.errors import VerificationError
 if TYPE_CHECKING:
     import onnx
 
-    from opswap.onnx.load import InputSpec, OnnxModel
+    from opswap.onnx.model import InputSpec, OnnxModel
 
 
 def _ort():
@@ -51,6 +51,13 @@ def session(model: onnx.ModelProto | bytes | str, *, optimize: bool = True, thre
         raise VerificationError(
             f"ONNX Runtime cannot load the model ({str(e).splitlines()[0][:300]})."
         ) from None
+
+
+def reference(model: OnnxModel):
+    """The ORT session of `model`'s file as given, graph optimizations off (made once)."""
+    if model._reference is None:
+        model._reference = session(model.as_given, optimize=False)
+    return model._reference
 
 
 def random_inputs(
@@ -113,7 +120,7 @@ def verify(
     from opswap.verify.metrics import combine, compare
     from opswap.verify.tolerance import Tolerance
 
-    ref = loaded.reference()
+    ref = reference(loaded)
     names = [o.name for o in ref.get_outputs()]
     try:
         cand = session(candidate)

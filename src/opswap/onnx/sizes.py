@@ -23,7 +23,7 @@ import numpy as np
 from opswap.errors import SpecError
 
 if TYPE_CHECKING:
-    from opswap.onnx.load import OnnxModel
+    from opswap.onnx.model import OnnxModel
 
 #: image sizes tried in turn for the height and width of an image input
 IMAGE_SIZES = (224, 256, 320, 384, 416, 448, 512, 640)
@@ -168,10 +168,10 @@ def fails_at(model: OnnxModel, sizes: dict[str, int]) -> str | None:
     when it does; one run on fresh inputs."""
     import onnxruntime as ort
 
-    from opswap.onnx.runtime import random_inputs
+    from opswap.onnx.runtime import random_inputs, reference
 
     fit(model, sizes)
-    ref = model.reference()
+    ref = reference(model)
     quiet = ort.RunOptions()
     quiet.log_severity_level = 4  # the failure is reported here, not logged by ORT too
     try:

@@ -12,10 +12,11 @@ from torch import nn
 
 import opswap.rules.precision.int8_linear as rule_mod
 from opswap import artifact
+from opswap.config import OptimizeConfig
 from opswap.errors import RuleError
 from opswap.graph.capture import capture
 from opswap.models import load
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 from opswap.planner import apply_plan, make_plan
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.targets.base import Target

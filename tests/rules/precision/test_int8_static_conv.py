@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 import opswap.rules.precision._timing as timing
+from opswap.config import OptimizeConfig
 from opswap.graph.calibrate import Calibration, attach, calibration_of
 from opswap.graph.capture import capture
 from opswap.kernels import int8_static
-from opswap.pipeline import OptimizeConfig, optimize
+from opswap.pipeline import optimize
 from opswap.planner import apply_plan, make_plan
 from opswap.rules.precision._int8_static_module import Int8StaticConv2d, Int8StaticLinear
 from opswap.targets.base import Target
