@@ -296,13 +296,10 @@ def _runtime_layers(program, backend: str, captured: Captured, tol: Tolerance):
     # translated as engine_artifact writes opswap's file for that runtime: for ORT with
     # onnxscript's fusions, and without them where ORT refuses those (as ort_artifact does)
     ort = backend == "ort"
-    int8 = "integer" if ort else "qdq"
     why = ""
     for fusions in (True, False) if ort else (False,):
         try:
-            report = runtime_layers(
-                program, backend, captured.example_inputs, int8=int8, fusions=fusions
-            )
+            report = runtime_layers(program, backend, captured.example_inputs, fusions=fusions)
             break
         except ExportError as e:
             why = str(e)

@@ -167,7 +167,7 @@ def ort_artifact(
             return Artifact(None, None, error=f"torch.export failed: {_first_line(e)}")
     # static int8 Linears as MatMulInteger: the form ONNX Runtime runs as an int8 GEMM
     art = export_onnx(
-        None, inputs, dynamic, directory, name, exported=exported, fusions=fusions, int8="integer"
+        None, inputs, dynamic, directory, name, exported=exported, fusions=fusions, int8="ort"
     )
     if art.path is None:
         return art
