@@ -350,8 +350,8 @@ def _guards_in_words(module: fx.GraphModule, name: str) -> None:
         except AssertionError as e:
             cond = str(e).removeprefix("Guard failed: ")
             raise InputError(
-                f"{name}: the inputs' sizes break the condition {cond}, under which the "
-                "program was exported."
+                f"{name}: the inputs break the condition {cond}, under which the program "
+                "was exported."
             ) from None
 
     fn.forward = forward
@@ -373,7 +373,8 @@ class _Layout:
         )
 
     def describe(self) -> str:
-        """'pair: a tuple of 2 tensors' for each parameter holding more than a tensor."""
+        """The parameters, each holding more than a tensor with what it holds:
+        "pair (a tuple of 2), extra (a dict of scale)"."""
         parts = []
         for p, child in zip(self.params, _children(self.spec), strict=True):
             parts.append(f"{p} ({_form(child)})" if child.num_children else p)
@@ -388,7 +389,7 @@ def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
 
 
 def _form(spec: pytree.TreeSpec) -> str:
-    """'a tuple of 2 tensors', "a dict of ids, mask": a container of the inputs, in words."""
+    """'a tuple of 2', "a dict of ids, mask": a container of the inputs, in words."""
     kind = getattr(spec.type, "__name__", str(spec.type))
     if isinstance(spec.context, list):  # a dict's keys
         return f"a {kind} of {', '.join(map(str, spec.context))}"
