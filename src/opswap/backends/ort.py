@@ -53,7 +53,9 @@ def session(path: str | Path, threads: int | None = None, spinning: bool = False
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.intra_op_num_threads = threads or torch.get_num_threads()
-    opts.log_severity_level = 3  # errors only: ORT warns about every unused initializer
+    # fatal only: ORT warns about every unused initializer, and logs a failed run as an
+    # error line besides raising it, which opswap says in its own words where it matters
+    opts.log_severity_level = 4
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     try:
         return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
