@@ -212,3 +212,41 @@ def test_a_model_optimized_with_keyword_inputs_is_called_by_those_names(tmp_path
             )
             with pytest.raises(InputError, match="no input 'mask'"):
                 fn(input_ids=other["input_ids"], mask=other["attention_mask"])
+
+
+def test_a_bad_call_with_tuple_inputs_is_one_sentence_in_memory_and_loaded(tmp_path):
+    # `load_optimized(dir)(bad)` on a model taking a tuple raised IndexError (rank),
+    # RuntimeError from inside an op (dtype) or `AssertionError: Guard failed` (size), and
+    # `result.candidate` named the leaf "input input 0"
+    from opswap.errors import InputError
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 5)
+
+        def forward(self, pair):
+            a, b = pair
+            return self.lin(a).relu() if a.shape[1] > 4 else self.lin(b).tanh()
+
+    torch.manual_seed(0)
+    m = Pair().eval()
+    r = opswap.optimize(
+        m, ((torch.randn(2, 9, 6), torch.randn(2, 9, 6)),), compare="none", bench=False
+    )
+    r.save(tmp_path)
+    x, y = torch.randn(3, 7, 6), torch.randn(3, 7, 6)
+    for fn in (r.candidate, opswap.load_optimized(tmp_path)):
+        with torch.no_grad():
+            torch.testing.assert_close(fn((x, y)), m((x, y)))
+        for args, match in (
+            ((x[0], y), r"input pair\[0\] must be a 3-D torch.float32 tensor, got a 2-D"),
+            (
+                (x, y.double()),
+                r"input pair\[1\] must be a 3-D torch.float32 tensor, got a 3-D torch.float64",
+            ),
+            ((x[:, :3], y[:, :3]), r"input pair\[0\] has size 3 in dim 1, but .*(>= 5|> 4)"),
+        ):
+            with pytest.raises(InputError, match=match) as e:
+                fn(args)
+            assert "\n" not in str(e.value) and "input input" not in str(e.value)

@@ -89,11 +89,17 @@ def run_info(
 
 def guarded(gm: nn.Module, captured: Captured, model: nn.Module) -> nn.Module:
     """The in-memory result, refusing in one sentence a call outside what was claimed."""
+    import inspect
+
     from opswap.graph.dynamic import guard
     from opswap.graph.keywords import KeywordCall
 
     hint = model.describe() if isinstance(model, KeywordCall) else ""
-    return guard(gm, captured.example_inputs, captured.dynamic, hint=hint)
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        params = None
+    return guard(gm, captured.example_inputs, captured.dynamic, hint=hint, params=params)
 
 
 _MAX_REPLANS = 4  # rollback + plan again rounds; each round removes at least one site

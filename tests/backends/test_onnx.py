@@ -139,3 +139,36 @@ def test_outputs_keep_the_models_own_names_on_every_plan(tmp_path, kind, names):
         assert [o.name for o in onnx.load(str(path)).graph.output] == names
         got, want = OrtModule(path)(x[:3]), model(x[:3])  # in the names' order, at batch 3
         torch.testing.assert_close(tree_leaves(got), tree_leaves(want), atol=1e-5, rtol=1e-4)
+
+
+def test_int8_forms_are_named_by_the_runtime_as_the_cli_names_it(tmp_path):
+    # `--export ort` beside `export_onnx(..., int8="qdq"|"integer")`: one vocabulary, the
+    # runtime's name, with the forms' own names kept as the earlier spellings
+    from opswap.backends.onnx import INT8_ALIASES, int8_form
+    from opswap.graph.observers import QParams
+    from opswap.rules.precision._int8_static_module import Int8StaticLinear
+
+    assert {k: int8_form(k) for k in ("ort", "onnx", "openvino", "integer", "qdq")} == {
+        "ort": "integer",
+        "onnx": "integer",
+        "openvino": "qdq",
+        "integer": "integer",
+        "qdq": "qdq",
+    }
+    assert all(int8_form(old) == int8_form(new) for old, new in INT8_ALIASES.items())
+    torch.manual_seed(3)
+    model = Int8StaticLinear(torch.randn(7, 13) * 0.1, torch.randn(7), QParams(0.03, 120), True)
+    x = torch.randn(5, 13)
+    ops = {}
+    for name in ("ort", "openvino"):
+        (tmp_path / name).mkdir()
+        art = export_onnx(model.eval(), (x,), None, tmp_path / name, int8=name)
+        assert art.path is not None, art.error
+        ops[name] = {n.op_type for n in onnx.load(str(art.path)).graph.node}
+        got = OrtModule(art.path)(x)
+        with torch.no_grad():
+            torch.testing.assert_close(got, model(x), atol=0.02, rtol=0.02)
+    assert "MatMulInteger" in ops["ort"] and "MatMulInteger" not in ops["openvino"]
+    assert "DequantizeLinear" in ops["openvino"]
+    with pytest.raises(ExportError, match=r"^int8='int4' names no runtime .*'ort'.*'qdq'"):
+        export_onnx(model, (x,), None, tmp_path, int8="int4")

@@ -159,12 +159,85 @@ def test_the_lean_module_drops_torchs_guard_function(branchy):
 
 
 def test_without_compilable_guards_torchs_own_guard_function_stays(branchy, monkeypatch):
-    _, path = branchy
+    model, path = branchy
     monkeypatch.setattr(guards, "guards_code", lambda program, module: None)
     lean = load(path)
     assert [n for n in lean.graph.nodes if str(n.target) == "_guards_fn"]
-    with pytest.raises(Exception, match="Guard failed"):
+    torch.testing.assert_close(lean(_ids(3, 20)), model(_ids(3, 20)))
+    # its failure, and a call of another rank or dtype, read as one sentence of opswap's
+    with pytest.raises(
+        InputError, match=r"^model\.pt2: the inputs break the condition ids\.size\(\)\[1\] >= 17"
+    ):
         lean(_ids(2, 8))
+    with pytest.raises(InputError, match=r"input ids must be a 2-D torch.int64 tensor, got a 1-D"):
+        lean(_ids(20))
+    with pytest.raises(
+        InputError, match=r"input ids must be a 2-D torch.int64 tensor, got a 2-D torch.int32"
+    ):
+        lean(_ids(2, 20).int())
+
+
+class _Pair(nn.Module):
+    """Takes a tuple and a dict of tensors, as models with structured inputs do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, pair, extra):
+        a, b = pair
+        h = self.lin(a) + b * extra["scale"]
+        return h.relu() if a.shape[1] > 4 else h.tanh()
+
+
+def _pair(b, t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, t, 6, generator=g), torch.randn(b, t, 6, generator=g)), {
+        "scale": torch.rand(b, 1, 1, generator=g)
+    }
+
+
+@pytest.mark.parametrize("compilable", [True, False])
+def test_tuple_and_dict_inputs_are_checked_leaf_by_leaf_in_one_sentence(
+    tmp_path, monkeypatch, compilable
+):
+    # a bad call of a loaded program with structured inputs raised IndexError (rank),
+    # RuntimeError from inside an op (dtype) or `AssertionError: Guard failed` (size)
+    model = _Pair().eval()
+    t, b = Dim("t", min=5, max=64), Dim("b")
+    shapes = (({0: b, 1: t}, {0: b, 1: t}), {"scale": {0: b}})
+    path = _save(model, _pair(2, 9), shapes, tmp_path / "pair.pt2")
+    if not compilable:
+        monkeypatch.setattr(guards, "guards_code", lambda program, module: None)
+    lean = load(path)
+    torch.testing.assert_close(lean(*_pair(3, 12, seed=1)), model(*_pair(3, 12, seed=1)))
+    (x, y), extra = _pair(3, 12, seed=2)
+    bad = {
+        "rank": (
+            ((x[0], y), extra),
+            r"input pair\[0\] must be a 3-D torch.float32 tensor, got a 2-D",
+        ),
+        "dtype": (
+            ((x, y), {"scale": extra["scale"].double()}),
+            r"input extra\['scale'\] must be a 3-D torch.float32 tensor, got a 3-D torch.float64",
+        ),
+        "fixed": (((x[..., :5], y), extra), r"input pair\[0\] must have size 6 in dim 2"),
+        "range": (
+            ((x[:, :3], y[:, :3]), extra),
+            r"pair\[0\].*3 in dim 1.*>= 5|pair\[0\]\.size\(\)\[1\] >= 5",
+        ),
+        "relation": (
+            ((x, y[:, :7]), extra),
+            r"pair\[1\]\.size\(\)\[1\] == pair\[0\]\.size\(\)\[1\]",
+        ),
+        "structure": (
+            ((x, y, y), extra),
+            r"takes its inputs as pair \(a tuple of 2\), extra \(a dict of scale\).*got a tuple of 3",
+        ),
+    }
+    for args, match in bad.values():
+        with pytest.raises(InputError, match=match):
+            lean(*args)
 
 
 def test_recorded_names_are_accepted_as_keywords(tmp_path):

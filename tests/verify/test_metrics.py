@@ -172,3 +172,39 @@ def test_the_floor_does_not_hide_a_real_change_of_a_small_output():
     other = ints.clone()
     other[0] += 1
     assert compare(ints, other).rel_l2 > 0  # integers have no floor
+
+
+def test_differences_within_the_resolution_read_the_same_in_max_abs_sqnr_and_rel_l2():
+    # `verify --backend ort --layers` showed `max_abs 4.77e-07` beside `sqnr inf` and
+    # `rel_l2 0`: a difference of one unit in the last place at the value's scale, which
+    # the floor counts as none. Displays must say so in SQNR and rel_l2 alike.
+    from opswap.verify.layers import LayerReport, LayerRow
+    from opswap.verify.metrics import RESOLUTION, RESOLUTION_NOTE, shown, within_resolution
+
+    g = torch.Generator().manual_seed(5)
+    ref = torch.randn(3, 17, 9, generator=g) * 3
+    ulp = ref.clone()
+    i = int(ref.abs().argmax())
+    ulp.view(-1)[i] = torch.nextafter(ref.view(-1)[i], torch.tensor(math.inf))
+    off = ref.clone()
+    off.view(-1)[4] += 1e-3
+    same, rounding, real = compare(ref, ref), compare(ref, ulp), compare(ref, off)
+    assert rounding.max_abs > 0 and (rounding.sqnr_db, rounding.rel_l2) == (math.inf, 0.0)
+    assert [within_resolution(m) for m in (same, rounding, real)] == [False, True, False]
+    assert within_resolution(rounding.to_json()) and within_resolution(combine([same, rounding]))
+    assert not within_resolution(combine([rounding, real]))
+    for m in (rounding, rounding.to_json()):
+        assert shown(m, "sqnr_db", ".1f") == shown(m, "rel_l2", ".3g") == RESOLUTION
+        assert shown(m, "max_abs", ".3g") == f"{rounding.max_abs:.3g}"
+    assert (shown(same, "sqnr_db", ".1f"), shown(same, "rel_l2", ".3g")) == ("inf", "0")
+    assert shown(real, "sqnr_db", ".1f") == f"{real.sqnr_db:.1f}"
+
+    rows = [
+        LayerRow(name, "", "add", m, name, "name")
+        for name, m in (("same", same), ("rounding", rounding), ("real", real))
+    ]
+    table = LayerReport(rows).table().splitlines()
+    line = next(t for t in table if t.split()[:2] == ["1", "rounding"])
+    assert line.split()[-2:] == [RESOLUTION, RESOLUTION] and "inf" not in line
+    assert RESOLUTION_NOTE in table
+    assert RESOLUTION_NOTE not in LayerReport([rows[0], rows[2]]).table()

@@ -53,6 +53,7 @@ def package(pt2: Path, out: Path) -> tuple[Path | None, str | None]:
     """(path, None) once the program in `pt2` is compiled into the AOTInductor package
     `out`, or (None, why not) in one sentence; never raises."""
     from opswap.backends.int8_inductor import lower
+    from opswap.graph.copies import leafspec_quiet
     from opswap.models.checkpoint import program_module, read_program
 
     try:
@@ -62,7 +63,8 @@ def package(pt2: Path, out: Path) -> tuple[Path | None, str | None]:
                 "no AOTInductor package: the model holds static int8 sites, which load "
                 "compiles through Inductor's int8 lowering"
             )
-        made = torch._inductor.aoti_compile_and_package(program, package_path=str(out))
+        with leafspec_quiet():  # it copies the program: torch's LeafSpec warning, once a run
+            made = torch._inductor.aoti_compile_and_package(program, package_path=str(out))
         return Path(made), None
     except Exception as e:  # AOTInductor can fail on any construct, or find no compiler
         Path(out).unlink(missing_ok=True)

@@ -32,6 +32,29 @@ from torch import nn
 from opswap.backends.pt2 import Artifact
 from opswap.errors import ExportError
 
+#: the runtime an .onnx file is written for, named as `opswap export --to` and `optimize
+#: --export` name it, and the form its static int8 Linears take (lowerings.INT8_FORMS):
+#: ONNX Runtime runs MatMulInteger as an int8 GEMM, OpenVINO the QuantizeLinear /
+#: DequantizeLinear pairs (docs/chapters/22-runtime.md has the timings). "onnx" is the
+#: file `--to onnx` writes, the one for ONNX Runtime.
+INT8_FOR = {"ort": "integer", "onnx": "integer", "openvino": "qdq"}
+#: the earlier spellings of `int8=`, the forms' own names, still accepted
+INT8_ALIASES = {"integer": "ort", "qdq": "openvino"}
+
+
+def int8_form(runtime: str) -> str:
+    """The form of static int8 Linears in a file for `runtime` (INT8_FOR, or an earlier
+    spelling in INT8_ALIASES); ExportError, in one sentence, for anything else."""
+    found = INT8_FOR.get(INT8_ALIASES.get(runtime, runtime)) if isinstance(runtime, str) else None
+    if found is None:
+        raise ExportError(
+            f"int8={runtime!r} names no runtime opswap writes int8 ONNX for; use "
+            f"{', '.join(repr(k) for k in INT8_FOR)} (as --to and --export name them; "
+            f"{' and '.join(repr(k) for k in INT8_ALIASES)} are the earlier spellings)."
+        )
+    return found
+
+
 # namespaces whose ops the exporter translates itself
 _BUILTIN = frozenset({"aten", "prims", "_operator", "math", "builtins"})
 
@@ -75,9 +98,10 @@ def _quiet():
         log.setLevel(level)
 
 
-def translate(program, *, fusions: bool = False, int8: str = "qdq") -> Any:
+def translate(program, *, fusions: bool = False, int8: str = "openvino") -> Any:
     """torch.onnx's ONNXProgram of `program` (an ExportedProgram), static int8 Linears in
-    the form `int8` names (lowerings.INT8_FORMS), with onnxscript's ORT fusions when
+    the form for the runtime `int8` names (`int8_form`: "ort" or "onnx" MatMulInteger,
+    "openvino" QuantizeLinear/DequantizeLinear), with onnxscript's ORT fusions when
     `fusions`. Its `exported_program` is the decomposed program that was translated, whose
     node names the file's values carry (backends.runtime_layers pairs them). Raises
     ExportError naming an op without a lowering, or the exporter's reason."""
@@ -89,6 +113,7 @@ def translate(program, *, fusions: bool = False, int8: str = "qdq") -> Any:
         ) from e
     from opswap.backends.lowerings import OPSET, table
 
+    form = int8_form(int8)
     missing = unlowered(program)
     if missing:
         raise ExportError(
@@ -101,7 +126,7 @@ def translate(program, *, fusions: bool = False, int8: str = "qdq") -> Any:
                 program,
                 (),
                 dynamo=True,
-                custom_translation_table=table(int8),
+                custom_translation_table=table(form),
                 opset_version=OPSET,
                 optimize=True,
                 verbose=False,
@@ -119,7 +144,7 @@ def translate(program, *, fusions: bool = False, int8: str = "qdq") -> Any:
     return onnx_program
 
 
-def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "qdq") -> Path:
+def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "openvino") -> Path:
     """Translate `program` (an ExportedProgram) to ONNX at `path` (see `translate`).
     Raises ExportError naming an op without a lowering, or the exporter's reason."""
     onnx_program = translate(program, fusions=fusions, int8=int8)
@@ -192,17 +217,20 @@ def export_onnx(
     *,
     exported: Any = None,
     fusions: bool = False,
-    int8: str = "qdq",
+    int8: str = "openvino",
 ) -> Artifact:
     """Export `model` (or translate `exported`, the (program, note, kept) backends.pt2's
     export made of it) to DIRECTORY/NAME (a fresh temporary folder by default), static int8
-    Linears in the form `int8` (lowerings.INT8_FORMS: "qdq", the interchange form, unless
-    the file is for ONNX Runtime); never raises for a model that does not export: the
-    Artifact's `error` says why (its `module` is left to the runtime that loads the file,
+    Linears in the form the runtime `int8` runs fastest (`int8_form`, the names of
+    `--to`: "ort" or "onnx" MatMulInteger; "openvino", the default, QuantizeLinear /
+    DequantizeLinear, the interchange form other runtimes read too; "integer" and "qdq"
+    are the earlier spellings); ExportError for another name. Never raises for a model
+    that does not export: the Artifact's `error` says why (its `module` is left to the runtime that loads the file,
     backends.ort)."""
     from opswap.backends.pt2 import _first_line
     from opswap.backends.runtime_module import program_file
 
+    int8_form(int8)  # a name it does not know fails before any work
     got = program_file(
         model, inputs, dynamic, exported, directory, name, reason=_first_line, needs="export_onnx"
     )

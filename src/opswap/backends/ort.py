@@ -60,7 +60,9 @@ def session(path: str | Path, threads: int | None = None, spinning: bool = False
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.intra_op_num_threads = threads or torch.get_num_threads()
-    opts.log_severity_level = 3  # errors only: ORT warns about every unused initializer
+    # fatal only: ORT warns about every unused initializer, and logs a failed run as an
+    # error line besides raising it, which opswap says in its own words where it matters
+    opts.log_severity_level = 4
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     try:
         return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
@@ -122,7 +124,7 @@ def ort_artifact(
         return Artifact(None, None, error=why)
     # static int8 Linears as MatMulInteger: the form ONNX Runtime runs as an int8 GEMM
     art = export_onnx(
-        None, inputs, dynamic, directory, name, exported=exported, fusions=fusions, int8="integer"
+        None, inputs, dynamic, directory, name, exported=exported, fusions=fusions, int8="ort"
     )
     if art.path is None:
         return art

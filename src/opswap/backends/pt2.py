@@ -24,11 +24,15 @@ length traced at 32 is refused at 8 instead of answering with the other branch).
 The check costs about a microsecond: on the same one-Linear model, timed with the
 machine shared (every figure ~5x the quiet one), the pre-hook took 8.4 µs before the
 guards were kept and 9.4 µs after. Where this torch does not say what its guards are
-(before 2.9) or one is not plain size arithmetic, torch's own guard function stays.
+(before 2.9) or one is not plain size arithmetic, torch's own guard function stays,
+behind the same check of the inputs, and a guard it finds broken is refused in one
+sentence (InputError) rather than torch's `AssertionError: Guard failed`. A tuple or dict
+input is checked leaf by leaf and named as the user wrote it (`pair[0]`, `batch['ids']`).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import tempfile
@@ -39,6 +43,7 @@ from typing import Any, cast
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 
 @dataclass
@@ -271,67 +276,175 @@ def load(path: str | Path) -> nn.Module:
         module = cast(fx.GraphModule, program_module(program, check_guards=False))
     except TypeError:
         return program_module(program)
-    compiled = _compiled_guards(program, module)
-    if compiled is None:  # keep torch's own guard function, and its cost
-        return program_module(program)
+    name = Path(path).name
+    layout = _layout(program, module)
+    compiled = _compiled_guards(program, module) if layout is not None else None
     from opswap.backends.eager import fast_calls
 
-    fast_calls(module)  # opswap's Triton ops called without the dispatcher where it is plain
-    return _lean(module, Path(path).name, *compiled)
+    if layout is not None and compiled is not None:
+        fast_calls(module)  # opswap's Triton ops called without the dispatcher where plain
+        return _lean(module, name, layout, *compiled)
+    full = cast(fx.GraphModule, program_module(program))  # torch's guard function, its cost
+    if layout is None:
+        return full
+    fast_calls(full)
+    _guards_in_words(full, name)
+    return _lean(full, name, layout, None, [])  # the inputs checked before its guards
+
+
+def _layout(program, module: fx.GraphModule) -> _Layout | None:
+    """How the program takes its inputs (see _Layout), from its example inputs; None
+    where it kept none or they do not fit its placeholders."""
+    from opswap.graph.guards import leaf_labels
+
+    if not program.example_inputs:
+        return None
+    args, kwargs = program.example_inputs
+    try:
+        sig = inspect.signature(module.forward)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    params = list(sig.parameters)
+    values = [bound.arguments[p] for p in params]
+    leaves, spec = pytree.tree_flatten(values)
+    if len(leaves) != sum(n.op == "placeholder" for n in module.graph.nodes):
+        return None
+    return _Layout(params, leaf_labels(tuple(values), params), spec)
 
 
 def _compiled_guards(program, module: fx.GraphModule):
-    """(input names, the all-guards predicate, each guard) or None (see graph.guards)."""
+    """(the all-guards predicate, each guard) or None (see graph.guards)."""
     from opswap.graph import guards
 
     found = guards.guards_code(program, module)
     if found is None:
         return None
-    code, names = found
+    code, labels = found
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in placeholders):
         return None  # a non-tensor input: torch's guards compare its value
+    names = guards.leaf_names(len(labels))
     fixed = frozenset(
         f"{arg}.size()[{d}] == {s}"
         for arg, n in zip(names, placeholders, strict=True)
         for d, s in enumerate(n.meta["val"].shape)
         if isinstance(s, int)
     )
-    compiled = guards.compile_guards(code, names, fixed)  # _lean checks the fixed sizes
-    return None if compiled is None else (names, *compiled)
+    return guards.compile_guards(code, names, fixed)  # _lean checks the fixed sizes
 
 
-def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> nn.Module:
+def _guards_in_words(module: fx.GraphModule, name: str) -> None:
+    """torch's guard function of `module` raising opswap's InputError, in one sentence,
+    instead of `AssertionError: Guard failed: ...` (the inputs' count, rank, dtype and
+    fixed sizes are checked before it, by _lean's hook)."""
+    from opswap.errors import InputError
+
+    fn = getattr(module, "_guards_fn", None)
+    if fn is None:
+        return
+    inner = fn.forward
+
+    def forward(*args):
+        if torch.compiler.is_compiling():
+            return inner(*args)
+        try:
+            return inner(*args)
+        except AssertionError as e:
+            cond = str(e).removeprefix("Guard failed: ")
+            raise InputError(
+                f"{name}: the inputs break the condition {cond}, under which the program "
+                "was exported."
+            ) from None
+
+    fn.forward = forward
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How a saved program takes its inputs: forward's parameters, each tensor leaf as the
+    user names it (`x`, `pair[0]`), and the structure of the parameters' values."""
+
+    params: list[str]
+    labels: list[str]
+    spec: pytree.TreeSpec
+
+    @property
+    def nested(self) -> bool:
+        return self.spec.num_leaves != len(self.params) or any(
+            c.num_children for c in _children(self.spec)
+        )
+
+    def describe(self) -> str:
+        """The parameters, each holding more than a tensor with what it holds:
+        "pair (a tuple of 2), extra (a dict of scale)"."""
+        parts = []
+        for p, child in zip(self.params, _children(self.spec), strict=True):
+            parts.append(f"{p} ({_form(child)})" if child.num_children else p)
+        return ", ".join(parts)
+
+
+def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """The specs of a node's children (`children()` in newer torch, which deprecates
+    `children_specs`)."""
+    children = getattr(spec, "children", None)
+    return list(children() if callable(children) else spec.children_specs)
+
+
+def _form(spec: pytree.TreeSpec) -> str:
+    """'a tuple of 2', "a dict of ids, mask": a container of the inputs, in words."""
+    kind = getattr(spec.type, "__name__", str(spec.type))
+    if isinstance(spec.context, list):  # a dict's keys
+        return f"a {kind} of {', '.join(map(str, spec.context))}"
+    return f"a {kind} of {spec.num_children}"
+
+
+def _lean(module: fx.GraphModule, name: str, layout: _Layout, holds, each) -> nn.Module:
     """`module` (built without torch's guard function) with one pre-hook that checks the
-    inputs: count (positional, or by the recorded names), then rank, dtype and the fixed
-    sizes (graph.dynamic.check_inputs, the in-memory result's check too), then `holds`,
-    every guard of the program compiled into one function."""
+    inputs: count (positional, or by the recorded names) and, for tuple or dict inputs,
+    their structure; then rank, dtype and the fixed sizes of each tensor
+    (graph.dynamic.check_inputs, the in-memory result's check too), then `holds`, every
+    guard of the program compiled into one function."""
     from opswap.errors import InputError
     from opswap.graph.dynamic import Expected, bind_by_name, check_inputs
-    from opswap.graph.guards import refusal
+    from opswap.graph.guards import leaf_names, refusal
 
     expected = []
-    for arg, node in zip(
-        names, (n for n in module.graph.nodes if n.op == "placeholder"), strict=True
+    for label, node in zip(
+        layout.labels, (n for n in module.graph.nodes if n.op == "placeholder"), strict=True
     ):
-        val = node.meta["val"]  # a tensor (_compiled_guards)
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):  # torch's guard function checks its value
+            expected.append(Expected(label, None))
+            continue
         static = tuple((d, int(s)) for d, s in enumerate(val.shape) if isinstance(s, int))
-        expected.append(Expected(arg, val.dim(), val.dtype, static))
-    n = len(names)
-    listed = ", ".join(names)
+        expected.append(Expected(label, val.dim(), val.dtype, static))
+    params, nested = layout.params, layout.nested
+    n = len(params)
+    listed = layout.describe()
+    names = leaf_names(len(layout.labels))
 
     def check(_mod, args, kwargs):
         out = None
         if kwargs:
             if len(args) > n:
                 raise InputError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
-            args = bind_by_name(name, names, args, kwargs)
+            args = bind_by_name(name, params, args, kwargs)
             out = (args, {})
         if len(args) != n:
             raise InputError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
-        check_inputs(name, args, expected, "it was exported with that size fixed")
-        if holds is not None and not holds(*args):
-            raise InputError(refusal(name, args, names, each))
+        leaves = args
+        if nested:
+            leaves, spec = pytree.tree_flatten(list(args))
+            if spec != layout.spec:
+                raise InputError(
+                    f"{name} takes its inputs as {listed}, as it was exported; got "
+                    f"{', '.join(_given(a) for a in args)}."
+                )
+        check_inputs(name, leaves, expected, "it was exported with that size fixed")
+        if holds is not None and not holds(*leaves):
+            raise InputError(refusal(name, tuple(leaves), names, each, layout.labels))
         return out
 
     # torch's pre-hook re-walks the input pytree: ~40 µs (Module.__setattr__'s stub takes
@@ -340,6 +453,14 @@ def _lean(module: fx.GraphModule, name: str, names: list[str], holds, each) -> n
     module.register_forward_pre_hook(check, with_kwargs=True)
     module.opswap_check = check  # type: ignore[assignment]  # also before its AOTI package
     return module
+
+
+def _given(x) -> str:
+    """What one input of a call is, in words: 'a tensor', 'a tuple of 3'."""
+    if isinstance(x, torch.Tensor):
+        return "a tensor"
+    leaves, spec = pytree.tree_flatten(x)
+    return _form(spec) if spec.num_children else f"a {type(x).__name__}"
 
 
 def export_artifact(

@@ -66,11 +66,12 @@ def _file_values(path: Path) -> list[str]:
 
 
 def runtime_layers(
-    program, runtime: str, inputs: tuple, *, int8: str = "qdq", fusions: bool = False
+    program, runtime: str, inputs: tuple, *, int8: str | None = None, fusions: bool = False
 ) -> LayerReport:
-    """Translate `program` (an ExportedProgram) to ONNX as the `runtime`'s file is written (one
-    of RUNTIMES) (static int8 Linears in the form `int8`, onnxscript's ORT
-    fusions when `fusions`), run it there on `inputs`, and compare every value the file
+    """Translate `program` (an ExportedProgram) to ONNX as the `runtime` ("ort" or
+    "openvino") file is written (static int8 Linears in the form for that runtime, or for
+    the runtime `int8` names: backends.onnx.int8_form; onnxscript's ORT fusions when
+    `fusions`), run it there on `inputs`, and compare every value the file
     keeps with the same node of the translated program run in PyTorch. Raises ExportError
     for another runtime, or a program the exporter or the runtime refuses."""
     from opswap.backends.onnx import translate
@@ -80,7 +81,7 @@ def runtime_layers(
             f"Layer-by-layer comparison reads intermediate values from {' or '.join(RUNTIMES)}; "
             f"{runtime} keeps them inside its delegate."
         )
-    onnx_program = translate(program, fusions=fusions, int8=int8)
+    onnx_program = translate(program, fusions=fusions, int8=int8 or runtime)
     # the decomposed program the exporter translated: its node names are the file's names
     translated = onnx_program.exported_program
     gm = translated.module()

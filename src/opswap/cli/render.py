@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opswap.cli import consoles
+from opswap.verify.metrics import RESOLUTION_NOTE, shown, within_resolution
 
 
 def n(count: int, singular: str, plural: str | None = None) -> str:
@@ -199,8 +200,10 @@ def verification(check, budget: str | None, samples: int) -> None:
     table = Table(title="verification " + ("PASSED" if v.passed else "FAILED"))
     for col in cols:
         table.add_column(col, justify="right")
-    table.add_row(*(f"{data[c]:.3g}" if isinstance(data[c], float) else str(data[c]) for c in cols))
+    table.add_row(*(shown(data, c, ".3g") for c in cols))
     consoles.console.print(table)
+    if within_resolution(data):
+        line(RESOLUTION_NOTE)
     if data.get("top1_agreement") is not None:
         line(decisions_text(data))
     source = f"budget {budget} over the" if budget else "the"

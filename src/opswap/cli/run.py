@@ -28,6 +28,7 @@ from opswap.cli.options import (
     WeightsOpt,
 )
 from opswap.config import Exactness
+from opswap.verify.metrics import RESOLUTION_NOTE, shown, within_resolution
 
 
 @app.command()
@@ -228,10 +229,13 @@ def _summary(data: dict) -> None:
             "  verification ",
             status,
             f": cosine {v['cosine']:.8f}, max_abs {v['max_abs']:.3g}, "
-            f"sqnr {v['sqnr_db']:.1f} dB ({render.n(v['samples'], 'sample')}, "
+            f"sqnr {shown(v, 'sqnr_db', '.1f')}{'' if within_resolution(v) else ' dB'} "
+            f"({render.n(v['samples'], 'sample')}, "
             f"tolerance {render.tolerance_text(v['tolerance'])})",
         )
     )
+    if within_resolution(v):
+        console.print(f"  {RESOLUTION_NOTE}", markup=False)
     if v.get("top1_agreement") is not None:
         console.print("  " + render.decisions_text(v), markup=False)
     if data.get("accuracy"):

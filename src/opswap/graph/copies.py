@@ -143,11 +143,19 @@ def describe_hooks(hooks: list[tuple[str, str]], most: int = 4) -> str:
     return said[0] if len(said) == 1 else ", ".join(said[:-1]) + " and " + said[-1]
 
 
-def quiet_deepcopy(obj, memo: dict | None = None):
-    """A deep copy, quiet about torch's own deprecation noise (pytree's LeafSpec warns when
-    the code of an exported graph is copied; nothing the user can act on)."""
+@contextlib.contextmanager
+def leafspec_quiet():
+    """Quiet about torch's own deprecation noise while an exported graph's code is copied
+    (pytree's LeafSpec warns; nothing the user can act on): copy.deepcopy of it here, and
+    AOTInductor's packaging, which copies the program (backends.aoti)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+        yield
+
+
+def quiet_deepcopy(obj, memo: dict | None = None):
+    """A deep copy, quiet about torch's LeafSpec deprecation (`leafspec_quiet`)."""
+    with leafspec_quiet():
         return copy.deepcopy(obj, memo)
 
 

@@ -38,7 +38,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from opswap.errors import CaptureError, InputError
-from opswap.graph.guards import SizeGuard, Sizes, checker
+from opswap.graph.guards import SizeGuard, Sizes, checker, leaf_labels
 
 
 @dataclass(frozen=True)
@@ -550,12 +550,14 @@ def guard(
     dyn: Dynamic,
     what: str = "the optimized model",
     hint: str = "",
+    params: list[str] | None = None,
 ) -> torch.nn.Module:
     """`module` (opswap's in-memory result) with a check before each call that refuses, in
     one sentence, inputs it was never claimed at: another number of inputs, another rank
     or dtype, another size in a dim the capture kept static (`check_inputs`, which the
     saved model.pt2 runs too), or sizes the capture's guards exclude (`dyn.guards`: where
-    the model takes another path than the one traced). The check stands aside while
+    the model takes another path than the one traced); `params`, forward's parameters,
+    name the leaves of a tuple or dict input (`pair[0]`). The check stands aside while
     torch.compile or torch.export traces the module, so that it never specialises a
     symbolic size."""
     leaves, spec = pytree.tree_flatten(list(inputs))
@@ -565,7 +567,9 @@ def guard(
         for n in getattr(getattr(module, "graph", None), "nodes", ())
         if n.op == "placeholder"
     ]
-    names = names if len(names) == len(leaves) else [f"input {i}" for i in range(len(leaves))]
+    # a tuple or dict input: its leaves named by the parameter (`params`) and the key
+    nested = len(inputs) != len(leaves)
+    names = names if len(names) == len(leaves) and not nested else leaf_labels(inputs, params)
     want = [
         Expected(
             names[i],

@@ -83,9 +83,11 @@ _SIZE = re.compile(r"(\w+)\.size\(\)\[(\d+)\]")
 
 
 def guards_code(program, module: torch.fx.GraphModule) -> tuple[list[str], list[str]] | None:
-    """The guards torch's `module()` checks, as expressions over `L['name']`, and the input
-    names in placeholder order; None where this torch does not say (torch < 2.9 has no
-    `_guards_code`) or the inputs are not plain positional tensors."""
+    """The guards torch's `module()` checks, as expressions over the input leaves in
+    placeholder order (x0, x1, ...: `leaf_names`), and each leaf as the user names it (`x`,
+    or `pair[0]`, `batch['ids']` for a leaf inside a tuple or dict input); None where this
+    torch does not say (torch < 2.9 has no `_guards_code`) or an input is not a tensor
+    leaf of a named argument."""
     try:
         import torch.export._unlift as unlift
     except ImportError:
@@ -103,19 +105,26 @@ def guards_code(program, module: torch.fx.GraphModule) -> tuple[list[str], list[
     if code is None or not all(helpers) or not program.example_inputs:
         return None
     paths_of, input_guards, ep_match, gm_match = cast(list[Callable[..., Any]], helpers)
+    from torch.utils._pytree import keystr
+
     try:
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
         sig = inspect.signature(module.forward)
         paths = paths_of(program.example_inputs, sig)
-        if len(paths) != len(placeholders) or any(
-            len(p) != 1 or not hasattr(p[0], "key") for p in paths
-        ):
+        if len(paths) != len(placeholders) or any(not p or not hasattr(p[0], "key") for p in paths):
             return None
         guards = list(input_guards(placeholders, program.range_constraints, paths))
         guards += gm_match(ep_match(list(code), paths), sig)
     except Exception:  # private helpers whose signatures move between releases
         return None
-    return guards, [str(p[0].key) for p in paths]
+    # `L['pair'][1]` is a prefix of `L['pair'][10]`: the longest sources are renamed first
+    sources = sorted(((f"L{keystr(p)}", i) for i, p in enumerate(paths)), key=lambda t: -len(t[0]))
+    renamed = []
+    for g in guards:
+        for source, i in sources:
+            g = g.replace(source, f"x{i}")
+        renamed.append(g)
+    return renamed, [str(p[0].key) + keystr(p[1:]) for p in paths]
 
 
 def _allowed(tree: ast.AST, inputs: set[str]) -> bool:
@@ -184,8 +193,11 @@ def compile_guards(
     return namespace["_all"], each
 
 
-def refusal(name: str, args: tuple, names: list[str], each) -> str:
-    """The sentence that says which guard a call broke, naming the sizes it was given."""
+def refusal(name: str, args: tuple, names: list[str], each, labels: list[str] | None = None) -> str:
+    """The sentence that says which guard a call broke, naming the sizes it was given;
+    `args` are the leaves `names` (the guards' variables) stand for, `labels` how the user
+    names them (default: `names`)."""
+    labels = labels or names
     for shown, ok in each:
         if ok(*args):
             continue
@@ -193,9 +205,15 @@ def refusal(name: str, args: tuple, names: list[str], each) -> str:
         for arg, dim in dict.fromkeys(_SIZE.findall(shown)):
             x = args[names.index(arg)] if arg in names else None
             if isinstance(x, torch.Tensor) and int(dim) < x.dim():
-                given.append(f"input {arg} has size {x.shape[int(dim)]} in dim {dim}")
+                given.append(
+                    f"input {labels[names.index(arg)]} has size {x.shape[int(dim)]} in dim {dim}"
+                )
         what = " and ".join(given) or "the inputs' sizes"
-        return f"{name}: {what}, but the saved program accepts only {shown}."
+        told = _SIZE.sub(
+            lambda m: f"{labels[names.index(m[1])]}.size()[{m[2]}]" if m[1] in names else m[0],
+            shown,
+        )
+        return f"{name}: {what}, but the saved program accepts only {told}."
     return f"{name}: the inputs break one of the program's guards."
 
 
@@ -254,6 +272,20 @@ class Sizes:
         return tuple(reversed(out))
 
 
+def leaf_labels(inputs: tuple, params: list[str] | None = None) -> list[str]:
+    """Each tensor or number leaf of a call's positional `inputs` as the user names it: the
+    parameter's name (`params`, else its position), then where the leaf sits inside a tuple
+    or dict input: `x`, `pair[0]`, `batch['ids']`, `1[0]`."""
+    from torch.utils._pytree import SequenceKey, keystr, tree_leaves_with_path
+
+    out = []
+    for path, _ in tree_leaves_with_path(list(inputs)):
+        first = path[0]
+        i = first.idx if isinstance(first, SequenceKey) else 0
+        out.append((params[i] if params and i < len(params) else str(i)) + keystr(path[1:]))
+    return out
+
+
 def leaf_names(n: int) -> list[str]:
     """The names opswap's guards give the input leaves: x0, x1, ..."""
     return [f"x{i}" for i in range(n)]
@@ -280,11 +312,7 @@ def program_guards(program, module: torch.fx.GraphModule, n_leaves: int) -> list
     found = guards_code(program, module)
     out: list[str] = []
     if found is not None and len(found[1]) == n_leaves:
-        code, names = found
-        for g in code:
-            for i, name in enumerate(names):
-                g = g.replace(f"L['{name}']", f"x{i}")
-            out.append(g)
+        out = found[0]
     else:
         out = _range_guards(program)
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]

@@ -35,7 +35,14 @@ from opswap.graph.capture import as_inputs
 from opswap.graph.copies import preserved_state
 from opswap.graph.inputs import fresh
 from opswap.graph.ops import is_compute, op_kind
-from opswap.verify.metrics import Metrics, combine, compare
+from opswap.verify.metrics import (
+    RESOLUTION_NOTE,
+    Metrics,
+    combine,
+    compare,
+    shown,
+    within_resolution,
+)
 from opswap.verify.outputs import full_precision, same_random
 from opswap.verify.tolerance import Tolerance, as_tolerance
 
@@ -142,18 +149,20 @@ class LayerReport:
             f"{'max_abs':>9} {'cosine':>12} {'sqnr_db':>8} {'rel_l2':>9}"
         )
         lines = [head, "-" * len(head)]
-        shown = [(i, r) for i, r in enumerate(self.rows) if r.metrics is not None]
-        if max_rows is not None and len(shown) > max_rows:
-            shown = shown[:max_rows]
-        for i, r in shown:
+        shown_rows = [(i, r) for i, r in enumerate(self.rows) if r.metrics is not None]
+        if max_rows is not None and len(shown_rows) > max_rows:
+            shown_rows = shown_rows[:max_rows]
+        for i, r in shown_rows:
             m = r.metrics
             assert m is not None  # shown holds only rows with metrics
             flag = " <--" if mark is not None and mark.index == i else ""
             lines.append(
                 f"{i:>3}  {r.name[:24]:<24} {r.op[:14]:<14} {r.module[:20]:<20} "
                 f"{r.paired_by:<8} {m.max_abs:>9.2e} {m.cosine:>12.9f} "
-                f"{m.sqnr_db:>8.1f} {m.rel_l2:>9.2e}{flag}"
+                f"{shown(m, 'sqnr_db', '.1f'):>8} {shown(m, 'rel_l2', '.2e'):>9}{flag}"
             )
+        if any(within_resolution(r.metrics) for _, r in shown_rows if r.metrics is not None):
+            lines.append(RESOLUTION_NOTE)
         if unpaired and self.only_in_reference:
             lines.append(f"only in the reference: {', '.join(self.only_in_reference)}")
         if unpaired and self.only_in_candidate:

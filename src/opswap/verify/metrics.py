@@ -24,7 +24,10 @@ float32 reference as the two sets of numbers they are.
   Below it the dtype cannot tell the numbers apart at the output's scale: an output of
   near-zero elements (denormals around 1e-40 in float32) that an exact BatchNorm fold
   changed by 2.8e-45 otherwise scores cosine 0.95 and the fold is rolled back.
-  `max_abs` stays the raw largest difference, so `exact` still means bit for bit.
+  `max_abs` stays the raw largest difference, so `exact` still means bit for bit. Where
+  there were differences and every one was at or below the floor (`within_resolution`),
+  SQNR and rel_l2 read inf and 0 beside a nonzero max_abs: displays show both as
+  `RESOLUTION` and say why in `RESOLUTION_NOTE`, so the three agree.
 - `nonfinite`: positions where the candidate is NaN/Inf and the reference is
   finite, or the reference is NaN/Inf and the candidate holds anything else.
   The other measures are taken over the positions where both are finite.
@@ -36,7 +39,7 @@ equal outputs give the perfect values (0, 1, inf) and a flipped token id shows u
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,6 +78,31 @@ class Metrics:
             f"cosine={self.cosine:.9f} sqnr={self.sqnr_db:.1f}dB rel_l2={self.rel_l2:.3g}"
             + (f" nonfinite={self.nonfinite}" if self.nonfinite else "")
         )
+
+
+#: what a display shows for SQNR and rel_l2 where `within_resolution`
+RESOLUTION = "rounding"
+RESOLUTION_NOTE = (
+    f"{RESOLUTION}: every difference is within the dtype's resolution at the value's scale "
+    "(eps times its largest magnitude), which cosine, sqnr and rel_l2 count as none; "
+    "max_abs shows the largest"
+)
+
+
+def within_resolution(m: Metrics | Mapping[str, Any]) -> bool:
+    """Whether `m` (Metrics or its to_json) found differences, all of them at or below the
+    floor: max_abs above 0 while rel_l2 is 0 (the floor zeroed every one)."""
+    get = m.get if isinstance(m, Mapping) else lambda k: getattr(m, k)
+    return bool(get("max_abs")) and get("rel_l2") == 0.0 and not get("nonfinite")
+
+
+def shown(m: Metrics | Mapping[str, Any], key: str, spec: str) -> str:
+    """Field `key` of `m` formatted with `spec` (`.1f`, `.3g`), or `RESOLUTION` for SQNR
+    and rel_l2 where `within_resolution`."""
+    if key in ("sqnr_db", "rel_l2") and within_resolution(m):
+        return RESOLUTION
+    value = m[key] if isinstance(m, Mapping) else getattr(m, key)
+    return format(value, spec) if isinstance(value, float) else str(value)
 
 
 def _as_tensor(x) -> torch.Tensor:

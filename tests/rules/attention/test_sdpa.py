@@ -241,3 +241,55 @@ def test_a_causal_mask_is_still_proven_causal_at_every_length(buffer):
     x = torch.randn(1, 90, 16)
     with torch.no_grad():
         torch.testing.assert_close(applied.gm(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+#: the head size's scale as users write it: read off a size, never a number in the code
+HEAD_SCALES = {
+    "math.sqrt(q.shape[-1])": lambda q: math.sqrt(q.shape[-1]),
+    "q.size(-1) ** 0.5": lambda q: q.size(-1) ** 0.5,
+    "q.shape[-1] ** -0.5, a product": lambda q: 1.0 / q.shape[-1] ** -0.5,
+    "torch.sqrt(torch.tensor(q.shape[-1]))": lambda q: torch.sqrt(torch.tensor(q.shape[-1])),
+    "torch.tensor(q.shape[-1], dtype=q.dtype).sqrt()": lambda q: torch.tensor(
+        q.shape[-1], dtype=q.dtype
+    ).sqrt(),
+}
+
+
+class HeadScaled(nn.Module):
+    """Attention scaled by the square root of its head size, read off q's shape; with
+    `branch`, an `if` on the length that FX cannot trace, so capture takes torch.export."""
+
+    def __init__(self, scale: str, heads: int = 3, d: int = 6, branch: bool = False):
+        super().__init__()
+        self.scale, self.h, self.branch = HEAD_SCALES[scale], heads, branch
+        self.qkv, self.o = nn.Linear(heads * d, 3 * heads * d), nn.Linear(heads * d, heads * d)
+
+    def forward(self, x):  # x: [B, T, H * D]
+        b, t, w = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, w // self.h).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-2, -1) / self.scale(q)
+        out = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, w)
+        if self.branch and t > 1:
+            out = out + 0.0
+        return self.o(out)
+
+
+@pytest.mark.parametrize("scale", list(HEAD_SCALES))
+@pytest.mark.parametrize("route", ["fx", "export", "auto past a branch FX cannot trace"])
+def test_a_head_size_scale_read_off_a_dynamic_shape_is_static(scale, route):
+    # batch and length are dynamic, the head size 6 is not: sqrt(6) is a constant scale
+    torch.manual_seed(0)
+    model = HeadScaled(scale, branch=route.startswith("auto")).eval()
+    x = torch.randn(2, 7, 18)
+    method = "auto" if route.startswith("auto") else route
+    try:
+        cap = capture(model, (x,), method)
+    except Exception as e:  # torch.tensor of a traced size: FX cannot trace it, export can
+        assert route == "fx" and "torch.tensor" in scale, e
+        return
+    assert cap.method == ("export" if route != "fx" else "fx")
+    assert {a.name for a in cap.dynamic.axes} >= {"batch"} and len(cap.dynamic.axes) == 2
+    plan, applied = run(model, (x,), captured=cap)
+    assert reasons(plan) == ""
+    calls = sdpa_calls(applied.gm)
+    assert len(calls) == 1 and calls[0].kwargs["scale"] == pytest.approx(6**-0.5)

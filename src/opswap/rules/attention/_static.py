@@ -88,7 +88,24 @@ def _size_of(node: fx.Node, run: Run) -> int:
     x = node.args[0]
     if not isinstance(x, fx.Node) or len(node.args) < 2 or not isinstance(node.args[1], int):
         raise NotStatic
-    d = node.args[1]
+    return _dim_of(x, node.args[1], run)
+
+
+def _shape_item(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(x, d) for `x.shape[d]` (FX records `getattr(x, "shape")` then `getitem`), else None."""
+    if raw_name(node) != "getitem" or len(node.args) != 2 or not isinstance(node.args[1], int):
+        return None
+    shape = node.args[0]
+    if not isinstance(shape, fx.Node) or raw_name(shape) != "getattr":
+        return None
+    if shape.args[1:] != ("shape",) or not isinstance(shape.args[0], fx.Node):
+        return None
+    return shape.args[0], node.args[1]
+
+
+def _dim_of(x: fx.Node, d: int, run: Run) -> int:
+    """Size `d` of `x` at run `run`, or where that one dim is static (run None): the head
+    size `q.shape[-1]` is static while q's batch and length move."""
     if isinstance(run, Length):
         return run.size(x, d)
     if run is None:
@@ -138,8 +155,12 @@ def evaluate(gm: fx.GraphModule, value: Any, run: Run = None, memo=None) -> Any:
         raise NotStatic
     elif raw_name(node) in _SIZE_NAMES:
         out = _size_of(node, run)
+    elif (item := _shape_item(node)) is not None:
+        out = _dim_of(*item, run)
     elif raw_name(node) == "getattr" and node.args[1:] == ("shape",):
         out = _shape_of(node.args[0], run)
+    elif raw_name(node) == "getattr" and node.args[1:] == ("dtype",) and (xi := info(node.args[0])):
+        out = xi.dtype  # `torch.tensor(d, dtype=q.dtype)`
     elif node.op == "call_module":
         mod = module_of(node)
         if op_kind(node) not in ("dropout", "identity") or (mod is not None and mod.training):
