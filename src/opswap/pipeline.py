@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from torch import fx, nn
 
-from opswap.artifact import artifact_key, file_claim
+from opswap.artifact import (
+    SAVE_CHOICES,
+    CandidateFailed,
+    artifact_key,
+    file_claim,
+    keep_candidate,
+)
 from opswap.bench.attribution import Attribution
 from opswap.bench.device import check_device
 from opswap.bench.runtimes import EXPORTS, SAVES, missing
@@ -81,6 +87,9 @@ class OptimizeConfig:
     # a file of calibration batches (.pt, .npy, .npz: graph.calibration_data), every batch
     # used; without it, `calibration_samples` random samples or a task's training batches
     calibration: str | None = None
+    # what the run saves: "winner" (the race's fastest verified variant) or "candidate"
+    # (opswap's model even where it loses the race; refused where it fails verification)
+    save: str = "winner"
 
     def __post_init__(self) -> None:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
@@ -102,6 +111,8 @@ class OptimizeConfig:
             raise RuleError(
                 f"calibration_samples must be at least 1; got {self.calibration_samples!r}."
             )
+        if self.save not in SAVE_CHOICES:
+            raise OpswapError(f"save must be {' or '.join(SAVE_CHOICES)}; got {self.save!r}.")
         if self.calibration is not None:  # a missing file fails before the model loads
             self.calibration = str(check_path(self.calibration))
         tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now
@@ -195,6 +206,12 @@ def optimize(
     before = analyze(run.captured, run.target)
     checked = plan_and_verify(run, step)
     pruned = prune(run, checked, step)
+    if config.save == "candidate" and not pruned.verification.passed:
+        raise CandidateFailed(
+            "--save candidate: opswap's candidate did not pass verification ("
+            + "; ".join(pruned.verification.reasons)[:300]
+            + "), so nothing was saved."
+        )
     layers = None
     if config.layers:
         step("layers")
@@ -213,7 +230,20 @@ def optimize(
     if task is not None:
         step("accuracy")
         result.accuracy = accuracy(task, run.reference, result.saved_module, config.device)
+        if raced is not None:
+            _task_rows(task, raced, result, config.device)
     return result
+
+
+def _task_rows(task: Task, raced: Race, result: Result, device: str) -> None:
+    """`task`'s metric on every variant the race could run, into its row's accuracy."""
+    from opswap.bench.accuracy import task_scores
+
+    runs = {v.name: v.fn for v in raced.variants if v.fn is not None}
+    scores = task_scores(task, runs, device)
+    for t in result.variants:
+        if t.name in scores:
+            t.accuracy = {**(t.accuracy or {"passed": t.verified}), "task": scores[t.name]}
 
 
 def accuracy(task: Task, reference: nn.Module, saved: nn.Module, device: str) -> Accuracy:
@@ -240,8 +270,11 @@ def _result(
     """The stages' values gathered into one Result; `raced` is the race, None untimed."""
     dynamic: Dynamic | None = run.captured.dynamic
     notes: list[str] = list(run.notes)
+    winner, verified_as = (raced.winner, raced.verified_as) if raced else (None, None)
+    if raced is not None and run.config.save == "candidate":
+        winner, verified_as = keep_candidate(raced, run.config.export)
     if raced is not None:
-        saved = raced.artifacts.get(artifact_key(raced.winner.name))
+        saved = raced.artifacts.get(artifact_key(cast(Any, winner).name))
         dynamic = file_claim(dynamic, saved, notes)
         notes += raced.notes
     hooks = run.hooks
@@ -279,10 +312,15 @@ def _result(
         + notes,
         dynamic=dynamic,
         variants=raced.timings if raced else [],
-        best=raced.winner.name if raced else "opswap",
+        best=winner.name if winner is not None else "opswap",
         captured_gm=run.captured.gm,
         artifacts=raced.artifacts if raced else {},
-        verified_as=raced.verified_as if raced else None,
+        verified_as=verified_as,
+        race_winner=(
+            raced.winner.name
+            if raced and winner is not None and winner is not raced.winner
+            else None
+        ),
         settled=raced.settled if raced else None,
         run_info=info,
     )

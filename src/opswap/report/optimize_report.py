@@ -11,6 +11,7 @@ from opswap.bench.variants import UNSETTLED_MARGIN
 from opswap.cost.units import human, human_unit
 from opswap.report import plots
 from opswap.report.advice import advised
+from opswap.report.candidates import accuracy_cell, kept_text, saved_mark
 from opswap.report.document import Block, Bullets, Heading, Image, Para, Table, to_html, to_markdown
 
 
@@ -49,6 +50,9 @@ def _summary(result, data) -> list[Block]:
         lines.append(unsettled_warning())
     if data.get("variants"):
         lines.append(_headline(data))
+    kept = kept_text(data)
+    if kept is not None:
+        lines.append(kept)
     if (data.get("deploy") or {}).get("aot"):
         lines.append(aot_text(data["deploy"]["aot"]))
     if b:
@@ -221,7 +225,7 @@ def _variants(data) -> list[Block]:
     for v in data["variants"]:
         rows.append(
             [
-                f"`{v['name']}`" + (" (saved)" if v["name"] == data["best"] else ""),
+                f"`{v['name']}`" + saved_mark(v["name"], data),
                 _f(v["ms"]),
                 _f(v["iqr_ms"]),
                 "1.00x (the yardstick)"
@@ -230,6 +234,7 @@ def _variants(data) -> list[Block]:
                 if v["speedup_vs_input"]
                 else "-",
                 "yes" if v["verified"] else "no",
+                accuracy_cell(v.get("accuracy")),
                 _f(v["compile_s"]) if v["compile_s"] is not None else "",
                 why_text(v),
             ]
@@ -244,12 +249,24 @@ def _variants(data) -> list[Block]:
             "bootstrap interval (rounds resampled in pairs). A variant is saved only when "
             "the interval's lower end is above 1 (and at least "
             f"{UNSETTLED_MARGIN:.2f}x when the interval did not narrow to 10% of the ratio "
-            "in the time allowed): otherwise your model is kept."
+            "in the time allowed): otherwise your model is kept (unless `--save candidate` "
+            "asked for opswap's). `accuracy` is the verification each variant was judged by: "
+            "the metric that decided it (the one it broke, else the one nearest its bound), "
+            "with top-1 agreement for class scores and the task's metric where there is one."
         ),
         Table(
-            ["variant", "ms", "IQR ms", "vs input [95%]", "verified", "compile s", "note"],
+            [
+                "variant",
+                "ms",
+                "IQR ms",
+                "vs input [95%]",
+                "verified",
+                "accuracy",
+                "compile s",
+                "note",
+            ],
             rows,
-            align_right={1, 2, 3, 5},
+            align_right={1, 2, 3, 6},
         ),
     ]
 

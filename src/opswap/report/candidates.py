@@ -1,0 +1,90 @@
+"""Each variant's accuracy, and a candidate kept by request, in words: shared by the
+report (report.optimize_report) and the CLI's summary (cli.run), from result.json's data
+(a variant row's `accuracy`, bench.accuracy.judged_by; the run's `save`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from opswap.bench.stats import describe_speedup
+
+
+def _num(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    if isinstance(x, float) and math.isnan(x):
+        return "nan"
+    if isinstance(x, float) and 0.99 <= x < 1.0:
+        return f"{x:.6f}".rstrip("0")  # a cosine: 0.999996, not 1
+    return f"{x:.3g}"
+
+
+def task_text(task: dict[str, Any] | None) -> str:
+    """A row's task metric: 'task top1 0.9861', or why it could not be taken."""
+    if not task:
+        return ""
+    if task.get("error"):
+        return f"task {task['metric']}: not measured ({task['error']})"
+    return f"task {task['metric']} {task['value']:.4f}"
+
+
+def accuracy_cell(acc: dict[str, Any] | None) -> str:
+    """A variant's accuracy in one cell: the metric that decided its verdict with its
+    value and bound, top-1 agreement where outputs are class scores, the task's metric."""
+    if acc is None:
+        return "-"
+    if acc.get("reference"):
+        parts = ["the reference"]
+    elif acc.get("metric") is None:
+        reason = acc.get("reason") or "no metric"
+        parts = [("failed: " if acc.get("passed") is False else "") + reason]
+    else:
+        verdict = "" if acc.get("passed") else "failed: "
+        parts = [f"{verdict}{acc['metric']} {_num(acc['value'])} (budget {acc['budget']})"]
+        if acc.get("top1_agreement") is not None and acc["metric"] not in ("top1",):
+            parts.append(
+                f"top-1 {100 * acc['top1_agreement']:.4g}% of {acc.get('decision_rows')} rows"
+            )
+    said = task_text(acc.get("task"))
+    if said:
+        parts.append(said)
+    return "; ".join(parts)
+
+
+def kept_text(data: dict[str, Any]) -> str | None:
+    """The sentence for a run that kept opswap's candidate by request (result.json's
+    `save`), with its measured speed and accuracy beside the race's winner's; None for a
+    run that saved the race's own choice."""
+    save = data.get("save") or {}
+    if not save.get("kept_by_request"):
+        return None
+    mine, won = save.get("saved") or {}, save.get("winner") or {}
+
+    def speed(row: dict[str, Any]) -> str:
+        if row.get("variant") == "input":
+            return "1.00x (your model itself)"
+        if row.get("speedup_vs_input") is None:
+            return "not timed"
+        return describe_speedup(row["speedup_vs_input"], row.get("speedup_ci"), row.get("settled"))
+
+    return (
+        f"Kept by request (--save candidate): `{mine.get('variant')}`, opswap's model, "
+        f"speed-up over your model {speed(mine)}, accuracy "
+        f"{accuracy_cell(mine.get('accuracy'))}. The race's winner was "
+        f"`{won.get('variant')}`, speed-up {speed(won)}, accuracy "
+        f"{accuracy_cell(won.get('accuracy'))}; it is not what was saved."
+    )
+
+
+def saved_mark(name: str, data: dict[str, Any]) -> str:
+    """' (saved)' after the saved row, ' (saved, by request)' for a kept candidate, and
+    ' (the race's winner)' for the row a kept candidate displaced."""
+    save = data.get("save") or {}
+    if name == data["best"]:
+        return " (saved, by request)" if save.get("kept_by_request") else " (saved)"
+    if save.get("kept_by_request") and name == save.get("race_winner"):
+        return " (the race's winner)"
+    return ""
