@@ -538,12 +538,18 @@ def _aot(result: Result, pt2: Path) -> dict[str, Any]:
     if path is None:
         return {"package": None, "why": why}
     inputs = tuple(fresh(result.example_inputs))
+    data = _data_at(result, inputs)  # the user's data where the verdict was reached on it
     try:
         module = aoti.load(path, pt2)
         if module is None:
             raise OpswapError("model.pt2's guards cannot be checked in front of it")
         check = verify(
-            result.reference, module, inputs, samples=1, tolerance=result.verification.tolerance
+            result.reference,
+            module,
+            data[0] if data else inputs,
+            samples=1,
+            tolerance=result.verification.tolerance,
+            given=data,
         )
         if not check.passed:
             raise OpswapError("; ".join(check.reasons))
@@ -599,6 +605,24 @@ def _write(result: Result, out: Path, aot: bool = True) -> dict[str, Path]:
     return paths
 
 
+def _data_at(result: Result, example: tuple) -> list[tuple] | None:
+    """The user's batches the run's verdict was reached on, where each has the example's
+    shapes (a file that keeps them static takes no other); None: random samples."""
+    data = result.check_data
+    if not data:
+        return None
+    same = [
+        b
+        for b in data
+        if len(b) == len(example)
+        and all(
+            not isinstance(x, torch.Tensor) or getattr(y, "shape", None) == x.shape
+            for x, y in zip(example, b, strict=True)
+        )
+    ]
+    return same or None
+
+
 def check_reloaded(result: Result, xml: Path, art: Artifact | None) -> dict[str, Any]:
     """The OpenVINO IR just written at `xml` loaded back in a fresh Core and verified
     against the model (the run's reference, tolerance and samples) at every size the file
@@ -609,7 +633,8 @@ def check_reloaded(result: Result, xml: Path, art: Artifact | None) -> dict[str,
     from opswap.verify.outputs import verify
 
     kept = art.kept if art is not None and art.kept is not None else result.dynamic
-    inputs = tuple(result.example_inputs)
+    data = _data_at(result, tuple(result.example_inputs))
+    inputs = tuple(data[0]) if data else tuple(result.example_inputs)  # as the verdict was
     check = verify(
         result.reference,
         OpenVinoModule(xml),  # the output structure and input names from the IR itself
@@ -618,6 +643,7 @@ def check_reloaded(result: Result, xml: Path, art: Artifact | None) -> dict[str,
         tolerance=result.verification.tolerance,
         seed=result.config.seed,
         variants=variants(inputs, kept) if kept is not None else (),
+        given=data,
     )
     if not check.passed:
         raise OpswapError(

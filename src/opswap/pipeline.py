@@ -212,6 +212,9 @@ def optimize(
             + "; ".join(pruned.verification.reasons)[:300]
             + "), so nothing was saved."
         )
+    # with the user's data the verdict is reached on it; random samples like the example
+    # are checked too, and reported beside it
+    random_check = run.check_random(pruned.applied.gm) if run.data is not None else None
     layers = None
     if config.layers:
         step("layers")
@@ -226,6 +229,7 @@ def optimize(
         after,
         layers,
         run_info(run.reference, run.captured, config, model_settings),
+        random_check,
     )
     if task is not None:
         step("accuracy")
@@ -266,6 +270,7 @@ def _result(
     after: Analysis,
     layers: Any,
     info: dict[str, Any],
+    random_check: Any = None,
 ) -> Result:
     """The stages' values gathered into one Result; `raced` is the race, None untimed."""
     dynamic: Dynamic | None = run.captured.dynamic
@@ -323,4 +328,7 @@ def _result(
         ),
         settled=raced.settled if raced else None,
         run_info=info,
+        verified_on=run.data_said or None,
+        random_check=random_check,
+        check_data=run.data,
     )

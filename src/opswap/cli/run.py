@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -29,7 +29,7 @@ from opswap.cli.options import (
     WeightsOpt,
 )
 from opswap.errors import OpswapError
-from opswap.report.candidates import kept_text
+from opswap.report.candidates import kept_text, random_check_text
 
 
 @app.command()
@@ -256,6 +256,9 @@ def _summary(data: dict) -> None:
     )
     if v.get("top1_agreement") is not None:
         console.print("  " + render.decisions_text(v), markup=False)
+    if data.get("verification_random"):  # the verdict was reached on the user's data
+        console.print(f"  verified on your data: {v['on']}", markup=False)
+        console.print("  " + cast(str, random_check_text(data)), markup=False)
     if data.get("accuracy"):
         a = data["accuracy"]
         console.print(

@@ -88,3 +88,17 @@ def saved_mark(name: str, data: dict[str, Any]) -> str:
     if save.get("kept_by_request") and name == save.get("race_winner"):
         return " (the race's winner)"
     return ""
+
+
+def random_check_text(data: dict[str, Any]) -> str | None:
+    """result.json's `verification_random` (a run verified on the user's data) in one
+    sentence: the check on random samples like the example, reported and not judged."""
+    r = data.get("verification_random")
+    if not r:
+        return None
+    verdict = "passed" if r["passed"] else "failed (" + "; ".join(r["reasons"])[:300] + ")"
+    return (
+        f"On random samples like the example, reported and not judged (they can sit outside "
+        f"the ranges static int8 was calibrated for): {verdict}, cosine {_num(r['cosine'])}, "
+        f"rel_l2 {_num(r['rel_l2'])}."
+    )
