@@ -75,6 +75,7 @@ def test_the_candidate_is_saved_when_it_loses_and_says_so(monkeypatch, tmp_path)
     r = optimize(m, (x,), _config(save="candidate"))
     assert r.applied and r.best == "opswap" and r.race_winner == "input"
     assert r.saved_artifact is r.artifacts["candidate"]
+    assert "saved opswap by request, 0.50x the input (the race's winner: input))" in repr(r)
     data = r.to_json()
     save = data["save"]
     assert save["asked"] == "candidate" and save["kept_by_request"] is True

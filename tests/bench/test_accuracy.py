@@ -93,3 +93,18 @@ def test_every_row_of_an_optimize_run_carries_its_accuracy_and_the_tasks():
     for row in rows.values():  # the task's metric on each variant: the same model, exactly
         assert row["accuracy"]["task"] == {"metric": "top1", "value": pytest.approx(reference)}
     assert "task top1" in accuracy_cell(rows["opswap"]["accuracy"])
+
+
+def test_the_cell_reads_a_top1_verdict_and_an_identical_row_in_words():
+    top1 = {"passed": False, "metric": "top1", "value": 0.9727, "budget": "top1>=0.99",
+            "decision_rows": 1100, "max_abs": 0.3, "top1_agreement": 0.9727, "task": None}  # fmt: skip
+    assert accuracy_cell(top1) == "failed: 97.27% of 1100 rows the same top-1 (budget top1>=0.99)"
+    same = {"passed": True, "metric": "cosine", "value": 1.0, "budget": "cosine>=0.999",
+            "max_abs": 0.0, "task": {"metric": "top1", "value": 0.98889}}  # fmt: skip
+    assert accuracy_cell(same) == "the same outputs (max_abs 0); task top1 0.9889"
+    broken = {"passed": False, "metric": None, "reason": "the candidate raised ValueError",
+              "task": {"metric": "top1", "error": "ValueError: batch"}}  # fmt: skip
+    assert accuracy_cell(broken) == (
+        "failed: the candidate raised ValueError; task top1: not measured (ValueError: batch)"
+    )
+    assert accuracy_cell(None) == "-"

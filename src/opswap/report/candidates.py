@@ -41,10 +41,17 @@ def accuracy_cell(acc: dict[str, Any] | None) -> str:
     elif acc.get("metric") is None:
         reason = acc.get("reason") or "no metric"
         parts = [("failed: " if acc.get("passed") is False else "") + reason]
+    elif acc.get("passed") and acc.get("max_abs") == 0.0:
+        parts = ["the same outputs (max_abs 0)"]
     else:
         verdict = "" if acc.get("passed") else "failed: "
-        parts = [f"{verdict}{acc['metric']} {_num(acc['value'])} (budget {acc['budget']})"]
-        if acc.get("top1_agreement") is not None and acc["metric"] not in ("top1",):
+        rows = acc.get("decision_rows")
+        shown = {
+            "top1": f"{100 * (acc['value'] or 0):.4g}% of {rows} rows the same top-1",
+            "top5": f"{100 * (acc['value'] or 0):.4g}% of {rows} rows in the top 5",
+        }.get(acc["metric"], f"{acc['metric']} {_num(acc['value'])}")
+        parts = [f"{verdict}{shown} (budget {acc['budget']})"]
+        if acc.get("top1_agreement") is not None and acc["metric"] not in ("top1", "top5"):
             parts.append(
                 f"top-1 {100 * acc['top1_agreement']:.4g}% of {acc.get('decision_rows')} rows"
             )
@@ -96,7 +103,9 @@ def random_check_text(data: dict[str, Any]) -> str | None:
     r = data.get("verification_random")
     if not r:
         return None
-    verdict = "passed" if r["passed"] else "failed (" + "; ".join(r["reasons"])[:300] + ")"
+    reasons = list(r.get("reasons") or [])
+    more = f", and {len(reasons) - 1} more" if len(reasons) > 1 else ""
+    verdict = "passed" if r["passed"] else f"failed ({reasons[0][:200] if reasons else '?'}{more})"
     return (
         f"On random samples like the example, reported and not judged (they can sit outside "
         f"the ranges static int8 was calibrated for): {verdict}, cosine {_num(r['cosine'])}, "
