@@ -143,6 +143,35 @@ def test_a_candidate_that_fails_in_memory_is_refused():
         registry._RULES.pop(_Wrong.name, None)
 
 
+def test_with_export_the_candidate_is_opswaps_onnx_file(monkeypatch, tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from opswap.bench import variants
+
+    torch.manual_seed(0)
+    m, x = ConvNet().eval(), torch.randn(2, 3, 9, 8)
+    from opswap.bench import runtimes
+
+    # opswap's .onnx file loses to your model's: --export onnx alone would save the latter
+    monkeypatch.setattr(variants, "race", _faked_race(opswap_ort=0.5, ort=2.0, captured=0.8))
+    monkeypatch.setattr(
+        runtimes,
+        "export_winner",
+        lambda ts, ok, res, engine: next(t for t in ts if t.name == engine),
+    )
+    assert optimize(m, (x,), _config(export="onnx")).best == "ort"
+    r = optimize(m, (x,), _config(export="onnx", save="candidate"))
+    assert r.best == "opswap+ort" and r.race_winner == "ort"
+    assert "kept by request" in r.to_json()["deploy"]["holds"]
+    assert r.saved_artifact is r.artifacts["ort_candidate"]
+    r.save(tmp_path)
+    assert (tmp_path / "model.onnx").read_bytes() == r.artifacts["ort_candidate"].path.read_bytes()
+    assert not (tmp_path / "model.pt2").exists()
+    loaded = opswap.load_optimized(tmp_path)
+    xb = torch.randn(3, 3, 9, 8)
+    torch.testing.assert_close(loaded(xb), m(xb), rtol=1e-4, atol=1e-4)
+
+
 def test_save_takes_winner_or_candidate_only():
     with pytest.raises(OpswapError) as caught:
         OptimizeConfig(save="best")
