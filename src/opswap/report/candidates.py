@@ -41,8 +41,9 @@ def accuracy_cell(acc: dict[str, Any] | None) -> str:
     elif acc.get("metric") is None:
         reason = acc.get("reason") or "no metric"
         parts = [("failed: " if acc.get("passed") is False else "") + reason]
-    elif acc.get("passed") and acc.get("max_abs") == 0.0:
-        parts = ["the same outputs (max_abs 0)"]
+    elif acc.get("passed") and (acc.get("max_abs") == 0.0 or acc.get("budget_used") == 0.0):
+        # nothing measurable at the output dtype's resolution (bench.accuracy's shares)
+        parts = [f"the same outputs (max_abs {_num(acc.get('max_abs'))})"]
     else:
         verdict = "" if acc.get("passed") else "failed: "
         rows = acc.get("decision_rows")
