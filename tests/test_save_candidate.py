@@ -172,6 +172,17 @@ def test_with_export_the_candidate_is_opswaps_onnx_file(monkeypatch, tmp_path):
     torch.testing.assert_close(loaded(xb), m(xb), rtol=1e-4, atol=1e-4)
 
 
+def test_a_candidate_with_no_rule_applied_says_it_is_the_capture(monkeypatch):
+    from opswap.bench import variants
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(variants, "race", _faked_race(opswap=0.5, captured=0.8))
+    m = nn.Sequential(nn.Linear(6, 5), nn.Tanh()).eval()  # nothing for a rule to do
+    r = optimize(m, (torch.randn(3, 6),), _config(save="candidate"))
+    assert not r.applied and r.best == "opswap" and r.race_winner == "input"
+    assert r.to_json()["deploy"]["holds"].endswith("it computes your model as captured")
+
+
 def test_save_takes_winner_or_candidate_only():
     with pytest.raises(OpswapError) as caught:
         OptimizeConfig(save="best")

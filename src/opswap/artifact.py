@@ -496,6 +496,8 @@ def _kept_note(result: Result, dep: dict[str, Any]) -> dict[str, Any]:
         f"{dep['holds']}, kept by request (--save candidate) although the race's winner "
         f"was {result.race_winner}{ratio}"
     )
+    if not result.applied:
+        dep["holds"] += "; no rule applied, so it computes your model as captured"
     dep["kept_by_request"] = True
     return dep
 
