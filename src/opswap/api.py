@@ -621,6 +621,7 @@ def optimize(
     name: str | None = None,
     task: Task | None = None,
     calibration_data: Any = None,
+    save: str = "winner",
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
     bench, and the race of variants against `compare`'s baselines ("compile", "ort",
@@ -637,7 +638,11 @@ def optimize(
     positional inputs), one tensor of stacked samples cut into batches of the example's
     size, or the path of a .pt, .npy or .npz file holding either; without it, a task's
     training batches, else random samples like the example. The plan keeps the scales,
-    so `opswap apply` and `opswap export` remake the same int8 model from plan.json."""
+    so `opswap apply` and `opswap export` remake the same int8 model from plan.json.
+    `save="candidate"` makes `result.save` write opswap's candidate even where the race's
+    winner is another variant (your model, or its compiled form): result.json's `save`
+    and the report give its measured speed and accuracy beside the winner's; a candidate
+    that fails verification raises OpswapError instead."""
     config = OptimizeConfig(
         target=target,
         rules=rules or [],
@@ -650,6 +655,7 @@ def optimize(
         keep_hooks=keep_hooks,
         compare=compare,
         export=export,
+        save=save,
     )
     name = name or type(model).__name__
     model, example_inputs = keyword_call(model, example_inputs)

@@ -60,6 +60,7 @@ from opswap.errors import OpswapError
 
 if TYPE_CHECKING:
     from opswap.backends.pt2 import Artifact
+    from opswap.bench.variants import Race, VariantTiming
     from opswap.cost.analyze import Analysis
     from opswap.graph.dynamic import Dynamic
     from opswap.record import RunRecord as Result
@@ -130,6 +131,41 @@ def _module_of(variant: str) -> str:
     if registry.of_variant(variant) is not None:
         return "candidate" if variant.startswith("opswap+") else "input"
     return SAVED_MODULE.get(variant, "candidate")
+
+
+class CandidateFailed(OpswapError):
+    """`--save candidate` asked for opswap's candidate, and it failed verification: a
+    verdict, not a usage error (the CLI exits 1), and nothing is saved."""
+
+
+def candidate_variant(export: str | None) -> str:
+    """The variant whose file is opswap's candidate: `opswap` (model.pt2), or with
+    --export the candidate's file for that runtime (`opswap+ort`, ...)."""
+    from opswap.backends import registry
+
+    rt = registry.for_export(export) if export is not None else None
+    return "opswap" if rt is None else rt.variants[1]
+
+
+def keep_candidate(race: Race, export: str | None) -> tuple[VariantTiming, dict[str, Any] | None]:
+    """What `--save candidate` saves: the race's winner where it already saves opswap's
+    candidate, else the candidate's own variant (`candidate_variant`) as timed, with the
+    verification its file passed. Raises OpswapError, in one sentence, when that file did
+    not pass verification (or was not made): a candidate that fails is never saved."""
+    if _module_of(race.winner.name) == "candidate" and (
+        export is None or race.winner.name == candidate_variant(export)
+    ):
+        return race.winner, race.verified_as
+    name = candidate_variant(export)
+    timing = next((t for t in race.timings if t.name == name), None)
+    passed = race.files.get(name)
+    if timing is None or not timing.verified or passed is None:
+        why = "; ".join(timing.reasons) if timing is not None else "it was not raced"
+        raise CandidateFailed(
+            f"--save candidate: opswap's {name} did not pass verification "
+            f"({why[:300] or 'no reason given'}), so nothing was saved."
+        )
+    return timing, passed
 
 
 def saved_kind(result: Result) -> str:
@@ -292,20 +328,91 @@ def describe(result: Result) -> dict[str, Any]:
         "failed": [f.to_json() for f in result.failed],
         "rolled_back": [r.to_json() for r in result.rolled_back],
         "skipped": [s.to_json() for s in result.plan.skipped],
-        "verification": result.verification.to_json(),
+        "verification": {
+            **result.verification.to_json(),
+            "on": result.verified_on or "the example and random samples like it",
+        },
+        "verification_random": _random_check(result),
         "accuracy": result.accuracy.to_json() if result.accuracy is not None else None,
         "benchmark": result.benchmark.to_json() if result.benchmark is not None else None,
         "rule_timings": [t.to_json() for t in result.rule_timings],
         "attribution": result.attribution.to_json() if result.attribution is not None else None,
         "variants": [v.to_json() for v in result.variants],
         "best": result.best,
+        "save": save_choice(result),
         "timings_settled": result.settled,
-        "deploy": deploy(result),
+        "deploy": _kept_note(result, deploy(result)),
         "analysis": {
             "before": _totals(result.analysis_before),
             "after": _totals(result.analysis_after),
         },
         "notes": result.notes,
+    }
+
+
+def _row(result: Result, name: str | None) -> dict[str, Any] | None:
+    """A variant's speed and accuracy, as result.json's `save` shows them side by side."""
+    t = next((v for v in result.variants if v.name == name), None)
+    if t is None:
+        return None
+    return {
+        "variant": t.name,
+        "ms": t.ms,
+        "speedup_vs_input": t.speedup_vs_input,
+        "speedup_ci": [t.ci_low, t.ci_high],
+        "settled": t.settled,
+        "accuracy": t.accuracy,
+    }
+
+
+def save_choice(result: Result) -> dict[str, Any]:
+    """result.json's `save`: what was asked for (the race's winner, or opswap's candidate),
+    what is saved, whether it was kept by request over the race's winner, and both rows'
+    measured speed and accuracy."""
+    asked = getattr(result.config, "save", "winner")
+    return {
+        "asked": asked,
+        "variant": result.best,
+        "kept_by_request": result.race_winner is not None,
+        "race_winner": result.race_winner or result.best,
+        "saved": _row(result, result.best),
+        "winner": _row(result, result.race_winner or result.best),
+    }
+
+
+def _kept_note(result: Result, dep: dict[str, Any]) -> dict[str, Any]:
+    """`deploy` of a run that kept opswap's candidate by request: its `holds` says so."""
+    if result.race_winner is None:
+        return dep
+    row = _row(result, result.best)
+    ratio = ""
+    if row is not None and row["speedup_vs_input"] is not None:
+        from opswap.bench.stats import describe_speedup
+
+        speed = describe_speedup(row["speedup_vs_input"], row["speedup_ci"], row["settled"])
+        ratio = f"; its speed-up over your model: {speed}"
+    dep = dict(dep)
+    dep["holds"] = (
+        f"{dep['holds']}, kept by request (--save candidate) although the race's winner "
+        f"was {result.race_winner}{ratio}"
+    )
+    if not result.applied:
+        dep["holds"] += "; no rule applied, so it computes your model as captured"
+    dep["kept_by_request"] = True
+    return dep
+
+
+def _random_check(result: Result) -> dict[str, Any] | None:
+    """result.json's `verification_random`: the candidate on random samples like the
+    example, reported beside a verdict reached on the user's data, not part of it."""
+    check = result.random_check
+    if check is None:
+        return None
+    return {
+        **check.to_json(),
+        "judged": False,
+        "why": "random inputs like the example can sit outside the ranges static int8 "
+        "was calibrated for; the verdict is the one on your data",
     }
 
 
@@ -333,11 +440,14 @@ def _aot(result: Result, pt2: Path) -> dict[str, Any]:
     if path is None:
         return {"package": None, "why": why}
     inputs = tuple(fresh(result.example_inputs))
+    data = _data_at(result, inputs)  # the user's data where the verdict was reached on it
     try:
-        # loaded first in a child Python: a package whose loading crashes never reaches this one
-        outputs, aot_s = aoti.first_call_in_child(path, pt2, inputs)
+        # loaded first in a child Python: a package whose loading crashes never reaches
+        # this one; run on the user's data where the verdict was reached on it
+        probe = data[0] if data else inputs
+        outputs, aot_s = aoti.first_call_in_child(path, pt2, probe)
         with torch.no_grad():
-            want = result.reference(*fresh(inputs))
+            want = result.reference(*fresh(probe))
         off = compare_outputs(want, outputs, result.verification.tolerance)
         if off:
             raise OpswapError("; ".join(off))
@@ -396,6 +506,24 @@ def _write(result: Result, out: Path, aot: bool = True) -> dict[str, Path]:
     return paths
 
 
+def _data_at(result: Result, example: tuple) -> list[tuple] | None:
+    """The user's batches the run's verdict was reached on, where each has the example's
+    shapes (a file that keeps them static takes no other); None: random samples."""
+    data = result.check_data
+    if not data:
+        return None
+    same = [
+        b
+        for b in data
+        if len(b) == len(example)
+        and all(
+            not isinstance(x, torch.Tensor) or getattr(y, "shape", None) == x.shape
+            for x, y in zip(example, b, strict=True)
+        )
+    ]
+    return same or None
+
+
 def check_reloaded(result: Result, xml: Path, art: Artifact | None, rt: Any) -> dict[str, Any]:
     """The file just written at `xml` (a runtime `rt` loads back: OpenVINO's IR, in a fresh
     Core) loaded back and verified against the model (the run's reference, tolerance and
@@ -405,7 +533,8 @@ def check_reloaded(result: Result, xml: Path, art: Artifact | None, rt: Any) -> 
     from opswap.verify.outputs import verify
 
     kept = art.kept if art is not None and art.kept is not None else result.dynamic
-    inputs = tuple(result.example_inputs)
+    data = _data_at(result, tuple(result.example_inputs))
+    inputs = tuple(data[0]) if data else tuple(result.example_inputs)  # as the verdict was
     check = verify(
         result.reference,
         rt.load(xml),  # the output structure and input names from the file itself
@@ -414,6 +543,7 @@ def check_reloaded(result: Result, xml: Path, art: Artifact | None, rt: Any) -> 
         tolerance=result.verification.tolerance,
         seed=result.config.seed,
         variants=variants(inputs, kept) if kept is not None else (),
+        given=data,
     )
     if not check.passed:
         raise OpswapError(

@@ -20,6 +20,9 @@ from opswap.rules.base import EXACTNESS_ORDER, Exactness
 from opswap.rules.registry import parse_patterns
 from opswap.verify.tolerance import tolerance_for
 
+#: what `save` may name: the race's winner, or opswap's candidate whatever the race says
+SAVE_CHOICES = ("winner", "candidate")
+
 #: the sizes kept symbolic: one of these, or a comma-separated list of I:D=name axes
 DynamicSetting = Literal["auto", "none", "batch", "seq"] | str
 #: the baselines raced beside opswap's result: one of these (a runtime's name among them),
@@ -64,6 +67,9 @@ class OptimizeConfig:
     # a file of calibration batches (.pt, .npy, .npz: graph.calibration_data), every batch
     # used; without it, `calibration_samples` random samples or a task's training batches
     calibration: str | None = None
+    # what the run saves: "winner" (the race's fastest verified variant) or "candidate"
+    # (opswap's model even where it loses the race; refused where it fails verification)
+    save: str = "winner"
 
     def __post_init__(self) -> None:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
@@ -85,6 +91,8 @@ class OptimizeConfig:
             raise RuleError(
                 f"calibration_samples must be at least 1; got {self.calibration_samples!r}."
             )
+        if self.save not in SAVE_CHOICES:
+            raise OpswapError(f"save must be {' or '.join(SAVE_CHOICES)}; got {self.save!r}.")
         if self.calibration is not None:  # a missing file fails before the model loads
             self.calibration = str(check_path(self.calibration))
         tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now

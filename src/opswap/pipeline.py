@@ -9,11 +9,16 @@ the model (opswap.artifact).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from torch import fx, nn
 
-from opswap.artifact import artifact_key, file_claim
+from opswap.artifact import (
+    CandidateFailed,
+    artifact_key,
+    file_claim,
+    keep_candidate,
+)
 from opswap.bench.attribution import Attribution
 from opswap.bench.variants import Race
 from opswap.config import OptimizeConfig
@@ -112,6 +117,15 @@ def optimize(
     before = analyze(run.captured, run.target)
     checked = plan_and_verify(run, step)
     pruned = prune(run, checked, step)
+    if config.save == "candidate" and not pruned.verification.passed:
+        raise CandidateFailed(
+            "--save candidate: opswap's candidate did not pass verification ("
+            + "; ".join(pruned.verification.reasons)[:300]
+            + "), so nothing was saved."
+        )
+    # with the user's data the verdict is reached on it; random samples like the example
+    # are checked too, and reported beside it
+    random_check = run.check_random(pruned.applied.gm) if run.data is not None else None
     layers = None
     if config.layers:
         step("layers")
@@ -126,11 +140,25 @@ def optimize(
         after,
         layers,
         run_info(run.reference, run.captured, config, model_settings),
+        random_check,
     )
     if task is not None:
         step("accuracy")
         result.accuracy = accuracy(task, run.reference, result.saved_module, config.device)
+        if raced is not None:
+            _task_rows(task, raced, result, config.device)
     return result
+
+
+def _task_rows(task: Task, raced: Race, result: Result, device: str) -> None:
+    """`task`'s metric on every variant the race could run, into its row's accuracy."""
+    from opswap.bench.accuracy import task_scores
+
+    runs = {v.name: v.fn for v in raced.variants if v.fn is not None}
+    scores = task_scores(task, runs, device)
+    for t in result.variants:
+        if t.name in scores:
+            t.accuracy = {**(t.accuracy or {"passed": t.verified}), "task": scores[t.name]}
 
 
 def accuracy(task: Task, reference: nn.Module, saved: nn.Module, device: str) -> Accuracy:
@@ -153,12 +181,16 @@ def _result(
     after: Analysis,
     layers: Any,
     info: dict[str, Any],
+    random_check: Any = None,
 ) -> Result:
     """The stages' values gathered into one Result; `raced` is the race, None untimed."""
     dynamic: Dynamic | None = run.captured.dynamic
     notes: list[str] = list(run.notes)
+    winner, verified_as = (raced.winner, raced.verified_as) if raced else (None, None)
+    if raced is not None and run.config.save == "candidate":
+        winner, verified_as = keep_candidate(raced, run.config.export)
     if raced is not None:
-        saved = raced.artifacts.get(artifact_key(raced.winner.name))
+        saved = raced.artifacts.get(artifact_key(cast(Any, winner).name))
         dynamic = file_claim(dynamic, saved, notes)
         notes += raced.notes
     hooks = run.hooks
@@ -196,10 +228,18 @@ def _result(
         + notes,
         dynamic=dynamic,
         variants=raced.timings if raced else [],
-        best=raced.winner.name if raced else "opswap",
+        best=winner.name if winner is not None else "opswap",
         captured_gm=run.captured.gm,
         artifacts=raced.artifacts if raced else {},
-        verified_as=raced.verified_as if raced else None,
+        verified_as=verified_as,
+        race_winner=(
+            raced.winner.name
+            if raced and winner is not None and winner is not raced.winner
+            else None
+        ),
         settled=raced.settled if raced else None,
         run_info=info,
+        verified_on=run.data_said or None,
+        random_check=random_check,
+        check_data=run.data,
     )

@@ -73,4 +73,16 @@ class RunRecord:
     run_info: dict[str, Any] = field(default_factory=dict)
     # the task's metric for the reference and the saved model, for a model with a task
     accuracy: Accuracy | None = None
+    # with save="candidate": the variant the race would have saved, where opswap's
+    # candidate was kept instead (None: what is saved is the race's own choice)
+    race_winner: str | None = None
+    # what the verdict was reached on, in words ("2 held-out batches of cal.pt, ..."),
+    # where it is not the example and random samples like it (calibration data given)
+    verified_on: str | None = None
+    # then: the candidate against random samples like the example, reported beside the
+    # verdict and not part of it (random inputs can sit outside the calibrated ranges)
+    random_check: Verification | None = None
+    # the input batches verification ran on (the user's data), for the checks of the
+    # files `save` writes; None: the example and random samples like it
+    check_data: list[tuple[Any, ...]] | None = None
     created: str = field(default_factory=_now)

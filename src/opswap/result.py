@@ -64,6 +64,11 @@ class Result(RunRecord):
         best = next((t for t in self.variants if t.name == self.best), None)
         if best is None or best.speedup_vs_input is None:
             timed = "not timed"
+        elif self.race_winner is not None:  # --save candidate kept opswap's over the winner
+            timed = (
+                f"saved {self.best} by request, {best.speedup_vs_input:.2f}x the input "
+                f"(the race's winner: {self.race_winner})"
+            )
         else:
             timed = f"best {self.best} {best.speedup_vs_input:.2f}x the input"
         return (

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import fx, nn
@@ -154,6 +154,10 @@ class Run:
     excluded_sites: dict[tuple[str, str], str] = field(default_factory=dict)
     #: what the stages say to the report (rules left out for the chosen export, ...)
     notes: list[str] = field(default_factory=list)
+    #: the user's input batches verification judges on (calibration data: `calibrate_stage`
+    #: holds some out), and what they are in words; None: the example and random samples
+    data: list[tuple[Any, ...]] | None = None
+    data_said: str = ""
 
     def _settings(self, without: set[str] | frozenset[str]) -> dict[str, Any]:
         return dict(
@@ -180,7 +184,17 @@ class Run:
     ) -> Verification:
         """`fn` against the model itself, not only its capture, at every shape the capture
         claims (or at `variants`' shapes, with `dynamic` the sizes `fn` claims: None for
-        the example's only)."""
+        the example's only). Where the run has the user's data (`data`), on that data and
+        on random inputs held inside its range, at the same shapes (`check_random` is the
+        check on random samples like the example)."""
+        if self.data is not None:
+            return self._check_on_data(fn, variants, dynamic)
+        return self.check_random(fn, variants, dynamic)
+
+    def check_random(
+        self, fn: Callable[..., Any], variants: Any = None, dynamic: Any = None
+    ) -> Verification:
+        """`check` on the example and random samples like it, whatever data the run has."""
         # looked up when called, so that a test can stand in for the verifier
         return outputs.verify(
             self.reference,
@@ -193,6 +207,64 @@ class Run:
             graph=self.captured.gm,
             dynamic=self.captured.dynamic if variants is None else dynamic,
         )
+
+    def _check_on_data(self, fn: Callable[..., Any], variants: Any, dynamic: Any) -> Verification:
+        from opswap.graph.dynamic import variants as at_sizes
+
+        data = cast(list, self.data)
+        sizes = self.captured.dynamic if variants is None else dynamic
+        first, example = data[0], self.captured.example_inputs
+        if variants is not None and not variants:
+            shaped: Any = ()  # the example's shapes only (a compiled variant)
+        elif sizes is not None and _same_shapes(first, example):
+            shaped = at_sizes(first, sizes)  # the other sizes, cut from the user's batch
+        else:
+            shaped = self.captured.variants() if variants is None else variants
+        return outputs.verify(
+            self.reference,
+            fn,
+            first,
+            samples=self.config.samples,
+            tolerance=self.tolerance,
+            seed=self.config.seed,
+            variants=shaped,
+            graph=self.captured.gm,
+            dynamic=sizes,
+            given=data,
+        )
+
+
+def _same_shapes(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two input tuples hold tensors of the same shapes, position by position."""
+    return len(a) == len(b) and all(
+        not isinstance(x, torch.Tensor) or (isinstance(y, torch.Tensor) and x.shape == y.shape)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+#: with at least this many batches of calibration data, a quarter of them is held out of
+#: calibration and verification judges on those; with fewer, on the batches calibration
+#: ran on (a quarter of 7 or fewer would leave calibration or verification one batch)
+HOLD_OUT_FROM = 8
+
+
+def held_out(samples: list[tuple[Any, ...]], where: str) -> tuple[list, list, str]:
+    """The batches calibration runs on, those verification judges on, and which they are
+    in words: the last quarter held out from HOLD_OUT_FROM batches up, else the same."""
+    n = len(samples)
+    if n >= HOLD_OUT_FROM:
+        k = n // 4
+        return (
+            samples[:-k],
+            samples[-k:],
+            f"{k} batches from {where} held out of calibration (it ran on the other {n - k})",
+        )
+    return (
+        samples,
+        samples,
+        f"the {n} batch{'es' if n != 1 else ''} from {where} calibration ran on (fewer than "
+        f"{HOLD_OUT_FROM}, so none was held out)",
+    )
 
 
 @dataclass
@@ -280,7 +352,8 @@ def calibrate_stage(
         return
     example = run.captured.example_inputs
     if data is not None:
-        samples, source = batches(data, example, where), f"batches from {where}"
+        samples, run.data, run.data_said = held_out(batches(data, example, where), where)
+        source = f"batches from {where}"
     elif task_batches:
         samples = samples_from(task_batches, config.calibration_samples)
         source = "training batches of the task"
@@ -320,6 +393,7 @@ def plan_and_verify(run: Run, step: Callable[[str], None]) -> Checked:
             run.tolerance,
             samples=run.config.samples,
             seed=run.config.seed,
+            verifier=run.check if run.data is not None else None,
         )
         if not removed:
             break

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from opswap.errors import VerificationError
+from opswap.graph.dynamic import detect, variants
 from opswap.verify.outputs import verify
 
 
@@ -175,3 +176,37 @@ def test_comparison_runs_with_tf32_off_and_restores_it():
         assert torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+class _Saturating(nn.Module):
+    """Matches `2 * x` only on [0, 1], as a model calibrated for that range does."""
+
+    def forward(self, x):
+        return 2 * x.clamp(0.0, 1.0)
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+def test_given_data_is_judged_on_and_random_draws_stay_in_its_range():
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.rand(4, 6, generator=g),) for _ in range(3)]
+    far = (torch.randn(4, 6, generator=g) * 5,)
+    dyn = detect(lambda xs: _Double()(*xs), far, "auto")
+    # on random inputs like a far-out example, the saturation shows
+    assert not verify(_Double(), _Saturating(), far, samples=3).passed
+    v = verify(
+        _Double(),
+        _Saturating(),
+        data[0],
+        samples=3,
+        given=data,
+        variants=variants(data[0], dyn),  # other batch sizes, held in range too
+        dynamic=dyn,
+    )
+    assert v.passed and v.max_abs == 0.0
+    assert v.samples == 3 + 2 + len(variants(data[0], dyn))  # the data, 2 draws, the sizes
+    shifted = [(x + 0.5,) for (x,) in data]  # data that reaches past 1: it fails there
+    assert not verify(_Double(), _Saturating(), shifted[0], samples=1, given=shifted).passed

@@ -130,3 +130,23 @@ def test_a_model_that_takes_large_and_non_finite_values_passes_on_the_extreme_sa
     assert verify(model, finite_only, x).passed  # random samples never hold inf
     v = verify(model, finite_only, x, samples=1, variants=[("extreme", sample)])
     assert not v.passed and v.metrics.nonfinite > 0
+
+
+def test_data_ranges_cover_float_inputs_and_clamped_holds_draws_inside():
+    from opswap.verify.samples import clamped, data_ranges
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (3, 7), generator=g)
+    mask = torch.ones(3, 7)  # structure, not data: left as it is
+    batches = [(torch.rand(3, 7, generator=g) * 2 - 1, ids, mask) for _ in range(4)]
+    ranges = data_ranges(batches)
+    lo = min(float(b[0].min()) for b in batches)
+    hi = max(float(b[0].max()) for b in batches)
+    assert ranges == [(lo, hi), None, None]
+    draw = make_samples(batches[0], 3, seed=5)[2]
+    wide = (draw[0] * 10, draw[1], draw[2])  # far outside the data's range
+    held = clamped(wide, ranges)
+    assert float(held[0].min()) >= lo and float(held[0].max()) <= hi
+    assert held[1] is wide[1] and held[2] is wide[2]
+    inside = wide[0].clamp(lo, hi) == wide[0]
+    assert torch.equal(held[0][inside], wide[0][inside])  # values in range are kept

@@ -43,6 +43,7 @@ from typing import Any, cast
 
 import torch
 
+from opswap.bench.accuracy import REFERENCE, judged_by
 from opswap.errors import OpswapError
 from opswap.graph.inputs import caller, fresh
 
@@ -69,6 +70,8 @@ class Variant:
     reasons: list[str] = field(default_factory=list)
     note: str = ""
     shapes: list[str] = field(default_factory=list)  # the input shapes it was verified at
+    #: the verification it was judged by, summed up (bench.accuracy.judged_by)
+    accuracy: dict[str, Any] | None = None
 
 
 @dataclass
@@ -90,6 +93,9 @@ class VariantTiming:
     ci_high: float | None = None
     settled: bool | None = None  # the interval narrowed to the race's rel_width in time
     reasons: list[str] = field(default_factory=list)  # why it was not verified (or raced)
+    #: the verification it was judged by (bench.accuracy.judged_by), with the task's metric
+    #: where the run had a task; None where it could not be run at all
+    accuracy: dict[str, Any] | None = None
 
     @property
     def within_noise(self) -> bool:
@@ -122,6 +128,7 @@ class VariantTiming:
             "compile_s": self.compile_s,
             "note": self.note,
             "reasons": list(self.reasons),
+            "accuracy": self.accuracy,
         }
 
 
@@ -230,7 +237,7 @@ def build(
     cap_fn, cap_note, cap_art = _saved_form(artifacts.get("input"), captured_gm)
     opt_fn, opt_note, opt_art = _saved_form(artifacts.get("candidate"), candidate_gm)
     out = [
-        Variant("input", model, "input", verified=True),
+        Variant("input", model, "input", verified=True, accuracy=dict(REFERENCE)),
         Variant("captured", cap_fn, "input", note=cap_note, artifact=cap_art),
         Variant("opswap", opt_fn, "candidate", note=opt_note, artifact=opt_art),
     ]
@@ -261,6 +268,11 @@ def build(
     return out
 
 
+def _judged(check) -> dict[str, Any] | None:
+    """bench.accuracy.judged_by of a verification (None for a stand-in without outputs)."""
+    return judged_by(check) if hasattr(check, "outputs") else None
+
+
 def _static_fallback(v: Variant, source, inputs: tuple, verify_fn, artifacts: dict, key: str):
     """When the file a saved-graph variant times failed verification at sizes other than
     the example's (a bf16 convolution stack whose GPU algorithms change with the batch),
@@ -287,6 +299,7 @@ def _static_fallback(v: Variant, source, inputs: tuple, verify_fn, artifacts: di
     )
     v.fn, v.artifact, v.verified, v.reasons = static.module, static, True, []
     v.shapes = list(getattr(check, "shapes", []) or [])
+    v.accuracy = _judged(check)
     v.note = f"reloaded from model.pt2; {static.note}"
     artifacts[key] = static
 
@@ -340,6 +353,7 @@ def race(
                     v.compile_s,
                     v.note,
                     reasons=list(v.reasons) or [v.note or "not verified"],
+                    accuracy=v.accuracy,
                 )
             )
             continue
@@ -362,6 +376,7 @@ def race(
                 r.ci_low,
                 r.ci_high,
                 settled,
+                accuracy=v.accuracy,
             )
         )
     return out, res
@@ -485,6 +500,10 @@ class Race:
     result: Any = None  # the raw bench.stats.BenchResult of the race
     settled: bool | None = None  # every interval narrowed in time
     notes: list[str] = field(default_factory=list)
+    #: per variant, the verification its saved file passed (saved_verification)
+    files: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    #: the variants raced (their callables: the task's metric is taken on them afterwards)
+    variants: list[Variant] = field(default_factory=list)
 
 
 def run(
@@ -540,6 +559,7 @@ def run(
         check = verify_fn(v.fn, shapes=shapes)
         v.verified, v.reasons = check.passed, list(check.reasons)
         v.shapes = list(getattr(check, "shapes", []) or [])
+        v.accuracy = _judged(check)
         if v.compiled and v.compile_s is not None:
             done = "captured" if v.name.endswith("cudagraph") else "compiled"
             v.note = f"{done} in {v.compile_s:.1f} s; verified at the example's shape"
@@ -575,4 +595,6 @@ def run(
         result=res,
         settled=all(t.settled is not False for t in timings),
         notes=notes,
+        files=files,
+        variants=variants,
     )

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opswap import api
+from opswap.artifact import CandidateFailed
 from opswap.cli import commands, consoles, onnx_files, render
 from opswap.cli.app import app, check_outputs, overrides
 from opswap.cli.options import (
@@ -28,6 +29,8 @@ from opswap.cli.options import (
     WeightsOpt,
 )
 from opswap.config import Exactness
+from opswap.errors import OpswapError
+from opswap.report.candidates import kept_text, random_check_text
 from opswap.verify.metrics import RESOLUTION_NOTE, shown, within_resolution
 
 
@@ -91,6 +94,17 @@ def optimize(
             help="Static int8 activations symmetric around zero, or asymmetric with a zero point.",
         ),
     ] = False,
+    save: Annotated[
+        str,
+        typer.Option(
+            "--save",
+            metavar="WHAT",
+            help="winner: save the race's fastest verified variant (your model when nothing "
+            "opswap made is faster); candidate: save opswap's model (with --export, its "
+            "file for that runtime) even when it loses the race, with its measured speed and "
+            "accuracy beside the winner's; a candidate that fails verification is refused.",
+        ),
+    ] = "winner",
     per_tensor: Annotated[
         bool,
         typer.Option(
@@ -106,6 +120,10 @@ def optimize(
     status 1 when the result fails verification (what was saved is printed)."""
     check_outputs(json_path, out, out_dir=True)
     if onnx_files.is_onnx(spec):
+        if save != "winner":
+            raise OpswapError(
+                f"--save {save} is not available for .onnx specs yet; drop it to run {spec}."
+            )
         sets_ = overrides(sets)
         if not onnx_files.optimize(
             spec, sets_, rules, exactness, out, samples, not no_bench, json_path
@@ -128,6 +146,7 @@ def optimize(
         calibration=str(calibration) if calibration is not None else None,
         symmetric_activations=symmetric,
         per_channel_weights=not per_tensor,
+        save=save,
     )
     commands._rules_from(rules_from)
     if not no_bench:
@@ -147,7 +166,11 @@ def optimize(
             progress.update(task, description=stage, completed=done)
 
         loaded = commands._load(spec, sets, weights)
-        result = api.optimize_loaded(loaded, config, name=spec, progress=step)
+        try:
+            result = api.optimize_loaded(loaded, config, name=spec, progress=step)
+        except CandidateFailed as e:  # a verdict, not a usage error: exit status 1
+            consoles.err.print(Text.assemble(("error:", "bold red"), " ", str(e)), soft_wrap=True)
+            raise typer.Exit(1) from None
         step("report")
         paths = result.save(out)
     data = result.to_json()
@@ -238,6 +261,9 @@ def _summary(data: dict) -> None:
         console.print(f"  {RESOLUTION_NOTE}", markup=False)
     if v.get("top1_agreement") is not None:
         console.print("  " + render.decisions_text(v), markup=False)
+    if data.get("verification_random"):  # the verdict was reached on the user's data
+        console.print(f"  verified on your data: {v['on']}", markup=False)
+        console.print("  " + cast(str, random_check_text(data)), markup=False)
     if data.get("accuracy"):
         a = data["accuracy"]
         console.print(
@@ -264,6 +290,7 @@ def _summary(data: dict) -> None:
 
 
 def _variants(data: dict) -> None:
+    from opswap.report.candidates import accuracy_cell, saved_mark
     from opswap.report.optimize_report import interval, why_text
 
     table = Table(title="variants, timed in one interleaved run")
@@ -273,6 +300,7 @@ def _variants(data: dict) -> None:
         "IQR ms",
         "vs input [95% interval]",
         "verified",
+        "accuracy",
         "compile s",
         "note",
     ):
@@ -288,13 +316,14 @@ def _variants(data: dict) -> None:
             else "-"
         )
         comp = f"{v['compile_s']:.1f}" if v["compile_s"] is not None else ""
-        name = v["name"] + (" (saved)" if v["name"] == data["best"] else "")
+        name = v["name"] + saved_mark(v["name"], data)
         table.add_row(
             Text(name),
             ms,
             iqr,
             Text(sp),
             "yes" if v["verified"] else "no",
+            Text(accuracy_cell(v.get("accuracy"))),
             comp,
             Text(why_text(v)),
         )
@@ -303,6 +332,9 @@ def _variants(data: dict) -> None:
         render.unsettled()
     deploy = data["deploy"]
     render.line(f"  saved: {deploy['variant']}, {deploy['holds']}")
+    kept = kept_text(data)
+    if kept is not None:
+        render.line("  " + kept)
     if deploy.get("verified_as"):
         shapes = deploy["verified_as"].get("shapes") or []
         render.line(

@@ -11,6 +11,7 @@ from opswap.bench.variants import UNSETTLED_MARGIN
 from opswap.cost.units import human, human_unit
 from opswap.report import plots
 from opswap.report.advice import advised
+from opswap.report.candidates import accuracy_cell, kept_text, random_check_text, saved_mark
 from opswap.report.document import Block, Bullets, Heading, Image, Para, Table, to_html, to_markdown
 
 
@@ -39,8 +40,12 @@ def _summary(result, data) -> list[Block]:
         f"sample{'' if v.get('samples') == 1 else 's'}: cosine "
         f"{v['cosine']:.8f}, max abs error {_f(v['max_abs'])}, SQNR {_f(v['sqnr_db'])} dB, "
         f"relative L2 {_f(v['rel_l2'])} (tolerance: "
-        f"{tolerance_text(result.verification.tolerance)}).",
+        f"{tolerance_text(result.verification.tolerance)})"
+        + (f"; on your data: {result.verified_on}." if result.verified_on else "."),
     ]
+    said = random_check_text(data)
+    if said is not None:
+        lines.append(said)
     if v.get("top1_agreement") is not None:
         lines.append(decisions_text(v))
     if data.get("accuracy"):
@@ -49,6 +54,9 @@ def _summary(result, data) -> list[Block]:
         lines.append(unsettled_warning())
     if data.get("variants"):
         lines.append(_headline(data))
+    kept = kept_text(data)
+    if kept is not None:
+        lines.append(kept)
     if (data.get("deploy") or {}).get("aot"):
         lines.append(aot_text(data["deploy"]["aot"]))
     if b:
@@ -221,7 +229,7 @@ def _variants(data) -> list[Block]:
     for v in data["variants"]:
         rows.append(
             [
-                f"`{v['name']}`" + (" (saved)" if v["name"] == data["best"] else ""),
+                f"`{v['name']}`" + saved_mark(v["name"], data),
                 _f(v["ms"]),
                 _f(v["iqr_ms"]),
                 "1.00x (the yardstick)"
@@ -230,6 +238,7 @@ def _variants(data) -> list[Block]:
                 if v["speedup_vs_input"]
                 else "-",
                 "yes" if v["verified"] else "no",
+                accuracy_cell(v.get("accuracy")),
                 _f(v["compile_s"]) if v["compile_s"] is not None else "",
                 why_text(v),
             ]
@@ -244,12 +253,24 @@ def _variants(data) -> list[Block]:
             "bootstrap interval (rounds resampled in pairs). A variant is saved only when "
             "the interval's lower end is above 1 (and at least "
             f"{UNSETTLED_MARGIN:.2f}x when the interval did not narrow to 10% of the ratio "
-            "in the time allowed): otherwise your model is kept."
+            "in the time allowed): otherwise your model is kept (unless `--save candidate` "
+            "asked for opswap's). `accuracy` is the verification each variant was judged by: "
+            "the metric that decided it (the one it broke, else the one nearest its bound), "
+            "with top-1 agreement for class scores and the task's metric where there is one."
         ),
         Table(
-            ["variant", "ms", "IQR ms", "vs input [95%]", "verified", "compile s", "note"],
+            [
+                "variant",
+                "ms",
+                "IQR ms",
+                "vs input [95%]",
+                "verified",
+                "accuracy",
+                "compile s",
+                "note",
+            ],
             rows,
-            align_right={1, 2, 3, 5},
+            align_right={1, 2, 3, 6},
         ),
     ]
 
@@ -533,15 +554,23 @@ def _verification(result) -> list[Block]:
         ]
         for o in v.outputs
     ]
+    shapes = ", ".join(v.shapes) or "the example shape only"
+    ran_on = (
+        f"{v.samples} input sample{'' if v.samples == 1 else 's'} (the example, fresh "
+        f"random inputs of the same shapes, "
+        f"and one sample at each other shape the model is claimed at: {shapes})"
+    )
+    if result.verified_on:  # calibration data given: the verdict is reached on it
+        ran_on = (
+            f"{v.samples} input samples of your data ({result.verified_on}; then random "
+            "inputs drawn like it and held inside the range it takes, at its shapes and at "
+            f"each other shape the model is claimed at: {shapes})"
+        )
     blocks: list[Block] = [
         Heading("Verification"),
         Para(
-            f"Reference (the model as given, not its capture) and candidate ran on "
-            f"{v.samples} input sample{'' if v.samples == 1 else 's'} (the example, fresh "
-            f"random inputs of the same shapes, "
-            f"and one sample at each other shape the model is claimed at: "
-            f"{', '.join(v.shapes) or 'the example shape only'}); worst case over samples. "
-            f"Tolerance: {tolerance_text(v.tolerance)}."
+            f"Reference (the model as given, not its capture) and candidate ran on {ran_on}; "
+            f"worst case over samples. Tolerance: {tolerance_text(v.tolerance)}."
         ),
         Para(
             "Dynamic sizes (the saved model runs at any of them): "
@@ -577,6 +606,9 @@ def _verification(result) -> list[Block]:
         )
     if v.reasons:
         blocks.append(Bullets(list(v.reasons)))
+    said = random_check_text(result.to_json()) if result.random_check is not None else None
+    if said is not None:
+        blocks.append(Para(said))
     if result.accuracy is not None:
         blocks.append(Para(accuracy_text(result.accuracy.to_json())))
     return blocks

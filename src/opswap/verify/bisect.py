@@ -109,10 +109,14 @@ def rollback(
     samples: int = 3,
     seed: int = 0,
     max_rollbacks: int | None = None,
+    verifier: Callable[[Any], Verification] | None = None,
 ) -> tuple[Plan, list[Rollback]]:
     """Drop decisions from `plan` until `reference_fn` and the applied plan agree within
     `tolerance` on `inputs` (default: the capture's example inputs, and then at the other
     shapes the capture claims too).
+
+    `verifier(candidate)`, where given, is the check instead (the run's own, on the user's
+    data when it has some).
 
     Returns the plan that was kept and one Rollback per decision removed, in order.
     Raises VerificationError if the untouched capture already disagrees with
@@ -133,6 +137,8 @@ def rollback(
     own = inputs is captured.example_inputs  # at the capture's other shapes too
 
     def check(candidate) -> Verification:
+        if verifier is not None:
+            return verifier(candidate)
         return verify(
             reference_fn,
             candidate,

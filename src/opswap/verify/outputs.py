@@ -26,13 +26,14 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from opswap.errors import VerificationError
+from opswap.graph.capture import as_inputs
 from opswap.graph.copies import preserved_state
 from opswap.graph.dynamic import Dynamic
 from opswap.graph.inputs import fresh  # an in-place op in one model must not feed the other
 from opswap.verify.decisions import Judged, graph_heads, read_scores
 from opswap.verify.metrics import Metrics, combine, compare
 from opswap.verify.rounding import own_rounding
-from opswap.verify.samples import make_samples, refresh_floats, row_samples
+from opswap.verify.samples import clamped, data_ranges, make_samples, refresh_floats, row_samples
 from opswap.verify.tolerance import Tolerance, as_tolerance
 from opswap.verify.verdict import OutputCheck, Verification
 
@@ -109,6 +110,7 @@ def verify(
     variants=(),
     graph: fx.GraphModule | None = None,
     dynamic: Dynamic | None = None,
+    given: list[tuple] | None = None,
 ) -> Verification:
     """Run `reference` and `candidate` on `samples` inputs like `example_inputs`, plus one
     fresh sample like each of `variants` ((label, inputs) at other shapes), and check
@@ -121,6 +123,12 @@ def verify(
     classes, on more rows where the tolerance allows some to change (`samples.row_samples`:
     at a larger batch where `dynamic`, the capture's dynamic sizes, claims one).
 
+    With `given` (input tuples: the user's own data, such as calibration batches), the
+    samples are those, then `samples` - 1 random draws like the first of them, and every
+    random input (those draws, the other shapes' values, the rows for class scores) is held
+    inside the range the given data takes (samples.data_ranges): a model calibrated for
+    that data is judged where it was meant to run.
+
     Raises VerificationError when the reference itself cannot run, or `samples` < 1.
     """
     tol = as_tolerance(tolerance)
@@ -128,10 +136,19 @@ def verify(
         raise VerificationError(
             f"Verification needs at least one sample (the example itself); got {samples!r}."
         )
-    inputs = make_samples(example_inputs, samples, seed)
-    labels = [_shape_label(inputs[0])] * len(inputs)
+    ranges = None
+    if given is not None:
+        if not given:
+            raise VerificationError("Verification on given data needs at least one batch.")
+        data = [as_inputs(b) for b in given]
+        ranges = data_ranges(data)
+        inputs = data + [clamped(s, ranges) for s in make_samples(data[0], samples, seed)[1:]]
+    else:
+        inputs = make_samples(example_inputs, samples, seed)
+    labels = [_shape_label(x) for x in inputs]
     for i, (label, variant) in enumerate(variants):
-        inputs.append(refresh_floats(variant, seed + 1 + i))
+        fresh_values = refresh_floats(variant, seed + 1 + i)
+        inputs.append(clamped(fresh_values, ranges) if ranges is not None else fresh_values)
         labels.append(label)
     per_output: dict[str, list[Metrics]] = {}
     order: list[str] = []
@@ -246,6 +263,8 @@ def verify(
             label, _, draws = row_samples(inputs[0], rows, numel, needed, start, dynamic)
             at = f"rows drawn for class scores ({label})"
             for j, sample in enumerate(draws):
+                if ranges is not None:
+                    sample = clamped(sample, ranges)
                 try:
                     if not run(sample, start + j, at, open_):
                         break

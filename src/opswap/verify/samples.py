@@ -108,6 +108,41 @@ def make_samples(example_inputs, n: int = 3, seed: int = 0) -> list[tuple]:
     return samples
 
 
+def data_ranges(batches) -> list[tuple[float, float] | None]:
+    """Per positional input, the [min, max] its floating values take over `batches` (input
+    tuples, the user's data); None for an input that is not a floating tensor of data (ids,
+    masks, constants), whose draws are left as they are."""
+    rows = [as_inputs(b) for b in batches]
+    out: list[tuple[float, float] | None] = []
+    for i in range(len(rows[0]) if rows else 0):
+        xs = [r[i] for r in rows if i < len(r)]
+        if not all(
+            isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() for x in xs
+        ) or all(_is_structural(x) for x in xs):
+            out.append(None)
+            continue
+        finite = [x[torch.isfinite(x)] for x in xs]
+        finite = [f for f in finite if f.numel()]
+        out.append(
+            (min(float(f.min()) for f in finite), max(float(f.max()) for f in finite))
+            if finite
+            else None
+        )
+    return out
+
+
+def clamped(sample, ranges: list[tuple[float, float] | None]) -> tuple:
+    """`sample` with each floating input held inside its range of `ranges` (data_ranges):
+    a random draw like the user's data that stays where that data lies."""
+    out = []
+    for i, x in enumerate(as_inputs(sample)):
+        r = ranges[i] if i < len(ranges) else None
+        if r is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
+            x = x.clamp(r[0], r[1])
+        out.append(x)
+    return tuple(out)
+
+
 def refresh_floats(example_inputs, seed: int = 0) -> tuple:
     """`example_inputs` with fresh floating values (as in `make_samples`); integer, bool
     and structural tensors as they are, so ids, offsets and masks stay valid."""
