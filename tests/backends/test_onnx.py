@@ -150,7 +150,7 @@ def test_int8_forms_are_named_by_the_runtime_as_the_cli_names_it(tmp_path):
 
     assert {k: int8_form(k) for k in ("ort", "onnx", "openvino", "integer", "qdq")} == {
         "ort": "integer",
-        "onnx": "integer",
+        "onnx": "qdq",
         "openvino": "qdq",
         "integer": "integer",
         "qdq": "qdq",

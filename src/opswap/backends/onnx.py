@@ -35,9 +35,10 @@ from opswap.errors import ExportError
 #: the runtime an .onnx file is written for, named as `opswap export --to` and `optimize
 #: --export` name it, and the form its static int8 Linears take (lowerings.INT8_FORMS):
 #: ONNX Runtime runs MatMulInteger as an int8 GEMM, OpenVINO the QuantizeLinear /
-#: DequantizeLinear pairs (docs/chapters/22-runtime.md has the timings). "onnx" is the
-#: file `--to onnx` writes, the one for ONNX Runtime.
-INT8_FOR = {"ort": "integer", "onnx": "integer", "openvino": "qdq"}
+#: DequantizeLinear pairs (docs/chapters/22-runtime.md has the timings). "onnx" is a plain,
+#: portable .onnx file: QDQ pairs carry the calibrated scales themselves, where ORT's
+#: MatMulInteger form quantises activations on the fly and drifts from the verified model.
+INT8_FOR = {"ort": "integer", "onnx": "qdq", "openvino": "qdq"}
 #: the earlier spellings of `int8=`, the forms' own names, still accepted
 INT8_ALIASES = {"integer": "ort", "qdq": "openvino"}
 

@@ -356,8 +356,8 @@ def export_cmd(
             help="onnx or ort (the same .onnx file, for ONNX Runtime), openvino (model.xml + "
             "model.bin, OpenVINO's IR in float32), or executorch / pte (model.pte, an "
             "ExecuTorch program with the XNNPACK delegate). Static int8 layers take the form "
-            "that runtime runs fastest: MatMulInteger for onnx/ort, QuantizeLinear/"
-            "DequantizeLinear pairs for openvino; in Python, opswap.backends.onnx.export_onnx("
+            "that runtime runs fastest: MatMulInteger for ort, QuantizeLinear/"
+            "DequantizeLinear pairs for openvino and for a plain onnx file; in Python, opswap.backends.onnx.export_onnx("
             "..., int8=) takes the same names (its earlier values integer and qdq still work).",
         ),
     ] = "onnx",
