@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from opswap.kernels import _rows
+from opswap.llm.cpu_step import step_at
 from opswap.llm.hf_decoder import HFDecoder
 from opswap.llm.static_cache import DecodeError
 
@@ -75,6 +76,8 @@ class StaticDecoder:
         self.max_len, self.batch, self.device, self.dtype = int(max_len), int(batch), dev, dt
         self.cache = self.net.new_cache(self.batch, self.max_len)
         self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"
+        # on the CPU the step takes its position as a Python int (cpu_step)
+        self.host_step = dev.type == "cpu" and not kernels
         # the step's static input and the whole sequence, written on the device
         self._token = torch.zeros(self.batch, 1, dtype=torch.int64, device=dev)
         self._tokens = torch.zeros(self.batch, self.max_len, dtype=torch.int64, device=dev)
@@ -82,6 +85,10 @@ class StaticDecoder:
         if compile:
             backend = "inductor" if compile is True else str(compile)
             self._step = torch.compile(self._decode, backend=backend)
+        self._host: Callable[..., torch.Tensor] = step_at
+        if compile and self.host_step:
+            backend = "inductor" if compile is True else str(compile)
+            self._host = torch.compile(step_at, backend=backend)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
 
@@ -169,6 +176,8 @@ class StaticDecoder:
         first = prefill[:, -1].argmax(-1, keepdim=True)
         self._token.copy_(first)
         self._tokens[:, t : t + 1].copy_(first)
+        if self.host_step:
+            return self._generate_host(ids, first, prefill, n, keep_logits)
         steps = []
         for _ in range(n - 1):
             logits = self._run_step()
@@ -176,6 +185,27 @@ class StaticDecoder:
                 steps.append(logits.clone())
         tokens = self._tokens[:, : t + n].clone()
         if not keep_logits:
+            return (tokens,)
+        vocab = prefill.shape[-1]
+        stacked = torch.stack(steps, 1) if steps else prefill.new_zeros(self.batch, 0, vocab)
+        return tokens, prefill, stacked
+
+    def _generate_host(
+        self, ids: torch.Tensor, first: torch.Tensor, prefill: torch.Tensor, n: int, keep: bool
+    ) -> tuple:
+        """The decode loop on the CPU: each step's argmax is the next step's input as is,
+        the tokens are kept in a list and joined once."""
+        t = ids.shape[1]
+        token, chosen, steps = first, [first], []
+        for pos in range(t, t + n - 1):
+            logits = self._host(self.net, token, self.cache, pos)
+            token = logits.argmax(-1, keepdim=True)
+            chosen.append(token)
+            if keep:
+                steps.append(logits)
+        self.cache.advance(n - 1)
+        tokens = torch.cat((ids, *chosen), 1)
+        if not keep:
             return (tokens,)
         vocab = prefill.shape[-1]
         stacked = torch.stack(steps, 1) if steps else prefill.new_zeros(self.batch, 0, vocab)
