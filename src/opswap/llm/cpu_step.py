@@ -12,9 +12,15 @@ this step counts ops. It takes the position as a Python int and works on views:
 - the cache write is a `copy_` into the slice at `pos`, not a `scatter_` with a built
   index; the keys attended are the slice `[:pos + 1]`, not all `max_len` slots behind a
   mask, so nothing is spent on empty slots and no mask is built;
-- attention is one `scaled_dot_product_attention` with `enable_gqa` (the GQA groups read
-  from the kv heads, not copied out), not opswap's Triton op, whose CPU fallback is a
-  float32 reference that expands the kv heads and masks the whole cache;
+- attention over few keys is written out in elementwise ops and sums (the scores, a
+  softmax through `exp2`, the weighted values), with the GQA groups read from the kv
+  heads, not copied out. Below ATen's grain size (B * H * keys * D under 32768
+  elements) these run inline on the calling thread, while `scaled_dot_product_attention`,
+  `softmax`, `exp` and `bmm` open a parallel region whatever the size; on a loaded
+  machine that waits for a second thread to be scheduled (about 20 ms each, measured on
+  the 2-core development VM at 2 threads; chapter 29). Past the grain size the step uses
+  SDPA with `enable_gqa`. Neither is opswap's Triton op, whose CPU fallback is a float32
+  reference that expands the kv heads and masks the whole cache;
 - RoPE rotates q and k in one pass (they sit side by side in the packed qkv output) with
   cos and sin sliced once per step, not gathered per layer; RMSNorm is `F.rms_norm`
   (one op; in float32 it computes what HF's six do, up to the order of a sum); the MLP
@@ -27,11 +33,17 @@ sits at the same position (StaticDecoder prefills equal-length prompts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from opswap.llm.hf_decoder import HFDecoder, _Layer
 from opswap.llm.static_cache import StaticKVCache
+
+#: at::internal::GRAIN_SIZE: ATen splits elementwise work across threads from this size on
+GRAIN = 32768
+LOG2E = 1.4426950408889634
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,6 +62,18 @@ def _rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (qk * cos).add_(rotated * sin)
 
 
+def _attend_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query per sequence and head, q [B, H, D], over k, v [B, H_kv, L, D]
+    (every key visible) -> [B, 1, H * D], in ops that stay on the calling thread."""
+    b, h, d = q.shape
+    hk = k.shape[1]
+    qg = (q * (scale * LOG2E)).view(b, hk, h // hk, 1, d)  # base-2 scores: exp2 below
+    s = (qg * k[:, :, None]).sum(-1)  # [B, H_kv, G, L]
+    p = (s - s.amax(-1, keepdim=True)).exp2_()
+    o = (p.unsqueeze(-1) * v[:, :, None]).sum(-2)  # [B, H_kv, G, D]
+    return o.div_(p.sum(-1, keepdim=True)).view(b, 1, h * d)
+
+
 def _layer(
     net: HFDecoder,
     layer: _Layer,
@@ -60,18 +84,19 @@ def _layer(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention output of h [B, T, hidden] (normed), T tokens at slots pos.., after o_proj."""
+    """Attention output of h [B, 1, hidden] (normed) at slot pos, after o_proj."""
     b, t, _ = h.shape
     d, nh, nk = net.head_dim, net.heads, net.kv_heads
     qkv = F.linear(h, layer.wqkv, layer.bqkv).view(b, t, nh + 2 * nk, d)
     qk = _rope(qkv[:, :, : nh + nk], cos, sin)
-    q = qk[:, :, :nh].transpose(1, 2)  # [B, H, T, D]
     k_cache[:, :, pos : pos + t].copy_(qk[:, :, nh:].transpose(1, 2))
     v_cache[:, :, pos : pos + t].copy_(qkv[:, :, nh + nk :].transpose(1, 2))
-    end = pos + t
-    o = F.scaled_dot_product_attention(
-        q, k_cache[:, :, :end], v_cache[:, :, :end], scale=net.scale, enable_gqa=nh != nk
-    )
+    keys, values = k_cache[:, :, : pos + t], v_cache[:, :, : pos + t]
+    if t == 1 and b * nh * (pos + 1) * d < GRAIN:
+        o = _attend_inline(qk[:, 0, :nh], keys, values, net.scale)
+        return F.linear(o, layer.wo, layer.bo)
+    q = qk[:, :, :nh].transpose(1, 2)  # [B, H, T, D]
+    o = F.scaled_dot_product_attention(q, keys, values, scale=net.scale, enable_gqa=nh != nk)
     return F.linear(o.transpose(1, 2).reshape(b, t, nh * d), layer.wo, layer.bo)
 
 
@@ -96,3 +121,13 @@ def step_at(net: HFDecoder, tokens: torch.Tensor, cache: StaticKVCache, pos: int
         else:
             h = _norm(x, net.norm, net.norm_eps)
     return F.linear(h, net.lm_head, net.lm_bias).view(b, -1)
+
+
+def compile_step(backend: bool | str = True) -> Callable[..., torch.Tensor]:
+    """`step_at` under torch.compile (`backend` True: Inductor). Inductor's C++ kernels
+    split a loop across threads from 512 elements a thread on, and with the position
+    dynamic it takes the attention's length for large; here a kernel is split only where
+    each thread gets GRAIN elements, as ATen's own elementwise ops are (see above)."""
+    if backend is True or backend == "inductor":
+        return torch.compile(step_at, options={"cpp.min_chunk_size": GRAIN})
+    return torch.compile(step_at, backend=str(backend))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from opswap.kernels import _rows
-from opswap.llm.cpu_step import step_at
+from opswap.llm.cpu_step import compile_step, step_at
 from opswap.llm.hf_decoder import HFDecoder
 from opswap.llm.static_cache import DecodeError
 
@@ -87,8 +87,7 @@ class StaticDecoder:
             self._step = torch.compile(self._decode, backend=backend)
         self._host: Callable[..., torch.Tensor] = step_at
         if compile and self.host_step:
-            backend = "inductor" if compile is True else str(compile)
-            self._host = torch.compile(step_at, backend=backend)
+            self._host = compile_step(compile)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
 
