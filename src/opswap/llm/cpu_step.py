@@ -44,6 +44,8 @@ from opswap.llm.static_cache import StaticKVCache
 #: at::internal::GRAIN_SIZE: ATen splits elementwise work across threads from this size on
 GRAIN = 32768
 LOG2E = 1.4426950408889634
+#: a prompt's attention in more blocks than this goes to SDPA (it is then real work)
+MAX_BLOCKS = 8
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,6 +74,31 @@ def _attend_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     p = (s - s.amax(-1, keepdim=True)).exp2_()
     o = (p.unsqueeze(-1) * v[:, :, None]).sum(-2)  # [B, H_kv, G, D]
     return o.div_(p.sum(-1, keepdim=True)).view(b, 1, h * d)
+
+
+def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt, q [B, H, T, D] over k, v [B, H_kv, T, D] -> [B, H, T, D],
+    in the ops of `_attend_inline`, a block of queries at a time so that each op stays
+    under the grain size; SDPA where that takes more than MAX_BLOCKS blocks."""
+    b, h, t, d = q.shape
+    hk = k.shape[1]
+    rows = GRAIN // (b * h * t * d)
+    if rows < 1 or -(-t // rows) > MAX_BLOCKS:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=h != hk
+        )
+    qg = (q * (scale * LOG2E)).reshape(b, hk, h // hk, t, 1, d)
+    kk, vv = k[:, :, None, None], v[:, :, None, None]  # [B, H_kv, 1, 1, T, D]
+    keys = torch.arange(t, device=q.device)
+    out = []
+    for i in range(0, t, rows):
+        j = min(t, i + rows)  # queries i..j-1 see keys 0..j-1
+        s = (qg[:, :, :, i:j] * kk[..., :j, :]).sum(-1)  # [B, H_kv, G, j - i, j]
+        s = s.masked_fill(keys[None, :j] > keys[i:j, None], float("-inf"))
+        p = (s - s.amax(-1, keepdim=True)).exp2_()
+        o = (p.unsqueeze(-1) * vv[..., :j, :]).sum(-2)  # [B, H_kv, G, j - i, D]
+        out.append(o.div_(p.sum(-1, keepdim=True)))
+    return torch.cat(out, 3).view(b, h, t, d)
 
 
 def _layer(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from opswap.kernels import _rows
-from opswap.llm.cpu_step import compile_step, step_at
+from opswap.llm.cpu_step import causal_attend, compile_step, step_at
 from opswap.llm.hf_decoder import HFDecoder
 from opswap.llm.static_cache import DecodeError
 
@@ -171,7 +171,7 @@ class StaticDecoder:
         t = ids.shape[1]
         self.cache.reset()
         self._tokens[:, :t].copy_(ids)
-        prefill = self.net.prefill(ids, self.cache)
+        prefill = self.net.prefill(ids, self.cache, causal_attend if self.host_step else None)
         first = prefill[:, -1].argmax(-1, keepdim=True)
         self._token.copy_(first)
         self._tokens[:, t : t + 1].copy_(first)
