@@ -12,7 +12,13 @@ token into the next step's input) is captured once as a CUDA graph and replayed 
 token with no host work in between; the KV cache and the token buffers are static, and
 positions come from the cache's `lengths` tensor on the device (see static_cache).
 `compile=True` runs the step through torch.compile first (fused elementwise work, the
-same graph capture around it); on the CPU the step runs eagerly.
+same graph capture around it).
+
+On the CPU nothing is captured, and the step is cpu_step's: the position a Python int,
+the cache written by slice, attention over the filled slots in ops that stay on the
+calling thread while the work is small, so that a step of a small model costs its GEMVs
+and little else (`compile=True` compiles that step). `kernels=True` keeps the step above
+on the CPU too (the fused ops' references run there).
 
 The prompt (prefill) runs eagerly: its length varies and it happens once per call.
 Not here yet: stopping at an end-of-sequence token (the decoder generates exactly
@@ -44,8 +50,9 @@ class StaticDecoder:
     rotary embedding and the gated MLP as opswap's fused Triton ops (see hf_decoder);
     the default, None, takes them on a CUDA device where Triton is installed (1.42x the
     gpt-fast recipe on the H200 with them, 0.76x without; chapter 29) and leaves HF's
-    math elsewhere, where the ops would run their slower references. The user's model is
-    not changed."""
+    math elsewhere, where the ops would run their slower references. On the CPU without
+    them the decode loop runs cpu_step (chapter 29 has its figures against HF's generate).
+    The user's model is not changed."""
 
     def __init__(
         self,
@@ -82,12 +89,12 @@ class StaticDecoder:
         self._token = torch.zeros(self.batch, 1, dtype=torch.int64, device=dev)
         self._tokens = torch.zeros(self.batch, self.max_len, dtype=torch.int64, device=dev)
         self._step: Callable[[], torch.Tensor] = self._decode
-        if compile:
-            backend = "inductor" if compile is True else str(compile)
-            self._step = torch.compile(self._decode, backend=backend)
         self._host: Callable[..., torch.Tensor] = step_at
         if compile and self.host_step:
             self._host = compile_step(compile)
+        elif compile:
+            backend = "inductor" if compile is True else str(compile)
+            self._step = torch.compile(self._decode, backend=backend)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
 
