@@ -57,8 +57,16 @@ def test_one_query_attention_matches_float64_sdpa(b, h, hk, length, d):
     scale = 0.3
     got = cs._attend_inline(q, k, v, scale)  # [B, 1, H * D]
     want = _sdpa64(q[:, :, None], k, v, scale, causal=False)  # [B, H, 1, D]
-    assert got.shape == (b, 1, h * d) and got.dtype == torch.float32
+    assert got is not None and got.shape == (b, 1, h * d) and got.dtype == torch.float32
     torch.testing.assert_close(got.view(b, h, d).double(), want[:, :, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_one_query_attention_past_max_blocks_is_left_to_sdpa(monkeypatch):
+    q, k = torch.randn(2, 8, 32), torch.randn(2, 4, 600, 32)  # G = 2
+    assert cs._attend_inline(q, k, k, 0.2) is None  # one row alone: 2 * 600 * 32 > 32768
+    assert cs._attend_inline(q, k[:, :, :300], k[:, :, :300], 0.2) is not None  # 8 blocks
+    monkeypatch.setattr(cs, "MAX_BLOCKS", 7)
+    assert cs._attend_inline(q, k[:, :, :300], k[:, :, :300], 0.2) is None
 
 
 @pytest.mark.parametrize(

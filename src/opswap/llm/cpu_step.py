@@ -14,16 +14,18 @@ this step counts ops. It takes the position as a Python int and works on views:
   mask, so nothing is spent on empty slots and no mask is built;
 - attention over few keys is written out in elementwise ops and sums (the scores, a
   softmax through `exp2`, the weighted values), with the GQA groups read from the kv
-  heads, not copied out. Below ATen's grain size (B * H * keys * D under 32768
-  elements) these run inline on the calling thread, while `scaled_dot_product_attention`,
-  `softmax`, `exp` and `bmm` open a parallel region whatever the size; on a loaded
-  machine that waits for a second thread to be scheduled (about 20 ms each, measured on
-  the 2-core development VM at 2 threads; chapter 29). Past the grain size the step uses
-  SDPA with `enable_gqa`. Neither is opswap's Triton op, whose CPU fallback is a float32
-  reference that expands the kv heads and masks the whole cache;
+  heads, not copied out, a block of (sequence, kv head) rows at a time so that each op
+  stays under ATen's grain size (32768 elements): such ops run inline on the calling
+  thread, while `scaled_dot_product_attention`, `softmax`, `exp` and `bmm` open a
+  parallel region whatever the size, and on a loaded machine that waits for a second
+  thread to be scheduled (16-24 ms each on the 2-core development VM at 2 threads;
+  chapter 29). Where that would take more than MAX_BLOCKS blocks, the work is real and
+  SDPA with `enable_gqa` takes it. Neither is opswap's Triton op, whose CPU fallback is
+  a float32 reference that expands the kv heads and masks the whole cache; a prompt's
+  causal attention is done the same way, a block of queries at a time;
 - RoPE rotates q and k in one pass (they sit side by side in the packed qkv output) with
-  cos and sin sliced once per step, not gathered per layer; RMSNorm is `F.rms_norm`
-  (one op; in float32 it computes what HF's six do, up to the order of a sum); the MLP
+  cos and sin sliced once per step, not gathered per layer; RMSNorm in float32 is one
+  `F.rms_norm` call (ATen's composite of HF's math, not six calls from Python); the MLP
   gate is `silu(gate).mul_(up)` in place.
 
 The math is otherwise HF's, op for op (rotate_half, the residual adds, the dtype
@@ -64,16 +66,28 @@ def _rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (qk * cos).add_(rotated * sin)
 
 
-def _attend_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_inline(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor | None:
     """Attention of one query per sequence and head, q [B, H, D], over k, v [B, H_kv, L, D]
-    (every key visible) -> [B, 1, H * D], in ops that stay on the calling thread."""
+    (every key visible) -> [B, 1, H * D], in ops that stay on the calling thread: a block
+    of (sequence, kv head) rows at a time under the grain size; None where that takes
+    more than MAX_BLOCKS blocks."""
     b, h, d = q.shape
-    hk = k.shape[1]
-    qg = (q * (scale * LOG2E)).view(b, hk, h // hk, 1, d)  # base-2 scores: exp2 below
-    s = (qg * k[:, :, None]).sum(-1)  # [B, H_kv, G, L]
-    p = (s - s.amax(-1, keepdim=True)).exp2_()
-    o = (p.unsqueeze(-1) * v[:, :, None]).sum(-2)  # [B, H_kv, G, D]
-    return o.div_(p.sum(-1, keepdim=True)).view(b, 1, h * d)
+    hk, n = k.shape[1], k.shape[2]
+    g = h // hk
+    rows = GRAIN // (g * n * d)
+    if rows < 1 or -(-b * hk // rows) > MAX_BLOCKS:
+        return None
+    qg = (q * (scale * LOG2E)).view(b * hk, g, 1, d)  # base-2 scores: exp2 below
+    kk, vv = k.reshape(b * hk, 1, n, d), v.reshape(b * hk, 1, n, d)
+    out = []
+    for i in range(0, b * hk, rows):
+        s = (qg[i : i + rows] * kk[i : i + rows]).sum(-1)  # [rows, G, L]
+        p = (s - s.amax(-1, keepdim=True)).exp2_()
+        o = (p.unsqueeze(-1) * vv[i : i + rows]).sum(-2)  # [rows, G, D]
+        out.append(o.div_(p.sum(-1, keepdim=True)))
+    return (out[0] if len(out) == 1 else torch.cat(out)).view(b, 1, h * d)
 
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -112,19 +126,19 @@ def _layer(
     sin: torch.Tensor,
 ) -> torch.Tensor:
     """Attention output of h [B, 1, hidden] (normed) at slot pos, after o_proj."""
-    b, t, _ = h.shape
+    b = h.shape[0]
     d, nh, nk = net.head_dim, net.heads, net.kv_heads
-    qkv = F.linear(h, layer.wqkv, layer.bqkv).view(b, t, nh + 2 * nk, d)
+    qkv = F.linear(h, layer.wqkv, layer.bqkv).view(b, 1, nh + 2 * nk, d)
     qk = _rope(qkv[:, :, : nh + nk], cos, sin)
-    k_cache[:, :, pos : pos + t].copy_(qk[:, :, nh:].transpose(1, 2))
-    v_cache[:, :, pos : pos + t].copy_(qkv[:, :, nh + nk :].transpose(1, 2))
-    keys, values = k_cache[:, :, : pos + t], v_cache[:, :, : pos + t]
-    if t == 1 and b * nh * (pos + 1) * d < GRAIN:
-        o = _attend_inline(qk[:, 0, :nh], keys, values, net.scale)
-        return F.linear(o, layer.wo, layer.bo)
-    q = qk[:, :, :nh].transpose(1, 2)  # [B, H, T, D]
-    o = F.scaled_dot_product_attention(q, keys, values, scale=net.scale, enable_gqa=nh != nk)
-    return F.linear(o.transpose(1, 2).reshape(b, t, nh * d), layer.wo, layer.bo)
+    k_cache[:, :, pos : pos + 1].copy_(qk[:, :, nh:].transpose(1, 2))
+    v_cache[:, :, pos : pos + 1].copy_(qkv[:, :, nh + nk :].transpose(1, 2))
+    keys, values = k_cache[:, :, : pos + 1], v_cache[:, :, : pos + 1]
+    o = _attend_inline(qk[:, 0, :nh], keys, values, net.scale)
+    if o is None:
+        q = qk[:, :, :nh].transpose(1, 2)  # [B, H, 1, D]
+        sdpa = F.scaled_dot_product_attention(q, keys, values, scale=net.scale, enable_gqa=nh != nk)
+        o = sdpa.transpose(1, 2).reshape(b, 1, nh * d)
+    return F.linear(o, layer.wo, layer.bo)
 
 
 def step_at(net: HFDecoder, tokens: torch.Tensor, cache: StaticKVCache, pos: int) -> torch.Tensor:
