@@ -46,7 +46,7 @@ from opswap.llm.static_cache import StaticKVCache
 #: at::internal::GRAIN_SIZE: ATen splits elementwise work across threads from this size on
 GRAIN = 32768
 LOG2E = 1.4426950408889634
-#: a prompt's attention in more blocks than this goes to SDPA (it is then real work)
+#: attention that takes more blocks than this goes to SDPA (it is then real work)
 MAX_BLOCKS = 8
 
 
@@ -81,13 +81,22 @@ def _attend_inline(
         return None
     qg = (q * (scale * LOG2E)).view(b * hk, g, 1, d)  # base-2 scores: exp2 below
     kk, vv = k.reshape(b * hk, 1, n, d), v.reshape(b * hk, 1, n, d)
-    out = []
-    for i in range(0, b * hk, rows):
-        s = (qg[i : i + rows] * kk[i : i + rows]).sum(-1)  # [rows, G, L]
-        p = (s - s.amax(-1, keepdim=True)).exp2_()
-        o = (p.unsqueeze(-1) * vv[i : i + rows]).sum(-2)  # [rows, G, D]
-        out.append(o.div_(p.sum(-1, keepdim=True)))
-    return (out[0] if len(out) == 1 else torch.cat(out)).view(b, 1, h * d)
+    if rows >= b * hk:  # one block (tested apart: a compiled step then holds for every L)
+        return _softmax_block(qg, kk, vv).view(b, 1, h * d)
+    blocks = [
+        _softmax_block(qg[i : i + rows], kk[i : i + rows], vv[i : i + rows])
+        for i in range(0, b * hk, rows)
+    ]
+    return torch.cat(blocks).view(b, 1, h * d)
+
+
+def _softmax_block(qg: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+    """softmax2(qg kk^T) vv of qg [R, G, 1, D] (pre-scaled by log2 e) over kk, vv [R, 1, L, D]
+    -> [R, G, D]."""
+    s = (qg * kk).sum(-1)  # [R, G, L]
+    p = (s - s.amax(-1, keepdim=True)).exp2_()
+    o = (p.unsqueeze(-1) * vv).sum(-2)  # [R, G, D]
+    return o.div_(p.sum(-1, keepdim=True))
 
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
