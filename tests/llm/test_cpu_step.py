@@ -135,6 +135,17 @@ def test_a_step_calls_no_op_that_forks_for_small_work(monkeypatch):
     assert "scaled_dot_product_attention" in seen.names, sorted(seen.names)
 
 
+@pytest.mark.parametrize("rows", [1, 3, cs.GEMV_ROWS + 1])
+def test_small_batches_run_their_linears_row_by_row(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 1, 40, generator=g), torch.randn(23, 40, generator=g), None
+    with _Ops() as seen:
+        got = cs._linear(x, w, b)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert got.shape == (rows, 1, 23)
+    assert ("cat" in seen.names) == (1 < rows <= cs.GEMV_ROWS), sorted(seen.names)
+
+
 def test_the_fused_ops_keep_the_generic_step_on_the_cpu():
     dec = StaticDecoder(_llama(), max_len=12, kernels=True)
     assert not dec.host_step  # their wiring is what kernels=True tests on the CPU
