@@ -4,9 +4,9 @@ A tiny random Llama (2 layers, 4 query heads over 2 kv heads, head dim 64) gener
 tokens after a 6-token prompt, once through transformers' `generate(do_sample=False)`
 and once through opswap's StaticDecoder; the tokens must be the same, and the decode
 steps' logits agree with HF's forward over the same sequence. Then the decode attention
-op alone against SDPA over a half-filled cache. On the CPU the op runs its PyTorch
-reference and the step runs eagerly; with a CUDA GPU the Triton kernels run and the step
-is replayed as one CUDA graph.
+op alone against SDPA over a half-filled cache. On the CPU the decoder runs its CPU step
+(opswap/llm/cpu_step.py) and the op its PyTorch reference; with a CUDA GPU the Triton
+kernels run and the step is replayed as one CUDA graph.
 
     python examples/ch29_static_cache.py
 """

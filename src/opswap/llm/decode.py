@@ -12,7 +12,13 @@ token into the next step's input) is captured once as a CUDA graph and replayed 
 token with no host work in between; the KV cache and the token buffers are static, and
 positions come from the cache's `lengths` tensor on the device (see static_cache).
 `compile=True` runs the step through torch.compile first (fused elementwise work, the
-same graph capture around it); on the CPU the step runs eagerly.
+same graph capture around it).
+
+On the CPU nothing is captured, and the step is cpu_step's: the position a Python int,
+the cache written by slice, attention over the filled slots in ops that stay on the
+calling thread while the work is small, so that a step of a small model costs its GEMVs
+and little else (`compile=True` compiles that step). `kernels=True` keeps the step above
+on the CPU too (the fused ops' references run there).
 
 The prompt (prefill) runs eagerly: its length varies and it happens once per call.
 Not here yet: stopping at an end-of-sequence token (the decoder generates exactly
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 
 from opswap.kernels import _rows
+from opswap.llm.cpu_step import causal_attend, compile_step, step_at
 from opswap.llm.hf_decoder import HFDecoder
 from opswap.llm.static_cache import DecodeError
 
@@ -43,8 +50,9 @@ class StaticDecoder:
     rotary embedding and the gated MLP as opswap's fused Triton ops (see hf_decoder);
     the default, None, takes them on a CUDA device where Triton is installed (1.42x the
     gpt-fast recipe on the H200 with them, 0.76x without; chapter 29) and leaves HF's
-    math elsewhere, where the ops would run their slower references. The user's model is
-    not changed."""
+    math elsewhere, where the ops would run their slower references. On the CPU without
+    them the decode loop runs cpu_step (chapter 29 has its figures against HF's generate).
+    The user's model is not changed."""
 
     def __init__(
         self,
@@ -75,11 +83,16 @@ class StaticDecoder:
         self.max_len, self.batch, self.device, self.dtype = int(max_len), int(batch), dev, dt
         self.cache = self.net.new_cache(self.batch, self.max_len)
         self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"
+        # on the CPU the step takes its position as a Python int (cpu_step)
+        self.host_step = dev.type == "cpu" and not kernels
         # the step's static input and the whole sequence, written on the device
         self._token = torch.zeros(self.batch, 1, dtype=torch.int64, device=dev)
         self._tokens = torch.zeros(self.batch, self.max_len, dtype=torch.int64, device=dev)
         self._step: Callable[[], torch.Tensor] = self._decode
-        if compile:
+        self._host: Callable[..., torch.Tensor] = step_at
+        if compile and self.host_step:
+            self._host = compile_step(compile)
+        elif compile:
             backend = "inductor" if compile is True else str(compile)
             self._step = torch.compile(self._decode, backend=backend)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -165,10 +178,12 @@ class StaticDecoder:
         t = ids.shape[1]
         self.cache.reset()
         self._tokens[:, :t].copy_(ids)
-        prefill = self.net.prefill(ids, self.cache)
+        prefill = self.net.prefill(ids, self.cache, causal_attend if self.host_step else None)
         first = prefill[:, -1].argmax(-1, keepdim=True)
         self._token.copy_(first)
         self._tokens[:, t : t + 1].copy_(first)
+        if self.host_step:
+            return self._generate_host(ids, first, prefill, n, keep_logits)
         steps = []
         for _ in range(n - 1):
             logits = self._run_step()
@@ -176,6 +191,27 @@ class StaticDecoder:
                 steps.append(logits.clone())
         tokens = self._tokens[:, : t + n].clone()
         if not keep_logits:
+            return (tokens,)
+        vocab = prefill.shape[-1]
+        stacked = torch.stack(steps, 1) if steps else prefill.new_zeros(self.batch, 0, vocab)
+        return tokens, prefill, stacked
+
+    def _generate_host(
+        self, ids: torch.Tensor, first: torch.Tensor, prefill: torch.Tensor, n: int, keep: bool
+    ) -> tuple:
+        """The decode loop on the CPU: each step's argmax is the next step's input as is,
+        the tokens are kept in a list and joined once."""
+        t = ids.shape[1]
+        token, chosen, steps = first, [first], []
+        for pos in range(t, t + n - 1):
+            logits = self._host(self.net, token, self.cache, pos)
+            token = logits.argmax(-1, keepdim=True)
+            chosen.append(token)
+            if keep:
+                steps.append(logits)
+        self.cache.advance(n - 1)
+        tokens = torch.cat((ids, *chosen), 1)
+        if not keep:
             return (tokens,)
         vocab = prefill.shape[-1]
         stacked = torch.stack(steps, 1) if steps else prefill.new_zeros(self.batch, 0, vocab)

@@ -270,13 +270,18 @@ class HFDecoder:
             h, x = self._add_norm(m, x, w, eps)
         return _linear(h, self.lm_head, self.lm_bias)
 
-    def prefill(self, input_ids: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    def prefill(
+        self, input_ids: torch.Tensor, cache: StaticKVCache, causal: Any = None
+    ) -> torch.Tensor:
         """Logits [B, T, vocab] of a prompt [B, T] into an empty cache, which then holds
-        its T keys and values per layer (lengths = T)."""
+        its T keys and values per layer (lengths = T). `causal(q, k, v, scale)` is the
+        attention (default: SDPA, causal)."""
         t = input_ids.shape[1]
         gqa = self.kv_heads != self.heads
 
         def attend(i, q, k, v):
+            if causal is not None:
+                return causal(q, k, v, self.scale)
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa
             )
