@@ -43,3 +43,19 @@ def test_replays_match_the_module_at_each_shape_and_return_copies():
         g(torch.zeros(4, 16, device="cuda"))
         assert torch.equal(a, kept)  # the second replay did not write into the first output
     assert "3 graph(s)" in repr(g)
+
+
+@needs_cuda
+def test_a_graph_captured_under_inference_mode_replays_outside_it():
+    # the race captures under torch.inference_mode and verifies under no_grad: the input
+    # buffers the graph owns must take copies either way
+    torch.manual_seed(2)
+    m = _net().cuda()
+    g = CudaGraphed(m)
+    x = torch.randn(4, 16, device="cuda")
+    with torch.inference_mode():
+        first = g(x)
+    with torch.no_grad():
+        y = torch.randn(4, 16, device="cuda")
+        torch.testing.assert_close(g(y), m(y))
+        torch.testing.assert_close(first, m(x))

@@ -51,7 +51,11 @@ class CudaGraphed(nn.Module):
         key = self._key(args)
         if key is None:
             raise ValueError("a CUDA graph takes CUDA tensors as positional inputs only")
-        static = [a.detach().clone() for a in args]
+        # normal tensors even when the first call comes under torch.inference_mode: a later
+        # call outside it copies into them, which an inference tensor refuses (seen in the
+        # race on an H100: captured under inference_mode, verified under no_grad)
+        with torch.inference_mode(False):
+            static = [a.detach().clone() for a in args]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
