@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import arg, copy_meta, module_of, raw_name
+from opswap.graph.ops import arg, module_of, raw_name
 from opswap.graph.shapes import dynamic_dims, info
 from opswap.kernels import crossover
 from opswap.rules import _triton
-from opswap.rules._edits import drop_dead_attrs, erase
-from opswap.rules._matching import describe_source
+from opswap.rules._edits import replace_with
+from opswap.rules._matching import describe_source, setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
@@ -52,7 +52,7 @@ def _settings(node: fx.Node) -> tuple[int | None, object, object, object] | str:
             arg(node, 1, "num_groups"),
             arg(node, 2, "weight"),
             arg(node, 3, "bias"),
-            arg(node, 4, "eps", 1e-5),
+            setting(node, "eps", 1e-5),
         )
     if _aten(node):  # aten.instance_norm(x, w, b, running_mean, running_var, use_input_stats,
         # momentum, eps, cudnn_enabled)
@@ -60,12 +60,12 @@ def _settings(node: fx.Node) -> tuple[int | None, object, object, object] | str:
             arg(node, i, n)
             for i, n in enumerate(("weight", "bias", "running_mean", "running_var"), 1)
         )
-        use_input, eps = arg(node, 5, "use_input_stats", True), arg(node, 7, "eps", 1e-5)
     else:  # F.instance_norm(x, running_mean, running_var, weight, bias, use_input_stats,
         # momentum, eps)
         rm, rv = arg(node, 1, "running_mean"), arg(node, 2, "running_var")
         w, b = arg(node, 3, "weight"), arg(node, 4, "bias")
-        use_input, eps = arg(node, 5, "use_input_stats", True), arg(node, 7, "eps", 1e-5)
+    use_input = setting(node, "use_input_stats", True)
+    eps = setting(node, "eps", 1e-5)
     if rm is not None or rv is not None:
         return "it reads or updates running statistics"
     if use_input is not True:
@@ -157,14 +157,8 @@ class GroupNormTriton(Rule):
             b = _param(gm, node, "bias", node)
         else:
             w, b = found["weight"], found["bias"]
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(
-                torch.ops.opswap.group_norm.default,
-                (found["x"], found["groups"], w, b, found["eps"]),
-            )
-        copy_meta(new, node)
-        node.replace_all_uses_with(new)
-        drop_dead_attrs(gm, erase(gm, [node]))
+        args = (found["x"], found["groups"], w, b, found["eps"])
+        replace_with(gm, node, torch.ops.opswap.group_norm.default, args)
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         n, m, dtype = found["group_size"], found["groups_total"], found["dtype"]

@@ -8,10 +8,11 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost
-from opswap.graph.ops import arg, copy_meta, op_kind, raw_name
+from opswap.graph.ops import copy_meta, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules import _triton
 from opswap.rules._edits import erase
+from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
@@ -68,12 +69,12 @@ class SumOfSquaresTriton(Rule):
         xi = info(x)
         if xi is None or not xi.shape:
             return Refused(f"the shape of {x.name} is unknown")
-        if not _last_dim(arg(node, 1, "dim"), len(xi.shape)):
+        dim = setting(node, "dim", None)
+        if not _last_dim(dim, len(xi.shape)):
             return Refused(
-                f"{node.name} reduces over dim {arg(node, 1, 'dim')}, not the last one; "
-                "the kernel reduces rows"
+                f"{node.name} reduces over dim {dim}, not the last one; the kernel reduces rows"
             )
-        if arg(node, 3, "dtype") is not None:
+        if setting(node, "dtype", None) is not None:
             return Refused(f"{node.name} accumulates into another dtype (dtype=...)")
         if not xi.dtype.is_floating_point or xi.dtype == torch.float64:
             return Refused(f"{x.name} is {xi.dtype}; the kernel takes bfloat16, float16 or float32")
@@ -84,7 +85,9 @@ class SumOfSquaresTriton(Rule):
             [sq, node],
             f"{'mean' if mean else 'sum'} of {x.name} squared over {n} -> "
             "opswap::row_reduce in one pass",
-            dict(x=x, op="meansq" if mean else "sumsq", keepdim=bool(arg(node, 2, "keepdim"))),
+            dict(
+                x=x, op="meansq" if mean else "sumsq", keepdim=bool(setting(node, "keepdim", False))
+            ),
             record=dict(x=x.name, out=node.name, mean=mean),
             hidden=n,
             rows=rows,
