@@ -11,13 +11,13 @@ nothing never moves the others.
 
 from __future__ import annotations
 
-import fnmatch
 import heapq
 from collections.abc import Iterable
 from typing import Protocol, TypeVar
 
 from opswap.errors import RuleError
 from opswap.rules.base import PHASES
+from opswap.rules.registry import matches
 
 
 class Declares(Protocol):
@@ -40,9 +40,8 @@ R = TypeVar("R", bound=Declares)
 
 
 def _named(patterns: Iterable[str], rules: list[R], me: R) -> list[R]:
-    return [
-        r for r in rules if r is not me and any(fnmatch.fnmatchcase(r.name, p) for p in patterns)
-    ]
+    """The rules `patterns` name (by name or glob, old names of renamed rules included)."""
+    return [r for r in rules if r is not me and any(matches(r.name, p) for p in patterns)]
 
 
 def _edges(rules: list[R]) -> dict[str, dict[str, str]]:

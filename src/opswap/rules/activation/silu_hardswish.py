@@ -42,7 +42,7 @@ class SiluHardswish(Rule):
     exactness = "lossy"
     targets = ("cpu",)
     # x * sigmoid(x) becomes silu first, and SwiGLU's silu stays for its Triton kernel
-    after = ("fusion.*", "activation.swiglu_triton")
+    after = ("fusion.*", "activation.swiglu")
     # the SiLU that gelu_sigmoid makes stands for a GELU, not for a SiLU of the model's
     before = ("activation.gelu_sigmoid",)
     relieves = ("compute:activation",)

@@ -87,6 +87,7 @@ class LogSoftmax(Rule):
         log, sm = found.nodes[-1], found["sm"]
         dim, dtype, half = found["dim"]
         x = input_of(sm)
+        args: tuple
         kwargs = {}
         if sm.op == "call_module" or not is_aten(sm):
             op, args = torch.log_softmax, (x, dim)

@@ -1,5 +1,5 @@
-"""Reading an RMSNorm off a graph, on what it computes, for norm.rms_norm_triton and
-norm.add_rms_norm_triton.
+"""Reading an RMSNorm off a graph, on what it computes, for norm.rms_norm and
+norm.add_rms_norm.
 
 Two shapes qualify. The written-out one, as HF's LlamaRMSNorm (and Qwen's, Mistral's,
 Gemma's) is captured, read from its rsqrt outward:

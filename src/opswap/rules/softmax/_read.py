@@ -1,4 +1,4 @@
-"""Reading a softmax off a graph for softmax.softmax_triton and softmax.stable_softmax:
+"""Reading a softmax off a graph for softmax.softmax and softmax.stable_softmax:
 the op (aten softmax / _softmax / log_softmax, F.softmax, nn.Softmax), the scale and mask
 that feed it, and the hand-written forms exp(x - max) / sum(exp(x - max)) (safe) and
 exp(x) / sum(exp(x)) (unsafe)."""
@@ -200,6 +200,7 @@ def install(gm: fx.GraphModule, sm: Softmax) -> None:
     from opswap.rules._edits import replace_with
 
     ops = torch.ops.opswap
+    args: tuple
     if sm.mask is not None or sm.scale != 1.0:
         op, args = ops.masked_softmax.default, (sm.x, sm.mask, sm.scale, sm.dtype)
     else:

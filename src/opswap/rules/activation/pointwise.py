@@ -1,4 +1,4 @@
-"""activation.pointwise_triton: an activation eager runs as several kernels -> one
+"""activation.pointwise: an activation eager runs as several kernels -> one
 `opswap::bias_act` call: one Triton kernel that reads x (and a bias) once and writes y.
 
 Two kinds of site, matched on what the graph computes (FX leaves and torch.export ATen):
@@ -193,7 +193,8 @@ class PointwiseTriton(Rule):
     x + b and every step of a formula to the input dtype). Not measured on a GPU yet: on a
     CUDA target it is taken only where the crossover table says the kernel beats eager."""
 
-    name = "activation.pointwise_triton"
+    name = "activation.pointwise"
+    implementation = "triton"
     family = "activation"
     chapter = 9
     exactness = "exact"
@@ -273,7 +274,7 @@ class PointwiseTriton(Rule):
         if getattr(target, "kind", "cpu") == "cuda":
             dev = crossover.device_class(target)
             if crossover.lookup(kernel, dev, dtype, h, m) is None:
-                # like norm.group_norm_triton: an unmeasured kernel does not replace eager's
+                # like norm.group_norm: an unmeasured kernel does not replace eager's
                 return Estimate(
                     0.0,
                     0.0,

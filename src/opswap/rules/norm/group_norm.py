@@ -1,4 +1,4 @@
-"""norm.group_norm_triton: GroupNorm (nn.GroupNorm, F.group_norm, aten.group_norm) and
+"""norm.group_norm: GroupNorm (nn.GroupNorm, F.group_norm, aten.group_norm) and
 InstanceNorm from the input's own statistics (nn.InstanceNorm*d without running stats,
 F.instance_norm, aten.instance_norm) -> `opswap::group_norm`, one Triton kernel forward
 and one backward; InstanceNorm is its G = C case."""
@@ -80,7 +80,8 @@ class GroupNormTriton(Rule):
     measured on a GPU yet: on a CUDA target it is taken only where the crossover table
     says the kernel beats ATen's."""
 
-    name = "norm.group_norm_triton"
+    name = "norm.group_norm"
+    implementation = "triton"
     family = "norm"
     chapter = 10
     exactness = "exact"
@@ -166,7 +167,7 @@ class GroupNormTriton(Rule):
         if getattr(target, "kind", "cpu") == "cuda":
             dev = crossover.device_class(target)
             if crossover.lookup("group_norm", dev, dtype, n, m) is None:
-                # like attention.flash_triton: an unmeasured kernel does not replace ATen's
+                # like attention.flash: an unmeasured kernel does not replace ATen's
                 return Estimate(
                     0.0,
                     0.0,

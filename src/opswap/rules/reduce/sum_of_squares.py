@@ -1,4 +1,4 @@
-"""reduce.sum_of_squares_triton: x.pow(2).sum(-1), (x * x).sum(-1), x.square().mean(-1)
+"""reduce.sum_of_squares: x.pow(2).sum(-1), (x * x).sum(-1), x.square().mean(-1)
 and the like over the last dim -> `opswap::row_reduce(x, "sumsq" | "meansq")`: one
 Triton kernel that squares as it reads, so x*x is never written nor read back."""
 
@@ -45,7 +45,8 @@ class SumOfSquaresTriton(Rule):
     fp32 and accumulates in fp32, where eager rounds x*x to x's dtype first and then
     accumulates in fp32: one rounding fewer, and the row's sum in another order."""
 
-    name = "reduce.sum_of_squares_triton"
+    name = "reduce.sum_of_squares"
+    implementation = "triton"
     family = "reduce"
     chapter = 15
     exactness = "exact"

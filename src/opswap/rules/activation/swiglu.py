@@ -1,4 +1,4 @@
-"""activation.swiglu_triton: `silu(g) * u` -> `opswap::glu` (two tensors), or, when g
+"""activation.swiglu: `silu(g) * u` -> `opswap::glu` (two tensors), or, when g
 and u are the two halves of one tensor (`x.chunk(2, -1)`, a merged gate_up Linear's
 output), `opswap::glu_packed` on that tensor: one Triton kernel either way."""
 
@@ -52,7 +52,8 @@ class SwiGLUTriton(Rule):
     """silu(g) * u in one kernel with fp32 math inside. Exact: eager rounds silu(g) to the
     input dtype before the product and the kernel does not, one rounding fewer."""
 
-    name = "activation.swiglu_triton"
+    name = "activation.swiglu"
+    implementation = "triton"
     family = "activation"
     chapter = 9
     exactness = "exact"
@@ -97,6 +98,7 @@ class SwiGLUTriton(Rule):
         )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
+        args: tuple
         if found["x"] is not None:
             op, args = torch.ops.opswap.glu_packed.default, (found["x"], "silu")
         else:

@@ -1,4 +1,4 @@
-"""fusion.rope_triton: Hugging Face's apply_rotary_pos_emb after capture, q * cos +
+"""fusion.rope: Hugging Face's apply_rotary_pos_emb after capture, q * cos +
 rotate_half(q) * sin with rotate_half as slice / neg / cat, on q and on k with the same
 cos and sin -> `opswap::rope`: one Triton kernel rotates both in one launch.
 
@@ -120,7 +120,8 @@ class RopeTriton(Rule):
     computed in fp32 and rounded once, where eager rounds each product and the sum to
     the tensors' dtype (fewer roundings)."""
 
-    name = "fusion.rope_triton"
+    name = "fusion.rope"
+    implementation = "triton"
     family = "fusion"
     chapter = 4
     exactness = "exact"

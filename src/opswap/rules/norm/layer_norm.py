@@ -1,4 +1,4 @@
-"""norm.layer_norm_triton: LayerNorm over the last dim (nn.LayerNorm, F.layer_norm,
+"""norm.layer_norm: LayerNorm over the last dim (nn.LayerNorm, F.layer_norm,
 aten.layer_norm, and what fusion.layer_norm makes of a written-out one) ->
 `opswap::layer_norm`, one Triton kernel forward and one backward."""
 
@@ -32,7 +32,8 @@ class LayerNormTriton(Rule):
     (one kernel for dx, dw and db, mean and rstd recomputed from the row), which the
     crossover table measures."""
 
-    name = "norm.layer_norm_triton"
+    name = "norm.layer_norm"
+    implementation = "triton"
     family = "norm"
     chapter = 10
     exactness = "exact"
