@@ -6,12 +6,15 @@ hand but written from the rules' own declarations, between markers:
 - README.md, `<!-- rules:summary -->`: how many rules there are, by exactness;
 - each chapter page of a family (docs/chapters/NN-*.md, NN the rules' chapter),
   `<!-- rules:table FAMILY -->`: one row per rule (name, description, exactness,
-  targets, what it relieves);
+  implementation, targets, what it relieves);
 - docs/rule-order.txt: the order a plan runs every built-in rule in (rules/order.py),
   one rule a line and no line numbers, so that a new rule is a one-line diff and a
   declaration that moves a rule shows up in review as the lines it moves;
 - docs/onnx-rule-order.txt: the same for the ONNX rules (onnx/rules/), where the onnx
-  extra is installed.
+  extra is installed;
+- docs/writing-a-rule.md, `<!-- rules:kinds -->`: the op kinds a pattern or an anchor
+  names, with the functions, methods, ATen ops and modules each stands for
+  (graph/ops.py), so that the page never lists a kind the code does not know.
 
 `python -m opswap.rules.catalog` rewrites them in the source checkout it runs from;
 tests/rules/test_catalog.py fails, naming that command, while any is stale.
@@ -45,13 +48,13 @@ def summary(rules: list[Rule]) -> str:
 
 def table(rules: list[Rule], family: str) -> str:
     rows = [
-        "| rule | what it does | exactness | targets | relieves |",
-        "| --- | --- | --- | --- | --- |",
+        "| rule | what it does | exactness | implementation | targets | relieves |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in sorted((r for r in rules if r.family == family), key=lambda r: r.name):
         text = " ".join(r.description.split()).replace("|", "\\|")
         rows.append(
-            f"| `{r.name}` | {text} | {r.exactness} | {', '.join(r.targets)} | "
+            f"| `{r.name}` | {text} | {r.exactness} | {r.implementation} | {', '.join(r.targets)} | "
             f"{', '.join(r.relieves) or '-'} |"
         )
     return "\n".join(rows) + "\n"
@@ -76,10 +79,35 @@ def onnx_rules() -> list[Declares] | None:
     return [cls() for cls in onnx_rule_classes()]
 
 
+def kinds_table() -> str:
+    """One row per op kind: its category, and the spellings `op_kind` gives it."""
+    from opswap.graph import ops
+
+    names: dict[str, list[str]] = {}
+    for name, kind in ops._NAME_KINDS.items():
+        names.setdefault(kind, []).append(name)
+    modules: dict[str, list[str]] = {}
+    for cls, kind in ops._MODULE_KINDS:
+        modules.setdefault(kind, []).append(f"nn.{cls.__name__}")
+    rows = [
+        "| kind | category | functions, Tensor methods, ATen ops | modules (and subclasses) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for kind in sorted(set(names) | set(modules)):
+        spelled = ", ".join(f"`{n}`" for n in sorted(names.get(kind, []))) or "-"
+        mods = ", ".join(modules.get(kind, [])) or "-"
+        category = ops._KIND_CATEGORY.get(kind, "other")
+        rows.append(f"| `{kind}` | {category} | {spelled} | {mods} |")
+    return "\n".join(rows) + "\n"
+
+
 def _fill(text: str, rules: list[Rule]) -> str:
     def block(m: re.Match[str]) -> str:
         kind, arg = m.group(2), m.group(3)
-        body = summary(rules) if kind == "summary" else table(rules, arg or "")
+        if kind == "kinds":
+            body = kinds_table()
+        else:
+            body = summary(rules) if kind == "summary" else table(rules, arg or "")
         return str(m.group(1)) + body + str(m.group(5))
 
     return _BLOCK.sub(block, text)
@@ -89,7 +117,11 @@ def expected(root: Path) -> dict[Path, str]:
     """{file: what it should hold} for every generated file under the checkout `root`."""
     rules = builtin_rules()
     out: dict[Path, str] = {}
-    pages = [root / "README.md", *sorted((root / "docs" / "chapters").glob("*.md"))]
+    pages = [
+        root / "README.md",
+        root / "docs" / "writing-a-rule.md",
+        *sorted((root / "docs" / "chapters").glob("*.md")),
+    ]
     for page in pages:
         if page.is_file():
             text = page.read_text()
