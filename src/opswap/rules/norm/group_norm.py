@@ -54,16 +54,10 @@ def _settings(node: fx.Node) -> tuple[int | None, object, object, object] | str:
             arg(node, 3, "bias"),
             setting(node, "eps", 1e-5),
         )
-    if _aten(node):  # aten.instance_norm(x, w, b, running_mean, running_var, use_input_stats,
-        # momentum, eps, cudnn_enabled)
-        w, b, rm, rv = (
-            arg(node, i, n)
-            for i, n in enumerate(("weight", "bias", "running_mean", "running_var"), 1)
-        )
-    else:  # F.instance_norm(x, running_mean, running_var, weight, bias, use_input_stats,
-        # momentum, eps)
-        rm, rv = arg(node, 1, "running_mean"), arg(node, 2, "running_var")
-        w, b = arg(node, 3, "weight"), arg(node, 4, "bias")
+    # F.instance_norm(x, running_mean, running_var, weight, bias, use_input_stats, momentum,
+    # eps) and aten.instance_norm(x, weight, bias, running_mean, running_var, ...): by name
+    w, b = setting(node, "weight", None), setting(node, "bias", None)
+    rm, rv = setting(node, "running_mean", None), setting(node, "running_var", None)
     use_input = setting(node, "use_input_stats", True)
     eps = setting(node, "eps", 1e-5)
     if rm is not None or rv is not None:
