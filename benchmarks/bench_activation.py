@@ -1,5 +1,5 @@
 """opswap::bias_act against eager PyTorch and torch.compile, on a GPU (the lead runs it on
-the H200), for each kind of site activation.pointwise_triton replaces:
+the H200), for each kind of site activation.pointwise replaces:
 
     PYTHONPATH=src python3 benchmarks/bench_activation.py --out DIR [--update-crossover]
     PYTHONPATH=src python3 benchmarks/bench_activation.py --smoke     (CPU, interpreter)

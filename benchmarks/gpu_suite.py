@@ -135,7 +135,7 @@ KERNEL18_TESTS = [
     "tests/kernels/test_bias_gelu_cuda.py",
     "tests/rules/softmax",
     "tests/rules/reduce",
-    "tests/rules/fusion/test_rope_triton.py",
+    "tests/rules/fusion/test_rope.py",
 ]
 
 # the FlashAttention kernel (its interpreter cases run compiled on the GPU) and its rule

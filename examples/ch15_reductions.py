@@ -1,7 +1,7 @@
 """Chapter 15 (and 16, 8): the Triton reduction, softmax and RoPE kernels and their rules.
 
 On any machine: plan a tiny Llama (from its config) for the H200 target and show where
-reduce.sum_of_squares_triton, softmax.softmax_triton and fusion.rope_triton fire and
+reduce.sum_of_squares, softmax.softmax and fusion.rope fire and
 what they predict; plan it for this CPU and show why they are skipped there. With a CUDA
 GPU: run the kernels against eager PyTorch.
 
@@ -16,7 +16,7 @@ from opswap.graph.capture import capture
 from opswap.models import load
 from opswap.planner import make_plan
 
-RULES = ["reduce.sum_of_squares_triton", "softmax.softmax_triton", "fusion.rope_triton"]
+RULES = ["reduce.sum_of_squares", "softmax.softmax", "fusion.rope"]
 
 
 def main() -> None:

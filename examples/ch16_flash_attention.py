@@ -20,7 +20,7 @@ from opswap.graph.capture import capture
 from opswap.kernels.flash_attention import flash_attention
 from opswap.planner import make_plan
 
-RULE = "attention.flash_triton"
+RULE = "attention.flash"
 
 
 class Block(nn.Module):

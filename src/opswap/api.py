@@ -763,7 +763,7 @@ def _onnx_rules() -> list[dict[str, Any]]:
     """The rules on ONNX graphs (`opswap plan|optimize model.onnx`), listed beside the
     PyTorch ones; none where the onnx extra is not installed."""
     try:
-        from opswap.onnx.rules import ORDER
+        from opswap.onnx.rules import onnx_rule_classes
     except ImportError:
         return []
     return [
@@ -780,7 +780,7 @@ def _onnx_rules() -> list[dict[str, Any]]:
             "before": [],
             "origin": "opswap",
         }
-        for r in ORDER
+        for r in onnx_rule_classes()
     ]
 
 

@@ -122,9 +122,9 @@ class Plan:
         try:
             decisions = []
             for d in data["decisions"]:
-                s = d["site"]
+                s, rule = d["site"], registry.current_name(d["rule"])  # a renamed rule's new name
                 site = Site(
-                    d["rule"],
+                    rule,
                     s["key"],
                     tuple(s.get("nodes", ())),
                     s.get("description", ""),
@@ -133,7 +133,7 @@ class Plan:
                 )
                 decisions.append(
                     Decision(
-                        d["rule"], site, Estimate(**d.get("estimate", {})), str(d.get("module", ""))
+                        rule, site, Estimate(**d.get("estimate", {})), str(d.get("module", ""))
                     )
                 )
             return cls(

@@ -17,12 +17,12 @@ def test_sites_skipped_for_one_reason_are_one_line_counted():
 
     why = "predicted slower on cpu: the Triton kernel runs on CUDA"
     lines = skipped_lines(
-        [Skipped("norm.layer_norm_triton", f"layer_norm_{i}", why) for i in range(5)]
-        + [Skipped("softmax.softmax_triton", "log_softmax", why)]
+        [Skipped("norm.layer_norm", f"layer_norm_{i}", why) for i in range(5)]
+        + [Skipped("softmax.softmax", "log_softmax", why)]
     )
     assert lines == [
-        f"norm.layer_norm_triton at 5 sites (layer_norm_0, ...): {why}",
-        f"softmax.softmax_triton at log_softmax: {why}",
+        f"norm.layer_norm at 5 sites (layer_norm_0, ...): {why}",
+        f"softmax.softmax at log_softmax: {why}",
     ]
 
 

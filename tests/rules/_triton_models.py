@@ -1,4 +1,4 @@
-"""What the tests of the Triton-kernel rules (norm.*_triton, activation.swiglu_triton)
+"""What the tests of the Triton-kernel rules (the norm rules, activation.swiglu)
 share: a tiny Llama from its config captured once, a plan on the h200 target, and the
 check that the rewritten model computes what the user's module does at the example's
 shapes and at others, without touching the user's module."""

@@ -3,6 +3,7 @@ in docs/rule-order.txt) are generated from the registry, and stay so."""
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from opswap.rules import catalog, registry
@@ -28,6 +29,27 @@ def test_a_moved_rule_shows_in_the_order_file(monkeypatch):
     monkeypatch.setattr(type(int8), "after", ())
     monkeypatch.setattr(type(int8), "phase", "early")
     assert catalog.order_text(catalog.builtin_rules()) != before
+
+
+def test_a_new_rule_is_one_added_line_of_the_order_file():
+    class Early(Rule):
+        name, family, chapter, exactness = "layout.aaa_extra", "layout", 4, "exact"
+        phase = "early"
+
+        def check(self, gm, node):
+            return None
+
+        def rewrite(self, gm, found):
+            pass
+
+    before = catalog.order_text(catalog.builtin_rules()).splitlines()
+    after = catalog.order_text([*catalog.builtin_rules(), Early()]).splitlines()
+    diff = [
+        line
+        for line in difflib.unified_diff(before, after, lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    assert diff == ["+layout.aaa_extra (early)"]
 
 
 def test_a_new_rule_changes_the_count_and_its_family_table():

@@ -311,3 +311,70 @@ def test_select_takes_a_string_or_a_list_of_patterns_alike():
     assert "fusion.conv_bn" in names and all(
         n == "fusion.conv_bn" or n.startswith("layout.drop_") for n in names
     )
+
+
+def test_renamed_rules_answer_to_their_old_names_in_lookups_globs_and_declarations():
+    from opswap.rules.order import ordered
+
+    for old, new in registry.RENAMED.items():
+        assert registry.get(old) is registry.get(new), old
+        assert not new.endswith("_triton") and registry.get(new).implementation == "triton"
+    assert {r.name for r in registry.select("norm.*_triton", "lossy")} == {
+        "norm.add_rms_norm",
+        "norm.group_norm",
+        "norm.layer_norm",
+        "norm.rms_norm",
+    }
+    assert [r.name for r in registry.select(["fusion.rope_triton"], "lossy")] == ["fusion.rope"]
+
+    class Later(Rule):  # a plugin written against the old names still orders against them
+        name, family, chapter, exactness = "norm.aa_later", "norm", 1, "exact"
+        after = ("norm.rms_norm_triton",)
+
+    chosen = [registry.get("norm.rms_norm"), Later()]
+    assert [r.name for r in ordered(chosen)] == ["norm.rms_norm", "norm.aa_later"]
+
+
+def test_a_plan_saved_with_old_rule_names_loads_and_applies(tmp_path):
+    """plan.json written before the Triton rules lost their suffix: its decisions and its
+    --rules patterns name `norm.layer_norm_triton`; it loads under the new name and
+    applies the same rewrite."""
+    import json
+
+    from opswap.graph.capture import capture
+    from opswap.planner import Plan, apply_plan, make_plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 24), nn.LayerNorm(24)).eval()
+    x = torch.randn(5, 24)
+    cap = capture(model, (x,), method="fx")
+    plan = make_plan(cap, rules=["norm.layer_norm"], target="h200")
+    assert [d.rule for d in plan.decisions] == ["norm.layer_norm"]
+    text = json.dumps(plan.to_json()).replace('"norm.layer_norm"', '"norm.layer_norm_triton"')
+    assert '"norm.layer_norm"' not in text
+    (tmp_path / "plan.json").write_text(text)
+    old = Plan.load(tmp_path / "plan.json")
+    assert [d.rule for d in old.decisions] == ["norm.layer_norm"]
+    assert [d.site.rule for d in old.decisions] == ["norm.layer_norm"]
+    applied = apply_plan(cap, old)
+    assert not applied.failed
+    ops = [n.target for n in applied.gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.opswap.layer_norm.default) == 1
+    with torch.no_grad():
+        for rows in (1, 7):  # the example's batch and others
+            inp = torch.randn(rows, 24)
+            assert torch.allclose(applied.gm(inp), model(inp), atol=1e-5)
+
+
+def test_a_new_rule_may_not_take_a_renamed_rules_old_name():
+    class Old(Rule):
+        name, family, chapter, exactness = "norm.layer_norm_triton", "norm", 10, "exact"
+
+        def check(self, gm, node):
+            return None
+
+        def rewrite(self, gm, found):
+            pass
+
+    with pytest.raises(TypeError, match="old name of norm.layer_norm"):
+        registry.register(Old)

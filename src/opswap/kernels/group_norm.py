@@ -20,7 +20,7 @@ same two reads of x (its statistics kernel, then its apply kernel) and one write
 gain, if any, is one launch and the per-channel scale/shift tensor ATen builds between
 them. Measured on the H200 (bf16, 32 groups of 4096 a sample; results/norm_kernels_h200.json):
 2.79 TB/s of GPU time forward at 32768 groups, 3.7x ATen's and 1.64x torch.compile's; the
-rule (norm.group_norm_triton) keeps ATen's op wherever the crossover table has no entry
+rule (norm.group_norm) keeps ATen's op wherever the crossover table has no entry
 saying the kernel wins.
 
 Backward, one program per (sample, group) as well, with xhat = (x - mean) * rstd and

@@ -197,6 +197,11 @@ class OnnxRule(orp.RewriteRuleClassBase):
     keeps_nodes: ClassVar[bool] = False
     family: ClassVar[str] = "onnx"
     chapter: ClassVar[int] = 21
+    #: where the rule runs in a plan, and which rules (names or globs) must run before
+    #: and after it: the PyTorch rules' declarations, ordered the same way (rules/order.py)
+    phase: ClassVar[str] = "main"
+    after: ClassVar[tuple[str, ...]] = ()
+    before: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, variant: int = 0) -> None:
         super().__init__(self.name, remove_nodes=not self.keeps_nodes)
@@ -278,6 +283,9 @@ class OnnxRule(orp.RewriteRuleClassBase):
             "targets": ["onnxruntime"],
             "description": cls.description,
             "produces": list(cls.produces),
+            "phase": cls.phase,
+            "after": list(cls.after),
+            "before": list(cls.before),
         }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import Iterable
 from typing import cast
 
 import torch
@@ -318,6 +319,33 @@ def call(graph: fx.Graph, like: fx.Node, op: str, args: tuple, kwargs=None) -> f
     if fn is not None and op.partition(".")[0] not in ("contiguous", "clone"):
         return graph.call_function(fn, args, kwargs)
     return graph.call_method(op.partition(".")[0], args, kwargs)
+
+
+def replace_with(
+    gm: fx.GraphModule,
+    out: fx.Node,
+    target,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    remove: Iterable[fx.Node] | None = None,
+) -> fx.Node:
+    """The rewrite most rules end with, in one call: a call of `target` on `args`, inserted
+    before `out` with `out`'s metadata, takes over every reader of `out`; then the nodes
+    in `remove` (default: `out` alone) that nothing reads any more are erased, and the
+    weights only they read dropped. `target` is an op name spelled in the graph's flavour
+    (`call`: "silu", "log_softmax.int") or a callable called as it is (an OpOverload such
+    as torch.ops.opswap.glu.default, or F.linear). Returns the new node."""
+    graph = gm.graph
+    with graph.inserting_before(out):
+        if isinstance(target, str):
+            new = call(graph, out, target, args, kwargs)
+        else:
+            new = graph.call_function(target, args, dict(kwargs or {}))
+    copy_meta(new, out)
+    out.replace_all_uses_with(new)
+    drop_dead_attrs(gm, erase(gm, [out] if remove is None else list(remove)))
+    return new
 
 
 def shape_args(graph: fx.Graph, like: fx.Node, src: fx.Node, shape: list) -> list:

@@ -1,6 +1,7 @@
 """Questions rules ask about nodes, whatever the capture flavour: what is this node's
 input, is this value a constant (and which tensor), who else reads it, which
-permutation does it apply, what are its strides, what may share memory with it.
+permutation does it apply, what are its strides, what may share memory with it, what
+value has one of its settings (`setting(node, "eps")`, whatever the spelling).
 
 Shapes and dtypes are read with `opswap.graph.shapes` (`info`, `shape`,
 `shapes_seen`, `dynamic_dims`); the helpers here add only what that module does not
@@ -10,14 +11,16 @@ reason strings a user reads are built by the rules from these answers.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 import torch.fx as fx
+from torch.fx.operator_schemas import get_signature_for_torch_op
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from opswap.graph.ops import arg, attr_tensor, op_kind, raw_name
+from opswap.graph.ops import arg, attr_tensor, module_of, op_kind, raw_name
 from opswap.graph.shapes import info
 
 # --------------------------------------------------------------------------- inputs, readers
@@ -248,3 +251,68 @@ def aliases_reach_output(node: fx.Node, skip: fx.Node | None = None) -> bool:
             if may_alias_input(user) and user.args and user.args[0] is cur:
                 todo.append(user)
     return False
+
+
+# --------------------------------------------------------------------------- op settings
+
+#: `setting`'s answer when the op takes no setting of that name
+NO_SETTING: Any = type("NoSetting", (), {"__repr__": lambda self: "NO_SETTING"})()
+
+
+def _signatures(node: fx.Node) -> list[inspect.Signature]:
+    """The Python signatures `node`'s call may bind to: the ATen schema of an overload,
+    the function's own signature, else its TorchScript schemas (torch.* and F.* builtins);
+    a Tensor method takes the signature of the torch function of the same name."""
+    target: Any = node.target
+    if node.op == "call_method":
+        target = getattr(torch, str(target), None)
+        if target is None:
+            return []
+    if isinstance(target, torch._ops.OpOverload):
+        return [_schema_signature(target._schema)]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return [_schema_signature(getattr(target, o)._schema) for o in target.overloads()]
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None and not any(
+        p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()
+    ):
+        return [sig]
+    return list(get_signature_for_torch_op(target) or [])
+
+
+def _schema_signature(schema: torch.FunctionSchema) -> inspect.Signature:
+    params = []
+    for a in schema.arguments:
+        kind = (
+            inspect.Parameter.KEYWORD_ONLY
+            if a.kwarg_only
+            else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        default = a.default_value if a.has_default_value() else inspect.Parameter.empty
+        params.append(inspect.Parameter(a.name, kind, default=default))
+    return inspect.Signature(params)
+
+
+def setting(node: fx.Node, name: str, default: Any = NO_SETTING) -> Any:
+    """The value op setting `name` (`beta`, `dim`, `approximate`, `eps`, ...) has at `node`,
+    however the call is spelled: a module's attribute of that name, else the argument
+    given by keyword or at that setting's position in the op's signature, else the
+    signature's default. `default` (NO_SETTING unless given) when the op takes no setting
+    of that name, or its signature cannot be read."""
+    if node.op == "call_module":
+        return getattr(module_of(node), name, default)
+    if node.op not in ("call_function", "call_method"):
+        return default
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for sig in _signatures(node):
+        try:
+            bound = sig.bind(*node.args, **node.kwargs)
+        except TypeError:
+            continue
+        bound.apply_defaults()
+        return bound.arguments.get(name, default)
+    return default

@@ -1,5 +1,5 @@
-"""What the rules that install one of opswap's Triton row kernels (norm.*_triton,
-activation.swiglu_triton) share: the prediction, by target.
+"""What the rules that install one of opswap's Triton row kernels (the norm rules,
+activation.swiglu) share: the prediction, by target.
 
 - A CPU (any target that is not CUDA): the op runs its PyTorch reference there, the same
   ops as before plus one dispatch, so the site is predicted slower by that dispatch and

@@ -222,9 +222,15 @@ class Rule:
     """
 
     name: ClassVar[str]
+    #: the op the rule rewrites (norm, attention, activation, softmax, reduce, ...), the
+    #: subpackage its file lives in; fusion, layout and precision are the cross-cutting
+    #: families, for rewrites that span ops or change how every op runs
     family: ClassVar[str]
     chapter: ClassVar[int]
     exactness: ClassVar[Exactness]
+    #: what the rewritten graph runs: "torch" (PyTorch's own ops), or the kind of kernel
+    #: opswap installs ("triton"); an attribute, not a suffix of the name
+    implementation: ClassVar[str] = "torch"
     targets: ClassVar[tuple[str, ...]] = ("any",)
     description: ClassVar[str] = ""
     #: the op kinds (`op_kind`) a match starts from; () checks every node
@@ -350,6 +356,7 @@ class Rule:
             "family": cls.family,
             "chapter": cls.chapter,
             "exactness": cls.exactness,
+            "implementation": cls.implementation,
             "targets": list(cls.targets),
             "description": cls.description,
             "anchors": list(cls.anchors),

@@ -11,21 +11,40 @@ nothing never moves the others.
 
 from __future__ import annotations
 
-import fnmatch
 import heapq
 from collections.abc import Iterable
+from typing import Protocol, TypeVar
 
 from opswap.errors import RuleError
-from opswap.rules.base import PHASES, Rule
+from opswap.rules.base import PHASES
+from opswap.rules.registry import matches
 
 
-def _named(patterns: Iterable[str], rules: list[Rule], me: Rule) -> list[Rule]:
-    return [
-        r for r in rules if r is not me and any(fnmatch.fnmatchcase(r.name, p) for p in patterns)
-    ]
+class Declares(Protocol):
+    """What the order is made from: the PyTorch rules (rules.base.Rule) and the ONNX
+    rules (onnx.rule.OnnxRule) both declare it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def chapter(self) -> int: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def after(self) -> tuple[str, ...]: ...
+    @property
+    def before(self) -> tuple[str, ...]: ...
 
 
-def _edges(rules: list[Rule]) -> dict[str, dict[str, str]]:
+R = TypeVar("R", bound=Declares)
+
+
+def _named(patterns: Iterable[str], rules: list[R], me: R) -> list[R]:
+    """The rules `patterns` name (by name or glob, old names of renamed rules included)."""
+    return [r for r in rules if r is not me and any(matches(r.name, p) for p in patterns)]
+
+
+def _edges(rules: list[R]) -> dict[str, dict[str, str]]:
     """{first: {then: why}}: `first` must run before `then`, with the declaration that
     says so (for the error message of a cycle)."""
     edges: dict[str, dict[str, str]] = {r.name: {} for r in rules}
@@ -55,7 +74,7 @@ def _cycle(edges: dict[str, dict[str, str]], left: set[str]) -> list[str]:
     return loop[::-1]  # in run order: each must run before the next
 
 
-def ordered(rules: Iterable[Rule]) -> list[Rule]:
+def ordered(rules: Iterable[R]) -> list[R]:
     """`rules` in the order a plan runs them; RuleError when the declarations conflict."""
     rules = list({r.name: r for r in rules}.values())
     for r in rules:
@@ -74,7 +93,7 @@ def ordered(rules: Iterable[Rule]) -> list[Rule]:
 
     ready = [key(n) for n, k in waiting.items() if k == 0]
     heapq.heapify(ready)
-    out: list[Rule] = []
+    out: list[R] = []
     while ready:
         name = heapq.heappop(ready)[2]
         out.append(by_name[name])

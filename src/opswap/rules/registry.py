@@ -37,6 +37,39 @@ from opswap.rules.base import EXACTNESS_ORDER, PHASES, Rule
 #: the entry-point group installed packages declare their rules in
 ENTRY_POINT_GROUP = "opswap.rules"
 
+#: rules that were renamed: old name -> current name. A plan.json, a --rules pattern or
+#: an after/before declaration that names a rule by its old name finds it under its new
+#: one (the Triton rules lost their `_triton` suffix: the kernel kind is the rule's
+#: `implementation` now). A new entry goes here whenever a rule is renamed.
+RENAMED: dict[str, str] = {
+    "activation.pointwise_triton": "activation.pointwise",
+    "activation.swiglu_triton": "activation.swiglu",
+    "attention.flash_triton": "attention.flash",
+    "fusion.rope_triton": "fusion.rope",
+    "norm.add_rms_norm_triton": "norm.add_rms_norm",
+    "norm.group_norm_triton": "norm.group_norm",
+    "norm.layer_norm_triton": "norm.layer_norm",
+    "norm.rms_norm_triton": "norm.rms_norm",
+    "reduce.sum_of_squares_triton": "reduce.sum_of_squares",
+    "softmax.softmax_triton": "softmax.softmax",
+}
+
+
+def current_name(name: str) -> str:
+    """The name a rule goes by now: `name` itself, or its new name when it was renamed."""
+    return RENAMED.get(name, name)
+
+
+def former_names(name: str) -> tuple[str, ...]:
+    """The old names of the rule now called `name` (none for most rules)."""
+    return tuple(old for old, new in RENAMED.items() if new == name)
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether glob `pattern` names the rule called `name`, by its name or an old one."""
+    return any(fnmatch.fnmatchcase(n, pattern) for n in (name, *former_names(name)))
+
+
 _RULES: dict[str, Rule] = {}
 _ORIGINS: dict[str, str] = {}  # rule name -> where it came from, for `opswap rules`
 _PROBLEMS: list[str] = []  # one sentence per plugin left out
@@ -66,6 +99,13 @@ def register(cls: type[Rule]) -> type[Rule]:
             )
     if not isinstance(cls.name, str) or "." not in cls.name:
         raise TypeError(f"rule {cls.__name__}: name must be 'family.what', got {cls.name!r}")
+    if cls.name in RENAMED:
+        raise TypeError(
+            f"rule {cls.__name__}: {cls.name!r} is the old name of {RENAMED[cls.name]}, "
+            "which plans that name it load as; pick another name"
+        )
+    if not isinstance(cls.implementation, str) or not cls.implementation:
+        raise TypeError(f"rule {cls.name}: implementation must be a word such as 'triton'")
     if cls.match is not Rule.match or "site" in inspect.signature(cls.rewrite).parameters:
         raise TypeError(
             f"rule {cls.name} defines match() or rewrite(gm, site): rules now name "
@@ -276,7 +316,7 @@ def all_rules() -> list[Rule]:
 def get(name: str) -> Rule:
     _load()
     try:
-        return _RULES[name]
+        return _RULES[current_name(name)]
     except KeyError:
         raise RuleError(
             f"No rule named {name!r}; `opswap rules` lists them ({', '.join(sorted(_RULES))}); "
@@ -309,7 +349,7 @@ def select(
     limit = EXACTNESS_ORDER[exactness]
     chosen = []
     for rule in all_rules():
-        if patterns and not any(fnmatch.fnmatchcase(rule.name, p) for p in patterns):
+        if patterns and not any(matches(rule.name, p) for p in patterns):
             continue
         if EXACTNESS_ORDER[rule.exactness] > limit:
             continue
@@ -318,11 +358,7 @@ def select(
         chosen.append(rule)
     if patterns and not chosen:
         looser = sorted(
-            {
-                r.exactness
-                for r in all_rules()
-                if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)
-            },
+            {r.exactness for r in all_rules() if any(matches(r.name, p) for p in patterns)},
             key=EXACTNESS_ORDER.__getitem__,
         )
         if looser:

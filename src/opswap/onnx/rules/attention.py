@@ -57,6 +57,8 @@ def heads(shape_value, hidden) -> tuple[int, int] | str:
 
 class Attention(OnnxRule):
     name = "onnx.attention"
+    # after the norms and activations, the order plans have always run them in
+    after = ("onnx.fast_gelu",)
     exactness = "exact"
     description = (
         "Split heads, Q K^T, scale, [mask], Softmax, x V, merge heads -> "

@@ -8,6 +8,9 @@ from opswap.onnx.rule import MS_DOMAIN, OnnxRule, attr_str, const, last_dim, ok,
 
 class BiasGelu(OnnxRule):
     name = "onnx.bias_gelu"
+    # it takes the Gelu that onnx.gelu makes (and runs after the residual fusion, as plans always have)
+    phase = "late"
+    after = ("onnx.gelu", "onnx.skip_layer_norm")
     exactness = "exact"
     description = "Add(x, constant bias) then Gelu -> com.microsoft BiasGelu."
     produces = ("BiasGelu",)

@@ -16,6 +16,9 @@ OUTPUT_LIMIT = 1 << 24
 
 class ConstantFold(OnnxRule):
     name = "onnx.constant_fold"
+    # every other rule reads the constants folding makes (a weight's Transpose, shape arithmetic)
+    phase = "early"
+    before = ("onnx.*",)
     exactness = "exact"
     description = "Nodes whose inputs are all constants -> the constants they compute."
     produces = ()

@@ -12,6 +12,9 @@ from opswap.onnx.rule import OnnxRule, attr_float, attr_int, const, ok, refuse
 
 class ConvBn(OnnxRule):
     name = "onnx.conv_bn"
+    # a cancelled Transpose pair between a Conv and its BatchNormalization leaves the two adjacent
+    phase = "early"
+    after = ("onnx.transpose_pair",)
     exactness = "exact"
     description = "Conv then BatchNormalization (constant statistics) -> one Conv with folded weight and bias."
     produces = ("Conv",)

@@ -39,6 +39,7 @@ def _arange_prefix(positions: ir.Value) -> str | None:
 
 class EmbedLayerNorm(OnnxRule):
     name = "onnx.embed_layer_norm"
+    phase = "late"
     exactness = "exact"
     description = "Gather(word) + Gather(type) + Gather(position) then LayerNormalization -> com.microsoft EmbedLayerNormalization."
     produces = ("EmbedLayerNormalization",)

@@ -13,6 +13,8 @@ _C = math.sqrt(2.0 / math.pi)
 
 class FastGelu(OnnxRule):
     name = "onnx.fast_gelu"
+    # after the erf form, the order plans have always run them in
+    after = ("onnx.gelu",)
     exactness = "exact"
     description = (
         "GELU's tanh form (Pow, Mul, Add, Mul, Tanh, Add, Mul, Mul) -> com.microsoft FastGelu."

@@ -10,6 +10,8 @@ from opswap.onnx.rule import MS_DOMAIN, OnnxRule, near, ok, refuse, scalar
 
 class Gelu(OnnxRule):
     name = "onnx.gelu"
+    # the activations after the norms, the order plans have always run them in
+    after = ("onnx.layer_norm", "onnx.rms_norm")
     exactness = "exact"
     description = "x * 0.5 * (1 + erf(x / sqrt 2)) (Div, Erf, Add, Mul, Mul) -> com.microsoft Gelu."
     produces = ("Gelu",)

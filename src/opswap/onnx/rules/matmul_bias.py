@@ -10,6 +10,9 @@ from opswap.onnx.rule import OnnxRule, const, ok, rank, refuse
 
 class MatMulBias(OnnxRule):
     name = "onnx.matmul_bias"
+    # it takes the bias Adds that the fused ops taking a bias left
+    phase = "late"
+    after = ("onnx.attention", "onnx.bias_gelu", "onnx.skip_layer_norm")
     exactness = "exact"
     description = "Add(MatMul(x, W), b) on 2-D x with constant W and b -> Gemm."
     produces = ("Gemm",)

@@ -8,6 +8,8 @@ from opswap.onnx.rule import OnnxRule, const, last_axis, near, ok, rank, reduce_
 
 class RmsNorm(OnnxRule):
     name = "onnx.rms_norm"
+    # a written-out LayerNorm holds x / sqrt(mean(x^2) + eps) * gamma over the centred x: it is taken whole first
+    after = ("onnx.layer_norm",)
     exactness = "exact"
     description = "x * 1/sqrt(mean(x^2) + eps) * w -> SimplifiedLayerNormalization."
     produces = ("SimplifiedLayerNormalization",)

@@ -21,6 +21,9 @@ from opswap.onnx.rule import (
 
 class SkipLayerNorm(OnnxRule):
     name = "onnx.skip_layer_norm"
+    # the embeddings' last Add and LayerNormalization would otherwise match as a residual
+    phase = "late"
+    after = ("onnx.embed_layer_norm",)
     exactness = "exact"
     description = (
         "Add(x, residual) then LayerNormalization -> com.microsoft SkipLayerNormalization."

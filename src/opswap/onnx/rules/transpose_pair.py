@@ -14,6 +14,7 @@ def _perm(node) -> list[int] | None:
 
 class TransposePair(OnnxRule):
     name = "onnx.transpose_pair"
+    phase = "early"
     exactness = "exact"
     description = (
         "Transpose(Transpose(x, p), q) -> Transpose(x, p[q]), or x when it is the identity."

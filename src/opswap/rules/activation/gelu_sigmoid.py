@@ -7,10 +7,10 @@ import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
 from opswap.cost.pointwise import ACTIVATION_FLOPS
-from opswap.graph.ops import copy_meta, op_kind
+from opswap.graph.ops import op_kind
 from opswap.graph.shapes import info
 from opswap.rules._cost import saving
-from opswap.rules._edits import call, erase, replace_weights
+from opswap.rules._edits import replace_weights, replace_with
 from opswap.rules._matching import input_of, shared_reason
 from opswap.rules._weights import Weighted, weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
@@ -112,11 +112,7 @@ class GeluSigmoid(Rule):
         gelu = found.nodes[1]
         b1 = None if w1.bias is None else w1.bias.detach() * ALPHA
         first = replace_weights(gm, w1, w1.weight.detach() * ALPHA, b1)
-        with gm.graph.inserting_before(gelu):
-            silu = call(gm.graph, gelu, "silu", (first,))
-        copy_meta(silu, gelu)
-        gelu.replace_all_uses_with(silu)
-        erase(gm, [gelu])
+        replace_with(gm, gelu, "silu", (first,))
         b2 = None if w2.bias is None else w2.bias.detach().clone()
         replace_weights(gm, w2, w2.weight.detach() / ALPHA, b2)
 

@@ -6,10 +6,10 @@ import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
 from opswap.cost.pointwise import ACTIVATION_FLOPS, gelu_tanh
-from opswap.graph.ops import copy_meta, op_kind
+from opswap.graph.ops import op_kind
 from opswap.graph.shapes import info
 from opswap.rules._cost import saving
-from opswap.rules._edits import call, erase
+from opswap.rules._edits import replace_with
 from opswap.rules._matching import input_of
 from opswap.rules.activation.linear_epilogue import epilogue_refusal
 from opswap.rules.base import Estimate, Found, Refused, Rule
@@ -77,12 +77,7 @@ class GeluTanh(Rule):
         )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
-        gelu = found.nodes[-1]
-        with gm.graph.inserting_before(gelu):
-            new = call(gm.graph, gelu, "gelu", (found["x"],), {"approximate": "tanh"})
-        copy_meta(new, gelu)
-        gelu.replace_all_uses_with(new)
-        erase(gm, [gelu])
+        replace_with(gm, found.nodes[-1], "gelu", (found["x"],), {"approximate": "tanh"})
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         gelu = found.nodes[-1]

@@ -13,7 +13,7 @@ from opswap.graph.ops import arg, copy_meta, module_of, op_kind
 from opswap.graph.shapes import info
 from opswap.rules._cost import saving
 from opswap.rules._edits import call, drop_dead_attrs, erase, shape_args
-from opswap.rules._matching import has_layout, input_of, shared_reason, strides
+from opswap.rules._matching import has_layout, input_of, setting, shared_reason, strides
 from opswap.rules._weights import weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
@@ -27,7 +27,7 @@ def _parts(gm: fx.GraphModule, mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, 
     """(input, weight, bias, weight_is_kn) of a Linear or addmm node, as graph values, or
     why the epilogue cannot take it. `weight_is_kn`: the weight is already [K, N] (addmm)."""
     if op_kind(mm) == "addmm":
-        if arg(mm, 3, "beta", 1) != 1 or arg(mm, 4, "alpha", 1) != 1:
+        if setting(mm, "beta", 1) != 1 or setting(mm, "alpha", 1) != 1:
             return f"{mm.name} scales its terms (beta or alpha not 1); the epilogue adds the bias as it is"
         bias, x, w = mm.args[0], mm.args[1], mm.args[2]
         if not all(isinstance(v, fx.Node) for v in (bias, x, w)):

@@ -6,10 +6,9 @@ import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
 from opswap.cost.pointwise import ACTIVATION_FLOPS
-from opswap.graph.ops import copy_meta
 from opswap.graph.shapes import info
 from opswap.rules._cost import saving
-from opswap.rules._edits import call, erase
+from opswap.rules._edits import replace_with
 from opswap.rules._matching import input_of
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
@@ -43,7 +42,7 @@ class SiluHardswish(Rule):
     exactness = "lossy"
     targets = ("cpu",)
     # x * sigmoid(x) becomes silu first, and SwiGLU's silu stays for its Triton kernel
-    after = ("fusion.*", "activation.swiglu_triton")
+    after = ("fusion.*", "activation.swiglu")
     # the SiLU that gelu_sigmoid makes stands for a GELU, not for a SiLU of the model's
     before = ("activation.gelu_sigmoid",)
     relieves = ("compute:activation",)
@@ -68,12 +67,7 @@ class SiluHardswish(Rule):
         )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
-        silu = found.nodes[-1]
-        with gm.graph.inserting_before(silu):
-            new = call(gm.graph, silu, "hardswish", (found["x"],))
-        copy_meta(new, silu)
-        silu.replace_all_uses_with(new)
-        erase(gm, [silu])
+        replace_with(gm, found.nodes[-1], "hardswish", (found["x"],))
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         silu = found.nodes[-1]

@@ -69,14 +69,14 @@ class SDPA(Rule):
     phase = "main"
     after = ("layout.drop_*",)
     #: fusions and layout rewrites would eat pieces of the pattern (the scores' add, the
-    #: transpose of k, the softmax); flash_triton consumes the SDPA calls made here
+    #: transpose of k, the softmax); flash consumes the SDPA calls made here
     before = (
         "fusion.*",
         "layout.cancel_transpose",
         "layout.collapse_view",
         "layout.permute_matmul",
         "softmax.*",
-        "attention.flash_triton",
+        "attention.flash",
     )
     relieves = ("memory:softmax", "memory:elementwise", "compute:matmul")
     anchors = ("softmax",)

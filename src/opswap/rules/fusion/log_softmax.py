@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import arg, copy_meta, is_aten, module_of, op_kind, raw_name
+from opswap.graph.ops import is_aten, module_of, op_kind, raw_name
 from opswap.rules._cost import saving
-from opswap.rules._edits import erase
-from opswap.rules._matching import input_of
+from opswap.rules._edits import replace_with
+from opswap.rules._matching import input_of, setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
@@ -28,10 +27,9 @@ def _softmax_dim(gm: fx.GraphModule, sm: fx.Node):
             "masked rows where log_softmax would return NaN"
         )
     elif raw_name(sm) == "_softmax":
-        dim, dtype, half = arg(sm, 1, "dim"), None, bool(arg(sm, 2, "half_to_float", False))
+        dim, dtype, half = setting(sm, "dim", None), None, bool(setting(sm, "half_to_float", 0))
     else:
-        dtype_at = 3 if sm.target is F.softmax else 2  # F.softmax(x, dim, _stacklevel, dtype)
-        dim, dtype, half = arg(sm, 1, "dim"), arg(sm, dtype_at, "dtype"), False
+        dim, dtype, half = setting(sm, "dim", None), setting(sm, "dtype", None), False
     if dim is None:
         return (
             f"{sm.name} is a softmax with an implicit dim (deprecated), so the dim "
@@ -89,18 +87,16 @@ class LogSoftmax(Rule):
         log, sm = found.nodes[-1], found["sm"]
         dim, dtype, half = found["dim"]
         x = input_of(sm)
-        with gm.graph.inserting_before(log):
-            if sm.op == "call_module" or not is_aten(sm):
-                kwargs = {"dtype": dtype} if dtype is not None else {}
-                new = gm.graph.call_function(torch.log_softmax, (x, dim), kwargs)
-            elif raw_name(sm) == "_softmax":
-                new = gm.graph.call_function(aten._log_softmax.default, (x, dim, half))
-            else:
-                args = (x, dim, dtype) if dtype is not None else (x, dim)
-                new = gm.graph.call_function(aten.log_softmax.int, args)
-        copy_meta(new, log)
-        log.replace_all_uses_with(new)
-        erase(gm, [log, sm])
+        args: tuple
+        kwargs = {}
+        if sm.op == "call_module" or not is_aten(sm):
+            op, args = torch.log_softmax, (x, dim)
+            kwargs = {"dtype": dtype} if dtype is not None else {}
+        elif raw_name(sm) == "_softmax":
+            op, args = aten._log_softmax.default, (x, dim, half)
+        else:
+            op, args = aten.log_softmax.int, (x, dim, dtype) if dtype is not None else (x, dim)
+        replace_with(gm, log, op, args, kwargs, remove=[log, sm])
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         log, sm = found.nodes[-1], found["sm"]

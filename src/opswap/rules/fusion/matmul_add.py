@@ -12,10 +12,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import copy_meta, is_aten, op_kind, raw_name
+from opswap.graph.ops import is_aten, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules._cost import saving
-from opswap.rules._edits import drop_dead_attrs, erase, new_const
+from opswap.rules._edits import new_const, replace_with
 from opswap.rules._matching import const, describe_source, shared_reason
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
@@ -136,11 +136,7 @@ class MatMulAdd(Rule):
         else:
             b = new_const(gm, mm, f"{base}_bias", bias.detach().clone())
         fn = aten.linear.default if is_aten(mm) else F.linear
-        with gm.graph.inserting_before(add):
-            new = gm.graph.call_function(fn, (x, wt, b))
-        copy_meta(new, add)
-        add.replace_all_uses_with(new)
-        drop_dead_attrs(gm, erase(gm, [add, mm]))
+        replace_with(gm, add, fn, (x, wt, b), remove=[add, mm])
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         add = found.nodes[-1]

@@ -1,8 +1,7 @@
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import copy_meta
 from opswap.graph.shapes import info
 from opswap.rules._cost import saving
-from opswap.rules._edits import call, erase
+from opswap.rules._edits import replace_with
 from opswap.rules.base import Found, Refused, Rule
 from opswap.rules.pattern import op, var
 from opswap.rules.registry import register
@@ -25,12 +24,7 @@ class SiLU(Rule):
         return Found(m.nodes, f"{node.name} = x * sigmoid(x) -> silu(x)", x=m["x"])
 
     def rewrite(self, gm, found):
-        mul = found.nodes[-1]
-        with gm.graph.inserting_before(mul):
-            new = call(gm.graph, mul, "silu", (found["x"],))
-        copy_meta(new, mul)
-        mul.replace_all_uses_with(new)
-        erase(gm, found.nodes)
+        replace_with(gm, found.nodes[-1], "silu", (found["x"],), remove=found.nodes)
 
     def predict(self, gm, found, target):  # the mul's arithmetic moves into silu, its bytes go
         mul = found.nodes[-1]

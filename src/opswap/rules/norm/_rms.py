@@ -1,5 +1,5 @@
-"""Reading an RMSNorm off a graph, on what it computes, for norm.rms_norm_triton and
-norm.add_rms_norm_triton.
+"""Reading an RMSNorm off a graph, on what it computes, for norm.rms_norm and
+norm.add_rms_norm.
 
 Two shapes qualify. The written-out one, as HF's LlamaRMSNorm (and Qwen's, Mistral's,
 Gemma's) is captured, read from its rsqrt outward:
@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from opswap.graph.ops import arg, module_of, op_kind, raw_name
 from opswap.graph.shapes import info
-from opswap.rules._matching import const, describe_source
+from opswap.rules._matching import const, describe_source, setting
 
 
 @dataclass
@@ -189,11 +189,11 @@ def read_op(gm: fx.GraphModule, node: fx.Node) -> RMS | str | None:
     if mod is not None:
         shape = tuple(getattr(mod, "normalized_shape", ()))
         w: fx.Node | torch.Tensor | None = getattr(mod, "weight", None)
-        eps = getattr(mod, "eps", None)
+        eps = setting(node, "eps", None)
     else:
         shape = tuple(arg(node, 1, "normalized_shape", ()) or ())
         w = arg(node, 2, "weight")
-        eps = arg(node, 3, "eps")
+        eps = setting(node, "eps", None)
         if w is not None and not (isinstance(w, fx.Node) and w.op == "get_attr"):
             return f"the weight is {describe_source(w)}, not a constant"
     xi = info(x)

@@ -52,7 +52,7 @@ class BatchNormGroupNorm(Rule):
     targets = ("cpu", "cuda")
     # a folded BatchNorm is gone: this rule must see them first; and its GroupNorm may
     # then go to the Triton kernel
-    before = ("fusion.*", "norm.group_norm_triton")
+    before = ("fusion.*", "norm.group_norm")
     relieves = ()
     anchors = ("batch_norm",)
     description = (

@@ -13,12 +13,12 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost
-from opswap.graph.ops import arg, module_of, op_kind
+from opswap.graph.ops import module_of, op_kind
 from opswap.graph.shapes import info
 from opswap.kernels import int8_static
 from opswap.rules._cost import op_time
 from opswap.rules._edits import erase
-from opswap.rules._matching import input_of
+from opswap.rules._matching import input_of, setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision import _timing
 from opswap.rules.precision._int8_static_module import (
@@ -42,9 +42,8 @@ def _activation(node: fx.Node) -> str | None:
         return "relu"
     if kind != "gelu":
         return None
-    mod = module_of(node)
-    approx = getattr(mod, "approximate", "none") if mod is not None else arg(node, 1, "approximate")
-    return "gelu_tanh" if approx == "tanh" else "gelu" if approx in (None, "none") else None
+    approx = setting(node, "approximate")
+    return "gelu_tanh" if approx == "tanh" else "gelu" if approx == "none" else None
 
 
 def _reader(node: fx.Node) -> tuple[fx.Node | None, fx.Node | None, str]:

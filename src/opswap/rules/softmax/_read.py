@@ -1,4 +1,4 @@
-"""Reading a softmax off a graph for softmax.softmax_triton and softmax.stable_softmax:
+"""Reading a softmax off a graph for softmax.softmax and softmax.stable_softmax:
 the op (aten softmax / _softmax / log_softmax, F.softmax, nn.Softmax), the scale and mask
 that feed it, and the hand-written forms exp(x - max) / sum(exp(x - max)) (safe) and
 exp(x) / sum(exp(x)) (unsafe)."""
@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from opswap.graph.ops import arg, module_of, op_kind, raw_name
 from opswap.graph.shapes import info
+from opswap.rules._matching import setting
 
 
 @dataclass
@@ -60,10 +60,11 @@ def _op_args(sm: fx.Node) -> tuple[object, torch.dtype | None] | str:
             "kernel (as torch.softmax) returns NaN"
         )
     if name in ("_softmax", "_log_softmax"):
-        return arg(sm, 1, "dim"), (torch.float32 if arg(sm, 2, "half_to_float", False) else None)
-    at = 3 if sm.target in (F.softmax, F.log_softmax) else 2  # F.softmax(x, dim, _stack, dtype)
-    dtype = arg(sm, at, "dtype")
-    return arg(sm, 1, "dim"), dtype if isinstance(dtype, torch.dtype) else None
+        return setting(sm, "dim", None), (
+            torch.float32 if setting(sm, "half_to_float", False) else None
+        )
+    dtype = setting(sm, "dtype", None)
+    return setting(sm, "dim", None), dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _scale_of(z: fx.Node) -> tuple[fx.Node, float, list[fx.Node]]:
@@ -196,19 +197,12 @@ def fused_bytes(sm: Softmax) -> int:
 
 def install(gm: fx.GraphModule, sm: Softmax) -> None:
     """Replace the pattern by opswap::softmax, log_softmax or masked_softmax."""
-    from opswap.graph.ops import copy_meta
-    from opswap.rules._edits import erase
+    from opswap.rules._edits import replace_with
 
-    out = sm.nodes[-1]
     ops = torch.ops.opswap
-    with gm.graph.inserting_before(out):
-        if sm.mask is not None or sm.scale != 1.0:
-            new = gm.graph.call_function(
-                ops.masked_softmax.default, (sm.x, sm.mask, sm.scale, sm.dtype)
-            )
-        else:
-            op = ops.log_softmax if sm.log else ops.softmax
-            new = gm.graph.call_function(op.default, (sm.x, sm.dtype))
-    copy_meta(new, out)
-    out.replace_all_uses_with(new)
-    erase(gm, sm.nodes)
+    args: tuple
+    if sm.mask is not None or sm.scale != 1.0:
+        op, args = ops.masked_softmax.default, (sm.x, sm.mask, sm.scale, sm.dtype)
+    else:
+        op, args = (ops.log_softmax if sm.log else ops.softmax).default, (sm.x, sm.dtype)
+    replace_with(gm, sm.nodes[-1], op, args, remove=sm.nodes)

@@ -8,7 +8,7 @@ import torch.fx as fx
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 from opswap.rules.softmax import _read
-from opswap.rules.softmax.softmax_triton import estimate, found
+from opswap.rules.softmax.softmax import estimate, found
 
 
 @register
@@ -40,7 +40,7 @@ class StableSoftmax(Rule):
         if sm is None or isinstance(sm, str):
             return Refused(sm) if isinstance(sm, str) else None
         if sm.form != "unsafe":
-            return None  # the safe form is softmax.softmax_triton's
+            return None  # the safe form is softmax.softmax's
         return found(sm, self.name)
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:

@@ -1,4 +1,4 @@
-"""norm.group_norm_triton: GroupNorm (nn.GroupNorm, F.group_norm, aten.group_norm) and
+"""norm.group_norm: GroupNorm (nn.GroupNorm, F.group_norm, aten.group_norm) and
 InstanceNorm from the input's own statistics (nn.InstanceNorm*d without running stats,
 F.instance_norm, aten.instance_norm) -> `opswap::group_norm`, one Triton kernel forward
 and one backward; InstanceNorm is its G = C case."""
@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import arg, copy_meta, module_of, raw_name
+from opswap.graph.ops import arg, module_of, raw_name
 from opswap.graph.shapes import dynamic_dims, info
 from opswap.kernels import crossover
 from opswap.rules import _triton
-from opswap.rules._edits import drop_dead_attrs, erase
-from opswap.rules._matching import describe_source
+from opswap.rules._edits import replace_with
+from opswap.rules._matching import describe_source, setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
@@ -52,20 +52,14 @@ def _settings(node: fx.Node) -> tuple[int | None, object, object, object] | str:
             arg(node, 1, "num_groups"),
             arg(node, 2, "weight"),
             arg(node, 3, "bias"),
-            arg(node, 4, "eps", 1e-5),
+            setting(node, "eps", 1e-5),
         )
-    if _aten(node):  # aten.instance_norm(x, w, b, running_mean, running_var, use_input_stats,
-        # momentum, eps, cudnn_enabled)
-        w, b, rm, rv = (
-            arg(node, i, n)
-            for i, n in enumerate(("weight", "bias", "running_mean", "running_var"), 1)
-        )
-        use_input, eps = arg(node, 5, "use_input_stats", True), arg(node, 7, "eps", 1e-5)
-    else:  # F.instance_norm(x, running_mean, running_var, weight, bias, use_input_stats,
-        # momentum, eps)
-        rm, rv = arg(node, 1, "running_mean"), arg(node, 2, "running_var")
-        w, b = arg(node, 3, "weight"), arg(node, 4, "bias")
-        use_input, eps = arg(node, 5, "use_input_stats", True), arg(node, 7, "eps", 1e-5)
+    # F.instance_norm(x, running_mean, running_var, weight, bias, use_input_stats, momentum,
+    # eps) and aten.instance_norm(x, weight, bias, running_mean, running_var, ...): by name
+    w, b = setting(node, "weight", None), setting(node, "bias", None)
+    rm, rv = setting(node, "running_mean", None), setting(node, "running_var", None)
+    use_input = setting(node, "use_input_stats", True)
+    eps = setting(node, "eps", 1e-5)
     if rm is not None or rv is not None:
         return "it reads or updates running statistics"
     if use_input is not True:
@@ -80,7 +74,8 @@ class GroupNormTriton(Rule):
     measured on a GPU yet: on a CUDA target it is taken only where the crossover table
     says the kernel beats ATen's."""
 
-    name = "norm.group_norm_triton"
+    name = "norm.group_norm"
+    implementation = "triton"
     family = "norm"
     chapter = 10
     exactness = "exact"
@@ -157,14 +152,8 @@ class GroupNormTriton(Rule):
             b = _param(gm, node, "bias", node)
         else:
             w, b = found["weight"], found["bias"]
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(
-                torch.ops.opswap.group_norm.default,
-                (found["x"], found["groups"], w, b, found["eps"]),
-            )
-        copy_meta(new, node)
-        node.replace_all_uses_with(new)
-        drop_dead_attrs(gm, erase(gm, [node]))
+        args = (found["x"], found["groups"], w, b, found["eps"])
+        replace_with(gm, node, torch.ops.opswap.group_norm.default, args)
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         n, m, dtype = found["group_size"], found["groups_total"], found["dtype"]
@@ -172,7 +161,7 @@ class GroupNormTriton(Rule):
         if getattr(target, "kind", "cpu") == "cuda":
             dev = crossover.device_class(target)
             if crossover.lookup("group_norm", dev, dtype, n, m) is None:
-                # like attention.flash_triton: an unmeasured kernel does not replace ATen's
+                # like attention.flash: an unmeasured kernel does not replace ATen's
                 return Estimate(
                     0.0,
                     0.0,

@@ -1,4 +1,4 @@
-"""activation.pointwise_triton: an activation eager runs as several kernels -> one
+"""activation.pointwise: an activation eager runs as several kernels -> one
 `opswap::bias_act` call: one Triton kernel that reads x (and a bias) once and writes y.
 
 Two kinds of site, matched on what the graph computes (FX leaves and torch.export ATen):
@@ -21,11 +21,12 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import arg, copy_meta, module_of, op_kind, raw_name
+from opswap.graph.ops import arg, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.kernels import crossover
 from opswap.rules import _triton
-from opswap.rules._edits import drop_dead_attrs, erase
+from opswap.rules._edits import replace_with
+from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.pattern import Op, const, op, var
 from opswap.rules.registry import register
@@ -121,11 +122,8 @@ def _bounds(node: fx.Node) -> tuple[float | None, float | None]:
     """The (low, high) a relu6 / hardtanh / clamp call or module clamps to."""
     if op_kind(node) == "relu6":
         return 0.0, 6.0
-    mod = module_of(node)
-    if mod is not None:
-        return getattr(mod, "min_val", None), getattr(mod, "max_val", None)
-    if op_kind(node) == "hardtanh":
-        return _num(arg(node, 1, "min_val", -1.0)), _num(arg(node, 2, "max_val", 1.0))
+    if op_kind(node) == "hardtanh":  # nn.Hardtanh, F.hardtanh, aten.hardtanh
+        return _num(setting(node, "min_val")), _num(setting(node, "max_val"))
     name = raw_name(node)
     if name.startswith("clamp_min"):
         return _num(arg(node, 1, "min")), None
@@ -136,15 +134,14 @@ def _bounds(node: fx.Node) -> tuple[float | None, float | None]:
 
 def _activation(node: fx.Node) -> tuple[str, float] | None:
     """(the op's activation name, negative_slope) that `node` computes, or None."""
-    kind, mod = op_kind(node), module_of(node)
+    kind = op_kind(node)
     if kind in ("hardtanh", "clamp", "relu6"):
         return ("relu6", 0.0) if _bounds(node) == (0.0, 6.0) else None
     if kind == "leaky_relu":
-        slope = mod.negative_slope if mod is not None else arg(node, 1, "negative_slope", 0.01)
-        value = _num(slope)
+        value = _num(setting(node, "negative_slope", 0.01))
         return ("leaky_relu", float(value)) if value is not None else None
     if kind == "gelu":
-        approx = mod.approximate if mod is not None else arg(node, 1, "approximate", "none")
+        approx = setting(node, "approximate", "none")
         return (
             ("gelu_tanh" if approx == "tanh" else "gelu", 0.0)
             if approx in ("none", "tanh")
@@ -196,7 +193,8 @@ class PointwiseTriton(Rule):
     x + b and every step of a formula to the input dtype). Not measured on a GPU yet: on a
     CUDA target it is taken only where the crossover table says the kernel beats eager."""
 
-    name = "activation.pointwise_triton"
+    name = "activation.pointwise"
+    implementation = "triton"
     family = "activation"
     chapter = 9
     exactness = "exact"
@@ -266,13 +264,9 @@ class PointwiseTriton(Rule):
         )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
-        out = found.nodes[-1]
         args = (found["x"], found["bias"], found["activation"], float(found["slope"]))
-        with gm.graph.inserting_before(out):
-            new = gm.graph.call_function(torch.ops.opswap.bias_act.default, args)
-        copy_meta(new, out)
-        out.replace_all_uses_with(new)
-        drop_dead_attrs(gm, erase(gm, found.nodes))
+        op = torch.ops.opswap.bias_act.default
+        replace_with(gm, found.nodes[-1], op, args, remove=found.nodes)
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         h, m, dtype, kernel = found["hidden"], found["rows"], found["dtype"], found["kernel"]
@@ -280,7 +274,7 @@ class PointwiseTriton(Rule):
         if getattr(target, "kind", "cpu") == "cuda":
             dev = crossover.device_class(target)
             if crossover.lookup(kernel, dev, dtype, h, m) is None:
-                # like norm.group_norm_triton: an unmeasured kernel does not replace eager's
+                # like norm.group_norm: an unmeasured kernel does not replace eager's
                 return Estimate(
                     0.0,
                     0.0,

@@ -1,4 +1,4 @@
-"""softmax.softmax_triton: fires on the eager attention of a tiny Llama (scale and mask
+"""softmax.softmax: fires on the eager attention of a tiny Llama (scale and mask
 folded: masked_softmax), on the softmax and log_softmax ops and the safe softmax written
 out; refuses the unsafe form (naming softmax.stable_softmax), a softmax over another dim,
 and on a CPU target."""
@@ -12,7 +12,7 @@ from opswap.rules._triton import CPU_REASON
 
 from .._triton_models import fired, llama, ops_in, plan, reasons
 
-RULE = "softmax.softmax_triton"
+RULE = "softmax.softmax"
 
 
 def test_fires_on_the_attention_of_a_tiny_llama_with_the_mask_folded():

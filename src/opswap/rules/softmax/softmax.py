@@ -1,4 +1,4 @@
-"""softmax.softmax_triton: softmax and log_softmax over the last dim (the op, or the safe
+"""softmax.softmax: softmax and log_softmax over the last dim (the op, or the safe
 softmax written by hand: exp(x - max) / sum), with the scale and the additive or boolean
 mask that feed it (attention's `scores * scale + mask`) -> `opswap::softmax`,
 `opswap::log_softmax` or `opswap::masked_softmax`: one Triton kernel."""
@@ -64,7 +64,8 @@ class SoftmaxTriton(Rule):
     and a fully masked row is NaN as in eager. The hand-written unsafe form
     exp(x) / sum(exp(x)) is not this rule's: see softmax.stable_softmax."""
 
-    name = "softmax.softmax_triton"
+    name = "softmax.softmax"
+    implementation = "triton"
     family = "softmax"
     chapter = 16
     exactness = "exact"

@@ -1,4 +1,4 @@
-"""activation.pointwise_triton: takes GPT-2's gelu_new (transformers, from a config), each
+"""activation.pointwise: takes GPT-2's gelu_new (transformers, from a config), each
 written-out spelling (gelu_new, FastGELU, QuickGELU, hard-swish and hard-sigmoid with
 relu6, nn.ReLU6, clamp and hardtanh) and every activation of x + a 1-D bias, in both
 capture flavours, where the crossover table says the kernel wins; the rewritten model
@@ -23,7 +23,7 @@ from opswap.rules._triton import CPU_REASON
 
 from .._triton_models import fired, ops_in, plan, reasons
 
-RULE = "activation.pointwise_triton"
+RULE = "activation.pointwise"
 H = 24
 
 

@@ -1,4 +1,4 @@
-"""reduce.sum_of_squares_triton: x.pow(2).sum(-1), (x * x).sum(-1), x.square().mean(-1)
+"""reduce.sum_of_squares: x.pow(2).sum(-1), (x * x).sum(-1), x.square().mean(-1)
 and the like over the last dim -> `opswap::row_reduce(x, "sumsq" | "meansq")`: one
 Triton kernel that squares as it reads, so x*x is never written nor read back."""
 
@@ -8,10 +8,11 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost
-from opswap.graph.ops import arg, copy_meta, op_kind, raw_name
+from opswap.graph.ops import copy_meta, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules import _triton
 from opswap.rules._edits import erase
+from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
@@ -44,7 +45,8 @@ class SumOfSquaresTriton(Rule):
     fp32 and accumulates in fp32, where eager rounds x*x to x's dtype first and then
     accumulates in fp32: one rounding fewer, and the row's sum in another order."""
 
-    name = "reduce.sum_of_squares_triton"
+    name = "reduce.sum_of_squares"
+    implementation = "triton"
     family = "reduce"
     chapter = 15
     exactness = "exact"
@@ -68,12 +70,12 @@ class SumOfSquaresTriton(Rule):
         xi = info(x)
         if xi is None or not xi.shape:
             return Refused(f"the shape of {x.name} is unknown")
-        if not _last_dim(arg(node, 1, "dim"), len(xi.shape)):
+        dim = setting(node, "dim", None)
+        if not _last_dim(dim, len(xi.shape)):
             return Refused(
-                f"{node.name} reduces over dim {arg(node, 1, 'dim')}, not the last one; "
-                "the kernel reduces rows"
+                f"{node.name} reduces over dim {dim}, not the last one; the kernel reduces rows"
             )
-        if arg(node, 3, "dtype") is not None:
+        if setting(node, "dtype", None) is not None:
             return Refused(f"{node.name} accumulates into another dtype (dtype=...)")
         if not xi.dtype.is_floating_point or xi.dtype == torch.float64:
             return Refused(f"{x.name} is {xi.dtype}; the kernel takes bfloat16, float16 or float32")
@@ -84,7 +86,9 @@ class SumOfSquaresTriton(Rule):
             [sq, node],
             f"{'mean' if mean else 'sum'} of {x.name} squared over {n} -> "
             "opswap::row_reduce in one pass",
-            dict(x=x, op="meansq" if mean else "sumsq", keepdim=bool(arg(node, 2, "keepdim"))),
+            dict(
+                x=x, op="meansq" if mean else "sumsq", keepdim=bool(setting(node, "keepdim", False))
+            ),
             record=dict(x=x.name, out=node.name, mean=mean),
             hidden=n,
             rows=rows,

@@ -1,4 +1,4 @@
-"""norm.group_norm_triton: takes nn.GroupNorm and nn.InstanceNorm2d(affine=True) in a small
+"""norm.group_norm: takes nn.GroupNorm and nn.InstanceNorm2d(affine=True) in a small
 conv model, in the fx capture (modules) and the torch.export one (aten.group_norm,
 aten.instance_norm), where the crossover table says the kernel wins; refuses an
 InstanceNorm with running stats; without a measurement a CUDA target keeps ATen's op."""
@@ -14,7 +14,7 @@ from opswap.rules._triton import CPU_REASON
 
 from .._triton_models import fired, ops_in, plan, reasons
 
-RULE = "norm.group_norm_triton"
+RULE = "norm.group_norm"
 
 
 class ConvNet(nn.Module):

@@ -1,4 +1,4 @@
-"""norm.rms_norm_triton: fires on every RMSNorm of a tiny Llama (HF's written-out form,
+"""norm.rms_norm: fires on every RMSNorm of a tiny Llama (HF's written-out form,
 matched on what it computes), on Gemma's 1 + weight form with a weight buffer, and on
 nn.RMSNorm; refused with the reason on a CPU target, over a non-last dim, with a run-time
 eps."""
@@ -13,7 +13,7 @@ from opswap.rules._triton import CPU_REASON
 
 from .._triton_models import fired, llama, ops_in, plan, reasons
 
-RULE = "norm.rms_norm_triton"
+RULE = "norm.rms_norm"
 
 
 def test_fires_on_every_norm_of_a_tiny_llama():

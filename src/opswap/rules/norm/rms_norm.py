@@ -1,4 +1,4 @@
-"""norm.rms_norm_triton: an RMSNorm, written out (HF's Llama/Qwen/Mistral/Gemma classes as
+"""norm.rms_norm: an RMSNorm, written out (HF's Llama/Qwen/Mistral/Gemma classes as
 captured) or as nn.RMSNorm / F.rms_norm, -> `opswap::rms_norm`, one Triton kernel."""
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class RMSNormTriton(Rule):
     pattern without the upcast, computed in bfloat16 by eager, gets fp32 inside: fewer
     roundings, not another function."""
 
-    name = "norm.rms_norm_triton"
+    name = "norm.rms_norm"
+    implementation = "triton"
     family = "norm"
     chapter = 10
     exactness = "exact"

@@ -1,4 +1,4 @@
-"""activation.swiglu_triton: `silu(g) * u` -> `opswap::glu` (two tensors), or, when g
+"""activation.swiglu: `silu(g) * u` -> `opswap::glu` (two tensors), or, when g
 and u are the two halves of one tensor (`x.chunk(2, -1)`, a merged gate_up Linear's
 output), `opswap::glu_packed` on that tensor: one Triton kernel either way."""
 
@@ -10,10 +10,11 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost
-from opswap.graph.ops import arg, copy_meta, op_kind, raw_name
+from opswap.graph.ops import arg, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules import _triton
-from opswap.rules._edits import erase
+from opswap.rules._edits import replace_with
+from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.pattern import op, var
 from opswap.rules.registry import register
@@ -34,7 +35,7 @@ def _halves_of(g: fx.Node, u: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if xi is None or not xi.shape or xi.shape[-1] % 2:
         return None
     ndim, last = len(xi.shape), xi.shape[-1]
-    dim = arg(sp, 2, "dim", 0)
+    dim = setting(sp, "dim", 0)
     if not isinstance(dim, int) or dim % ndim != ndim - 1:
         return None
     size = arg(sp, 1, "chunks" if raw_name(sp) == "chunk" else "split_size_or_sections")
@@ -51,7 +52,8 @@ class SwiGLUTriton(Rule):
     """silu(g) * u in one kernel with fp32 math inside. Exact: eager rounds silu(g) to the
     input dtype before the product and the kernel does not, one rounding fewer."""
 
-    name = "activation.swiglu_triton"
+    name = "activation.swiglu"
+    implementation = "triton"
     family = "activation"
     chapter = 9
     exactness = "exact"
@@ -96,19 +98,12 @@ class SwiGLUTriton(Rule):
         )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
-        mul = found.nodes[-1]
-        with gm.graph.inserting_before(mul):
-            if found["x"] is not None:
-                new = gm.graph.call_function(
-                    torch.ops.opswap.glu_packed.default, (found["x"], "silu")
-                )
-            else:
-                new = gm.graph.call_function(
-                    torch.ops.opswap.glu.default, (found["g"], found["u"], "silu")
-                )
-        copy_meta(new, mul)
-        mul.replace_all_uses_with(new)
-        erase(gm, found.nodes)
+        args: tuple
+        if found["x"] is not None:
+            op, args = torch.ops.opswap.glu_packed.default, (found["x"], "silu")
+        else:
+            op, args = torch.ops.opswap.glu.default, (found["g"], found["u"], "silu")
+        replace_with(gm, found.nodes[-1], op, args, remove=found.nodes)
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         h, m, dtype = found["hidden"], found["rows"], found["dtype"]

@@ -1,4 +1,4 @@
-"""norm.layer_norm_triton: takes nn.LayerNorm and the written-out LayerNorm that
+"""norm.layer_norm: takes nn.LayerNorm and the written-out LayerNorm that
 fusion.layer_norm leaves as one; refuses a LayerNorm over two dims."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from opswap.rules._triton import CPU_REASON
 
 from .._triton_models import fired, ops_in, plan, reasons
 
-RULE = "norm.layer_norm_triton"
+RULE = "norm.layer_norm"
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""fusion.rope_triton: Hugging Face's apply_rotary_pos_emb after capture, q * cos +
+"""fusion.rope: Hugging Face's apply_rotary_pos_emb after capture, q * cos +
 rotate_half(q) * sin with rotate_half as slice / neg / cat, on q and on k with the same
 cos and sin -> `opswap::rope`: one Triton kernel rotates both in one launch.
 
@@ -18,6 +18,7 @@ from opswap.graph.ops import arg, copy_meta, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules import _triton
 from opswap.rules._edits import erase
+from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
@@ -48,7 +49,7 @@ def _rotate_half(cat: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     if ci is None or not isinstance(neg, fx.Node) or op_kind(neg) != "neg":
         return None
     ndim, d = len(ci.shape), int(ci.shape[-1])
-    if not _last_dim(arg(cat, 1, "dim", 0), ndim):
+    if not _last_dim(setting(cat, "dim", 0), ndim):
         return None
     hi, lo = _slice(neg.args[0], ndim), _slice(first, ndim)
     if hi is None or lo is None or hi[0] is not lo[0] or d % 2:
@@ -119,7 +120,8 @@ class RopeTriton(Rule):
     computed in fp32 and rounded once, where eager rounds each product and the sum to
     the tensors' dtype (fewer roundings)."""
 
-    name = "fusion.rope_triton"
+    name = "fusion.rope"
+    implementation = "triton"
     family = "fusion"
     chapter = 4
     exactness = "exact"

@@ -1,4 +1,4 @@
-"""fusion.rope_triton: fires once per layer of a tiny Llama (q and k in one op), on a
+"""fusion.rope: fires once per layer of a tiny Llama (q and k in one op), on a
 hand-written apply_rotary_pos_emb over GQA heads at another head dim; a lone rotation
 takes the op alone; refused on a CPU target and for a 3-D input."""
 
@@ -12,7 +12,7 @@ from opswap.rules._triton import CPU_REASON
 
 from .._triton_models import fired, llama, ops_in, plan, reasons
 
-RULE = "fusion.rope_triton"
+RULE = "fusion.rope"
 
 
 def test_fires_once_per_layer_of_a_tiny_llama():

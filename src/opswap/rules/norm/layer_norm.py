@@ -1,4 +1,4 @@
-"""norm.layer_norm_triton: LayerNorm over the last dim (nn.LayerNorm, F.layer_norm,
+"""norm.layer_norm: LayerNorm over the last dim (nn.LayerNorm, F.layer_norm,
 aten.layer_norm, and what fusion.layer_norm makes of a written-out one) ->
 `opswap::layer_norm`, one Triton kernel forward and one backward."""
 
@@ -8,11 +8,11 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import arg, copy_meta, module_of, raw_name
+from opswap.graph.ops import arg, module_of, raw_name
 from opswap.graph.shapes import info
 from opswap.rules import _triton
-from opswap.rules._edits import drop_dead_attrs, erase
-from opswap.rules._matching import describe_source
+from opswap.rules._edits import replace_with
+from opswap.rules._matching import describe_source, setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 
@@ -32,7 +32,8 @@ class LayerNormTriton(Rule):
     (one kernel for dx, dw and db, mean and rstd recomputed from the row), which the
     crossover table measures."""
 
-    name = "norm.layer_norm_triton"
+    name = "norm.layer_norm"
+    implementation = "triton"
     family = "norm"
     chapter = 10
     exactness = "exact"
@@ -52,13 +53,11 @@ class LayerNormTriton(Rule):
         if not isinstance(x, fx.Node):
             return None
         mod = module_of(node)
-        eps: object
+        eps = setting(node, "eps", 1e-5)
         if mod is not None:
             shape = tuple(getattr(mod, "normalized_shape", ()))
-            eps = getattr(mod, "eps", 1e-5)
         else:
             shape = tuple(arg(node, 1, "normalized_shape", ()) or ())
-            eps = arg(node, 4, "eps", 1e-5)
             for i, name in ((2, "weight"), (3, "bias")):
                 v = arg(node, i, name)
                 if v is not None and not (isinstance(v, fx.Node) and v.op == "get_attr"):
@@ -91,13 +90,8 @@ class LayerNormTriton(Rule):
             b = _param(gm, node, "bias", node)
         else:
             w, b = arg(node, 2, "weight"), arg(node, 3, "bias")
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(
-                torch.ops.opswap.layer_norm.default, (found["x"], w, b, found["eps"])
-            )
-        copy_meta(new, node)
-        node.replace_all_uses_with(new)
-        drop_dead_attrs(gm, erase(gm, [node]))
+        op = torch.ops.opswap.layer_norm.default
+        replace_with(gm, node, op, (found["x"], w, b, found["eps"]))
 
     def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
         n, m, dtype = found["hidden"], found["rows"], found["dtype"]

@@ -1,4 +1,4 @@
-"""activation.swiglu_triton: fires on the MLPs of a tiny Llama (two tensors), on the two
+"""activation.swiglu: fires on the MLPs of a tiny Llama (two tensors), on the two
 halves of one Linear's output (the packed op), refuses a broadcasting product."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from opswap.rules._triton import CPU_REASON
 
 from .._triton_models import fired, llama, ops_in, plan, reasons
 
-RULE = "activation.swiglu_triton"
+RULE = "activation.swiglu"
 
 
 def test_fires_on_the_mlps_of_a_tiny_llama():

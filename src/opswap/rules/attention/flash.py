@@ -1,4 +1,4 @@
-"""attention.flash_triton: `scaled_dot_product_attention` (F.scaled_dot_product_attention
+"""attention.flash: `scaled_dot_product_attention` (F.scaled_dot_product_attention
 after an FX capture, aten.scaled_dot_product_attention after torch.export) -> opswap's
 Triton FlashAttention, `opswap::flash_attention`, where the measured crossover table says
 it beats SDPA's own backends on the target.
@@ -99,7 +99,8 @@ class FlashTriton(Rule):
     target only where the crossover table has measured it faster than SDPA's fastest
     backend at that head dim and length."""
 
-    name = "attention.flash_triton"
+    name = "attention.flash"
+    implementation = "triton"
     family = "attention"
     chapter = 8
     exactness = "exact"

@@ -1,5 +1,5 @@
-"""norm.add_rms_norm_triton: folds each residual add of a tiny Llama into the RMSNorm it
-feeds (the sum still reaches its later readers), planned before norm.rms_norm_triton,
+"""norm.add_rms_norm: folds each residual add of a tiny Llama into the RMSNorm it
+feeds (the sum still reaches its later readers), planned before norm.rms_norm,
 which takes the one norm without an add; refuses an add that broadcasts."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from torch import nn
 
 from .._triton_models import fired, llama, ops_in, plan, reasons
 
-RULE = "norm.add_rms_norm_triton"
+RULE = "norm.add_rms_norm"
 
 
 def test_folds_the_residual_adds_of_a_tiny_llama():
     lm, cap = llama()
     p, applied, _ = plan(lm.module, lm.example_inputs, ["norm.*"], captured=cap)
-    assert fired(p, RULE) == 4 and fired(p, "norm.rms_norm_triton") == 1, p.decisions
+    assert fired(p, RULE) == 4 and fired(p, "norm.rms_norm") == 1, p.decisions
     assert [d.rule for d in p.decisions][:4] == [RULE] * 4  # it runs first
     ops = ops_in(applied.gm)
     assert ops.count(torch.ops.opswap.add_rms_norm.default) == 4

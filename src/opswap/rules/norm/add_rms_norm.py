@@ -1,4 +1,4 @@
-"""norm.add_rms_norm_triton: `s = a + b; y = rmsnorm(s)` (the decoder layer's residual add
+"""norm.add_rms_norm: `s = a + b; y = rmsnorm(s)` (the decoder layer's residual add
 and the next norm) -> `opswap::add_rms_norm`, one kernel returning (y, s)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from opswap.graph.ops import op_kind
 from opswap.graph.shapes import info
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.norm import _rms
-from opswap.rules.norm.rms_norm_triton import describe, estimate, install
+from opswap.rules.norm.rms_norm import describe, estimate, install
 from opswap.rules.registry import register
 
 
@@ -17,16 +17,17 @@ from opswap.rules.registry import register
 class AddRMSNormTriton(Rule):
     """The residual add and the RMSNorm it feeds, in one pass: the kernel reads a and b,
     writes the sum (the residual stream its later readers take) and the normalised
-    output, so the sum is never re-read. Exact, as norm.rms_norm_triton: the sum is
+    output, so the sum is never re-read. Exact, as norm.rms_norm: the sum is
     rounded to the input dtype as eager's add rounds it, then normalised in fp32."""
 
-    name = "norm.add_rms_norm_triton"
+    name = "norm.add_rms_norm"
+    implementation = "triton"
     family = "norm"
     chapter = 10
     exactness = "exact"
     targets = ("cuda", "cpu")
     after = ("fusion.*",)
-    before = ("norm.rms_norm_triton",)
+    before = ("norm.rms_norm",)
     relieves = ("memory:normalization", "memory:elementwise")
     anchors = ("rsqrt", "rms_norm")
     description = (
@@ -37,7 +38,7 @@ class AddRMSNormTriton(Rule):
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
         rms = _rms.read(gm, node)
         if rms is None or isinstance(rms, str):
-            return None  # norm.rms_norm_triton reports the reason
+            return None  # norm.rms_norm reports the reason
         add, alias = rms.x, None
         if _rms.not_a_cast(add) and isinstance(add.args[0], fx.Node):
             # a float32 model's no-op upcast, which export also hands to the sum's readers

@@ -1,4 +1,4 @@
-"""attention.flash_triton: on the h200 target a tiny bf16 attention block (GQA, a padding
+"""attention.flash: on the h200 target a tiny bf16 attention block (GQA, a padding
 mask, causal) matches at each SDPA call; with no measured crossover the planner keeps
 SDPA, saying so, and with a measured win it installs opswap::flash_attention, whose
 result matches the user's module at other shapes; head dim 96, dropout, fp32 and a CPU
@@ -20,7 +20,7 @@ from opswap.rules._triton import CPU_REASON
 
 from .._triton_models import fired, ops_in, plan, reasons
 
-RULE = "attention.flash_triton"
+RULE = "attention.flash"
 
 
 class Block(nn.Module):

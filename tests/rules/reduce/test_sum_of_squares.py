@@ -1,4 +1,4 @@
-"""reduce.sum_of_squares_triton: fires on every RMSNorm's mean of squares of a tiny Llama
+"""reduce.sum_of_squares: fires on every RMSNorm's mean of squares of a tiny Llama
 (when the norm rule is not in the plan), on x.pow(2).sum(-1), (x * x).sum(-1) and
 x.square().mean(-1, keepdim=True); refuses another dim, an accumulation dtype, and on a CPU
 target."""
@@ -12,7 +12,7 @@ from opswap.rules._triton import CPU_REASON
 
 from .._triton_models import fired, llama, ops_in, plan, reasons
 
-RULE = "reduce.sum_of_squares_triton"
+RULE = "reduce.sum_of_squares"
 
 
 def test_fires_on_the_norms_of_a_tiny_llama():
@@ -20,8 +20,8 @@ def test_fires_on_the_norms_of_a_tiny_llama():
     p, applied, _ = plan(lm.module, lm.example_inputs, [RULE], captured=cap)
     assert fired(p, RULE) == 5, (p.decisions, p.misses)
     assert ops_in(applied.gm).count(torch.ops.opswap.row_reduce.default) == 5
-    both = plan(lm.module, lm.example_inputs, [RULE, "norm.rms_norm_triton"], captured=cap)[0]
-    assert fired(both, RULE) == 0 and fired(both, "norm.rms_norm_triton") == 5  # the norm first
+    both = plan(lm.module, lm.example_inputs, [RULE, "norm.rms_norm"], captured=cap)[0]
+    assert fired(both, RULE) == 0 and fired(both, "norm.rms_norm") == 5  # the norm first
     p2, _, _ = plan(lm.module, lm.example_inputs, [RULE], target="cpu", captured=cap)
     assert not p2.decisions and all(CPU_REASON in s.reason for s in p2.skipped)
 
