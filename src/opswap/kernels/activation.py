@@ -77,7 +77,7 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 #: QuickGELU's constant (transformers' QuickGELUActivation)
 QUICK = 1.702
-#: the written-out formulas activation.pointwise_triton replaces with the op: each is
+#: the written-out formulas activation.pointwise replaces with the op: each is
 #: measured under its own crossover name, "bias_act:FORM", since eager's cost differs
 FORMS = ("gelu_new", "fast_gelu", "quick_gelu", "hardswish", "hardsigmoid")
 #: the names the crossover table (kernels/crossover.py) measures this kernel under: an
