@@ -136,6 +136,20 @@ def verify(
         raise VerificationError(
             f"Verification needs at least one sample (the example itself); got {samples!r}."
         )
+    inputs, labels, ranges = _inputs(example_inputs, samples, seed, variants, given)
+    tally = _Tally(
+        reference, candidate, tol, graph_heads(graph if graph is not None else reference)
+    )
+    with torch.no_grad(), full_precision(), preserved_state(reference, candidate):
+        for i, sample in enumerate(inputs):
+            if not tally.run(sample, seed + i, f"sample {i} ({labels[i]})"):
+                break
+        tally.more_rows(inputs[0], seed, dynamic, ranges)
+    return tally.verdict(len(inputs), labels)
+
+
+def _inputs(example_inputs, samples: int, seed: int, variants, given) -> tuple:
+    """(input tuples, their labels, the given data's ranges or None) `verify` runs on."""
     ranges = None
     if given is not None:
         if not given:
@@ -150,21 +164,50 @@ def verify(
         fresh_values = refresh_floats(variant, seed + 1 + i)
         inputs.append(clamped(fresh_values, ranges) if ranges is not None else fresh_values)
         labels.append(label)
-    per_output: dict[str, list[Metrics]] = {}
-    order: list[str] = []
-    failures: dict[str, list[str]] = {}
-    general: list[str] = []
-    heads = graph_heads(graph if graph is not None else reference)
-    judged: dict[str, Judged] = {}
-    shape: dict[str, tuple[int, int]] = {}  # each class-score output's rows and size
+    return inputs, labels, ranges
 
-    def run(sample: tuple, seed_i: int, at: str, only: Container[str] | None = None) -> bool:
-        """Compare both models' outputs on `sample` (only the outputs named in `only`);
-        False when nothing more can be compared (the candidate raised, or its output
-        structure differs)."""
+
+def _leaf_reason(name: str, r: Any, c: Any, at: str) -> str | None:
+    """Why output `name` of the candidate (`c`) cannot be compared with the reference's
+    (`r`) by value, or None where it can."""
+    if isinstance(r, torch.Tensor) != isinstance(c, torch.Tensor):
+        return f"{name} is a {type(c).__name__} in the candidate and a {type(r).__name__} in the reference"
+    if isinstance(r, torch.Tensor):
+        if r.shape != c.shape:
+            return (
+                f"{name} has shape {tuple(c.shape)} in the candidate and "
+                f"{tuple(r.shape)} in the reference (at {at})"
+            )
+        if r.is_contiguous() and not c.is_contiguous():
+            return (
+                f"{name} is contiguous in the reference but has strides "
+                f"{tuple(c.stride())} in the candidate, so a caller's .view() of it would raise"
+            )
+        return None
+    if isinstance(r, int | float | bool) or r == c:
+        return None
+    return f"{name} is {c!r} in the candidate and {r!r} in the reference"
+
+
+class _Tally:
+    """What `verify` has seen so far: each output's metrics over the samples, the reasons
+    it cannot pass, and the class-score judgement of the outputs that hold class scores."""
+
+    def __init__(self, reference: Callable, candidate: Callable, tol: Tolerance, heads) -> None:
+        self.reference, self.candidate, self.tol, self.heads = reference, candidate, tol, heads
+        self.per_output: dict[str, list[Metrics]] = {}
+        self.order: list[str] = []
+        self.failures: dict[str, list[str]] = {}
+        self.general: list[str] = []
+        self.judged: dict[str, Judged] = {}
+        self.shape: dict[str, tuple[int, int]] = {}  # each class-score output's rows and size
+
+    def _outputs(self, sample: tuple, seed_i: int, at: str) -> tuple | None:
+        """Both models' outputs on `sample`, flattened; None (with the reason kept) when
+        the candidate raised or returns another structure."""
         try:
             with same_random(seed_i):
-                ref_out = reference(*fresh(sample))
+                ref_out = self.reference(*fresh(sample))
         except Exception as e:
             raise VerificationError(
                 f"The reference model raised {type(e).__name__} on {at} "
@@ -172,121 +215,117 @@ def verify(
             ) from e
         try:
             with same_random(seed_i):
-                cand_out = candidate(*fresh(sample))
+                cand_out = self.candidate(*fresh(sample))
         except Exception as e:  # a broken candidate is a failed verification
-            general.append(
+            self.general.append(
                 f"the candidate raised {type(e).__name__} on {at}: {str(e).strip()[:200]}"
             )
-            return False
+            return None
         ref_leaves, ref_spec = _flatten(ref_out)
         cand_leaves, cand_spec = _flatten(cand_out)
         if ref_spec != cand_spec:
-            general.append(
+            self.general.append(
                 f"the candidate returns {_describe(cand_spec)} where the "
                 f"reference returns {_describe(ref_spec)}"
             )
+            return None
+        return ref_leaves, cand_leaves
+
+    def run(self, sample: tuple, seed_i: int, at: str, only: Container[str] | None = None) -> bool:
+        """Compare both models' outputs on `sample` (only the outputs named in `only`);
+        False when nothing more can be compared (the candidate raised, or its output
+        structure differs)."""
+        found = self._outputs(sample, seed_i, at)
+        if found is None:
             return False
-        same_leaves = heads is not None and len(heads) == len(ref_leaves)
+        ref_leaves, cand_leaves = found
+        heads = (
+            self.heads if self.heads is not None and len(self.heads) == len(ref_leaves) else None
+        )
         for j, ((name, r), (_, c)) in enumerate(zip(ref_leaves, cand_leaves, strict=True)):
             if only is not None and name not in only:
                 continue
-            if name not in per_output:
-                per_output[name] = []
-                order.append(name)
-                found = read_scores(name, r, heads[j] if heads and same_leaves else None)
-                if found is not None:
-                    judged[name], shape[name] = Judged(found), (r.numel() // r.shape[-1], r.numel())
-            reason = None
-            if isinstance(r, torch.Tensor) != isinstance(c, torch.Tensor):
-                reason = (
-                    f"{name} is a {type(c).__name__} in the candidate and a "
-                    f"{type(r).__name__} in the reference"
-                )
-            elif isinstance(r, torch.Tensor):
-                if r.shape != c.shape:
-                    reason = (
-                        f"{name} has shape {tuple(c.shape)} in the candidate and "
-                        f"{tuple(r.shape)} in the reference (at {at})"
-                    )
-                elif r.is_contiguous() and not c.is_contiguous():
-                    reason = (
-                        f"{name} is contiguous in the reference but has strides "
-                        f"{tuple(c.stride())} in the candidate, so a caller's "
-                        ".view() of it would raise"
-                    )
-                else:
-                    per_output[name].append(compare(r, c))
-                    if name in judged:
-                        judged[name].add(r, c, tol.rounding_rel)
-            elif isinstance(r, int | float | bool):
-                per_output[name].append(compare(torch.tensor(r), torch.tensor(c)))
-            elif r != c:
-                reason = f"{name} is {c!r} in the candidate and {r!r} in the reference"
+            if name not in self.per_output:
+                self._first(name, r, heads[j] if heads else None)
+            reason = _leaf_reason(name, r, c, at)
             if reason is not None:
-                failures.setdefault(name, [])
-                if reason not in failures[name]:
-                    failures[name].append(reason)
+                if reason not in self.failures.setdefault(name, []):
+                    self.failures[name].append(reason)
+            elif isinstance(r, torch.Tensor):
+                self.per_output[name].append(compare(r, c))
+                if name in self.judged:
+                    self.judged[name].add(r, c, self.tol.rounding_rel)
+            elif isinstance(r, int | float | bool):
+                self.per_output[name].append(compare(torch.tensor(r), torch.tensor(c)))
         return True
 
-    def reasons_of(name: str, agreement: bool = True) -> list[str]:
-        m = combine(per_output[name])
-        why = tol.check(m)[1]
-        if name in judged:
-            why += judged[name].check(tol, m, agreement)
-        return failures.get(name, []) + [f"{name}: {w}" for w in why]
+    def _first(self, name: str, r: Any, head: Any) -> None:
+        """Start output `name`'s tally; judge it as class scores where it holds them."""
+        self.per_output[name] = []
+        self.order.append(name)
+        scores = read_scores(name, r, head)
+        if scores is not None:
+            self.judged[name] = Judged(scores)
+            self.shape[name] = (r.numel() // r.shape[-1], r.numel())
 
-    def open_to_rows(name: str) -> bool:
+    def reasons_of(self, name: str, agreement: bool = True) -> list[str]:
+        m = combine(self.per_output[name])
+        why = self.tol.check(m)[1]
+        if name in self.judged:
+            why += self.judged[name].check(self.tol, m, agreement)
+        return self.failures.get(name, []) + [f"{name}: {w}" for w in why]
+
+    def open_to_rows(self, name: str) -> bool:
         """Whether more rows could change `name`'s verdict: it passes but for its top-k
         agreement, which is judged on the rows, and its rows so far do not settle that."""
         return (
-            not general
-            and not reasons_of(name, agreement=False)
-            and not tol.decided(judged[name].top1)
+            not self.general
+            and not self.reasons_of(name, agreement=False)
+            and not self.tol.decided(self.judged[name].top1)
         )
 
-    with torch.no_grad(), full_precision(), preserved_state(reference, candidate):
-        for i, sample in enumerate(inputs):
-            if not run(sample, seed + i, f"sample {i} ({labels[i]})"):
-                break
-        # more rows for the class scores still passing, where the budget lets rows change;
-        # more again for a rate too close to the budget to tell
+    def more_rows(self, first: tuple, seed: int, dynamic: Dynamic | None, ranges) -> None:
+        """More rows for the class scores still passing, where the budget lets rows change;
+        more again for a rate too close to the budget to tell."""
+        tol = self.tol
         for settle in (False, True):
             want = tol.decision_rows(settle)
-            open_ = [n for n in judged if open_to_rows(n)]
+            open_ = [n for n in self.judged if self.open_to_rows(n)]
             if settle:
-                open_ = [n for n in open_ if tol.unsettled(judged[n].top1)]
+                open_ = [n for n in open_ if tol.unsettled(self.judged[n].top1)]
             if not want or not open_:
-                break
-            needed = want - min(judged[n].top1.rows for n in open_)
-            rows, numel = min(shape[n] for n in open_)  # the output with the fewest rows
+                return
+            needed = want - min(self.judged[n].top1.rows for n in open_)
+            rows, numel = min(self.shape[n] for n in open_)  # the output with the fewest rows
             start = seed + (20_011 if settle else 10_007)
-            label, _, draws = row_samples(inputs[0], rows, numel, needed, start, dynamic)
+            label, _, draws = row_samples(first, rows, numel, needed, start, dynamic)
             at = f"rows drawn for class scores ({label})"
             for j, sample in enumerate(draws):
                 if ranges is not None:
                     sample = clamped(sample, ranges)
                 try:
-                    if not run(sample, start + j, at, open_):
+                    if not self.run(sample, start + j, at, open_):
                         break
                 except VerificationError:  # the reference refuses the larger batch: judge
                     break  # on the rows it gave (OutputCheck.decisions counts them)
-                open_ = [n for n in open_ if open_to_rows(n)]
+                open_ = [n for n in open_ if self.open_to_rows(n)]
                 if not open_:
                     break
 
-    checks: list[OutputCheck] = []
-    for name in order:
-        m = combine(per_output[name])
-        why = reasons_of(name)
-        checks.append(OutputCheck(name, m, not why, why, judged.get(name)))
-    reasons = general + [r for c in checks for r in c.reasons]
-    total = combine(c.metrics for c in checks)
-    if not checks and general:  # nothing could be compared: no number to show
-        nan = math.nan
-        total = Metrics(nan, nan, nan, nan, nan, 0, 0)
-    return Verification(
-        total, not reasons, reasons, checks, len(inputs), tol, list(dict.fromkeys(labels))
-    )
+    def verdict(self, samples: int, labels: list[str]) -> Verification:
+        checks: list[OutputCheck] = []
+        for name in self.order:
+            m = combine(self.per_output[name])
+            why = self.reasons_of(name)
+            checks.append(OutputCheck(name, m, not why, why, self.judged.get(name)))
+        reasons = self.general + [r for c in checks for r in c.reasons]
+        total = combine(c.metrics for c in checks)
+        if not checks and self.general:  # nothing could be compared: no number to show
+            nan = math.nan
+            total = Metrics(nan, nan, nan, nan, nan, 0, 0)
+        return Verification(
+            total, not reasons, reasons, checks, samples, self.tol, list(dict.fromkeys(labels))
+        )
 
 
 def _shape_label(sample: tuple) -> str:
