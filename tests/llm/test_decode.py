@@ -286,3 +286,23 @@ if __name__ == "__main__":  # the child of `kernel_run`: interpreter on CPU, ker
     except Exception as e:
         out = {"error": f"{type(e).__name__}: {e}"[:2000]}
     print(json.dumps(out))
+
+
+def test_the_decoder_passes_opswaps_own_verification_and_a_broken_one_fails(monkeypatch):
+    # the hand-written route answers to the same verification as the graph-rewrite route:
+    # the logits of every new token against the transformers model, and their top-1
+    from opswap.llm import verify_decoder
+
+    model = _llama(kv_heads=2)
+    ids = _prompt(2, 7, seed=3)
+    dec = StaticDecoder(model, max_len=16, batch=2, device="cpu", cuda_graphs=False)
+    v = verify_decoder(model, dec, ids, max_new_tokens=5, samples=2)
+    assert v.passed, v.reasons
+    assert v.outputs[0].decisions is not None  # judged as class scores too
+    # a decoder that forgets the rotary embedding is caught by the same check
+    from opswap.llm import cpu_step
+
+    monkeypatch.setattr(cpu_step, "_rope", lambda qk, cos, sin: qk)
+    broken = StaticDecoder(model, max_len=16, batch=2, device="cpu", cuda_graphs=False)
+    bad = verify_decoder(model, broken, ids, max_new_tokens=5, samples=2)
+    assert not bad.passed and any("logits" in r for r in bad.reasons), bad.reasons
