@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("artifact", ("record", "artifact", "result")),
     ("llm", ("llm",)),
     ("pipeline", ("pipeline", "stages")),
-    ("api", ("api", "deploy", "train", "")),
+    ("api", ("api", "deploy", "train", "catalog", "")),
     ("cli", ("cli",)),
 ]
 

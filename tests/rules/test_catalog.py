@@ -6,7 +6,8 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from opswap.rules import catalog, registry
+from opswap import catalog
+from opswap.rules import registry
 from opswap.rules.base import Rule
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -316,3 +317,14 @@ def setting(node: fx.Node, name: str, default: Any = NO_SETTING) -> Any:
         bound.apply_defaults()
         return bound.arguments.get(name, default)
     return default
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A near-match and why it does not qualify, in a user's words. Falsy."""
+
+    reason: str
+    where: fx.Node | str | None = None  # the node (or place) it concerns; default the anchor
+
+    def __bool__(self) -> bool:
+        return False

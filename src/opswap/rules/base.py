@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from opswap.graph.ops import op_kind
 from opswap.graph.purity import writes_in_place
-from opswap.rules._matching import may_alias_input, storage_root
+from opswap.rules._matching import Refused, may_alias_input, storage_root
 from opswap.rules.pattern import Op
 
 if TYPE_CHECKING:
@@ -84,17 +84,6 @@ class Found:
 
     def __repr__(self) -> str:
         return f"<Found {self.key}: {self.description}>"
-
-
-@dataclass(frozen=True)
-class Refused:
-    """A near-match and why it does not qualify, in a user's words. Falsy."""
-
-    reason: str
-    where: fx.Node | str | None = None  # the node (or place) it concerns; default the anchor
-
-    def __bool__(self) -> bool:
-        return False
 
 
 #: what a check answers at one node

@@ -34,17 +34,14 @@ rewrite stay in `Rule`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from opswap.graph.ops import op_kind
-from opswap.rules._matching import NO_SETTING, setting
+from opswap.rules._matching import NO_SETTING, Refused, setting
 from opswap.rules._matching import const as _const
-
-if TYPE_CHECKING:
-    from opswap.rules.base import Refused
 
 #: kinds whose two operands may come in either order
 COMMUTATIVE = frozenset({"add", "mul"})
@@ -76,7 +73,6 @@ class Op:
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Match | Refused | None:
         """The match rooted at `node`; a Refused saying which setting differs when the ops
         and arguments match and a setting does not; None when it is no candidate."""
-        from opswap.rules.base import Refused  # base imports this module
 
         m = self._find(gm, node)
         return Refused(m) if isinstance(m, str) else m

@@ -16,7 +16,7 @@ hand but written from the rules' own declarations, between markers:
   names, with the functions, methods, ATen ops and modules each stands for
   (graph/ops.py), so that the page never lists a kind the code does not know.
 
-`python -m opswap.rules.catalog` rewrites them in the source checkout it runs from;
+`python -m opswap.catalog` rewrites them in the source checkout it runs from;
 tests/rules/test_catalog.py fails, naming that command, while any is stale.
 """
 
@@ -32,7 +32,7 @@ from opswap.rules import registry
 from opswap.rules.base import EXACTNESS_ORDER, Rule
 from opswap.rules.order import Declares, ordered
 
-COMMAND = "python -m opswap.rules.catalog"
+COMMAND = "python -m opswap.catalog"
 _BLOCK = re.compile(r"(<!-- rules:(\w+)(?: (\w+))? -->\n)(.*?)(<!-- /rules -->)", re.S)
 
 
@@ -140,7 +140,7 @@ def stale(root: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    root = Path(argv[0]) if argv else Path(__file__).resolve().parents[3]
+    root = Path(argv[0]) if argv else Path(__file__).resolve().parents[2]
     if not (root / "docs").is_dir():
         print(
             f"{root} is not an opswap source checkout (no docs/): pass its path.", file=sys.stderr
