@@ -211,7 +211,11 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
 # the tests with CUDA paths of the low-precision schemes
 #: issue 37: the race on torchvision ResNet-50 and BERT-base in bf16 saves the fastest
 #: verified variant, and it reloads (one pytest worker: the races must not overlap)
-RACE_TESTS = ["tests/bench/test_gpu_race.py", "tests/backends/test_cudagraph.py"]
+RACE_TESTS = [
+    "tests/bench/test_gpu_race.py",
+    "tests/backends/test_cudagraph.py",
+    "tests/backends/test_eager.py",  # the loaded program's direct calls, on CUDA
+]
 
 PRECISION_TESTS = [
     "tests/kernels/test_weight_only.py",
