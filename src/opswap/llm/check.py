@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from opswap.llm.decode import StaticDecoder
+from opswap.llm.static_cache import DecodeError
 from opswap.verify.outputs import Verification, verify
 from opswap.verify.tolerance import Tolerance
 
@@ -58,7 +59,7 @@ def verify_decoder(
 
     first = next(iter(model.parameters()), None)
     if first is not None and (first.device != device or first.dtype != dtype):
-        raise ValueError(
+        raise DecodeError(
             f"the model runs in {first.dtype} on {first.device} and the decoder in {dtype} on "
             f"{device}; verify the decoder against the model in the decoder's dtype and device."
         )

@@ -383,11 +383,13 @@ def compare_outputs(ref_out: Any, cand_out: Any, tolerance: Tolerance | str | No
         ]
     reasons: list[str] = []
     for (name, r), (_, c) in zip(ref_leaves, cand_leaves, strict=True):
-        if isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor):
-            if r.shape != c.shape:
-                reasons.append(f"{name} has shape {tuple(c.shape)}, not {tuple(r.shape)}")
-                continue
+        why = _leaf_reason(name, r, c, "the example")  # the same checks as `verify`'s
+        if why is not None:
+            reasons.append(why)
+        elif isinstance(r, torch.Tensor):
             reasons += [f"{name}: {w}" for w in tol.check(compare(r, c.to(r.device)))[1]]
-        elif isinstance(r, torch.Tensor) or isinstance(c, torch.Tensor) or r != c:
-            reasons.append(f"{name} is {c!r} in the candidate and {r!r} in the reference")
+        elif isinstance(r, int | float | bool):
+            reasons += [
+                f"{name}: {w}" for w in tol.check(compare(torch.tensor(r), torch.tensor(c)))[1]
+            ]
     return reasons
