@@ -107,18 +107,25 @@ class _Heads(nn.Module):
         super().__init__()
         self.kind = kind
         self.a, self.b = nn.Linear(6, 5), nn.Linear(5, 3)
+        if kind == "named":  # a flat tuple named by the model, as models.hf.HFModule does
+            self.opswap_output_names = ("logits", "hidden")
 
     def forward(self, x):
         h = torch.relu(self.a(x))
         y = self.b(h)
         if self.kind == "dict":
             return {"logits": y, "hidden": h}
-        return (y, h) if self.kind == "tuple" else y
+        return (y, h) if self.kind in ("tuple", "named") else y
 
 
 @pytest.mark.parametrize(
     ("kind", "names"),
-    [("dict", ["logits", "hidden"]), ("tuple", ["output_0", "output_1"]), ("tensor", ["output"])],
+    [
+        ("dict", ["logits", "hidden"]),
+        ("tuple", ["output_0", "output_1"]),
+        ("named", ["logits", "hidden"]),
+        ("tensor", ["output"]),
+    ],
 )
 def test_outputs_keep_the_models_own_names_on_every_plan(tmp_path, kind, names):
     """The exporter names an output after the node that made it (linear_13 on one plan,

@@ -437,3 +437,17 @@ def test_a_capture_that_fails_on_a_cache_object_says_what_fixes_it(tmp_path):
     msg = str(e.value)
     assert "DynamicCache" in msg and "use_cache=false" in msg and "\n" not in msg
     assert "Make that line traceable" not in msg  # the generic advice would not fix it
+
+
+@pytest.mark.parametrize(
+    ("spec", "names"),
+    [("hf:gpt2", ("logits",)), ("hf:bert", ("last_hidden_state", "pooler_output"))],
+)
+def test_outputs_are_named_from_the_models_own_fields(spec, names):
+    """HFModule returns a flat tuple; its outputs keep the model's field names, which the
+    capture carries for exports (ONNX files name them so, not output_0)."""
+    loaded = load(spec)
+    assert loaded.module.opswap_output_names == names
+    out = loaded.module(*loaded.example_inputs)
+    assert len(out) == len(names)
+    assert capture(loaded.module, loaded.example_inputs).gm.meta["opswap_output_names"] == names

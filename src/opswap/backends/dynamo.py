@@ -250,6 +250,7 @@ def rewrite(
         return None, Frozen()
     with outside_dynamo():
         work = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        work.meta.update(gm.meta)
         frozen = freeze(work, list(example_inputs), weights) if options.freeze else Frozen()
         report.frozen = len(frozen.weights)
         report.notes += [f"kept as an input: {why}" for why in frozen.kept]

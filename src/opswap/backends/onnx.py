@@ -163,7 +163,11 @@ def output_names(program) -> list[str]:
     """A name for each output of `program` from the model's own output structure: a dict's
     or a ModelOutput's keys (`logits`), a namedtuple's fields, positions in a tuple
     (`output_0`), joined by `_` when nested; `output` for a lone tensor. The same on every
-    plan, where the exporter's names (`linear_13`) follow the last node."""
+    plan, where the exporter's names (`linear_13`) follow the last node. A model that names
+    its outputs itself (graph.capture.OUTPUT_NAMES: a Hugging Face model's `logits`) gives
+    those names instead of positions."""
+    from opswap.graph.capture import OUTPUT_NAMES
+
     spec = program.call_spec.out_spec
     if spec is None:
         return []
@@ -179,8 +183,12 @@ def output_names(program) -> list[str]:
         keys = keys if keys is not None and len(keys) == len(kids) else range(len(kids))
         return [p for k, c in zip(keys, kids, strict=True) for p in walk(c, (*path, k))]
 
+    paths = walk(spec, ())
+    own = program.graph_module.meta.get(OUTPUT_NAMES)
+    if own and len(own) == len(paths) and len(set(own)) == len(own):
+        return list(own)
     names = []
-    for path in walk(spec, ()):
+    for path in paths:
         text = "_".join(str(k) for k in path)
         names.append(
             "output" if not path else f"output_{text}" if isinstance(path[0], int) else text

@@ -119,7 +119,12 @@ def export(model: nn.Module, inputs: tuple, dynamic=None, *, runtime: bool = Fal
     ep, note, kept = _export(_checked(model, dynamic, runtime), inputs, dynamic)
     if why is not None:
         note = f"{note}; {why}" if note else why
-    return _plain_outputs(ep), note, kept
+    ep = _plain_outputs(ep)
+    from opswap.graph.capture import OUTPUT_NAMES, output_names_of
+
+    if names := output_names_of(model):
+        ep.graph_module.meta[OUTPUT_NAMES] = names
+    return ep, note, kept
 
 
 def _checked(model: nn.Module, dynamic, runtime: bool) -> nn.Module:
@@ -140,7 +145,9 @@ def _checked(model: nn.Module, dynamic, runtime: bool) -> nn.Module:
         return model
     with graph.inserting_after(places[-1]):
         graph.call_function(check_sizes, (tuple(places), tuple(g.code for g in dynamic.guards)))
-    return fx.GraphModule(model, graph, class_name=type(model).__name__)
+    checked = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    checked.meta.update(model.meta)
+    return checked
 
 
 def _plain_outputs(ep):

@@ -439,6 +439,8 @@ def capture(
             # side effect there (`self.calls += 1` on a buffer) must not reach the graph's
             # starting state nor the model the graph is checked against
             gm = build(private_copy(model), inputs, dyn)
+            if names := output_names_of(model):
+                gm.meta[OUTPUT_NAMES] = names
             failed = propagate(gm, inputs, probes(inputs, dyn))
         except Exception as e:  # tracing raises anything from TraceError to TypeError
             errors.append(f"{name} failed: {_describe(e)}")
@@ -469,6 +471,21 @@ def capture(
     raise CaptureError(
         f"Could not capture {type(model).__name__}: " + "; ".join(errors) + _known_fix(errors)
     )
+
+
+#: the graph module's meta key holding the model's own output names (exports name the
+#: outputs of their files so: backends.onnx.output_names)
+OUTPUT_NAMES = "opswap_output_names"
+
+
+def output_names_of(model: nn.Module) -> tuple[str, ...] | None:
+    """The output names a model carries: an fx graph's meta, or the model's
+    `opswap_output_names` (models.hf.HFModule names its flat tuple's outputs so)."""
+    names = (
+        getattr(model, "meta", {}).get(OUTPUT_NAMES) if isinstance(model, fx.GraphModule) else None
+    )
+    names = names or getattr(model, OUTPUT_NAMES, None)
+    return tuple(names) if names else None
 
 
 def _size_one_hint(axis, name: str) -> str:

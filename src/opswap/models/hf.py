@@ -265,6 +265,28 @@ class HFModule(nn.Module):
     def config(self):
         return self.model.config
 
+    def name_outputs(self, example: tuple) -> tuple[str, ...] | None:
+        """Run the model once on `example` and name each output of the flat tuple forward
+        returns from the model's own output fields (`logits`, `last_hidden_state`; a
+        field holding several tensors gives `NAME_0`, `NAME_1`, ...), kept as
+        `opswap_output_names`, which exports carry into their files' output names. None
+        (and nothing kept) where the names do not pair one to one with forward's outputs."""
+        kw = dict(zip(self.input_names, example, strict=True))
+        with torch.no_grad():
+            flat = self(*example)
+            fields = self.model(**kw, return_dict=True)
+        names: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        for key, value in fields.items() if hasattr(fields, "items") else ():
+            leaves = [x for x in pytree.tree_leaves(value) if x is not None]
+            for i, leaf in enumerate(leaves):
+                names.append(key if len(leaves) == 1 else f"{key}_{i}")
+                shapes.append(tuple(getattr(leaf, "shape", ())))
+        if len(names) != len(flat) or shapes != [tuple(getattr(x, "shape", ())) for x in flat]:
+            return None
+        self.opswap_output_names = tuple(names)
+        return self.opswap_output_names
+
 
 _CLASSES: dict[tuple[str, ...], type] = {}
 
@@ -529,11 +551,11 @@ def load_hf_type(model_type: str, spec: str, overrides: dict[str, Any]) -> Loade
     )
 
 
-def _try_call(module: nn.Module, example: tuple, names: tuple[str, ...], where: str) -> None:
-    """Refuse in one sentence a model that fails on the inputs opswap made for it."""
+def _try_call(module: HFModule, example: tuple, names: tuple[str, ...], where: str) -> None:
+    """Refuse in one sentence a model that fails on the inputs opswap made for it; name
+    its outputs from the same call (`HFModule.name_outputs`)."""
     try:
-        with torch.no_grad():
-            module(*example)
+        module.name_outputs(example)
     except Exception as e:
         raise SpecError(
             f"{where} failed on the inputs opswap makes for it ({', '.join(names)}): "

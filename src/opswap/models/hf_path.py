@@ -210,6 +210,9 @@ def load_hf_path(path: str, spec: str, overrides: dict[str, Any]) -> LoadedModel
     wrapped = HFModule(model, names).eval()
     with seeded(seed):
         example = make_inputs(names, config, batch, seq, image, where)
+    # a model that fails here is refused by the capture, in its own words
+    with contextlib.suppress(Exception):
+        wrapped.name_outputs(example)
     name = os.path.basename(os.path.normpath(path))
     settings = dict(
         config_overrides,
