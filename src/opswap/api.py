@@ -47,7 +47,7 @@ from opswap.pipeline import optimize as _optimize
 from opswap.planner import Plan, apply_plan
 from opswap.result import Result
 from opswap.rules.apply import Applied
-from opswap.stages import guarded
+from opswap.stages import guarded, held_out, verify_on_data
 from opswap.targets import Target, get_target
 from opswap.verify.outputs import Verification, capture_check
 from opswap.verify.tolerance import Tolerance, tolerance_for
@@ -103,8 +103,8 @@ def plan(
     calibrated on every batch of it; the plan keeps the scales it chose."""
     captured = capture(*keyword_call(model, example_inputs), dynamic=dynamic)
     if calibration_data is not None and exactness != "exact":
-        samples, source = _samples(calibration_data, captured)
-        attach(captured.gm, Calibration(samples, source=source))
+        samples, where = _samples(calibration_data, captured)
+        attach(captured.gm, Calibration(samples, source=f"batches from {where}"))
     return planner.make_plan(
         captured,
         target=with_timer(get_target(target)),
@@ -137,18 +137,29 @@ class Replay:
     files: dict[str, Path] = field(default_factory=dict)
     #: where the static int8 scales came from, in a sentence; None without such sites
     calibration: str | None = None
+    #: the user's batches verification judges on (the calibration data given, a quarter
+    #: held out of calibration from stages.HOLD_OUT_FROM batches up), and which, in words;
+    #: None: the example and random samples
+    data: list[tuple[Any, ...]] | None = None
+    data_said: str = ""
 
 
 def _samples(data: Any, captured: Captured, where: str = "") -> tuple[list[tuple], str]:
     """`data` (graph.calibration_data's forms, or a CalibrationSource) as input tuples
-    for `captured`, and what they are, for the notes."""
+    for `captured`, and where they come from (`cal.pt`), for the notes."""
     from opswap.graph.calibration_data import batches
 
     if isinstance(data, CalibrationSource):  # a spec file's calibration(), read now
         data, where = data.fetch(), data.where
     if not where:
         where = Path(data).name if isinstance(data, str | Path) else "calibration_data"
-    return batches(data, captured.example_inputs, where), f"batches from {where}"
+    return batches(data, captured.example_inputs, where), where
+
+
+def _from(data: Any, captured: Captured) -> tuple[list[tuple], str]:
+    """_samples with the words the calibration notes use (`batches from cal.pt`)."""
+    samples, where = _samples(data, captured)
+    return samples, f"batches from {where}"
 
 
 def spec_calibration(loaded: LoadedModel) -> CalibrationSource | None:
@@ -189,10 +200,15 @@ def replay(
     plan = read_plan(plan, allow_looser=allow_looser)
     captured = capture(*keyword_call(model, example_inputs), dynamic=dynamic)
     samples = _samples(calibration_data, captured) if calibration_data is not None else None
+    data, data_said, every = None, "", None
+    if samples is not None:
+        every = samples[0]
+        calibrate_on, data, data_said = held_out(every, samples[1])
+        samples = (calibrate_on, f"batches from {samples[1]}")
     fallback = None
     if calibration_fallback is not None:
         src = calibration_fallback
-        fallback = lambda: _samples(src, captured)  # noqa: E731
+        fallback = lambda: _from(src, captured)  # noqa: E731
     said = planner.calibrate_replay(
         captured,
         plan,
@@ -200,14 +216,16 @@ def replay(
         samples[1] if samples else "",
         fallback,
     )
-    if said is None and samples is not None:
+    if said is None and samples is not None and every is not None:
         said = "the calibration data was not used: the plan has no static int8 decision"
+        data = every  # none calibrated: verification judges on every batch
+        data_said = f"the {len(every)} {samples[1]}"
     applied = apply_plan(captured, plan, allow_looser=allow_looser)
     files: dict[str, Path] = {}
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         files = save_model(applied.gm, captured.example_inputs, Path(out), dynamic=captured.dynamic)
-    return Replay(plan, captured, applied, files, said)
+    return Replay(plan, captured, applied, files, said, data, data_said)
 
 
 def apply(
@@ -350,16 +368,21 @@ def verify_plan(
     program = None
     if backend != "pytorch":
         candidate, program = _in_runtime(candidate, captured, "The plan's result", backend)
-    v = _verify(
-        private_copy(model),
-        candidate,
-        captured.example_inputs,
-        samples=samples,
-        tolerance=tol,
-        variants=captured.variants(),
-        graph=captured.gm,
-        dynamic=captured.dynamic,
-    )
+    if done.data is not None:  # the user's batches, as optimize judges a calibrated run
+        v = verify_on_data(
+            private_copy(model), candidate, done.data, captured, samples=samples, tolerance=tol
+        )
+    else:
+        v = _verify(
+            private_copy(model),
+            candidate,
+            captured.example_inputs,
+            samples=samples,
+            tolerance=tol,
+            variants=captured.variants(),
+            graph=captured.gm,
+            dynamic=captured.dynamic,
+        )
     first = None
     if not v.passed:
         first = compare_layers(captured, done.applied, captured.example_inputs).first_divergence(
@@ -504,16 +527,28 @@ def export(
     shutil.copyfile(art.path, dest)
     # a file its runtime loads back (OpenVINO's IR) is verified as it lies in OUT, reopened
     module = rt.load(dest) if rt.reload else art.module
-    v = _verify(
-        private_copy(model),
-        module,
-        xs,
-        samples=samples,
-        tolerance=tol,
-        variants=variants(xs, kept),
-        graph=captured.gm,
-        dynamic=kept,
-    )
+    if done.data is not None:  # the user's batches, at the sizes the file keeps
+        v = verify_on_data(
+            private_copy(model),
+            module,
+            done.data,
+            captured,
+            samples=samples,
+            tolerance=tol,
+            variants=variants(xs, kept),
+            dynamic=kept,
+        )
+    else:
+        v = _verify(
+            private_copy(model),
+            module,
+            xs,
+            samples=samples,
+            tolerance=tol,
+            variants=variants(xs, kept),
+            graph=captured.gm,
+            dynamic=kept,
+        )
     return Exported(done, dest, v, art.note)
 
 

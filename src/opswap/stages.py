@@ -209,29 +209,57 @@ class Run:
         )
 
     def _check_on_data(self, fn: Callable[..., Any], variants: Any, dynamic: Any) -> Verification:
-        from opswap.graph.dynamic import variants as at_sizes
-
-        data = cast(list, self.data)
-        sizes = self.captured.dynamic if variants is None else dynamic
-        first, example = data[0], self.captured.example_inputs
-        if variants is not None and not variants:
-            shaped: Any = ()  # the example's shapes only (a compiled variant)
-        elif sizes is not None and _same_shapes(first, example):
-            shaped = at_sizes(first, sizes)  # the other sizes, cut from the user's batch
-        else:
-            shaped = self.captured.variants() if variants is None else variants
-        return outputs.verify(
+        return verify_on_data(
             self.reference,
             fn,
-            first,
+            cast(list, self.data),
+            self.captured,
             samples=self.config.samples,
             tolerance=self.tolerance,
             seed=self.config.seed,
-            variants=shaped,
-            graph=self.captured.gm,
-            dynamic=sizes,
-            given=data,
+            variants=variants,
+            dynamic=dynamic,
         )
+
+
+def verify_on_data(
+    reference: nn.Module,
+    fn: Callable[..., Any],
+    data: list[tuple[Any, ...]],
+    captured: Captured,
+    *,
+    samples: int,
+    tolerance: Tolerance,
+    seed: int = 0,
+    variants: Any = None,
+    dynamic: Any = None,
+) -> Verification:
+    """`fn` against `reference` on the user's batches `data` (and random inputs held inside
+    their range), at the other sizes the capture claims cut from the first batch when it
+    has the example's shapes (or at `variants`' shapes, with `dynamic` the sizes `fn`
+    claims; empty `variants`: the first batch's shapes only)."""
+    from opswap.graph.dynamic import variants as at_sizes
+
+    sizes = captured.dynamic if variants is None else dynamic
+    first, example = data[0], captured.example_inputs
+    if variants is not None and not variants:
+        shaped: Any = ()  # the example's shapes only (a compiled variant)
+    elif sizes is not None and _same_shapes(first, example):
+        shaped = at_sizes(first, sizes)  # the other sizes, cut from the user's batch
+    else:
+        shaped = captured.variants() if variants is None else variants
+    return outputs.verify(
+        reference,
+        fn,
+        first,
+        samples=samples,
+        tolerance=tolerance,
+        seed=seed,
+        variants=shaped,
+        graph=captured.gm,
+        dynamic=sizes,
+        given=data,
+    )
 
 
 def _same_shapes(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

@@ -176,3 +176,21 @@ def _state(made) -> dict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.build()[0].state_dict()
+
+
+def test_verify_and_export_of_a_plan_judge_on_the_given_data(made, capsys):
+    """Given --calibration, `opswap verify` and `opswap export` judge the plan's result on
+    those batches (a quarter held out of calibration from 8 batches up), as optimize does,
+    not on random samples like the example."""
+    torch.save(torch.rand(30, 3, 9, 11) * 5, made / "big.pt")  # 10 batches of 3
+    plan_path, spec = made / "out" / "plan.json", made / "tiny.py:build"
+    capsys.readouterr()
+    assert run("verify", spec, plan_path, "--calibration", made / "big.pt") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "static int8 calibrated on 8 batches from big.pt" in out, out
+    assert "verified on 2 batches from big.pt held out of calibration" in out, out
+    code = run("export", spec, plan_path, "--to", "onnx", "--out", made / "onnx_big",
+               "--calibration", made / "cal.pt")  # fmt: skip
+    assert code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "verified on the 4 batches from cal.pt calibration ran on" in out, out

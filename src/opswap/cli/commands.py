@@ -55,9 +55,11 @@ def _calibration_file(path: Path | None) -> str | None:
     return str(check_path(path)) if path is not None else None
 
 
-def _calibrated(said: str | None) -> None:
+def _calibrated(said: str | None, judged_on: str = "") -> None:
     if said:
         render.note(said, "calibration")
+    if judged_on:
+        render.note(f"verified on {judged_on}", "verification")
 
 
 def _timed_where(target: str, device: str) -> None:
@@ -284,7 +286,7 @@ def verify(
         calibration_data=data,
         calibration_fallback=api.spec_calibration(loaded),
     )
-    _calibrated(check.replay.calibration)
+    _calibrated(check.replay.calibration, check.replay.data_said)
     render.not_applied(check.replay.applied)
     render.verification(check, budget, samples)
     render.runtime_layers(check, backend)
@@ -398,7 +400,7 @@ def export_cmd(
         calibration_data=data,
         calibration_fallback=api.spec_calibration(loaded),
     )
-    _calibrated(done.replay.calibration)
+    _calibrated(done.replay.calibration, done.replay.data_said)
     render.not_applied(done.replay.applied)
     render.verification(done, None, samples)
     if done.note:
