@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from opswap.graph.capture import Captured, copy_module, quiet_deepcopy
 from opswap.graph.purity import eliminate_dead_code
@@ -192,8 +194,71 @@ def _apply_sites(
         if progress is not None:
             for _ in sites:
                 progress()
+    if out.applied:
+        keep_output_layouts(captured.gm, gm)
     out.captured.gm = gm
     return out
+
+
+def _format(node: fx.Node) -> torch.memory_format | None:
+    """The memory format a captured output is laid out in (its shape propagation's
+    `tensor_meta`, or a traced `val`), when it is one of the two a caller relies on
+    (contiguous, or channels-last for a 4-D one); None otherwise."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        if val.dim() < 3:
+            return None
+        if val.is_contiguous():
+            return torch.contiguous_format
+        if val.dim() == 4 and val.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        return None
+    meta = node.meta.get("tensor_meta")
+    fmt = getattr(meta, "memory_format", None)
+    if meta is None or len(getattr(meta, "shape", ())) < 3:
+        return None
+    return fmt if fmt in (torch.contiguous_format, torch.channels_last) else None
+
+
+def _same_producer(before: fx.GraphModule, b: fx.Node, after: fx.GraphModule, a: fx.Node) -> bool:
+    """Whether `a` is still the capture's node `b`: same name, op and target, and for a
+    module call the same kind of module (a swap keeps the name and puts another in)."""
+    if (a.name, a.op, a.target) != (b.name, b.op, b.target):
+        return False
+    if a.op != "call_module":
+        return True
+    target = str(a.target)
+    return type(before.get_submodule(target)) is type(after.get_submodule(target))
+
+
+def keep_output_layouts(before: fx.GraphModule, after: fx.GraphModule) -> None:
+    """Each output of `after` that a rewrite made returns in the memory format the capture's
+    output (`before`) had: a rule whose kernel writes channels-last (int8 conv through
+    oneDNN, a conv with a fused epilogue) at the model's last op would otherwise hand the
+    caller strides its `.view()` refuses. `.contiguous(memory_format=...)` is a no-op for
+    an output already so laid out; outputs the rewrites left alone are not touched."""
+    outs = (
+        [n for n in before.graph.nodes if n.op == "output"],
+        [n for n in after.graph.nodes if n.op == "output"],
+    )
+    if len(outs[0]) != 1 or len(outs[1]) != 1:
+        return
+    old, new = (pytree.tree_leaves(o[0].args[0]) for o in outs)
+    if len(old) != len(new):
+        return
+    output = outs[1][0]
+    for b, a in zip(old, new, strict=True):
+        if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+            continue
+        if _same_producer(before, b, after, a):
+            continue  # the capture's own node: its layout is the capture's
+        fmt = _format(b)
+        if fmt is None:
+            continue
+        with after.graph.inserting_before(output):
+            laid = after.graph.call_method("contiguous", (a,), {"memory_format": fmt})
+        laid.meta.update({k: v for k, v in b.meta.items() if k in ("val", "tensor_meta")})
+        output.replace_input_with(a, laid)
 
 
 def _apply_run(rule: Rule, sites: list[Site], out: Applied, run: Run) -> fx.GraphModule:

@@ -213,3 +213,44 @@ def test_optimize_calibrates_verifies_and_saves(tmp_path, monkeypatch):
         assert _rel(loaded(xb), model(xb)) < 0.03
     with pytest.raises(Exception, match="calibrate must be one of"):
         OptimizeConfig(calibrate="median")
+
+
+class _ConvHead(nn.Module):
+    """A fully convolutional model whose last op is a conv (a segmentation head), with an
+    in-place ReLU between: oneDNN's int8 conv writes channels-last."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 5, 3, padding=1)
+
+    def forward(self, x):
+        return self.c2(torch.relu_(self.c1(x)))
+
+
+def test_a_conv_at_the_end_returns_the_layout_the_model_does(tmp_path, monkeypatch):
+    """Quantising the model's last conv keeps its output contiguous, as the model's is (a
+    caller's .view() works), at other sizes and after saving; the rewrite is not rolled back."""
+    import opswap
+
+    monkeypatch.setattr(timing, "timed_pair", lambda key, timer, make: (2e-3, 1e-3))
+    torch.manual_seed(0)
+    model = _ConvHead().eval()
+    x = torch.randn(2, 3, 12, 10)
+    data = [(torch.randn(2, 3, 12, 10),) for _ in range(4)]
+    config = OptimizeConfig(
+        rules=RULES, samples=2, compare="none", exactness="approx", layers=False,
+        measure_rules=False,
+    )  # fmt: skip
+    r = optimize(model, (x,), config, calibration_data=data)
+    assert r.verification.passed and not r.rolled_back, r.rolled_back
+    rules = [d.rule for d in r.plan.decisions]
+    assert rules.count("precision.int8_static_conv") == 2, rules
+    r.save(tmp_path)
+    loaded = opswap.load_optimized(tmp_path)
+    for xb in (torch.randn(1, 3, 7, 11), torch.randn(3, 3, 12, 10)):
+        with torch.inference_mode():
+            got, want = loaded(xb), model(xb)
+        assert got.is_contiguous() and got.shape == want.shape
+        assert _rel(got, want) < 0.05
+        got.view(-1)  # what the caller of the model's output may do
