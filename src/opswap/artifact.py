@@ -110,6 +110,8 @@ SAVED_MODULE = {
     "opswap": "candidate",
     "opswap+compile": "candidate",
     "opswap+cudagraph": "candidate",
+    "compile+cudagraph": "input",
+    "opswap+compile+cudagraph": "candidate",
 }
 
 
@@ -230,7 +232,7 @@ def deploy(result: Result) -> dict[str, Any]:
     if rt is not None:
         return _deploy_runtime(result, rt)
     kind = saved_kind(result)
-    compiled = result.best.endswith("compile")
+    compiled = "compile" in result.best.split("+")
     holds = {
         "input": "your model, unchanged (as exported; its time is the `captured` "
         "row): nothing opswap made beat your model in this run",
@@ -263,7 +265,12 @@ def deploy(result: Result) -> dict[str, Any]:
         )
         how = "your own module, as it is"
     graphed = result.best.endswith("cudagraph")
-    if graphed:
+    if graphed and compiled:
+        how = (
+            "opswap.load_optimized(DIR) (compiles it with torch.compile, its kernels replayed "
+            'from CUDA graphs as mode="reduce-overhead" does)'
+        )
+    elif graphed:
         how = (
             "opswap.load_optimized(DIR) (replays model.pt2 from a CUDA graph captured at the "
             "first call of each input shape)"
@@ -661,15 +668,17 @@ def load(directory: str | Path, compile: bool | None = None) -> nn.Module:
             if ahead is not None:
                 return ahead
     module = load_program(pt2)
-    if result.is_file() and _deploy_flag(result, "cuda_graph") and torch.cuda.is_available():
-        from opswap.backends.cudagraph import CudaGraphed
-
-        return CudaGraphed(module)  # as the race timed it
+    graphed = result.is_file() and _deploy_flag(result, "cuda_graph") and torch.cuda.is_available()
     if compile:
         from opswap.backends.int8_inductor import compile_module
 
-        # as the race compiled it: static int8 sites through Inductor's int8 lowering
-        return compile_module(module)
+        # as the race compiled it: static int8 sites through Inductor's int8 lowering, and
+        # Inductor's CUDA graphs where the compiled winner replayed them
+        return compile_module(module, cudagraphs=bool(graphed))
+    if graphed:
+        from opswap.backends.cudagraph import CudaGraphed
+
+        return CudaGraphed(module)  # as the race timed it
     return module
 
 

@@ -59,3 +59,19 @@ def test_a_graph_captured_under_inference_mode_replays_outside_it():
         y = torch.randn(4, 16, device="cuda")
         torch.testing.assert_close(g(y), m(y))
         torch.testing.assert_close(first, m(x))
+
+
+@needs_cuda
+def test_on_cuda_the_race_has_the_compiled_cuda_graph_peers():
+    """opswap+cudagraph is raced against what a user would reach for instead: torch.compile
+    with its kernels replayed from CUDA graphs (mode="reduce-overhead"), of the input and
+    of opswap's graph, each giving the module's outputs."""
+    torch.manual_seed(3)
+    m = _net().cuda()
+    x = torch.randn(4, 16, device="cuda")
+    variants = {v.name: v for v in build(m, m, m, (x,), ["compile"], torch.device("cuda"))}
+    for name in ("compile+cudagraph", "opswap+compile+cudagraph"):
+        v = variants[name]
+        assert v.fn is not None, v.reasons
+        with torch.inference_mode():
+            torch.testing.assert_close(v.fn(x).clone(), m(x))

@@ -210,11 +210,14 @@ class FrozenCompiled(nn.Module):
             inductor_config.freezing = was
 
 
-def compile_module(module: nn.Module) -> nn.Module:
+def compile_module(module: nn.Module, *, cudagraphs: bool = False) -> nn.Module:
     """torch.compile of `module`, where it holds opswap's static int8 sites through
-    Inductor's int8 lowering (`lower`, `FrozenCompiled`); as it is otherwise."""
+    Inductor's int8 lowering (`lower`, `FrozenCompiled`); as it is otherwise. `cudagraphs`:
+    Inductor replays its kernels from CUDA graphs, as `mode="reduce-overhead"` does (the
+    int8 lowering is CPU-only, so it never meets that)."""
     lowered, sites = lower(module)
     if sites:
         return FrozenCompiled(lowered, sites)
-    compiled = torch.compile(module, options=inductor_options())
+    options = {**inductor_options(), **({"triton.cudagraphs": True} if cudagraphs else {})}
+    compiled = torch.compile(module, options=options)
     return cast(nn.Module, compiled)  # an OptimizedModule for a module
