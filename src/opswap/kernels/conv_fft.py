@@ -1,0 +1,207 @@
+"""`opswap::conv_fft`: a stride-1 convolution through the FFT, for large kernels.
+
+A direct convolution spends C/G x k (1-D) or C/G x kh x kw (2-D) multiplications on every
+output value. Through the Fourier transform a convolution becomes a pointwise product, so
+the cost per output value stops growing with the kernel:
+
+    X = rfft(x padded)           N x C transforms of P points       (P = padded size)
+    W = rfft(w)                  once per weight, cached
+    Y[n, o] = sum_c X[n, c] * conj(W[o, c])   one complex product per frequency, per c
+    y = irfft(Y)[crop]           N x O inverse transforms
+
+Counting a real FFT of P points as P log2 P real multiplications (half a complex
+radix-2 FFT's 2 P log2 P) and a complex product as 4, the FFT route costs
+(N C + N O) P log2 P + 4 N O C/G P/2 multiplications against the direct N O C/G P k:
+with many channels the pointwise products dominate, so by count the FFT wins from a
+2 x 2 kernel on (C = O = 64 on 56 x 56: 7x fewer at 7 x 7, 150x fewer at 31 x 31). What
+the count does not see is memory and arithmetic density: the spectra are complex, as large
+as the padded input, and the product over channels is a complex GEMM of P/2 small
+matrices, where a direct convolution runs one large real GEMM near the machine's peak. So
+the measured crossover lies far above the counted one, and differs by machine: the race
+in rule `conv.algorithm` and benchmarks/bench_conv.py measure it per target.
+
+PyTorch's convolution is a cross-correlation, y[t] = sum_k x[t + k] w[k], not a
+convolution: its spectrum is X * conj(W) (the correlation theorem), taken here instead of
+flipping the kernel. A circular correlation of length L >= the padded input's length P
+agrees with the linear one at every output t = 0 .. P - k (t + k never wraps), so the
+transforms need only P points, rounded up to a size with factors 2, 3 and 5 only.
+
+Half-precision inputs are transformed in float32 (torch.fft takes float16 only for
+power-of-two sizes on CUDA) and the result cast back; the error of an FFT grows with
+log P, not with the kernel, and the rule accepts a site only where it stays within 2x
+PyTorch's own conv in the same dtype. The output is contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from opswap.kernels._versions import version
+from opswap.kernels.conv_algorithms import ConvAlgorithm, ConvSite, register
+
+#: below this kernel size (in every spatial dim) an FFT convolution is never worth it
+MIN_KERNEL = 3
+
+# weight tensor -> (key, the conjugated spectrum [G, O/G, C/G, *freq]). Weakly keyed: a
+# freed weight drops its entry; the key holds the version, so an in-place update is seen.
+_SPECTRA: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def good_size(n: int) -> int:
+    """The smallest size >= n whose only prime factors are 2, 3 and 5 (fast for any FFT)."""
+    best = 1 << max(0, (n - 1).bit_length())
+    f5 = 1
+    while f5 < best:
+        f35 = f5
+        while f35 < best:
+            f = f35
+            while f < n:
+                f *= 2
+            best = min(best, f)
+            f35 *= 3
+        f5 *= 5
+    return best
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _spectrum(
+    weight: torch.Tensor, groups: int, sizes: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """conj(rfftn(weight)) at `sizes`, reshaped [G, O/G, C/G, F], cached per weight."""
+    key = (version(weight), groups, sizes, dtype, weight.device)
+    hit = _SPECTRA.get(weight)
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    dims = tuple(range(2, weight.dim()))
+    with torch.no_grad():
+        spec = torch.fft.rfftn(weight.detach().to(dtype), s=sizes, dim=dims).conj()
+    o, cg = weight.shape[0], weight.shape[1]
+    spec = spec.reshape(groups, o // groups, cg, -1).contiguous()
+    _SPECTRA[weight] = (key, spec)
+    return spec
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, padding: Sequence[int], groups: int) -> None:
+    if weight.dim() not in (3, 4) or x.dim() != weight.dim():
+        raise ValueError(
+            f"conv_fft takes a conv1d or conv2d: input of {x.dim()} dims and weight of "
+            f"{weight.dim()} dims are not one"
+        )
+    if len(padding) != weight.dim() - 2:
+        raise ValueError(
+            f"conv_fft needs one padding per spatial dim ({weight.dim() - 2}); got {list(padding)}"
+        )
+    if x.shape[1] != weight.shape[1] * groups:
+        raise ValueError(
+            f"conv_fft: the input has {x.shape[1]} channels, the weight expects "
+            f"{weight.shape[1]} x {groups} groups"
+        )
+    if weight.shape[0] % groups:
+        raise ValueError(
+            f"conv_fft: {weight.shape[0]} output channels do not split into {groups} groups"
+        )
+
+
+@torch.library.custom_op("opswap::conv_fft", mutates_args=())
+def conv_fft(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    padding: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """conv1d/conv2d(x, weight, bias, stride=1, padding, dilation=1, groups) through the FFT;
+    zero padding; the output is contiguous, in x's dtype."""
+    _check(x, weight, padding, groups)
+    dims = weight.dim() - 2
+    work = _compute_dtype(x.dtype)
+    pads: list[int] = []
+    for p in reversed(padding):  # F.pad lists the last dim first
+        pads += [int(p), int(p)]
+    xp = F.pad(x.to(work), pads) if any(pads) else x.to(work)
+    padded = tuple(int(s) for s in xp.shape[2:])
+    kernel = tuple(int(k) for k in weight.shape[2:])
+    out = tuple(p - k + 1 for p, k in zip(padded, kernel, strict=True))
+    if min(out) < 1:
+        raise ValueError(
+            f"conv_fft: a kernel of {list(kernel)} does not fit the padded input {list(padded)}"
+        )
+    sizes = tuple(good_size(p) for p in padded)
+    fdims = tuple(range(2, 2 + dims))
+    n = x.shape[0]
+    o, cg = weight.shape[0], weight.shape[1]
+    # X: [N, G, C/G, F]; W: [G, O/G, C/G, F]; Y: [N, G, O/G, F]
+    spec_x = torch.fft.rfftn(xp, s=sizes, dim=fdims).reshape(n, groups, cg, -1)
+    spec_w = _spectrum(weight, groups, sizes, work)
+    spec_y = torch.einsum("ngcf,gocf->ngof", spec_x, spec_w)
+    freq = (*sizes[:-1], sizes[-1] // 2 + 1)
+    y = torch.fft.irfftn(spec_y.reshape(n, o, *freq), s=sizes, dim=fdims)
+    y = y[(..., *(slice(0, m) for m in out))]
+    if bias is not None:
+        y = y + bias.to(work).view(o, *([1] * dims))
+    return y.to(x.dtype).contiguous()
+
+
+@conv_fft.register_fake
+def _fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    padding: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    _check(x, weight, padding, groups)
+    sizes = [
+        x.shape[2 + i] + 2 * padding[i] - weight.shape[2 + i] + 1 for i in range(weight.dim() - 2)
+    ]
+    return x.new_empty((x.shape[0], weight.shape[0], *sizes))
+
+
+def _refuses(site: ConvSite) -> str | None:
+    if site.dims not in (1, 2):
+        return f"the FFT convolution runs conv1d and conv2d; this is a {site.dims}-D convolution"
+    if any(s != 1 for s in site.stride):
+        return f"stride {list(site.stride)}: the FFT convolution needs stride 1"
+    if any(d != 1 for d in site.dilation):
+        return f"dilation {list(site.dilation)}: the FFT convolution needs dilation 1"
+    if max(site.kernel) < MIN_KERNEL:
+        return (
+            f"a {'x'.join(map(str, site.kernel))} kernel is too small for an FFT to pay "
+            f"(it takes kernels of {MIN_KERNEL} and more)"
+        )
+    return None
+
+
+def multiplications(site: ConvSite) -> int:
+    """Real multiplications: (N C + N O) P log2 P for the transforms (a real FFT of P points
+    counted as P log2 P; the weight's is cached) and 4 per complex product, N O C/G per
+    frequency bin."""
+    n, c = site.input_shape[0], site.input_shape[1]
+    o, cg = site.weight_shape[0], site.weight_shape[1]
+    sizes = [good_size(s + 2 * p) for s, p in zip(site.input_shape[2:], site.padding, strict=True)]
+    points = math.prod(sizes)
+    bins = math.prod(sizes[:-1]) * (sizes[-1] // 2 + 1)
+    transforms = (n * c + n * o) * points * max(1.0, math.log2(points))
+    return int(transforms + 4 * n * o * cg * bins)
+
+
+ALGORITHM = register(
+    ConvAlgorithm(
+        name="fft",
+        op=torch.ops.opswap.conv_fft.default,
+        exactness="approx",
+        refuses=_refuses,
+        extra=lambda site: (list(site.padding), site.groups),
+        multiplications=multiplications,
+        description="rfft of the padded input, a product with the weight's cached "
+        "spectrum per frequency, inverse rfft, crop",
+    )
+)
