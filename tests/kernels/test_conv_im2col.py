@@ -87,3 +87,11 @@ def test_exports_through_the_fake_kernel() -> None:
     x = torch.randn(5, 3, 12, 10)
     torch.testing.assert_close(ep.module()(x), m(x))
     assert any("conv_im2col" in str(n.target) for n in ep.graph.nodes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_matches_pytorch_conv() -> None:
+    x = torch.randn(3, 6, 17, 15, device="cuda", dtype=torch.float64)
+    w = torch.randn(9, 2, 3, 3, device="cuda", dtype=torch.float64)
+    got = conv_im2col(x, w, None, [2, 1], [1, 1], [1, 2], 3)
+    torch.testing.assert_close(got, F.conv2d(x, w, None, (2, 1), 1, (1, 2), 3))

@@ -73,20 +73,34 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _spectrum(
-    weight: torch.Tensor, groups: int, sizes: tuple[int, ...], dtype: torch.dtype
+    weight: torch.Tensor,
+    groups: int,
+    sizes: tuple[int, ...],
+    padding: tuple[int, ...],
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """conj(rfftn(weight)) at `sizes`, reshaped [G, O/G, C/G, F], cached per weight."""
-    key = (version(weight), groups, sizes, dtype, weight.device)
+    """The weight's packed spectrum [G, F, 2 C/G, 2 O/G], cached per weight (see `_apply`):
+    conj(rfftn(w)) of the weight rotated left by the padding (so the input need not be
+    padded on the left), as the real matrix [[Re, Im], [-Im, Re]] per frequency."""
+    key = (version(weight), groups, sizes, padding, dtype, weight.device)
     hit = _SPECTRA.get(weight)
     if hit is not None and hit[0] == key:
         return hit[1]  # type: ignore[no-any-return]
     dims = tuple(range(2, weight.dim()))
-    with torch.no_grad():
-        spec = torch.fft.rfftn(weight.detach().to(dtype), s=sizes, dim=dims).conj()
     o, cg = weight.shape[0], weight.shape[1]
-    spec = spec.reshape(groups, o // groups, cg, -1).contiguous()
-    _SPECTRA[weight] = (key, spec)
-    return spec
+    with torch.no_grad():
+        w = weight.detach().to(dtype)
+        grow: list[int] = []
+        for size, k in zip(reversed(sizes), reversed(weight.shape[2:]), strict=True):
+            grow += [0, size - k]  # F.pad lists the last dim first
+        w = torch.roll(F.pad(w, grow), [-p for p in padding], dims)
+        spec = torch.fft.rfftn(w, dim=dims)  # [O, C/G, *freq]
+        spec = spec.reshape(groups, o // groups, cg, -1).permute(0, 3, 2, 1)  # [G, F, C/G, O/G]
+        # the conjugate, negated by hand: a lazy .conj() is a flag some tracing modes drop
+        re, im = spec.real, -spec.imag
+        packed = torch.cat([torch.cat([re, im], -1), torch.cat([-im, re], -1)], -2).contiguous()
+    _SPECTRA[weight] = (key, packed)
+    return packed
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, padding: Sequence[int], groups: int) -> None:
@@ -123,27 +137,31 @@ def conv_fft(
     _check(x, weight, padding, groups)
     dims = weight.dim() - 2
     work = _compute_dtype(x.dtype)
-    pads: list[int] = []
-    for p in reversed(padding):  # F.pad lists the last dim first
-        pads += [int(p), int(p)]
-    xp = F.pad(x.to(work), pads) if any(pads) else x.to(work)
-    padded = tuple(int(s) for s in xp.shape[2:])
+    spatial = tuple(int(v) for v in x.shape[2:])
     kernel = tuple(int(k) for k in weight.shape[2:])
-    out = tuple(p - k + 1 for p, k in zip(padded, kernel, strict=True))
+    pad = tuple(int(p) for p in padding)
+    out = tuple(s + 2 * p - k + 1 for s, p, k in zip(spatial, pad, kernel, strict=True))
     if min(out) < 1:
         raise ValueError(
-            f"conv_fft: a kernel of {list(kernel)} does not fit the padded input {list(padded)}"
+            f"conv_fft: a kernel of {list(kernel)} does not fit the input {list(spatial)} "
+            f"padded by {list(pad)}"
         )
-    sizes = tuple(good_size(p) for p in padded)
+    # S + p points keep the wrap-around (x[-p..-1] read at L-p..L-1) on zeros; see `_spectrum`
+    sizes = tuple(good_size(max(s + p, m)) for s, p, m in zip(spatial, pad, out, strict=True))
     fdims = tuple(range(2, 2 + dims))
-    n = x.shape[0]
-    o, cg = weight.shape[0], weight.shape[1]
-    # X: [N, G, C/G, F]; W: [G, O/G, C/G, F]; Y: [N, G, O/G, F]
-    spec_x = torch.fft.rfftn(xp, s=sizes, dim=fdims).reshape(n, groups, cg, -1)
-    spec_w = _spectrum(weight, groups, sizes, work)
-    spec_y = torch.einsum("ngcf,gocf->ngof", spec_x, spec_w)
-    freq = (*sizes[:-1], sizes[-1] // 2 + 1)
-    y = torch.fft.irfftn(spec_y.reshape(n, o, *freq), s=sizes, dim=fdims)
+    n, o, cg = x.shape[0], weight.shape[0], weight.shape[1]
+    og = o // groups
+    spec_x = torch.fft.rfftn(x.to(work), s=sizes, dim=fdims)  # [N, C, *freq]
+    freq = spec_x.shape[2:]
+    # the product over channels as one real batched GEMM per (group, frequency):
+    # [Re X | Im X] @ [[Re W, Im W], [-Im W, Re W]] = [Re Y | Im Y]
+    xr = torch.view_as_real(spec_x).reshape(n, groups, cg, -1, 2)  # [N, G, C/G, F, 2]
+    xr = xr.permute(1, 3, 0, 4, 2).reshape(-1, n, 2 * cg)  # [G F, N, 2 C/G]
+    spec_w = _spectrum(weight, groups, sizes, pad, work)  # [G, F, 2 C/G, 2 O/G]
+    yr = torch.bmm(xr, spec_w.reshape(-1, 2 * cg, 2 * og))  # [G F, N, 2 O/G]
+    yr = yr.reshape(groups, -1, n, 2, og).permute(2, 0, 4, 1, 3).contiguous()  # [N, G, O/G, F, 2]
+    spec_y = torch.view_as_complex(yr).reshape(n, o, *freq)
+    y = torch.fft.irfftn(spec_y, s=sizes, dim=fdims)
     y = y[(..., *(slice(0, m) for m in out))]
     if bias is not None:
         y = y + bias.to(work).view(o, *([1] * dims))
