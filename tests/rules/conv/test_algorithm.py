@@ -143,6 +143,7 @@ def test_pytorch_winning_leaves_every_site_alone_with_the_times(winner: str) -> 
     reasons = [s.reason for s in plan.skipped]
     assert reasons and all("PyTorch's conv was fastest" in r for r in reasons)
     assert any("0.5 ms" in r and "im2col 1 ms" in r for r in reasons), reasons
+    assert any("(the race's times: big@fft)" in r for r in reasons), reasons
 
 
 def test_without_a_timer_no_site_is_chosen() -> None:
