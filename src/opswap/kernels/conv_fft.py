@@ -4,7 +4,7 @@ A direct convolution spends C/G x k (1-D) or C/G x kh x kw (2-D) multiplications
 output value. Through the Fourier transform a convolution becomes a pointwise product, so
 the cost per output value stops growing with the kernel:
 
-    X = rfft(x padded)           N x C transforms of P points       (P = padded size)
+    X = rfft(x)                  N x C transforms of P points       (P ~ the padded size)
     W = rfft(w)                  once per weight, cached
     Y[n, o] = sum_c X[n, c] * conj(W[o, c])   one complex product per frequency, per c
     y = irfft(Y)[crop]           N x O inverse transforms
@@ -13,7 +13,7 @@ Counting a real FFT of P points as P log2 P real multiplications (half a complex
 radix-2 FFT's 2 P log2 P) and a complex product as 4, the FFT route costs
 (N C + N O) P log2 P + 4 N O C/G P/2 multiplications against the direct N O C/G P k:
 with many channels the pointwise products dominate, so by count the FFT wins from a
-2 x 2 kernel on (C = O = 64 on 56 x 56: 7x fewer at 7 x 7, 150x fewer at 31 x 31). What
+2 x 2 kernel on (C = O = 64 on 56 x 56: 3x fewer at 3 x 3, 18x at 7 x 7, 240x at 31 x 31). What
 the count does not see is memory and arithmetic density: the spectra are complex, as large
 as the padded input, and the product over channels is a complex GEMM of P/2 small
 matrices, where a direct convolution runs one large real GEMM near the machine's peak. So
@@ -23,8 +23,13 @@ in rule `conv.algorithm` and benchmarks/bench_conv.py measure it per target.
 PyTorch's convolution is a cross-correlation, y[t] = sum_k x[t + k] w[k], not a
 convolution: its spectrum is X * conj(W) (the correlation theorem), taken here instead of
 flipping the kernel. A circular correlation of length L >= the padded input's length P
-agrees with the linear one at every output t = 0 .. P - k (t + k never wraps), so the
-transforms need only P points, rounded up to a size with factors 2, 3 and 5 only.
+agrees with the linear one at every output t = 0 .. P - k (t + k never wraps). The left
+padding p need not be written either: rotating the weight left by p (once, in its cached
+spectrum) reads x[t - p + j] as the padded input would, and the indices -p .. -1 wrap to
+L - p .. L - 1, zeros as long as L >= S + p. So the input is transformed at S + p points
+(S its length), rounded up to a size with factors 2, 3 and 5 only, and never padded.
+The product over channels, a complex [N, C/G] x [C/G, O/G] product per frequency, runs
+as one real batched GEMM of twice the size ([Re X | Im X] against the packed weight).
 
 Half-precision inputs are transformed in float32 (torch.fft takes float16 only for
 power-of-two sizes on CUDA) and the result cast back; the error of an FFT grows with
@@ -204,7 +209,10 @@ def multiplications(site: ConvSite) -> int:
     frequency bin."""
     n, c = site.input_shape[0], site.input_shape[1]
     o, cg = site.weight_shape[0], site.weight_shape[1]
-    sizes = [good_size(s + 2 * p) for s, p in zip(site.input_shape[2:], site.padding, strict=True)]
+    sizes = [
+        good_size(max(s + p, m))  # the transform sizes `conv_fft` takes
+        for s, p, m in zip(site.input_shape[2:], site.padding, site.output_spatial, strict=True)
+    ]
     points = math.prod(sizes)
     bins = math.prod(sizes[:-1]) * (sizes[-1] // 2 + 1)
     transforms = (n * c + n * o) * points * max(1.0, math.log2(points))
