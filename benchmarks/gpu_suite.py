@@ -206,6 +206,15 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
         KERNEL_TESTS[:3],
         [["bench_row_backward.py", "--sweep", "--update-table", "--host"]],
     ),
+    # issue 40: the convolution algorithms' tests and their per-layer race against cuDNN
+    "conv": (
+        [
+            "tests/kernels/test_conv_fft.py",
+            "tests/kernels/test_conv_im2col.py",
+            "tests/rules/conv/test_algorithm.py",
+        ],
+        [["bench_conv.py"]],
+    ),
 }
 
 # the tests with CUDA paths of the low-precision schemes

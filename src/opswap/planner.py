@@ -255,6 +255,9 @@ def _check_plan(data: Any) -> None:
             _need(estimate.get(key, 0.0), _NUM, f"{at} estimate {key}")
         _need(estimate.get("time_saved_s"), _NUM_OR_NULL, f"{at} estimate time_saved_s")
         _need(estimate.get("note", ""), _STR, f"{at} estimate note")
+        for key in ("measured_s", "predicted_s"):
+            for name, secs in _need(estimate.get(key, {}), _OBJ, f"{at} estimate {key}").items():
+                _need(secs, _NUM, f"{at} estimate {key} {name}")
 
 
 def site_module(gm: fx.GraphModule, site: Site) -> str:

@@ -130,6 +130,22 @@ class _GroupNorm(nn.Module):
         return torch.ops.opswap.group_norm(x, self.groups, self.w, self.b, 1e-5)
 
 
+class _ConvOp(nn.Module):
+    """opswap::conv_im2col or conv_fft on x [B, 3, H, W] with a constant weight."""
+
+    def __init__(self, fft: bool):
+        super().__init__()
+        torch.manual_seed(3)
+        self.fft = fft
+        self.register_buffer("w", torch.randn(6, 1, 5, 3) if fft else torch.randn(4, 3, 3, 2))
+        self.register_buffer("b", torch.randn(6 if fft else 4))
+
+    def forward(self, x):
+        if self.fft:  # depthwise-like: 2 outputs per input channel, stride 1
+            return torch.ops.opswap.conv_fft(x, self.w, self.b, [2, 1], 3)
+        return torch.ops.opswap.conv_im2col(x, self.w, None, [2, 1], [1, 0], [1, 2], 1)
+
+
 def _handoff(conv: nn.Conv2d, qp: QParams) -> nn.Sequential:
     """Two int8 convolutions, the first handing uint8 to the second (its epilogue
     requantises with the second's input scale)."""
@@ -168,6 +184,8 @@ def _cases():
         handoff=_handoff(conv, qp),
         group_norm=_GroupNorm(3, 3, affine=True),  # InstanceNorm's form: G = C
         group_norm_one=_GroupNorm(1, 3, affine=False),
+        im2col=_ConvOp(fft=False),
+        fft=_ConvOp(fft=True),
     )
     rows = _Each(
         rms=_Row(lambda x, w: torch.ops.opswap.rms_norm(x, w, 1e-6, 0.0, True)),

@@ -342,6 +342,27 @@ def _int8_samples() -> dict[str, list[Sample]]:
     }
 
 
+def _conv_algorithm_samples() -> dict[str, list[Sample]]:
+    """conv_im2col (any stride, dilation, groups) and conv_fft (stride 1), 1-D and 2-D: the
+    output is contiguous whatever the input's layout."""
+    im2col, fft = [], []
+    for label, x in layouts(2, 6, 9, 7) + layouts(1, 3, 5, 8):
+        c = x.shape[1]
+        im2col.append(
+            Sample(
+                f"2-D {list(x.shape)} {label}",
+                (x, _randn(4, c, 3, 2), _randn(4), [2, 1], [1, 0], [1, 2], 1),
+            )
+        )
+        fft.append(
+            Sample(f"2-D {list(x.shape)} {label}", (x, _randn(2 * c, 1, 3, 5), None, [1, 2], c))
+        )
+    for label, x in layouts(2, 4, 17):
+        im2col.append(Sample(f"1-D {label}", (x, _randn(6, 2, 5), None, [2], [3], [2], 2)))
+        fft.append(Sample(f"1-D {label}", (x, _randn(5, 4, 9), _randn(5), [4], 1)))
+    return {"conv_im2col": im2col, "conv_fft": fft}
+
+
 def _low_bit_samples() -> dict[str, list[Sample]]:
     from opswap.kernels.fp8_linear import quantize_weight as q_fp8
     from opswap.kernels.weight_only import quantize
@@ -378,6 +399,7 @@ def samples() -> dict[str, list[Sample]]:
         _attention_samples,
         _int8_samples,
         _low_bit_samples,
+        _conv_algorithm_samples,
     ):
         out.update(part())
     return out

@@ -224,9 +224,27 @@ def fastest(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
     return {name: res[name].min for name in fns}
 
 
+def fastest_cuda(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """`fastest` on the current CUDA device: each sample bracketed by CUDA events, so a
+    time is the GPU's time for the queued work, not the time to enqueue it."""
+    res = benchmark(fns, warmup=2, repeats=5, min_time_s=0.1, max_time_s=1.0, device="cuda")
+    return {name: res[name].min for name in fns}
+
+
 def with_timer(target: Target) -> Target:
     """`target` able to time functions on this machine, for the rules that measure a site
-    there (precision.int8_linear on the `cpu` target): a CPU target gets `fastest`."""
-    if target.kind != "cpu" or target.timer is not None:
+    there (precision.int8_linear on the `cpu` target, conv.algorithm): a CPU target gets
+    `fastest`; a CUDA target gets `fastest_cuda` when this machine's GPU is of the class
+    the target names (an H100 profile on an sm90 device), else none (a datasheet target
+    planned on another machine: estimate only)."""
+    if target.timer is not None:
         return target
-    return dataclasses.replace(target, timer=fastest)
+    if target.kind == "cpu":
+        return dataclasses.replace(target, timer=fastest)
+    if target.kind == "cuda" and torch.cuda.is_available():
+        from opswap.kernels.crossover import device_class
+
+        here = device_class(torch.device("cuda"))
+        if device_class(target) in (here, "cuda"):  # "cuda": a profile of no named class
+            return dataclasses.replace(target, timer=fastest_cuda)
+    return target

@@ -317,6 +317,34 @@ def _changes(result) -> list[Block]:
     return blocks
 
 
+def _raced(result) -> list[Block]:
+    """Sites a rule chose by racing candidates on the target (conv.algorithm): each
+    candidate's roofline prediction next to its measured time."""
+    rows = []
+    for d in result.plan.decisions:
+        e = d.estimate
+        for name in sorted(e.measured_s, key=lambda n: e.measured_s[n]):
+            predicted = e.predicted_s.get(name)
+            rows.append(
+                [
+                    f"`{d.site.key}`",
+                    name,
+                    _f(predicted * 1e3) if predicted is not None else "-",
+                    _f(e.measured_s[name] * 1e3),
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        Heading("Raced sites: roofline against measured", 3),
+        Para(
+            "Every candidate timed at the site's shapes on the target; the site runs the "
+            "fastest (its key names it), PyTorch's conv where none beat it."
+        ),
+        Table(["site", "candidate", "roofline (ms)", "measured (ms)"], rows, align_right={2, 3}),
+    ]
+
+
 def _predicted_vs_measured(result, data) -> list[Block]:
     before, after = result.analysis_before, result.analysis_after
     blocks: list[Block] = [Heading("Predicted next to measured")]
@@ -776,6 +804,7 @@ def build_report(result) -> list[Block]:
     blocks += _summary(result, data)
     blocks += _variants(data)
     blocks += _changes(result)
+    blocks += _raced(result)
     blocks += _predicted_vs_measured(result, data)
     blocks += _misses(result)
     blocks += _problems(result)

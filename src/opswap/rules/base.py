@@ -189,6 +189,10 @@ class Estimate:
     bytes_saved: float = 0.0
     time_saved_s: float | None = None
     note: str = ""
+    #: for a rule that races candidates at the site (conv.algorithm): seconds per call of
+    #: each, measured on the target and predicted by the roofline, by candidate name
+    measured_s: dict[str, float] = field(default_factory=dict)
+    predicted_s: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -196,6 +200,9 @@ class Estimate:
             "bytes_saved": self.bytes_saved,
             "time_saved_s": self.time_saved_s,
             "note": self.note,
+            # only a raced site has them, so other plans read as they always did
+            **({"measured_s": dict(self.measured_s)} if self.measured_s else {}),
+            **({"predicted_s": dict(self.predicted_s)} if self.predicted_s else {}),
         }
 
 

@@ -1,0 +1,21 @@
+"""opswap::conv_im2col -> Conv: the same convolution (ONNX runtimes pick their own algorithm;
+the unfold + GEMM route is an eager-PyTorch choice)."""
+
+from __future__ import annotations
+
+from opswap.backends.lowerings._onnx import op
+from opswap.backends.lowerings._registry import lowering
+
+
+@lowering("opswap::conv_im2col", "Conv")
+def conv_im2col(x, weight, bias, stride, padding, dilation, groups):
+    # zero padding, the same on both sides of each spatial dim (the op's contract)
+    return op.Conv(
+        x,
+        weight,
+        *([bias] if bias is not None else []),
+        strides=list(stride),
+        pads=list(padding) * 2,
+        dilations=list(dilation),
+        group=groups,
+    )
