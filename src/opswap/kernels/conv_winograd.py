@@ -87,21 +87,18 @@ _RAW: dict[int, tuple[_Mat, _Mat, _Mat]] = {
     2: (_BT2, _G2, _AT2),
     4: (_BT4, _G4, _AT4),
 }
-_MATS: dict[tuple[int, torch.dtype, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def matrices(
     m: int, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B^T [a, a], G [a, 3], A^T [m, a]) of F(m x m, 3 x 3), a = m + 2."""
+    """(B^T [a, a], G [a, 3], A^T [m, a]) of F(m x m, 3 x 3), a = m + 2, as tensors (the
+    kernels apply them as additions, `_combine`)."""
     _check_m(m)
-    key = (m, dtype, str(device))
-    if key not in _MATS:
-        _MATS[key] = tuple(  # type: ignore[assignment]
-            torch.tensor([[float(v) for v in row] for row in mat], dtype=dtype, device=device)
-            for mat in _RAW[m]
-        )
-    return _MATS[key]
+    return tuple(  # type: ignore[return-value]
+        torch.tensor([[float(v) for v in row] for row in mat], dtype=dtype, device=device)
+        for mat in _RAW[m]
+    )
 
 
 def _check_m(m: int) -> None:
@@ -116,11 +113,18 @@ def filter_transform(weight: torch.Tensor, m: int, groups: int) -> torch.Tensor:
     """U = G g G^T of every filter, laid out for the products: [a*a*groups, C/g, O/g]
     (point-major, then group), in float32 (float64 for float64 weights)."""
     work = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    _, g_mat, _ = matrices(m, work, weight.device)
+    g_mat = _RAW[m][1]
     o, cg = weight.shape[0], weight.shape[1]
     a = m + 2
-    u = g_mat @ weight.to(work) @ g_mat.T  # [O, Cg, a, a]
-    u = u.reshape(groups, o // groups, cg, a * a).permute(3, 0, 2, 1)  # [a*a, g, Cg, Og]
+    w = weight.to(work)
+    rows = w.new_empty((a, o, cg, 3))  # G along the filter's rows
+    for i in range(a):
+        _combine(g_mat[i], [w[:, :, j] for j in range(3)], rows[i])
+    u = w.new_empty((a, a, o, cg))  # and along its columns
+    for i in range(a):
+        for j in range(a):
+            _combine(g_mat[j], [rows[i][..., k] for k in range(3)], u[i, j])
+    u = u.reshape(a * a, groups, o // groups, cg).transpose(2, 3)  # [a*a, g, Cg, Og]
     return u.reshape(a * a * groups, cg, o // groups).contiguous()
 
 
