@@ -110,12 +110,15 @@ def _peers(c: int, x: torch.Tensor, weight: torch.Tensor, tmp: Path) -> dict[str
     return fns
 
 
-def _emulated_half(x: torch.Tensor, w: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
-    """The Triton path's arithmetic on the CPU: V and U rounded to `dtype` (what the tensor
-    cores take), products and transforms in float32, the output rounded to `dtype`."""
+def _emulated_half(
+    x: torch.Tensor, w: torch.Tensor, m: int, dtype: torch.dtype, operands: torch.dtype
+) -> torch.Tensor:
+    """The Triton path's arithmetic on the CPU: V and U rounded to `operands` (what the
+    tensor cores take: today the input's dtype), products and transforms in float32, the
+    output rounded to `dtype`."""
     n, _, h, wd = x.shape
-    v = W.input_transform(x, [1, 1], m, 1).to(dtype).float()
-    u = W.filter_transform(w, m, 1).to(dtype).float()
+    v = W.input_transform(x, [1, 1], m, 1).to(operands).float()
+    u = W.filter_transform(w, m, 1).to(operands).float()
     y = W.output_transform(torch.bmm(v, u), (n, w.shape[0], h, wd), m, 1, torch.contiguous_format)
     return y.to(dtype)
 
@@ -141,10 +144,14 @@ def errors(c: int, hw: int, device: str, dtypes: list[torch.dtype]) -> list[dict
                 x = torch.randn(1, c, hw, hw, generator=gen).to(dtype)
                 w = (torch.randn(c, c, 3, 3, generator=gen) / math.sqrt(9 * c)).to(dtype)
                 truth = F.conv2d(x.double(), w.double(), None, 1, 1)
-                y = _emulated_half(x.float(), w.float(), m, dtype)
+                y = _emulated_half(x.float(), w.float(), m, dtype, dtype)
                 emu = float((y.double() - truth).norm() / truth.norm())
                 row[f"f{m}_gpu_arith_err"] = emu
                 row[f"f{m}_gpu_arith_digits_lost"] = round(_digits(torch_err) - _digits(emu), 2)
+                if dtype == torch.bfloat16:  # what float16 operands (3 more bits) would give
+                    y = _emulated_half(x.float(), w.float(), m, dtype, torch.float16)
+                    emu = float((y.double() - truth).norm() / truth.norm())
+                    row[f"f{m}_gpu_arith_fp16_operands_err"] = emu
         row["torch_digits"] = _digits(row["torch_err"])
         rows.append(row)
     return rows

@@ -87,6 +87,22 @@ def test_op_matches_a_float64_conv(shape, m):
 
 
 @pytest.mark.parametrize("m", W.TILES)
+def test_the_gemm_transforms_equal_the_additions(m):
+    # CUDA's transforms (two GEMMs) against the CPU's (additions), groups and layouts too
+    for shape in SHAPES[1:]:
+        padding, groups = shape[5], shape[6]
+        x, wt, _ = _inputs(shape)
+        v = W.input_transform(x, padding, m, groups)
+        torch.testing.assert_close(W.input_transform_gemm(x, padding, m, groups), v)
+        prod = torch.bmm(v, W.filter_transform(wt, m, groups))
+        n, _, o, h, w = shape[:5]
+        out = (n, o, h + 2 * padding[0] - 2, w + 2 * padding[1] - 2)
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            y = W.output_transform(prod, out, m, groups, fmt)
+            torch.testing.assert_close(W.output_transform_gemm(prod, out, m, groups, fmt), y)
+
+
+@pytest.mark.parametrize("m", W.TILES)
 def test_half_inputs_on_the_cpu_err_as_pytorch_does(m):
     # the CPU path computes in float32: the error is the output's rounding, as PyTorch's
     shape = (2, 8, 5, 13, 10, (1, 1), 1, True)

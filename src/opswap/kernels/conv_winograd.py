@@ -20,6 +20,14 @@ and output transforms are additions and a few scalings (counted separately, `tra
 multiplications`); the filter transform is done once per weight and cached (by the
 weight's identity and version, so an in-place update is seen).
 
+On CUDA the input and output transforms run as two GEMMs by the Kronecker products of
+the matrices (a handful of kernels a call, where the additions would be some forty), then
+the products by the Triton kernel. Not done yet: fusing the input transform into the
+products' kernel. Computing one point's V inside the (point, tiles, O) program costs a^2
+CUDA-core FMAs per element, redone for every block of O, against the tensor cores' one
+product: it would make the kernel slower, not faster. The fusion that pays computes all
+a^2 points of a tile block in one program (a^2 accumulators), as cuDNN's Winograd does.
+
 The price is precision. F(4,3) uses the points 0, +-1, +-2 (and infinity); its matrices
 hold 4, 5 and 1/24, so a transformed tile mixes values of very different size and a
 rounding of V or U in a low-precision dtype costs digits (benchmarks/bench_winograd.py
@@ -232,6 +240,55 @@ def output_transform(
     return y if fmt == torch.channels_last else y.contiguous()
 
 
+# On CUDA the transforms run as two GEMMs instead of the additions above, which would be
+# some forty small kernels a call for F(4,3), their launches costing more than cuDNN's
+# whole conv on ResNet's layers: all a^2 points of a tile from its a^2 values at once,
+# V = (B^T kron B^T) D and Y = (A^T kron A^T) M, one gather copy before and one scatter
+# copy after. Their flops (a^4 and m^2 a^2 per tile and channel) are CUDA-core work an
+# H100 does in the time of the copies.
+def _kron(mat: _Mat, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor([[float(v) for v in row] for row in mat], dtype=dtype, device=device)
+    return torch.kron(t, t)
+
+
+def input_transform_gemm(
+    x: torch.Tensor, padding: Sequence[int], m: int, groups: int
+) -> torch.Tensor:
+    """input_transform by one GEMM: the same [a*a*groups, N*tiles, C/g] in float32."""
+    n, c, h, w = x.shape
+    a = m + 2
+    _, _, th, tw = _tiles(h, w, padding, m)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xp = x.new_zeros((n, th * m + 2, tw * m + 2, c), dtype=work)
+    xp[:, padding[0] : padding[0] + h, padding[1] : padding[1] + w] = x.permute(0, 2, 3, 1)
+    d = xp.unfold(1, a, m).unfold(2, a, m)  # [N, th, tw, C, a_j, a_k], a view
+    d = d.permute(4, 5, 0, 1, 2, 3).reshape(a * a, -1)  # the gather copy
+    v = _kron(_RAW[m][0], work, x.device) @ d  # [a_i * a_l, N * th * tw * C]
+    if groups == 1:
+        return v.reshape(a * a, n * th * tw, c)
+    v = v.reshape(a * a, n * th * tw, groups, c // groups).transpose(1, 2)
+    return v.reshape(a * a * groups, n * th * tw, c // groups)
+
+
+def output_transform_gemm(
+    prod: torch.Tensor,
+    shape: tuple[int, int, int, int],
+    m: int,
+    groups: int,
+    fmt: torch.memory_format,
+) -> torch.Tensor:
+    """output_transform by one GEMM (same arguments and result)."""
+    n, o, ho, wo = shape
+    a = m + 2
+    th, tw = -(-ho // m), -(-wo // m)
+    if groups > 1:
+        prod = prod.reshape(a * a, groups, n * th * tw, o // groups).transpose(1, 2)
+    y = _kron(_RAW[m][2], prod.dtype, prod.device) @ prod.reshape(a * a, -1)
+    y = y.reshape(m, m, n, th, tw, o).permute(2, 3, 0, 4, 1, 5)  # [N, th, m_r, tw, m_s, O]
+    y = y.reshape(n, th * m, tw * m, o)[:, :ho, :wo].permute(0, 3, 1, 2)
+    return y if fmt == torch.channels_last else y.contiguous()
+
+
 # ----------------------------------------------------------------------------- Triton
 
 
@@ -371,14 +428,17 @@ def winograd_conv2d(
     ho, wo, _, _ = _tiles(h, w, padding, m)
     fmt = output_format(x, weight)
     u = _cached_filter(weight, m, groups)
-    v = input_transform(x, padding, m, groups)
-    if runs_triton(x) and x.dtype != torch.float64:
+    triton = runs_triton(x) and x.dtype != torch.float64
+    v = (input_transform_gemm if triton else input_transform)(x, padding, m, groups)
+    if triton:
         # the tensor cores take V and U in the input's dtype (this rounding is where
         # F(4,3) in half precision loses digits); products and transform back in float32
         prod = triton_products(v.to(x.dtype), u.to(x.dtype))
     else:
         prod = torch.bmm(v, u)
-    y = output_transform(prod, (n, o, ho, wo), m, groups, fmt)
+    y = (output_transform_gemm if triton else output_transform)(
+        prod, (n, o, ho, wo), m, groups, fmt
+    )
     if bias is not None:
         y = y + bias.to(y.dtype).reshape(1, o, 1, 1)
     return as_promised(y.to(x.dtype), fmt)
