@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _results import write_results  # noqa: E402
 
 from opswap.bench.timing import benchmark  # noqa: E402
+from opswap.kernels import _winograd as T  # noqa: E402
 from opswap.kernels import conv_algorithms as ca  # noqa: E402
 from opswap.kernels import conv_winograd as W  # noqa: E402
 from opswap.kernels._conv_error import error_against_float64  # noqa: E402
@@ -117,9 +118,9 @@ def _emulated_half(
     tensor cores take: today the input's dtype), products and transforms in float32, the
     output rounded to `dtype`."""
     n, _, h, wd = x.shape
-    v = W.input_transform(x, [1, 1], m, 1).to(operands).float()
-    u = W.filter_transform(w, m, 1).to(operands).float()
-    y = W.output_transform(torch.bmm(v, u), (n, w.shape[0], h, wd), m, 1, torch.contiguous_format)
+    v = T.input_transform(x, [1, 1], m, 1).to(operands).float()
+    u = T.filter_transform(w, m, 1).to(operands).float()
+    y = T.output_transform(torch.bmm(v, u), (n, w.shape[0], h, wd), m, 1, torch.contiguous_format)
     return y.to(dtype)
 
 

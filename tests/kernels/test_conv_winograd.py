@@ -19,6 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import _rows_check as rc  # noqa: E402
 
+from opswap.kernels import _winograd as T  # noqa: E402
 from opswap.kernels import conv_algorithms as ca  # noqa: E402
 from opswap.kernels import conv_winograd as W  # noqa: E402
 from opswap.kernels._conv_error import error_against_float64  # noqa: E402
@@ -56,7 +57,7 @@ def _rel(y, truth):
 
 @pytest.mark.parametrize("m", W.TILES)
 def test_the_matrices_compute_a_tile_of_the_correlation(m):
-    bt, g, at = W.matrices(m)
+    bt, g, at = T.matrices(m)
     a = m + 2
     gen = torch.Generator().manual_seed(m)
     for _ in range(5):
@@ -92,14 +93,14 @@ def test_the_gemm_transforms_equal_the_additions(m):
     for shape in SHAPES[1:]:
         padding, groups = shape[5], shape[6]
         x, wt, _ = _inputs(shape)
-        v = W.input_transform(x, padding, m, groups)
-        torch.testing.assert_close(W.input_transform_gemm(x, padding, m, groups), v)
-        prod = torch.bmm(v, W.filter_transform(wt, m, groups))
+        v = T.input_transform(x, padding, m, groups)
+        torch.testing.assert_close(T.input_transform_gemm(x, padding, m, groups), v)
+        prod = torch.bmm(v, T.filter_transform(wt, m, groups))
         n, _, o, h, w = shape[:5]
         out = (n, o, h + 2 * padding[0] - 2, w + 2 * padding[1] - 2)
         for fmt in (torch.contiguous_format, torch.channels_last):
-            y = W.output_transform(prod, out, m, groups, fmt)
-            torch.testing.assert_close(W.output_transform_gemm(prod, out, m, groups, fmt), y)
+            y = T.output_transform(prod, out, m, groups, fmt)
+            torch.testing.assert_close(T.output_transform_gemm(prod, out, m, groups, fmt), y)
 
 
 @pytest.mark.parametrize("m", W.TILES)
