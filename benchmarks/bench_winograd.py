@@ -2,7 +2,7 @@
 PyTorch's conv and the peers a user would otherwise run, in one interleaved loop a layer.
 
     PYTHONPATH=src python benchmarks/bench_winograd.py [--device cpu|cuda] [--out DIR]
-                                                       [--quick]
+                                                       [--quick] [--threads N]
 
 Layers: ResNet-50's 3x3 stages (64@56, 128@28, 256@14, 512@7) and VGG-16's (64@224,
 128@112, 256@56, 512@28, 512@14), C = O, padding 1, batch 1 and 8.
@@ -19,6 +19,12 @@ Layers: ResNet-50's 3x3 stages (64@56, 128@28, 256@14, 512@7) and VGG-16's (64@2
   float32 and in bfloat16/float16. On the CPU the op computes half inputs in float32, so
   the half rows there also give the GPU's arithmetic, emulated: V and U rounded to the
   dtype, products and transforms in float32, which is what the Triton kernel does.
+
+On the CPU every variant runs on `--threads` threads (PyTorch, ONNX Runtime's intra-op
+pool, OpenVINO's inference threads; default 1): on a shared 2-core VM a second thread
+stalls for a scheduler slice whenever another process holds a core, and one thread each
+compares the algorithms per core. Each figure is the median over interleaved rounds, with
+the fastest round beside it (`min_ms`), which interference only ever lengthens.
 
 Writes DIR/winograd_<device>.json (date, device, versions, rows).
 """
@@ -84,7 +90,9 @@ def _onnx_conv(c: int, path: Path, weight: torch.Tensor) -> Path:
     return path
 
 
-def _peers(c: int, x: torch.Tensor, weight: torch.Tensor, tmp: Path) -> dict[str, Any]:
+def _peers(
+    c: int, x: torch.Tensor, weight: torch.Tensor, tmp: Path, threads: int
+) -> dict[str, Any]:
     """ONNX Runtime's and OpenVINO's CPU runs of the one-Conv model, where importable."""
     fns: dict[str, Any] = {}
     path = _onnx_conv(c, tmp / f"conv{c}.onnx", weight)
@@ -96,6 +104,7 @@ def _peers(c: int, x: torch.Tensor, weight: torch.Tensor, tmp: Path) -> dict[str
         # no spinning after a run: in an interleaved loop ORT's idle threads would steal
         # the cores from the next variant
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.intra_op_num_threads = threads
         sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         fns["onnxruntime"] = lambda: sess.run(None, {"x": xn})
     except ImportError:
@@ -103,7 +112,7 @@ def _peers(c: int, x: torch.Tensor, weight: torch.Tensor, tmp: Path) -> dict[str
     try:
         import openvino as ov
 
-        compiled = ov.Core().compile_model(str(path), "CPU")
+        compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": threads})
         req = compiled.create_infer_request()
         fns["openvino"] = lambda: req.infer({0: xn})
     except ImportError:
@@ -159,7 +168,14 @@ def errors(c: int, hw: int, device: str, dtypes: list[torch.dtype]) -> list[dict
 
 
 def time_layer(
-    c: int, hw: int, n: int, device: str, dtype: torch.dtype, tmp: Path, max_time_s: float
+    c: int,
+    hw: int,
+    n: int,
+    device: str,
+    dtype: torch.dtype,
+    tmp: Path,
+    max_time_s: float,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """ms per call of every variant on one layer, interleaved."""
     gen = torch.Generator().manual_seed(0)
@@ -176,7 +192,7 @@ def time_layer(
     if device == "cpu":
         if torch._nnpack_available():
             fns["nnpack"] = lambda: torch._nnpack_spatial_convolution(x, w, None, [1, 1])
-        fns.update(_peers(c, x, w, tmp))
+        fns.update(_peers(c, x, w, tmp, threads))
     with torch.inference_mode():
         res = benchmark(
             fns, warmup=2, repeats=5, min_time_s=0.3, max_time_s=max_time_s, device=device
@@ -199,9 +215,13 @@ def time_layer(
     return row
 
 
-def run(device: str, quick: bool = False, out: Path | None = None) -> dict[str, Any]:
+def run(
+    device: str, quick: bool = False, out: Path | None = None, threads: int = 1
+) -> dict[str, Any]:
     import tempfile
 
+    if device == "cpu":
+        torch.set_num_threads(threads)
     dtypes = [torch.float32] if device == "cpu" else [torch.bfloat16, torch.float16]
     err_dtypes = [torch.float32, torch.bfloat16, torch.float16]
     rows: list[dict[str, Any]] = []
@@ -225,7 +245,9 @@ def run(device: str, quick: bool = False, out: Path | None = None) -> dict[str, 
                     skipped.append(f"{net} {c}@{hw} batch {n} ({gflop:.1f} GFLOP a call)")
                     continue
                 for dtype in dtypes:
-                    r = time_layer(c, hw, n, device, dtype, Path(tmp), 3.0 if quick else 6.0)
+                    r = time_layer(
+                        c, hw, n, device, dtype, Path(tmp), 3.0 if quick else 6.0, threads
+                    )
                     row = {**base, "batch": n, "dtype": str(dtype), **saved, **r}
                     if n == 1:
                         row["errors"] = errs
@@ -254,8 +276,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--quick", action="store_true", help="three layers, shorter timing")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of every variant")
     args = p.parse_args()
-    run(args.device, args.quick, args.out)
+    run(args.device, args.quick, args.out, args.threads)
 
 
 if __name__ == "__main__":
