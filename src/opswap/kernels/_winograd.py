@@ -80,17 +80,11 @@ def filter_transform(weight: torch.Tensor, m: int, groups: int) -> torch.Tensor:
     """U = G g G^T of every filter, laid out for the products: [a*a*groups, C/g, O/g]
     (point-major, then group), in float32 (float64 for float64 weights)."""
     work = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    g_mat = _RAW[m][1]
     o, cg = weight.shape[0], weight.shape[1]
     a = m + 2
-    w = weight.to(work)
-    rows = w.new_empty((a, o, cg, 3))  # G along the filter's rows
-    for i in range(a):
-        _combine(g_mat[i], [w[:, :, j] for j in range(3)], rows[i])
-    u = w.new_empty((a, a, o, cg))  # and along its columns
-    for i in range(a):
-        for j in range(a):
-            _combine(g_mat[j], [rows[i][..., k] for k in range(3)], u[i, j])
+    # one GEMM by G kron G ([a*a, 9]): done once per weight (cached), and a few nodes
+    # where the op is traced
+    u = _kron(_RAW[m][1], work, weight.device) @ weight.to(work).reshape(o * cg, 9).T
     u = u.reshape(a * a, groups, o // groups, cg).transpose(2, 3)  # [a*a, g, Cg, Og]
     return u.reshape(a * a * groups, cg, o // groups).contiguous()
 

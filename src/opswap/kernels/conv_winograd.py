@@ -225,16 +225,18 @@ def winograd_conv2d(
     fmt = output_format(x, weight)
     u = _cached_filter(weight, m, groups)
     triton = runs_triton(x) and x.dtype != torch.float64
-    v = (input_transform_gemm if triton else input_transform)(x, padding, m, groups)
+    # traced (torch.compile, torch.export): the GEMM transforms too, the same numbers in a
+    # dozen nodes instead of a hundred strided slices, whose symbolic sizes took a dynamic
+    # compile 90 s to reason about (6 s with these); Inductor fuses the copies itself
+    gemm = triton or _is_fake(x)
+    v = (input_transform_gemm if gemm else input_transform)(x, padding, m, groups)
     if triton:
         # the tensor cores take V and U in the input's dtype (this rounding is where
         # F(4,3) in half precision loses digits); products and transform back in float32
         prod = triton_products(v.to(x.dtype), u.to(x.dtype))
     else:
         prod = torch.bmm(v, u)
-    y = (output_transform_gemm if triton else output_transform)(
-        prod, (n, o, ho, wo), m, groups, fmt
-    )
+    y = (output_transform_gemm if gemm else output_transform)(prod, (n, o, ho, wo), m, groups, fmt)
     if bias is not None:
         y = y + bias.to(y.dtype).reshape(1, o, 1, 1)
     return as_promised(y.to(x.dtype), fmt)
