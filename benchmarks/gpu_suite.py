@@ -215,6 +215,9 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
         ],
         [["bench_conv.py"]],
     ),
+    # issue 40: Winograd F(2,3)/F(4,3), Triton products against float64, then per-layer
+    # times against cuDNN in bf16/fp16 and the digits each keeps
+    "winograd": (["tests/kernels/test_conv_winograd.py"], [["bench_winograd.py"]]),
 }
 
 # the tests with CUDA paths of the low-precision schemes

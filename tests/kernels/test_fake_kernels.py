@@ -385,6 +385,15 @@ def _low_bit_samples() -> dict[str, list[Sample]]:
     }
 
 
+def _winograd_samples() -> dict[str, list[Sample]]:
+    w, b = _randn(6, 3, 3, 3), _randn(6)
+    wg = _randn(6, 2, 3, 3)
+    return {
+        "conv_winograd": _over([(2, 3, 7, 5), (1, 3, 1, 4)], lambda x: (x, w, b, [1, 1], 1, 4))
+        + _over([(2, 4, 5, 6)], lambda x: (x, wg, None, [0, 2], 2, 2))
+    }
+
+
 def samples() -> dict[str, list[Sample]]:
     """Sample inputs for every op, by its name in the opswap namespace."""
     torch.manual_seed(0)
@@ -400,6 +409,7 @@ def samples() -> dict[str, list[Sample]]:
         _int8_samples,
         _low_bit_samples,
         _conv_algorithm_samples,
+        _winograd_samples,
     ):
         out.update(part())
     return out
