@@ -326,6 +326,16 @@ def m_bucket(m: int) -> int:
     return 1 << max(0, m - 1).bit_length()
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def shape_class(m: int, n: int, k: int) -> str:
+    """The crossover table's class of an M x K by K x N GEMM: each size's power-of-two
+    bucket ("m<=16,n<=16384,k<=4096")."""
+    return f"m<={_pow2(m)},n<={_pow2(n)},k<={_pow2(k)}"
+
+
 def fp8_ready(device: torch.device) -> bool:
     """Whether the FP8 product runs on `device` (Hopper, sm90)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
