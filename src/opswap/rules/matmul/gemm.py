@@ -6,7 +6,7 @@ shape on the target."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -21,7 +21,7 @@ from opswap.kernels import gemm as kg
 from opswap.rules._cost import saving
 from opswap.rules._edits import drop_dead_attrs, erase
 from opswap.rules._matching import input_of, setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Exactness, Found, Refused, Rule
 from opswap.rules.registry import register
 
 GEMM = torch.ops.opswap.gemm.default
@@ -259,14 +259,14 @@ class Gemm(Rule):
     name = "matmul.gemm"
     family = "matmul"
     chapter = 12
-    exactness = "exact"
+    exactness: ClassVar[Exactness] = "exact"
     implementation = "triton"
     targets = ("cuda",)
     # Linears made by fusion (matmul_add, BatchNorm folds) first; the cuBLASLt epilogue
     # rule takes Linear + ReLU / tanh-GELU without a measurement: this one is measured
     after = ("fusion.*", "activation.gelu_tanh")
-    before = ("activation.linear_epilogue",)
-    relieves = ("compute:matmul", "memory:activation")
+    before: ClassVar[tuple[str, ...]] = ("activation.linear_epilogue",)
+    relieves: ClassVar[tuple[str, ...]] = ("compute:matmul", "memory:activation")
     anchors = ("linear", "addmm", "matmul")
     description = (
         "Linear/matmul/addmm (+ activation)(+ residual add) -> opswap::gemm, a tiled Triton "
