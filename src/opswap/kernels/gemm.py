@@ -199,11 +199,10 @@ def _gemm_fn(
     pid_n = (pid % per_group) // group_m
 
     # rows and columns past the edge wrap around (their results are never stored), so the
-    # loads need no M/N mask
+    # loads need no M/N mask. No max_contiguous hint: at the wrap the indices restart at 0,
+    # and a vector load of a [K, N] weight's row would read past column N
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     rn_ = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    rm = tl.max_contiguous(tl.multiple_of(rm, BLOCK_M), BLOCK_M)
-    rn_ = tl.max_contiguous(tl.multiple_of(rn_, BLOCK_N), BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_tile = a_ptr + rm[:, None].to(tl.int64) * sam + rk[None, :] * sak
     b_tile = b_ptr + rk[:, None] * sbk + rn_[None, :].to(tl.int64) * sbn
