@@ -5,11 +5,13 @@ on its fp32 accumulator, then cast to the op's output dtype."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from opswap.backends.lowerings._onnx import as_float, back, op
 from opswap.backends.lowerings._registry import lowering
 
 
-def _activate(y, activation: str):
+def _activate(y: Any, activation: str) -> Any:
     if activation == "relu":
         return op.Relu(y)
     if activation in ("gelu", "gelu_tanh"):
@@ -21,16 +23,16 @@ def _activate(y, activation: str):
 
 @lowering("opswap::gemm", "MatMul + Add + the activation's ONNX op + Add (float32 inside)")
 def gemm(
-    a,
-    b,
-    bias,
-    residual,
+    a: Any,
+    b: Any,
+    bias: Any,
+    residual: Any,
     activation: str,
     b_transposed: bool,
     precision: str,
-    scale_a=None,
-    scale_b=None,
-):
+    scale_a: Any = None,
+    scale_b: Any = None,
+) -> Any:
     from onnx_ir import DataType
 
     w = as_float(b)
