@@ -87,6 +87,11 @@ class Peers:
 
     def __init__(self, device: str):
         real = device == "cuda"
+        # one static compile per shape: past dynamo's recompile limit (8) a compiled
+        # function silently runs eager, and the "compile" column would be cuBLAS's
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
         self.compiled = torch.compile(_mm, dynamic=False) if real else _mm
         mode = "max-autotune-no-cudagraphs"
         self.autotuned = torch.compile(_mm, dynamic=False, mode=mode) if real else _mm

@@ -148,6 +148,23 @@ def test_fp8_reference_reads_scaled_e4m3_values():
     assert rc.rel(y, want) <= 2.0**-8
 
 
+def test_gpu_configurations_fit_shared_memory_and_the_row_class():
+    for m, size in ((1, 2), (16, 4), (33, 2), (4096, 1), (4096, 4)):
+        tried = G.configs_for(m, size)
+        assert tried
+        for c in tried:
+            bm, bn, bk = (c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            assert (bm + bn) * bk * size * c.num_stages <= 200 * 1024
+            assert (bm <= 32) == (m <= 32)
+    # the FP8 configurations' K step of 128 only where the bytes allow it
+    assert any(
+        c.kwargs["BLOCK_K"] == 128 and c.kwargs["BLOCK_N"] == 256 for c in G.configs_for(4096, 1)
+    )
+    assert not any(
+        c.kwargs["BLOCK_K"] == 128 and c.kwargs["BLOCK_N"] == 256 for c in G.configs_for(4096, 2)
+    )
+
+
 def test_bad_input_is_refused_in_one_sentence():
     a, b = torch.randn(4, 8), torch.randn(6, 8)
     with pytest.raises(G.KernelError, match="not one of none, relu"):

@@ -271,6 +271,9 @@ def configs() -> list[Any]:
                 (128, 64, 64, 8, 4, 4),
                 (64, 128, 64, 8, 4, 4),
                 (64, 64, 64, 8, 4, 4),
+                # 1-byte FP8 tiles take twice the K step in the same shared memory
+                (128, 256, 128, 8, 3, 8),
+                (128, 128, 128, 8, 4, 8),
             )
         ],
         *[
@@ -286,37 +289,48 @@ def configs() -> list[Any]:
     ]
 
 
-def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    m = int(named_args["M"])
-    size = named_args["a_ptr"].element_size()
-    keep = []
-    for c in configs:
-        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-        if (bm <= 32) != (m <= 32):
-            continue  # decode tiles for few rows, prefill tiles for many
-        if (bm + bn) * bk * size * c.num_stages > 200 * 1024:
-            continue  # more shared memory than an sm90 multiprocessor has
-        keep.append(c)
+def configs_for(m: int, size: int) -> list[Any]:
+    """The configurations of `configs()` a launch of m rows and `size`-byte inputs tries:
+    decode tiles (BLOCK_M <= 32) for m <= 32, prefill tiles otherwise, and none whose
+    stages need more shared memory than an sm90 multiprocessor has (200 KiB kept)."""
+    keep = [
+        c
+        for c in configs()
+        if (c.kwargs["BLOCK_M"] <= 32) == (m <= 32)
+        and (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * size * c.num_stages
+        <= 200 * 1024
+    ]
     return keep or [_config(64, 64, 32, 8, 3, 4)]
 
 
-_KERNELS: dict[bool, Any] = {}
+_KERNELS: dict[tuple[bool, bool, int], Any] = {}
 
 
-def _kernel() -> Any:
-    """The kernel: autotuned over `configs()` on a GPU (keyed on the row count's bucket, N,
-    K and the dtypes), plain in the interpreter (the caller passes INTERPRET_BLOCKS)."""
-    key = interpreting()
+def _kernel(m: int, size: int) -> Any:
+    """The kernel for m rows of `size`-byte inputs: on a GPU autotuned over
+    `configs_for(m, size)`, keyed on the row count's bucket, N, K and the dtypes (one
+    autotuner per row class and input size, pruned here rather than by the autotuner's
+    prune hook, which Inductor's support of user kernels does not promise); in the
+    interpreter plain, the caller passing INTERPRET_BLOCKS."""
+    key = (interpreting(), m <= 32, size)
     if key not in _KERNELS:
-        if key:
+        if key[0]:
             _KERNELS[key] = jitted(_gemm_fn)
         else:
-            _KERNELS[key] = _triton.autotune(
-                configs(),
-                key=["M_BUCKET", "N", "K"],
-                prune_configs_by={"early_config_prune": _prune},
-            )(_triton.jit(_gemm_fn))
+            _KERNELS[key] = _triton.autotune(configs_for(m, size), key=["M_BUCKET", "N", "K"])(
+                _jit()
+            )
     return _KERNELS[key]
+
+
+_JIT: list[Any] = []
+
+
+def _jit() -> Any:
+    """The one compiled-mode JITFunction of the kernel, shared by the autotuners."""
+    if not _JIT:
+        _JIT.append(_triton.jit(_gemm_fn))
+    return _JIT[0]
 
 
 def m_bucket(m: int) -> int:
@@ -397,7 +411,7 @@ def triton_gemm(
         def grid(meta_: dict[str, Any]) -> tuple[int]:
             return (_triton.cdiv(m, meta_["BLOCK_M"]) * _triton.cdiv(n, meta_["BLOCK_N"]),)
 
-    wrap_triton(_kernel())[grid](
+    wrap_triton(_kernel(m, a2.element_size()))[grid](
         a2,
         bkn,
         c,
