@@ -181,6 +181,7 @@ def _gemm_fn(
     SCALED: tl.constexpr,
     ACT: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf), 3 gelu (tanh), 4 silu
     TF32: tl.constexpr,
+    F32: tl.constexpr,  # float32 tiles (or bf16 ones upcast in the interpreter)
     RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
     UPCAST: tl.constexpr,  # the interpreter's bf16 product: in fp32 (exact: bf16 fits)
     BLOCK_M: tl.constexpr,
@@ -215,8 +216,10 @@ def _gemm_fn(
             a, b = a.to(tl.float32), b.to(tl.float32)
         if TF32:
             acc += tl.dot(a, b, input_precision="tf32")
-        else:
+        elif F32:  # float32 kept exact; 16-bit and FP8 tiles take the default
             acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
         a_tile += BLOCK_K * sak
         b_tile += BLOCK_K * sbk
 
@@ -394,6 +397,7 @@ def triton_gemm(
         SCALED=precision == "fp8",
         ACT=_ACT_ID[activation],
         TF32=precision == "tf32",
+        F32=a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16),
         RN=rn_flag(dtype),
         # Triton 3.9's interpreter multiplies bf16 tiles wrongly (2e10 off on 16 x 16 randn);
         # bf16 values are exact in fp32, so the fp32 product is the same math
