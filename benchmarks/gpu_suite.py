@@ -173,6 +173,11 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "decode": (DECODE_TESTS, [["bench_decode.py"]]),
     "activation": (ACTIVATION_TESTS, [["bench_activation.py"]]),
     "epilogue": (EPILOGUE_TESTS, [["bench_epilogue.py"]]),
+    # issue 40: opswap::gemm against cuBLAS / torch.compile (square, LLM, odd, FP8, TF32)
+    "gemm": (
+        ["tests/kernels/test_gemm.py", "tests/rules/matmul"],
+        [["bench_gemm.py", "--update-crossover"]],
+    ),
     # every row kernel's tests, then their sweeps (eager and CUDA-graph times) rewriting the
     # crossover table, and the Llama end to end against torch.compile
     "rows": (

@@ -51,6 +51,21 @@ class _Int8Op(nn.Module):
         return torch.ops.opswap.int8_linear(x, self.wq, self.scale, self.bias)
 
 
+class _Gemm(nn.Module):
+    """opswap::gemm with a bias or none, an activation, a residual (x's first N columns),
+    and the weight [N, K] or [K, N]."""
+
+    def __init__(self, w, b, activation, b_transposed):
+        super().__init__()
+        self.register_buffer("w", w if b_transposed else w.t().contiguous())
+        self.register_buffer("b", b)
+        self.act, self.bt = activation, b_transposed
+
+    def forward(self, x):
+        res = x[:, :N] * 0.5
+        return torch.ops.opswap.gemm(x, self.w, self.b, res, self.act, self.bt, "ieee")
+
+
 class _Row(nn.Module):
     """One of the row kernels' ops on x [B, S, H] with a weight [H] (a buffer)."""
 
@@ -173,6 +188,8 @@ def _cases():
         int8=_Int8Op(),
         static=Int8StaticLinear(w, b, qp, True),
         fp8=FP8Linear(w, b),
+        gemm=_Gemm(w, b, "gelu", True),
+        gemm_kn=_Gemm(w, None, "silu", False),
     )
     convs = _Each(
         static=Int8StaticConv2d(

@@ -382,6 +382,11 @@ def _low_bit_samples() -> dict[str, list[Sample]]:
         # bfloat16: what the Triton kernel takes (on CUDA, or called directly below)
         + _over(shapes, lambda x: (x, *dev(q4, s4, o4), None, 4, 32), dtype=torch.bfloat16)
         + _over([(3, 32)], lambda x: (x, *dev(q8, s8), None, None, 8, 32), dtype=torch.bfloat16),
+        "gemm": _over(shapes, lambda x: (x, *dev(w), _randn(6), None, "relu", True, "ieee"))
+        + _over(
+            shapes[:1],
+            lambda x: (x, *dev(w.t().contiguous()), None, _randn(3, 5, 6), "silu", False, "ieee"),
+        ),
     }
 
 

@@ -1,0 +1,212 @@
+"""opswap::gemm: the Triton kernel (under TRITON_INTERPRET=1 in one child Python, or on the
+GPU where there is one) against float64 on odd shapes (M 1, 7, 33; N 5, 48; K 3, 64; a
+3-D input; a transposed input view), every activation, with and without bias and residual,
+the weight [N, K] or [K, N], in float32 (ieee and tf32) and bfloat16; the CPU op, its
+gradients, bad input, the fake implementation under torch.export."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _rows_check as rc  # noqa: E402
+
+from opswap.kernels import gemm as G  # noqa: E402
+
+# (lead dims of a, N, K, dtype, precision, activation, bias, residual, b_transposed)
+CASES = [
+    ((1,), 5, 3, torch.float32, "ieee", "none", False, False, True),
+    ((7,), 48, 64, torch.float32, "ieee", "relu", True, False, True),
+    ((33,), 5, 64, torch.float32, "ieee", "gelu", True, True, False),
+    ((33,), 48, 3, torch.float32, "ieee", "silu", False, True, True),
+    ((3, 7), 48, 64, torch.float32, "ieee", "gelu_tanh", True, True, True),
+    ((7,), 48, 64, torch.float32, "tf32", "none", True, False, True),
+    ((1,), 48, 64, torch.bfloat16, "ieee", "none", True, False, True),
+    ((7,), 5, 3, torch.bfloat16, "ieee", "relu", False, True, False),
+    ((33,), 48, 64, torch.bfloat16, "ieee", "gelu", True, True, True),
+    ((33,), 48, 64, torch.bfloat16, "ieee", "gelu_tanh", True, False, False),
+    ((3, 7), 5, 64, torch.bfloat16, "ieee", "silu", True, True, True),
+    ((2, 3, 7), 48, 64, torch.float16, "ieee", "relu", True, True, True),
+]
+
+
+def _key(c: tuple) -> str:
+    return str([list(c[0]), *c[1:3], str(c[3]), *c[4:]])
+
+
+def _eager(a, b, bias, res, act, bt):
+    """What eager PyTorch runs for the same function in the dtype: the yardstick."""
+    y = torch.nn.functional.linear(a, b if bt else b.t(), bias)
+    y = G.activate(y, act)
+    return y + res if res is not None else y
+
+
+def _case(lead, n, k, dtype, precision, act, has_bias, has_res, bt):
+    gen = torch.Generator().manual_seed(n * 31 + k + len(lead))
+    dev = rc.DEVICE
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    a = rand(*lead, k)
+    b = rand(n, k) if bt else rand(k, n)
+    bias = rand(n) if has_bias else None
+    res = rand(*lead, n) if has_res else None
+    y = G.gemm(a, b, bias, res, act, bt, precision)
+    d = [t.double() if t is not None else None for t in (a, b, bias, res)]
+    truth = _eager(*d, act, bt)
+    if dev == "cuda" and precision == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    ye = _eager(a, b, bias, res, act, bt)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return {
+        "shape": list(y.shape),
+        "dtype": str(y.dtype),
+        "y": rc.rel(y, truth),
+        "y_torch": rc.rel(ye, truth),
+    }
+
+
+def _transposed_input():
+    """A [M, K] input that is a transposed view (column-major): read through its strides."""
+    gen = torch.Generator().manual_seed(5)
+    at = torch.randn(64, 33, generator=gen).to(rc.DEVICE)
+    b = torch.randn(48, 64, generator=gen).to(rc.DEVICE)
+    y = G.gemm(at.t(), b, None, None, "none", True, "ieee")
+    return rc.rel(y, at.t().double() @ b.double().t())
+
+
+def _tf32_is_tf32():
+    """On a GPU: the tf32 product differs from the exact one (its inputs lose 13 bits)."""
+    gen = torch.Generator().manual_seed(9)
+    a = torch.randn(64, 512, generator=gen).to(rc.DEVICE)
+    b = torch.randn(64, 512, generator=gen).to(rc.DEVICE)
+    exact = G.gemm(a, b, None, None, "none", True, "ieee")
+    tf32 = G.gemm(a, b, None, None, "none", True, "tf32")
+    return rc.rel(tf32, exact)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return rc.run_child(__file__)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_key)
+def test_kernel_matches_float64(interpreted, case):
+    r = interpreted[_key(case)]
+    lead, n, dtype, precision = case[0], case[1], case[3], case[4]
+    assert r["shape"] == [*lead, n] and r["dtype"] == str(dtype)
+    if dtype == torch.float32:
+        # tf32 on a GPU: its inputs keep 10 mantissa bits (unit roundoff 2^-11)
+        bound = 3 * max(r["y_torch"], 2.0**-11) if precision == "tf32" else 1e-5
+    else:
+        bound = 3 * max(r["y_torch"], 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12)
+    assert r["y"] <= bound, r
+
+
+def test_kernel_reads_a_transposed_input_view(interpreted):
+    assert interpreted["transposed"] <= 1e-5
+
+
+def test_tf32_is_tf32_on_a_gpu_and_float32_in_the_interpreter(interpreted):
+    if torch.cuda.is_available():
+        assert interpreted["tf32_vs_ieee"] > 1e-5  # the inputs were rounded
+        assert interpreted["tf32_vs_ieee"] < 5e-3
+    else:
+        assert interpreted["tf32_vs_ieee"] <= 1e-6  # the interpreter multiplies in fp32
+
+
+def test_cpu_op_matches_float64_and_has_gradients():
+    a = torch.randn(2, 5, 12, dtype=torch.float64)
+    b, bias, res = torch.randn(7, 12), torch.randn(7), torch.randn(2, 5, 7)
+    for act in G.ACTIVATIONS:
+        y = G.gemm(a.float(), b, bias, res, act, True, "ieee")
+        truth = _eager(a, b.double(), bias.double(), res.double(), act, True)
+        assert rc.rel(y, truth) <= 1e-6, act
+    args = (a.float().requires_grad_(), b.requires_grad_(), bias.requires_grad_())
+    torch.library.opcheck(G.gemm, (*args, res.clone().requires_grad_(), "gelu_tanh", True, "ieee"))
+    kn = torch.randn(12, 7, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 12, dtype=torch.float64, requires_grad=True)
+    for act in ("relu", "gelu", "silu"):
+        torch.autograd.gradcheck(
+            lambda x, w, act=act: G.gemm(x, w, None, None, act, False, "ieee"), (x, kn)
+        )
+
+
+def test_fp8_reference_reads_scaled_e4m3_values():
+    a, b = torch.randn(9, 32), torch.randn(16, 32)
+    sa, sb = torch.tensor(0.5), torch.tensor(0.25)
+    aq, bq = a.to(G.FP8), b.to(G.FP8)
+    y = G.gemm(aq, bq, None, None, "relu", True, "fp8", sa, sb)
+    assert y.dtype == torch.bfloat16
+    want = torch.relu((aq.double() @ bq.double().t()) * 0.125)
+    assert rc.rel(y, want) <= 2.0**-8
+
+
+def test_gpu_configurations_fit_shared_memory_and_the_row_class():
+    for m, size in ((1, 2), (16, 4), (33, 2), (4096, 1), (4096, 4)):
+        tried = G.configs_for(m, size)
+        assert tried
+        for c in tried:
+            bm, bn, bk = (c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            assert (bm + bn) * bk * size * c.num_stages <= 200 * 1024
+            assert (bm <= 32) == (m <= 32)
+    # the FP8 configurations' K step of 128 only where the bytes allow it
+    assert any(
+        c.kwargs["BLOCK_K"] == 128 and c.kwargs["BLOCK_N"] == 256 for c in G.configs_for(4096, 1)
+    )
+    assert not any(
+        c.kwargs["BLOCK_K"] == 128 and c.kwargs["BLOCK_N"] == 256 for c in G.configs_for(4096, 2)
+    )
+
+
+def test_bad_input_is_refused_in_one_sentence():
+    a, b = torch.randn(4, 8), torch.randn(6, 8)
+    with pytest.raises(G.KernelError, match="not one of none, relu"):
+        G.gemm(a, b, None, None, "tanh", True, "ieee")
+    with pytest.raises(G.KernelError, match="precision 'bf16' is not one of"):
+        G.gemm(a, b, None, None, "none", True, "bf16")
+    with pytest.raises(G.KernelError, match="has K = 6"):
+        G.gemm(a, b, None, None, "none", False, "ieee")
+    with pytest.raises(G.KernelError, match="the bias is \\[5\\]"):
+        G.gemm(a, b, torch.randn(5), None, "none", True, "ieee")
+    with pytest.raises(G.KernelError, match="the residual is"):
+        G.gemm(a, b, None, torch.randn(4, 5), "none", True, "ieee")
+    with pytest.raises(G.KernelError, match="one dtype"):
+        G.gemm(a, b.double(), None, None, "none", True, "ieee")
+    with pytest.raises(G.KernelError, match="float8_e4m3fn"):
+        G.gemm(a, b, None, None, "none", True, "fp8", torch.tensor(1.0), torch.tensor(1.0))
+
+
+def test_export_keeps_the_op_and_its_fake_follows_the_batch():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 6)
+
+        def forward(self, x, r):
+            return G.gemm(x, self.lin.weight, self.lin.bias, r, "silu", True, "ieee")
+
+    x, r = torch.randn(2, 3, 8), torch.randn(2, 3, 6)
+    batch = torch.export.Dim("batch")
+    m = M()
+    ep = torch.export.export(m, (x, r), dynamic_shapes=({0: batch}, {0: batch}))
+    assert torch.ops.opswap.gemm.default in {n.target for n in ep.graph.nodes}
+    x5, r5 = torch.randn(5, 3, 8), torch.randn(5, 3, 6)
+    got = ep.module()(x5, r5)
+    want = torch.nn.functional.silu(m.lin(x5)) + r5
+    assert got.shape == (5, 3, 6) and torch.allclose(got, want, atol=1e-5)
+    fake = G._fake(x5.to("meta"), torch.empty(6, 8, device="meta"), None, None, "none", True, "fp8")
+    assert fake.shape == (5, 3, 6) and fake.dtype == torch.bfloat16
+
+
+if __name__ == "__main__":  # the interpreter's half of `interpreted`
+    out = {_key(c): _case(*c) for c in CASES}
+    out["transposed"] = _transposed_input()
+    out["tf32_vs_ieee"] = _tf32_is_tf32()
+    print(json.dumps(out))
