@@ -36,7 +36,7 @@ import torch
 from opswap.errors import OpswapError
 from opswap.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from opswap.llm.blocks import BlockManager, BlockStats
-from opswap.llm.hf_decoder import HFDecoder, _linear
+from opswap.llm.hf_decoder import SUPPORTED, HFDecoder, _linear
 from opswap.llm.sampling import Sampler, SamplingParams, TokenLogprob, make_generator
 from opswap.llm.scheduler import Batch, Scheduled, Scheduler
 from opswap.llm.scheduler import Sequence as Seq
@@ -112,6 +112,12 @@ class LLMEngine:
             max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         if max_model_len < 1:
             raise EngineError(f"max_model_len must be at least 1, got {max_model_len}.")
+        name = type(model).__name__
+        if name not in SUPPORTED:
+            raise EngineError(
+                f"LLMEngine runs {', '.join(SUPPORTED)}; {name} has another layout, which the "
+                "engine does not run yet."
+            )
         self.net = HFDecoder(model, max_len=max_model_len, device=device, dtype=dtype)
         net = self.net
         self.device, self.dtype = net.device, dtype
