@@ -9,6 +9,9 @@ import pytest
 from opswap.errors import OpswapError
 from opswap.llm import BlockError, BlockManager
 
+# small ops on 2 threads stall whenever another process holds a core (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def _ids(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))

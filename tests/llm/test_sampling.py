@@ -16,6 +16,10 @@ from opswap.llm.sampling import Sampler, apply_penalty, make_generator, sampling
 LOGITS = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
 
 
+# small ops on 2 threads stall whenever another process holds a core (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 def _p(**kw):
     return SamplingParams(**kw)
 

@@ -347,5 +347,5 @@ class LLMEngine:
                 else (net.norm, net.norm_eps)
             )
             h, x = net._add_norm(m, x, w, eps)
-        rows = torch.tensor([last[id(e.seq)] for e in sampling], device=dev)
+        rows = torch.tensor([last[id(e.seq)] for e in sampling], dtype=torch.long, device=dev)
         return _linear(h[0, rows], net.lm_head, net.lm_bias)

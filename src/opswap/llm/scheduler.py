@@ -53,16 +53,16 @@ class Sequence:
 
 @dataclass
 class Scheduled:
-    """A sequence's part of a step: `num_tokens` tokens from position `start`."""
+    """A sequence's part of a step: `num_tokens` tokens from position `start`; `samples`:
+    the chunk reaches the sequence's last token, so the step draws its next one."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token (so a new one is drawn)."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
