@@ -134,6 +134,19 @@ def test_prefix_caching_reuses_three_blocks_and_keeps_the_tokens():
     assert results[True][1] == _hf(model, b, 6)
 
 
+def test_prompts_admitted_in_the_same_step_share_their_prefix():
+    model = _model("llama", seed=5)
+    bs = 4
+    shared = _prompts((3 * bs,), seed=4)[0]
+    prompts = [shared + [5, 6, 7], shared + [8], shared + [1, 2, 3, 4, 5, 6]]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    engine = LLMEngine(model, block_size=bs, num_blocks=40, max_model_len=40)
+    res = generate(engine, prompts, params)
+    assert engine.stats().steps == 5  # all three prefilled in the first step
+    assert [r.num_cached_tokens for r in res] == [0, 3 * bs, 3 * bs]
+    assert [r.token_ids for r in res] == [_hf(model, p, 5) for p in prompts]
+
+
 def test_blocks_return_to_zero_after_abort_and_aborts_finish_with_abort():
     model = _model("llama")
     engine = LLMEngine(model, block_size=4, num_blocks=40, max_model_len=64)

@@ -5,7 +5,7 @@ sequence's tokens, and which full blocks can be shared between prompts.
     cached = bm.admit("a", prompt_ids)            # tokens found in the prefix cache
     bm.allocate("a", len(prompt_ids))              # blocks for the first n tokens
     bm.table("a")                                  # block ids, in token order
-    bm.commit("a", prompt_ids, len(prompt_ids))    # KV written: full blocks shareable
+    bm.commit("a", prompt_ids, len(prompt_ids))    # full blocks become shareable
     bm.free("a")
 
 Every block has a reference count: the sequences whose table lists it. Free blocks sit
@@ -195,8 +195,8 @@ class BlockManager:
         return len(self._hashes[seq]) if self.prefix_caching else self.num_blocks
 
     def commit(self, seq: str, token_ids: Sequence[int], num_tokens: int) -> None:
-        """The KV of the sequence's first num_tokens tokens (of token_ids) is written:
-        name its newly full blocks in the prefix cache."""
+        """The KV of the sequence's first num_tokens tokens (of token_ids) is written, or
+        will be before anything reads it: name its newly full blocks in the prefix cache."""
         if not self.prefix_caching:
             return
         bs, table, hashes = self.block_size, self._tables[seq], self._hashes[seq]

@@ -133,7 +133,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.blocks.allocate(seq.request_id, seq.num_computed + n)
+                self._allocate(seq, n)
                 entry = Scheduled(seq, seq.num_computed, n)
                 (decodes if n == 1 else prefills).append(entry)
                 budget -= n
@@ -152,17 +152,23 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.num_computed = seq.num_cached = self.blocks.admit(seq.request_id, ids, prefix)
-            self.blocks.allocate(seq.request_id, seq.num_computed + n)
+            self._allocate(seq, n)
             self.running.append(seq)
             prefills.append(Scheduled(seq, seq.num_computed, n))
             budget -= n
         return Batch(decodes, prefills, preempted)
 
+    def _allocate(self, seq: Sequence, n: int) -> None:
+        """Blocks for the sequence's next n tokens. The blocks they fill are named in the
+        prefix cache at once: the step's forward writes every token's keys and values at
+        each layer before any attention of that layer reads them, so a prompt admitted
+        later in the same step may already start on them."""
+        end = seq.num_computed + n
+        self.blocks.allocate(seq.request_id, end)
+        if end // self.blocks.block_size > self.blocks.num_committed(seq.request_id):
+            self.blocks.commit(seq.request_id, seq.token_ids, end)
+
     def finish_step(self, batch: Batch) -> None:
-        """The batch ran: its tokens' KV is in the cache; full blocks become shareable."""
-        bs = self.blocks.block_size
+        """The batch ran: its tokens' keys and values are in the cache."""
         for e in batch.entries:
-            seq = e.seq
-            seq.num_computed = e.start + e.num_tokens
-            if seq.num_computed // bs > self.blocks.num_committed(seq.request_id):
-                self.blocks.commit(seq.request_id, seq.token_ids, seq.num_computed)
+            e.seq.num_computed = e.start + e.num_tokens
