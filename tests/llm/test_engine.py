@@ -267,6 +267,8 @@ def test_errors_are_one_sentence():
     model = _model("llama")
     with pytest.raises(EngineError, match=r"use max_model_len <= 40 or more KV memory"):
         LLMEngine(model, block_size=4, num_blocks=10, max_model_len=64)
+    with pytest.raises(EngineError, match="kv_memory of 100 bytes holds no KV block"):
+        LLMEngine(model, kv_memory=100, max_model_len=16)
     with pytest.raises(EngineError, match="give num_blocks or kv_memory, not both"):
         LLMEngine(model, num_blocks=10, kv_memory=10**6, max_model_len=16)
     engine = LLMEngine(model, block_size=4, kv_memory=2 * 2 * 4 * 2 * 16 * 4 * 10, max_model_len=40)

@@ -67,6 +67,13 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert picks[0].token == 1
 
 
+def test_greedy_puts_everything_on_the_penalised_argmax():
+    got = sampling_probs(
+        torch.tensor([3.0, 2.0, 0.0]), _p(temperature=0, repetition_penalty=2.0), [0]
+    )
+    assert torch.equal(got, torch.tensor([0.0, 1.0, 0.0]))
+
+
 def test_greedy_is_the_argmax_and_draws_stay_in_the_kept_set():
     logits = torch.randn(3, 37, generator=torch.Generator().manual_seed(0))
     params = [_p(temperature=0), _p(top_k=3, seed=1), _p(top_p=0.3, seed=2)]

@@ -127,6 +127,11 @@ class LLMEngine:
             raise EngineError("give num_blocks or kv_memory, not both.")
         if kv_memory is not None:
             num_blocks = kv_memory // block_bytes
+            if num_blocks < 1:
+                raise EngineError(
+                    f"kv_memory of {kv_memory} bytes holds no KV block ({block_bytes} bytes "
+                    f"each at block_size {block_size}); give at least {block_bytes} bytes."
+                )
         elif num_blocks is None:
             num_blocks = max_num_seqs * _blocks_for(max_model_len, block_size)
         if num_blocks * block_size < max_model_len:

@@ -132,7 +132,11 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, p: SamplingParams, seen: Sequence[int]) -> torch.Tensor:
-    """The distribution [vocab] a sampled row draws from (for tests and inspection)."""
+    """The distribution [vocab] a row draws from (for tests and inspection); greedy rows
+    put all of it on the argmax."""
+    if p.greedy:
+        row = apply_penalty(logits, seen, p.repetition_penalty)
+        return torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).float()
     return filter_logits(apply_penalty(logits, seen, p.repetition_penalty), p).softmax(-1)
 
 
