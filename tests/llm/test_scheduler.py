@@ -6,6 +6,7 @@ admission after a cached prefix."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from opswap.llm import BlockManager, SamplingParams
 from opswap.llm.scheduler import Batch, Scheduler, Sequence
@@ -108,3 +109,38 @@ def test_admission_starts_after_the_cached_prefix():
     step = _run(s)
     assert [(e.seq.request_id, e.start, e.num_tokens) for e in step.prefills] == [("b", 12, 2)]
     assert b.num_cached == 12 and bm.stats().hit_blocks == 3
+
+
+def _traffic(seed: int) -> int:
+    """Requests of random lengths join at random steps into a tight pool: every step stays
+    within the token budget and max_num_seqs, every request reaches its token count, and
+    the pool ends empty; returns the preemptions."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    bm = BlockManager(rnd(6, 9), 3)  # 18 to 24 slots; a request holds up to 16 tokens
+    budget, cap = rnd(3, 20), rnd(2, 5)
+    s = Scheduler(bm, max_num_seqs=cap, max_num_batched_tokens=budget)
+    todo = [(rnd(0, 30), _seq(f"q{i}", rnd(1, 12), 7 * i), rnd(1, 6)) for i in range(12)]
+    want = {q.request_id: n for _, q, n in todo}
+    done = {}
+    for step in range(2000):
+        for at, q, _ in todo:
+            if at == step:
+                s.add(q)
+        if not s.has_unfinished() and step > 30:
+            break
+        b = _run(s)
+        assert b.num_tokens <= budget and len(s.running) <= cap
+        for q in list(s.running):
+            if len(q.output_ids) == want[q.request_id]:
+                done[q.request_id] = len(q.output_ids)
+                s.remove(q)
+    assert done == want and bm.stats().in_use == 0
+    return s.num_preemptions
+
+
+def test_random_traffic_keeps_the_limits_and_returns_every_block():
+    assert sum(_traffic(seed) for seed in range(4)) > 0  # the pools were tight enough
