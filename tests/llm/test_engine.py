@@ -199,6 +199,16 @@ def test_stop_tokens_stop_strings_and_streamed_deltas():
     assert "".join(o.new_text for o in outs) == text[:at]
     assert engine.stats().blocks.in_use == 0
 
+    # a character whose bytes are not all there yet is not streamed until they are
+    engine.decode = lambda ids: _letters(ids) + ("\ufffd" if len(ids) % 2 else "")
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=5))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert all("\ufffd" not in o.new_text for o in outs[:-1])
+    assert "".join(o.new_text for o in outs) == _letters(ref[:5]) + "\ufffd"
+    engine.decode = _letters
+
     done = generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=3))[0]
     assert done.finish_reason == "length" and done.token_ids == ref[:3]
 

@@ -269,8 +269,13 @@ class LLMEngine:
     def _output(self, seq: Seq) -> RequestOutput:
         done = seq.finish_reason is not None
         text_end = len(seq.text)
-        if not done and seq.params.stop:  # hold back what may be the start of a stop string
-            text_end = max(seq.sent_text, text_end - max(len(s) for s in seq.params.stop) + 1)
+        if not done:
+            if seq.params.stop:  # hold back what may be the start of a stop string
+                text_end -= max(len(s) for s in seq.params.stop) - 1
+            # and a character still waiting for the rest of its UTF-8 bytes
+            while text_end > seq.sent_text and seq.text[text_end - 1] == "\ufffd":
+                text_end -= 1
+            text_end = max(seq.sent_text, text_end)
         out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=seq.output_ids[seq.sent_tokens :],

@@ -24,7 +24,7 @@ from opswap.llm.blocks import BlockManager
 from opswap.llm.sampling import SamplingParams, TokenLogprob
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: two requests are never the same one
 class Sequence:
     """One request's state: its tokens, how many have KV in the cache, its output."""
 
