@@ -171,6 +171,7 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "kernels18": (KERNEL18_TESTS, [["bench_kernels18.py"]]),
     "attention": (ATTENTION_TESTS, [["bench_attention.py"]]),
     "decode": (DECODE_TESTS, [["bench_decode.py"]]),
+    "engine": (["tests/llm/test_engine.py"], [["bench_engine.py"]]),  # serving engine (ch29)
     "activation": (ACTIVATION_TESTS, [["bench_activation.py"]]),
     "epilogue": (EPILOGUE_TESTS, [["bench_epilogue.py"]]),
     # issue 40: opswap::gemm against cuBLAS / torch.compile (square, LLM, odd, FP8, TF32)
