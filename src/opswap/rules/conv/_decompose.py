@@ -72,7 +72,9 @@ class Layer:
     def out_size(self, h: int, w: int) -> Pair:
         (kh, kw), (sh, sw) = self.kernel_size, self.stride
         (ph, pw), (dh, dw) = self.padding, self.dilation
-        return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (
+            w + 2 * pw - dw * (kw - 1) - 1
+        ) // sw + 1
 
     def macs(self, h: int, w: int) -> int:
         """Multiply-adds on an [*, in, h, w] input."""
@@ -145,7 +147,8 @@ class Decomposition:
             f" [{layer.out_channels}]"
             for layer in self.layers
         )
-        return f"{self.method} rank {self.rank}: {shapes}"
+        what = "width" if self.method == "stacked" else "rank"
+        return f"{self.method} {what} {self.rank}: {shapes}"
 
 
 # --------------------------------------------------------------------------- reading a conv
@@ -162,7 +165,9 @@ def layer_of(conv: nn.Module) -> Layer:
     """The Layer of an nn.Conv2d (float64 copies of its tensors), or RuleError saying why
     it cannot be decomposed."""
     if not isinstance(conv, nn.Conv2d):
-        raise RuleError(f"{type(conv).__name__} is not an nn.Conv2d; only 2-D convolutions decompose.")
+        raise RuleError(
+            f"{type(conv).__name__} is not an nn.Conv2d; only 2-D convolutions decompose."
+        )
     if conv.padding_mode != "zeros":
         raise RuleError(
             f"the conv pads with padding_mode={conv.padding_mode!r}; the decompositions pad with zeros only."
@@ -174,7 +179,9 @@ def layer_of(conv: nn.Module) -> Layer:
         if padding == "valid":
             padding = (0, 0)
         elif (dh * (kh - 1)) % 2 or (dw * (kw - 1)) % 2:
-            raise RuleError("the conv uses padding='same' with an even kernel, which pads unevenly.")
+            raise RuleError(
+                "the conv uses padding='same' with an even kernel, which pads unevenly."
+            )
         else:
             padding = (dh * (kh - 1) // 2, dw * (kw - 1) // 2)
     return Layer(
@@ -208,7 +215,9 @@ def compose(first: torch.Tensor, then: torch.Tensor, groups: int = 1) -> torch.T
     of the taps (cross-correlation of cross-correlations adds the offsets)."""
     # batch = first's input channels, channels = its outputs: one conv sums over m
     kh, kw = then.shape[2:]
-    out = F.conv2d(first.transpose(0, 1), then.flip(-1, -2), padding=(kh - 1, kw - 1), groups=groups)
+    out = F.conv2d(
+        first.transpose(0, 1), then.flip(-1, -2), padding=(kh - 1, kw - 1), groups=groups
+    )
     return out.transpose(0, 1)
 
 
@@ -267,7 +276,9 @@ def channel_svd(conv: Layer, rank: int) -> Decomposition:
     r = left.shape[1]
     first = replace(conv, weight=right.reshape(r, c, kh, kw), bias=None)
     second = Layer(left.reshape(o, r, 1, 1), conv.bias)
-    return Decomposition("channel", r, (first, second), _rel(composed((first, second)), conv.weight))
+    return Decomposition(
+        "channel", r, (first, second), _rel(composed((first, second)), conv.weight)
+    )
 
 
 def _spatial_matrix(w: torch.Tensor) -> torch.Tensor:
@@ -285,8 +296,12 @@ def spatial_svd(conv: Layer, rank: int) -> Decomposition:
     left, right, _ = _svd_split(_spatial_matrix(conv.weight), rank)
     r = left.shape[1]
     (sh, sw), (ph, pw), (dh, dw) = conv.stride, conv.padding, conv.dilation
-    vertical = Layer(left.reshape(c, kh, r).permute(2, 0, 1)[..., None], None, (sh, 1), (ph, 0), (dh, 1))
-    horizontal = Layer(right.reshape(r, o, kw).permute(1, 0, 2)[:, :, None], conv.bias, (1, sw), (0, pw), (1, dw))
+    vertical = Layer(
+        left.reshape(c, kh, r).permute(2, 0, 1)[..., None], None, (sh, 1), (ph, 0), (dh, 1)
+    )
+    horizontal = Layer(
+        right.reshape(r, o, kw).permute(1, 0, 2)[:, :, None], conv.bias, (1, sw), (0, pw), (1, dw)
+    )
     layers = (vertical, horizontal)
     return Decomposition("spatial", r, layers, _rel(composed(layers), conv.weight))
 
@@ -317,7 +332,7 @@ def cp_als(
         factors.append(u[:, :rank].clone())
     norm = t.norm().clamp_min(1e-300)
     err = 1.0
-    for _ in range(iters):
+    for it in range(iters):
         for mode in range(4):
             others = [factors[m] for m in range(4) if m != mode]
             gram = torch.ones(rank, rank, dtype=t.dtype)
@@ -325,9 +340,14 @@ def cp_als(
                 gram = gram * (f.T @ f)
             unfold = t.movedim(mode, 0).reshape(t.shape[mode], -1)
             mttkrp = unfold @ _khatri_rao(others)
-            factors[mode] = torch.linalg.lstsq(gram, mttkrp.T, rcond=None).solution.T
+            # a small ridge keeps the normal equations solvable where factors are collinear
+            ridge = 1e-12 * gram.diagonal().sum().clamp_min(1e-300)
+            gram = gram + ridge * torch.eye(rank, dtype=t.dtype)
+            factors[mode] = torch.linalg.solve(gram, mttkrp.T).T
+        if (it + 1) % 5 and it + 1 < iters:
+            continue
         new = float((cp_tensor(factors) - t).norm() / norm)
-        if abs(err - new) < 1e-7:
+        if abs(err - new) < 1e-6:
             err = new
             break
         err = new
@@ -338,7 +358,7 @@ def cp_tensor(factors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.einsum("ar,br,cr,dr->abcd", *factors)
 
 
-def cp(conv: Layer, rank: int, iters: int = 60) -> Decomposition:
+def cp(conv: Layer, rank: int, iters: int = 50) -> Decomposition:
     _refuse_grouped(conv, "a CP decomposition")
     o, c, kh, kw = conv.weight.shape
     # any 4-way tensor has CP rank <= the smallest product of three of its sizes (an
@@ -360,7 +380,9 @@ def depthwise_separable(conv: Layer, multiplier: int = 1) -> Decomposition:
     o, c, kh, kw = conv.weight.shape
     m = min(multiplier, o, kh * kw)
     # per input channel c: W[:, c] as [O, kh*kw] = P_c @ D_c, P_c [O, m], D_c [m, kh*kw]
-    u, s, vh = torch.linalg.svd(conv.weight.permute(1, 0, 2, 3).reshape(c, o, kh * kw), full_matrices=False)
+    u, s, vh = torch.linalg.svd(
+        conv.weight.permute(1, 0, 2, 3).reshape(c, o, kh * kw), full_matrices=False
+    )
     root = s[:, :m].sqrt()
     p = u[:, :, :m] * root[:, None, :]  # [C, O, m]
     d = root[:, :, None] * vh[:, :m]  # [C, m, kh*kw]
@@ -374,11 +396,13 @@ def stacked_count(conv: Layer) -> int | str:
     """How many 3x3 convs stand for the conv's k x k kernel, or why none do."""
     kh, kw = conv.kernel_size
     if kh != kw or kh < 5 or kh % 2 == 0:
-        return f"its kernel is {kh}x{kw}; stacking 3x3 convs stands for a square odd k x k with k >= 5"
+        return (
+            f"its kernel is {kh}x{kw}; stacking 3x3 convs stands for a square odd k x k with k >= 5"
+        )
     return (kh - 1) // 2
 
 
-def _stack_layers(conv: Layer, weights: Sequence[torch.Tensor]) -> tuple[Layer, ...]:
+def stack_layers(conv: Layer, weights: Sequence[torch.Tensor]) -> tuple[Layer, ...]:
     """The chain: all the padding on the first conv and the stride on the last, so that
     each later conv reads only values the original's window covers (no zeros between)."""
     n = len(weights)
@@ -419,16 +443,21 @@ def stacked_3x3(
     gen = torch.Generator().manual_seed(seed)
     # each conv's output keeps its input's scale (fan-in init); the scale is then
     # matched to the target's so the fit starts at the right magnitude
-    ws = [torch.randn(co, ci // g, 3, 3, generator=gen, dtype=torch.float64) / math.sqrt(9 * ci / g) for ci, co in sizes]
+    ws = [
+        torch.randn(co, ci // g, 3, 3, generator=gen, dtype=torch.float64) / math.sqrt(9 * ci / g)
+        for ci, co in sizes
+    ]
     with torch.no_grad():
-        ratio = (conv.weight.norm() / composed(_stack_layers(conv, ws)).norm().clamp_min(1e-30)) ** (1 / n)
+        ratio = (conv.weight.norm() / composed(stack_layers(conv, ws)).norm().clamp_min(1e-30)) ** (
+            1 / n
+        )
         ws = [w * ratio for w in ws]
     params = [w.requires_grad_(True) for w in ws]
     target = conv.weight
     scale = target.norm().clamp_min(1e-30) ** 2
 
     def weight_loss() -> torch.Tensor:
-        return ((composed(_stack_layers(conv, params)) - target) ** 2).sum() / scale
+        return ((composed(stack_layers(conv, params)) - target) ** 2).sum() / scale
 
     _adam(params, weight_loss, steps, 0.02)
     if inputs is not None and data_steps > 0:
@@ -440,16 +469,18 @@ def stacked_3x3(
 
         def data_loss() -> torch.Tensor:
             got = x
-            for layer in _stack_layers(no_bias, params):
+            for layer in stack_layers(no_bias, params):
                 got = layer(got)
             return ((got - want) ** 2).sum() / energy
 
         _adam(params, data_loss, data_steps, 0.005)
-    layers = _stack_layers(conv, [p.detach() for p in params])
+    layers = stack_layers(conv, [p.detach() for p in params])
     return Decomposition("stacked", mid, layers, _rel(composed(layers), conv.weight))
 
 
-def _adam(params: list[torch.Tensor], loss: Callable[[], torch.Tensor], steps: int, lr: float) -> None:
+def _adam(
+    params: list[torch.Tensor], loss: Callable[[], torch.Tensor], steps: int, lr: float
+) -> None:
     opt = torch.optim.Adam(params, lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1))
     for _ in range(steps):
@@ -463,7 +494,9 @@ def _adam(params: list[torch.Tensor], loss: Callable[[], torch.Tensor], steps: i
 # --------------------------------------------------------------------------- choosing a rank
 
 
-def fit(conv: Layer, method: str, rank: int, inputs: torch.Tensor | None = None) -> Decomposition:
+def fit(
+    conv: Layer, method: str, rank: int, inputs: torch.Tensor | None = None, *, quick: bool = False
+) -> Decomposition:
     """The `method` decomposition at `rank` (the multiplier for "depthwise", the mid
     channels for "stacked")."""
     if method not in METHODS:
@@ -475,15 +508,13 @@ def fit(conv: Layer, method: str, rank: int, inputs: torch.Tensor | None = None)
     if method == "spatial":
         return spatial_svd(conv, rank)
     if method == "cp":
-        return cp(conv, rank)
+        return cp(conv, rank, 15 if quick else 50)
     if method == "depthwise":
         return depthwise_separable(conv, rank)
     return stacked_3x3(conv, rank, inputs=inputs)
 
 
-def smallest(
-    conv: Layer, method: str, max_error: float, limit: int
-) -> Decomposition | None:
+def smallest(conv: Layer, method: str, max_error: float, limit: int) -> Decomposition | None:
     """The lowest-rank decomposition (rank <= `limit`) with weight error <= `max_error`,
     or None. SVD ranks come from the singular values; CP and depthwise by bisection
     (their error falls with the rank, up to the fit's noise)."""
@@ -492,18 +523,21 @@ def smallest(
     if method in ("channel", "spatial"):
         rank = (channel_rank if method == "channel" else spatial_rank)(conv, max_error)
         return fit(conv, method, rank) if rank <= limit else None
+    # the search fits CP with few ALS sweeps; the rank it settles on is fitted in full
     best = fit(conv, method, limit)
     if best.weight_error > max_error:
         return None
     lo, hi = 1, limit  # hi meets the bound
     while lo < hi:
         midr = (lo + hi) // 2
-        d = fit(conv, method, midr)
-        if d.weight_error <= max_error:
-            best, hi = d, midr
+        if fit(conv, method, midr, quick=True).weight_error <= max_error:
+            hi = midr
         else:
             lo = midr + 1
-    return best
+    if hi == limit:
+        return best
+    d = fit(conv, method, hi)
+    return d if d.weight_error <= max_error else best
 
 
 def max_rank(conv: Layer, method: str, h: int, w: int, keep: float) -> int:
@@ -518,7 +552,12 @@ def max_rank(conv: Layer, method: str, h: int, w: int, keep: float) -> int:
         "cp": lambda r: _cost_cp(conv, r, h, w),
         "depthwise": lambda r: _cost_dw(conv, r, h, w),
     }[method]
-    top = {"channel": min(o, c * kh * kw), "spatial": min(c * kh, o * kw), "cp": o * c * kh * kw, "depthwise": min(o, kh * kw)}[method]
+    top = {
+        "channel": min(o, c * kh * kw),
+        "spatial": min(c * kh, o * kw),
+        "cp": o * c * kh * kw,
+        "depthwise": min(o, kh * kw),
+    }[method]
     best = 0
     lo, hi = 1, top
     while lo <= hi:  # the cost grows with the rank
@@ -538,7 +577,9 @@ def _chain_macs(layers: Sequence[Layer], h: int, w: int) -> int:
     return total
 
 
-def _shape_only(conv: Layer, shapes: Sequence[tuple[tuple[int, ...], Pair, Pair, Pair, int]]) -> list[Layer]:
+def _shape_only(
+    conv: Layer, shapes: Sequence[tuple[tuple[int, ...], Pair, Pair, Pair, int]]
+) -> list[Layer]:
     return [Layer(torch.empty(s, device="meta"), None, st, p, d, g) for s, st, p, d, g in shapes]
 
 
@@ -546,7 +587,15 @@ def _cost_channel(conv: Layer, r: int, h: int, w: int) -> int:
     o, c, kh, kw = conv.weight.shape
     one = (1, 1)
     return _chain_macs(
-        _shape_only(conv, [((r, c, kh, kw), conv.stride, conv.padding, conv.dilation, 1), ((o, r, 1, 1), one, (0, 0), one, 1)]), h, w
+        _shape_only(
+            conv,
+            [
+                ((r, c, kh, kw), conv.stride, conv.padding, conv.dilation, 1),
+                ((o, r, 1, 1), one, (0, 0), one, 1),
+            ],
+        ),
+        h,
+        w,
     )
 
 
@@ -554,7 +603,15 @@ def _cost_spatial(conv: Layer, r: int, h: int, w: int) -> int:
     o, c, kh, kw = conv.weight.shape
     (sh, sw), (ph, pw), (dh, dw) = conv.stride, conv.padding, conv.dilation
     return _chain_macs(
-        _shape_only(conv, [((r, c, kh, 1), (sh, 1), (ph, 0), (dh, 1), 1), ((o, r, 1, kw), (1, sw), (0, pw), (1, dw), 1)]), h, w
+        _shape_only(
+            conv,
+            [
+                ((r, c, kh, 1), (sh, 1), (ph, 0), (dh, 1), 1),
+                ((o, r, 1, kw), (1, sw), (0, pw), (1, dw), 1),
+            ],
+        ),
+        h,
+        w,
     )
 
 
@@ -581,5 +638,13 @@ def _cost_dw(conv: Layer, m: int, h: int, w: int) -> int:
     o, c, kh, kw = conv.weight.shape
     one = (1, 1)
     return _chain_macs(
-        _shape_only(conv, [((c * m, 1, kh, kw), conv.stride, conv.padding, conv.dilation, c), ((o, c * m, 1, 1), one, (0, 0), one, 1)]), h, w
+        _shape_only(
+            conv,
+            [
+                ((c * m, 1, kh, kw), conv.stride, conv.padding, conv.dilation, c),
+                ((o, c * m, 1, 1), one, (0, 0), one, 1),
+            ],
+        ),
+        h,
+        w,
     )
