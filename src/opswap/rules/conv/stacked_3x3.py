@@ -17,15 +17,16 @@ from opswap.rules.registry import register
 
 
 def mid_channels(conv: Layer, h: int, w: int, keep: float = KEEP) -> int:
-    """The widest middle (a multiple of the groups, at most max(C, O)) whose stack costs at
-    most `keep` of the conv's multiply-adds at an h x w input; 0 when none does."""
+    """The widest middle (a multiple of the groups, from min(C, O) to max(C, O)) whose
+    stack costs at most `keep` of the conv's multiply-adds at an h x w input; 0 when none
+    does (a middle narrower than both ends would cap the map's rank below the conv's)."""
     n = stacked_count(conv)
     assert isinstance(n, int)
     g, o = conv.groups, conv.out_channels
     c = conv.in_channels
     budget = keep * conv.macs(h, w)
     best = 0
-    for m in range(g, max(c, o) + 1, g):
+    for m in range(-(-min(c, o) // g) * g, max(c, o) + 1, g):
         sizes = [(c, m)] + [(m, m)] * (n - 2) + [(m, o)]
         ws = [torch.empty(co, ci // g, 3, 3, device="meta") for ci, co in sizes]
         chain = stack_layers(conv, ws)
@@ -69,5 +70,15 @@ class Stacked3x3(LossyConv):
             return n
         mid = mid_channels(conv, h, w)
         if mid == 0:
-            return f"{n} stacked 3x3 convs cost more than {KEEP:.0%} of the {conv.kernel_size[0]}x{conv.kernel_size[0]} conv even {conv.groups} channel(s) wide, so they save nothing"
+            k = conv.kernel_size[0]
+            why = (
+                " (the stride must sit on the last 3x3, so the others run at full resolution)"
+                if conv.stride != (1, 1)
+                else ""
+            )
+            return (
+                f"{n} stacked 3x3 convs cost more than {KEEP:.0%} of the {k}x{k} conv's "
+                f"multiply-adds even {min(conv.in_channels, conv.out_channels)} channels "
+                f"wide{why}, so they save nothing"
+            )
         return stacked_3x3(conv, mid, inputs=inputs)
