@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from tests.rules.conv._helpers import (
     Net,
     assert_lossy_ok,
@@ -18,6 +16,7 @@ from tests.rules.conv._helpers import (
     planned,
     reasons,
 )
+from torch import nn
 
 RULE = "conv.depthwise_separable"
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from tests.rules.conv._helpers import (
     Net,
     assert_lossy_ok,
@@ -19,6 +17,7 @@ from tests.rules.conv._helpers import (
     planned,
     reasons,
 )
+from torch import nn
 
 RULE = "conv.low_rank"
 

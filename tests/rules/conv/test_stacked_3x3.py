@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
-from opswap.rules.conv._decompose import compose
 from tests.rules.conv._helpers import (
     Net,
     assert_lossy_ok,
@@ -19,6 +16,9 @@ from tests.rules.conv._helpers import (
     planned,
     reasons,
 )
+from torch import nn
+
+from opswap.rules.conv._decompose import compose
 
 RULE = "conv.stacked_3x3"
 

@@ -32,7 +32,6 @@ weight fit is the distillation on random inputs, done without drawing any.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
