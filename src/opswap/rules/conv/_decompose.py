@@ -21,8 +21,9 @@ is the fit's, and at full rank the chain reproduces the conv to rounding.
   per input channel c, the best rank-m approximation of W[:, c] as [O, kh*kw], which is
   the least-squares fit of W[:, c] ~ sum_j p[:, j] (x) d_j.
 - `stacked_3x3` (k = 5, 7, 9, ...): (k-1)/2 convs 3x3 with no activation between them
-  (so that the chain stays a linear map, which a ReLU would stop it being), fitted by
-  Adam to W in weight space and then, given sample inputs, to the conv's outputs on them.
+  (so that the chain stays a linear map, which a ReLU would stop it being), fitted to W
+  by alternating least squares in weight space (the composition is linear in each conv
+  with the other fixed) and then, given sample inputs, by Adam on the conv's outputs.
 
 Errors: `weight_error` is the relative L2 of the composed kernel against W; the output
 error on sample inputs (`output_error`) is what a user sees. For white-noise inputs the
