@@ -150,17 +150,17 @@ class LossyConv(Rule):
         inputs, source = sample_inputs(gm, node, tuple(int(s) for s in xi.shape))
         dec = self.fit(conv, h, w_, inputs)
         if isinstance(dec, str):
-            return Refused(f"{node.name}: {dec}")
+            return Refused(dec)
         before, after = conv.macs(h, w_), dec.macs(h, w_)
         if after > KEEP * before:
             return Refused(
-                f"{node.name}: {dec.describe()} costs {after / before:.0%} of the conv's "
+                f"{dec.describe()} costs {after / before:.0%} of the conv's "
                 f"multiply-adds, which saves nothing worth a change of function"
             )
         err = output_error(conv, dec, inputs)
         if err > MAX_OUTPUT_ERROR:
             return Refused(
-                f"{node.name}: {dec.describe()} errs {err:.3f} (relative L2 of the output on "
+                f"{dec.describe()} errs {err:.3f} (relative L2 of the output on "
                 f"{source}), over the {MAX_OUTPUT_ERROR} a lossy plan accepts; "
                 "opswap.train.distill_conv.decompose and fine_tune trade that back by training"
             )

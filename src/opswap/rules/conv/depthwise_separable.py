@@ -29,6 +29,8 @@ class DepthwiseSeparable(LossyConv):
     """
 
     name = "conv.depthwise_separable"
+    # where several decompositions match one conv, the more faithful goes first
+    before = ("conv.cp",)
     description = (
         "Dense conv -> depthwise kxk + pointwise 1x1, fitted per input channel by a "
         "low-rank (SVD) least-squares fit of the weight (lossy)."

@@ -39,6 +39,8 @@ class LowRank(LossyConv):
     """
 
     name = "conv.low_rank"
+    # where several decompositions match one conv, the more faithful goes first
+    before = ("conv.cp", "conv.depthwise_separable")
     description = (
         "Dense conv -> two thin convs from a truncated SVD of the weight (channel split "
         "[r,C,k,k]+1x1, or spatial kx1+1xk), rank by an error bound (lossy)."

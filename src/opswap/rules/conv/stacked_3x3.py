@@ -59,6 +59,8 @@ class Stacked3x3(LossyConv):
     """
 
     name = "conv.stacked_3x3"
+    # where several decompositions match one conv, the more faithful goes first
+    before = ("conv.low_rank", "conv.cp", "conv.depthwise_separable")
     description = (
         "Large-kernel conv (5x5, 7x7, ...) -> (k-1)/2 stacked 3x3 convs without activations "
         "between, distilled on sample data (lossy)."
