@@ -64,3 +64,23 @@ def test_refuses_a_full_rank_conv_and_a_grouped_one(one_torch_thread):
     net = Net(nn.Conv2d(8, 8, 3, groups=2, padding=1)).eval()
     _, plan, _ = planned(net, torch.randn(1, 8, 7, 9), RULE)
     assert "groups=2" in reasons(plan, RULE)
+
+
+def test_the_error_is_measured_on_the_calibration_samples_when_there_are_some(one_torch_thread):
+    from opswap.graph.calibrate import Calibration, attach
+    from opswap.graph.capture import capture
+    from opswap.planner import make_plan
+
+    torch.manual_seed(0)
+    net = Net(_low_rank_conv(6, 12, (3, 3), 2, padding=1)).eval()
+    x = torch.randn(2, 6, 9, 8)
+    cap = capture(net, (x,))
+    plain = make_plan(cap, rules=[RULE], exactness="lossy", keep_slower=True)
+    assert plain.decisions[0].site.data["error_on"] == "random inputs"
+    # inputs far from white noise: one constant image per sample
+    samples = [(torch.ones(3, 6, 9, 8) * torch.randn(3, 6, 1, 1),) for _ in range(2)]
+    attach(cap.gm, Calibration(samples, source="batches from the test"))
+    plan = make_plan(cap, rules=[RULE], exactness="lossy", keep_slower=True)
+    data = plan.decisions[0].site.data
+    assert data["error_on"] == "batches from the test"
+    assert data["output_error"] != plain.decisions[0].site.data["output_error"]
