@@ -179,6 +179,11 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
         ["tests/kernels/test_gemm.py", "tests/rules/matmul"],
         [["bench_gemm.py", "--update-crossover"]],
     ),
+    # chapter 11's lossy decompositions: each chain against its conv under cuDNN, batch 1 and 8
+    "conv_decompose": (
+        ["tests/rules/conv/test_decompose.py"],
+        [["bench_conv_decompose.py", "--device", "cuda", "--skip-accuracy"]],
+    ),
     # every row kernel's tests, then their sweeps (eager and CUDA-graph times) rewriting the
     # crossover table, and the Llama end to end against torch.compile
     "rows": (
