@@ -52,27 +52,47 @@ def rank_of(node: fx.Node) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_UNSET = object()
+# positions in F.max_pool*d / F.avg_pool*d, for spellings whose signature cannot be read
+# (F.max_pool2d is a boolean_dispatch wrapper without one)
+_MAX_POS = {"kernel_size": 1, "stride": 2, "padding": 3, "dilation": 4, "ceil_mode": 5}
+_AVG_POS = {"kernel_size": 1, "stride": 2, "padding": 3, "ceil_mode": 4}
+_AVG_POS.update(count_include_pad=5, divisor_override=6)
+
+
+def _get(node: fx.Node, name: str, default: object) -> object:
+    v = setting(node, name, _UNSET)
+    if v is not _UNSET:
+        return v
+    if name in node.kwargs:
+        return node.kwargs[name]
+    pos = (_MAX_POS if "max" in raw_name(node) else _AVG_POS).get(name)
+    if node.op == "call_function" and pos is not None and len(node.args) > pos:
+        return node.args[pos]
+    return default
+
+
 def pool(node: fx.Node) -> Pool | str:
     """The node's settings, or why they cannot be read (computed at run time)."""
     d = rank_of(node)
     if d is None:
         return f"{node.name} is a {raw_name(node)}, whose rank opswap does not read"
-    kernel = _tuple(setting(node, "kernel_size", None), d)
-    raw_stride = setting(node, "stride", None)
+    kernel = _tuple(_get(node, "kernel_size", None), d)
+    raw_stride = _get(node, "stride", None)
     stride = kernel if raw_stride in (None, [], ()) else _tuple(raw_stride, d)
-    padding = _tuple(setting(node, "padding", 0), d)
-    dilation = _tuple(setting(node, "dilation", 1), d)
+    padding = _tuple(_get(node, "padding", 0), d)
+    dilation = _tuple(_get(node, "dilation", 1), d)
     if kernel is None or stride is None or padding is None or dilation is None:
         return f"{node.name}'s kernel, stride or padding are computed at run time"
-    divisor = setting(node, "divisor_override", None)
+    divisor = _get(node, "divisor_override", None)
     return Pool(
         d,
         kernel,
         stride,
         padding,
         dilation,
-        bool(setting(node, "ceil_mode", False)),
-        bool(setting(node, "count_include_pad", True)),
+        bool(_get(node, "ceil_mode", False)),
+        bool(_get(node, "count_include_pad", True)),
         divisor if isinstance(divisor, int) else None,
-        bool(setting(node, "return_indices", False)) or "with_indices" in raw_name(node),
+        bool(_get(node, "return_indices", False)) or "with_indices" in raw_name(node),
     )
