@@ -97,6 +97,31 @@ def test_batch_matmul_stacks_constant_weights_once_and_leaves_other_shapes():
     assert "stack" in d.estimate.note
 
 
+class Ranks(nn.Module):
+    """[N, 3, M, 6] slices @ a constant [6, 5] weight each, and [M, 6] @ [N, 6, 4] with the
+    right operand computed at run time: operands of different ranks broadcast as before."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(6, 5)) for _ in range(3))
+
+    def forward(self, x, y, z):  # x: [N, 9, M, 6], y: [M, 6], z: [N, 6, 12]
+        xs = torch.chunk(x, 3, 1)
+        zs = [z[..., 4 * i : 4 * (i + 1)].relu() for i in range(3)]
+        a = torch.cat([xs[i] @ self.w[i] for i in range(3)], 1)
+        b = torch.cat([(y * (i + 1)) @ zs[i] for i in range(3)], -1)
+        return a.sum((1, 3)), b.sum(-2)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_matmul_keeps_broadcasts_of_lower_rank_operands(method):
+    inputs = (torch.randn(2, 9, 7, 6), torch.randn(7, 6), torch.randn(2, 6, 12))
+    plan, _ = _apply(Ranks().eval(), inputs, method)
+    # x's dim 1 is claimed dynamic: at 10 channels chunk gives 4, 4, 2, so the last slice's
+    # product differs in shape there and stays apart
+    assert sorted(len(d.site.data["members"]) for d in plan.decisions) == [2, 3]
+
+
 def test_batch_matmul_leaves_chains_and_refuses_mixed_dtypes():
     class Mixed(nn.Module):
         def forward(self, a, b, c, d):

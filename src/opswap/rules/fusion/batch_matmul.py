@@ -37,7 +37,7 @@ _NAMES = ("matmul", "__matmul__", "bmm", "mm")
 
 
 def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(a, b) of a plain two-operand matmul whose operands have one rank >= 2, else None."""
+    """(a, b) of a plain two-operand matmul whose operands are at least 2-d, else None."""
     if op_kind(node) != "matmul" or raw_name(node) not in _NAMES or len(node.args) != 2:
         return None
     if node.kwargs:
@@ -46,7 +46,7 @@ def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
         return None
     ai, bi = info(a), info(b)
-    if ai is None or bi is None or len(ai.shape) < 2 or len(ai.shape) != len(bi.shape):
+    if ai is None or bi is None or len(ai.shape) < 2 or len(bi.shape) < 2:
         return None
     return a, b
 
@@ -168,16 +168,27 @@ class BatchMatmul(Rule):
         at = min([*readers, members[-1]], key=order.__getitem__)
         like = members[0]
         graph = gm.graph
+        ops = _operands(like)
+        assert ops is not None
+        ranks = [len(shapes_seen(n)[0]) for n in ops]
+        top = max(ranks)
         stacked = []
         for side in (0, 1):
             nodes = [m.args[side] for m in members]
             consts = [const(gm, n) for n in nodes]
+            # the lower-rank operand gets size-1 dims after k, so that the original
+            # broadcast of its batch dims against the other's is kept: [k, 1, .., K, N]
+            ones = top - ranks[side]
             if all(c is not None for c in consts):
                 tensor = torch.stack([c.detach() for c in consts if c is not None])
+                tensor = tensor.reshape(len(nodes), *([1] * ones), *tensor.shape[1:])
                 stacked.append(new_const(gm, at, f"{like.name}_batched_{'ab'[side]}", tensor))
-            else:
-                with graph.inserting_before(at):
-                    stacked.append(call(graph, like, "stack", (nodes, 0)))
+                continue
+            with graph.inserting_before(at):
+                node = call(graph, like, "stack", (nodes, 0))
+                for _ in range(ones):
+                    node = call(graph, like, "unsqueeze", (node, 1))
+            stacked.append(node)
         with graph.inserting_before(at):
             prod = call(graph, like, "matmul", tuple(stacked))
             parts = call(graph, like, "unbind.int", (prod, 0))
