@@ -2,7 +2,8 @@
 
 Exact: a DenseNet-style transition (1x1 conv, AvgPool 2) and a global-average-pool head
 are planned with pooling.pool_before_conv and pooling.adaptive_avg_mean, checked against
-the original at another batch size, and timed. Lossy: on a small CNN trained on
+the original at another batch size (benchmarks/bench_pooling.py times them). Lossy: on
+a small CNN trained on
 scikit-learn's digits, each lossy pooling rule is applied and the held-out top-1 is shown
 before the swap, right after it, and after one epoch of fine-tuning
 (opswap.train.finetune_pooling).
@@ -15,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opswap.bench.timing import benchmark
 from opswap.graph.capture import capture
 from opswap.planner import apply_plan, make_plan
 from opswap.train.finetune_pooling import digits_pool_net, lossy_accuracy
@@ -45,9 +45,7 @@ def exact() -> None:
     z = torch.randn(1, 64, 28, 28)
     with torch.no_grad():
         print(f"max |rewritten - original| at batch 1: {float((gm(z) - model(z)).abs().max()):.1e}")
-    with torch.inference_mode():
-        res = benchmark({"original": lambda: model(x), "rewritten": lambda: gm(x)}, min_time_s=0.3)
-    print(f"CPU speed-up: {res.ratio('original', 'rewritten').of_medians:.2f}x")
+    print("timed layer by layer: python benchmarks/bench_pooling.py")
 
 
 def lossy() -> None:
