@@ -1,12 +1,11 @@
 """Chapter 13: pooling rewrites.
 
 Exact: a DenseNet-style transition (1x1 conv, AvgPool 2) and a global-average-pool head
-are planned with pooling.pool_before_conv and pooling.adaptive_avg_mean, checked against
-the original at another batch size (benchmarks/bench_pooling.py times them). Lossy: on
-a small CNN trained on
-scikit-learn's digits, each lossy pooling rule is applied and the held-out top-1 is shown
-before the swap, right after it, and after one epoch of fine-tuning
-(opswap.train.finetune_pooling).
+are planned with pooling.pool_before_conv and pooling.adaptive_avg_mean and checked
+against the original at another batch size (benchmarks/bench_pooling.py times them).
+Lossy: on a small CNN trained on scikit-learn's digits, each lossy pooling rule is
+applied and the held-out top-1 is shown before the swap, right after it, and after one
+epoch of fine-tuning (opswap.train.finetune_pooling).
 
     python examples/ch13_pooling.py
 """
