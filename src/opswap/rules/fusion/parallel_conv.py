@@ -123,8 +123,10 @@ class ParallelConv(Rule):
         "(ResNeXt branches) -> one grouped conv: one kernel and one read of the input."
     )
     # convs whose BatchNorm conv_bn folds can merge; after merging, a BatchNorm would
-    # follow a slice, which conv_bn cannot fold
-    after = ("fusion.conv_bn",)
+    # follow a slice, which conv_bn cannot fold. The int8 conv rule takes its convs one by
+    # one first (its hand-off between int8 convs follows their readers), and convs it made
+    # int8 stay apart
+    after = ("fusion.conv_bn", "precision.int8_static_conv")
     before = ("fusion.conv_relu",)
     anchors = ("conv",)
 
