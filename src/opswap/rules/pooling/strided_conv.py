@@ -11,9 +11,8 @@ supported. Once trained it is a different function, so the rule is declared loss
 plan applied without training is exact up to rounding, which its verification shows.
 
 Where it pays by speed: on the CPU, often. PyTorch's CPU average pool on NCHW tensors is
-slow next to oneDNN's depthwise conv: AvgPool2d(2) on 1 x 64 x 56 x 56 took 0.51 ms and
-the conv 0.08 ms (torch 2.13, one thread, best of 7; benchmarks/bench_pooling.py has the
-interleaved figures). The roofline sees the same taps plus a weight, so the prediction
+slow next to oneDNN's depthwise conv: AvgPool2d(2) on 1 x 64 x 56 x 56 took 0.27 ms and
+the conv 0.08 ms, 7.5x at batch 8 (torch 2.13, one thread, benchmarks/bench_pooling.py). The roofline sees the same taps plus a weight, so the prediction
 saves nothing and the race keeps the conv where it measures faster.
 """
 
