@@ -210,6 +210,15 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "tune_int4": (["tests/kernels/test_weight_only.py"], [["tune_int4.py"]]),
     # the decode stacks alone with the committed table (writes tune_int4_stacks_<card>.json)
     "int4_stacks": ([], [["tune_int4.py", "--stacks-only"]]),
+    # issue 40, chapters 5 and 13: parallel convs / batched matmuls and the pooling layers
+    # against the original, on the GPU (writes big_ops_<card>.json and pooling_<card>.json)
+    "bigops": (
+        [],
+        [
+            ["bench_big_ops.py", "--device", "cuda"],
+            ["bench_pooling.py", "--device", "cuda", "--skip-accuracy"],
+        ],
+    ),
     # issue 37 §5: where the host time of one eager call of a row op goes, layer by layer
     "host": ([], [["bench_host_overhead.py"]]),
     # the backward kernels alone (GPU time) per launch choice, and the host's cost of a call
