@@ -9,12 +9,57 @@ have `heads` heads, a multiple of `kv_heads` (grouped-query attention: query hea
 KV head h // (heads // kv_heads)).
 
 This module holds the PyTorch reference of both, which the CPU engine runs and the
-kernels are tested against; the public functions pick the kernel for the tensors' device.
+kernels are tested against, the Triton kernels (ops `opswap::paged_decode_attention` and
+`opswap::paged_prefill_attention`), and the public functions, which run the ops on CUDA
+tensors (and on CPU tensors under TRITON_INTERPRET=1, as the tests do) and the reference
+otherwise.
+
+Why these kernels. A decode step reads each sequence's keys and values once and does two
+small products per key: it is memory-bound, and what counts is that every byte of the
+cache is read once and that enough programs pull the bytes. The decode kernel is the
+split-K ("flash-decoding") kernel of `decode_attention` with one change, where a key's
+bytes come from: key t of sequence b is at block `block_tables[b, t // block_size]`, slot
+`t % block_size` (one table load per key, from a row that stays in L1), so any block size
+works and the blocks need not be contiguous. One program per (sequence, KV head, split)
+holds the GROUP query heads of its KV head as one [GROUP padded to 16, D] tile, so GQA's
+keys and values are read once for the group, not GROUP times; a combine kernel merges the
+splits by their log-sum-exp. The prefill kernel is FlashAttention's forward over the same
+gathered keys: one program per (sequence, tile of the chunk's queries, head), reading
+keys only up to the tile's last causal position. Both keep the softmax in float32 (online,
+in the exp2 domain) and write q's dtype. Head dims up to 256 (non-powers of two through a
+masked, padded tile); fp16, bf16 and fp32. Inference only: a gradient raises.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.library import wrap_triton
+
+from opswap.kernels._rows import (
+    KernelError,
+    _is_fake,
+    interpreting,
+    jitted,
+    rn,
+    rn_flag,
+    runs_triton,
+    tl,
+    triton,
+)
+from opswap.kernels._triton_op import triton_op
+from opswap.kernels.decode_attention import INTERP_BLOCK_N, LOG2E, plan_splits
+
+#: the largest head dim the kernels hold in one tile
+MAX_HEAD_DIM = 256
+#: query rows per prefill program (a multiple of every BLOCK_N below): GPU, interpreter
+PREFILL_BLOCK_M = 64
+INTERP_BLOCK_M = 16
+#: (BLOCK_N, num_warps, num_stages) the kernels are autotuned over on a GPU; the decode
+#: kernel's are pruned to BLOCK_N <= its split length (a multiple of 64)
+DECODE_CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3))
+PREFILL_CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3))
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
@@ -98,6 +143,434 @@ def reference_prefill(
     return out
 
 
+def _paged_decode_fn(
+    q_ptr,  # [B, H, D]
+    k_ptr,  # [num_blocks, block_size, H_kv, D]
+    v_ptr,  # [num_blocks, block_size, H_kv, D]
+    table_ptr,  # [B, max_blocks] int: the sequence's blocks in order
+    len_ptr,  # [B] int: cached tokens per sequence
+    o_ptr,  # [B * H, SPLITS, D_PAD] fp32: each split's output, normalised within the split
+    lse_ptr,  # [B * H, SPLITS] fp32: each split's log2-sum-exp2 of the scaled scores
+    qk_scale,  # scale * log2(e)
+    sqb,
+    sqh,
+    skb,
+    skn,
+    skh,
+    svb,
+    svn,
+    svh,
+    stb,
+    H_KV,
+    GROUP,  # query heads per KV head
+    BS,  # block size
+    S_MAX,  # max_blocks * block_size: the longest context the table can name
+    SPLIT_LEN,
+    SPLITS,
+    D,
+    D_PAD: tl.constexpr,  # D rounded up to a power of two (>= 16)
+    BLOCK_G: tl.constexpr,  # GROUP padded to a tile height tl.dot takes (>= 16)
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,  # the interpreter: its half-precision dot is not a GPU's
+):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # a SymFloat may arrive as fp64
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // H_KV
+    hk = pid % H_KV
+    n_keys = tl.minimum(tl.load(len_ptr + b), S_MAX)
+    lo = split * SPLIT_LEN
+    if lo >= n_keys:  # a split wholly past this sequence's keys: nothing to read or write
+        return
+    hi = tl.minimum(lo + SPLIT_LEN, n_keys)
+    g = tl.arange(0, BLOCK_G)
+    heads = hk * GROUP + g
+    in_group = g < GROUP
+    dims = tl.arange(0, D_PAD)
+    in_d = dims < D
+    cols = tl.arange(0, BLOCK_N)
+    q_base = q_ptr + b.to(tl.int64) * sqb
+    q = tl.load(
+        q_base + heads[:, None] * sqh + dims[None, :],
+        mask=in_group[:, None] & in_d[None, :],
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    table = table_ptr + b.to(tl.int64) * stb
+    k_head = k_ptr + hk.to(tl.int64) * skh
+    v_head = v_ptr + hk.to(tl.int64) * svh
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D_PAD], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + cols
+        valid = keys < hi
+        blk = tl.load(table + keys // BS, mask=valid, other=0).to(tl.int64)
+        slot = (keys % BS).to(tl.int64)
+        where = valid[:, None] & in_d[None, :]
+        kt = tl.load(
+            k_head + (blk * skb + slot * skn)[:, None] + dims[None, :], mask=where, other=0.0
+        )
+        vt = tl.load(
+            v_head + (blk * svb + slot * svn)[:, None] + dims[None, :], mask=where, other=0.0
+        )
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # every tile holds at least one valid key (start < hi), so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
+        m_i = m_new
+    row = (b * H_KV * GROUP + heads).to(tl.int64) * SPLITS + split
+    tl.store(
+        o_ptr + row[:, None] * D_PAD + dims[None, :], acc / l_i[:, None], mask=in_group[:, None]
+    )
+    tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=in_group)
+
+
+def _paged_combine_fn(
+    o_part_ptr,  # [B * H, SPLITS, D_PAD] fp32
+    lse_ptr,  # [B * H, SPLITS] fp32 (log2 domain)
+    len_ptr,  # [B] int
+    out_ptr,  # [B, H, D], q's dtype
+    sob,
+    soh,
+    H,
+    S_MAX,
+    SPLIT_LEN,
+    SPLITS,
+    D,
+    D_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # SPLITS padded to a power of two
+    RN: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    n_keys = tl.minimum(tl.load(len_ptr + b), S_MAX)
+    splits = tl.arange(0, BLOCK_S)
+    used = splits < (n_keys + SPLIT_LEN - 1) // SPLIT_LEN  # the splits that wrote
+    dims = tl.arange(0, D_PAD)
+    base = bh.to(tl.int64) * SPLITS
+    lse = tl.load(lse_ptr + base + splits, mask=used, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no key at all: every weight is 0
+    w = tl.exp2(lse - top)
+    parts = tl.load(
+        o_part_ptr + (base + splits)[:, None] * D_PAD + dims[None, :], mask=used[:, None], other=0.0
+    )
+    den = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(den > 0.0, den, 1.0)  # 0 when no key
+    o = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + dims
+    tl.store(o, rn(out, RN).to(out_ptr.dtype.element_ty), mask=dims < D)
+
+
+def _paged_prefill_fn(
+    q_ptr,  # [T, H, D]: the chunks packed
+    k_ptr,  # [num_blocks, block_size, H_kv, D]
+    v_ptr,
+    table_ptr,  # [S, max_blocks] int
+    cu_ptr,  # [S + 1] int: chunk s is rows cu[s]:cu[s + 1] of q
+    len_ptr,  # [S] int: cached tokens per sequence, the chunk's own included
+    tiles_ptr,  # [S + 1] int32: the first query tile of each sequence (exclusive cumsum)
+    o_ptr,  # [T, H, D], q's dtype
+    qk_scale,
+    sqt,
+    sqh,
+    skb,
+    skn,
+    skh,
+    svb,
+    svn,
+    svh,
+    stb,
+    sot,
+    soh,
+    S,  # sequences
+    GROUP,
+    BS,
+    D,
+    STEPS: tl.constexpr,  # binary-search steps over the S + 1 tile starts
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    RN: tl.constexpr,
+):
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    if pid >= tl.load(tiles_ptr + S):  # the grid is a bound on the tile count
+        return
+    # the sequence whose tiles hold pid: the last s with tiles[s] <= pid
+    lo = pid * 0
+    hi = lo + S
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        below = tl.load(tiles_ptr + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    seq = lo
+    first = tl.load(cu_ptr + seq)
+    chunk = tl.load(cu_ptr + seq + 1) - first
+    n_keys = tl.load(len_ptr + seq)
+    rows = (pid - tl.load(tiles_ptr + seq)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_chunk = rows < chunk
+    pos = n_keys - chunk + rows  # each query's own position: it sees keys 0..pos
+    hi_key = tl.minimum(n_keys, n_keys - chunk + (pid - tl.load(tiles_ptr + seq) + 1) * BLOCK_M)
+    hk = h // GROUP
+    dims = tl.arange(0, D_PAD)
+    in_d = dims < D
+    cols = tl.arange(0, BLOCK_N)
+    q_rows = (first + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * sqt + h * sqh + dims[None, :],
+        mask=in_chunk[:, None] & in_d[None, :],
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    table = table_ptr + seq.to(tl.int64) * stb
+    k_head = k_ptr + hk.to(tl.int64) * skh
+    v_head = v_ptr + hk.to(tl.int64) * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    for start in range(0, hi_key, BLOCK_N):
+        keys = start + cols
+        valid = keys < hi_key
+        blk = tl.load(table + keys // BS, mask=valid, other=0).to(tl.int64)
+        slot = (keys % BS).to(tl.int64)
+        where = valid[:, None] & in_d[None, :]
+        kt = tl.load(
+            k_head + (blk * skb + slot * skn)[:, None] + dims[None, :], mask=where, other=0.0
+        )
+        vt = tl.load(
+            v_head + (blk * svb + slot * svn)[:, None] + dims[None, :], mask=where, other=0.0
+        )
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where(valid[None, :] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
+        # key 0 is in the first tile and every position is >= 0: m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(
+        o_ptr + q_rows[:, None] * sot + h * soh + dims[None, :],
+        rn(out, RN).to(o_ptr.dtype.element_ty),
+        mask=in_chunk[:, None] & in_d[None, :],
+    )
+
+
+_KERNELS: dict[tuple[str, bool], Any] = {}
+
+
+def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    split = int({**named_args, **kwargs}["SPLIT_LEN"])
+    keep = [c for c in configs if c.kwargs["BLOCK_N"] <= split]
+    return keep or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])]
+
+
+def _kernel(name: str) -> Any:
+    """The decode split kernel, the combine or the prefill kernel; on a GPU the first and
+    the last autotuned over their configs."""
+    key = (name, interpreting())
+    if key not in _KERNELS:
+        fn = {"decode": _paged_decode_fn, "combine": _paged_combine_fn}.get(name, _paged_prefill_fn)
+        k = jitted(fn)
+        if name != "combine" and not interpreting():
+            table = DECODE_CONFIGS if name == "decode" else PREFILL_CONFIGS
+            configs = [
+                triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in table
+            ]
+            if name == "decode":
+                k = triton.autotune(
+                    configs,
+                    key=["SPLIT_LEN", "D_PAD", "BLOCK_G"],
+                    prune_configs_by={"early_config_prune": _prune},
+                )(k)
+            else:
+                k = triton.autotune(configs, key=["D_PAD", "GROUP"])(k)
+        _KERNELS[key] = k
+    return _KERNELS[key]
+
+
+def unsupported(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+) -> str | None:
+    """Why the kernels cannot take these tensors (the reference then runs), or None."""
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (
+        q.dtype == k_cache.dtype == v_cache.dtype
+    ):
+        return f"dtypes {q.dtype}, {k_cache.dtype}, {v_cache.dtype}: the kernels take one of fp16, bf16, fp32"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]}: the kernels take at most {MAX_HEAD_DIM}"
+    ints = (torch.int32, torch.int64)
+    if block_tables.dim() != 2 or block_tables.dtype not in ints or lens.dtype not in ints:
+        return "block tables must be an integer [sequences, max_blocks] tensor and lengths integer"
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return "the caches' head dim must be contiguous"
+    return None
+
+
+def _common(q: torch.Tensor) -> dict[str, Any]:
+    """The constexprs both kernels take."""
+    d = q.shape[-1]
+    return {
+        "D_PAD": max(16, triton.next_power_of_2(d)),
+        "PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+        "DOT_F32": interpreting(),
+    }
+
+
+def triton_paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    splits: int = 0,
+) -> torch.Tensor:
+    """[B, H, D] (q's dtype) by the split and combine kernels; `splits` > 0 asks for that
+    many (tests), 0 lets `plan_splits` choose from the table's width and the GPU."""
+    group, bs = _check(q, k_cache, v_cache)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    bsz, h, d = q.shape
+    hk = k_cache.shape[2]
+    s_max = block_tables.shape[1] * bs
+    n_splits, split_len = plan_splits(bsz, hk, s_max, q.device, splits)
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    kw = _common(q)
+    o_part = q.new_empty((bsz * h, n_splits, kw["D_PAD"]), dtype=torch.float32)
+    lse = q.new_empty((bsz * h, n_splits), dtype=torch.float32)
+    lens = context_lens.to(q.device)
+    if interpreting():
+        kw.update(BLOCK_N=INTERP_BLOCK_N)
+    wrap_triton(_kernel("decode"))[(bsz * hk, n_splits)](
+        q, k_cache, v_cache, block_tables, lens, o_part, lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        hk, group, bs, s_max, split_len, n_splits, d,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), **kw,
+    )  # fmt: skip
+    wrap_triton(_kernel("combine"))[(bsz * h,)](
+        o_part, lse, lens, out, out.stride(0), out.stride(1), h, s_max, split_len, n_splits, d,
+        D_PAD=kw["D_PAD"], BLOCK_S=max(2, triton.next_power_of_2(n_splits)), RN=rn_flag(q.dtype),
+    )  # fmt: skip
+    return out
+
+
+def triton_paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """[T, H, D] (q's dtype) by the prefill kernel. The tile map is built on the device
+    (no host sync): the grid is a bound on the tile count, cdiv(T, BLOCK_M) + S."""
+    group, bs = _check(q, k_cache, v_cache)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    t, h, d = q.shape
+    n_seq = context_lens.shape[0]
+    out = torch.empty_like(q)
+    if out.numel() == 0 or n_seq == 0:
+        return out
+    block_m = INTERP_BLOCK_M if interpreting() else PREFILL_BLOCK_M
+    cu = cu_q_lens.to(device=q.device, dtype=torch.int32)
+    per_seq = (cu[1:] - cu[:-1] + block_m - 1) // block_m
+    tiles = torch.cat([cu.new_zeros(1), per_seq.cumsum(0, dtype=torch.int32)])
+    kw = _common(q)
+    if interpreting():
+        kw.update(BLOCK_N=INTERP_BLOCK_N)
+    grid = ((t + block_m - 1) // block_m + n_seq, h)
+    wrap_triton(_kernel("prefill"))[grid](
+        q, k_cache, v_cache, block_tables, cu, context_lens.to(q.device), tiles, out,
+        scale * LOG2E, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), n_seq, group, bs, d,
+        STEPS=max(9, n_seq.bit_length()), BLOCK_M=block_m, RN=rn_flag(q.dtype), **kw,
+    )  # fmt: skip
+    return out
+
+
+def _kernels_take(q: torch.Tensor, *rest: torch.Tensor) -> bool:
+    return runs_triton(q) and unsupported(q, *rest) is None
+
+
+@triton_op("opswap::paged_decode_attention", mutates_args=())
+def _paged_decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over the paged cache (`reference_decode`'s contract); the fake
+    kernel, which is this function on fake tensors, gives an output like q."""
+    if _kernels_take(q, k_cache, v_cache, block_tables, context_lens):
+        return triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if _is_fake(q):  # the reference reads the lengths on the host: shapes only
+        return torch.empty_like(q)
+    return reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+@triton_op("opswap::paged_prefill_attention", mutates_args=())
+def _paged_prefill_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Chunked-prefill attention over the paged cache (`reference_prefill`'s contract)."""
+    if _kernels_take(q, k_cache, v_cache, block_tables, context_lens):
+        return triton_paged_prefill(
+            q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale
+        )
+    if _is_fake(q):
+        return torch.empty_like(q)
+    return reference_prefill(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale)
+
+
+def _no_backward(ctx: Any, grad: torch.Tensor) -> None:
+    raise KernelError(
+        "paged attention is an inference op with no backward; use opswap::flash_attention "
+        "or SDPA where a gradient is needed."
+    )
+
+
+for _op in (_paged_decode_op, _paged_prefill_op):
+    _op.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -106,7 +579,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Decode attention over the paged cache (see `reference_decode` for the contract)."""
+    """Decode attention over the paged cache (see `reference_decode` for the contract): the
+    Triton kernels on CUDA tensors (and CPU ones under TRITON_INTERPRET=1), else the
+    reference."""
+    _check(q, k_cache, v_cache)
+    if _kernels_take(q, k_cache, v_cache, block_tables, context_lens):
+        return torch.ops.opswap.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, float(scale)
+        )
     return reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -119,5 +599,11 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Chunked-prefill attention over the paged cache (see `reference_prefill`)."""
+    """Chunked-prefill attention over the paged cache (see `reference_prefill`): the Triton
+    kernel where `paged_decode_attention` runs its kernels, else the reference."""
+    _check(q, k_cache, v_cache)
+    if _kernels_take(q, k_cache, v_cache, block_tables, context_lens):
+        return torch.ops.opswap.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, float(scale)
+        )
     return reference_prefill(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale)
