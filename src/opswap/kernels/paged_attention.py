@@ -32,6 +32,7 @@ masked, padded tile); fp16, bf16 and fp32. Inference only: a gradient raises.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -390,8 +391,12 @@ def _kernel(name: str) -> Any:
     the last autotuned over their configs."""
     key = (name, interpreting())
     if key not in _KERNELS:
-        fn = {"decode": _paged_decode_fn, "combine": _paged_combine_fn}.get(name, _paged_prefill_fn)
-        k = jitted(fn)
+        fns: dict[str, Callable[..., Any]] = {
+            "decode": _paged_decode_fn,
+            "combine": _paged_combine_fn,
+            "prefill": _paged_prefill_fn,
+        }
+        k = jitted(fns[name])
         if name != "combine" and not interpreting():
             table = DECODE_CONFIGS if name == "decode" else PREFILL_CONFIGS
             configs = [
