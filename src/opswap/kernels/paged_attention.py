@@ -463,7 +463,7 @@ def triton_paged_decode(
     hk = k_cache.shape[2]
     s_max = block_tables.shape[1] * bs
     n_splits, split_len = plan_splits(bsz, hk, s_max, q.device, splits)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     if out.numel() == 0:
         return out
     kw = _common(q)
@@ -501,7 +501,7 @@ def triton_paged_prefill(
     q = q if q.stride(-1) == 1 else q.contiguous()
     t, h, d = q.shape
     n_seq = context_lens.shape[0]
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     if out.numel() == 0 or n_seq == 0:
         return out
     block_m = INTERP_BLOCK_M if interpreting() else PREFILL_BLOCK_M
@@ -536,13 +536,13 @@ def _paged_decode_op(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Decode attention over the paged cache (`reference_decode`'s contract); the fake
-    kernel, which is this function on fake tensors, gives an output like q."""
+    """Decode attention over the paged cache (`reference_decode`'s contract), returned
+    contiguous; the fake kernel, which is this function on fake tensors, gives the same."""
     if _kernels_take(q, k_cache, v_cache, block_tables, context_lens):
         return triton_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     if _is_fake(q):  # the reference reads the lengths on the host: shapes only
-        return torch.empty_like(q)
-    return reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return q.new_empty(q.shape)
+    return reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale).contiguous()
 
 
 @triton_op("opswap::paged_prefill_attention", mutates_args=())
@@ -561,8 +561,10 @@ def _paged_prefill_op(
             q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale
         )
     if _is_fake(q):
-        return torch.empty_like(q)
-    return reference_prefill(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale)
+        return q.new_empty(q.shape)
+    return reference_prefill(
+        q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale
+    ).contiguous()
 
 
 def _no_backward(ctx: Any, grad: torch.Tensor) -> None:
