@@ -171,6 +171,8 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "kernels18": (KERNEL18_TESTS, [["bench_kernels18.py"]]),
     "attention": (ATTENTION_TESTS, [["bench_attention.py"]]),
     "decode": (DECODE_TESTS, [["bench_decode.py"]]),
+    # issue 41: the paged decode and chunked-prefill kernels (compiled on the GPU) and their sweep
+    "paged": (["tests/kernels/test_paged_attention.py"], [["bench_paged_attention.py"]]),
     "activation": (ACTIVATION_TESTS, [["bench_activation.py"]]),
     "epilogue": (EPILOGUE_TESTS, [["bench_epilogue.py"]]),
     # every row kernel's tests, then their sweeps (eager and CUDA-graph times) rewriting the
