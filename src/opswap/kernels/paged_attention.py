@@ -164,7 +164,7 @@ def _paged_decode_fn(
     stb,
     H_KV,
     GROUP,  # query heads per KV head
-    BS,  # block size
+    BS: tl.constexpr,  # block size (a constant: a power of two divides by a shift)
     S_MAX,  # max_blocks * block_size: the longest context the table can name
     SPLIT_LEN,
     SPLITS,
@@ -296,7 +296,7 @@ def _paged_prefill_fn(
     soh,
     S,  # sequences
     GROUP,
-    BS,
+    BS: tl.constexpr,
     D,
     STEPS: tl.constexpr,  # binary-search steps over the S + 1 tile starts
     D_PAD: tl.constexpr,
