@@ -21,6 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import _rows_check as rc  # noqa: E402
 
+from opswap.kernels import _paged_triton as pk  # noqa: E402
 from opswap.kernels import paged_attention as pa  # noqa: E402
 from opswap.kernels._rows import KernelError  # noqa: E402
 
@@ -292,7 +293,7 @@ def _signature(fn, ptr: str, constexprs: dict) -> dict:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             fp32 = name in ("lse_ptr", "o_part_ptr") or (
-                fn is pa._paged_decode_fn and name == "o_ptr"
+                fn is pk._paged_decode_fn and name == "o_ptr"
             )
             sig[name] = "*i32" if name in ints else "*fp32" if fp32 else ptr
         else:
@@ -316,14 +317,14 @@ def test_kernels_compile_for_hopper_at_every_config():
     base = {"PREC": "tf32", "DOT_F32": False, "BS": 16}
     for block_n, warps, stages in pa.DECODE_CONFIGS:  # bf16, head dim 64, a GQA group of 8
         consts = {**base, "D_PAD": 64, "BLOCK_G": 16, "BLOCK_N": block_n}
-        assert build(pa._paged_decode_fn, "*bf16", consts, warps, stages).asm["cubin"]
+        assert build(pk._paged_decode_fn, "*bf16", consts, warps, stages).asm["cubin"]
     for block_n, warps, stages in pa.PREFILL_CONFIGS:  # bf16, head dim 128
         consts = {**base, "D_PAD": 128, "BLOCK_M": 64, "BLOCK_N": block_n, "STEPS": 9, "RN": False}
-        assert build(pa._paged_prefill_fn, "*bf16", consts, warps, stages).asm["cubin"]
+        assert build(pk._paged_prefill_fn, "*bf16", consts, warps, stages).asm["cubin"]
     consts = {"PREC": "ieee", "DOT_F32": False, "BS": 5, "D_PAD": 128, "BLOCK_G": 16, "BLOCK_N": 32}
-    assert build(pa._paged_decode_fn, "*fp32", consts, 4).asm["cubin"]  # fp32, head dim 80..128
+    assert build(pk._paged_decode_fn, "*fp32", consts, 4).asm["cubin"]  # fp32, head dim 80..128
     combine = {"D_PAD": 128, "BLOCK_S": 128, "RN": False}
-    assert build(pa._paged_combine_fn, "*bf16", combine, 4).asm["cubin"]
+    assert build(pk._paged_combine_fn, "*bf16", combine, 4).asm["cubin"]
 
 
 if __name__ == "__main__":  # the interpreter's half of `interpreted`
