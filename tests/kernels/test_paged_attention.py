@@ -102,6 +102,7 @@ DECODE = [
     (4, 2, 5, 24, [17, 9], F32, 0),  # block size 5, head dim 24 (padded to 32)
     (8, 2, 8, 32, [33, 40], BF16, 1),  # the whole context in one split
     (4, 1, 4, 16, [40], F32, 3),
+    (4, 1, 4, 16, [0, 7], F32, 1),  # one split: the kernel writes the output, 0 included
 ]
 # prefill: (heads, kv heads, block size, head dim, context lengths, chunk lengths, dtype)
 PREFILL = [
@@ -316,12 +317,28 @@ def test_kernels_compile_for_hopper_at_every_config():
 
     base = {"PREC": "tf32", "DOT_F32": False, "BS": 16}
     for block_n, warps, stages in pa.DECODE_CONFIGS:  # bf16, head dim 64, a GQA group of 8
-        consts = {**base, "D_PAD": 64, "BLOCK_G": 16, "BLOCK_N": block_n}
+        consts = {
+            **base,
+            "D_PAD": 64,
+            "BLOCK_G": 16,
+            "BLOCK_N": block_n,
+            "DIRECT": False,
+            "RN": False,
+        }
         assert build(pk._paged_decode_fn, "*bf16", consts, warps, stages).asm["cubin"]
     for block_n, warps, stages in pa.PREFILL_CONFIGS:  # bf16, head dim 128
         consts = {**base, "D_PAD": 128, "BLOCK_M": 64, "BLOCK_N": block_n, "STEPS": 9, "RN": False}
         assert build(pk._paged_prefill_fn, "*bf16", consts, warps, stages).asm["cubin"]
-    consts = {"PREC": "ieee", "DOT_F32": False, "BS": 5, "D_PAD": 128, "BLOCK_G": 16, "BLOCK_N": 32}
+    consts = {
+        "PREC": "ieee",
+        "DOT_F32": False,
+        "BS": 5,
+        "D_PAD": 128,
+        "BLOCK_G": 16,
+        "BLOCK_N": 32,
+        "DIRECT": True,
+        "RN": False,
+    }
     assert build(pk._paged_decode_fn, "*fp32", consts, 4).asm["cubin"]  # fp32, head dim 80..128
     combine = {"D_PAD": 128, "BLOCK_S": 128, "RN": False}
     assert build(pk._paged_combine_fn, "*bf16", combine, 4).asm["cubin"]

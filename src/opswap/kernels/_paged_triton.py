@@ -16,6 +16,9 @@ def _paged_decode_fn(
     len_ptr,  # [B] int: cached tokens per sequence
     o_ptr,  # [B * H, SPLITS, D_PAD] fp32: each split's output, normalised within the split
     lse_ptr,  # [B * H, SPLITS] fp32: each split's log2-sum-exp2 of the scaled scores
+    out_ptr,  # [B, H, D], q's dtype: written here when DIRECT, else by the combine
+    sob,
+    soh,
     qk_scale,  # scale * log2(e)
     sqb,
     sqh,
@@ -38,6 +41,8 @@ def _paged_decode_fn(
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
     DOT_F32: tl.constexpr,  # the interpreter: its half-precision dot is not a GPU's
+    DIRECT: tl.constexpr,  # one split: write the output itself, no combine
+    RN: tl.constexpr,
 ):
     qk_scale = tl.cast(qk_scale, tl.float32)  # a SymFloat may arrive as fp64
     pid = tl.program_id(0)
@@ -46,14 +51,18 @@ def _paged_decode_fn(
     hk = pid % H_KV
     n_keys = tl.minimum(tl.load(len_ptr + b), S_MAX)
     lo = split * SPLIT_LEN
-    if lo >= n_keys:  # a split wholly past this sequence's keys: nothing to read or write
-        return
-    hi = tl.minimum(lo + SPLIT_LEN, n_keys)
     g = tl.arange(0, BLOCK_G)
     heads = hk * GROUP + g
     in_group = g < GROUP
     dims = tl.arange(0, D_PAD)
     in_d = dims < D
+    out = out_ptr + b.to(tl.int64) * sob + heads[:, None] * soh + dims[None, :]
+    if lo >= n_keys:  # a split wholly past this sequence's keys: nothing to read
+        if DIRECT:  # a sequence with no key at all gets 0, as the combine gives it
+            zero = tl.zeros([BLOCK_G, D_PAD], dtype=tl.float32)
+            tl.store(out, zero.to(out_ptr.dtype.element_ty), mask=in_group[:, None] & in_d[None, :])
+        return
+    hi = tl.minimum(lo + SPLIT_LEN, n_keys)
     cols = tl.arange(0, BLOCK_N)
     q_base = q_ptr + b.to(tl.int64) * sqb
     q = tl.load(
@@ -93,11 +102,14 @@ def _paged_decode_fn(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
         m_i = m_new
-    row = (b * H_KV * GROUP + heads).to(tl.int64) * SPLITS + split
-    tl.store(
-        o_ptr + row[:, None] * D_PAD + dims[None, :], acc / l_i[:, None], mask=in_group[:, None]
-    )
-    tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=in_group)
+    if DIRECT:
+        o = rn(acc / l_i[:, None], RN).to(out_ptr.dtype.element_ty)
+        tl.store(out, o, mask=in_group[:, None] & in_d[None, :])
+    else:
+        row = (b * H_KV * GROUP + heads).to(tl.int64) * SPLITS + split
+        part = o_ptr + row[:, None] * D_PAD + dims[None, :]
+        tl.store(part, acc / l_i[:, None], mask=in_group[:, None])
+        tl.store(lse_ptr + row, m_i + tl.log2(l_i), mask=in_group)
 
 
 def _paged_combine_fn(

@@ -171,7 +171,7 @@ def _kernel(name: str) -> Any:
             if name == "decode":
                 k = triton.autotune(
                     configs,
-                    key=["SPLIT_LEN", "D_PAD", "BLOCK_G"],
+                    key=["SPLIT_LEN", "D_PAD", "BLOCK_G", "DIRECT"],
                     prune_configs_by={"early_config_prune": _prune},
                 )(k)
             else:
@@ -233,18 +233,23 @@ def triton_paged_decode(
     if out.numel() == 0:
         return out
     kw = _common(q)
-    o_part = q.new_empty((bsz * h, n_splits, kw["D_PAD"]), dtype=torch.float32)
-    lse = q.new_empty((bsz * h, n_splits), dtype=torch.float32)
+    direct = n_splits == 1  # the split kernel writes the output: no partials, no combine
+    parts = 1 if direct else bsz * h * n_splits
+    o_part = q.new_empty((parts, kw["D_PAD"]), dtype=torch.float32)
+    lse = q.new_empty((parts,), dtype=torch.float32)
     lens = context_lens.to(q.device)
     if interpreting():
         kw.update(BLOCK_N=INTERP_BLOCK_N)
     wrap_triton(_kernel("decode"))[(bsz * hk, n_splits)](
-        q, k_cache, v_cache, block_tables, lens, o_part, lse, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, lens, o_part, lse, out, out.stride(0), out.stride(1),
+        scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         hk, group, bs, s_max, split_len, n_splits, d,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), **kw,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), DIRECT=direct, RN=rn_flag(q.dtype), **kw,
     )  # fmt: skip
+    if direct:
+        return out
     wrap_triton(_kernel("combine"))[(bsz * h,)](
         o_part, lse, lens, out, out.stride(0), out.stride(1), h, s_max, split_len, n_splits, d,
         D_PAD=kw["D_PAD"], BLOCK_S=max(2, triton.next_power_of_2(n_splits)), RN=rn_flag(q.dtype),
