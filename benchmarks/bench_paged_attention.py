@@ -124,8 +124,10 @@ def sdpa(
         return attend(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
 
 
-def decode_rows(device: str, bw: float, smoke: bool) -> list[dict]:
-    rows = []
+def decode_rows(
+    device: str, bw: float, smoke: bool, save: Callable[[list[dict]], None]
+) -> list[dict]:
+    rows: list[dict] = []
     models = {"tiny": (4, 2, 64)} if smoke else MODELS
     for model, (h, hk, d) in models.items():
         for batch in (1, 2) if smoke else BATCHES:
@@ -158,12 +160,13 @@ def decode_rows(device: str, bw: float, smoke: bool) -> list[dict]:
                     row[name] = {"us": ms * 1e3, "kv_gb_s": gbs, "pct_copy_bw": 100 * gbs / bw}
                 print(row, flush=True)
                 rows.append(row)
+                save(rows)
                 del k, v, kc, vc
     return rows
 
 
-def prefill_rows(device: str, smoke: bool) -> list[dict]:
-    rows = []
+def prefill_rows(device: str, smoke: bool, save: Callable[[list[dict]], None]) -> list[dict]:
+    rows: list[dict] = []
     models = {"tiny": (4, 2, 64)} if smoke else MODELS
     for model, (h, hk, d) in models.items():
         for chunk in (16,) if smoke else (256, 512):
@@ -193,6 +196,7 @@ def prefill_rows(device: str, smoke: bool) -> list[dict]:
                     row[name] = {"us": ms * 1e3, "tflop_s": flops / (ms * 1e-3) / 1e12}
                 print(row, flush=True)
                 rows.append(row)
+                save(rows)
     return rows
 
 
@@ -205,24 +209,27 @@ def main() -> None:
     smoke = device == "cpu"
     torch.manual_seed(0)
     bw = copy_bandwidth(device) if not smoke else float("nan")
-    rows = decode_rows(device, bw, smoke) + prefill_rows(device, smoke)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     card = name.split()[-1].lower() if device == "cuda" else "cpu_smoke"
     import triton
 
-    write_results(
-        args.out,
-        f"paged_attention_{card}.json",
-        name,
-        rows,
-        triton=triton.__version__,
-        copy_gb_s=bw,
-        block_size=BLOCK,
-        timing=f"CUDA graph of {CALLS} calls, median of 7 replays"
-        if not smoke
-        else "CPU smoke: one eager call, the references (no kernel runs off the GPU)",
-        not_measured="FlashInfer and vLLM paged attention: not installed on the machine",
-    )
+    def save(rows: list[dict]) -> None:  # after every row: a run cut short keeps its rows
+        write_results(
+            args.out,
+            f"paged_attention_{card}.json",
+            name,
+            rows,
+            triton=triton.__version__,
+            copy_gb_s=bw,
+            block_size=BLOCK,
+            timing=f"CUDA graph of {CALLS} calls, median of 7 replays"
+            if not smoke
+            else "CPU smoke: one eager call, the references (no kernel runs off the GPU)",
+            not_measured="FlashInfer and vLLM paged attention: not installed on the machine",
+        )
+
+    done = decode_rows(device, bw, smoke, save)
+    prefill_rows(device, smoke, lambda rows: save(done + rows))
 
 
 if __name__ == "__main__":
