@@ -1,7 +1,7 @@
 """The paged-attention references against plain attention on the same tokens, laid out in
 shuffled blocks, at odd lengths and with grouped-query heads; then the Triton kernels
 (under TRITON_INTERPRET=1 in one child Python; on a GPU the compiled kernels) against the
-reference in float64: decode and chunked prefill at context lengths 0, 1, 5, 17, 33 and
+reference (its float32 math on float64 copies of the inputs): decode and chunked prefill at context lengths 0, 1, 5, 17, 33 and
 40, block sizes 4, 5, 8 and 16, heads / KV heads 4/4, 8/2 and 4/1, head dims 16, 24
 (a padded tile) and 32, fp32 and bf16, one split and several, empty chunks, chunks of one
 and chunks over several query tiles; the ops' fake kernels (opcheck), the refused
@@ -147,7 +147,8 @@ def _q(rows, heads, d, dtype, seed):
 
 
 def _errors(got, q, k, v, run_reference) -> dict:
-    """The kernel's and the dtype's own reference errors against the reference in float64."""
+    """The kernel's and the dtype's own reference errors against the reference run on float64
+    copies of the inputs."""
     truth = run_reference(q.double(), k.double(), v.double())
     own = run_reference(q, k, v)
     return {
@@ -281,6 +282,7 @@ def test_what_the_kernels_do_not_take_is_named():
         torch.randn(1, 2, 320), torch.randn(2, 4, 2, 320), torch.randn(2, 4, 2, 320), tables, lens
     )
     assert "block tables" in pa.unsupported(q, k, v, tables.float(), lens)
+    assert "device" in pa.unsupported(q, k, v, tables.to("meta"), lens)
     assert pa.unsupported(q, k, v, tables, lens) is None
 
 

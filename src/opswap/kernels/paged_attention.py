@@ -197,6 +197,8 @@ def unsupported(
     ints = (torch.int32, torch.int64)
     if block_tables.dim() != 2 or block_tables.dtype not in ints or lens.dtype not in ints:
         return "block tables must be an integer [sequences, max_blocks] tensor and lengths integer"
+    if not (k_cache.device == v_cache.device == block_tables.device == q.device):
+        return "the caches and block tables must be on the queries' device"
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         return "the caches' head dim must be contiguous"
     return None
