@@ -1,11 +1,11 @@
 """The paged-attention references against plain attention on the same tokens, laid out in
 shuffled blocks, at odd lengths and with grouped-query heads; then the Triton kernels
 (under TRITON_INTERPRET=1 in one child Python; on a GPU the compiled kernels) against the
-reference (its float32 math on float64 copies of the inputs): decode and chunked prefill at context lengths 0, 1, 5, 17, 33 and
-40, block sizes 4, 5, 8 and 16, heads / KV heads 4/4, 8/2 and 4/1, head dims 16, 24
-(a padded tile) and 32, fp32 and bf16, one split and several, empty chunks, chunks of one
-and chunks over several query tiles; the ops' fake kernels (opcheck), the refused
-gradient, and the kernels compiled for Hopper (sm_90)."""
+reference (its float32 math on float64 copies of the inputs): decode and chunked prefill
+at context lengths 0, 1, 5, 17, 33 and 40, block sizes 4, 5, 8 and 16, heads / KV heads
+4/4, 8/2 and 4/1, head dims 16, 24 (a padded tile) and 32, fp32 and bf16, one split and
+several, empty chunks, chunks of one and chunks over several query tiles; the ops' fake
+kernels (opcheck), the refused gradient, and the kernels compiled for Hopper (sm_90)."""
 
 from __future__ import annotations
 
