@@ -317,11 +317,11 @@ def test_kernels_compile_for_hopper_at_every_config():
             src, target=target, options={"num_warps": warps, "num_stages": stages}
         )
 
-    base = {"PREC": "tf32", "DOT_F32": False, "BS": 16}
+    base = {"PREC": "tf32", "DOT_F32": False, "BLOCK_SIZE": 16}
     for block_n, warps, stages in pa.DECODE_CONFIGS:  # bf16, head dim 64, a GQA group of 8
         consts = {
             **base,
-            "D_PAD": 64,
+            "BLOCK_D": 64,
             "BLOCK_G": 16,
             "BLOCK_N": block_n,
             "DIRECT": False,
@@ -329,20 +329,27 @@ def test_kernels_compile_for_hopper_at_every_config():
         }
         assert build(pk._paged_decode_fn, "*bf16", consts, warps, stages).asm["cubin"]
     for block_n, warps, stages in pa.PREFILL_CONFIGS:  # bf16, head dim 128
-        consts = {**base, "D_PAD": 128, "BLOCK_M": 64, "BLOCK_N": block_n, "STEPS": 9, "RN": False}
+        consts = {
+            **base,
+            "BLOCK_D": 128,
+            "BLOCK_M": 64,
+            "BLOCK_N": block_n,
+            "STEPS": 9,
+            "RN": False,
+        }
         assert build(pk._paged_prefill_fn, "*bf16", consts, warps, stages).asm["cubin"]
     consts = {
         "PREC": "ieee",
         "DOT_F32": False,
-        "BS": 5,
-        "D_PAD": 128,
+        "BLOCK_SIZE": 5,
+        "BLOCK_D": 128,
         "BLOCK_G": 16,
         "BLOCK_N": 32,
         "DIRECT": True,
         "RN": False,
     }
     assert build(pk._paged_decode_fn, "*fp32", consts, 4).asm["cubin"]  # fp32, head dim 80..128
-    combine = {"D_PAD": 128, "BLOCK_S": 128, "RN": False}
+    combine = {"BLOCK_D": 128, "BLOCK_S": 128, "RN": False}
     assert build(pk._paged_combine_fn, "*bf16", combine, 4).asm["cubin"]
 
 

@@ -171,11 +171,11 @@ def _kernel(name: str) -> Any:
             if name == "decode":
                 k = triton.autotune(
                     configs,
-                    key=["SPLIT_LEN", "D_PAD", "BLOCK_G", "DIRECT"],
+                    key=["SPLIT_LEN", "BLOCK_D", "BLOCK_G", "DIRECT"],
                     prune_configs_by={"early_config_prune": _prune},
                 )(k)
             else:
-                k = triton.autotune(configs, key=["D_PAD", "GROUP"])(k)
+                k = triton.autotune(configs, key=["BLOCK_D", "GROUP"])(k)
         _KERNELS[key] = k
     return _KERNELS[key]
 
@@ -208,7 +208,7 @@ def _common(q: torch.Tensor) -> dict[str, Any]:
     """The constexprs both kernels take."""
     d = q.shape[-1]
     return {
-        "D_PAD": max(16, triton.next_power_of_2(d)),
+        "BLOCK_D": max(16, triton.next_power_of_2(d)),
         "PREC": "ieee" if q.dtype == torch.float32 else "tf32",
         "DOT_F32": interpreting(),
     }
@@ -237,7 +237,7 @@ def triton_paged_decode(
     kw = _common(q)
     direct = n_splits == 1  # the split kernel writes the output: no partials, no combine
     parts = 1 if direct else bsz * h * n_splits
-    o_part = q.new_empty((parts, kw["D_PAD"]), dtype=torch.float32)
+    o_part = q.new_empty((parts, kw["BLOCK_D"]), dtype=torch.float32)
     lse = q.new_empty((parts,), dtype=torch.float32)
     lens = context_lens.to(q.device)
     if interpreting():
@@ -254,7 +254,7 @@ def triton_paged_decode(
         return out
     wrap_triton(_kernel("combine"))[(bsz * h,)](
         o_part, lse, lens, out, out.stride(0), out.stride(1), h, s_max, split_len, n_splits, d,
-        D_PAD=kw["D_PAD"], BLOCK_S=max(2, triton.next_power_of_2(n_splits)), RN=rn_flag(q.dtype),
+        BLOCK_D=kw["BLOCK_D"], BLOCK_S=max(2, triton.next_power_of_2(n_splits)), RN=rn_flag(q.dtype),
     )  # fmt: skip
     return out
 
