@@ -239,6 +239,18 @@ def _attention_samples() -> dict[str, list[Sample]]:
         lengths = torch.tensor([5, 16, 1][:b], device=DEVICE, dtype=torch.int32)
         return (q, _randn(b, 2, 16, d), _randn(b, 2, 16, d), lengths, d**-0.5, 0)
 
+    def paged(q, prefill):
+        d = q.shape[-1]
+        kc, vc = _randn(6, 4, 2, d), _randn(6, 4, 2, d)
+        tables = torch.tensor([[3, 0, 5], [1, 2, 4], [4, 5, 0]], device=DEVICE)
+        if not prefill:
+            lens = torch.tensor([5, 1, 8][: q.shape[0]], device=DEVICE, dtype=torch.int32)
+            return (q, kc, vc, tables[: q.shape[0]].int(), lens, d**-0.5)
+        t = q.shape[0]
+        cu = torch.tensor([0, 2, t], device=DEVICE, dtype=torch.int32)
+        lens = torch.tensor([5, t + 1], device=DEVICE, dtype=torch.int32)
+        return (q, kc, vc, tables[:2].int(), cu, lens, d**-0.5)
+
     shapes = [(2, 4, 5, 16), (1, 2, 1, 16)]
     lengths = torch.tensor([4, 6], device=DEVICE, dtype=torch.int32)
     return {
@@ -249,6 +261,10 @@ def _attention_samples() -> dict[str, list[Sample]]:
         ),
         "flash_attention_backward": _over(shapes, bwd),
         "decode_attention": _over([(2, 4, 1, 64), (1, 2, 1, 64)], decode),
+        # q [B, H, D] over a paged cache of 6 blocks of 4 (2 KV heads); sequences of 5, 1, 8
+        "paged_decode_attention": _over([(3, 4, 16), (1, 2, 16)], lambda q: paged(q, False)),
+        # q [T, H, D]: chunks of 2 and of T - 2 rows ending contexts of 5 and T + 1
+        "paged_prefill_attention": _over([(6, 4, 16), (3, 2, 16)], lambda q: paged(q, True)),
     }
 
 
