@@ -195,7 +195,7 @@ def _apply_sites(
             for _ in sites:
                 progress()
     if out.applied:
-        keep_output_layouts(captured.gm, gm)
+        keep_output_layouts(captured.gm, gm, propagated=shapes)
     out.captured.gm = gm
     return out
 
@@ -231,12 +231,16 @@ def _same_producer(before: fx.GraphModule, b: fx.Node, after: fx.GraphModule, a:
     return type(before.get_submodule(target)) is type(after.get_submodule(target))
 
 
-def keep_output_layouts(before: fx.GraphModule, after: fx.GraphModule) -> None:
+def keep_output_layouts(
+    before: fx.GraphModule, after: fx.GraphModule, *, propagated: bool = False
+) -> None:
     """Each output of `after` that a rewrite made returns in the memory format the capture's
     output (`before`) had: a rule whose kernel writes channels-last (int8 conv through
     oneDNN, a conv with a fused epilogue) at the model's last op would otherwise hand the
     caller strides its `.view()` refuses. `.contiguous(memory_format=...)` is a no-op for
-    an output already so laid out; outputs the rewrites left alone are not touched."""
+    an output already so laid out; outputs the rewrites left alone are not touched, and with
+    `propagated` (the shapes of `after` were propagated after its last rewrite) neither are
+    those whose propagated layout is already the capture's."""
     outs = (
         [n for n in before.graph.nodes if n.op == "output"],
         [n for n in after.graph.nodes if n.op == "output"],
@@ -253,7 +257,7 @@ def keep_output_layouts(before: fx.GraphModule, after: fx.GraphModule) -> None:
         if _same_producer(before, b, after, a):
             continue  # the capture's own node: its layout is the capture's
         fmt = _format(b)
-        if fmt is None:
+        if fmt is None or (propagated and _format(a) == fmt):
             continue
         with after.graph.inserting_before(output):
             laid = after.graph.call_method("contiguous", (a,), {"memory_format": fmt})
