@@ -9,6 +9,7 @@ import torch.fx as fx
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision._half import ANCHORS, check_half, predict_half, rewrite_half
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 @register
@@ -45,5 +46,5 @@ class BF16(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         rewrite_half(gm, found)
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         return predict_half(gm, found, target)

@@ -18,7 +18,7 @@ from opswap.rules._weights import weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.rules.registry import register
-from opswap.targets.base import Timer
+from opswap.targets.base import Target, Timer
 
 #: below this many input features the quantise/rescale passes cost more than the GEMM saves
 MIN_IN_FEATURES = 64
@@ -77,7 +77,7 @@ def time_on_this_cpu(
     return res["float32"], res["int8"]
 
 
-def _is_this_cpu(target) -> bool:
+def _is_this_cpu(target: Target) -> bool:
     """The measured target of the machine opswap runs on (not a datasheet or a test's)."""
     return getattr(target, "name", "") == "cpu" and getattr(target, "kind", "") == "cpu"
 
@@ -173,7 +173,7 @@ class Int8DynamicLinear(Rule):
             home=arg(node, 1, "weight"),
         )
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         node, w = found.nodes[0], found["w"]
         out = info(node)
         if out is None:
