@@ -12,8 +12,8 @@ if TYPE_CHECKING:
 
 OPSET = 20  # the exporter's default in torch 2.13; Cast to float8 needs >= 19
 
-# Any, in the lowerings: an onnxscript value (what the exporter traces the op's tensors as,
-# or what an `op.X` call returns), which onnx and onnxscript, an optional install, type.
+# Any, in the lowerings: an onnxscript value (a tensor of the op as the exporter traces it,
+# or what an `op.X` call returns), whose type lives in onnxscript, an optional install.
 # torch.onnx reads a lowering's annotations (typing.get_type_hints): `Any` and no
 # annotation both make a parameter an input, an int, float, str or bool one an attribute,
 # so every annotation of a registered lowering must also evaluate at run time.
