@@ -5,7 +5,9 @@ every op opswap's kernels register has a lowering or a registered reason for non
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
+import typing
 from pathlib import Path
 
 import onnx
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from opswap.backends.lowerings import (
+    INT8_FORMS,
     LOWERED,
     NOT_LOWERED,
     Options,
@@ -359,6 +362,23 @@ def test_a_lowering_registered_twice_or_misnamed_is_refused(monkeypatch):
         _registry._LOWERINGS["opswap::not_yet"].translation(Options())
     with pytest.raises(LookupError, match="which torch does not know"):
         _registry._LOWERINGS["opswap::not_yet"].overload()
+
+
+def test_each_lowering_is_annotated_as_torch_onnx_reads_it():
+    # torch.onnx evaluates a translation's annotations (typing.get_type_hints) to tell its
+    # inputs (an onnxscript value: Any) from its attributes (int, float, str, bool, ints)
+    seen = 0
+    for e in registered():
+        if not e.lowered:
+            continue
+        for form in INT8_FORMS if e.takes_options else ("qdq",):
+            fn = e.translation(Options(int8=form))
+            hints = typing.get_type_hints(fn)  # NameError: a name bound only for mypy
+            bare = set(inspect.signature(fn).parameters) - set(hints)
+            assert not bare, f"{e.op}'s lowering leaves {', '.join(sorted(bare))} unannotated"
+            assert "return" in hints, f"{e.op}'s lowering does not annotate its return"
+            seen += 1
+    assert seen >= len(LOWERED)
 
 
 @pytest.mark.parametrize("form", ["qdq", "integer"])

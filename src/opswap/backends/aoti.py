@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,11 @@ class AotiModule(nn.Module):
     compiled from (`check`: backends.pt2's lean pre-hook, `(module, args, kwargs)` to
     None or the bound `(args, kwargs)`)."""
 
-    def __init__(self, path: Path, check) -> None:
+    def __init__(
+        self,
+        path: Path,
+        check: Callable[[nn.Module, tuple, dict[str, Any]], tuple[tuple, dict[str, Any]] | None],
+    ) -> None:
         super().__init__()
         self.path = Path(path)
         self._runner = torch._inductor.aoti_load_package(str(path))
@@ -104,7 +109,7 @@ def load(package_path: Path, pt2: Path) -> nn.Module | None:
     return AotiModule(package_path, check)
 
 
-def first_call_s(make, inputs: tuple) -> float:
+def first_call_s(make: Callable[[], Callable[..., object]], inputs: tuple) -> float:
     """Seconds from nothing to the first output: `make()` builds the callable (load, and a
     compile where it compiles), then one call on `inputs`."""
     t0 = time.perf_counter()

@@ -19,16 +19,21 @@ A program with none of these to change is returned as it is.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from opswap.errors import ExportError
 
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
-def definitions(program, runtime: str) -> dict[Any, Any]:
+    from opswap.graph.dynamic import Dynamic
+
+
+def definitions(program: ExportedProgram, runtime: str) -> dict[Any, Any]:
     """{op: its Python definition} for every opswap op in `program`: the function the op
     was registered with, which on a CPU tensor computes the op with ATen ops. `runtime`
     names the runtime in the refusal of an op without one."""
@@ -53,8 +58,8 @@ def definitions(program, runtime: str) -> dict[Any, Any]:
 
 
 def to_aten(
-    program,
-    kept=None,
+    program: ExportedProgram,
+    kept: Dynamic | None = None,
     bound: Callable[[Any], int] | None = None,
     runtime: str = "the runtime",
     lower: Callable[[Any], Callable | None] | None = None,
@@ -67,7 +72,7 @@ def to_aten(
     plain = all(t.is_contiguous() for t in program.state_dict.values())
     bounded = bound is not None and kept is not None and bool(kept.axes)
 
-    def ours(n) -> Callable | None:
+    def ours(n: fx.Node) -> Callable | None:
         return lower(n) if lower is not None and n.op == "call_function" else None
 
     if not table and plain and not bounded and not any(ours(n) for n in program.graph.nodes):

@@ -304,7 +304,16 @@ class _Guarded:
     optimizer step, a Parameter replaced), it plans and compiles again for the new ones,
     up to _MAX_REPLANS times, then compiles the graph as Dynamo gave it."""
 
-    def __init__(self, gm, weights, options, report, frozen, compiled, config):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        weights: list[int],
+        options: Options,
+        report: GraphReport,
+        frozen: Frozen,
+        compiled: Callable,
+        config: dict | None,
+    ) -> None:
         from torch._guards import TracingContext
 
         self.gm, self.weights, self.options, self.report = gm, weights, options, report

@@ -37,11 +37,12 @@ torch's thread count here, so that it races the PyTorch variants on the same cor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from opswap.backends.aten import to_aten
 from opswap.backends.pt2 import Artifact
@@ -57,6 +58,12 @@ from opswap.backends.runtime_module import (
 from opswap.backends.runtime_module import quiet as _quiet
 from opswap.errors import ExportError, InputError
 
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
+    from opswap.backends.pt2 import Exported
+    from opswap.graph.dynamic import Axis, Dynamic
+
 
 def _first(e: BaseException, limit: int = 200) -> str:
     return first_line(e, limit, innermost=True)
@@ -66,12 +73,14 @@ def _require() -> None:
     require("ExecuTorch", "executorch", "executorch", "executorch.exir")
 
 
-def upper_bound(axis) -> int:
+def upper_bound(axis: Axis) -> int:
     """The largest size of a dynamic axis the .pte file accepts (memory is planned for it)."""
     return max(4 * axis.size, axis.probe, 8)
 
 
-def lower_to_edge(program, kept=None, *, lowerings: bool = True) -> Any:
+def lower_to_edge(
+    program: ExportedProgram, kept: Dynamic | None = None, *, lowerings: bool = True
+) -> Any:
     """`program` (an ExportedProgram, dynamic along `kept`'s axes) lowered to ExecuTorch's
     edge dialect with the XNNPACK delegate (an EdgeProgramManager). `lowerings`: attention
     written out for XNNPACK (attention_for_xnnpack); off, ExecuTorch's own decomposition,
@@ -88,7 +97,13 @@ def lower_to_edge(program, kept=None, *, lowerings: bool = True) -> Any:
         return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
 
 
-def to_pte(program, path: str | Path, kept=None, *, lowerings: bool = True) -> Path:
+def to_pte(
+    program: ExportedProgram,
+    path: str | Path,
+    kept: Dynamic | None = None,
+    *,
+    lowerings: bool = True,
+) -> Path:
     """`lower_to_edge`'s program as an ExecuTorch program, written to `path`. Raises
     ExportError with the reason."""
     path = Path(path)
@@ -104,17 +119,17 @@ def to_pte(program, path: str | Path, kept=None, *, lowerings: bool = True) -> P
 
 
 def _attention_written_out(
-    q,
-    k,
-    v,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    heads_inner=False,
-):
+    heads_inner: bool = False,
+) -> torch.Tensor:
     """Scaled dot-product attention as two matmuls and a softmax, the ops XNNPACK takes.
 
     ExecuTorch's own decomposition of the op scales q and k apart, copies both for the
@@ -154,7 +169,7 @@ def _attention_written_out(
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
-def attention_for_xnnpack(node) -> Any:
+def attention_for_xnnpack(node: fx.Node) -> Any:
     """`_attention_written_out` for a call of scaled_dot_product_attention without dropout
     or grouped heads (where it computes what the op computes), else None."""
     if node.target is not _SDPA:
@@ -170,7 +185,7 @@ def attention_for_xnnpack(node) -> Any:
     return _attention_written_out
 
 
-def _attention_written_out_heads_inner(*args, **kwargs):
+def _attention_written_out_heads_inner(*args: Any, **kwargs: Any) -> torch.Tensor:
     """`_attention_written_out` with its output laid out as the op laid out its own (a
     function of its own: the graph calls it by name)."""
     return _attention_written_out(*args, **kwargs, heads_inner=True)
@@ -179,7 +194,9 @@ def _attention_written_out_heads_inner(*args, **kwargs):
 _SPLIT = torch.ops.aten.split_with_sizes.default
 
 
-def _split_as_slices(x, split_sizes, dim=0):
+def _split_as_slices(
+    x: torch.Tensor, split_sizes: Sequence[int], dim: int = 0
+) -> tuple[torch.Tensor, ...]:
     """split_with_sizes as one slice per piece. ExecuTorch runs the op as
     split_with_sizes_copy, whose list of outputs kept the example's sizes in the .pte: a
     file lowered from a program that splits a [batch, seq, 3 * hidden] projection (what
@@ -192,7 +209,7 @@ def _split_as_slices(x, split_sizes, dim=0):
     return tuple(out)
 
 
-def for_executorch(node) -> Any:
+def for_executorch(node: fx.Node) -> Any:
     """opswap's lowering of an ATen call for ExecuTorch, or None: attention written out
     for XNNPACK (attention_for_xnnpack), and split_with_sizes as slices."""
     if node.target is _SPLIT:
@@ -200,7 +217,7 @@ def for_executorch(node) -> Any:
     return attention_for_xnnpack(node)
 
 
-def _heads_inner(val) -> bool:
+def _heads_inner(val: object) -> bool:
     """Whether the op's output (its FakeTensor `val`) is [batch, heads, queries, dim] laid
     out as [batch, queries, heads, dim], known without adding a guard on a symbolic size."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -292,7 +309,7 @@ class ExecuTorchModule(RuntimeModule):
 def executorch_artifact(
     model: nn.Module | None,
     inputs: tuple,
-    dynamic=None,
+    dynamic: Dynamic | None = None,
     directory: str | Path | None = None,
     *,
     exported: Any = None,
@@ -359,7 +376,15 @@ class ExecuTorch(Runtime):
     )
 
     def build(
-        self, model, inputs, dynamic=None, *, exported=None, mine=True, export=False, portable=False
+        self,
+        model: nn.Module | None,
+        inputs: tuple,
+        dynamic: Dynamic | None = None,
+        *,
+        exported: Exported | None = None,
+        mine: bool = True,
+        export: bool = False,
+        portable: bool = False,
     ) -> Artifact:
         return executorch_artifact(model, inputs, dynamic, exported=exported, lowerings=mine)
 

@@ -23,14 +23,22 @@ import contextlib
 import logging
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from opswap.backends.pt2 import Artifact
 from opswap.errors import ExportError
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+    from torch.export import ExportedProgram
+
+    from opswap.graph.dynamic import Dynamic
 
 #: the runtime an .onnx file is written for, named as `opswap export --to` and `optimize
 #: --export` name it, and the form its static int8 Linears take (lowerings.INT8_FORMS):
@@ -60,7 +68,7 @@ def int8_form(runtime: str) -> str:
 _BUILTIN = frozenset({"aten", "prims", "_operator", "math", "builtins"})
 
 
-def unlowered(program) -> list[str]:
+def unlowered(program: ExportedProgram) -> list[str]:
     """The ops of `program` (an ExportedProgram) that neither torch.onnx nor opswap's
     lowerings translate, as `namespace::name`."""
     from opswap.backends.lowerings import table
@@ -86,7 +94,7 @@ def _cause(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _quiet():
+def _quiet() -> Iterator[None]:
     """The exporter's progress lines and its "torchvision is not installed" warnings."""
     log = logging.getLogger("torch.onnx")
     level = log.level
@@ -99,7 +107,7 @@ def _quiet():
         log.setLevel(level)
 
 
-def translate(program, *, fusions: bool = False, int8: str = "openvino") -> Any:
+def translate(program: ExportedProgram, *, fusions: bool = False, int8: str = "openvino") -> Any:
     """torch.onnx's ONNXProgram of `program` (an ExportedProgram), static int8 Linears in
     the form for the runtime `int8` names (`int8_form`: "ort" or "onnx" MatMulInteger,
     "openvino" QuantizeLinear/DequantizeLinear), with onnxscript's ORT fusions when
@@ -145,7 +153,9 @@ def translate(program, *, fusions: bool = False, int8: str = "openvino") -> Any:
     return onnx_program
 
 
-def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "openvino") -> Path:
+def to_onnx(
+    program: ExportedProgram, path: str | Path, *, fusions: bool = False, int8: str = "openvino"
+) -> Path:
     """Translate `program` (an ExportedProgram) to ONNX at `path` (see `translate`).
     Raises ExportError naming an op without a lowering, or the exporter's reason."""
     onnx_program = translate(program, fusions=fusions, int8=int8)
@@ -159,7 +169,7 @@ def to_onnx(program, path: str | Path, *, fusions: bool = False, int8: str = "op
     return path
 
 
-def output_names(program) -> list[str]:
+def output_names(program: ExportedProgram) -> list[str]:
     """A name for each output of `program` from the model's own output structure: a dict's
     or a ModelOutput's keys (`logits`), a namedtuple's fields, positions in a tuple
     (`output_0`), joined by `_` when nested; `output` for a lone tensor. The same on every
@@ -172,7 +182,7 @@ def output_names(program) -> list[str]:
     if spec is None:
         return []
 
-    def walk(s, path: tuple) -> list[tuple]:
+    def walk(s: pytree.TreeSpec, path: tuple) -> list[tuple]:
         if s.is_leaf():
             return [path]
         kids = s.children() if callable(getattr(s, "children", None)) else s.children_specs
@@ -196,7 +206,7 @@ def output_names(program) -> list[str]:
     return names
 
 
-def name_outputs(model, names: list[str]) -> None:
+def name_outputs(model: ir.Model, names: list[str]) -> None:
     """Give the graph outputs of `model` (an onnx_ir Model) `names`, each through an
     Identity, so that the values keep the names that pair them with the program's nodes
     (backends.runtime_layers); left as they are when the counts differ or a name is taken."""
@@ -220,7 +230,7 @@ def name_outputs(model, names: list[str]) -> None:
 def export_onnx(
     model: nn.Module | None,
     inputs: tuple,
-    dynamic=None,
+    dynamic: Dynamic | None = None,
     directory: str | Path | None = None,
     name: str = "model.onnx",
     *,

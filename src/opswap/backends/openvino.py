@@ -29,7 +29,8 @@ model's output structure and input names in its runtime info (`opswap/out_spec`,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -49,18 +50,24 @@ from opswap.backends.runtime_module import (
 )
 from opswap.errors import ExportError, InputError
 
+if TYPE_CHECKING:
+    import openvino as ov
+
+    from opswap.backends.pt2 import Exported
+    from opswap.graph.dynamic import Dynamic
+
 #: where the IR keeps what opswap needs to call it like the model (its runtime info)
 _SPEC, _INPUTS = ["opswap", "out_spec"], ["opswap", "inputs"]
 
 
-def _openvino():
+def _openvino() -> ModuleType:
     require("OpenVINO", "openvino", "openvino", "openvino")
     import openvino as ov
 
     return ov
 
 
-def read_model(path: str | Path):
+def read_model(path: str | Path) -> ov.Model:
     """An openvino.Model of the .onnx or .xml file `path`."""
     ov = _openvino()
     try:
@@ -69,7 +76,7 @@ def read_model(path: str | Path):
         raise ExportError(f"OpenVINO could not compile {Path(path).name}: {first_line(e)}.") from e
 
 
-def compile_model(model, name: str, threads: int | None = None):
+def compile_model(model: ov.Model, name: str, threads: int | None = None) -> ov.CompiledModel:
     ov = _openvino()
     config = {
         "PERFORMANCE_HINT": "LATENCY",
@@ -82,7 +89,7 @@ def compile_model(model, name: str, threads: int | None = None):
         raise ExportError(f"OpenVINO could not compile {name}: {first_line(e)}.") from e
 
 
-def compile_file(path: str | Path, threads: int | None = None):
+def compile_file(path: str | Path, threads: int | None = None) -> ov.CompiledModel:
     """An openvino.CompiledModel of the .onnx or .xml file `path` on the CPU: latency hint,
     float32 inference precision, `threads` threads (default: torch's thread count)."""
     return compile_model(read_model(path), Path(path).name, threads)
@@ -116,7 +123,7 @@ def save_ir(
     return xml
 
 
-def _stored(model) -> tuple[Any, list[str] | None]:
+def _stored(model: ov.Model) -> tuple[Any, list[str] | None]:
     """The output spec and input names an IR opswap wrote keeps in its runtime info."""
     spec = names = None
     try:
@@ -167,7 +174,7 @@ class OpenVinoModule(RuntimeModule):
 def openvino_artifact(
     model: nn.Module | None,
     inputs: tuple,
-    dynamic=None,
+    dynamic: Dynamic | None = None,
     directory: str | Path | None = None,
     *,
     exported: Any = None,
@@ -224,7 +231,15 @@ class OpenVino(Runtime):
     layer_forms = (("qdq", False),)
 
     def build(
-        self, model, inputs, dynamic=None, *, exported=None, mine=True, export=False, portable=False
+        self,
+        model: nn.Module | None,
+        inputs: tuple,
+        dynamic: Dynamic | None = None,
+        *,
+        exported: Exported | None = None,
+        mine: bool = True,
+        export: bool = False,
+        portable: bool = False,
     ) -> Artifact:
         return openvino_artifact(model, inputs, dynamic, exported=exported, ir=export)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,8 +36,16 @@ from opswap.backends.runtime_module import (
 )
 from opswap.errors import ExportError, InputError
 
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
-def session(path: str | Path, threads: int | None = None, spinning: bool = False):
+    from opswap.backends.pt2 import Exported
+    from opswap.graph.dynamic import Dynamic
+
+
+def session(
+    path: str | Path, threads: int | None = None, spinning: bool = False
+) -> ort.InferenceSession:
     """An onnxruntime.InferenceSession over `path` on the CPU, ORT_ENABLE_ALL, with
     `threads` intra-op threads (default: torch's thread count).
 
@@ -104,7 +112,7 @@ class OrtModule(RuntimeModule):
 def ort_artifact(
     model: nn.Module | None,
     inputs: tuple,
-    dynamic=None,
+    dynamic: Dynamic | None = None,
     directory: str | Path | None = None,
     *,
     exported: Any = None,
@@ -169,7 +177,15 @@ class OnnxRuntime(Runtime):
     )
 
     def build(
-        self, model, inputs, dynamic=None, *, exported=None, mine=True, export=False, portable=False
+        self,
+        model: nn.Module | None,
+        inputs: tuple,
+        dynamic: Dynamic | None = None,
+        *,
+        exported: Exported | None = None,
+        mine: bool = True,
+        export: bool = False,
+        portable: bool = False,
     ) -> Artifact:
         # onnxscript's fusions write com.microsoft ops: opswap's file for ORT, not a plain one
         fusions = mine and not portable

@@ -37,13 +37,26 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
+    from opswap.graph.dynamic import Axis, Dynamic
+
+    #: what `export` returns: (program, note, the axes the program keeps dynamic)
+    Exported = tuple[ExportedProgram, str | None, Dynamic]
+    #: what graph.guards.compile_guards returns: (all guards, each guard with its own)
+    Guards = tuple[Callable[..., bool] | None, list[tuple[str, Callable[..., bool]]]]
+    #: torch.export's dynamic_shapes argument
+    Shapes = dict[str, Any] | tuple[Any, ...] | list[Any] | None
 
 
 @dataclass
@@ -77,7 +90,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
-def _specialised(ep, inputs: tuple, dynamic) -> list:
+def _specialised(ep: ExportedProgram, inputs: tuple, dynamic: Dynamic) -> list[Axis]:
     """The axes of `dynamic` that the program holds at a fixed size after all: Dim.AUTO
     lets torch.export specialise a dim it cannot keep symbolic (an nn.LSTM's time steps)
     without a word."""
@@ -89,8 +102,11 @@ def _specialised(ep, inputs: tuple, dynamic) -> list:
     if len(vals) != len(leaves):
         return []
 
-    def fixed(n) -> bool:  # an int, or a SymInt whose expression came out a number
-        return isinstance(n, int) or not getattr(getattr(n, "node", None), "expr", n).free_symbols
+    def fixed(n: int | torch.SymInt) -> bool:  # an int, or a SymInt whose expression is a number
+        if isinstance(n, int):
+            return True
+        expr: Any = getattr(getattr(n, "node", None), "expr", n)  # a sympy expression
+        return not expr.free_symbols
 
     return [
         a
@@ -99,7 +115,9 @@ def _specialised(ep, inputs: tuple, dynamic) -> list:
     ]
 
 
-def export(model: nn.Module, inputs: tuple, dynamic=None, *, runtime: bool = False):
+def export(
+    model: nn.Module, inputs: tuple, dynamic: Dynamic | None = None, *, runtime: bool = False
+) -> Exported:
     """(program, note, kept): torch.export of `model` with the capture's dynamic axes (a
     graph.dynamic.Dynamic) kept dynamic, and the axes it kept. An axis torch.export
     specialises is exported static and named in the note; when exporting dynamic fails,
@@ -127,7 +145,7 @@ def export(model: nn.Module, inputs: tuple, dynamic=None, *, runtime: bool = Fal
     return ep, note, kept
 
 
-def _checked(model: nn.Module, dynamic, runtime: bool) -> nn.Module:
+def _checked(model: nn.Module, dynamic: Dynamic | None, runtime: bool) -> nn.Module:
     """`model`, or, when it is a graph opswap holds (an fx.GraphModule: a capture or a
     rewrite of one) and the capture kept size guards, a graph module sharing its weights
     whose first node checks them (graph.guards.check_sizes), which torch.export traces
@@ -150,7 +168,7 @@ def _checked(model: nn.Module, dynamic, runtime: bool) -> nn.Module:
     return checked
 
 
-def _plain_outputs(ep):
+def _plain_outputs(ep: ExportedProgram) -> ExportedProgram:
     """`ep` with FX's immutable_dict and immutable_list in its output structure made dict
     and list again. Non-strict torch.export of an fx.GraphModule (torch 2.11-2.14) records
     the output node's own containers, so a rewritten model that returns a dict would come
@@ -164,7 +182,7 @@ def _plain_outputs(ep):
         return ep
     spec = graph[0].signature.out_spec
 
-    def plain(o):
+    def plain(o: Any) -> Any:  # any value of the outputs' pytree
         if isinstance(o, immutable_dict) or type(o) is dict:
             return {k: plain(v) for k, v in o.items()}
         if isinstance(o, immutable_list) or type(o) is list:
@@ -180,11 +198,11 @@ def _plain_outputs(ep):
     return ep
 
 
-def _export(model: nn.Module, inputs: tuple, dynamic=None):
+def _export(model: nn.Module, inputs: tuple, dynamic: Dynamic | None = None) -> Exported:
     from opswap.graph.dynamic import Dynamic, export_shapes
 
     shapes = export_shapes(inputs, dynamic) if dynamic is not None else None
-    if shapes is None:
+    if shapes is None or dynamic is None:
         return torch.export.export(model, inputs, strict=False), None, Dynamic()
     try:
         ep = _dynamic_export(model, inputs, shapes, dynamic)
@@ -210,7 +228,7 @@ def _export(model: nn.Module, inputs: tuple, dynamic=None):
     return ep, note, _claimed(ep, inputs, kept)
 
 
-def _claimed(ep, inputs: tuple, dynamic):
+def _claimed(ep: ExportedProgram, inputs: tuple, dynamic: Dynamic) -> Dynamic:
     """`dynamic` with the program's own size guards added where they refuse a size
     verification would check (a torchvision ResNet-50 exported at 224 x 224 guards on the
     parity of `(h - 1) // 2`, and refuses 225): the file claims the sizes inside them, and
@@ -232,7 +250,7 @@ def _claimed(ep, inputs: tuple, dynamic):
     return Dynamic(list(dynamic.axes), list(dynamic.notes), [*dynamic.guards, *added])
 
 
-def _admits(ep, inputs: tuple, dynamic) -> bool:
+def _admits(ep: ExportedProgram, inputs: tuple, dynamic: Dynamic) -> bool:
     """Whether the program's own guards take every size verification will check it at."""
     from torch.utils import _pytree as pytree
 
@@ -249,7 +267,9 @@ def _admits(ep, inputs: tuple, dynamic) -> bool:
     return True
 
 
-def _dynamic_export(model: nn.Module, inputs: tuple, shapes, dynamic):
+def _dynamic_export(
+    model: nn.Module, inputs: tuple, shapes: Shapes, dynamic: Dynamic
+) -> ExportedProgram:
     """torch.export with dynamic sizes, valid at every size verification checks. The
     default tracer assumes a dynamic size is not 0 or 1 and may guard on it: a reshape in
     a batch-2 GPT-2 leaves `B * k != k` in the program, so the file refused batch 1,
@@ -299,7 +319,7 @@ def load(path: str | Path) -> nn.Module:
     return _lean(full, name, layout, None, [])  # the inputs checked before its guards
 
 
-def _layout(program, module: fx.GraphModule) -> _Layout | None:
+def _layout(program: ExportedProgram, module: fx.GraphModule) -> _Layout | None:
     """How the program takes its inputs (see _Layout), from its example inputs; None
     where it kept none or they do not fit its placeholders."""
     from opswap.graph.guards import leaf_labels
@@ -321,7 +341,7 @@ def _layout(program, module: fx.GraphModule) -> _Layout | None:
     return _Layout(params, leaf_labels(tuple(values), params), spec)
 
 
-def _compiled_guards(program, module: fx.GraphModule):
+def _compiled_guards(program: ExportedProgram, module: fx.GraphModule) -> Guards | None:
     """(the all-guards predicate, each guard) or None (see graph.guards)."""
     from opswap.graph import guards
 
@@ -353,7 +373,7 @@ def _guards_in_words(module: fx.GraphModule, name: str) -> None:
         return
     inner = fn.forward
 
-    def forward(*args):
+    def forward(*args: object) -> object:
         if torch.compiler.is_compiling():
             return inner(*args)
         try:
@@ -407,7 +427,13 @@ def _form(spec: pytree.TreeSpec) -> str:
     return f"a {kind} of {spec.num_children}"
 
 
-def _lean(module: fx.GraphModule, name: str, layout: _Layout, holds, each) -> nn.Module:
+def _lean(
+    module: fx.GraphModule,
+    name: str,
+    layout: _Layout,
+    holds: Callable[..., bool] | None,
+    each: list[tuple[str, Callable[..., bool]]],
+) -> nn.Module:
     """`module` (built without torch's guard function) with one pre-hook that checks the
     inputs: count (positional, or by the recorded names) and, for tuple or dict inputs,
     their structure; then rank, dtype and the fixed sizes of each tensor
@@ -432,8 +458,10 @@ def _lean(module: fx.GraphModule, name: str, layout: _Layout, holds, each) -> nn
     listed = layout.describe()
     names = leaf_names(len(layout.labels))
 
-    def check(_mod, args, kwargs):
-        out = None
+    def check(
+        _mod: nn.Module, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[tuple, dict[str, Any]] | None:
+        out: tuple[tuple, dict[str, Any]] | None = None
         if kwargs:
             if len(args) > n:
                 raise InputError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
@@ -441,7 +469,7 @@ def _lean(module: fx.GraphModule, name: str, layout: _Layout, holds, each) -> nn
             out = (args, {})
         if len(args) != n:
             raise InputError(f"{name} takes {n} input(s) ({listed}), got {len(args)}.")
-        leaves = args
+        leaves: tuple | list = args
         if nested:
             leaves, spec = pytree.tree_flatten(list(args))
             if spec != layout.spec:
@@ -462,7 +490,7 @@ def _lean(module: fx.GraphModule, name: str, layout: _Layout, holds, each) -> nn
     return module
 
 
-def _given(x) -> str:
+def _given(x: object) -> str:
     """What one input of a call is, in words: 'a tensor', 'a tuple of 3'."""
     if isinstance(x, torch.Tensor):
         return "a tensor"
@@ -473,7 +501,7 @@ def _given(x) -> str:
 def export_artifact(
     model: nn.Module,
     inputs: tuple,
-    dynamic=None,
+    dynamic: Dynamic | None = None,
     directory: str | Path | None = None,
     name: str = "model.pt2",
     keep_program: bool = False,

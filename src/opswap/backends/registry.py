@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import nn
 
 if TYPE_CHECKING:
-    from opswap.backends.pt2 import Artifact
+    from opswap.backends.pt2 import Artifact, Exported
+    from opswap.graph.dynamic import Dynamic
 
 _RUNTIMES: dict[str, Runtime] = {}
 _loaded = False
@@ -97,9 +98,9 @@ class Runtime:
         self,
         model: nn.Module | None,
         inputs: tuple,
-        dynamic: Any = None,
+        dynamic: Dynamic | None = None,
         *,
-        exported: Any = None,
+        exported: Exported | None = None,
         mine: bool = True,
         export: bool = False,
         portable: bool = False,

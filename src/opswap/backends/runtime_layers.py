@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ from opswap.verify.layers import (
 )
 from opswap.verify.metrics import compare
 from opswap.verify.outputs import full_precision, same_random
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
 #: the runtimes whose intermediate values opswap reads (those with a layer reader)
 RUNTIMES = tuple(r.name for r in registry.runtimes() if r.layer_forms)
@@ -66,7 +70,12 @@ def _file_values(path: Path) -> list[str]:
 
 
 def runtime_layers(
-    program, runtime: str, inputs: tuple, *, int8: str | None = None, fusions: bool = False
+    program: ExportedProgram,
+    runtime: str,
+    inputs: tuple,
+    *,
+    int8: str | None = None,
+    fusions: bool = False,
 ) -> LayerReport:
     """Translate `program` (an ExportedProgram) to ONNX as the `runtime` ("ort" or
     "openvino") file is written (static int8 Linears in the form for that runtime, or for
@@ -95,7 +104,7 @@ def runtime_layers(
 
         ref: dict[str, torch.Tensor] = {}
 
-        def keep(name, ts):
+        def keep(name: str, ts: list[torch.Tensor]) -> None:
             if len(ts) == 1:  # a node of several outputs is compared through its getitems
                 ref[name] = ts[0].detach().clone()
 

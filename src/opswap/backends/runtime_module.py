@@ -21,9 +21,9 @@ import importlib
 import logging
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ def first_line(e: BaseException, limit: int = 200, *, innermost: bool = False) -
 
 
 @contextlib.contextmanager
-def quiet():
+def quiet() -> Iterator[None]:
     """An engine's import-time warnings and log lines, kept out of the user's console."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -181,14 +181,14 @@ class RuntimeModule(nn.Module):
         self.training = False
 
     @classmethod
-    def of_program(cls, path: str | Path, program: Any, **kwargs: Any):
+    def of_program(cls, path: str | Path, program: Any, **kwargs: Any) -> Self:
         """The file at `path` written from `program` (an ExportedProgram): the model's output
         structure and the names of its inputs from the program."""
         names = list(program.graph_signature.user_inputs)
         make: Any = cls  # every subclass takes `names`
         return make(path, program.call_spec.out_spec, names=names, **kwargs)
 
-    def __deepcopy__(self, memo):  # a session does not pickle: a copy opens its own
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:  # a copy opens its own session
         return type(self)(
             self.path, copy.deepcopy(self.out_spec, memo), self.threads, **self.reopen
         )

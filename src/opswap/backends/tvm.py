@@ -33,8 +33,9 @@ constraints give (BERT's sequence length up to its position table).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
@@ -46,6 +47,13 @@ from opswap.backends.registry import Deploy, Runtime, holds, register
 from opswap.backends.runtime_module import RuntimeModule, failed, program_file, require
 from opswap.backends.runtime_module import quiet as _quiet
 from opswap.errors import ExportError, InputError
+
+if TYPE_CHECKING:
+    import tvm
+    from torch.export import ExportedProgram
+
+    from opswap.backends.pt2 import Exported
+    from opswap.graph.dynamic import Dynamic
 
 #: how long MetaSchedule may take to build one candidate kernel (its default is 30 s)
 BUILD_TIMEOUT_S = 180
@@ -63,7 +71,7 @@ def _require() -> None:
     require("TVM", "apache-tvm", "tvm", "tvm", "tvm.relax.frontend.torch")
 
 
-def host_target(threads: int | None = None):
+def host_target(threads: int | None = None) -> tvm.target.Target:
     """The LLVM target of this CPU, with `threads` cores (default: torch's thread count)."""
     import tvm
     from tvm.target import codegen
@@ -77,7 +85,7 @@ def host_target(threads: int | None = None):
     )
 
 
-def _upper_bounds(program) -> dict[str, int]:
+def _upper_bounds(program: ExportedProgram) -> dict[str, int]:
     """{symbol name: its largest value} from the program's range constraints (finite ones)."""
     out = {}
     for sym, vr in program.range_constraints.items():
@@ -90,14 +98,14 @@ def _upper_bounds(program) -> dict[str, int]:
     return out
 
 
-def _slice_in_bounds(program):
+def _slice_in_bounds(program: ExportedProgram) -> Callable[[fx.Node, Any], Any]:
     """The importer's `slice.Tensor`, marking in bounds a slice [0:s] of a static axis of
     size n when the program's range constraints give s <= n (see the module's docstring)."""
     from tvm import relax, tirx
 
     bounds = _upper_bounds(program)
 
-    def convert(node: fx.Node, importer) -> Any:
+    def convert(node: fx.Node, importer: Any) -> Any:  # TVM's ExportedProgramImporter
         x = importer.env[node.args[0]]
         dim = node.args[1] if len(node.args) > 1 else 0
         start = node.args[2] if len(node.args) > 2 else None
@@ -121,7 +129,9 @@ def _slice_in_bounds(program):
     return convert
 
 
-def _tuned(mod, target, trials: int, work_dir: Path):
+def _tuned(
+    mod: tvm.IRModule, target: tvm.target.Target, trials: int, work_dir: Path
+) -> tvm.IRModule:
     """`mod` with the kernels MetaSchedule found in `trials` measured trials (evolutionary
     search with a random cost model: TVM's default, XGBoost, is one more package), the
     records kept in `work_dir`; the steps of relax.pipeline.static_shape_tuning_pipeline."""
@@ -154,7 +164,9 @@ def _tuned(mod, target, trials: int, work_dir: Path):
             return relax.transform.MetaScheduleApplyDatabase()(mod)
 
 
-def _build(program, target, tune_trials: int, work_dir: Path):
+def _build(
+    program: ExportedProgram, target: tvm.target.Target, tune_trials: int, work_dir: Path
+) -> tvm.relax.VMExecutable:
     """`program` imported into Relax and compiled for `target`: a relax Executable."""
     import tvm
     from tvm import relax
@@ -169,7 +181,7 @@ def _build(program, target, tune_trials: int, work_dir: Path):
         return relax.build(mod, target=target)
 
 
-def _limits(program) -> list[dict[int, tuple[str | None, int | None]]]:
+def _limits(program: ExportedProgram) -> list[dict[int, tuple[str | None, int | None]]]:
     """Per user input, {dim: (symbol or None for a static dim, its size or upper bound)}."""
     bounds = _upper_bounds(program)
     users = set(program.graph_signature.user_inputs)
@@ -189,14 +201,21 @@ def _limits(program) -> list[dict[int, tuple[str | None, int | None]]]:
     return out
 
 
-def _static(program) -> Any:
+def _static(program: ExportedProgram) -> ExportedProgram:
     """`program` with opswap's ops traced to ATen ops, exported at its example's shapes."""
     program = to_aten(program, None, runtime="TVM")
     args, kwargs = program.example_inputs
     return torch.export.export(program.module(), tuple(args), kwargs, strict=False)
 
 
-def to_library(program, path: str | Path, kept=None, *, tune_trials: int = 0, threads=None):
+def to_library(
+    program: ExportedProgram,
+    path: str | Path,
+    kept: Dynamic | None = None,
+    *,
+    tune_trials: int = 0,
+    threads: int | None = None,
+) -> tuple[ExportedProgram, str | None]:
     """Build `program` (an ExportedProgram, dynamic along `kept`'s axes) with TVM for this
     CPU and write it to `path` (a shared library). Returns (the program built, a note or
     None): the program at the example's shapes, with the note saying why, when TVM could
@@ -322,7 +341,7 @@ class TvmModule(RuntimeModule):
 def tvm_artifact(
     model: nn.Module | None,
     inputs: tuple,
-    dynamic=None,
+    dynamic: Dynamic | None = None,
     directory: str | Path | None = None,
     *,
     exported: Any = None,
@@ -379,7 +398,15 @@ class Tvm(Runtime):
     backend = False
 
     def build(
-        self, model, inputs, dynamic=None, *, exported=None, mine=True, export=False, portable=False
+        self,
+        model: nn.Module | None,
+        inputs: tuple,
+        dynamic: Dynamic | None = None,
+        *,
+        exported: Exported | None = None,
+        mine: bool = True,
+        export: bool = False,
+        portable: bool = False,
     ) -> Artifact:
         return tvm_artifact(model, inputs, dynamic, exported=exported)
 

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost, roofline_point
 from opswap.cost.analyze import dispatches
 from opswap.graph.shapes import info
 from opswap.rules.base import Estimate
+from opswap.targets.base import Target
 
 
-def op_time(c: NodeCost, target, dtype) -> float:
+def op_time(c: NodeCost, target: Target, dtype: torch.dtype | str) -> float:
     """Roofline time of one kernel of cost `c` at `dtype`'s peak, plus its dispatch."""
     overhead = (
         target.op_overhead(bool(c.flops or c.bytes)) if hasattr(target, "op_overhead") else 0.0
@@ -35,7 +37,7 @@ def costs(nodes: Iterable[fx.Node]) -> list[NodeCost]:
 
 
 def saving(
-    target, removed: Iterable[fx.Node], added: Iterable[NodeCost] = (), note: str = ""
+    target: Target, removed: Iterable[fx.Node], added: Iterable[NodeCost] = (), note: str = ""
 ) -> Estimate:
     """Estimate for replacing the ops `removed` (each a kernel of its own) by the
     kernels `added` (given as costs: they do not exist in the graph yet)."""
@@ -55,7 +57,7 @@ def saving(
     return Estimate(float(flops), float(nbytes), dt, note)
 
 
-def moved_bytes(nodes) -> int:
+def moved_bytes(nodes: Iterable[fx.Node]) -> int:
     """Bytes the cost model says these nodes move per call (0 for views and no-ops)."""
     total = 0
     for n in nodes:
@@ -68,7 +70,7 @@ def moved_bytes(nodes) -> int:
 
 
 def bytes_estimate(
-    bytes_saved: int, target, note: str, kernels_saved: int = 0, views_saved: int = 0
+    bytes_saved: int, target: Target, note: str, kernels_saved: int = 0, views_saved: int = 0
 ) -> Estimate:
     """Estimate for a rewrite that saves `bytes_saved` of memory traffic and no FLOPs, and
     the dispatch of `kernels_saved` ops that move data and `views_saved` that do not

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Iterable
-from typing import cast
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.node import Argument
 
 from opswap.graph.ops import arg, attr_tensor, copy_meta, is_aten, set_attr_tensor
 from opswap.rules._weights import Weighted
@@ -76,7 +77,7 @@ def _has_path(gm: nn.Module, dotted: str) -> bool:
     return True
 
 
-def _set_arg(node: fx.Node, index: int, name: str, value) -> None:
+def _set_arg(node: fx.Node, index: int, name: str, value: Argument) -> None:
     if len(node.args) > index:
         node.update_arg(index, value)
     elif name in node.kwargs or len(node.args) < index:
@@ -85,7 +86,9 @@ def _set_arg(node: fx.Node, index: int, name: str, value) -> None:
         node.args = (*node.args, value)
 
 
-def _write_attr(gm, w: Weighted, index: int, name: str, tensor: torch.Tensor) -> None:
+def _write_attr(
+    gm: fx.GraphModule, w: Weighted, index: int, name: str, tensor: torch.Tensor
+) -> None:
     node = w.node
     old = arg(node, index, name)
     as_param = old is None or isinstance(attr_tensor(gm, old), nn.Parameter)
@@ -163,7 +166,7 @@ def install_module(
     return new
 
 
-def free_container(gm: fx.GraphModule, attr_node) -> str | None:
+def free_container(gm: fx.GraphModule, attr_node: Argument) -> str | None:
     """The module path holding `attr_node`'s attribute ('layer.conv' for
     'layer.conv.weight') when nothing left in the graph reads anything under it, so
     a replacement module can take its place and its name; else None.
@@ -202,7 +205,13 @@ def place_module(gm: fx.GraphModule, mod: nn.Module, path: str | None, base: str
 
 
 def swap_in_module(
-    gm: fx.GraphModule, mod: nn.Module, args: tuple, out: fx.Node, removed, base: str, home=None
+    gm: fx.GraphModule,
+    mod: nn.Module,
+    args: tuple,
+    out: fx.Node,
+    removed: Iterable[fx.Node],
+    base: str,
+    home: Argument = None,
 ) -> fx.Node:
     """Call `mod` on `args` in place of the pattern ending at `out`: the call takes
     over `out`'s users, the `removed` nodes and their dead constants go, and the
@@ -221,7 +230,7 @@ def swap_in_module(
     return new
 
 
-def erase(gm: fx.GraphModule, nodes) -> list[fx.Node]:
+def erase(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> list[fx.Node]:
     """Erase the given nodes (latest first) that no longer have users; returns the
     get_attr nodes they read that are still in the graph, for `drop_dead_attrs`.
     Done here, not left to dead-code elimination, which keeps random ops such as
@@ -236,7 +245,7 @@ def erase(gm: fx.GraphModule, nodes) -> list[fx.Node]:
     return [c for c in dict.fromkeys(consts) if c in alive]
 
 
-def drop_dead_attrs(gm: fx.GraphModule, nodes) -> None:
+def drop_dead_attrs(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
     """Erase get_attr nodes among `nodes` that lost every user, and the attributes behind
     them when nothing else reads those (another get_attr, or a module call that may read
     it internally), so the state_dict loses the folded tensors too."""
@@ -279,7 +288,7 @@ def const_args(node: fx.Node) -> list[fx.Node]:
 # --------------------------------------------------------------------------- new nodes, in the graph's flavour
 
 
-def _aten_op(op: str):
+def _aten_op(op: str) -> torch._ops.OpOverload:
     """aten.<op>'s overload for `op` ("silu", or "log_softmax.int" to pick one)."""
     name, _, overload = op.partition(".")
     packet = getattr(aten, name, None)
@@ -294,7 +303,7 @@ def _aten_op(op: str):
     return getattr(packet, overload)
 
 
-def _torch_fn(op: str):
+def _torch_fn(op: str) -> Callable[..., Any] | None:
     """The Python function an FX graph spells `op` with: torch.<op>, else F.<op>; None
     when it is only a Tensor method."""
     name = op.partition(".")[0]
@@ -305,7 +314,13 @@ def _torch_fn(op: str):
     return None
 
 
-def call(graph: fx.Graph, like: fx.Node, op: str, args: tuple, kwargs=None) -> fx.Node:
+def call(
+    graph: fx.Graph,
+    like: fx.Node,
+    op: str,
+    args: tuple,
+    kwargs: Mapping[str, Argument] | None = None,
+) -> fx.Node:
     """Create a call of `op` spelled in `like`'s flavour: `aten.<op>` (".default", or the
     overload named after a dot: "log_softmax.int") in an ATen graph; `torch.<op>`,
     `F.<op>` or the Tensor method of that name in an FX graph.
@@ -324,7 +339,7 @@ def call(graph: fx.Graph, like: fx.Node, op: str, args: tuple, kwargs=None) -> f
 def replace_with(
     gm: fx.GraphModule,
     out: fx.Node,
-    target,
+    target: fx.node.Target,
     args: tuple,
     kwargs: dict | None = None,
     *,

@@ -12,12 +12,13 @@ reason strings a user reads are built by the rules from these answers.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 from torch.fx.operator_schemas import get_signature_for_torch_op
 from torch.fx.passes.shape_prop import TensorMetadata
 
@@ -37,13 +38,13 @@ def by_name(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return {n.name: n for n in gm.graph.nodes}
 
 
-def users_outside(node: fx.Node, allowed) -> list[fx.Node]:
+def users_outside(node: fx.Node, allowed: Iterable[fx.Node]) -> list[fx.Node]:
     """Users of `node` that are not in `allowed`."""
     allowed = set(allowed)
     return [u for u in node.users if u not in allowed]
 
 
-def shared_reason(node: fx.Node, allowed, what: str) -> str | None:
+def shared_reason(node: fx.Node, allowed: Iterable[fx.Node], what: str) -> str | None:
     """A sentence saying `node`'s output escapes the pattern, or None when it does not."""
     others = users_outside(node, allowed)
     if not others:
@@ -69,7 +70,7 @@ _CONST_KINDS = {
 }
 
 
-def const(gm: fx.GraphModule, value, depth: int = 6) -> torch.Tensor | None:
+def const(gm: fx.GraphModule, value: Argument, depth: int = 6) -> torch.Tensor | None:
     """The constant tensor `value` stands for, or None when it depends on an input.
 
     A get_attr node is a constant; so is a short chain of layout ops (t, permute,
@@ -100,7 +101,7 @@ def const(gm: fx.GraphModule, value, depth: int = 6) -> torch.Tensor | None:
         return cast(Callable[..., Any], value.target)(*args, **value.kwargs)
 
 
-def describe_source(node) -> str:
+def describe_source(node: object) -> str:
     """'an input of the model' / 'computed by mul_2': where a non-constant comes from."""
     if not isinstance(node, fx.Node):
         return "not a tensor"
@@ -170,7 +171,7 @@ def compose(first: list[int], then: list[int]) -> list[int]:
 # --------------------------------------------------------------------------- strides
 
 
-def strides(node) -> tuple[int, ...] | None:
+def strides(node: object) -> tuple[int, ...] | None:
     """Strides of a node's tensor as recorded by shape propagation, or None."""
     if not isinstance(node, fx.Node):
         return None
@@ -180,7 +181,11 @@ def strides(node) -> tuple[int, ...] | None:
     return None
 
 
-def has_layout(shape, stride, memory_format=torch.contiguous_format) -> bool:
+def has_layout(
+    shape: Sequence[int],
+    stride: Sequence[int],
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> bool:
     """Whether a tensor of this shape and these strides is contiguous in `memory_format`
     (asked of a storage-free meta tensor, so size-1 dims follow torch's own rules)."""
     t = torch.empty_strided(tuple(shape), tuple(stride), device="meta")
@@ -189,7 +194,7 @@ def has_layout(shape, stride, memory_format=torch.contiguous_format) -> bool:
     return t.is_contiguous(memory_format=memory_format)
 
 
-def matmul_reads_in_place(shape, stride) -> bool:
+def matmul_reads_in_place(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """Whether torch.matmul can read an operand with these strides without copying it:
     each matrix row- or column-major (BLAS takes either through its transpose flag), and
     the batch dims folding into one stride (matmul reshapes them to one batch dim, which

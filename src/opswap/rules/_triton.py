@@ -21,12 +21,13 @@ from opswap.cost import NodeCost
 from opswap.kernels import crossover
 from opswap.rules._cost import saving
 from opswap.rules.base import Estimate
+from opswap.targets.base import Target
 
 CPU_REASON = "the Triton kernel runs on CUDA; on this CPU the reference is what PyTorch runs"
 
 
 def predict(
-    target,
+    target: Target,
     kernel: str,
     removed: Iterable[fx.Node],
     fused: NodeCost,

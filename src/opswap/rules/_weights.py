@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import cast, overload
 
 import torch
 import torch.fx as fx
@@ -25,7 +25,13 @@ from opswap.graph.ops import arg, module_of, op_kind, raw_name
 from opswap.rules._matching import const, describe_source
 
 
-def _ntuple(v, n: int):
+@overload
+def _ntuple(v: str, n: int) -> str: ...
+@overload
+def _ntuple(v: int | list[int] | tuple[int, ...], n: int) -> tuple[int, ...]: ...
+def _ntuple(v: str | int | list[int] | tuple[int, ...], n: int) -> tuple[int, ...] | str:
+    """`v` (one int, or one per spatial dim) as a tuple of `n` ints; a padding mode
+    ("same", "valid") as it is."""
     if isinstance(v, str):
         return v
     if isinstance(v, (list, tuple)):

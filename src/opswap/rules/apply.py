@@ -7,6 +7,7 @@ neither the user's model nor the caller's capture is ever changed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -139,7 +140,11 @@ def _writes_code(gm: fx.GraphModule) -> bool:
 
 
 def apply_sites(
-    captured: Captured, decisions: list[tuple[Rule, Site]], *, progress=None, shapes: bool = True
+    captured: Captured,
+    decisions: list[tuple[Rule, Site]],
+    *,
+    progress: Callable[[], None] | None = None,
+    shapes: bool = True,
 ) -> Applied:
     """Carry out `(rule, site)` decisions in order on a copy of `captured`.
 
@@ -175,7 +180,12 @@ def _runs(decisions: list[tuple[Rule, Site]]) -> list[tuple[Rule, list[Site]]]:
 
 
 def _apply_sites(
-    captured: Captured, decisions: list[tuple[Rule, Site]], progress, *, each: bool, shapes: bool
+    captured: Captured,
+    decisions: list[tuple[Rule, Site]],
+    progress: Callable[[], None] | None,
+    *,
+    each: bool,
+    shapes: bool,
 ) -> Applied:
     """`each`: every site rewritten carefully and the code written after it."""
     gm = cast(fx.GraphModule, copy_module(captured.gm))

@@ -28,8 +28,9 @@ import inspect
 import os
 import pkgutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 from opswap.errors import RuleError
 from opswap.rules.base import EXACTNESS_ORDER, PHASES, Rule
@@ -156,7 +157,7 @@ def _first_line(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _registering(where: str):
+def _registering(where: str) -> Iterator[None]:
     """Rules registered inside carry origin `where`; when the body raises, every rule it
     registered is taken out again, so a half-loaded plugin leaves nothing behind."""
     global _loading
@@ -226,7 +227,7 @@ def load_module(name: str) -> list[Rule]:
     return sorted(mine, key=lambda r: (r.chapter, r.name))
 
 
-def _comes_from(cls: type, obj) -> bool:
+def _comes_from(cls: type, obj: object) -> bool:
     """Whether rule class `cls` is `obj` or is defined in module `obj` or a submodule of it."""
     if isinstance(obj, type):
         return cls is obj
@@ -234,7 +235,7 @@ def _comes_from(cls: type, obj) -> bool:
     return home is not None and (cls.__module__ == home or cls.__module__.startswith(home + "."))
 
 
-def _import_user_module(name: str):
+def _import_user_module(name: str) -> ModuleType:
     path = Path(name)
     if path.suffix == ".py":
         if not path.is_file():

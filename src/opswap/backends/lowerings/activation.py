@@ -5,6 +5,8 @@ training graphs, which are not exported."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, op
 from opswap.backends.lowerings._registry import TRAINING_ONLY, lowering, no_lowering
 
@@ -12,7 +14,7 @@ no_lowering("opswap::bias_act_backward", TRAINING_ONLY, __name__)
 
 
 @lowering("opswap::bias_act", "Add + the activation's ONNX op (float32 inside)")
-def bias_act(x, bias, activation: str, negative_slope: float):
+def bias_act(x: Any, bias: Any, activation: str, negative_slope: float) -> Any:
     s = as_float(x)
     if bias is not None:
         s = op.Add(s, as_float(bias))

@@ -3,6 +3,8 @@ backward op appears only in training graphs, which are not exported."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, op
 from opswap.backends.lowerings._registry import TRAINING_ONLY, lowering, no_lowering
 
@@ -10,5 +12,5 @@ no_lowering("opswap::bias_gelu_cuda_backward", TRAINING_ONLY, __name__)
 
 
 @lowering("opswap::bias_gelu_cuda", "Add + Gelu (float32 inside)")
-def bias_gelu_cuda(x, b):
+def bias_gelu_cuda(x: Any, b: Any) -> Any:
     return back(op.Gelu(op.Add(as_float(x), as_float(b))), x)

@@ -4,13 +4,15 @@ backward op appears only in training graphs, which are not exported."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, ints, op
 from opswap.backends.lowerings._registry import TRAINING_ONLY, lowering, no_lowering
 
 no_lowering("opswap::flash_attention_backward", TRAINING_ONLY, __name__)
 
 
-def _hidden(q, k, causal: bool, lengths, mask):
+def _hidden(q: Any, k: Any, causal: bool, lengths: Any, mask: Any) -> Any:
     """The keys each query may see ([.., S_q, S_k] bool; None: all of them)."""
     from onnx_ir import DataType
 
@@ -33,7 +35,9 @@ def _hidden(q, k, causal: bool, lengths, mask):
 
 
 @lowering("opswap::flash_attention", "MatMul + Where (causal, lengths, mask) + Softmax + MatMul")
-def flash_attention(q, k, v, causal: bool, scale: float, lengths, mask):
+def flash_attention(
+    q: Any, k: Any, v: Any, causal: bool, scale: float, lengths: Any, mask: Any
+) -> tuple[Any, Any]:
     from onnx_ir import DataType
 
     h, hk, d = q.shape[1], k.shape[1], k.shape[3]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, ints, op
 from opswap.backends.lowerings._registry import lowering
 
 
 @lowering("opswap::fp8_linear", "Cast to FLOAT8E4M3FN and back + MatMul")
-def fp8_linear(x, wq, w_scale, bias, rowwise):
+def fp8_linear(x: Any, wq: Any, w_scale: Any, bias: Any, rowwise: bool) -> Any:
     from onnx_ir import DataType
 
     # x / s in e4m3 (saturating at 448), s = max|x| / 448 per row or per tensor

@@ -4,6 +4,8 @@ graphs, which are not exported."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, ints, op
 from opswap.backends.lowerings._registry import TRAINING_ONLY, lowering, no_lowering
 
@@ -14,7 +16,7 @@ no_lowering("opswap::group_norm_backward", TRAINING_ONLY, __name__)
     "opswap::group_norm",
     "Reshape + ReduceMean + Sub + Sqrt + Div + Mul + Add (float32 inside)",
 )
-def group_norm(x, num_groups: int, weight, bias, eps: float):
+def group_norm(x: Any, num_groups: int, weight: Any, bias: Any, eps: float) -> Any:
     # [N, C, *spatial] -> [N, G, rest]: the statistics; back to [N, C, rest] for the
     # channels' affine (whatever the rank, no spatial dims included), then x's shape
     xf = as_float(x)

@@ -3,12 +3,14 @@ rescale (the op's own math; DynamicQuantizeLinear would use all 8 bits)."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, op
 from opswap.backends.lowerings._registry import lowering
 
 
 @lowering("opswap::int8_linear_fbgemm", "MatMulInteger with per-tensor 7-bit uint8 quantisation")
-def int8_linear_fbgemm(x, wq, w_scale, bias):
+def int8_linear_fbgemm(x: Any, wq: Any, w_scale: Any, bias: Any) -> Any:
     from onnx_ir import DataType
 
     # x quantised per tensor to [0, 127]: s = (max(x, 0) - min(x, 0)) / 127,

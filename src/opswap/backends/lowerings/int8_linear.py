@@ -8,13 +8,15 @@ numbers (MatMulInteger multiplies the same int8 codes).
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, ints, op
 from opswap.backends.lowerings._registry import lowering
 from opswap.kernels.int8_linear import _MAX_STEP, _QMAX
 
 
 @lowering("opswap::int8_linear", "MatMulInteger with per-row int8 quantisation")
-def int8_linear(x, wq, w_scale, bias):
+def int8_linear(x: Any, wq: Any, w_scale: Any, bias: Any) -> Any:
     from onnx_ir import DataType
 
     # x [..., K] quantised per row: s = max|x| / 127, q = round(x / s) in [-127, 127]
@@ -35,5 +37,5 @@ def int8_linear(x, wq, w_scale, bias):
 
 
 @lowering("aten::_int_mm", "MatMulInteger")
-def int_mm(a, b):
+def int_mm(a: Any, b: Any) -> Any:
     return op.MatMulInteger(a, b)

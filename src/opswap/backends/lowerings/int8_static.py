@@ -9,25 +9,26 @@ them up: the two differ only on an input that lands exactly on a half step.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any  # onnxscript values: see _onnx
 
 from opswap.backends.lowerings._onnx import as_float, back, ints, op, u8
 from opswap.backends.lowerings._registry import Options, lowering
 
 
-def qdq_input(x, x_scale: float, x_zp: int):
+def qdq_input(x: Any, x_scale: float, x_zp: int) -> Any:
     s = op.Constant(value_float=float(x_scale))
     z = op.Constant(value=u8(int(x_zp), scalar=True))
     return op.DequantizeLinear(op.QuantizeLinear(as_float(x), s, z), s, z)
 
 
-def qdq_weight(wq, w_scale):
+def qdq_weight(wq: Any, w_scale: Any) -> Any:
     if len(w_scale.shape) == 0 or w_scale.shape[0] == 1:
         return op.DequantizeLinear(wq, op.Reshape(w_scale, ints([])))
     return op.DequantizeLinear(wq, w_scale, axis=0)
 
 
-def static_input(x, x_scale: float, x_zp: int):
+def static_input(x: Any, x_scale: float, x_zp: int) -> Any:
     """The layer's float input: a uint8 one (handed over already quantised with
     (x_scale, x_zp)) dequantised, a float one through its quantise-dequantise pair."""
     from onnx_ir import DataType
@@ -38,7 +39,7 @@ def static_input(x, x_scale: float, x_zp: int):
     return op.DequantizeLinear(x, s, op.Constant(value=u8(int(x_zp), scalar=True)))
 
 
-def static_output(y, x, post: str, out_scale: float, out_zp: int):
+def static_output(y: Any, x: Any, post: str, out_scale: float, out_zp: int) -> Any:
     """The epilogue: the activation, then uint8 by (out_scale, out_zp) when out_scale > 0,
     else x's float dtype (float32 for a uint8 x)."""
     from onnx_ir import DataType
@@ -63,8 +64,16 @@ def int8_static_linear_for(options: Options) -> Any:
     int8 = options.int8
 
     def int8_static_linear(
-        x, wq, w_scale, x_scale, x_zp, bias, post="none", out_scale=0.0, out_zp=0
-    ):
+        x: Any,
+        wq: Any,
+        w_scale: Any,
+        x_scale: float,
+        x_zp: int,
+        bias: Any,
+        post: str = "none",
+        out_scale: float = 0.0,
+        out_zp: int = 0,
+    ) -> Any:
         from onnx_ir import DataType
 
         # the int8 weight transposed to [K, N]: an initializer's transpose, folded at export
@@ -96,9 +105,10 @@ def int8_static_linear_for(options: Options) -> Any:
 
 @lowering("opswap::int8_static_conv2d", "QuantizeLinear/DequantizeLinear + Conv (+ Relu)")
 def int8_static_conv2d(
-    x, wq, w_scale, x_scale, x_zp, bias, stride, padding, dilation, groups, post,
-    out_scale=0.0, out_zp=0,
-):  # fmt: skip
+    x: Any, wq: Any, w_scale: Any, x_scale: float, x_zp: int, bias: Any,
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
+    post: str, out_scale: float = 0.0, out_zp: int = 0,
+) -> Any:  # fmt: skip
     y = op.Conv(
         static_input(x, x_scale, x_zp),
         qdq_weight(wq, w_scale),

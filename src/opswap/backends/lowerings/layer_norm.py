@@ -4,6 +4,8 @@ appears only in training graphs, which are not exported."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, ints, op
 from opswap.backends.lowerings._registry import TRAINING_ONLY, lowering, no_lowering
 
@@ -11,7 +13,7 @@ no_lowering("opswap::layer_norm_backward", TRAINING_ONLY, __name__)
 
 
 @lowering("opswap::layer_norm", "ReduceMean + Sub + Sqrt + Div + Mul + Add (float32 inside)")
-def layer_norm(x, weight, bias, eps: float):
+def layer_norm(x: Any, weight: Any, bias: Any, eps: float) -> Any:
     xf = as_float(x)
     mu = op.ReduceMean(xf, ints([-1]), keepdims=1)
     d = op.Sub(xf, mu)

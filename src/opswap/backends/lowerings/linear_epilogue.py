@@ -10,12 +10,16 @@ function on every execution provider.
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, op
 from opswap.backends.lowerings._registry import lowering
 
 
 @lowering("aten::_addmm_activation", "MatMul + Add + Relu or Gelu(tanh) (float32 inside)")
-def addmm_activation(bias, mat1, mat2, beta: float = 1.0, alpha: float = 1.0, use_gelu=False):
+def addmm_activation(
+    bias: Any, mat1: Any, mat2: Any, beta: float = 1.0, alpha: float = 1.0, use_gelu: bool = False
+) -> Any:
     # bias [N], mat1 [M, K], mat2 [K, N]; the epilogue's math on the fp32 accumulator
     y = as_float(op.MatMul(mat1, mat2))
     b = as_float(bias)

@@ -4,6 +4,8 @@ squares appears only in training graphs, which are not exported."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, ints, op
 from opswap.backends.lowerings._registry import TRAINING_ONLY, lowering, no_lowering
 
@@ -11,11 +13,11 @@ no_lowering("opswap::row_sumsq_backward", TRAINING_ONLY, __name__)
 
 
 @lowering("opswap::row_reduce", "ReduceSum, ReduceMean or ReduceMax (float32 inside)")
-def row_reduce(x, op, unbiased: bool, keepdim: bool):  # `op`: the schema names it so
+def row_reduce(x: Any, op: str, unbiased: bool, keepdim: bool) -> Any:  # `op`: the schema's name
     return reduce_rows(x, op, unbiased, keepdim)
 
 
-def reduce_rows(x, kind: str, unbiased: bool, keepdim: bool):
+def reduce_rows(x: Any, kind: str, unbiased: bool, keepdim: bool) -> Any:
     from onnx_ir import DataType
 
     xf, axes, keep = as_float(x), ints([-1]), int(bool(keepdim))
@@ -38,6 +40,6 @@ def reduce_rows(x, kind: str, unbiased: bool, keepdim: bool):
 
 
 @lowering("opswap::row_dot", "Mul + ReduceSum (float32 inside)")
-def row_dot(x, y, keepdim: bool):
+def row_dot(x: Any, y: Any, keepdim: bool) -> Any:
     xy = op.Mul(as_float(x), as_float(y))
     return back(op.ReduceSum(xy, ints([-1]), keepdims=int(bool(keepdim))), x)

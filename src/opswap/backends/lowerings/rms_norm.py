@@ -4,13 +4,15 @@ Their backward op appears only in training graphs, which are not exported."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, back, ints, op
 from opswap.backends.lowerings._registry import TRAINING_ONLY, lowering, no_lowering
 
 no_lowering("opswap::rms_norm_backward", TRAINING_ONLY, __name__)
 
 
-def rms(s, like, weight, eps: float, offset: float, cast_first: bool):
+def rms(s: Any, like: Any, weight: Any, eps: float, offset: float, cast_first: bool) -> Any:
     """The kernels' math: h = s / sqrt(mean(s^2) + eps) in float32, then the weight
     (+ offset); the output's dtype as the op's (promoted when cast_first)."""
     from onnx_ir import DataType
@@ -29,11 +31,13 @@ def rms(s, like, weight, eps: float, offset: float, cast_first: bool):
 
 
 @lowering("opswap::rms_norm", "ReduceMean + Sqrt + Div + Mul (float32 inside)")
-def rms_norm(x, weight, eps: float, offset: float, cast_first: bool):
+def rms_norm(x: Any, weight: Any, eps: float, offset: float, cast_first: bool) -> Any:
     return rms(x, x, weight, eps, offset, cast_first)
 
 
 @lowering("opswap::add_rms_norm", "Add + the rms_norm lowering")
-def add_rms_norm(x, residual, weight, eps: float, offset: float, cast_first: bool):
+def add_rms_norm(
+    x: Any, residual: Any, weight: Any, eps: float, offset: float, cast_first: bool
+) -> tuple[Any, Any]:
     s = op.Add(x, residual)
     return rms(s, x, weight, eps, offset, cast_first), s

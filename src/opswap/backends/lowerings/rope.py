@@ -4,13 +4,15 @@ backward op appears only in training graphs, which are not exported."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, ints, op, promoted
 from opswap.backends.lowerings._registry import TRAINING_ONLY, lowering, no_lowering
 
 no_lowering("opswap::rope_backward", TRAINING_ONLY, __name__)
 
 
-def rotate(x, interleaved: bool):
+def rotate(x: Any, interleaved: bool) -> Any:
     """HF's rotate_half (-x2, x1), or GPT-J's pairs (-x_odd, x_even); x is [B, H, S, D]."""
     if not interleaved:
         a, b = op.Split(x, axis=-1, num_outputs=2)
@@ -21,7 +23,7 @@ def rotate(x, interleaved: bool):
 
 
 @lowering("opswap::rope", "Mul + Split/Concat (the rotation) + Add, for q and k")
-def rope(q, k, cos, sin, positions, interleaved: bool):
+def rope(q: Any, k: Any, cos: Any, sin: Any, positions: Any, interleaved: bool) -> tuple[Any, Any]:
     c, s = as_float(cos), as_float(sin)
     if positions is not None:  # the tables' rows at the positions: [S, D] or [B, S, D]
         c, s = op.Gather(c, positions, axis=0), op.Gather(s, positions, axis=0)

@@ -4,6 +4,8 @@ The backward op appears only in training graphs, which are not exported."""
 
 from __future__ import annotations
 
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import as_float, op, to
 from opswap.backends.lowerings._registry import TRAINING_ONLY, lowering, no_lowering
 
@@ -11,17 +13,17 @@ no_lowering("opswap::softmax_backward", TRAINING_ONLY, __name__)
 
 
 @lowering("opswap::softmax", "Softmax (float32 inside)")
-def softmax(x, dtype=None):
+def softmax(x: Any, dtype: int | None = None) -> Any:
     return to(op.Softmax(as_float(x), axis=-1), dtype, x)
 
 
 @lowering("opswap::log_softmax", "LogSoftmax (float32 inside)")
-def log_softmax(x, dtype=None):
+def log_softmax(x: Any, dtype: int | None = None) -> Any:
     return to(op.LogSoftmax(as_float(x), axis=-1), dtype, x)
 
 
 @lowering("opswap::masked_softmax", "Mul + Where or Add + Softmax (float32 inside)")
-def masked_softmax(x, mask, scale: float, dtype=None):
+def masked_softmax(x: Any, mask: Any, scale: float, dtype: int | None = None) -> Any:
     from onnx_ir import DataType
 
     z = as_float(x)

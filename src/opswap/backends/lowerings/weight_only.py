@@ -8,7 +8,7 @@ them), once, when the translation table is made, so that onnxscript can build th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any  # onnxscript values: see _onnx
 
 from opswap.backends.lowerings._onnx import as_float, back, ints, op, u8
 from opswap.backends.lowerings._registry import Options, lowering
@@ -61,7 +61,7 @@ def _contrib_schemas() -> None:
     _registered = True
 
 
-def dequantized(qweight, scale, offset, bits: int, in_features: int, n: int):
+def dequantized(qweight: Any, scale: Any, offset: Any, bits: int, in_features: int, n: int) -> Any:
     """The weight [N, K] in float32: codes [N, Kp] (INT4: low nibble first), times the
     group's scale, plus its offset."""
     from onnx_ir import DataType
@@ -95,7 +95,9 @@ def wo_linear_for(options: Options) -> Any:
     _contrib_schemas()
     ms = onnxscript.values.Opset("com.microsoft", 1)
 
-    def wo_linear(x, qweight, scale, offset, bias, bits, in_features):
+    def wo_linear(
+        x: Any, qweight: Any, scale: Any, offset: Any, bias: Any, bits: int, in_features: int
+    ) -> Any:
         n, ng = qweight.shape[0], scale.shape[1]
         group = qweight.shape[1] * (2 if bits == 4 else 1) // ng
         if bits == 4 and group >= 16 and group & (group - 1) == 0 and offset is not None:

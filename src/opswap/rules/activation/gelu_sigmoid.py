@@ -15,6 +15,7 @@ from opswap.rules._matching import input_of, shared_reason
 from opswap.rules._weights import Weighted, weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 #: the constant of x * sigmoid(1.702 x) (Hendrycks and Gimpel's sigmoid approximation)
 ALPHA = 1.702
@@ -116,7 +117,7 @@ class GeluSigmoid(Rule):
         b2 = None if w2.bias is None else w2.bias.detach().clone()
         replace_weights(gm, w2, w2.weight.detach() / ALPHA, b2)
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         gelu = found.nodes[1]
         i = info(gelu)
         n = i.numel if i is not None else 0

@@ -14,6 +14,7 @@ from opswap.rules._matching import input_of
 from opswap.rules.activation.linear_epilogue import epilogue_refusal
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 #: max |gelu(x) - gelu_tanh(x)| over x in [-20, 20] at steps of 1e-5, in float64
 #: (at x = 2.699; the same in float32 to 4 digits): docs/chapters/09-activation.md
@@ -79,7 +80,7 @@ class GeluTanh(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         replace_with(gm, found.nodes[-1], "gelu", (found["x"],), {"approximate": "tanh"})
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         gelu = found.nodes[-1]
         x = found["x"]
         gi = info(gelu)

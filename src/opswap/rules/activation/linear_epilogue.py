@@ -17,6 +17,7 @@ from opswap.rules._matching import has_layout, input_of, setting, shared_reason,
 from opswap.rules._weights import weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 ADDMM_ACTIVATION = torch.ops.aten._addmm_activation.default
 #: the dtypes whose addmm takes the cuBLASLt path (Blas.cpp, isInputCompliesAddmmCudaLt)
@@ -198,7 +199,7 @@ class LinearEpilogue(Rule):
         # a call_module Linear's parameters stay on its module, read by the get_attr nodes
         drop_dead_attrs(gm, erase(gm, [act, mm]))
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         act = found.nodes[-1]
         # the activation's arithmetic moves into the GEMM's epilogue; its bytes go
         return saving(

@@ -28,8 +28,9 @@ from opswap.rules import _triton
 from opswap.rules._edits import replace_with
 from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
-from opswap.rules.pattern import Op, const, op, var
+from opswap.rules.pattern import Match, Op, const, op, var
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 _CLAMP = ("relu6", "hardtanh", "clamp")
 
@@ -102,7 +103,7 @@ _ACT_KINDS = (
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _num(v) -> float | None:
+def _num(v: object) -> float | None:
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return float(v)
     if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point():
@@ -110,7 +111,7 @@ def _num(v) -> float | None:
     return None
 
 
-def _constants_fit(m, want: dict[str, float]) -> bool:
+def _constants_fit(m: Match, want: dict[str, float]) -> bool:
     for name, value in want.items():
         got = _num(m[name])
         if got is None or not math.isclose(got, value, rel_tol=1e-9):
@@ -248,7 +249,16 @@ class PointwiseTriton(Rule):
         activation, slope = got
         return self._found([add, node], x, bias, activation, slope, "bias_act", "bias")
 
-    def _found(self, nodes, x, bias, activation, slope, kernel, form) -> Found:
+    def _found(
+        self,
+        nodes: list[fx.Node],
+        x: fx.Node,
+        bias: fx.Node | None,
+        activation: str,
+        slope: float,
+        kernel: str,
+        form: str,
+    ) -> Found:
         out, xi = nodes[-1], info(x)
         assert xi is not None
         hidden = int(xi.shape[-1]) if xi.shape else 1
@@ -268,7 +278,7 @@ class PointwiseTriton(Rule):
         op = torch.ops.opswap.bias_act.default
         replace_with(gm, found.nodes[-1], op, args, remove=found.nodes)
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         h, m, dtype, kernel = found["hidden"], found["rows"], found["dtype"], found["kernel"]
         note = f"{len(found.nodes)} ops -> 1 at {m} x {h}"
         if getattr(target, "kind", "cpu") == "cuda":

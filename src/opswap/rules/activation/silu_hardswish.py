@@ -12,6 +12,7 @@ from opswap.rules._edits import replace_with
 from opswap.rules._matching import input_of
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 #: max |silu(x) - hardswish(x)| over x in [-20, 20] at steps of 1e-5, in float64: at
 #: x = 3, where hardswish reaches x and silu(3) = 2.857; the same at x = -3
@@ -69,7 +70,7 @@ class SiluHardswish(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         replace_with(gm, found.nodes[-1], "hardswish", (found["x"],))
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         silu = found.nodes[-1]
         i = info(silu)
         n = i.numel if i is not None else 0

@@ -18,6 +18,7 @@ from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.pattern import op, var
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 def _halves_of(g: fx.Node, u: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -105,7 +106,7 @@ class SwiGLUTriton(Rule):
             op, args = torch.ops.opswap.glu.default, (found["g"], found["u"], "silu")
         replace_with(gm, found.nodes[-1], op, args, remove=found.nodes)
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         h, m, dtype = found["hidden"], found["rows"], found["dtype"]
         elt = torch.empty((), dtype=dtype).element_size()
         fused = NodeCost(5 * m * h, 3 * m * h * elt)

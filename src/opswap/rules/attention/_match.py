@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from opswap.graph.ops import arg, is_aten, module_of, op_kind, raw_name
 from opswap.graph.shapes import info, shapes_seen
@@ -47,6 +48,11 @@ class Term:
     value: float = 0.0
 
 
+#: one step back from the softmax to q @ kᵀ: (node, what it does to the scores: a mask
+#: term, a constant scale or nothing, why it stops the match or None)
+_Step = tuple[fx.Node, "Term | float | None", str | None]
+
+
 @dataclass
 class Attention:
     q: fx.Node
@@ -65,7 +71,7 @@ class Attention:
     reasons: list[tuple[fx.Node, str]] = field(default_factory=list)
 
 
-def _matmul(n) -> bool:
+def _matmul(n: Argument) -> bool:
     return (
         isinstance(n, fx.Node)
         and raw_name(n) in _MATMULS
@@ -103,7 +109,7 @@ def _softmax_dim(n: fx.Node) -> object:
     return arg(n, 1, "dim")
 
 
-def _scaled(gm, n: fx.Node) -> tuple[fx.Node, float] | None:
+def _scaled(gm: fx.GraphModule, n: fx.Node) -> tuple[fx.Node, float] | None:
     """(x, c) for n = x * c or x / c with c a static number, else None."""
     if op_kind(n) not in ("mul", "div") or len(n.args) != 2:
         return None
@@ -117,7 +123,7 @@ def _scaled(gm, n: fx.Node) -> tuple[fx.Node, float] | None:
     return x, (1.0 / f if op_kind(n) == "div" else f)
 
 
-def _back(gm, cur: fx.Node, steps: list, depth: int = 0) -> fx.Node | None:
+def _back(gm: fx.GraphModule, cur: fx.Node, steps: list[_Step], depth: int = 0) -> fx.Node | None:
     """Walk from the softmax's input back to the q @ kᵀ matmul, recording each step as
     (node, Term | float scale | None, reason or None); None when there is no matmul."""
     if depth > 24 or not isinstance(cur, fx.Node):
@@ -222,7 +228,7 @@ def _forward(sm: fx.Node) -> tuple[fx.Node | None, list[fx.Node], list[tuple[fx.
         cur = u
 
 
-def _fold_scale(gm, x: fx.Node, nodes: list) -> tuple[fx.Node, float]:
+def _fold_scale(gm: fx.GraphModule, x: fx.Node, nodes: list[fx.Node]) -> tuple[fx.Node, float]:
     """x, seen through a constant scale that only this attention reads."""
     sc = _scaled(gm, x) if len(x.users) == 1 else None
     if sc is None:
@@ -313,7 +319,15 @@ def read(gm: fx.GraphModule, sm: fx.Node) -> Attention | str | None:
     )
 
 
-def _shapes(q, k, kt, v, qk, pv, terms: list[Term]) -> str | None:
+def _shapes(
+    q: fx.Node,
+    k: fx.Node | None,
+    kt: fx.Node,
+    v: fx.Node,
+    qk: fx.Node,
+    pv: fx.Node,
+    terms: list[Term],
+) -> str | None:
     """Why q, k, v and the mask cannot go to SDPA as they are; None when they can."""
     qs, kts, vs, ss = shapes_seen(q), shapes_seen(kt), shapes_seen(v), shapes_seen(qk)
     qi, vi, oi = info(q), info(v), info(pv)

@@ -21,13 +21,18 @@ cannot be built (past a buffer's end) is one where the model fails too, and is s
 from __future__ import annotations
 
 import operator
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from opswap.graph.ops import attr_tensor, module_of, op_kind, raw_name
 from opswap.graph.shapes import dynamic_dims, info, metas, shapes_seen
+
+if TYPE_CHECKING:  # _match reads numbers through this module
+    from opswap.rules.attention._match import Term
 
 #: masks larger than this many elements are not evaluated (a causal proof is then not tried)
 _MAX_NUMEL = 1 << 24
@@ -120,7 +125,7 @@ def _dim_of(x: fx.Node, d: int, run: Run) -> int:
     return int(tm.shape[d])
 
 
-def _shape_of(x, run: Run) -> torch.Size:
+def _shape_of(x: Argument, run: Run) -> torch.Size:
     """`x.shape` at run `run`, or when every dim of it is static (run None)."""
     if not isinstance(x, fx.Node):
         raise NotStatic
@@ -132,7 +137,9 @@ def _shape_of(x, run: Run) -> torch.Size:
     return torch.Size(seen[0 if run is None else run])
 
 
-def evaluate(gm: fx.GraphModule, value: Any, run: Run = None, memo=None) -> Any:
+def evaluate(
+    gm: fx.GraphModule, value: Any, run: Run = None, memo: dict[fx.Node, Any] | None = None
+) -> Any:
     """The value of `value` computed from constants and sizes only: at the shapes of run
     `run` (0 the example, 1.. the probes; a Length: a length no run had), or, with run
     None, only where it is the same at every shape (a static size). NotStatic when it
@@ -208,7 +215,7 @@ def runs(node: fx.Node) -> int:
     return len(shapes_seen(node))
 
 
-def masked(gm: fx.GraphModule, terms, run: int | Length) -> torch.Tensor | None:
+def masked(gm: fx.GraphModule, terms: Sequence[Term], run: int | Length) -> torch.Tensor | None:
     """Where the mask `terms` (see _match.Term) hides a key at run `run`, as a bool tensor,
     when the terms hide keys and add nothing else (0 elsewhere); None when a term is not
     static or adds values other than 0 and the large negative ones."""
@@ -236,7 +243,7 @@ def masked(gm: fx.GraphModule, terms, run: int | Length) -> torch.Tensor | None:
     return hidden
 
 
-def _subgraph(terms) -> list[fx.Node]:
+def _subgraph(terms: Sequence[Term]) -> list[fx.Node]:
     """The nodes the mask `terms` are computed from (placeholders excluded)."""
     todo = [t.tensor for t in terms]
     seen: dict[fx.Node, None] = {}
@@ -249,7 +256,9 @@ def _subgraph(terms) -> list[fx.Node]:
     return list(seen)
 
 
-def lengths(gm: fx.GraphModule, terms, scores: fx.Node) -> tuple[list[Length], list[Length]]:
+def lengths(
+    gm: fx.GraphModule, terms: Sequence[Term], scores: fx.Node
+) -> tuple[list[Length], list[Length]]:
     """The lengths no run had at which the mask `terms` is also judged: (from its
     construction) one below, at and one above each number its ops use and each size of
     the constant tensors they read; (beyond the runs) 2 and 4 times the longest keys'
@@ -275,7 +284,7 @@ def lengths(gm: fx.GraphModule, terms, scores: fx.Node) -> tuple[list[Length], l
     )
 
 
-def _affordable(terms, scores: fx.Node, run: Length) -> bool:
+def _affordable(terms: Sequence[Term], scores: fx.Node, run: Length) -> bool:
     """Whether the mask's largest value at `run` stays under _MAX_NUMEL * 8 elements (its
     size at the example, scaled by the square of the lengths' ratio)."""
     keys = shapes_seen(scores)
@@ -298,7 +307,12 @@ def _at(scores: fx.Node, run: int | Length) -> tuple[int, ...] | None:
     return seen[run] if run < len(seen) else None
 
 
-def _judged(gm: fx.GraphModule, terms, scores: fx.Node, want) -> bool:
+def _judged(
+    gm: fx.GraphModule,
+    terms: Sequence[Term],
+    scores: fx.Node,
+    want: Callable[[int, int], torch.Tensor],
+) -> bool:
     """Whether the mask `terms` hides exactly `want(queries, keys)` (a bool [queries, keys]
     tensor, broadcast over the scores' other dims) at every run of the capture and at every
     `lengths` length where the mask can be built; False where a size cannot be read off
@@ -334,7 +348,7 @@ def _judged(gm: fx.GraphModule, terms, scores: fx.Node, want) -> bool:
     return True
 
 
-def _unbuildable(gm: fx.GraphModule, terms, run: Length) -> bool:
+def _unbuildable(gm: fx.GraphModule, terms: Sequence[Term], run: Length) -> bool:
     """Whether a term's value raises (rather than reads data or an unknown size) at `run`."""
     memo: dict = {}
     for t in terms:
@@ -347,7 +361,7 @@ def _unbuildable(gm: fx.GraphModule, terms, run: Length) -> bool:
     return False
 
 
-def causal(gm: fx.GraphModule, terms, scores: fx.Node) -> bool:
+def causal(gm: fx.GraphModule, terms: Sequence[Term], scores: fx.Node) -> bool:
     """Whether the terms hide exactly the future keys (key j > query i) of square scores,
     at every shape the capture ran and at every length read off the mask's construction:
     the mask SDPA's `is_causal` applies."""
@@ -360,7 +374,7 @@ def causal(gm: fx.GraphModule, terms, scores: fx.Node) -> bool:
     return _judged(gm, terms, scores, future)
 
 
-def hides_nothing(gm: fx.GraphModule, terms, scores: fx.Node) -> bool:
+def hides_nothing(gm: fx.GraphModule, terms: Sequence[Term], scores: fx.Node) -> bool:
     """Whether the terms are static and add 0 everywhere at every shape the capture ran and
     at every length read off the mask's construction (transformers' bidirectional mask
     without padding): no mask at all."""

@@ -26,6 +26,7 @@ from opswap.rules._edits import erase
 from opswap.rules._triton import CPU_REASON
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 #: the head dims the kernel is tuned and measured for (it runs 16-256; the rule takes these)
 HEAD_DIMS = (64, 128)
@@ -153,7 +154,7 @@ class FlashTriton(Rule):
         node.replace_all_uses_with(out)
         erase(gm, [node])
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         if getattr(target, "kind", "cpu") != "cuda":
             overhead = target.op_overhead(True) if hasattr(target, "op_overhead") else 0.0
             return Estimate(0.0, 0.0, -max(overhead, 1e-9), CPU_REASON)

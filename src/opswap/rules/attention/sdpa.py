@@ -11,6 +11,7 @@ the scores in tiles and move q, k, v, the mask and the output only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx as fx
@@ -24,6 +25,7 @@ from opswap.rules.attention import _static
 from opswap.rules.attention._match import Attention, read
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 aten = torch.ops.aten
 
@@ -38,7 +40,7 @@ def _mask_kind(att: Attention, causal: bool) -> str:
     return "additive mask"
 
 
-def _ancestors(nodes) -> list[fx.Node]:
+def _ancestors(nodes: Iterable[fx.Node]) -> list[fx.Node]:
     out, todo = [], list(nodes)
     seen: set[fx.Node] = set()
     while todo:
@@ -140,7 +142,9 @@ class SDPA(Rule):
         drop_dead_attrs(gm, dead)
 
     @staticmethod
-    def _mask(g: fx.Graph, att: Attention, dtype: torch.dtype):
+    def _mask(
+        g: fx.Graph, att: Attention, dtype: torch.dtype
+    ) -> tuple[fx.Node | None, Callable[[fx.Node], fx.Node] | None]:
         """(attn_mask, fix) for the terms: a bool mask of the keys kept where every term
         fills with -inf, an additive float mask otherwise; `fix(out)` makes the rows
         eager would leave NaN (every key at -inf) NaN again."""
@@ -180,7 +184,7 @@ class SDPA(Rule):
         )
         return add, lambda out: g.call_function(aten.where.ScalarSelf, (dead, math.nan, out))
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         att: Attention = found["att"]
         removed = att.nodes
         ins = [att.q, att.kt if att.k is None else att.k, att.v]

@@ -4,6 +4,7 @@ it runs without conv_bn)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -15,6 +16,7 @@ from opswap.rules._edits import drop_dead_attrs, erase, replace_weights
 from opswap.rules._matching import input_of, shared_reason
 from opswap.rules._weights import BatchNormParts, Weighted, batch_norm, fold_affine, weighted
 from opswap.rules.base import Estimate, Found, Refused
+from opswap.targets.base import Target
 
 
 def fold(w: Weighted, bn: BatchNormParts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +48,7 @@ def check_fold(
     return w, bn
 
 
-def bn_saving(target, found: Found, note: str) -> Estimate:
+def bn_saving(target: Target, found: Found, note: str) -> Estimate:
     return saving(target, [found["bn_node"]], note=note)
 
 
@@ -62,7 +64,11 @@ def fold_into(gm: fx.GraphModule, found: Found) -> None:
 
 
 def bn_fold_check(
-    gm: fx.GraphModule, node: fx.Node, kinds: tuple[str, ...], role: str, check=None
+    gm: fx.GraphModule,
+    node: fx.Node,
+    kinds: tuple[str, ...],
+    role: str,
+    check: Callable[[fx.Node, fx.Node], str | None] | None = None,
 ) -> Found | Refused | None:
     """At a BatchNorm `node` that directly follows an op of `kinds`: the fold, or why not;
     `check(src, bn)` may add a refusal of its own."""

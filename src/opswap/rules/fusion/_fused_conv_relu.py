@@ -21,6 +21,8 @@ was up to 3.5x slower, hence the op's cache of reordered weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -30,7 +32,7 @@ from opswap.kernels.conv_relu import conv_relu, direct, mkldnn_fused_available, 
 __all__ = ["FusedConvReLU", "mkldnn_fused_available"]
 
 
-def _tracing(x) -> bool:
+def _tracing(x: object) -> bool:
     """True while FX, Dynamo or torch.export trace the module, or AOTAutograd does for
     Inductor (on fake tensors, where the oneDNN kernel cannot run): they must see the op."""
     from torch._subclasses.fake_tensor import is_fake
@@ -63,12 +65,12 @@ class FusedConvReLU(nn.Module):
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        stride,
-        padding,
-        dilation,
+        stride: Sequence[int],
+        padding: Sequence[int],
+        dilation: Sequence[int],
         groups: int,
         requires_grad: bool = True,
-    ):
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=requires_grad)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)

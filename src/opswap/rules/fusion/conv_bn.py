@@ -7,6 +7,7 @@ import torch.fx as fx
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.fusion._bn_fold import bn_fold_check, bn_saving, fold_into
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 @register
@@ -39,7 +40,7 @@ class ConvBatchNorm(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         fold_into(gm, found)
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         return bn_saving(
             target,
             found,

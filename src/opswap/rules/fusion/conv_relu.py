@@ -17,6 +17,7 @@ from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.fusion._bn_fold import check_fold, fold
 from opswap.rules.fusion._fused_conv_relu import FusedConvReLU
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 @register
@@ -126,7 +127,7 @@ class ConvReLU(Rule):
         copy_meta(new, relu)
         drop_dead_attrs(gm, erase(gm, [relu, bn] if bn is not None else [relu]))
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         relu, bn = found.nodes[-1], found["bn"]
         # the max(0, x) still runs, in the conv's epilogue, but moves no bytes
         epilogue = NodeCost(node_cost(relu).flops, 0)

@@ -11,12 +11,14 @@ of x (the mean and var are small); nn.LayerNorm reads x once and writes y once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.node import Argument
 
 from opswap.cost import NodeCost, node_cost
 from opswap.graph.ops import arg, op_kind
@@ -26,6 +28,7 @@ from opswap.rules._edits import swap_in_module
 from opswap.rules._matching import const, describe_source
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 class _NotLN(Exception):
@@ -64,7 +67,7 @@ def _population(var: fx.Node) -> bool:
     return bool(var.kwargs.get("correction", 1) == 0)
 
 
-def _number(v) -> float | None:
+def _number(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
@@ -85,14 +88,14 @@ def _root(node: fx.Node, kind: str, power: float) -> fx.Node:
     raise _NotLN
 
 
-def _is_root(node, kind: str, power: float) -> bool:
+def _is_root(node: Argument, kind: str, power: float) -> bool:
     try:
         return isinstance(node, fx.Node) and _root(node, kind, power) is not None
     except _NotLN:
         return False
 
 
-def _mean_of(node, dims) -> fx.Node:
+def _mean_of(node: Argument, dims: tuple[int, ...]) -> fx.Node:
     if not isinstance(node, fx.Node) or op_kind(node) != "mean":
         raise _NotLN
     x, d, keep = _reduce(node)
@@ -101,7 +104,7 @@ def _mean_of(node, dims) -> fx.Node:
     return x
 
 
-def _centered(node, x, dims) -> fx.Node:
+def _centered(node: Argument, x: fx.Node, dims: tuple[int, ...]) -> fx.Node:
     """Check `node` is x - mean(x, dims); returns it."""
     if not isinstance(node, fx.Node) or op_kind(node) != "sub" or len(node.args) != 2:
         raise _NotLN
@@ -111,7 +114,7 @@ def _centered(node, x, dims) -> fx.Node:
     return node
 
 
-def _variance(v: fx.Node, x: fx.Node, dims, nodes: list) -> None:
+def _variance(v: fx.Node, x: fx.Node, dims: tuple[int, ...], nodes: list[fx.Node]) -> None:
     """Check `v` is the population variance of x over dims; collects its nodes."""
     if op_kind(v) == "var":
         vx, vdims, keep = _reduce(v)
@@ -132,7 +135,7 @@ def _variance(v: fx.Node, x: fx.Node, dims, nodes: list) -> None:
     else:
         raise _NotLN
     c = _centered(e, x, dims)
-    nodes += [v, sq, c, c.args[1]]
+    nodes += [v, sq, c, cast(fx.Node, c.args[1])]  # _centered checked it is the mean
 
 
 def _normalised(n: fx.Node) -> _LayerNorm:
@@ -170,7 +173,9 @@ def _normalised(n: fx.Node) -> _LayerNorm:
     return _LayerNorm(x, list(dict.fromkeys(nodes)), n, dims, eps)
 
 
-def _affine_const(gm, value, norm_shape, x_dtype) -> torch.Tensor | None:
+def _affine_const(
+    gm: fx.GraphModule, value: Argument, norm_shape: Sequence[int], x_dtype: torch.dtype
+) -> torch.Tensor | None:
     """`value` as a LayerNorm weight/bias of shape norm_shape, or None if it is not
     one (not a constant, other dtype, varies along a non-normalised dim)."""
     t = const(gm, value)
@@ -186,7 +191,9 @@ def _affine_const(gm, value, norm_shape, x_dtype) -> torch.Tensor | None:
         return None
 
 
-def _absorb_affine(gm, ln: _LayerNorm, norm_shape, dtype) -> None:
+def _absorb_affine(
+    gm: fx.GraphModule, ln: _LayerNorm, norm_shape: Sequence[int], dtype: torch.dtype
+) -> None:
     """Extend the pattern over `* weight` and `+ bias` when they are constants."""
     cur = ln.out
     for kind in ("mul", "add"):
@@ -335,7 +342,7 @@ class LayerNormFusion(Rule):
                     mod.bias.copy_(ln.bias)
         swap_in_module(gm, mod, (ln.x,), ln.out, ln.nodes, "layer_norm", ln.home)
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         ln = found["ln"]
         x_info, out_info = info(ln.x), info(ln.out)
         if x_info is None or out_info is None:

@@ -8,6 +8,7 @@ from opswap.graph.shapes import shape
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.fusion._bn_fold import bn_fold_check, bn_saving, fold_into
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 def _output_is_2d(src: fx.Node, bn: fx.Node) -> str | None:
@@ -49,7 +50,7 @@ class LinearBatchNorm(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         fold_into(gm, found)
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         return bn_saving(
             target,
             found,

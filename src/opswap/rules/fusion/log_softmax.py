@@ -12,11 +12,12 @@ from opswap.rules._edits import replace_with
 from opswap.rules._matching import input_of, setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 aten = torch.ops.aten
 
 
-def _softmax_dim(gm: fx.GraphModule, sm: fx.Node):
+def _softmax_dim(gm: fx.GraphModule, sm: fx.Node) -> tuple[int, torch.dtype | None, bool] | str:
     """(dim, dtype or None, half_to_float) of a softmax node, or a reason string."""
     if sm.op == "call_module":
         dim = getattr(module_of(sm), "dim", None)
@@ -98,7 +99,7 @@ class LogSoftmax(Rule):
             op, args = aten.log_softmax.int, (x, dim, dtype) if dtype is not None else (x, dim)
         replace_with(gm, log, op, args, kwargs, remove=[log, sm])
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         log, sm = found.nodes[-1], found["sm"]
         c_sm, c_log = node_cost(sm), node_cost(log)
         # log_softmax reads x and writes the result: the bytes of the log alone

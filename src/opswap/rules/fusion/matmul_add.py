@@ -19,15 +19,18 @@ from opswap.rules._edits import new_const, replace_with
 from opswap.rules._matching import const, describe_source, shared_reason
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 aten = torch.ops.aten
 
 _MATMUL_NAMES = {"matmul", "__matmul__", "mm"}
 
 
-def _bias_vector(b, n: int, out_ndim: int, dtype: torch.dtype) -> torch.Tensor | str:
+def _bias_vector(
+    b: torch.Tensor | float, n: int, out_ndim: int, dtype: torch.dtype
+) -> torch.Tensor | str:
     """b as a length-n bias vector when adding it broadcasts along the last dim only."""
-    if isinstance(b, (int, float)) and not isinstance(b, bool):
+    if not isinstance(b, torch.Tensor):  # a number (the caller refuses a bool)
         return torch.full((n,), float(b), dtype=dtype)
     if b.dtype != dtype:
         return f"the bias is {b.dtype} but x @ W is {dtype}, so the add would change the type"
@@ -138,7 +141,7 @@ class MatMulAdd(Rule):
         fn = aten.linear.default if is_aten(mm) else F.linear
         replace_with(gm, add, fn, (x, wt, b), remove=[add, mm])
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         add = found.nodes[-1]
         out = info(add)
         bias_bytes = out.nbytes // max(out.numel, 1) * out.shape[-1] if out and out.shape else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -24,6 +25,7 @@ from opswap.rules._matching import input_of
 from opswap.rules._weights import Weighted, weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 aten = torch.ops.aten
 
@@ -52,7 +54,7 @@ def _merged_name(members: list[Weighted]) -> str:
     return f"{parent}.{joined}" if parent else joined
 
 
-def _viewable(piece_shape, wide_last: int, out_shape) -> bool:
+def _viewable(piece_shape: Sequence[int], wide_last: int, out_shape: Sequence[int]) -> bool:
     """Whether a last-dim slice of a contiguous [..., wide_last] tensor can be .view-ed
     to out_shape (checked on meta tensors, no data)."""
     strides, acc = [], 1
@@ -209,7 +211,9 @@ class ParallelLinear(Rule):
         self._slice(gm, wide, members, weight.shape[0])
         drop_dead_attrs(gm, erase(gm, [w.node for w in members]))
 
-    def _slice(self, gm, wide: fx.Node, members: list[Weighted], total: int) -> None:
+    def _slice(
+        self, gm: fx.GraphModule, wide: fx.Node, members: list[Weighted], total: int
+    ) -> None:
         # one split into views (a single dispatch) rather than k narrows (k dispatches)
         aten_graph = any(is_aten(w.node) for w in members)
         split = aten.split_with_sizes.default if aten_graph else torch.split
@@ -245,7 +249,7 @@ class ParallelLinear(Rule):
                 user.replace_input_with(piece, c)
             offset += n
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         nodes, x = list(found.nodes), found["x"]
         x_info = info(x)
         x_bytes = x_info.nbytes if x_info else 0

@@ -12,20 +12,22 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from opswap.cost import NodeCost
 from opswap.graph.ops import arg, copy_meta, op_kind, raw_name
-from opswap.graph.shapes import info
+from opswap.graph.shapes import TensorInfo, info
 from opswap.rules import _triton
 from opswap.rules._edits import erase
 from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 _END = 2**62
 
 
-def _slice(n, ndim: int) -> tuple[fx.Node, int, int] | None:
+def _slice(n: Argument, ndim: int) -> tuple[fx.Node, int, int] | None:
     """(x, start, end) for an aten.slice of x along its last dim."""
     if not isinstance(n, fx.Node) or raw_name(n) != "slice" or len(n.args) < 2:
         return None
@@ -59,11 +61,11 @@ def _rotate_half(cat: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     return hi[0], [first, neg.args[0], neg, cat]  # type: ignore[list-item]
 
 
-def _last_dim(dim, ndim: int) -> bool:
+def _last_dim(dim: object, ndim: int) -> bool:
     return isinstance(dim, int) and ndim > 0 and dim % ndim == ndim - 1
 
 
-def _other(mul: fx.Node, one) -> fx.Node | None:
+def _other(mul: fx.Node, one: Argument) -> fx.Node | None:
     a, b = mul.args[:2]
     o = b if a is one else a if b is one else None
     return o if isinstance(o, fx.Node) else None
@@ -103,7 +105,7 @@ def _partners(add: fx.Node, r: dict) -> list[fx.Node]:
     return sorted(seen, key=order.__getitem__)
 
 
-def _table_ok(c: fx.Node, xi) -> str | None:
+def _table_ok(c: fx.Node, xi: TensorInfo) -> str | None:
     ci = info(c)
     if ci is None:
         return f"the shape of {c.name} is unknown"
@@ -191,7 +193,7 @@ class RopeTriton(Rule):
         erase(gm, found.nodes)
         erase(gm, [o for o in outs if not o.users])
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         d, m, dtype = found["hidden"], found["rows"], found["dtype"]
         elt = torch.empty((), dtype=dtype).element_size()
         fused = NodeCost(4 * m * d, 2 * m * d * elt)

@@ -3,10 +3,11 @@ that merge runs of view-like ops."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from opswap.graph.ops import copy_meta
 from opswap.rules._edits import call, erase
@@ -82,7 +83,9 @@ def chain_found(chain: list[fx.Node], what: str, record: dict[str, Any], **data:
     )
 
 
-def replace_chain(gm: fx.GraphModule, chain: list[fx.Node], op: str | None, arg) -> None:
+def replace_chain(
+    gm: fx.GraphModule, chain: Sequence[fx.Node], op: str | None, arg: Argument
+) -> None:
     """Make the chain's readers read `op(chain input, arg)`, or the input itself (op None)."""
     src, last = cast(fx.Node, chain[0].args[0]), chain[-1]
     if op is None:

@@ -10,12 +10,14 @@ which BatchNorm, activations, pooling and additions preserve.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.node import Argument
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from opswap.errors import RuleError
@@ -97,7 +99,7 @@ def plan_nhwc(gm: fx.GraphModule) -> NhwcPlan:
     return plan
 
 
-def nhwc_strides(shape, stride) -> bool:
+def nhwc_strides(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """Whether torch reads these 4-D strides as channels-last (its own test, which settles
     ambiguous size-1 cases as NCHW): C innermost, then W, then H, then N."""
     if len(shape) != 4 or stride[1] == 0:
@@ -140,7 +142,9 @@ def _to_channels_last(gm: fx.GraphModule, conv: fx.Node) -> None:
     set_attr_tensor(gm, target, _restrided(w), as_param=isinstance(w, nn.Parameter))
 
 
-def _convert(gm: fx.GraphModule, node: fx.Node, readers: list[fx.Node], fmt) -> None:
+def _convert(
+    gm: fx.GraphModule, node: fx.Node, readers: list[fx.Node], fmt: torch.memory_format
+) -> None:
     """Insert a copy of `node` in memory format `fmt` and make `readers` read it."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first = min(readers, key=order.__getitem__)
@@ -196,7 +200,7 @@ def check_runs(gm: fx.GraphModule) -> None:
 def traffic(plan: NhwcPlan) -> tuple[int, int]:
     """(bytes the convs stop reordering, bytes the added conversions move)."""
 
-    def nbytes(node) -> int:
+    def nbytes(node: Argument) -> int:
         i = info(node)
         return i.nbytes if i is not None else 0
 

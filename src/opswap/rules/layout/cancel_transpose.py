@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch.fx as fx
 
 from opswap.rules._cost import bytes_estimate
 from opswap.rules._matching import compose, perm_of
-from opswap.rules.base import Estimate, Found
+from opswap.rules.base import Estimate, Found, Refused, Verdict
 from opswap.rules.layout._base import (
     TRANSPOSE_KINDS,
     LayoutRule,
@@ -18,6 +19,7 @@ from opswap.rules.layout._base import (
     replace_chain,
 )
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 def _is_perm(node: fx.Node) -> bool:
@@ -47,14 +49,14 @@ class CancelTranspose(LayoutRule):
     )
     anchors = TRANSPOSE_KINDS
 
-    def check(self, gm, node):
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Verdict | Sequence[Found | Refused]:
         return chain_check(node, _is_perm, _composed)
 
-    def rewrite(self, gm, found):
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         identity = found["identity"]
         replace_chain(gm, found.nodes, None if identity else "permute", list(found["perm"]))
 
-    def predict(self, gm, found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         saved = len(found.nodes) - (0 if found["identity"] else 1)
         return bytes_estimate(
             0, target, f"transposes are views: no data moves; {fewer(saved)}", views_saved=saved

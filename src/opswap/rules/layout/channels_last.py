@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import torch.fx as fx
+
 from opswap.cost.units import human_unit
 from opswap.rules._cost import bytes_estimate
-from opswap.rules.base import Estimate, Found, Refused
+from opswap.rules.base import Estimate, Found, Refused, Verdict
 from opswap.rules.layout import _nhwc as nhwc
 from opswap.rules.layout._base import LayoutRule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 @register
@@ -27,7 +30,7 @@ class ChannelsLast(LayoutRule):
     # one match for the whole graph, found at its first 4-D convolution
     anchors = ("conv", "conv_transpose")
 
-    def check(self, gm, node):
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Verdict:
         if next((n for n in gm.graph.nodes if nhwc.is_conv4d(n)), None) is not node:
             return None
         plan = nhwc.plan_nhwc(gm)
@@ -41,11 +44,11 @@ class ChannelsLast(LayoutRule):
         # nothing is consumed: every node stays, with other strides or a conversion beside it
         return Found(nodes, desc, dict(plan=plan), key="model", kept=nodes, record=names)
 
-    def rewrite(self, gm, found):
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         nhwc.rewrite_nhwc(gm, found["plan"])
         nhwc.check_runs(gm)
 
-    def predict(self, gm, found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         plan = found["plan"]
         saved, paid = nhwc.traffic(plan)
         layout = getattr(target, "layout", None) or getattr(target, "preferred_layout", None)

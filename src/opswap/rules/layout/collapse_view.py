@@ -13,6 +13,7 @@ from a size that is only known at run time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -22,9 +23,10 @@ from opswap.graph.ops import raw_name
 from opswap.graph.shapes import dynamic_dims, info, same_everywhere, shapes_seen
 from opswap.rules._cost import bytes_estimate
 from opswap.rules._edits import shape_args
-from opswap.rules.base import Estimate, Found, Refused
+from opswap.rules.base import Estimate, Found, Refused, Verdict
 from opswap.rules.layout._base import LayoutRule, chain_check, chain_found, fewer, replace_chain
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 _SHAPE_NAMES = {
     "view",
@@ -66,7 +68,7 @@ def _spelled_shape(node: fx.Node) -> list | None:
     return rest if all(isinstance(a, (int, fx.Node)) for a in rest) else None
 
 
-def _suffix(shape) -> list[int]:
+def _suffix(shape: Sequence[int]) -> list[int]:
     out = [1] * (len(shape) + 1)
     for i in range(len(shape) - 1, -1, -1):
         out[i] = out[i + 1] * shape[i]
@@ -195,18 +197,19 @@ class CollapseView(LayoutRule):
 
     anchors = ("view", "reshape", "flatten", "squeeze")
 
-    def check(self, gm, node):
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Verdict | Sequence[Found | Refused]:
         return chain_check(node, is_shape_op, _collapsed)
 
-    def rewrite(self, gm, found):
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         chain = found.nodes
         if found["identity"]:
             replace_chain(gm, chain, None, None)
             return
         with gm.graph.inserting_before(chain[-1]):
-            shape = shape_args(gm.graph, chain[-1], chain[0].args[0], found["shape"])
+            src = cast(fx.Node, chain[0].args[0])
+            shape = shape_args(gm.graph, chain[-1], src, found["shape"])
         replace_chain(gm, chain, "reshape", shape)
 
-    def predict(self, gm, found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         saved = len(found.nodes) - (0 if found["identity"] else 1)
         return bytes_estimate(0, target, f"views move no data; {fewer(saved)}", views_saved=saved)

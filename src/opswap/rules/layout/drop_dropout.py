@@ -15,6 +15,7 @@ from opswap.rules._edits import erase
 from opswap.rules.base import Estimate, Found, Refused, Verdict
 from opswap.rules.layout._base import LayoutRule, fewer
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 def dropout_state(node: fx.Node) -> tuple[object, object, str] | None:
@@ -65,7 +66,7 @@ class DropDropout(LayoutRule):
 
     anchors = ("dropout",)
 
-    def check(self, gm, node) -> Verdict:
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Verdict:
         state = dropout_state(node)
         if state is None:
             return None
@@ -81,12 +82,14 @@ class DropDropout(LayoutRule):
             (node,), f"Dropout {label} " + ("is in eval mode" if not training else "has p = 0")
         )
 
-    def rewrite(self, gm, found):
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         (node,) = found.nodes
-        node.replace_all_uses_with(node.args[0] if node.args else node.kwargs["input"])
+        node.replace_all_uses_with(
+            cast(fx.Node, node.args[0] if node.args else node.kwargs["input"])
+        )
         erase(gm, [node])
 
-    def predict(self, gm, found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         return bytes_estimate(
             0,
             target,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -15,6 +17,7 @@ from opswap.rules._matching import aliases_reach_output, has_layout, storage_roo
 from opswap.rules.base import Estimate, Found, Refused, Verdict
 from opswap.rules.layout._base import LayoutRule, fewer
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 _CASTS = {
     "float": torch.float32,
@@ -128,15 +131,15 @@ class DropIdentity(LayoutRule):
     )
     anchors = ("identity", "to", "contiguous")
 
-    def check(self, gm, node):
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Verdict:
         return identity_check(gm, node)
 
-    def rewrite(self, gm, found):
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         (node,) = found.nodes
-        node.replace_all_uses_with(node.args[0])
+        node.replace_all_uses_with(cast(fx.Node, node.args[0]))
         erase(gm, [node])
 
-    def predict(self, gm, found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         (node,) = found.nodes
         if raw_name(node) in ("clone", "_to_copy"):
             return bytes_estimate(

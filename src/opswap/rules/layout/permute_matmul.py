@@ -17,6 +17,7 @@ from opswap.rules._matching import matmul_reads_in_place, perm_of, strides
 from opswap.rules.base import Estimate, Found, Refused, Verdict
 from opswap.rules.layout._base import TRANSPOSE_KINDS, LayoutRule, fewer
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 MATMULS = {"matmul", "mm", "bmm", "__matmul__"}
 
@@ -25,7 +26,7 @@ def is_matmul(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and raw_name(node) in MATMULS
 
 
-def constant_transpose_check(gm, node: fx.Node, perm: list[int]) -> Verdict:
+def constant_transpose_check(gm: fx.GraphModule, node: fx.Node, perm: list[int]) -> Verdict:
     """A transpose of a constant read by a matmul: as linear(x, W), or stored permuted."""
     mms = [u for u in node.users if is_matmul(u)]
     if not mms:
@@ -120,9 +121,9 @@ class PermuteMatmul(LayoutRule):
 
     anchors = (*TRANSPOSE_KINDS, "contiguous")
 
-    def check(self, gm, node):
+    def check(self, gm: fx.GraphModule, node: fx.Node) -> Verdict:
         perm = perm_of(node)
-        if perm is not None and node.args[0].op == "get_attr":
+        if perm is not None and cast(fx.Node, node.args[0]).op == "get_attr":
             return constant_transpose_check(gm, node, perm)
         if (
             raw_name(node) == "contiguous"
@@ -134,15 +135,15 @@ class PermuteMatmul(LayoutRule):
             return strided_operand_check(node, node.args[0])
         return None
 
-    def rewrite(self, gm, found):
+    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         nodes = found.nodes
         mode = found["mode"]
         if mode == "contiguous":
-            nodes[0].replace_all_uses_with(nodes[0].args[0])
+            nodes[0].replace_all_uses_with(cast(fx.Node, nodes[0].args[0]))
             erase(gm, nodes)
             return
         tr = nodes[0]
-        w_node = tr.args[0]
+        w_node = cast(fx.Node, tr.args[0])  # check: a transpose of a get_attr
         if mode == "linear":
             mm = nodes[1]
             with gm.graph.inserting_after(mm):
@@ -151,7 +152,7 @@ class PermuteMatmul(LayoutRule):
             mm.replace_all_uses_with(new)
             erase(gm, nodes)
             return
-        w = attr_tensor(gm, w_node)
+        w = cast(torch.Tensor, attr_tensor(gm, w_node))
         stored = w.detach().permute(found["perm"]).contiguous()
         attr = fresh_attr_name(gm, f"{w_node.target}_permuted")
         set_attr_tensor(gm, attr, stored, as_param=isinstance(w, nn.Parameter))
@@ -162,7 +163,7 @@ class PermuteMatmul(LayoutRule):
         erase(gm, [tr])
         drop_dead_attrs(gm, [w_node])
 
-    def predict(self, gm, found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         nodes = found.nodes
         mode = found["mode"]
         if mode == "contiguous":
@@ -190,8 +191,9 @@ class PermuteMatmul(LayoutRule):
             if copied
             else "no data moved per call before either"
         )
-        if len(tr.args[0].users) > 1:
-            note += f"; {tr.args[0].name} is also read elsewhere, so both layouts are stored"
+        w_node = cast(fx.Node, tr.args[0])
+        if len(w_node.users) > 1:
+            note += f"; {w_node.name} is also read elsewhere, so both layouts are stored"
         moved = 2 * i.nbytes if copied and i is not None else 0
         return bytes_estimate(
             moved,

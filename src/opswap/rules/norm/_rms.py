@@ -15,10 +15,12 @@ and the op itself: nn.RMSNorm, F.rms_norm, aten.rms_norm over the last dim.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from opswap.graph.ops import arg, module_of, op_kind, raw_name
 from opswap.graph.shapes import info
@@ -39,7 +41,7 @@ class RMS:
     dtype: torch.dtype  # x's
 
 
-def _number(v) -> float | None:
+def _number(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
@@ -47,7 +49,7 @@ def _only_user(n: fx.Node) -> fx.Node | None:
     return next(iter(n.users)) if len(n.users) == 1 else None
 
 
-def _other(node: fx.Node, one) -> object:
+def _other(node: fx.Node, one: Argument) -> Argument:
     a, b = node.args[:2]
     return b if a is one else a
 
@@ -56,7 +58,7 @@ def _is_cast(n: fx.Node) -> bool:
     return op_kind(n) == "to" or raw_name(n) == "type_as"
 
 
-def _weight(gm, v) -> tuple[fx.Node, float, list[fx.Node]] | None:
+def _weight(gm: fx.GraphModule, v: Argument) -> tuple[fx.Node, float, list[fx.Node]] | None:
     """(the weight's get_attr, offset, the nodes between) for `w`, `w.float()`, `1 + w`
     or `1 + w.float()`."""
     offset, between = 0.0, []
@@ -84,7 +86,7 @@ def not_a_cast(n: fx.Node) -> bool:
     return a is not None and b is not None and a.dtype == b.dtype
 
 
-def _last_dim(dims, ndim: int) -> bool:
+def _last_dim(dims: int | Sequence[int] | None, ndim: int) -> bool:
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     return len(dims) == 1 and isinstance(dims[0], int) and dims[0] % ndim == ndim - 1
 

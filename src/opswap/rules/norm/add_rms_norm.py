@@ -11,6 +11,7 @@ from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.norm import _rms
 from opswap.rules.norm.rms_norm import describe, estimate, install
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 @register
@@ -70,5 +71,5 @@ class AddRMSNormTriton(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         install(gm, found["rms"], residual=found["add"], total=found["total"])
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         return estimate(gm, found["rms"], target, "add_rms_norm", found.nodes, residual=True)

@@ -18,6 +18,7 @@ from opswap.rules._weights import batch_norm
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.norm._bn_groupnorm import GROUPS, group_count, scale_shift, stats_init
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 @register
@@ -124,7 +125,7 @@ class BatchNormGroupNorm(Rule):
         bn.out.replace_all_uses_with(new)
         drop_dead_attrs(gm, erase(gm, [bn.out, *node.users, node]))
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         node = found.nodes[0]
         own = node_cost(node)
         i = info(found["x"])

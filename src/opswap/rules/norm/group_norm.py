@@ -19,6 +19,7 @@ from opswap.rules._edits import replace_with
 from opswap.rules._matching import describe_source, setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 def _param(gm: fx.GraphModule, node: fx.Node, name: str, before: fx.Node) -> fx.Node | None:
@@ -155,7 +156,7 @@ class GroupNormTriton(Rule):
         args = (found["x"], found["groups"], w, b, found["eps"])
         replace_with(gm, node, torch.ops.opswap.group_norm.default, args)
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         n, m, dtype = found["group_size"], found["groups_total"], found["dtype"]
         note = f"GroupNorm at {m} groups x {n}"
         if getattr(target, "kind", "cpu") == "cuda":

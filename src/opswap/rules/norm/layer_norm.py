@@ -15,6 +15,7 @@ from opswap.rules._edits import replace_with
 from opswap.rules._matching import describe_source, setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 def _param(gm: fx.GraphModule, node: fx.Node, name: str, before: fx.Node) -> fx.Node | None:
@@ -93,7 +94,7 @@ class LayerNormTriton(Rule):
         op = torch.ops.opswap.layer_norm.default
         replace_with(gm, node, op, (found["x"], w, b, found["eps"]))
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         n, m, dtype = found["hidden"], found["rows"], found["dtype"]
         # one kernel for one: the forward moves what ATen's does (x in, y out), so the
         # roofline says parity; the measured table says more where it has an entry

@@ -4,6 +4,7 @@ captured) or as nn.RMSNorm / F.rms_norm, -> `opswap::rms_norm`, one Triton kerne
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -15,6 +16,7 @@ from opswap.rules._edits import drop_dead_attrs, erase
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.norm import _rms
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 def describe(rms: _rms.RMS) -> str:
@@ -53,7 +55,14 @@ def install(
     drop_dead_attrs(gm, dead)
 
 
-def estimate(gm, rms: _rms.RMS, target, kernel: str, removed, residual: bool) -> Estimate:
+def estimate(
+    gm: fx.GraphModule,
+    rms: _rms.RMS,
+    target: Target,
+    kernel: str,
+    removed: Sequence[fx.Node],
+    residual: bool,
+) -> Estimate:
     fused = NodeCost(4 * rms.rows * rms.hidden, _rms.fused_bytes(rms, residual))
     return _triton.predict(
         target,
@@ -108,6 +117,6 @@ class RMSNormTriton(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         install(gm, found["rms"])
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         rms = found["rms"]
         return estimate(gm, rms, target, "rms_norm", rms.nodes, residual=False)

@@ -37,6 +37,7 @@ from opswap.rules._cost import op_time
 from opswap.rules._edits import call, drop_dead_attrs, install_module, new_const
 from opswap.rules._weights import Weighted, weighted
 from opswap.rules.base import Estimate, Found, Refused
+from opswap.targets.base import Target
 
 #: the op kinds a half site starts from: the compute-heavy ones
 ANCHORS = ("linear", "conv", "matmul", "addmm")
@@ -237,7 +238,7 @@ def chain_to_half(x: fx.Node, reader: fx.Node, dtype: torch.dtype) -> Chain | No
 # --------------------------------------------------------------------------- check
 
 
-def _tensor_inputs(gm: fx.GraphModule, node: fx.Node):
+def _tensor_inputs(gm: fx.GraphModule, node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """(constants, activations) among the op's tensor arguments: get_attr tensors (weights)
     and the computed values."""
     consts, acts = [], []
@@ -365,14 +366,14 @@ def rewrite_half(gm: fx.GraphModule, found: Found) -> None:
             node.replace_input_with(c, half)
         drop_dead_attrs(gm, consts)
     for a in found["acts"]:
-        c = chains.get(a)
-        if c is None:
+        ch = chains.get(a)
+        if ch is None:
             node.replace_input_with(a, _cast(gm, node, a, dtype))
             continue
         # the earlier site's half output feeds the exact ops directly: both casts go
-        (c.steps[0] if c.steps else node).replace_input_with(c.cast, c.source)
-        if not c.cast.users:
-            gm.graph.erase_node(c.cast)
+        (ch.steps[0] if ch.steps else node).replace_input_with(ch.cast, ch.source)
+        if not ch.cast.users:
+            gm.graph.erase_node(ch.cast)
     with gm.graph.inserting_after(node):
         back = call(gm.graph, node, "to.dtype", (node, torch.float32))
     back.meta.update({k: v for k, v in node.meta.items() if k != "opswap_half"})
@@ -395,7 +396,7 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def native(target, dtype: torch.dtype) -> tuple[bool, str]:
+def native(target: Target, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether `target` computes in `dtype` natively, and what says so. A profile that gives
     the type its own rate does; this machine's measured `cpu` profile gives none, so its
     CPU flags decide (avx512_bf16 / amx_bf16, avx512_fp16 / amx_fp16)."""
@@ -414,7 +415,7 @@ def native(target, dtype: torch.dtype) -> tuple[bool, str]:
     return False, f"{getattr(target, 'name', 'the target')} gives no {name} rate"
 
 
-def predict_half(gm: fx.GraphModule, found: Found, target) -> Estimate:
+def predict_half(gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
     node, dtype = found.nodes[-1], found["dtype"]
     out = info(node)
     if out is None:

@@ -11,6 +11,8 @@ the site's shape before taking it.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -57,7 +59,9 @@ class Int8DynamicRNN(nn.Module):
             f"batch_first={self.batch_first}, weights=int8 per channel, inputs=int8 per row"
         )
 
-    def forward(self, x: torch.Tensor, hx=None):
+    def forward(
+        self, x: torch.Tensor, hx: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         batched = x.dim() == 3
         batch_first = self.batch_first and batched  # an unbatched input is [T, features]
         if not batched:
@@ -71,7 +75,7 @@ class Int8DynamicRNN(nn.Module):
             if not batched and hx is not None:
                 h0, c0 = h0.unsqueeze(1), c0.unsqueeze(1)
         else:
-            h0 = hx if hx is not None else zeros
+            h0 = cast(torch.Tensor, hx) if hx is not None else zeros  # GRU: one tensor
             if not batched and hx is not None:
                 h0 = h0.unsqueeze(1)
         h_last, c_last = [], []

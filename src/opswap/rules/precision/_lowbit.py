@@ -18,6 +18,7 @@ from opswap.rules._matching import input_of
 from opswap.rules._weights import Weighted, weighted
 from opswap.rules.base import Found, Refused
 from opswap.rules.precision._lowbit_modules import FP8Linear, WeightOnlyLinear
+from opswap.targets.base import Target
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -98,5 +99,5 @@ def bf16_gemm(m: int, k: int, n: int, bias: bool) -> NodeCost:
     return NodeCost(2 * m * k * n, 2 * (m * k + k * n + m * n) + (2 * n if bias else 0))
 
 
-def time_of(costs: list[NodeCost], target, dtype: str) -> float:
+def time_of(costs: list[NodeCost], target: Target, dtype: str) -> float:
     return sum(op_time(c, target, dtype) for c in costs)

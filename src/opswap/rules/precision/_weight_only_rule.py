@@ -12,6 +12,7 @@ from opswap.kernels import weight_only as wo
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision import _lowbit as lb
 from opswap.rules.precision._lowbit_modules import WeightOnlyLinear
+from opswap.targets.base import Target
 
 
 def _weight_bytes(bits: int, k: int, n: int, group: int) -> int:
@@ -53,7 +54,7 @@ class WeightOnlyRule(Rule):
         mod = WeightOnlyLinear(w.weight, w.bias, self.bits)
         lb.install(gm, node, mod, f"int{self.bits}")
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         w, m = found["w"], max(1, found["rows"])
         n, k = w.weight.shape
         bias = w.bias is not None

@@ -13,6 +13,7 @@ from opswap.rules._cost import op_time
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision._half import ANCHORS, native
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 _ENTER = torch.amp.autocast_mode._enter_autocast
 _EXIT = torch.amp.autocast_mode._exit_autocast
@@ -113,7 +114,7 @@ class Autocast(Rule):
             ),
         )
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         is_native, why = native(target, torch.bfloat16)
         t_before = t_after = 0.0
         cast_bytes = 0

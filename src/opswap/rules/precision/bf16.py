@@ -4,15 +4,13 @@ cast down and its output cast back, so that the sensitive ops around it stay flo
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 
-from opswap.rules.base import Estimate, Found, Refused, Rule
-from opswap.rules.precision._half import ANCHORS, check_half, predict_half, rewrite_half
+from opswap.rules.precision._half_rule import HalfRule
 from opswap.rules.registry import register
 
 
 @register
-class BF16(Rule):
+class BF16(HalfRule):
     """Run the compute-heavy ops in bfloat16: weights converted once and held as bfloat16
     buffers, activations cast down at the op and its output cast back to float32, so that
     softmax, the norms, reductions, exp and log and the loss read and write float32 as
@@ -28,22 +26,8 @@ class BF16(Rule):
     """
 
     name = "precision.bf16"
-    family = "precision"
-    chapter = 6
-    exactness = "approx"
-    after = ("fusion.*",)
-    relieves = ("compute:matmul", "compute:conv", "memory:matmul")
+    dtype = torch.bfloat16
     description = (
         "float32 Linear / Conv / matmul -> bfloat16 (weights stored in bfloat16, casts at the "
         "edges), softmax, norms and reductions kept in float32 (approx: ~0.3% per layer)."
     )
-    anchors = ANCHORS
-
-    def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
-        return check_half(gm, node, torch.bfloat16)
-
-    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
-        rewrite_half(gm, found)
-
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
-        return predict_half(gm, found, target)

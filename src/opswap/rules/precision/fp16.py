@@ -4,15 +4,13 @@ the example's values come near float16's range."""
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 
-from opswap.rules.base import Estimate, Found, Refused, Rule
-from opswap.rules.precision._half import ANCHORS, check_half, predict_half, rewrite_half
+from opswap.rules.precision._half_rule import HalfRule
 from opswap.rules.registry import register
 
 
 @register
-class FP16(Rule):
+class FP16(HalfRule):
     """Run the compute-heavy ops in float16, the rest in float32, as precision.bf16 does.
 
     float16 rounds finer than bfloat16 (11 bits of mantissa, 2^-12 = 0.02%) but its
@@ -23,22 +21,8 @@ class FP16(Rule):
     """
 
     name = "precision.fp16"
-    family = "precision"
-    chapter = 6
-    exactness = "approx"
-    after = ("fusion.*",)
-    relieves = ("compute:matmul", "compute:conv", "memory:matmul")
+    dtype = torch.float16
     description = (
         "float32 Linear / Conv / matmul -> float16 (weights stored in float16, casts at the "
         "edges), refused where values near float16's 65504 limit (approx: ~0.05% per layer)."
     )
-    anchors = ANCHORS
-
-    def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
-        return check_half(gm, node, torch.float16)
-
-    def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
-        rewrite_half(gm, found)
-
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
-        return predict_half(gm, found, target)

@@ -11,6 +11,7 @@ from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision import _lowbit as lb
 from opswap.rules.precision._lowbit_modules import FP8Linear
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 #: below this many rows the GEMM is memory-bound and FP8's doubled rate buys nothing,
 #: while the activation's quantisation adds a kernel (the issue's H200 measurement:
@@ -56,7 +57,7 @@ class FP8LinearRule(Rule):
         node, w = found.nodes[0], found["w"]
         lb.install(gm, node, FP8Linear(w.weight, w.bias, rowwise=True), "fp8")
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         w, m = found["w"], max(1, found["rows"])
         n, k = w.weight.shape
         bias = w.bias is not None

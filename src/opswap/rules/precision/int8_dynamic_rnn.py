@@ -3,6 +3,9 @@ quantised inputs and hidden states (Int8DynamicRNN)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -15,6 +18,7 @@ from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision import _timing
 from opswap.rules.precision._int8_rnn_module import Int8DynamicRNN
 from opswap.rules.registry import register
+from opswap.targets.base import Target, Timer
 
 MIN_HIDDEN = 64
 
@@ -81,19 +85,19 @@ class Int8DynamicRNNRule(Rule):
         node = found.nodes[0]
         install_module(gm, node, Int8DynamicRNN(found["mod"]), str(node.target))
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         mod, shape = found["mod"], found["shape"]
         if not _timing.is_this_cpu(target):
             return Estimate(note="no roofline for a recurrence: planned untimed")
 
-        def make():
+        def make() -> tuple[Callable[[], object], Callable[[], object]]:
             g = torch.Generator().manual_seed(sum(shape) * 7 + mod.hidden_size)
             x = torch.randn(*shape, generator=g)
             q = Int8DynamicRNN(mod)
             return (lambda: mod(x)), (lambda: q(x))
 
         key = ("rnn", type(mod).__name__, shape, mod.hidden_size, mod.num_layers, mod.bias)
-        t32, t8 = _timing.timed_pair(key, target.timer, make)
+        t32, t8 = _timing.timed_pair(key, cast(Timer, target.timer), make)  # is_this_cpu: it is set
         weights = sum(p.numel() for p in mod.parameters() if p.dim() == 2)
         return Estimate(
             0.0,

@@ -9,16 +9,16 @@ import torch
 import torch.fx as fx
 
 from opswap.cost import NodeCost, node_cost
-from opswap.graph.ops import arg, module_of
+from opswap.graph.ops import module_of
 from opswap.graph.shapes import info
 from opswap.rules._cost import op_time
-from opswap.rules._edits import install_module, swap_in_module
 from opswap.rules._matching import input_of
 from opswap.rules._weights import weighted
 from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.precision import _lowbit as lb
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.rules.registry import register
-from opswap.targets.base import Timer
+from opswap.targets.base import Target, Timer
 
 #: below this many input features the quantise/rescale passes cost more than the GEMM saves
 MIN_IN_FEATURES = 64
@@ -77,7 +77,7 @@ def time_on_this_cpu(
     return res["float32"], res["int8"]
 
 
-def _is_this_cpu(target) -> bool:
+def _is_this_cpu(target: Target) -> bool:
     """The measured target of the machine opswap runs on (not a datasheet or a test's)."""
     return getattr(target, "name", "") == "cpu" and getattr(target, "kind", "") == "cpu"
 
@@ -159,21 +159,9 @@ class Int8DynamicLinear(Rule):
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         node, w = found.nodes[0], found["w"]
-        mod = Int8Linear(w.weight, w.bias, found["kernel"])
-        if node.op == "call_module":
-            install_module(gm, node, mod, str(node.target))
-            return
-        swap_in_module(
-            gm,
-            mod,
-            (input_of(node),),
-            node,
-            [node],
-            f"{node.name}_int8",
-            home=arg(node, 1, "weight"),
-        )
+        lb.install(gm, node, Int8Linear(w.weight, w.bias, found["kernel"]), "int8")
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         node, w = found.nodes[0], found["w"]
         out = info(node)
         if out is None:

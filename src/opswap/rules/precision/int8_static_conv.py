@@ -4,6 +4,9 @@ epilogue (`opswap::int8_static_conv2d`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.fx as fx
 
@@ -19,6 +22,7 @@ from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision import _timing
 from opswap.rules.precision._int8_static_module import NO_ONEDNN, Int8StaticConv2d, calibrated
 from opswap.rules.registry import register
+from opswap.targets.base import Target, Timer
 
 MIN_CHANNELS = 4
 
@@ -96,7 +100,9 @@ class StaticInt8Conv(Rule):
             record=dict(conv=node.name, relu=relu.name if relu else None, **qp.to_json()),
         )
 
-    def _module(self, found: Found, weight=None, bias=None) -> Int8StaticConv2d:
+    def _module(
+        self, found: Found, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    ) -> Int8StaticConv2d:
         w = found["w"]
         return Int8StaticConv2d(
             w.weight if weight is None else weight,
@@ -127,7 +133,7 @@ class StaticInt8Conv(Rule):
             home=arg(conv, 1, "weight"),
         )  # fmt: skip
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         conv, relu = found.nodes[0], found["relu"]
         out, xi = info(conv), info(input_of(conv))
         if out is None or xi is None:
@@ -135,7 +141,7 @@ class StaticInt8Conv(Rule):
         w = found["w"]
         if _timing.is_this_cpu(target):
 
-            def make():
+            def make() -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
                 g = torch.Generator().manual_seed(int(sum(xi.shape)) * 31 + w.weight.numel())
                 x = torch.randn(*xi.shape, generator=g).abs_()
                 wt = torch.randn(*w.weight.shape, generator=g) * 0.1
@@ -143,7 +149,7 @@ class StaticInt8Conv(Rule):
                 q = self._module(found, wt, b)
                 conv_args = (w.stride, found["padding"], w.dilation, w.groups)
 
-                def before():
+                def before() -> torch.Tensor:
                     y = torch.nn.functional.conv2d(x, wt, b, *conv_args)
                     return torch.relu_(y) if relu is not None else y
 
@@ -151,7 +157,9 @@ class StaticInt8Conv(Rule):
 
             key = ("static_conv", tuple(xi.shape), tuple(w.weight.shape), tuple(w.stride),
                    found["padding"], w.groups, relu is not None)  # fmt: skip
-            t32, t8 = _timing.timed_pair(key, target.timer, make)
+            t32, t8 = _timing.timed_pair(
+                key, cast(Timer, target.timer), make
+            )  # is_this_cpu: it is set
             return Estimate(
                 0.0,
                 float(3 * w.weight.numel()),

@@ -8,6 +8,8 @@ scale)."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -28,6 +30,7 @@ from opswap.rules.precision._int8_static_module import (
     _Static,
 )
 from opswap.rules.registry import register
+from opswap.targets.base import Target, Timer
 
 
 def _int8(node: fx.Node) -> _Static | None:
@@ -154,7 +157,7 @@ class StaticInt8Handoff(Rule):
             act.replace_all_uses_with(node)
             erase(gm, [act])
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         node, reader, act = found.nodes[0], found["reader"], found["act"]
         out = info(act if act is not None else node)
         assert out is not None  # check made sure
@@ -163,17 +166,17 @@ class StaticInt8Handoff(Rule):
         if _timing.is_this_cpu(target) and (xi := info(node.args[0])) is not None:
             post = _activation(act) if act is not None else None
 
-            def make():
+            def make() -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
                 g = torch.Generator().manual_seed(int(sum(xi.shape)) * 17 + out.numel)
                 x = torch.randn(*xi.shape, generator=g).abs_()
                 handing = self._handing(found, first)
 
-                def before():
+                def before() -> torch.Tensor:
                     h = first(x)
                     h = int8_static._post(h, post) if post is not None else h
                     return second(h)
 
-                def after():
+                def after() -> torch.Tensor:
                     return second(handing(x))
 
                 return before, after
@@ -183,7 +186,9 @@ class StaticInt8Handoff(Rule):
                    repr(getattr(first, "stride", None)), getattr(first, "groups", 1),
                    repr(getattr(second, "stride", None)), getattr(second, "groups", 1),
                    found["post"])  # fmt: skip
-            t_before, t_after = _timing.timed_pair(key, target.timer, make)
+            t_before, t_after = _timing.timed_pair(
+                key, cast(Timer, target.timer), make
+            )  # is_this_cpu: it is set
             return Estimate(
                 0.0,
                 float(8 * out.numel),

@@ -3,6 +3,9 @@ scale calibration fixed, computed by onednn's int8 GEMM (`opswap::int8_static_li
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.fx as fx
 
@@ -18,6 +21,7 @@ from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.precision import _timing
 from opswap.rules.precision._int8_static_module import NO_ONEDNN, Int8StaticLinear, calibrated
 from opswap.rules.registry import register
+from opswap.targets.base import Target, Timer
 
 MIN_FEATURES = 16
 
@@ -94,7 +98,7 @@ class StaticInt8Linear(Rule):
             home=arg(node, 1, "weight"),
         )  # fmt: skip
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         node, w = found.nodes[0], found["w"]
         out = info(node)
         if out is None:
@@ -103,7 +107,7 @@ class StaticInt8Linear(Rule):
         m = max(1, out.numel // n)
         if _timing.is_this_cpu(target):
 
-            def make():
+            def make() -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
                 g = torch.Generator().manual_seed(m * 31 + k * 7 + n)
                 x = torch.randn(m, k, generator=g)
                 wt = torch.randn(n, k, generator=g) / k**0.5
@@ -112,7 +116,9 @@ class StaticInt8Linear(Rule):
                 return (lambda: torch.nn.functional.linear(x, wt, b)), (lambda: q(x))
 
             t32, t8 = _timing.timed_pair(
-                ("static_linear", m, k, n, w.bias is not None), target.timer, make
+                ("static_linear", m, k, n, w.bias is not None),
+                cast(Timer, target.timer),  # is_this_cpu: it is set
+                make,
             )
             return Estimate(
                 0.0,

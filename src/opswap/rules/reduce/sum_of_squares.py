@@ -15,6 +15,7 @@ from opswap.rules._edits import erase
 from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
+from opswap.targets.base import Target
 
 
 def _square_of(sq: fx.Node) -> fx.Node | None:
@@ -33,7 +34,7 @@ def _square_of(sq: fx.Node) -> fx.Node | None:
     return None
 
 
-def _last_dim(dim, ndim: int) -> bool:
+def _last_dim(dim: object, ndim: int) -> bool:
     if isinstance(dim, (list, tuple)):
         dim = dim[0] if len(dim) == 1 else None
     return isinstance(dim, int) and ndim > 0 and dim % ndim == ndim - 1
@@ -106,7 +107,7 @@ class SumOfSquaresTriton(Rule):
         out.replace_all_uses_with(new)
         erase(gm, found.nodes)
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         n, m, dtype = found["hidden"], found["rows"], found["dtype"]
         elt = torch.empty((), dtype=dtype).element_size()
         fused = NodeCost(2 * m * n, m * n * elt + m * elt)

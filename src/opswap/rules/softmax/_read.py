@@ -29,11 +29,11 @@ class Softmax:
     form: str  # "op" or "written out"
 
 
-def _number(v) -> float | None:
+def _number(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _last_dim(dim, ndim: int) -> bool:
+def _last_dim(dim: object, ndim: int) -> bool:
     if isinstance(dim, (list, tuple)):
         dim = dim[0] if len(dim) == 1 else None
     return isinstance(dim, int) and ndim > 0 and dim % ndim == ndim - 1

@@ -13,6 +13,7 @@ from opswap.rules import _triton
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 from opswap.rules.softmax import _read
+from opswap.targets.base import Target
 
 
 def kernel_name(sm: _read.Softmax) -> str:
@@ -42,7 +43,7 @@ def found(sm: _read.Softmax, rule: str) -> Found:
     )
 
 
-def estimate(sm: _read.Softmax, target) -> Estimate:
+def estimate(sm: _read.Softmax, target: Target) -> Estimate:
     fused = NodeCost(5 * sm.rows * sm.hidden, _read.fused_bytes(sm))
     return _triton.predict(
         target,
@@ -97,5 +98,5 @@ class SoftmaxTriton(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         _read.install(gm, found["sm"])
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         return estimate(found["sm"], target)

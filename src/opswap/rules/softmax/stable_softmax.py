@@ -9,6 +9,7 @@ from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.registry import register
 from opswap.rules.softmax import _read
 from opswap.rules.softmax.softmax import estimate, found
+from opswap.targets.base import Target
 
 
 @register
@@ -46,5 +47,5 @@ class StableSoftmax(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         _read.install(gm, found["sm"])
 
-    def predict(self, gm: fx.GraphModule, found: Found, target) -> Estimate:
+    def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
         return estimate(found["sm"], target)
