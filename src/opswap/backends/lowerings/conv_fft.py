@@ -4,12 +4,15 @@ it faster than its Conv)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any  # onnxscript values: see _onnx
+
 from opswap.backends.lowerings._onnx import op
 from opswap.backends.lowerings._registry import lowering
 
 
 @lowering("opswap::conv_fft", "Conv")
-def conv_fft(x, weight, bias, padding, groups):
+def conv_fft(x: Any, weight: Any, bias: Any, padding: Sequence[int], groups: int) -> Any:
     # stride 1, dilation 1, zero padding the same on both sides (the op's contract)
     return op.Conv(
         x,
