@@ -28,24 +28,13 @@ from opswap.graph.ops import arg, is_aten, module_of, op_kind, raw_name
 from opswap.graph.shapes import info, shapes_seen
 from opswap.rules._matching import describe_source, perm_of
 from opswap.rules.attention._gqa import repeated
-from opswap.rules.attention._static import number
+from opswap.rules.attention._static import Term, number
 
 _MATMULS = ("matmul", "bmm", "__matmul__")
 _PASS = ("to", "identity", "contiguous")  # no-op between the ops, casts included
 #: a finite fill at or below this absorbs any score it is added to (float32 and bfloat16)
 BIG = -1e30
 GQA = "enable_gqa" in str(torch.ops.aten.scaled_dot_product_attention.default._schema)
-
-
-@dataclass
-class Term:
-    """One thing done to the scores between the scale and the softmax: `add` a tensor,
-    `fill` with `value` where the bool `tensor` is True, or `keep` only where it is True
-    (the rest filled with `value`)."""
-
-    kind: str
-    tensor: fx.Node
-    value: float = 0.0
 
 
 #: one step back from the softmax to q @ kᵀ: (node, what it does to the scores: a mask

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -31,8 +32,17 @@ from torch.fx.node import Argument
 from opswap.graph.ops import attr_tensor, module_of, op_kind, raw_name
 from opswap.graph.shapes import dynamic_dims, info, metas, shapes_seen
 
-if TYPE_CHECKING:  # _match reads numbers through this module
-    from opswap.rules.attention._match import Term
+
+@dataclass
+class Term:
+    """One thing done to the scores between the scale and the softmax: `add` a tensor,
+    `fill` with `value` where the bool `tensor` is True, or `keep` only where it is True
+    (the rest filled with `value`)."""
+
+    kind: str
+    tensor: fx.Node
+    value: float = 0.0
+
 
 #: masks larger than this many elements are not evaluated (a causal proof is then not tried)
 _MAX_NUMEL = 1 << 24
@@ -216,7 +226,7 @@ def runs(node: fx.Node) -> int:
 
 
 def masked(gm: fx.GraphModule, terms: Sequence[Term], run: int | Length) -> torch.Tensor | None:
-    """Where the mask `terms` (see _match.Term) hides a key at run `run`, as a bool tensor,
+    """Where the mask `terms` (see Term) hides a key at run `run`, as a bool tensor,
     when the terms hide keys and add nothing else (0 elsewhere); None when a term is not
     static or adds values other than 0 and the large negative ones."""
     hidden: torch.Tensor | None = None
