@@ -140,6 +140,25 @@ def get(name: str) -> ConvAlgorithm:
     return _REGISTRY[name]
 
 
+def check_call(op: str, x: torch.Tensor, weight: torch.Tensor, groups: int) -> None:
+    """Refuse, in one sentence naming `op`, a call whose input and weight are not one
+    conv1d or conv2d split into `groups`."""
+    if weight.dim() not in (3, 4) or x.dim() != weight.dim():
+        raise ValueError(
+            f"{op} takes a conv1d or conv2d: input of {x.dim()} dims and weight of "
+            f"{weight.dim()} dims are not one"
+        )
+    if x.shape[1] != weight.shape[1] * groups:
+        raise ValueError(
+            f"{op}: the input has {x.shape[1]} channels, the weight expects "
+            f"{weight.shape[1]} x {groups} groups"
+        )
+    if weight.shape[0] % groups:
+        raise ValueError(
+            f"{op}: {weight.shape[0]} output channels do not split into {groups} groups"
+        )
+
+
 def site_of(
     x: torch.Tensor,
     weight: torch.Tensor,

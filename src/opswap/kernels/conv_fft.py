@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from opswap.kernels._versions import version
-from opswap.kernels.conv_algorithms import ConvAlgorithm, ConvSite, register
+from opswap.kernels.conv_algorithms import ConvAlgorithm, ConvSite, check_call, register
 
 #: below this kernel size (in every spatial dim) an FFT convolution is never worth it
 MIN_KERNEL = 3
@@ -109,23 +109,10 @@ def _spectrum(
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, padding: Sequence[int], groups: int) -> None:
-    if weight.dim() not in (3, 4) or x.dim() != weight.dim():
-        raise ValueError(
-            f"conv_fft takes a conv1d or conv2d: input of {x.dim()} dims and weight of "
-            f"{weight.dim()} dims are not one"
-        )
+    check_call("conv_fft", x, weight, groups)
     if len(padding) != weight.dim() - 2:
         raise ValueError(
             f"conv_fft needs one padding per spatial dim ({weight.dim() - 2}); got {list(padding)}"
-        )
-    if x.shape[1] != weight.shape[1] * groups:
-        raise ValueError(
-            f"conv_fft: the input has {x.shape[1]} channels, the weight expects "
-            f"{weight.shape[1]} x {groups} groups"
-        )
-    if weight.shape[0] % groups:
-        raise ValueError(
-            f"conv_fft: {weight.shape[0]} output channels do not split into {groups} groups"
         )
 
 

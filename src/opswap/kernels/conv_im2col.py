@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from opswap.kernels.conv_algorithms import ConvAlgorithm, ConvSite, register
+from opswap.kernels.conv_algorithms import ConvAlgorithm, ConvSite, check_call, register
 
 
 def output_size(
@@ -62,23 +62,6 @@ def _as_2d(
     )
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, groups: int) -> None:
-    if weight.dim() not in (3, 4) or x.dim() != weight.dim():
-        raise ValueError(
-            f"conv_im2col takes a conv1d or conv2d: input of {x.dim()} dims and weight of "
-            f"{weight.dim()} dims are not one"
-        )
-    if x.shape[1] != weight.shape[1] * groups:
-        raise ValueError(
-            f"conv_im2col: the input has {x.shape[1]} channels, the weight expects "
-            f"{weight.shape[1]} x {groups} groups"
-        )
-    if weight.shape[0] % groups:
-        raise ValueError(
-            f"conv_im2col: {weight.shape[0]} output channels do not split into {groups} groups"
-        )
-
-
 @torch.library.custom_op("opswap::conv_im2col", mutates_args=())
 def conv_im2col(
     x: torch.Tensor,
@@ -91,7 +74,7 @@ def conv_im2col(
 ) -> torch.Tensor:
     """conv1d/conv2d(x, weight, bias, stride, padding, dilation, groups) by unfold + GEMM;
     zero padding; the output is contiguous."""
-    _check(x, weight, groups)
+    check_call("conv_im2col", x, weight, groups)
     one_d = weight.dim() == 3
     x2, w2, s, p, d = _as_2d(x, weight, stride, padding, dilation)
     n = x2.shape[0]
@@ -119,7 +102,7 @@ def _fake(
     dilation: Sequence[int],
     groups: int,
 ) -> torch.Tensor:
-    _check(x, weight, groups)
+    check_call("conv_im2col", x, weight, groups)
     sizes = [
         output_size(x.shape[2 + i], weight.shape[2 + i], stride[i], padding[i], dilation[i])
         for i in range(weight.dim() - 2)
