@@ -135,10 +135,16 @@ def input_transform(x: torch.Tensor, padding: Sequence[int], m: int, groups: int
     v = xp.new_empty((a, a, n, th, tw, c))
     for j in range(a):
         _combine(bt[j], col_parts, v[:, j])
+    return _by_group(v, a * a, n * th * tw, c, groups)
+
+
+def _by_group(v: torch.Tensor, points: int, tiles: int, c: int, groups: int) -> torch.Tensor:
+    """V [points, tiles, C] as [points * groups, tiles, C / groups]: one GEMM batch per
+    (point, group)."""
     if groups == 1:
-        return v.reshape(a * a, n * th * tw, c)
-    v = v.reshape(a * a, n * th * tw, groups, c // groups).transpose(1, 2)
-    return v.reshape(a * a * groups, n * th * tw, c // groups)
+        return v.reshape(points, tiles, c)
+    v = v.reshape(points, tiles, groups, c // groups).transpose(1, 2)
+    return v.reshape(points * groups, tiles, c // groups)
 
 
 def output_transform(
@@ -197,10 +203,7 @@ def input_transform_gemm(
     d = xp.unfold(1, a, m).unfold(2, a, m)  # [N, th, tw, C, a_j, a_k], a view
     d = d.permute(4, 5, 0, 1, 2, 3).reshape(a * a, -1)  # the gather copy
     v = _kron(_RAW[m][0], work, x.device) @ d  # [a_i * a_l, N * th * tw * C]
-    if groups == 1:
-        return v.reshape(a * a, n * th * tw, c)
-    v = v.reshape(a * a, n * th * tw, groups, c // groups).transpose(1, 2)
-    return v.reshape(a * a * groups, n * th * tw, c // groups)
+    return _by_group(v, a * a, n * th * tw, c, groups)
 
 
 def output_transform_gemm(
