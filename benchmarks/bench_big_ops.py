@@ -1,5 +1,6 @@
 """Big ops for small ones (chapter 5): fusion.parallel_conv and fusion.batch_matmul against
-the model as written, timed in one interleaved loop (opswap.bench.timing).
+the model as written and against torch.compile of it and of the rewrite (the peer a user
+reaches for), timed in one interleaved loop (opswap.bench.timing).
 
     PYTHONPATH=src python3 benchmarks/bench_big_ops.py                  # CPU, one thread
     PYTHONPATH=src python3 benchmarks/bench_big_ops.py --device cuda    # the gpu_suite part "bigops"
@@ -96,7 +97,7 @@ RULES = {
 }
 
 
-def run(device: str, min_time_s: float) -> tuple[list[dict], list[str]]:
+def run(device: str, min_time_s: float, compiled: bool = True) -> tuple[list[dict], list[str]]:
     from opswap.graph.capture import capture
     from opswap.planner import apply_plan, make_plan
 
@@ -113,6 +114,9 @@ def run(device: str, min_time_s: float) -> tuple[list[dict], list[str]]:
             model, gm = model.to(device), gm.to(device)
             dev_inputs = tuple(t.to(device) for t in inputs)
             fns = {"original": model, "rewritten": gm}
+            if compiled:  # the peer a user reaches for instead: Inductor fuses on its own
+                fns["compile"] = torch.compile(model)
+                fns["rewritten+compile"] = torch.compile(gm)
             for r in compare_variants(
                 fns, dev_inputs, "original", device=device, min_time_s=min_time_s
             ):
@@ -141,10 +145,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (cpu only)")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per case at least")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer")
     args = ap.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    rows, notes = run(args.device, args.min_time)
+    rows, notes = run(args.device, args.min_time, not args.no_compile)
     tag = "cpu" if args.device == "cpu" else card()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     write_results(
