@@ -542,25 +542,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=[
-            "race",
-            "lowbit",
-            "precision",
-            "kernels",
-            "kernels18",
-            "attention",
-            "attention_e2e",
-            "decode",
-            "activation",
-            "epilogue",
-            "rows",
-            "backward",
-            "tune",
-            "widths",
-            "tune_int4",
-            "int4_stacks",
-            "host",
-        ],
+        # every KERNEL_PARTS key is a part, beside the parts with their own code below
+        choices=sorted({"race", "lowbit", "precision", "attention_e2e", *KERNEL_PARTS}),
         help="run one part alone: host = benchmarks/bench_host_overhead.py (the host time per eager call of opswap::rms_norm and opswap::layer_norm, layer by layer, beside torch eager and torch.compile; writes host_overhead_CARD.json); race = tests/bench/test_gpu_race.py on one worker (the bf16 race on torchvision ResNet-50 and BERT-base saves the fastest verified variant and it reloads; writes race_CARD.json); int4_stacks = benchmarks/tune_int4.py --stacks-only (the "
         "INT4 decode stacks with the committed launch table, beside bf16 and tinygemm); "
         "tune_int4 = the weight-only kernel's GPU tests, then "
