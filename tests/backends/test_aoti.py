@@ -92,3 +92,38 @@ def test_a_package_whose_loading_crashes_is_dropped_with_the_reason(tmp_path):
         aoti.first_call_in_child(
             tmp_path / "p.pt2", tmp_path / "m.pt2", (torch.ones(1),), python=str(broken)
         )
+
+
+def test_crash_frame_names_the_innermost_frame_faulthandler_printed() -> None:
+    from opswap.backends.aoti import crash_frame
+
+    stderr = (
+        "some warning\n"
+        "Fatal Python error: Segmentation fault\n\n"
+        "Current thread 0x00007f (most recent call first):\n"
+        '  File "/opt/venv/lib/python3.12/site-packages/torch/_inductor/package/package.py", line 412 in load_package\n'
+        '  File "/work/src/opswap/backends/aoti.py", line 90 in load\n'
+    )
+    assert crash_frame(stderr) == "load_package, torch/_inductor/package/package.py:412"
+    assert crash_frame('Traceback (most recent call last):\n  File "x.py", line 1 in f\n') is None
+    assert crash_frame("") is None
+
+
+def test_a_crashing_child_is_named_with_its_frame(tmp_path) -> None:
+    """A child killed by SIGSEGV: the error names the signal and the frame it died in."""
+    import sys
+
+    from opswap.backends.aoti import first_call_in_child
+    from opswap.errors import OpswapError
+
+    crasher = tmp_path / "crash.py"
+    crasher.write_text("import ctypes\n\ndef boom():\n    ctypes.string_at(0)\n\nboom()\n")
+    script = tmp_path / "py"  # stands in for the interpreter; ignores the child's arguments
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} -X faulthandler {crasher}\n")
+    script.chmod(0o755)
+    with pytest.raises(
+        OpswapError, match=r"crashed that process \(SIGSEGV, in string_at, .*ctypes/__init__\.py:\d+\)"
+    ):
+        first_call_in_child(
+            tmp_path / "p.pt2", tmp_path / "m.pt2", (torch.zeros(1),), python=str(script)
+        )

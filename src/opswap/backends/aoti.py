@@ -149,6 +149,8 @@ def first_call_in_child(
             proc = subprocess.run(
                 [
                     python or sys.executable,
+                    "-X",
+                    "faulthandler",  # a crash prints the Python stack it happened under
                     "-m",
                     "opswap.backends.aoti",
                     str(package_path),
@@ -168,13 +170,36 @@ def first_call_in_child(
         if proc.returncode != 0:
             if proc.returncode < 0:
                 name = signal.Signals(-proc.returncode).name
+                where = crash_frame(proc.stderr)
                 raise OpswapError(
-                    f"loading it in a fresh process crashed that process ({name}) on torch {torch.__version__}"
+                    f"loading it in a fresh process crashed that process ({name}"
+                    f"{', in ' + where if where else ''}) on torch {torch.__version__}"
                 )
             last = (proc.stderr.strip().splitlines() or ["no message"])[-1][:300]
             raise OpswapError(f"loading it in a fresh process failed ({last})")
         found = torch.load(got, weights_only=False)
     return found["outputs"], float(found["first_call_s"])
+
+
+def crash_frame(stderr: str) -> str | None:
+    """The innermost Python frame of the stack faulthandler printed when the child crashed
+    ("load_package, torch/_inductor/package/package.py:123"), or None when it printed none.
+    faulthandler lists the frames innermost first, after "Fatal Python error" and the
+    thread's header."""
+    lines = stderr.splitlines()
+    start = next((i for i, t in enumerate(lines) if t.startswith("Fatal Python error")), None)
+    if start is None:
+        return None
+    for line in lines[start + 1 :]:
+        t = line.strip()
+        if t.startswith('File "') and " line " in t:
+            path, _, rest = t[len('File "') :].partition('", line ')
+            num, _, func = rest.partition(" in ")
+            # from the package down when it is an installed one, else the last three parts
+            short = path.rpartition("site-packages/")[2] if "site-packages/" in path else ""
+            short = short or "/".join(Path(path).parts[-3:])
+            return f"{func.strip() or '?'}, {short}:{num.strip()}"
+    return None
 
 
 def _child(argv: list[str]) -> None:
