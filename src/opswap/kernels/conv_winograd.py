@@ -94,13 +94,15 @@ def _cached_filter(weight: torch.Tensor, m: int, groups: int) -> torch.Tensor:
 # ResNet's 3x3 layers (C = O = 64..512) 32..256 flops a byte, on the tensor cores' side of
 # an H100's ridge, so the products run as GEMMs do; Winograd's gain is a^2 / (9 m^2) of
 # the direct conv's flops, paid for by the transforms' memory passes.
-def _products_fn(
-    v_ptr: Any,  # [P, T, Cg] (P = points x groups), contiguous
-    u_ptr: Any,  # [P, Cg, Og], contiguous
-    out_ptr: Any,  # [P, T, Og] float32, contiguous
-    T: Any,
-    C: Any,
-    OUT: Any,  # Og
+# No annotations on the runtime arguments: a compiling Triton resolves them as globals
+# and refuses `Any` (the interpreter never looks), so the GPU build failed on them.
+def _products_fn(  # type: ignore[no-untyped-def]
+    v_ptr,  # [P, T, Cg] (P = points x groups), contiguous
+    u_ptr,  # [P, Cg, Og], contiguous
+    out_ptr,  # [P, T, Og] float32, contiguous
+    T,
+    C,
+    OUT,  # Og
     BLOCK_T: tl.constexpr,
     BLOCK_O: tl.constexpr,
     BLOCK_C: tl.constexpr,
