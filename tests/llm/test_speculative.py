@@ -202,3 +202,20 @@ def test_sampling_with_speculation_is_seeded_and_ends_at_max_tokens():
         assert engine.stats().blocks.in_use == 0
         runs.append([o.token_ids for o in outs])
     assert runs[0] == runs[1]
+
+
+def test_a_stop_token_after_accepted_drafts_ends_the_request_there():
+    """A stop token drawn in a step that also accepted drafts ends the output at it, as
+    without speculation; the tokens are transformers'."""
+    model = _llama()
+    prompt = _prompts()[2]  # its greedy output repeats one token, then turns
+    ref = _hf(model, prompt, 20)
+    multi = 0
+    for cut in [i for i in range(2, 20) if ref[i] not in ref[:i]]:  # first occurrences
+        engine = LLMEngine(model, block_size=4, num_blocks=40, max_model_len=48, speculative=True)
+        params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[ref[cut]])
+        (out,) = _run(engine, [prompt], params)
+        assert out.finish_reason == "stop" and out.token_ids == ref[: cut + 1]
+        assert engine.stats().blocks.in_use == 0
+        multi += len(out.new_token_ids) > 1  # the last step emitted drafts and the stop
+    assert multi > 0

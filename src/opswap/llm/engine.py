@@ -166,9 +166,9 @@ class LLMEngine:
         if speculative is True:
             speculative = SpeculativeConfig()
         self.spec: SpeculativeConfig | None = speculative or None
-        # with graphs, one block more than the pool: the padded rows of a bucket write there
-        pool = self.num_blocks + (1 if cuda_graphs else 0)
-        shape = (layers, pool, block_size, net.kv_heads, net.head_dim)
+        # one block more than the pool, never handed out: a graph bucket's padded rows
+        # write their keys and values there
+        shape = (layers, self.num_blocks + 1, block_size, net.kv_heads, net.head_dim)
         # k_cache[i]: layer i's [num_blocks, block_size, kv_heads, head_dim]
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
@@ -254,8 +254,8 @@ class LLMEngine:
         """Schedule, run one forward, draw tokens; the outputs of requests that moved."""
         self._propose()
         batch = self.scheduler.schedule()
-        for seq in self.scheduler.running:
-            seq.draft_ids = []
+        for seq in (*self.scheduler.running, *batch.preempted):
+            seq.draft_ids = []  # drafts are for this step only
         if not batch.entries:
             if self.has_unfinished():
                 raise EngineError("the scheduler found nothing to run; this is a bug in opswap.")
@@ -497,8 +497,8 @@ class _DecodeGraphs:
     smallest bucket >= n; the padded rows read and write only the spare block past the
     pool (their logits are dropped)."""
 
-    def __init__(self, engine: LLMEngine, max_batch: int) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, max_batch: int, capture: bool = True) -> None:
+        self.engine, self.capture = engine, capture  # capture False: run the buckets eagerly
         self.buckets = _buckets(max(1, max_batch))
         b, dev = self.buckets[-1], engine.device
         self.width = _blocks_for(engine.max_model_len, engine.block_size)
@@ -548,6 +548,8 @@ class _DecodeGraphs:
         b = self.bucket(n)
         for name, host in self.inputs(entries, b).items():
             getattr(self, name)[:b].copy_(host, non_blocking=True)
+        if not self.capture:
+            return self._step(b)[:n]
         if b not in self.graphs:
             self._capture(b)
         graph, out = self.graphs[b]
