@@ -383,7 +383,9 @@ def test_cuda_graphs_with_speculation_and_bucket_reuse():
     opts = dict(block_size=8, num_blocks=48, max_model_len=64, max_num_seqs=4)
     spec = SpeculativeConfig(num_tokens=3, max_batch=2)
     want, _, _ = _padded_run(model, prompts, params, "cuda", "off", **opts)
-    got, _, engine = _padded_run(model, prompts, params, "cuda", "capture", speculative=spec, **opts)
+    got, _, engine = _padded_run(
+        model, prompts, params, "cuda", "capture", speculative=spec, **opts
+    )
     assert got == want
     s = engine.stats()
     assert s.graph_steps > 0 and s.draft_tokens > 0 and s.blocks.in_use == 0
