@@ -219,3 +219,17 @@ def test_a_stop_token_after_accepted_drafts_ends_the_request_there():
         assert engine.stats().blocks.in_use == 0
         multi += len(out.new_token_ids) > 1  # the last step emitted drafts and the stop
     assert multi > 0
+
+
+def test_greedy_with_a_repetition_penalty_is_unchanged_by_speculation():
+    """The penalty of each verified row counts the drafts accepted before it."""
+    model = _llama(seed=4)
+    prompts = _prompts(seed=6)
+    params = SamplingParams(temperature=0, max_tokens=14, repetition_penalty=1.2)
+    outs = {}
+    for spec in (None, SpeculativeConfig(num_tokens=3, min_acceptance=0.0)):
+        engine = LLMEngine(model, block_size=4, num_blocks=80, max_model_len=48, speculative=spec)
+        outs[spec is None] = [o.token_ids for o in _run(engine, prompts, params)]
+        if spec is not None:
+            assert engine.stats().accepted_tokens > 0
+    assert outs[True] == outs[False]

@@ -333,8 +333,15 @@ class LLMEngine:
         accepted drafts and one more (the model's own token after the last accepted)."""
         seq, p, drafts = e.seq, e.seq.params, e.drafts
         history = seq.token_ids
-        if p.greedy:
-            tokens: list[int] = []
+        tokens: list[int]
+        if p.greedy and p.repetition_penalty == 1.0:  # the argmax of every row at once
+            tokens = []
+            for j, t in enumerate(logits.argmax(-1).tolist()):
+                tokens.append(int(t))
+                if j == len(drafts) or t != drafts[j]:
+                    break
+        elif p.greedy:  # the penalty sees the drafts accepted before each row
+            tokens = []
             for j in range(len(drafts) + 1):
                 pick = self.sampler(logits[j : j + 1], [p], [history + tokens], [None])[0]
                 tokens.append(pick.token)
@@ -349,7 +356,13 @@ class LLMEngine:
         assert cfg is not None
         seq.spec_rate = 0.5 * seq.spec_rate + 0.5 * accepted / len(drafts)
         if seq.spec_rate < cfg.min_acceptance:
-            seq.spec_pause, seq.spec_rate = cfg.backoff_steps, 1.0
+            # each pause in a row twice as long as the last (up to 16 times backoff_steps):
+            # text that does not repeat itself soon costs almost nothing
+            seq.spec_pause = cfg.backoff_steps << min(seq.spec_pauses, 4)
+            seq.spec_pauses += 1
+            seq.spec_rate = 1.0
+        elif accepted:
+            seq.spec_pauses = 0
         logp = torch.log_softmax(logits.float(), -1) if p.logprobs is not None else None
         return [
             Pick(

@@ -25,7 +25,8 @@ reading the weights (small batches); in a large batch the step is bound by compu
 extra tokens per sequence make it slower. The engine turns speculation off for a step
 whose running batch is larger than `max_batch`, and for a sequence whose recent
 acceptance (an average over its last verifications) falls below `min_acceptance` it
-pauses for `backoff_steps` steps.
+pauses for `backoff_steps` steps, twice as long at each pause in a row (up to 16 times),
+until a verification accepts a draft again.
 """
 
 from __future__ import annotations
