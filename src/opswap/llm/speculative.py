@@ -40,9 +40,13 @@ import torch
 from opswap.errors import OpswapError
 from opswap.llm.sampling import SamplingParams, apply_penalty, filter_logits
 
-#: the running batch above which a step does not speculate, from benchmarks/bench_engine.py
-#: (the CPU crossover of a tiny model; see chapter 29 for the measured table)
-DEFAULT_MAX_BATCH = 8
+#: the running batch above which a step does not speculate. Measured (bench_engine.py
+#: --part spec, the CPU, a tiny model): no crossover up to 64 on repetitive text, where
+#: every step is bound by per-step overhead. On a GPU a step stays bound by reading the
+#: weights while its rows (batch x (1 + 4 drafts)) are below the GEMM ridge point, a few
+#: hundred rows for bf16 on an H100: 32 x 5 = 160 keeps well under it. The GPU run of the
+#: same benchmark reports the measured crossover, which should replace this number.
+DEFAULT_MAX_BATCH = 32
 
 
 class SpeculativeError(OpswapError, ValueError):
