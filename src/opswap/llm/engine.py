@@ -360,7 +360,7 @@ class LLMEngine:
             # text that does not repeat itself soon costs almost nothing
             seq.spec_pause = cfg.backoff_steps << min(seq.spec_pauses, 4)
             seq.spec_pauses += 1
-            seq.spec_rate = 1.0
+            seq.spec_rate = 0.5
         elif accepted:
             seq.spec_pauses = 0
         logp = torch.log_softmax(logits.float(), -1) if p.logprobs is not None else None

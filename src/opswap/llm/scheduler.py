@@ -42,7 +42,7 @@ class Sequence:
     sent_tokens: int = 0  # output tokens already streamed
     sent_text: int = 0  # characters already streamed
     draft_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
-    spec_rate: float = 1.0  # recent share of drafts accepted (a running average)
+    spec_rate: float = 0.5  # recent share of drafts accepted (a running average)
     spec_pause: int = 0  # steps left before the sequence speculates again
     spec_pauses: int = 0  # pauses in a row (each twice as long)
 
