@@ -14,7 +14,7 @@ import torch
 
 from opswap.llm import LLMEngine, SamplingParams, SpeculativeConfig, SpeculativeError
 from opswap.llm.sampling import sampling_probs
-from opswap.llm.speculative import accept_sampled, propose
+from opswap.llm.speculative import PromptLookup, accept_sampled, propose
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,6 +35,16 @@ def test_propose_takes_the_latest_longest_match():
     # 256 then 0 hold the bytes of token 1 one byte off a token boundary: not a match
     assert propose([256, 0, 5, 1], 2, max_ngram=1) == []
     assert propose([300, 1, 5, 1], 2, max_ngram=1) == [5, 1]
+
+
+def test_prompt_lookup_proposes_as_the_search_while_the_sequence_grows():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 12, (5,), generator=g).tolist()
+    lookup = PromptLookup()
+    for _ in range(60):
+        assert lookup.propose(ids, 3) == propose(ids, 3)
+        ids.append(int(torch.randint(0, 12, (1,), generator=g)))
+    assert lookup.upto == len(ids) - 2 and lookup.seen == set(ids[:-2])
 
 
 def test_config_errors_are_one_sentence():

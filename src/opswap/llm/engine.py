@@ -52,7 +52,7 @@ from opswap.llm.sampling import (
 )
 from opswap.llm.scheduler import Batch, Scheduled, Scheduler
 from opswap.llm.scheduler import Sequence as Seq
-from opswap.llm.speculative import SpeculativeConfig, accept_sampled, propose
+from opswap.llm.speculative import PromptLookup, SpeculativeConfig, accept_sampled
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -326,7 +326,10 @@ class LLMEngine:
                 seq.params.max_tokens - len(seq.output_ids) - 1,
             )
             if room > 0:
-                seq.draft_ids = propose(seq.token_ids, room, cfg.max_ngram, cfg.min_ngram)
+                if seq.lookup is None:
+                    seq.lookup = PromptLookup()
+                ids = seq.token_ids
+                seq.draft_ids = seq.lookup.propose(ids, room, cfg.max_ngram, cfg.min_ngram)
 
     def _verify(self, e: Scheduled, logits: torch.Tensor) -> list[Pick]:
         """The tokens a decode with drafts emits from its rows [1 + drafts, vocab]: the

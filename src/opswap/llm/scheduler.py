@@ -22,6 +22,7 @@ import torch
 
 from opswap.llm.blocks import BlockManager
 from opswap.llm.sampling import SamplingParams, TokenLogprob
+from opswap.llm.speculative import PromptLookup
 
 
 @dataclass(eq=False)  # compared by identity: two requests are never the same one
@@ -45,6 +46,7 @@ class Sequence:
     spec_rate: float = 0.5  # recent share of drafts accepted (a running average)
     spec_pause: int = 0  # steps left before the sequence speculates again
     spec_pauses: int = 0  # pauses in a row (each twice as long)
+    lookup: PromptLookup | None = None  # its draft proposer, made at its first decode
 
     @property
     def token_ids(self) -> list[int]:

@@ -108,6 +108,27 @@ def propose(token_ids: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int
     return []
 
 
+class PromptLookup:
+    """One sequence's proposer. It keeps the set of tokens seen before the last one, so a
+    step whose last token never occurred earlier (most steps of text that does not repeat)
+    skips the search: no n-gram can match without its last token matching."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.upto = 0  # token_ids[:upto] are in `seen`
+
+    def propose(
+        self, token_ids: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1
+    ) -> list[int]:
+        last = len(token_ids) - 1
+        if self.upto < last:
+            self.seen.update(token_ids[self.upto : last])
+            self.upto = last
+        if last < 1 or token_ids[last] not in self.seen:
+            return []
+        return propose(token_ids, k, max_ngram, min_ngram)
+
+
 def accept_sampled(
     logits: torch.Tensor,
     drafts: Sequence[int],
