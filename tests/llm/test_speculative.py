@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from opswap.llm import LLMEngine, SamplingParams, SpeculativeConfig, SpeculativeError
+from opswap.llm import (
+    BlockError,
+    BlockManager,
+    LLMEngine,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeError,
+)
 from opswap.llm.sampling import sampling_probs
 from opswap.llm.speculative import PromptLookup, accept_sampled, propose
 
@@ -45,6 +52,22 @@ def test_prompt_lookup_proposes_as_the_search_while_the_sequence_grows():
         assert lookup.propose(ids, 3) == propose(ids, 3)
         ids.append(int(torch.randint(0, 12, (1,), generator=g)))
     assert lookup.upto == len(ids) - 2 and lookup.seen == set(ids[:-2])
+
+
+def test_truncate_returns_the_blocks_only_rejected_drafts_reached():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    ids = list(range(10))
+    bm.admit("a", ids)
+    bm.allocate("a", 9)  # 9 real tokens (3 blocks), then 5 drafts: 14 slots, 4 blocks
+    bm.commit("a", ids, 9)  # two full blocks named
+    bm.allocate("a", 14)
+    assert len(bm.table("a")) == 4 and bm.num_free() == 2
+    bm.truncate("a", 10)  # one draft accepted: 10 tokens keep 3 blocks
+    assert len(bm.table("a")) == 3 and bm.num_free() == 3
+    with pytest.raises(BlockError, match="cannot drop tokens of its blocks already in the"):
+        bm.truncate("a", 4)  # the second block is named: its tokens are final
+    bm.free("a")
+    assert bm.stats().in_use == 0 and bm.num_free() == 6
 
 
 def test_config_errors_are_one_sentence():
