@@ -113,14 +113,16 @@ def _spec_prompts(kind: str, n: int, vocab: int, g: torch.Generator) -> list[lis
     return [torch.randint(0, vocab, (64,), generator=g).tolist() for _ in range(n)]
 
 
-def _timed_run(model: Any, prompts: list[list[int]], new: int, opts: dict) -> dict:
-    from opswap.llm import LLMEngine, SamplingParams
+def _timed_run(engine: Any, prompts: list[list[int]], new: int) -> dict:
+    """One run of the prompts to the end on an engine (reused across rounds: CUDA graphs
+    are captured in its warm-up run, not in the timed ones)."""
+    from opswap.llm import SamplingParams
 
-    engine = LLMEngine(model, **opts)
+    before = engine.stats()
     params = SamplingParams(temperature=0, max_tokens=new)
-    for p in prompts:
-        engine.add_request(p, params)
-    if torch.cuda.is_available() and engine.device.type == "cuda":
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, str(i))  # ids free again once finished
+    if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0, c0 = time.perf_counter(), time.process_time()
     outs: dict[str, list[int]] = {}
@@ -135,17 +137,17 @@ def _timed_run(model: Any, prompts: list[list[int]], new: int, opts: dict) -> di
     return {
         "wall_s": wall,
         "cpu_s": cpu,
-        "steps": s.steps,
-        "draft_tokens": s.draft_tokens,
-        "accepted_tokens": s.accepted_tokens,
-        "graph_steps": s.graph_steps,
-        "tokens": [outs[k] for k in sorted(outs)],
+        "steps": s.steps - before.steps,
+        "draft_tokens": s.draft_tokens - before.draft_tokens,
+        "accepted_tokens": s.accepted_tokens - before.accepted_tokens,
+        "graph_steps": s.graph_steps - before.graph_steps,
+        "tokens": [outs[str(i)] for i in range(len(prompts))],
     }
 
 
 def spec_part(smoke: bool, device: str, dtype: torch.dtype, rounds: int) -> dict:
     """Speculation off / on (unbounded) / on (default) and, on CUDA, graphs off / on."""
-    from opswap.llm import SpeculativeConfig
+    from opswap.llm import LLMEngine, SpeculativeConfig
 
     models = {
         "repetitive": _model(smoke, device, dtype, 0.02),
@@ -172,12 +174,15 @@ def spec_part(smoke: bool, device: str, dtype: torch.dtype, rounds: int) -> dict
             opts["num_blocks"] = conc * _blocks(64 + new + k + 1, bs) + 8
             if device != "cuda":
                 opts["cuda_graphs"] = False
-            _timed_run(model, prompts[:1], 4, {**opts, **variants["spec_on_default"]})  # warm
+            engines = {name: LLMEngine(model, **opts, **extra) for name, extra in variants.items()}
+            for engine in engines.values():  # warm-up: kernels tuned, graphs captured
+                _timed_run(engine, prompts, new)
             runs: dict[str, list[dict]] = {name: [] for name in variants}
             order = list(variants)
             for r in range(rounds):  # each variant takes each place in the order in turn
                 for name in order[r % len(order) :] + order[: r % len(order)]:
-                    runs[name].append(_timed_run(model, prompts, new, {**opts, **variants[name]}))
+                    runs[name].append(_timed_run(engines[name], prompts, new))
+            del engines
             base = "graphs_off" if device == "cuda" else "spec_off"
             ref_tokens = runs[base][0]["tokens"]
             # the time: wall on a GPU; on the CPU the process's CPU time (one torch thread),
