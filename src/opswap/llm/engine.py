@@ -104,6 +104,10 @@ class LLMEngine:
     KV memory: `num_blocks` blocks of `block_size` tokens, or as many as `kv_memory` bytes
     hold, or by default room for max_num_seqs sequences of max_model_len tokens.
     `decode(ids) -> str` (a tokenizer's) gives outputs their text and enables stop strings.
+    `speculative` (a SpeculativeConfig, or True for the defaults) verifies prompt-lookup
+    drafts in each step's forward; greedy tokens are unchanged. `cuda_graphs` (default:
+    on for a CUDA device) replays decode-only steps of up to `graph_max_batch` sequences
+    from CUDA graphs captured at bucketed batch sizes.
     """
 
     def __init__(
