@@ -131,6 +131,7 @@ class LLMEngine:
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("graph_max_batch", graph_max_batch),
         ):
             if value < 1:
                 raise EngineError(f"{name} must be at least 1, got {value}.")
@@ -185,7 +186,8 @@ class LLMEngine:
         self._steps = 0
         self._tokens_computed = 0
         self._drafted = self._accepted = self._graph_steps = 0
-        self.graphs = _DecodeGraphs(self, graph_max_batch) if cuda_graphs else None
+        graph_batch = min(graph_max_batch, max_num_seqs)
+        self.graphs = _DecodeGraphs(self, graph_batch) if cuda_graphs else None
 
     # -- requests ------------------------------------------------------------------------
 
