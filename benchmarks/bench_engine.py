@@ -165,54 +165,59 @@ def spec_part(smoke: bool, device: str, dtype: torch.dtype, rounds: int) -> dict
     if device == "cuda":
         variants = {"graphs_off": {"cuda_graphs": False}, "graphs_on": {"cuda_graphs": True},
                     **{n: {**v, "cuda_graphs": False} for n, v in variants.items()}}  # fmt: skip
-    for kind, model in models.items():
-        for conc in (1, 4, 16, 64):
-            prompts = _spec_prompts(kind, conc, vocab, g)
-            opts = dict(block_size=bs, max_model_len=64 + new + k + 1, max_num_seqs=conc,
-                        max_num_batched_tokens=max(512, conc * (k + 1)), device=device,
-                        dtype=dtype, prefix_caching=False)  # fmt: skip
-            opts["num_blocks"] = conc * _blocks(64 + new + k + 1, bs) + 8
-            if device != "cuda":
-                opts["cuda_graphs"] = False
-            engines = {name: LLMEngine(model, **opts, **extra) for name, extra in variants.items()}
-            for engine in engines.values():  # warm-up: kernels tuned, graphs captured
-                _timed_run(engine, prompts, new)
-            runs: dict[str, list[dict]] = {name: [] for name in variants}
-            order = list(variants)
-            for r in range(rounds):  # each variant takes each place in the order in turn
-                for name in order[r % len(order) :] + order[: r % len(order)]:
-                    runs[name].append(_timed_run(engines[name], prompts, new))
-            del engines
-            base = "graphs_off" if device == "cuda" else "spec_off"
-            ref_tokens = runs[base][0]["tokens"]
-            # the time: wall on a GPU; on the CPU the process's CPU time (one torch thread),
-            # which a shared machine's other load disturbs far less than the wall clock
-            clock = "wall_s" if device == "cuda" else "cpu_s"
-            for name, rs in runs.items():
-                med = statistics.median(r[clock] for r in rs)
-                # paired: each round's ratio to the same round's spec_off, then the median
-                ratio = statistics.median(
-                    o[clock] / r[clock] for o, r in zip(runs["spec_off"], rs, strict=True)
-                )
-                last = rs[-1]
-                row = {
-                    "text": kind, "concurrency": conc, "variant": name, "rounds": rounds,
-                    "clock": clock, "median_s": med,
-                    "median_wall_s": statistics.median(r["wall_s"] for r in rs),
-                    "tokens_per_s": conc * new / med,
-                    "speedup_over_spec_off": ratio, "steps": last["steps"],
-                    "draft_tokens": last["draft_tokens"],
-                    "acceptance": last["accepted_tokens"] / last["draft_tokens"]
-                    if last["draft_tokens"] else None,
-                    "graph_steps": last["graph_steps"],
-                    "tokens_equal_to_baseline": last["tokens"] == ref_tokens,
-                }  # fmt: skip
-                rows.append(row)
-                print({k2: v for k2, v in row.items() if k2 != "rounds"})
+    # every concurrency at `new` tokens, and one long generation at concurrency 1 (the
+    # share of steps before a repetitive output settles into its loop shrinks with length)
+    cases = [(kind, conc, new) for kind in models for conc in (1, 4, 16, 64)]
+    cases.append(("repetitive", 1, 256 if smoke else 512))
+    for kind, conc, n_new in cases:
+        model = models[kind]
+        prompts = _spec_prompts(kind, conc, vocab, g)
+        opts = dict(block_size=bs, max_model_len=64 + n_new + k + 1, max_num_seqs=conc,
+                    max_num_batched_tokens=max(512, conc * (k + 1)), device=device,
+                    dtype=dtype, prefix_caching=False)  # fmt: skip
+        opts["num_blocks"] = conc * _blocks(64 + n_new + k + 1, bs) + 8
+        if device != "cuda":
+            opts["cuda_graphs"] = False
+        engines = {name: LLMEngine(model, **opts, **extra) for name, extra in variants.items()}
+        for engine in engines.values():  # warm-up: kernels tuned, graphs captured
+            _timed_run(engine, prompts, n_new)
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        order = list(variants)
+        for r in range(rounds):  # each variant takes each place in the order in turn
+            for name in order[r % len(order) :] + order[: r % len(order)]:
+                runs[name].append(_timed_run(engines[name], prompts, n_new))
+        del engines
+        base = "graphs_off" if device == "cuda" else "spec_off"
+        ref_tokens = runs[base][0]["tokens"]
+        # the time: wall on a GPU; on the CPU the process's CPU time (one torch thread),
+        # which a shared machine's other load disturbs far less than the wall clock
+        clock = "wall_s" if device == "cuda" else "cpu_s"
+        for name, rs in runs.items():
+            med = statistics.median(r[clock] for r in rs)
+            # paired: each round's ratio to the same round's spec_off, then the median
+            ratio = statistics.median(
+                o[clock] / r[clock] for o, r in zip(runs["spec_off"], rs, strict=True)
+            )
+            last = rs[-1]
+            row = {
+                "text": kind, "concurrency": conc, "new_tokens": n_new, "variant": name,
+                "rounds": rounds,
+                "clock": clock, "median_s": med,
+                "median_wall_s": statistics.median(r["wall_s"] for r in rs),
+                "tokens_per_s": conc * n_new / med,
+                "speedup_over_spec_off": ratio, "steps": last["steps"],
+                "draft_tokens": last["draft_tokens"],
+                "acceptance": last["accepted_tokens"] / last["draft_tokens"]
+                if last["draft_tokens"] else None,
+                "graph_steps": last["graph_steps"],
+                "tokens_equal_to_baseline": last["tokens"] == ref_tokens,
+            }  # fmt: skip
+            rows.append(row)
+            print({k2: v for k2, v in row.items() if k2 != "rounds"})
     crossover = max(
         (r["concurrency"] for r in rows
          if r["variant"] == "spec_on_unbounded" and r["text"] == "repetitive"
-         and r["speedup_over_spec_off"] > 1.0),
+         and r["new_tokens"] == new and r["speedup_over_spec_off"] > 1.0),
         default=0,
     )  # fmt: skip
     return {"rows": rows, "new_tokens": new, "num_spec_tokens": k, "block_size": bs,

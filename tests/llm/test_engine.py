@@ -4,7 +4,8 @@ and 40 arriving at different steps, block sizes that divide none of them, chunke
 prefill, and a pool small enough to preempt (tokens still identical); the same tokens
 alone and in a busy batch, greedy and seeded; prefix caching (hits counted, tokens
 unchanged); blocks back to zero after finishing and after abort; stop tokens and stop
-strings; streamed deltas; log-probabilities against HF's logits; one-sentence errors."""
+strings; streamed deltas; log-probabilities against HF's logits; one-sentence errors; the CUDA-graph bucket path
+(padded inputs run eagerly on the CPU; captured graphs on a GPU, skipped without one)."""
 
 from __future__ import annotations
 
