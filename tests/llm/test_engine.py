@@ -9,6 +9,8 @@ strings; streamed deltas; log-probabilities against HF's logits; one-sentence er
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -305,7 +307,14 @@ def test_errors_are_one_sentence():
         LLMEngine(torch.nn.Linear(4, 4), max_model_len=16)
 
 
-def _padded_run(model, prompts, params, device, graphs: str, **opts):
+def _padded_run(
+    model: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    device: str,
+    graphs: str,
+    **opts: Any,
+) -> tuple[list[list[int]], dict[int, list], LLMEngine]:
     """Outputs of a staggered run; graphs: 'off', 'eager' (the bucket path with padded
     static buffers, run eagerly: any device) or 'capture' (CUDA graphs)."""
     from opswap.llm.engine import _DecodeGraphs
@@ -327,7 +336,7 @@ def _padded_run(model, prompts, params, device, graphs: str, **opts):
     return [outs[i] for i in range(len(prompts))], logprobs, engine
 
 
-def _same_logprobs(a, b, tol):
+def _same_logprobs(a: dict[int, list], b: dict[int, list], tol: float) -> None:
     for i in a:
         assert [x.token for x in a[i]] == [y.token for y in b[i]]
         for x, y in zip(a[i], b[i], strict=True):
