@@ -17,6 +17,19 @@ at once and run to the end, greedy, a fixed number of new tokens:
 Reported per run: wall time, tokens/s (generated tokens), steps, the time inside the
 scheduler (schedule and its end-of-step bookkeeping) as a share of the run, the pool's
 hit rate and the share of allocated slots holding tokens at the busiest step.
+
+`--part spec` (in DIR/engine_spec_<dev>.json): speculative decoding by prompt lookup, at
+concurrency 1, 4, 16 and 64 (that many requests queued at once, max_num_seqs as many), on
+repetitive and on random text. A model with random weights does not copy its context, so
+the text's kind is the output's: "repetitive" is the same config at transformers' default
+initialisation (std 0.02), whose greedy output falls into short loops, prompted with a
+phrase of 8 tokens repeated 8 times; "random" is the livelier std 0.1 model prompted with
+64 random tokens, whose output rarely repeats (the same FLOPs a token). Speculation off,
+on without the batch switch (`max_batch` unbounded: the raw effect, whose crossover sets
+the default), and on with the default config; rounds interleaved, medians, the speed-up
+over off and the share of drafts accepted. On CUDA also CUDA graphs off and on (greedy,
+speculation off) at the same concurrencies. `--part caching` is the run above; default:
+both.
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _results import write_results  # noqa: E402
 
 
-def _model(smoke: bool, device: str, dtype: torch.dtype) -> Any:
+def _model(smoke: bool, device: str, dtype: torch.dtype, init: float = 0.1) -> Any:
     import transformers
 
     if smoke:
@@ -45,7 +58,7 @@ def _model(smoke: bool, device: str, dtype: torch.dtype) -> Any:
         dims = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
                     num_key_value_heads=4, intermediate_size=2816, vocab_size=32000)  # fmt: skip
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**dims, initializer_range=0.1)
+    cfg = transformers.LlamaConfig(**dims, initializer_range=init)
     return transformers.LlamaForCausalLM(cfg).eval().to(device, dtype)
 
 
@@ -93,11 +106,134 @@ def _run(model: Any, prompts: list[list[int]], new: int, caching: bool, opts: di
     }
 
 
+def _spec_prompts(kind: str, n: int, vocab: int, g: torch.Generator) -> list[list[int]]:
+    """n prompts of 64 tokens: a phrase of 8 repeated 8 times, or random tokens."""
+    if kind == "repetitive":
+        return [torch.randint(0, vocab, (8,), generator=g).tolist() * 8 for _ in range(n)]
+    return [torch.randint(0, vocab, (64,), generator=g).tolist() for _ in range(n)]
+
+
+def _timed_run(engine: Any, prompts: list[list[int]], new: int) -> dict:
+    """One run of the prompts to the end on an engine (reused across rounds: CUDA graphs
+    are captured in its warm-up run, not in the timed ones)."""
+    from opswap.llm import SamplingParams
+
+    before = engine.stats()
+    params = SamplingParams(temperature=0, max_tokens=new)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, str(i))  # ids free again once finished
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    s = engine.stats()
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "steps": s.steps - before.steps,
+        "draft_tokens": s.draft_tokens - before.draft_tokens,
+        "accepted_tokens": s.accepted_tokens - before.accepted_tokens,
+        "graph_steps": s.graph_steps - before.graph_steps,
+        "tokens": [outs[str(i)] for i in range(len(prompts))],
+    }
+
+
+def spec_part(smoke: bool, device: str, dtype: torch.dtype, rounds: int) -> dict:
+    """Speculation off / on (unbounded) / on (default) and, on CUDA, graphs off / on."""
+    from opswap.llm import LLMEngine, SpeculativeConfig
+
+    models = {
+        "repetitive": _model(smoke, device, dtype, 0.02),
+        "random": _model(smoke, device, dtype),
+    }
+    vocab = models["random"].config.vocab_size
+    new, bs, k = (48, 16, 4) if smoke else (128, 16, 4)
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    variants: dict[str, dict] = {
+        "spec_off": {},
+        "spec_on_unbounded": {"speculative": SpeculativeConfig(num_tokens=k, max_batch=10**6)},
+        "spec_on_default": {"speculative": SpeculativeConfig(num_tokens=k)},
+    }
+    if device == "cuda":
+        variants = {"graphs_off": {"cuda_graphs": False}, "graphs_on": {"cuda_graphs": True},
+                    **{n: {**v, "cuda_graphs": False} for n, v in variants.items()}}  # fmt: skip
+    # every concurrency at `new` tokens, and one long generation at concurrency 1 (the
+    # share of steps before a repetitive output settles into its loop shrinks with length)
+    cases = [(kind, conc, new) for kind in models for conc in (1, 4, 16, 64)]
+    cases.append(("repetitive", 1, 256 if smoke else 512))
+    for kind, conc, n_new in cases:
+        model = models[kind]
+        prompts = _spec_prompts(kind, conc, vocab, g)
+        opts = dict(block_size=bs, max_model_len=64 + n_new + k + 1, max_num_seqs=conc,
+                    max_num_batched_tokens=max(512, conc * (k + 1)), device=device,
+                    dtype=dtype, prefix_caching=False)  # fmt: skip
+        opts["num_blocks"] = conc * _blocks(64 + n_new + k + 1, bs) + 8
+        if device != "cuda":
+            opts["cuda_graphs"] = False
+        engines = {name: LLMEngine(model, **opts, **extra) for name, extra in variants.items()}
+        for engine in engines.values():  # warm-up: kernels tuned, graphs captured
+            _timed_run(engine, prompts, n_new)
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        order = list(variants)
+        for r in range(rounds):  # each variant takes each place in the order in turn
+            for name in order[r % len(order) :] + order[: r % len(order)]:
+                runs[name].append(_timed_run(engines[name], prompts, n_new))
+        del engines
+        base = "graphs_off" if device == "cuda" else "spec_off"
+        ref_tokens = runs[base][0]["tokens"]
+        # the time: wall on a GPU; on the CPU the process's CPU time (one torch thread),
+        # which a shared machine's other load disturbs far less than the wall clock
+        clock = "wall_s" if device == "cuda" else "cpu_s"
+        for name, rs in runs.items():
+            med = statistics.median(r[clock] for r in rs)
+            # paired: each round's ratio to the same round's spec_off, then the median
+            ratio = statistics.median(
+                o[clock] / r[clock] for o, r in zip(runs["spec_off"], rs, strict=True)
+            )
+            last = rs[-1]
+            row = {
+                "text": kind, "concurrency": conc, "new_tokens": n_new, "variant": name,
+                "rounds": rounds,
+                "clock": clock, "median_s": med,
+                "median_wall_s": statistics.median(r["wall_s"] for r in rs),
+                "tokens_per_s": conc * n_new / med,
+                "speedup_over_spec_off": ratio, "steps": last["steps"],
+                "draft_tokens": last["draft_tokens"],
+                "acceptance": last["accepted_tokens"] / last["draft_tokens"]
+                if last["draft_tokens"] else None,
+                "graph_steps": last["graph_steps"],
+                "tokens_equal_to_baseline": last["tokens"] == ref_tokens,
+            }  # fmt: skip
+            rows.append(row)
+            print({k2: v for k2, v in row.items() if k2 != "rounds"})
+    crossover = max(
+        (r["concurrency"] for r in rows
+         if r["variant"] == "spec_on_unbounded" and r["text"] == "repetitive"
+         and r["new_tokens"] == new and r["speedup_over_spec_off"] > 1.0),
+        default=0,
+    )  # fmt: skip
+    return {"rows": rows, "new_tokens": new, "num_spec_tokens": k, "block_size": bs,
+            "largest_concurrency_where_unbounded_spec_pays_on_repetitive": crossover}  # fmt: skip
+
+
+def _blocks(tokens: int, bs: int) -> int:
+    return -(-tokens // bs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, in seconds")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--part", choices=("all", "caching", "spec"), default="all")
     args = ap.parse_args()
     smoke = args.smoke or not torch.cuda.is_available()
     device = "cpu" if smoke else "cuda"
@@ -105,6 +241,14 @@ def main() -> None:
     if smoke:
         torch.set_num_threads(1)
     model = _model(smoke, device, dtype)
+    dev = "cpu" if smoke else torch.cuda.get_device_name()
+    card = "cpu_smoke" if smoke else torch.cuda.get_device_name().split()[-1].lower()
+    if args.part in ("all", "spec"):
+        res = spec_part(smoke, device, dtype, args.rounds if smoke else 3)
+        rows = res.pop("rows")
+        write_results(args.out, f"engine_spec_{card}.json", dev, rows, **res)
+    if args.part == "spec":
+        return
     vocab = model.config.vocab_size
     n_req, new, bs = (8, 16, 16) if smoke else (32, 64, 16)
     g = torch.Generator().manual_seed(1)
@@ -151,12 +295,7 @@ def main() -> None:
         f"prefix caching at a 0% hit rate: bookkeeping {cost:+.2%} of the run; whole runs "
         f"{on / off - 1:+.1%} (medians of {args.rounds})"
     )
-    name = (
-        "engine_cpu_smoke.json"
-        if smoke
-        else f"engine_{torch.cuda.get_device_name().split()[-1].lower()}.json"
-    )
-    dev = "cpu" if smoke else torch.cuda.get_device_name()
+    name = "engine_cpu_smoke.json" if smoke else f"engine_{card}.json"
     write_results(args.out, name, dev, rows, requests=n_req, new_tokens=new, block_size=bs,
                   prompt_lengths=lengths, prefix_caching_cost_at_0pct=cost,
                   wall_ratio_caching_on_off=on / off)  # fmt: skip

@@ -4,9 +4,12 @@ and 40 arriving at different steps, block sizes that divide none of them, chunke
 prefill, and a pool small enough to preempt (tokens still identical); the same tokens
 alone and in a busy batch, greedy and seeded; prefix caching (hits counted, tokens
 unchanged); blocks back to zero after finishing and after abort; stop tokens and stop
-strings; streamed deltas; log-probabilities against HF's logits; one-sentence errors."""
+strings; streamed deltas; log-probabilities against HF's logits; one-sentence errors; the CUDA-graph bucket path
+(padded inputs run eagerly on the CPU; captured graphs on a GPU, skipped without one)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -300,8 +303,99 @@ def test_errors_are_one_sentence():
         generate(model, ["hi"], max_model_len=16)
     with pytest.raises(EngineError, match="max_num_seqs must be at least 1, got 0"):
         LLMEngine(model, max_num_seqs=0, max_model_len=16)
-    gpt2 = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    with pytest.raises(OpswapError, match="GPT2LMHeadModel.*; Linear has another layout"):
+        LLMEngine(torch.nn.Linear(4, 4), max_model_len=16)
+
+
+def _padded_run(
+    model: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    device: str,
+    graphs: str,
+    **opts: Any,
+) -> tuple[list[list[int]], dict[int, list], LLMEngine]:
+    """Outputs of a staggered run; graphs: 'off', 'eager' (the bucket path with padded
+    static buffers, run eagerly: any device) or 'capture' (CUDA graphs)."""
+    from opswap.llm.engine import _DecodeGraphs
+
+    engine = LLMEngine(model, device=device, cuda_graphs=graphs == "capture", **opts)
+    if graphs == "eager":
+        engine.graphs = _DecodeGraphs(engine, 8, capture=False)
+    outs = {}
+    logprobs: dict[int, list] = {i: [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(p, params, str(i))
+        for out in engine.step():
+            logprobs[int(out.request_id)] += out.new_logprobs
+            if out.finished:
+                outs[int(out.request_id)] = out.token_ids
+    return [outs[i] for i in range(len(prompts))], logprobs, engine
+
+
+def _same_logprobs(a: dict[int, list], b: dict[int, list], tol: float) -> None:
+    for i in a:
+        assert [x.token for x in a[i]] == [y.token for y in b[i]]
+        for x, y in zip(a[i], b[i], strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=tol)
+
+
+def test_bucketed_decode_padding_is_exact_on_the_cpu():
+    """The graph path's inputs (padded to a bucket, padded rows on the spare block) run
+    eagerly give the tokens of the plain path; 3 decodes ran in the bucket of 4."""
+    model = _model("llama", seed=7)
+    prompts = _prompts((3, 9, 14), seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    opts = dict(block_size=4, num_blocks=40, max_model_len=32)
+    want, lp_want, _ = _padded_run(model, prompts, params, "cpu", "off", **opts)
+    got, lp_got, engine = _padded_run(model, prompts, params, "cpu", "eager", **opts)
+    assert got == want == [_hf(model, p, 8) for p in prompts]
+    _same_logprobs(lp_want, lp_got, 1e-4)
+    assert engine.stats().blocks.in_use == 0
+    spare = engine.k_cache[:, engine.num_blocks]
+    assert spare.abs().sum() > 0  # the padded rows wrote there, and only there
+    with pytest.raises(EngineError, match="cuda_graphs=True needs a CUDA device"):
+        LLMEngine(model, max_model_len=16, cuda_graphs=True)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_cuda_graph_tokens_equal_eager(kind):
+    model = _model(kind, seed=8).cuda()
+    prompts = _prompts((2, 7, 19, 33, 5), seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    opts = dict(block_size=16, num_blocks=64, max_model_len=64, max_num_seqs=8)
+    want, lp_want, _ = _padded_run(model, prompts, params, "cuda", "off", **opts)
+    got, lp_got, engine = _padded_run(model, prompts, params, "cuda", "capture", **opts)
+    assert got == want
+    _same_logprobs(lp_want, lp_got, 1e-3)
+    s = engine.stats()
+    assert s.graph_steps > 0 and s.blocks.in_use == 0
+    assert engine.graphs is not None and set(engine.graphs.graphs) <= {1, 2, 4, 8}
+    assert 8 in engine.graphs.graphs  # 5 decodes ran in the bucket of 8
+
+
+@needs_cuda
+def test_cuda_graphs_with_speculation_and_bucket_reuse():
+    """Steps with drafts run eagerly, decode-only ones replay; a bucket captured once
+    serves later batches of other sizes and contexts (tokens still equal)."""
+    from opswap.llm import SpeculativeConfig
+
+    model = _model("llama", seed=9).cuda()
+    prompts = [p * 3 for p in _prompts((4, 6, 3), seed=2)]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    opts = dict(block_size=8, num_blocks=48, max_model_len=64, max_num_seqs=4)
+    spec = SpeculativeConfig(num_tokens=3, max_batch=2)
+    want, _, _ = _padded_run(model, prompts, params, "cuda", "off", **opts)
+    got, _, engine = _padded_run(
+        model, prompts, params, "cuda", "capture", speculative=spec, **opts
     )
-    with pytest.raises(OpswapError, match="GPT2LMHeadModel has another layout"):
-        LLMEngine(gpt2, max_model_len=16)
+    assert got == want
+    s = engine.stats()
+    assert s.graph_steps > 0 and s.draft_tokens > 0 and s.blocks.in_use == 0

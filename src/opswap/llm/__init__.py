@@ -15,7 +15,9 @@ from opswap.llm.decode import StaticDecoder
 from opswap.llm.engine import EngineError, EngineStats, LLMEngine, RequestOutput
 from opswap.llm.generate import GenerateResult, generate
 from opswap.llm.hf_decoder import SUPPORTED, HFDecoder
+from opswap.llm.runner import ModelRunner, RunnerError, make_runner, register_runner
 from opswap.llm.sampling import SamplingError, SamplingParams, TokenLogprob
+from opswap.llm.speculative import SpeculativeConfig, SpeculativeError
 from opswap.llm.static_cache import DecodeError, StaticKVCache
 
 __all__ = [
@@ -29,12 +31,18 @@ __all__ = [
     "GenerateResult",
     "HFDecoder",
     "LLMEngine",
+    "ModelRunner",
     "RequestOutput",
+    "RunnerError",
     "SamplingError",
     "SamplingParams",
+    "SpeculativeConfig",
+    "SpeculativeError",
     "StaticDecoder",
     "StaticKVCache",
     "TokenLogprob",
     "generate",
+    "make_runner",
+    "register_runner",
     "verify_decoder",
 ]

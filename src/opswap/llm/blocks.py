@@ -190,6 +190,25 @@ class BlockManager:
         self._tokens[seq] = max(self._tokens.get(seq, 0), num_tokens)
         return table
 
+    def truncate(self, seq: str, num_tokens: int) -> None:
+        """Shrink the sequence to its first num_tokens tokens: the blocks past them go back
+        (speculative drafts that were rejected). Only unnamed blocks can be past them,
+        since a block is named once its tokens are final."""
+        table = self._tables[seq]
+        keep = -(-num_tokens // self.block_size)
+        hashes = self._hashes[seq]
+        if len(hashes) > keep:
+            raise BlockError(
+                f"sequence {seq!r} cannot drop tokens of its blocks already in the prefix cache."
+            )
+        for block in reversed(table[keep:]):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._in_use -= 1
+                self._free.append(block)
+        del table[keep:]
+        self._tokens[seq] = min(self._tokens.get(seq, 0), num_tokens)
+
     def num_committed(self, seq: str) -> int:
         """The sequence's full blocks already named in the prefix cache."""
         return len(self._hashes[seq]) if self.prefix_caching else self.num_blocks

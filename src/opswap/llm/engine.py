@@ -8,15 +8,20 @@ forward over the packed tokens of every scheduled sequence, against a paged KV c
             print(out.request_id, out.new_token_ids, out.finish_reason)
     engine.abort(rid)                      # at any time between steps
 
-The model is a Hugging Face Llama-style causal LM; its weights and layer math are
-`HFDecoder`'s. A step packs the batch's tokens into one [T, hidden] stream (decodes first,
-then prefill chunks): every layer runs its norms, projections and MLP once over all T
-tokens, rotates q and k at each token's own position, writes each token's keys and values
-to its slot of the paged cache (the slot mapping), and attends with
-`paged_decode_attention` (one query per decoding sequence) and `paged_prefill_attention`
-(each prefill chunk against its sequence's cache). The LM head runs only on the rows
-whose sequence draws a token this step: the last token of a sequence's pending tokens.
-On the CPU the attention is the PyTorch reference; on a GPU the same calls pick kernels.
+The model's math comes from a `ModelRunner` (llm/runner.py), picked by the model's class:
+Llama, Mistral and Qwen2 (`HFDecoder`'s weights and layer functions) and GPT-2. A step
+packs the batch's tokens into one [T, hidden] stream (decodes first, then prefill chunks):
+every layer runs its norms, projections and MLP once over all T tokens; the engine's
+`attend` writes each token's keys and values to its slot of the paged cache (the slot
+mapping) and attends with `paged_decode_attention` (one query per decoding sequence) and
+`paged_prefill_attention` (each chunk against its sequence's cache). The LM head runs
+only on the rows whose sequence draws a token this step: the last token of a sequence's
+pending tokens. On the CPU the attention is the PyTorch reference; on a GPU the same
+calls pick kernels.
+
+Options: `speculative=SpeculativeConfig(...)` (or True) verifies prompt-lookup drafts in
+the same forward (llm/speculative.py); `cuda_graphs` (default on CUDA) replays a captured
+decode-only step at bucketed batch sizes (1, 2, 4, 8, 16, 32, 64, ...).
 
 Nothing blocks between steps, so a server can call `add_request`, `abort` and `step` from
 one event loop; each `RequestOutput` carries what is new since the last one (tokens, text,
@@ -36,10 +41,18 @@ import torch
 from opswap.errors import OpswapError
 from opswap.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from opswap.llm.blocks import BlockManager, BlockStats
-from opswap.llm.hf_decoder import SUPPORTED, HFDecoder, _linear
-from opswap.llm.sampling import Sampler, SamplingParams, TokenLogprob, make_generator
+from opswap.llm.runner import ModelRunner, make_runner, run_model
+from opswap.llm.sampling import (
+    Pick,
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    _logprob,
+    make_generator,
+)
 from opswap.llm.scheduler import Batch, Scheduled, Scheduler
 from opswap.llm.scheduler import Sequence as Seq
+from opswap.llm.speculative import PromptLookup, SpeculativeConfig, accept_sampled
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -72,6 +85,13 @@ class EngineStats:
     preemptions: int
     steps: int
     tokens_computed: int
+    draft_tokens: int = 0  # speculative drafts verified
+    accepted_tokens: int = 0  # of them, accepted
+    graph_steps: int = 0  # steps replayed from a CUDA graph
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
@@ -84,6 +104,10 @@ class LLMEngine:
     KV memory: `num_blocks` blocks of `block_size` tokens, or as many as `kv_memory` bytes
     hold, or by default room for max_num_seqs sequences of max_model_len tokens.
     `decode(ids) -> str` (a tokenizer's) gives outputs their text and enables stop strings.
+    `speculative` (a SpeculativeConfig, or True for the defaults) verifies prompt-lookup
+    drafts in each step's forward; greedy tokens are unchanged. `cuda_graphs` (default:
+    on for a CUDA device) replays decode-only steps of up to `graph_max_batch` sequences
+    from CUDA graphs captured at bucketed batch sizes.
     """
 
     def __init__(
@@ -99,11 +123,15 @@ class LLMEngine:
         dtype: torch.dtype = torch.float32,
         prefix_caching: bool = True,
         decode: Callable[[Sequence[int]], str] | None = None,
+        speculative: SpeculativeConfig | bool | None = None,
+        cuda_graphs: bool | None = None,
+        graph_max_batch: int = 64,
     ) -> None:
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("graph_max_batch", graph_max_batch),
         ):
             if value < 1:
                 raise EngineError(f"{name} must be at least 1, got {value}.")
@@ -112,16 +140,10 @@ class LLMEngine:
             max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         if max_model_len < 1:
             raise EngineError(f"max_model_len must be at least 1, got {max_model_len}.")
-        name = type(model).__name__
-        if name not in SUPPORTED:
-            raise EngineError(
-                f"LLMEngine runs {', '.join(SUPPORTED)}; {name} has another layout, which the "
-                "engine does not run yet."
-            )
-        self.net = HFDecoder(model, max_len=max_model_len, device=device, dtype=dtype)
-        net = self.net
+        self.runner: ModelRunner = make_runner(model, max_model_len, device, dtype)
+        net = self.runner
         self.device, self.dtype = net.device, dtype
-        layers = len(net.layers)
+        layers = net.num_layers
         block_bytes = 2 * layers * block_size * net.kv_heads * net.head_dim * dtype.itemsize
         if num_blocks is not None and kv_memory is not None:
             raise EngineError("give num_blocks or kv_memory, not both.")
@@ -142,7 +164,16 @@ class LLMEngine:
             )
         self.block_size, self.num_blocks = block_size, int(num_blocks)
         self.max_model_len = max_model_len
-        shape = (layers, self.num_blocks, block_size, net.kv_heads, net.head_dim)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and not (self.device.type == "cuda" and torch.cuda.is_available()):
+            raise EngineError("cuda_graphs=True needs a CUDA device; pass device='cuda'.")
+        if speculative is True:
+            speculative = SpeculativeConfig()
+        self.spec: SpeculativeConfig | None = speculative or None
+        # one block more than the pool, never handed out: a graph bucket's padded rows
+        # write their keys and values there
+        shape = (layers, self.num_blocks + 1, block_size, net.kv_heads, net.head_dim)
         # k_cache[i]: layer i's [num_blocks, block_size, kv_heads, head_dim]
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
@@ -154,6 +185,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._steps = 0
         self._tokens_computed = 0
+        self._drafted = self._accepted = self._graph_steps = 0
+        graph_batch = min(graph_max_batch, max_num_seqs)
+        self.graphs = _DecodeGraphs(self, graph_batch) if cuda_graphs else None
 
     # -- requests ------------------------------------------------------------------------
 
@@ -179,11 +213,11 @@ class LLMEngine:
                 f"the prompt of request {request_id!r} has {len(prompt)} tokens, more than "
                 f"max_model_len {self.max_model_len}."
             )
-        bad = [t for t in prompt if not 0 <= t < self.net.vocab]
+        bad = [t for t in prompt if not 0 <= t < self.runner.vocab]
         if bad:
             raise EngineError(
                 f"the prompt of request {request_id!r} holds token {bad[0]}, outside the "
-                f"model's vocabulary of {self.net.vocab}."
+                f"model's vocabulary of {self.runner.vocab}."
             )
         if params.stop and self.decode is None:
             raise EngineError(
@@ -215,40 +249,136 @@ class LLMEngine:
             preemptions=s.num_preemptions,
             steps=self._steps,
             tokens_computed=self._tokens_computed,
+            draft_tokens=self._drafted,
+            accepted_tokens=self._accepted,
+            graph_steps=self._graph_steps,
         )
 
     # -- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, draw tokens; the outputs of requests that moved."""
+        self._propose()
         batch = self.scheduler.schedule()
+        for seq in (*self.scheduler.running, *batch.preempted):
+            seq.draft_ids = []  # drafts are for this step only
         if not batch.entries:
             if self.has_unfinished():
                 raise EngineError("the scheduler found nothing to run; this is a bug in opswap.")
             return []
         sampling = [e for e in batch.entries if e.samples]
-        logits = self._forward(batch, sampling)
+        if self.graphs is not None and self.graphs.takes(batch):
+            logits = self.graphs.run(batch.decodes)
+            self._graph_steps += 1
+        else:
+            logits = self._forward(batch, sampling)
         self.scheduler.finish_step(batch)
         self._steps += 1
         self._tokens_computed += batch.num_tokens
-        seqs = [e.seq for e in sampling]
-        picks = self.sampler(
-            logits,
+        # rows of `logits`: one per sampling entry, 1 + drafts for an entry with drafts
+        rows: list[int] = []
+        at = 0
+        for e in sampling:
+            rows.append(at)
+            at += 1 + len(e.drafts)
+        plain = [i for i, e in enumerate(sampling) if not e.drafts]
+        seqs = [sampling[i].seq for i in plain]
+        plain_picks = self.sampler(
+            logits[[rows[i] for i in plain]],
             [s.params for s in seqs],
             [s.token_ids for s in seqs],
             [s.generator for s in seqs],
         )
+        picks: dict[int, list[Pick]] = {i: [p] for i, p in zip(plain, plain_picks, strict=True)}
+        for i, e in enumerate(sampling):
+            if e.drafts:
+                picks[i] = self._verify(e, logits[rows[i] : rows[i] + 1 + len(e.drafts)])
         outputs = []
-        for seq, pick in zip(seqs, picks, strict=True):
-            seq.output_ids.append(pick.token)
-            if pick.logprob is not None:
-                seq.logprobs.append(pick.logprob)
-            self._check_finish(seq)
+        for i, e in enumerate(sampling):
+            seq = e.seq
+            for pick in picks[i]:
+                seq.output_ids.append(pick.token)
+                if pick.logprob is not None:
+                    seq.logprobs.append(pick.logprob)
+                self._check_finish(seq)
+                if seq.finish_reason is not None:
+                    break
             if seq.finish_reason is not None:
                 self.scheduler.remove(seq)
                 del self._requests[seq.request_id]
+            elif e.drafts:
+                self.scheduler.accept(seq, len(picks[i]) - 1)
             outputs.append(self._output(seq))
         return outputs
+
+    # -- speculation ---------------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Drafts for the running decodes, unless the batch is too large to gain."""
+        cfg = self.spec
+        running = self.scheduler.running
+        if cfg is None or len(running) > cfg.max_batch:
+            return
+        for seq in running:
+            if seq.num_tokens - seq.num_computed != 1:
+                continue  # still prefilling
+            if seq.spec_pause > 0:
+                seq.spec_pause -= 1
+                continue
+            # room: the model's length, and drafts past max_tokens would be thrown away
+            room = min(
+                cfg.num_tokens,
+                self.max_model_len - seq.num_tokens,
+                seq.params.max_tokens - len(seq.output_ids) - 1,
+            )
+            if room > 0:
+                if seq.lookup is None:
+                    seq.lookup = PromptLookup()
+                ids = seq.token_ids
+                seq.draft_ids = seq.lookup.propose(ids, room, cfg.max_ngram, cfg.min_ngram)
+
+    def _verify(self, e: Scheduled, logits: torch.Tensor) -> list[Pick]:
+        """The tokens a decode with drafts emits from its rows [1 + drafts, vocab]: the
+        accepted drafts and one more (the model's own token after the last accepted)."""
+        seq, p, drafts = e.seq, e.seq.params, e.drafts
+        history = seq.token_ids
+        tokens: list[int]
+        if p.greedy and p.repetition_penalty == 1.0:  # the argmax of every row at once
+            tokens = []
+            for j, t in enumerate(logits.argmax(-1).tolist()):
+                tokens.append(int(t))
+                if j == len(drafts) or t != drafts[j]:
+                    break
+        elif p.greedy:  # the penalty sees the drafts accepted before each row
+            tokens = []
+            for j in range(len(drafts) + 1):
+                pick = self.sampler(logits[j : j + 1], [p], [history + tokens], [None])[0]
+                tokens.append(pick.token)
+                if j == len(drafts) or pick.token != drafts[j]:
+                    break
+        else:
+            tokens = accept_sampled(logits, drafts, p, history, seq.generator)
+        accepted = len(tokens) - 1
+        self._drafted += len(drafts)
+        self._accepted += accepted
+        cfg = self.spec
+        assert cfg is not None
+        seq.spec_rate = 0.5 * seq.spec_rate + 0.5 * accepted / len(drafts)
+        if seq.spec_rate < cfg.min_acceptance:
+            # each pause in a row twice as long as the last (up to 16 times backoff_steps):
+            # text that does not repeat itself soon costs almost nothing
+            seq.spec_pause = cfg.backoff_steps << min(seq.spec_pauses, 4)
+            seq.spec_pauses += 1
+            seq.spec_rate = 0.5
+        elif accepted:
+            seq.spec_pauses = 0
+        logp = torch.log_softmax(logits.float(), -1) if p.logprobs is not None else None
+        return [
+            Pick(
+                t, None if logp is None or p.logprobs is None else _logprob(logp[j], t, p.logprobs)
+            )
+            for j, t in enumerate(tokens)
+        ]
 
     def _check_finish(self, seq: Seq) -> None:
         p, token = seq.params, seq.output_ids[-1]
@@ -301,61 +431,165 @@ class LLMEngine:
         return torch.tensor(padded, dtype=torch.int32, device=self.device)
 
     def _forward(self, batch: Batch, sampling: list[Scheduled]) -> torch.Tensor:
-        """Logits [len(sampling), vocab] after writing the batch's keys and values."""
-        net, bs, dev = self.net, self.block_size, self.device
-        entries = batch.entries
+        """Logits of the sampling entries' rows (the last token's; every row of an entry
+        with drafts), after writing the batch's keys and values."""
+        bs, dev = self.block_size, self.device
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last: dict[int, int] = {}  # id(seq) -> row of its last token in the packed stream
-        for e in entries:
+        for e in batch.entries:
             table, lo, hi = self.blocks.table(e.seq.request_id), e.start, e.start + e.num_tokens
-            ids += e.seq.token_ids[lo:hi]
+            ids += e.seq.token_ids[lo:hi] + e.drafts
+            hi += len(e.drafts)
             positions += range(lo, hi)
             slots += [table[p // bs] * bs + p % bs for p in range(lo, hi)]
             last[id(e.seq)] = len(ids) - 1
-        t = len(ids)
-        nd = len(batch.decodes)
-        pos = torch.tensor(positions, device=dev)[None]  # [1, T]
-        slot = torch.tensor(slots, device=dev)
-        dec_tables = self._tables(batch.decodes)
-        dec_lens = torch.tensor([e.start + 1 for e in batch.decodes], dtype=torch.int32, device=dev)
-        pre_tables = self._tables(batch.prefills)
-        pre_lens = torch.tensor(
-            [e.start + e.num_tokens for e in batch.prefills], dtype=torch.int32, device=dev
-        )
+        dec_lens = [e.start + 1 for e in batch.decodes]
+        pre_lens = [e.start + e.num_tokens + len(e.drafts) for e in batch.prefills]
         cu = [0]
         for e in batch.prefills:
-            cu.append(cu[-1] + e.num_tokens)
-        cu_q = torch.tensor(cu, dtype=torch.int32, device=dev)
+            cu.append(cu[-1] + e.num_tokens + len(e.drafts))
+        rows: list[int] = []
+        for e in sampling:
+            end = last[id(e.seq)]
+            rows += range(end - len(e.drafts), end + 1)
 
-        layers = net.layers
-        x = net.embed[torch.tensor(ids, device=dev)][None]  # [1, T, hidden]
-        h = net._norm(x, layers[0].ln1, layers[0].eps1)
-        for i, layer in enumerate(layers):
-            q, k, v = net._qkv(h, layer, pos)  # q [1, H, T, D], k, v [1, H_kv, T, D]
+        def ints(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        i32 = torch.int32
+        return self._run(
+            ints(ids), ints(positions), ints(slots),
+            self._tables(batch.decodes), ints(dec_lens, i32),
+            self._tables(batch.prefills), ints(cu, i32), ints(pre_lens, i32),
+            ints(rows),
+        )  # fmt: skip
+
+    def _run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        dec_tables: torch.Tensor,
+        dec_lens: torch.Tensor,
+        pre_tables: torch.Tensor | None,
+        cu_q: torch.Tensor | None,
+        pre_lens: torch.Tensor | None,
+        rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One forward over packed tokens: the first len(dec_lens) are decodes, the rest
+        prefill chunks (cu_q); logits of `rows` (all when None). Python values only from
+        shapes, so a decode-only call (pre_* None) can be captured as a CUDA graph."""
+        net = self.runner
+        nd = dec_lens.shape[0]
+        kv, d = net.kv_heads, net.head_dim
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k_cache[i], self.v_cache[i]
-            kc.view(-1, net.kv_heads, net.head_dim).index_copy_(0, slot, k[0].transpose(0, 1))
-            vc.view(-1, net.kv_heads, net.head_dim).index_copy_(0, slot, v[0].transpose(0, 1))
-            q = q[0].transpose(0, 1)  # [T, H, D]
+            kc.view(-1, kv, d).index_copy_(0, slots, k)
+            vc.view(-1, kv, d).index_copy_(0, slots, v)
             parts = []
             if nd:
                 parts.append(
                     paged_decode_attention(q[:nd], kc, vc, dec_tables, dec_lens, net.scale)
                 )
-            if nd < t:
+            if nd < q.shape[0]:
+                assert pre_tables is not None and cu_q is not None and pre_lens is not None
                 parts.append(
                     paged_prefill_attention(q[nd:], kc, vc, pre_tables, cu_q, pre_lens, net.scale)
                 )
-            o = torch.cat(parts) if len(parts) > 1 else parts[0]  # [T, H, D]
-            a = _linear(o.reshape(1, t, -1), layer.wo, layer.bo)
-            h, x = net._add_norm(a, x, layer.ln2, layer.eps2)
-            m = net._mlp(h, layer)
-            w, eps = (
-                (layers[i + 1].ln1, layers[i + 1].eps1)
-                if i + 1 < len(layers)
-                else (net.norm, net.norm_eps)
-            )
-            h, x = net._add_norm(m, x, w, eps)
-        rows = torch.tensor([last[id(e.seq)] for e in sampling], dtype=torch.long, device=dev)
-        return _linear(h[0, rows], net.lm_head, net.lm_bias)
+            return torch.cat(parts) if len(parts) > 1 else parts[0]  # [T, H, D]
+
+        return run_model(net, ids, positions, attend, rows)
+
+
+def _buckets(largest: int) -> list[int]:
+    """1, 2, 4, ... up to the first power of two >= largest."""
+    out = [1]
+    while out[-1] < largest:
+        out.append(out[-1] * 2)
+    return out
+
+
+class _DecodeGraphs:
+    """CUDA graphs of the decode-only step, one per bucketed batch size, captured at first
+    use. Inputs live in static buffers: token ids, positions, slots, block tables padded
+    to max_model_len's width, context lengths. A batch of n decodes runs the graph of the
+    smallest bucket >= n; the padded rows read and write only the spare block past the
+    pool (their logits are dropped)."""
+
+    def __init__(self, engine: LLMEngine, max_batch: int, capture: bool = True) -> None:
+        self.engine, self.capture = engine, capture  # capture False: run the buckets eagerly
+        self.buckets = _buckets(max(1, max_batch))
+        b, dev = self.buckets[-1], engine.device
+        self.width = _blocks_for(engine.max_model_len, engine.block_size)
+        self.pad_block = engine.num_blocks  # the spare block, never handed out
+        self.ids = torch.zeros(b, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(b, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(b, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(b, self.width, dtype=torch.int32, device=dev)
+        self.lens = torch.ones(b, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: Any = None
+
+    def takes(self, batch: Batch) -> bool:
+        return not batch.prefills and 0 < len(batch.decodes) <= self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def inputs(self, entries: list[Scheduled], b: int) -> dict[str, torch.Tensor]:
+        """The bucket's host-side inputs: the entries' rows, then padding rows."""
+        eng, bs, pad = self.engine, self.engine.block_size, self.pad_block
+        tables = torch.full((b, self.width), pad, dtype=torch.int32)
+        ids, pos, slots = [0] * b, [0] * b, [pad * bs] * b
+        lens = [1] * b
+        for r, e in enumerate(entries):
+            table, p = eng.blocks.table(e.seq.request_id), e.start
+            tables[r, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            ids[r], pos[r], lens[r] = e.seq.token_ids[p], p, p + 1
+            slots[r] = table[p // bs] * bs + p % bs
+        return {
+            "ids": torch.tensor(ids),
+            "positions": torch.tensor(pos),
+            "slots": torch.tensor(slots),
+            "tables": tables,
+            "lens": torch.tensor(lens, dtype=torch.int32),
+        }
+
+    def _step(self, b: int) -> torch.Tensor:
+        return self.engine._run(
+            self.ids[:b], self.positions[:b], self.slots[:b], self.tables[:b], self.lens[:b],
+            None, None, None, None,
+        )  # fmt: skip
+
+    def run(self, entries: list[Scheduled]) -> torch.Tensor:
+        """Logits [len(entries), vocab] of a decode-only batch, by replaying its bucket."""
+        n = len(entries)
+        b = self.bucket(n)
+        for name, host in self.inputs(entries, b).items():
+            getattr(self, name)[:b].copy_(host, non_blocking=True)
+        if not self.capture:
+            return self._step(b)[:n]
+        if b not in self.graphs:
+            self._capture(b)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]
+
+    def _capture(self, b: int) -> None:
+        # warm-up on a side stream (autotuning, lazy init), as torch.cuda.graphs asks;
+        # it writes the same keys and values to the same slots as the replay will
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._step(b)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[b] = (graph, out)

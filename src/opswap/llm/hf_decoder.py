@@ -119,7 +119,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), -1)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, w, b)
 
 
@@ -211,11 +211,11 @@ class HFDecoder:
             device=self.device, dtype=self.dtype,
         )  # fmt: skip
 
-    def _qkv(self, x: torch.Tensor, layer: _Layer, positions: torch.Tensor) -> tuple:
+    def qkv(self, x: torch.Tensor, layer: _Layer, positions: torch.Tensor) -> tuple:
         """q [B, H, T, D], k, v [B, H_kv, T, D] of x [B, T, hidden], RoPE at positions."""
         b, t, _ = x.shape
         d, h, hk = self.head_dim, self.heads, self.kv_heads
-        qkv = _linear(x, layer.wqkv, layer.bqkv)
+        qkv = linear(x, layer.wqkv, layer.bqkv)
         q, k, v = qkv.split((h * d, hk * d, hk * d), -1)
         q = q.view(b, t, h, d).transpose(1, 2)
         k = k.view(b, t, hk, d).transpose(1, 2)
@@ -228,19 +228,19 @@ class HFDecoder:
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
 
-    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        gu = _linear(x, layer.wgu, layer.bgu)
+    def mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        gu = linear(x, layer.wgu, layer.bgu)
         if self.kernels:
-            return _linear(torch.ops.opswap.glu_packed(gu, "silu"), layer.wdown, layer.bdown)
+            return linear(torch.ops.opswap.glu_packed(gu, "silu"), layer.wdown, layer.bdown)
         gate, up = gu.chunk(2, -1)
-        return _linear(F.silu(gate) * up, layer.wdown, layer.bdown)
+        return linear(F.silu(gate) * up, layer.wdown, layer.bdown)
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         if self.kernels:
             return torch.ops.opswap.rms_norm(x, w, eps, 0.0, True)
         return _rms_norm(x, w, eps)
 
-    def _add_norm(
+    def add_rms_norm(
         self, a: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(x + a), x + a): the residual stream and the next sublayer's input."""
@@ -254,21 +254,21 @@ class HFDecoder:
         layer, writing each layer's k, v into the cache; attend(i, q, k, v) -> o."""
         layers = self.layers
         b, t, _ = x.shape
-        h = self._norm(x, layers[0].ln1, layers[0].eps1)
+        h = self.rms_norm(x, layers[0].ln1, layers[0].eps1)
         for i, layer in enumerate(layers):
-            q, k, v = self._qkv(h, layer, positions)
+            q, k, v = self.qkv(h, layer, positions)
             cache.write(i, k, v, positions)
             o = attend(i, q, k, v)
-            a = _linear(o.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
-            h, x = self._add_norm(a, x, layer.ln2, layer.eps2)
-            m = self._mlp(h, layer)
+            a = linear(o.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
+            h, x = self.add_rms_norm(a, x, layer.ln2, layer.eps2)
+            m = self.mlp(h, layer)
             w, eps = (
                 (layers[i + 1].ln1, layers[i + 1].eps1)
                 if i + 1 < len(layers)
                 else (self.norm, self.norm_eps)
             )
-            h, x = self._add_norm(m, x, w, eps)
-        return _linear(h, self.lm_head, self.lm_bias)
+            h, x = self.add_rms_norm(m, x, w, eps)
+        return linear(h, self.lm_head, self.lm_bias)
 
     def prefill(
         self, input_ids: torch.Tensor, cache: StaticKVCache, causal: Any = None

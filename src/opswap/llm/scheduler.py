@@ -22,6 +22,7 @@ import torch
 
 from opswap.llm.blocks import BlockManager
 from opswap.llm.sampling import SamplingParams, TokenLogprob
+from opswap.llm.speculative import PromptLookup
 
 
 @dataclass(eq=False)  # compared by identity: two requests are never the same one
@@ -41,6 +42,11 @@ class Sequence:
     text: str = ""  # decoded output (with stop strings cut), when the engine decodes
     sent_tokens: int = 0  # output tokens already streamed
     sent_text: int = 0  # characters already streamed
+    draft_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
+    spec_rate: float = 0.5  # recent share of drafts accepted (a running average)
+    spec_pause: int = 0  # steps left before the sequence speculates again
+    spec_pauses: int = 0  # pauses in a row (each twice as long)
+    lookup: PromptLookup | None = None  # its draft proposer, made at its first decode
 
     @property
     def token_ids(self) -> list[int]:
@@ -54,11 +60,13 @@ class Sequence:
 @dataclass
 class Scheduled:
     """A sequence's part of a step: `num_tokens` tokens from position `start`; `samples`:
-    the chunk reaches the sequence's last token, so the step draws its next one."""
+    the chunk reaches the sequence's last token, so the step draws its next one. `drafts`:
+    speculative tokens run after the chunk (positions start + num_tokens on), to verify."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    drafts: list[int] = field(default_factory=list)
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -67,7 +75,8 @@ class Scheduled:
 
 @dataclass
 class Batch:
-    """One step: decodes (one token each) first, then prefill chunks, packed in order."""
+    """One step: decodes (one token each) first, then prefill chunks and decodes carrying
+    drafts (a chunk of 1 + drafts tokens), packed in order."""
 
     decodes: list[Scheduled]
     prefills: list[Scheduled]
@@ -79,7 +88,7 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries)
+        return sum(e.num_tokens + len(e.drafts) for e in self.entries)
 
 
 class Scheduler:
@@ -126,6 +135,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            drafts = self._drafts(seq, n, budget, later=len(self.running) - i - 1)
             while not self.blocks.can_allocate(seq.request_id, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -133,10 +143,10 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._allocate(seq, n)
-                entry = Scheduled(seq, seq.num_computed, n)
-                (decodes if n == 1 else prefills).append(entry)
-                budget -= n
+                self._allocate(seq, n, len(drafts))
+                entry = Scheduled(seq, seq.num_computed, n, drafts)
+                (decodes if n == 1 and not drafts else prefills).append(entry)
+                budget -= n + len(drafts)
                 i += 1
                 continue
             break  # the sequence preempted itself: nothing after it is left to run
@@ -158,13 +168,31 @@ class Scheduler:
             budget -= n
         return Batch(decodes, prefills, preempted)
 
-    def _allocate(self, seq: Sequence, n: int) -> None:
-        """Blocks for the sequence's next n tokens. The blocks they fill are named in the
-        prefix cache at once: the step's forward writes every token's keys and values at
-        each layer before any attention of that layer reads them, so a prompt admitted
-        later in the same step may already start on them."""
+    def _drafts(self, seq: Sequence, n: int, budget: int, later: int) -> list[int]:
+        """The drafts a decoding sequence runs this step: those the budget leaves room for,
+        and none when their blocks would leave fewer free blocks than the `later` running
+        sequences may need (drafts never cause a preemption)."""
+        if not seq.draft_ids or n != 1 or seq.num_tokens - seq.num_computed != 1:
+            return []
+        drafts = seq.draft_ids[: budget - 1]
+        rid, end = seq.request_id, seq.num_computed + 1
+        extra = self.blocks.blocks_needed(rid, end + len(drafts)) - self.blocks.blocks_needed(
+            rid, end
+        )
+        if extra and self.blocks.blocks_needed(rid, end + len(drafts)) + later > (
+            self.blocks.num_free()
+        ):
+            return []
+        return drafts
+
+    def _allocate(self, seq: Sequence, n: int, drafts: int = 0) -> None:
+        """Blocks for the sequence's next n tokens and its drafts. The blocks the n tokens
+        fill are named in the prefix cache at once: the step's forward writes every
+        token's keys and values at each layer before any attention of that layer reads
+        them, so a prompt admitted later in the same step may already start on them.
+        Drafts are named only once accepted (`accept`)."""
         end = seq.num_computed + n
-        self.blocks.allocate(seq.request_id, end)
+        self.blocks.allocate(seq.request_id, end + drafts)
         if end // self.blocks.block_size > self.blocks.num_committed(seq.request_id):
             self.blocks.commit(seq.request_id, seq.token_ids, end)
 
@@ -172,3 +200,13 @@ class Scheduler:
         """The batch ran: its tokens' keys and values are in the cache."""
         for e in batch.entries:
             e.seq.num_computed = e.start + e.num_tokens
+
+    def accept(self, seq: Sequence, accepted: int) -> None:
+        """A decode's first `accepted` drafts matched (they are in seq's tokens now): their
+        keys and values count as computed; the blocks that only rejected drafts reached go
+        back to the pool (their slots are written again before anything reads them)."""
+        seq.num_computed += accepted
+        rid = seq.request_id
+        if seq.num_computed // self.blocks.block_size > self.blocks.num_committed(rid):
+            self.blocks.commit(rid, seq.token_ids, seq.num_computed)
+        self.blocks.truncate(rid, seq.num_computed)
