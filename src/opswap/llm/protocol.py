@@ -53,7 +53,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str | list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -185,7 +185,7 @@ def prepare_completion(
         body.stream,
         bool(body.stream_options and body.stream_options.include_usage),
         body.logprobs is not None,
-        body.return_token_ids,
+        body.return_token_ids or tokenizer is None,  # without text, the ids are the output
     )
 
 

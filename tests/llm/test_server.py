@@ -1,0 +1,410 @@
+"""opswap.llm.server on a tiny random Llama (float32, CPU) with a BPE tokenizer trained
+here: completions streamed and not give the tokens of `opswap.llm.generate` (greedy),
+for text and token-id prompts and several prompts in one request; return_token_ids;
+chat through the tokenizer's template; stop strings cut the text; logprobs; 400s with
+one sentence (bad temperature, n=2, text without a tokenizer, a prompt over the limit
+naming it, a wrong type, no chat template), 404 for another model, 429 over the queue
+bound; a client that disconnects mid-stream has its blocks freed; shutdown aborts what
+is left; /metrics names its series; and one load test over a real uvicorn server:
+~120 requests of mixed lengths, some cancelled mid-stream, under a time limit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from opswap.llm import LLMEngine, SamplingParams, generate
+from opswap.llm.driver import EngineDriver
+from opswap.llm.tokenizer import train_tokenizer
+
+transformers = pytest.importorskip("transformers")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+from opswap.llm.server import ServerThread, build_app  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog while the cat sleeps.",
+    "A server streams tokens to many clients; each one reads its own deltas.",
+    "Grüße aus Köln: naïve café, 東京 and 🙂 are characters of several bytes.",
+] * 2
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(TEXTS, 300)
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=len(tok), initializer_range=0.1,
+        max_position_embeddings=MAX_LEN,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _engine(model, **kw):
+    opts = dict(block_size=8, num_blocks=96, max_model_len=MAX_LEN, max_num_seqs=4)
+    return LLMEngine(model, **{**opts, **kw})
+
+
+def _run(app, fn):
+    """Run `fn(client)` against the app in process, then shut its driver down."""
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            try:
+                return await fn(c)
+            finally:
+                await app.state.driver.shutdown(0)
+
+    return asyncio.run(main())
+
+
+def _events(text: str) -> list:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _greedy(model, tok, prompts, n):
+    res = generate(
+        model, prompts, SamplingParams(temperature=0, max_tokens=n), tokenizer=tok,
+        block_size=8, num_blocks=96, max_model_len=MAX_LEN,
+    )  # fmt: skip
+    return [r.token_ids for r in res]
+
+
+def test_completions_streamed_and_not_give_generates_tokens(model, tok):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, len(tok), (11,), generator=g).tolist()
+    text = "The quick brown fox"
+    want = _greedy(model, tok, [text, ids], 12)
+    app = build_app(_engine(model), tok, "tiny")
+
+    async def fn(c):
+        body = dict(max_tokens=12, temperature=0, return_token_ids=True)
+        a = (await c.post("/v1/completions", json={**body, "prompt": text})).json()
+        b = (await c.post("/v1/completions", json={**body, "prompt": ids})).json()
+        both = await c.post("/v1/completions", json={**body, "prompt": [text, ids]})
+        s = await c.post(
+            "/v1/completions",
+            json={**body, "prompt": ids, "stream": True, "stream_options": {"include_usage": True}},
+        )
+        return a, b, both.json(), s.text
+
+    a, b, both, streamed = _run(app, fn)
+    assert a["object"] == "text_completion" and a["model"] == "tiny"
+    assert a["choices"][0]["token_ids"] == want[0]
+    assert a["choices"][0]["prompt_token_ids"] == tok(text)["input_ids"]
+    assert b["choices"][0]["token_ids"] == want[1]
+    assert [c["token_ids"] for c in both["choices"]] == want
+    assert [c["index"] for c in both["choices"]] == [0, 1]
+    assert b["choices"][0]["text"] == tok.decode(want[1], skip_special_tokens=True)
+    assert b["usage"] == dict(
+        prompt_tokens=11, completion_tokens=len(want[1]), total_tokens=11 + len(want[1])
+    )
+    events = _events(streamed)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert usage["choices"] == [] and usage["usage"] == b["usage"]
+    assert sum((e["choices"][0]["token_ids"] for e in chunks), []) == want[1]
+    assert "".join(e["choices"][0]["text"] for e in chunks) == b["choices"][0]["text"]
+    assert [e["choices"][0]["finish_reason"] for e in chunks][-1] == b["choices"][0][
+        "finish_reason"
+    ]
+    assert all(e["choices"][0]["finish_reason"] is None for e in chunks[:-1])
+
+
+def test_chat_uses_the_template_streamed_and_not(model, tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    (want,) = _greedy(model, tok, [ids], 9)
+    app = build_app(_engine(model), tok, "tiny")
+
+    async def fn(c):
+        body = dict(messages=messages, max_tokens=9, temperature=0, return_token_ids=True)
+        r = (await c.post("/v1/chat/completions", json=body)).json()
+        s = await c.post("/v1/chat/completions", json={**body, "stream": True})
+        return r, s.text
+
+    r, streamed = _run(app, fn)
+    assert r["object"] == "chat.completion"
+    choice = r["choices"][0]
+    assert choice["prompt_token_ids"] == ids and choice["token_ids"] == want
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": tok.decode(want, skip_special_tokens=True),
+    }
+    events = _events(streamed)
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1])
+    assert content == choice["message"]["content"]
+    assert events[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+def test_stop_strings_cut_the_text_and_logprobs_come_per_token(model, tok):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, len(tok), (7,), generator=g).tolist()
+    (full,) = _greedy(model, tok, [ids], 24)
+    whole = tok.decode(full, skip_special_tokens=True)
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 2]
+    app = build_app(_engine(model), tok, "tiny")
+
+    async def fn(c):
+        body = dict(prompt=ids, max_tokens=24, temperature=0, return_token_ids=True)
+        r = (await c.post("/v1/completions", json={**body, "stop": [stop]})).json()
+        s = await c.post("/v1/completions", json={**body, "stop": stop, "stream": True})
+        lp = (await c.post("/v1/completions", json={**body, "logprobs": 2})).json()
+        return r, s.text, lp
+
+    r, streamed, lp = _run(app, fn)
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == whole[: whole.find(stop)]
+    assert choice["token_ids"] == full[: len(choice["token_ids"])]
+    text = "".join(e["choices"][0]["text"] for e in _events(streamed)[:-1])
+    assert text == choice["text"]
+    logprobs = lp["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(full)
+    assert all(x <= 0 for x in logprobs["token_logprobs"])
+    assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"])
+
+
+BAD = [
+    ({"prompt": "hi", "temperature": -1}, "temperature must be >= 0"),
+    ({"prompt": "hi", "n": 2}, "n must be 1"),
+    ({"prompt": [5] * MAX_LEN}, f"at most {MAX_LEN} tokens in all"),
+    ({"prompt": "hi", "temperature": "hot"}, "field 'temperature'"),
+    ({"prompt": 3}, "field 'prompt' must be a text, a list of token ids"),
+    ({"max_tokens": 3}, "lacks the field 'prompt'"),
+    ({"prompt": [5, 9999]}, "outside the model's vocabulary"),
+    ({"prompt": "hi", "echo": True}, "echo is not supported"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs must be None or 0 to 20"),
+]
+
+
+def test_bad_requests_get_400_with_one_sentence(model, tok):
+    untemplated = train_tokenizer(TEXTS, 300, chat_template=None)
+
+    async def fn(c):
+        out = [await c.post("/v1/completions", json=body) for body, _ in BAD]
+        out.append(await c.post("/v1/completions", json={"prompt": "hi", "model": "gpt-9"}))
+        return out
+
+    responses = _run(build_app(_engine(model), tok, "tiny"), fn)
+    for r, (_, words) in zip(responses, BAD, strict=False):
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and words in err["message"], err
+        assert err["message"].endswith(".") and "\n" not in err["message"]
+    assert responses[-1].status_code == 404 and "'gpt-9' does not exist" in responses[-1].text
+    assert f"may have at most {MAX_LEN - 1}" in responses[2].json()["error"]["message"]
+
+    async def bare(c):
+        text = await c.post("/v1/completions", json={"prompt": "hi"})
+        chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+        ok = await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        return text, chat, ok
+
+    text, chat, ok = _run(build_app(_engine(model), None, "tiny"), bare)
+    assert text.status_code == 400 and "token-id prompts only" in text.json()["error"]["message"]
+    assert chat.status_code == 400 and "no tokenizer" in chat.json()["error"]["message"]
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+
+    async def chat_fn(c):
+        msg = {"messages": [{"role": "user", "content": "hi"}]}
+        return await c.post("/v1/chat/completions", json=msg)
+
+    r = _run(build_app(_engine(model), untemplated, "tiny"), chat_fn)
+    assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"]
+
+
+def test_over_the_queue_bound_requests_get_429(model, tok):
+    app = build_app(_engine(model, max_num_seqs=1), tok, "tiny", max_queue=2)
+    body = {"prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0}
+
+    async def fn(c):
+        return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(5)])
+
+    codes = [r.status_code for r in _run(app, fn)]
+    assert codes.count(200) == 3 and codes.count(429) == 2, codes
+    assert app.state.driver.stats.blocks.in_use == 0
+
+
+async def _asgi_stream_then_disconnect(app, body: dict, chunks_before: int) -> list[bytes]:
+    """POST `body` to the ASGI app and disconnect after `chunks_before` body chunks, as a
+    client closing its stream does (httpx's ASGITransport would buffer the whole body)."""
+    got: list[bytes] = []
+    enough = asyncio.Event()
+    raw = json.dumps(body).encode()
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await enough.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            got.append(message["body"])
+            if len(got) >= chunks_before:
+                enough.set()
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("test", 80),
+    }  # fmt: skip
+    await app(scope, receive, send)
+    return got
+
+
+def test_a_client_gone_mid_stream_frees_its_blocks(model, tok):
+    engine = _engine(model)
+    app = build_app(engine, tok, "tiny")
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 80, "temperature": 0, "stream": True}
+
+    async def main():
+        got = await _asgi_stream_then_disconnect(app, body, 3)
+        driver = app.state.driver
+        for _ in range(500):
+            if not driver.requests and driver.stats.blocks.in_use == 0 and not driver._inbox:
+                break
+            await asyncio.sleep(0.01)
+        stats = engine.stats()
+        await driver.shutdown(0)
+        return got, stats
+
+    got, stats = asyncio.run(main())
+    assert 3 <= len(got) < 20
+    # aborted at once: far fewer than the 4 + 80 tokens a finished request computes
+    assert stats.tokens_computed < 4 + 20, stats.tokens_computed
+    assert stats.blocks.in_use == 0 and stats.running == 0 and stats.waiting == 0
+
+
+def test_shutdown_aborts_what_is_left_after_the_grace_period(model, tok):
+    engine = _engine(model)
+
+    async def main():
+        driver = EngineDriver(engine, tok)
+        req = driver.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=80))
+        first = await req.queue.get()
+        await driver.shutdown(0)
+        rest = []
+        while not req.queue.empty():
+            rest.append(req.queue.get_nowait())
+        return first, rest, driver
+
+    first, rest, driver = asyncio.run(main())
+    assert first.finish_reason is None and rest[-1].finish_reason == "abort"
+    assert engine.stats().blocks.in_use == 0 and not engine.has_unfinished()
+    assert not driver.accepting
+
+
+def test_metrics_name_their_series(model, tok):
+    app = build_app(_engine(model), tok, "tiny")
+
+    async def fn(c):
+        await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4})
+        return (await c.get("/metrics")).text, (await c.get("/health")), await c.get("/v1/models")
+
+    text, health, models = _run(app, fn)
+    for name in (
+        "opswap_requests_waiting", "opswap_requests_running", "opswap_kv_blocks_in_use 0.0",
+        "opswap_kv_blocks_total 96.0", "opswap_generation_tokens_per_second",
+        "opswap_prompt_tokens_total 2.0", "opswap_generation_tokens_total 4.0",
+        'opswap_requests_finished_total{finish_reason="length"} 1.0',
+        "opswap_time_to_first_token_seconds_count 1.0",
+        "opswap_time_per_output_token_seconds_count 1.0",
+        "opswap_e2e_request_latency_seconds_count 1.0",
+    ):  # fmt: skip
+        assert name in text, name
+    assert health.json() == {"status": "ok"}
+    card = models.json()["data"][0]
+    assert card["id"] == "tiny" and card["max_model_len"] == MAX_LEN
+
+
+def test_load_over_a_real_server(model, tok):
+    """~120 requests of mixed lengths at once over loopback, every 10th cancelled after
+    its third chunk, a queue bound that refuses some: each ends with a status, the KV
+    blocks go back to zero, and every completed greedy result equals the same request run
+    alone."""
+    rng = random.Random(7)
+    reqs = []
+    for i in range(120):
+        prompt = [rng.randrange(3, len(tok)) for _ in range(rng.randrange(1, 40))]
+        reqs.append((prompt, rng.randrange(1, 24), i % 10 == 3))
+    engine = _engine(model, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
+    app = build_app(engine, tok, "tiny", max_queue=90)
+
+    async def one(c, prompt, n, cancel):
+        body = dict(prompt=prompt, max_tokens=n, temperature=0, stream=True)
+        body["return_token_ids"] = True
+        ids: list[int] = []
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return r.status_code, None, None
+            chunks = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                ids += choice["token_ids"]
+                chunks += 1
+                if choice["finish_reason"]:
+                    return 200, ids, choice["finish_reason"]
+                if cancel and chunks == 3:
+                    return 499, ids, None  # leaving the block closes the stream
+        return 200, ids, "cut"
+
+    async def main(url):
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
+            return await asyncio.gather(*[one(c, *r) for r in reqs])
+
+    t0 = time.perf_counter()
+    with ServerThread(app) as url:
+        results = asyncio.run(main(url))
+        for _ in range(200):
+            if app.state.driver.stats.blocks.in_use == 0 and not app.state.driver.requests:
+                break
+            time.sleep(0.01)
+        in_use = app.state.driver.stats.blocks.in_use
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 60, elapsed
+    codes = [code for code, _, _ in results]
+    assert set(codes) <= {200, 429, 499}, codes
+    assert codes.count(200) >= 60 and codes.count(429) >= 1 and codes.count(499) >= 5, codes
+    assert in_use == 0 and engine.stats().blocks.in_use == 0
+    done = [(r, res) for r, res in zip(reqs, results, strict=True) if res[0] == 200]
+    assert all(res[2] in ("stop", "length") for _, res in done)
+    alone = LLMEngine(model, block_size=8, num_blocks=96, max_model_len=MAX_LEN, max_num_seqs=1)
+    eos = tok.eos_token_id
+    for (prompt, n, _), (_, ids, _) in done:
+        (want,) = generate(
+            alone, [prompt], SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[eos])
+        )
+        assert ids == want.token_ids
