@@ -11,8 +11,8 @@ from typing import Annotated, Any
 import typer
 
 from opswap.cli import render
-from opswap.cli.app import app
-from opswap.cli.options import SetOpt, Spec, WeightsOpt
+from opswap.cli.app import app, check_outputs
+from opswap.cli.options import JsonOpt, SetOpt, Spec, WeightsOpt
 from opswap.errors import OpswapError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -195,3 +195,115 @@ def serve(
     except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
         pass
     render.line("stopped")
+
+
+@app.command("bench-serve")
+def bench_serve(
+    url: Annotated[
+        str, typer.Argument(metavar="URL", help="The server, e.g. http://127.0.0.1:8000.")
+    ],
+    dataset: Annotated[str, typer.Option(help="sharegpt or synthetic.")] = "sharegpt",
+    num_prompts: Annotated[int, typer.Option(help="Requests to send.")] = 200,
+    request_rate: Annotated[
+        float, typer.Option(help="Requests per second, Poisson arrivals (inf: all at once).")
+    ] = float("inf"),
+    max_concurrency: Annotated[
+        int | None, typer.Option(help="Most requests in flight at once (default: no limit).")
+    ] = None,
+    input_len: Annotated[int, typer.Option(help="Prompt tokens (synthetic).")] = 128,
+    output_len: Annotated[int, typer.Option(help="Output tokens (synthetic).")] = 64,
+    seed: Annotated[int, typer.Option(help="Seed of the sample and the arrivals.")] = 0,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="A local tokenizer to count ShareGPT tokens and send text (default: a BPE "
+            "trained on the sample; its token ids are sent).",
+        ),
+    ] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Load URL's /v1/completions with a prompt set at a request rate or concurrency and
+    print requests/s, output and total tokens/s, and the mean, median and p99 of time to
+    first token, time per output token, inter-token latency and end-to-end latency."""
+    import asyncio
+    import json
+
+    from opswap.llm import bench_serve as bs
+
+    check_outputs(json_path)
+    if dataset not in ("sharegpt", "synthetic"):
+        raise OpswapError(f"--dataset must be sharegpt or synthetic, got {dataset!r}.")
+    url = url.rstrip("/").removesuffix("/v1")
+    card = asyncio.run(bs.server_card(url))
+    max_len = int(card.get("max_model_len") or 2048)
+    vocab = int(card.get("vocab_size") or 32000)
+    if dataset == "synthetic":
+        if input_len + output_len > max_len:
+            raise OpswapError(
+                f"--input-len {input_len} + --output-len {output_len} exceeds the server's "
+                f"max_model_len {max_len}."
+            )
+        reqs = bs.synthetic_requests(num_prompts, input_len, output_len, vocab, seed)
+    else:
+        tok = None
+        if tokenizer is not None:
+            tok = find_tokenizer("", tokenizer)
+        reqs, _ = bs.sharegpt_requests(num_prompts, seed, tok, max_len, vocab)
+    render.line(
+        f"sending {len(reqs)} {dataset} requests to {url} ({card.get('id')}) at "
+        f"{request_rate:g} requests/s"
+        + (f", at most {max_concurrency} at once" if max_concurrency else "")
+    )
+    results, seconds = asyncio.run(
+        bs.run_benchmark(url, reqs, request_rate, max_concurrency, seed, card.get("id"))
+    )
+    figures = bs.summarize(results, seconds)
+    render_figures(figures)
+    if json_path is not None:
+        out = {
+            "url": url,
+            "model": card.get("id"),
+            "dataset": dataset,
+            "num_prompts": num_prompts,
+            "request_rate": request_rate if request_rate != float("inf") else "inf",
+            "max_concurrency": max_concurrency,
+            "seed": seed,
+            **figures,
+            "requests": bs.result_rows(results),
+        }
+        json_path.write_text(json.dumps(out, indent=2) + "\n")
+        render.line(f"wrote {json_path}")
+
+
+def render_figures(f: dict[str, Any]) -> None:
+    """The figures of a bench-serve run as a table."""
+    from rich.table import Table
+
+    from opswap.cli import consoles
+
+    t = Table(title="serving benchmark", show_header=True)
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    failed = ", ".join(f"{k}: {v}" for k, v in f["failed_by_status"].items())
+    rows = [
+        ("completed requests", f"{f['completed']}"),
+        ("failed requests", f"{f['failed']}" + (f" ({failed})" if failed else "")),
+        ("duration (s)", f"{f['duration_s']:.2f}"),
+        ("input / output tokens", f"{f['total_input_tokens']} / {f['total_output_tokens']}"),
+        ("requests/s", f"{f['request_throughput']:.2f}"),
+        ("output tokens/s", f"{f['output_throughput']:.1f}"),
+        ("total tokens/s", f"{f['total_token_throughput']:.1f}"),
+    ]
+    for key, label in (
+        ("ttft_ms", "time to first token (ms)"),
+        ("tpot_ms", "time per output token (ms)"),
+        ("itl_ms", "inter-token latency (ms)"),
+        ("e2e_latency_ms", "end-to-end latency (ms)"),
+    ):
+        s = f[key]
+        rows.append((label, f"{s['mean']:.1f} / {s['median']:.1f} / {s['p99']:.1f}"))
+    for name, value in rows:
+        t.add_row(name, value)
+    t.caption = "latencies: mean / median / p99"
+    consoles.console.print(t)
