@@ -5,14 +5,19 @@ chat through the tokenizer's template; stop strings cut the text; logprobs; 400s
 one sentence (bad temperature, n=2, text without a tokenizer, a prompt over the limit
 naming it, a wrong type, no chat template), 404 for another model, 429 over the queue
 bound; a client that disconnects mid-stream has its blocks freed; shutdown aborts what
-is left; /metrics names its series; and one load test over a real uvicorn server:
-~120 requests of mixed lengths, some cancelled mid-stream, under a time limit."""
+is left; /metrics names its series; and one load test of `opswap serve hf:llama` in its
+own process: ~120 requests of mixed lengths, some cancelled mid-stream, under a time
+limit, then each completed one again alone."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -27,7 +32,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
-from opswap.llm.server import ServerThread, build_app  # noqa: E402
+from opswap.llm.server import build_app, free_port  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -347,64 +352,95 @@ def test_metrics_name_their_series(model, tok):
     assert card["id"] == "tiny" and card["max_model_len"] == MAX_LEN
 
 
-def test_load_over_a_real_server(model, tok):
-    """~120 requests of mixed lengths at once over loopback, every 10th cancelled after
-    its third chunk, a queue bound that refuses some: each ends with a status, the KV
-    blocks go back to zero, and every completed greedy result equals the same request run
-    alone."""
+def _metric(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def test_opswap_serve_hf_llama_under_load(tmp_path):
+    """`opswap serve hf:llama` in its own process (uvicorn on loopback): ~120 streamed
+    requests of mixed lengths at once, every 10th closed after its third chunk, a queue
+    bound that refuses some: each ends with a status, the KV blocks in use return to 0,
+    every completed greedy result equals the same request sent alone afterwards, a
+    non-streamed request gives the streamed tokens, and SIGTERM stops it cleanly."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "opswap.cli", "serve", "hf:llama", "--port", str(port),
+           "--device", "cpu", "--block-size", "8", "--max-num-seqs", "8",
+           "--max-num-batched-tokens", "64", "--max-queue", "90"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.1)
+        _check_load(url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert f"serving hf:llama as 'llama' at {url}/v1" in out and "stopped" in out
+
+
+def _check_load(url: str) -> None:
     rng = random.Random(7)
+    card = httpx.get(url + "/v1/models").json()["data"][0]
+    vocab, max_len = card["vocab_size"], card["max_model_len"]
+    assert card["id"] == "llama" and not card["has_tokenizer"]
     reqs = []
     for i in range(120):
-        prompt = [rng.randrange(3, len(tok)) for _ in range(rng.randrange(1, 40))]
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]
         reqs.append((prompt, rng.randrange(1, 24), i % 10 == 3))
-    engine = _engine(model, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
-    app = build_app(engine, tok, "tiny", max_queue=90)
 
     async def one(c, prompt, n, cancel):
-        body = dict(prompt=prompt, max_tokens=n, temperature=0, stream=True)
-        body["return_token_ids"] = True
+        body = dict(prompt=prompt, max_tokens=n, temperature=0, stream=True, ignore_eos=True)
         ids: list[int] = []
         async with c.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                return r.status_code, None, None
+                return r.status_code, None
             chunks = 0
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
                 choice = json.loads(line[6:])["choices"][0]
-                ids += choice["token_ids"]
+                ids += choice["token_ids"]  # a server without a tokenizer sends them
                 chunks += 1
                 if choice["finish_reason"]:
-                    return 200, ids, choice["finish_reason"]
+                    assert choice["finish_reason"] == "length"
+                    return 200, ids
                 if cancel and chunks == 3:
-                    return 499, ids, None  # leaving the block closes the stream
-        return 200, ids, "cut"
+                    return 499, ids  # leaving the block closes the stream
+        return 0, ids  # the stream ended without a finish reason
 
-    async def main(url):
+    async def load():
         limits = httpx.Limits(max_connections=200)
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
             return await asyncio.gather(*[one(c, *r) for r in reqs])
 
     t0 = time.perf_counter()
-    with ServerThread(app) as url:
-        results = asyncio.run(main(url))
-        for _ in range(200):
-            if app.state.driver.stats.blocks.in_use == 0 and not app.state.driver.requests:
-                break
-            time.sleep(0.01)
-        in_use = app.state.driver.stats.blocks.in_use
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 60, elapsed
-    codes = [code for code, _, _ in results]
+    results = asyncio.run(load())
+    assert time.perf_counter() - t0 < 60
+    codes = [code for code, _ in results]
     assert set(codes) <= {200, 429, 499}, codes
     assert codes.count(200) >= 60 and codes.count(429) >= 1 and codes.count(499) >= 5, codes
-    assert in_use == 0 and engine.stats().blocks.in_use == 0
-    done = [(r, res) for r, res in zip(reqs, results, strict=True) if res[0] == 200]
-    assert all(res[2] in ("stop", "length") for _, res in done)
-    alone = LLMEngine(model, block_size=8, num_blocks=96, max_model_len=MAX_LEN, max_num_seqs=1)
-    eos = tok.eos_token_id
-    for (prompt, n, _), (_, ids, _) in done:
-        (want,) = generate(
-            alone, [prompt], SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[eos])
-        )
-        assert ids == want.token_ids
+    for _ in range(200):
+        metrics = httpx.get(url + "/metrics").text
+        if _metric(metrics, "opswap_requests_running") == 0:
+            break
+        time.sleep(0.02)
+    assert _metric(metrics, "opswap_kv_blocks_in_use") == 0
+    assert _metric(metrics, "opswap_requests_waiting") == 0
+    done = [(r, ids) for r, (code, ids) in zip(reqs, results, strict=True) if code == 200]
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for (prompt, n, _), ids in done:
+            assert len(ids) == n
+            body = dict(prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True)
+            alone = c.post("/v1/completions", json=body).json()
+            assert alone["choices"][0]["token_ids"] == ids
+        long = c.post("/v1/completions", json={"prompt": [5] * max_len})
+        assert long.status_code == 400 and f"at most {max_len} tokens" in long.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -190,11 +191,20 @@ def serve(
         f"tokens, {'text and token-id' if tok is not None else 'token-id'} prompts); "
         "Ctrl-C stops"
     )
+    # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again
+    # with the handler it found: make SIGTERM's, like SIGINT's, an exception caught here
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.server.run()
-    except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
+    except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     render.line("stopped")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 @app.command("bench-serve")
