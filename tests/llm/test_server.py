@@ -444,3 +444,26 @@ def _check_load(url: str) -> None:
             assert alone["choices"][0]["token_ids"] == ids
         long = c.post("/v1/completions", json={"prompt": [5] * max_len})
         assert long.status_code == 400 and f"at most {max_len} tokens" in long.text
+
+
+def _cli(*args: str) -> int:
+    from opswap.cli import main
+
+    try:
+        main(list(args))
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def test_serve_refuses_a_kv_budget_naming_the_largest_max_model_len(capfd):
+    # hf:llama: 2 layers, 2 KV heads of 16 in float32: 8 KiB a block of 16 tokens
+    assert _cli("serve", "hf:llama", "--device", "cpu", "--kv-memory", "40KiB") == 2
+    err = capfd.readouterr().err
+    assert "--kv-memory 40KiB holds 5 KV blocks of 16 tokens" in err
+    assert "less than one sequence of --max-model-len 128" in err
+    assert "use --max-model-len 80 or less" in err and "Traceback" not in err
+    assert _cli("serve", "hf:llama", "--kv-memory", "lots") == 2
+    assert "--kv-memory takes a size such as 2GiB" in capfd.readouterr().err
+    assert _cli("bench-serve", "http://127.0.0.1:9", "--dataset", "mine") == 2
+    assert "--dataset must be sharegpt or synthetic" in capfd.readouterr().err

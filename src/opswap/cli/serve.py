@@ -169,6 +169,10 @@ def serve(
     from opswap.cli.commands import _load
     from opswap.llm.server import ServerThread, build_app
 
+    if kv_memory is not None:  # the options' errors before the model loads
+        parse_bytes(kv_memory)
+    if dtype not in _DTYPES:
+        raise OpswapError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}.")
     loaded = _load(spec, sets, weights)
     model = getattr(loaded.module, "model", loaded.module)
     tok = find_tokenizer(spec, tokenizer)
