@@ -160,8 +160,12 @@ class EngineDriver:
     def abort(self, request_id: str) -> None:
         """Drop a request (its caller is gone); the engine frees its blocks before its next
         step. Nothing more is sent to its queue."""
-        if self.requests.pop(request_id, None) is not None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
             self._post("abort", request_id)
+            req.finish_reason = "abort"
+            if self.observer.on_finish is not None:
+                self.observer.on_finish(req, time.perf_counter())
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Take no new request, let those in flight finish for up to `grace_s` seconds,

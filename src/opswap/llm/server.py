@@ -301,7 +301,9 @@ class ServerThread:
     benchmark): `with ServerThread(app) as url: ...` serves at `url` (a free loopback
     port unless given) and shuts down gracefully on leaving."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, grace_s: float = 5.0):
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, grace_s: float = 5.0
+    ) -> None:
         import uvicorn
 
         self.host, self.port = host, port or free_port(host)
