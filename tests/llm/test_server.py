@@ -470,3 +470,22 @@ def test_serve_refuses_a_kv_budget_naming_the_largest_max_model_len(capfd):
     assert "--kv-memory takes a size such as 2GiB" in capfd.readouterr().err
     assert _cli("bench-serve", "http://127.0.0.1:9", "--dataset", "mine") == 2
     assert "--dataset must be sharegpt or synthetic" in capfd.readouterr().err
+
+
+def test_a_request_the_engine_refuses_gets_400_streamed_or_not(model, tok, monkeypatch):
+    import opswap.llm.server as server
+
+    monkeypatch.setattr(server, "_vocab_size", lambda engine: None)  # skip the server's check
+    app = build_app(_engine(model), tok, "tiny")
+
+    async def fn(c):
+        body = {"prompt": [5, 10**6], "max_tokens": 3}
+        plain = await c.post("/v1/completions", json=body)
+        streamed = await c.post("/v1/completions", json={**body, "stream": True})
+        return plain, streamed.text
+
+    plain, streamed = _run(app, fn)
+    assert plain.status_code == 400
+    assert "outside the model's vocabulary of" in plain.json()["error"]["message"]
+    (event,) = _events(streamed)
+    assert event["error"]["code"] == 400 and "vocabulary" in event["error"]["message"]

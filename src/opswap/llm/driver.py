@@ -56,6 +56,7 @@ class Delta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     error: str | None = None
+    status: int = 500  # of the error: 400 when the engine refused the request
 
 
 @dataclass
@@ -237,7 +238,8 @@ class EngineDriver:
                     self.engine.add_request(what.prompt_ids, what.params, what.request_id)
                 except OpswapError as e:  # the server checks first; this is a last guard
                     self.requests.pop(what.request_id, None)
-                    what.queue.put_nowait(Delta(what.index, [], "", [], error=str(e)))
+                    refused = Delta(what.index, [], "", [], error=str(e), status=400)
+                    what.queue.put_nowait(refused)
             else:
                 assert isinstance(what, str)
                 self.engine.abort(what)

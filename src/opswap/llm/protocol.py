@@ -128,7 +128,7 @@ def _params(
     return params, stop
 
 
-def _check_ids(ids: list[int], i: int, max_model_len: int, vocab: int, many: bool) -> None:
+def _check_ids(ids: list[int], i: int, max_model_len: int, vocab: int | None, many: bool) -> None:
     which = f"prompt {i}" if many else "the prompt"
     if not ids:
         raise BadRequest(f"{which} is empty; give at least one token.")
@@ -137,9 +137,10 @@ def _check_ids(ids: list[int], i: int, max_model_len: int, vocab: int, many: boo
             f"{which} has {len(ids)} tokens, but this model takes at most {max_model_len} "
             f"tokens in all (max_model_len), so a prompt may have at most {max_model_len - 1}."
         )
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
     if bad is not None:
-        raise BadRequest(f"{which} holds token {bad}, outside the model's vocabulary of {vocab}.")
+        size = f"of {vocab}" if vocab is not None else "(ids start at 0)"
+        raise BadRequest(f"{which} holds token {bad}, outside the model's vocabulary {size}.")
 
 
 def prepare_completion(
@@ -147,7 +148,7 @@ def prepare_completion(
     tokenizer: Any,
     model_name: str,
     max_model_len: int,
-    vocab: int,
+    vocab: int | None,
     eos: int | None,
 ) -> Prepared:
     _common_checks(body, model_name)
@@ -210,7 +211,7 @@ def prepare_chat(
     tokenizer: Any,
     model_name: str,
     max_model_len: int,
-    vocab: int,
+    vocab: int | None,
     eos: int | None,
 ) -> Prepared:
     _common_checks(body, model_name)

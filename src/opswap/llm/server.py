@@ -69,6 +69,7 @@ def build_app(
         observer=Observer(on_finish=metrics.finished, on_step=metrics.step),
     )
     created = int(time.time())
+    vocab = _vocab_size(engine)
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -103,7 +104,7 @@ def build_app(
         tokenizer=tokenizer,
         model_name=model_name,
         max_model_len=engine.max_model_len,
-        vocab=engine.net.vocab,
+        vocab=vocab,
         eos=eos_token_id,
     )
 
@@ -121,7 +122,7 @@ def build_app(
             "created": created,
             "owned_by": "opswap",
             "max_model_len": engine.max_model_len,
-            "vocab_size": engine.net.vocab,
+            "vocab_size": vocab,
             "has_tokenizer": tokenizer is not None,
         }
         return {"object": "list", "data": [card]}
@@ -160,8 +161,9 @@ def build_app(
         finally:
             for r in reqs:
                 driver.abort(r.request_id)  # nothing when it finished; frees it when not
-        if isinstance(result, str):
-            return error(500, result, "server_error")
+        if isinstance(result, Delta):
+            kind = "invalid_request_error" if result.status == 400 else "server_error"
+            return error(result.status, result.error or "the request failed.", kind)
         return result
 
     async def _collect(
@@ -171,7 +173,7 @@ def build_app(
         rid: str,
         chat: bool,
         gone: Callable[[], Awaitable[bool]],
-    ) -> dict[str, Any] | str:
+    ) -> dict[str, Any] | Delta:
         n = len(reqs)
         ids: list[list[int]] = [[] for _ in range(n)]
         text = [""] * n
@@ -182,10 +184,10 @@ def build_app(
                 d = await asyncio.wait_for(queue.get(), 0.5)
             except TimeoutError:
                 if await gone():
-                    return "the client disconnected."
+                    return Delta(0, [], "", [], error="the client disconnected.")
                 continue
             if d.error is not None:
-                return d.error
+                return d
             ids[d.index] += d.token_ids
             text[d.index] += d.text
             logprobs[d.index] += d.logprobs
@@ -232,7 +234,8 @@ def build_app(
             while left:
                 d = await queue.get()
                 if d.error is not None:
-                    err = {"message": d.error, "type": "server_error", "code": 500}
+                    kind = "invalid_request_error" if d.status == 400 else "server_error"
+                    err = {"message": d.error, "type": kind, "code": d.status}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     break
                 generated += len(d.token_ids)
@@ -261,6 +264,15 @@ def build_app(
                 driver.abort(r.request_id)
 
     return app
+
+
+def _vocab_size(engine: LLMEngine) -> int | None:
+    """The model's vocabulary size, for the 400 on an out-of-range token (None: unknown,
+    and the engine's own check answers)."""
+    net = getattr(engine, "net", None)
+    config = getattr(getattr(net, "model", None), "config", None)
+    size = getattr(net, "vocab", None) or getattr(config, "vocab_size", None)
+    return int(size) if size else None
 
 
 def _usage(p: Prepared, generated: int) -> dict[str, int]:
