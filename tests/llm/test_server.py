@@ -260,6 +260,8 @@ async def _asgi_stream_then_disconnect(app, body: dict, chunks_before: int) -> l
     client closing its stream does (httpx's ASGITransport would buffer the whole body)."""
     got: list[bytes] = []
     enough = asyncio.Event()
+    if chunks_before == 0:
+        enough.set()
     raw = json.dumps(body).encode()
     sent = False
 
@@ -308,6 +310,27 @@ def test_a_client_gone_mid_stream_frees_its_blocks(model, tok):
     # aborted at once: far fewer than the 4 + 80 tokens a finished request computes
     assert stats.tokens_computed < 4 + 20, stats.tokens_computed
     assert stats.blocks.in_use == 0 and stats.running == 0 and stats.waiting == 0
+
+
+def test_a_client_gone_before_a_plain_answer_frees_its_blocks(model, tok):
+    engine = _engine(model)
+    app = build_app(engine, tok, "tiny")
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 80, "temperature": 0}
+
+    async def main():
+        got = await _asgi_stream_then_disconnect(app, body, 0)
+        driver = app.state.driver
+        for _ in range(500):
+            if not driver._inbox and driver.stats.blocks.in_use == 0:
+                break
+            await asyncio.sleep(0.01)
+        stats = engine.stats()
+        await driver.shutdown(0)
+        return got, stats
+
+    got, stats = asyncio.run(main())
+    assert b"the client disconnected" in b"".join(got)
+    assert stats.blocks.in_use == 0 and stats.tokens_computed < 4 + 20, stats
 
 
 def test_shutdown_aborts_what_is_left_after_the_grace_period(model, tok):

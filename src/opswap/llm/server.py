@@ -156,9 +156,11 @@ def build_app(
         if p.stream:
             events = _stream(p, reqs, queue, rid, chat)
             return StreamingResponse(events, media_type="text/event-stream")
+        watch = asyncio.create_task(_watch(request.is_disconnected, queue))
         try:
-            result = await _collect(p, reqs, queue, rid, chat, request.is_disconnected)
+            result = await _collect(p, reqs, queue, rid, chat)
         finally:
+            watch.cancel()
             for r in reqs:
                 driver.abort(r.request_id)  # nothing when it finished; frees it when not
         if isinstance(result, Delta):
@@ -167,12 +169,7 @@ def build_app(
         return result
 
     async def _collect(
-        p: Prepared,
-        reqs: list[Any],
-        queue: asyncio.Queue[Delta],
-        rid: str,
-        chat: bool,
-        gone: Callable[[], Awaitable[bool]],
+        p: Prepared, reqs: list[Any], queue: asyncio.Queue[Delta], rid: str, chat: bool
     ) -> dict[str, Any] | Delta:
         n = len(reqs)
         ids: list[list[int]] = [[] for _ in range(n)]
@@ -180,12 +177,7 @@ def build_app(
         logprobs: list[list[Any]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
         while any(r is None for r in reasons):
-            try:
-                d = await asyncio.wait_for(queue.get(), 0.5)
-            except TimeoutError:
-                if await gone():
-                    return Delta(0, [], "", [], error="the client disconnected.")
-                continue
+            d = await queue.get()
             if d.error is not None:
                 return d
             ids[d.index] += d.token_ids
@@ -264,6 +256,14 @@ def build_app(
                 driver.abort(r.request_id)
 
     return app
+
+
+async def _watch(gone: Callable[[], Awaitable[bool]], queue: asyncio.Queue[Delta]) -> None:
+    """Every half second, whether a non-streamed call's client has gone: then an error on
+    its queue ends the wait, and the handler aborts its requests."""
+    while not await gone():
+        await asyncio.sleep(0.5)
+    queue.put_nowait(Delta(0, [], "", [], error="the client disconnected."))
 
 
 def _vocab_size(engine: LLMEngine) -> int | None:
