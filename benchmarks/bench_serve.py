@@ -1,7 +1,7 @@
 """`opswap serve` under load: the server on a 1.1B Llama-style model answers N ShareGPT
 prompts sent all at once over loopback (opswap.llm.bench_serve, the figures of `opswap
 bench-serve`), beside transformers' `generate` at batch 32 on the first prompts of the
-same set (the peer, same run).
+same set (the peer, same run). The client runs in a process of its own.
 
     PYTHONPATH=src python3 benchmarks/bench_serve.py --out DIR     # GPU: DIR/serve_<card>.json
     PYTHONPATH=src python benchmarks/bench_serve.py --smoke        # CPU, a tiny model, seconds
@@ -126,7 +126,8 @@ def main() -> None:
     app = build_app(engine, tok, "llama-1.1b" if not smoke else "llama-tiny", max_queue=n)
     with ServerThread(app) as url:
         asyncio.run(bs.run_benchmark(url, reqs[: min(8, n)]))  # warm-up
-        results, seconds = asyncio.run(bs.run_benchmark(url, reqs))
+        # the client in its own process: its parsing must not take the server's GIL
+        results, seconds = bs.run_benchmark_process(url, reqs)
         stats = app.state.driver.stats
     figures = bs.summarize(results, seconds)
     print(

@@ -299,6 +299,25 @@ def _more_open_files(want: int) -> int | None:
     return max(soft, top)
 
 
+def _run_sync(
+    url: str, requests: list[BenchRequest], options: dict[str, Any]
+) -> tuple[list[RequestResult], float]:
+    return asyncio.run(run_benchmark(url, requests, **options))
+
+
+def run_benchmark_process(
+    url: str, requests: list[BenchRequest], **options: Any
+) -> tuple[list[RequestResult], float]:
+    """`run_benchmark` in a process of its own (spawned), for a server that runs in this
+    one: the client's parsing of every streamed chunk then does not share the server's
+    interpreter lock, and the figures are the server's."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_sync, url, requests, options).result()
+
+
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "median": 0.0, "p99": 0.0}
