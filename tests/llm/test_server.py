@@ -512,3 +512,23 @@ def test_a_request_the_engine_refuses_gets_400_streamed_or_not(model, tok, monke
     assert "outside the model's vocabulary of" in plain.json()["error"]["message"]
     (event,) = _events(streamed)
     assert event["error"]["code"] == 400 and "vocabulary" in event["error"]["message"]
+
+
+def test_an_engine_failure_answers_500_and_health_503(model, tok, monkeypatch):
+    engine = _engine(model)
+
+    def boom():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "step", boom)
+    app = build_app(engine, tok, "tiny")
+
+    async def fn(c):
+        r = await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+        return r, await c.get("/health"), await c.post("/v1/completions", json={"prompt": [5]})
+
+    r, health, after = _run(app, fn)
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == "the engine failed (RuntimeError: boom)."
+    assert health.status_code == 503 and after.status_code == 503
+    assert "boom), so the server takes no requests." in after.json()["error"]["message"]

@@ -135,6 +135,8 @@ class EngineDriver:
     ) -> Request:
         """Queue a request for the engine; its Deltas arrive on `queue` (a new one unless
         given: several requests may share one, told apart by `index`)."""
+        if self.error is not None:
+            raise ShuttingDown(f"{self.error.rstrip('.')}, so the server takes no requests.")
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and takes no new requests.")
         if len(self.requests) >= self.capacity:
