@@ -532,3 +532,16 @@ def test_an_engine_failure_answers_500_and_health_503(model, tok, monkeypatch):
     assert r.json()["error"]["message"] == "the engine failed (RuntimeError: boom)."
     assert health.status_code == 503 and after.status_code == 503
     assert "boom), so the server takes no requests." in after.json()["error"]["message"]
+
+
+def test_an_hf_checkpoint_directory_brings_its_tokenizer(tok, model, tmp_path):
+    from opswap.cli.serve import find_tokenizer
+
+    model.save_pretrained(tmp_path)
+    assert find_tokenizer(f"hf:{tmp_path}", None) is None  # weights only: no tokenizer
+    tok.save_pretrained(tmp_path)
+    found = find_tokenizer(f"hf:{tmp_path}", None)
+    assert found("naïve café")["input_ids"] == tok("naïve café")["input_ids"]
+    assert found.chat_template == tok.chat_template
+    assert find_tokenizer("hf:llama", None) is None
+    assert find_tokenizer("hf:llama", tmp_path) is not None
