@@ -172,6 +172,8 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "attention": (ATTENTION_TESTS, [["bench_attention.py"]]),
     "decode": (DECODE_TESTS, [["bench_decode.py"]]),
     "engine": (["tests/llm/test_engine.py"], [["bench_engine.py"]]),  # serving engine (ch29)
+    # opswap serve under 1000 ShareGPT prompts at once beside transformers generate (ch29)
+    "serve": (["tests/llm/test_server.py"], [["bench_serve.py"]]),
     # issue 41: the paged decode and chunked-prefill kernels (compiled on the GPU) and their sweep
     "paged": (["tests/kernels/test_paged_attention.py"], [["bench_paged_attention.py"]]),
     "activation": (ACTIVATION_TESTS, [["bench_activation.py"]]),

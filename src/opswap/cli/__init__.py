@@ -15,6 +15,7 @@ program embedding the CLI) can replace them.
 from __future__ import annotations
 
 from opswap.cli import run as _run  # noqa: F401  (importing it registers `optimize`)
+from opswap.cli import serve as _serve  # noqa: F401  (registers `serve`, `bench-serve`)
 from opswap.cli.app import EXIT_STATUS, app, main
 from opswap.cli.commands import _load  # importing it registers the other commands
 from opswap.cli.consoles import console, err
