@@ -117,6 +117,9 @@ class _Kernels(nn.Module):
         r["flash"], r["lse"] = ops.flash_attention(x, k, v, True, 0.3, lengths, None)
         r["flash_bool"], r["lse_bool"] = ops.flash_attention(x, x, x, False, 0.3, None, self.keep)
         r["flash_add"], _ = ops.flash_attention(x, k, v, False, 0.3, None, self.bias)
+        r["topk"], r["topk_idx"] = ops.topk(x, 3, True, True)
+        r["bottomk"], r["bottomk_idx"] = ops.topk(x, 8, False, True)
+        r["approx_topk"], r["approx_idx"] = ops.approx_topk(x, 2, True, 1, 2)
         return r
 
 
@@ -230,7 +233,11 @@ def _cases():
         },
     )
     return {
-        "kernel ops": (_Kernels(), (3, 4, 6, 8), {"Softmax", "LogSoftmax", "ReduceLogSumExp"}),
+        "kernel ops": (
+            _Kernels(),
+            (3, 4, 6, 8),
+            {"Softmax", "LogSoftmax", "ReduceLogSumExp", "TopK"},
+        ),
         "row kernel ops": (
             rows,
             (3, 5, 2 * 37),

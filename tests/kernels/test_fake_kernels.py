@@ -415,6 +415,18 @@ def _winograd_samples() -> dict[str, list[Sample]]:
     }
 
 
+def _topk_samples() -> dict[str, list[Sample]]:
+    shapes = [(3, 5, 7), (1, 1, 9), (2, 3, 1, 6)]
+    return {
+        "topk": [
+            Sample(f"k={k} largest={big}: {s.label}", (*s.args, k, big, True))
+            for k, big in ((1, True), (4, False))
+            for s in _over(shapes[:2], lambda x: (x,))
+        ],
+        "approx_topk": _over([(3, 8), (1, 1, 12)], lambda x: (x, 2, True, 2, 2)),
+    }
+
+
 def samples() -> dict[str, list[Sample]]:
     """Sample inputs for every op, by its name in the opswap namespace."""
     torch.manual_seed(0)
@@ -431,6 +443,7 @@ def samples() -> dict[str, list[Sample]]:
         _low_bit_samples,
         _conv_algorithm_samples,
         _winograd_samples,
+        _topk_samples,
     ):
         out.update(part())
     return out

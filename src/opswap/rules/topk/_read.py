@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx as fx
 from torch.fx.node import Argument
 
-from opswap.graph.ops import op_kind, raw_name
+from opswap.graph.ops import copy_meta, op_kind, raw_name
 from opswap.graph.shapes import dynamic_dims, info
 from opswap.rules._matching import setting
 
@@ -215,3 +216,22 @@ def uses_indices(head: Head) -> bool:
     """Whether the head's indices reach anything but a gather of the sorted tensor itself."""
     out = head.indices_out
     return out is not None and any(u not in head.gathers for u in out.users)
+
+
+def replace_pair(gm: fx.GraphModule, node: fx.Node, target: Any, args: tuple) -> fx.Node:
+    """Replace the (values, indices) op `node` by a call of `target` on `args` returning the
+    same pair; `.values` / `.indices` of torch's named pair become [0] / [1]."""
+    g = gm.graph
+    with g.inserting_before(node):
+        new = g.call_function(target, args)
+    copy_meta(new, node)
+    for u in list(node.users):
+        if u.target is getattr:
+            with g.inserting_before(u):
+                at = g.call_function(operator.getitem, (new, int(u.args[1] == "indices")))
+            copy_meta(at, u)
+            u.replace_all_uses_with(at)
+            g.erase_node(u)
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return new
