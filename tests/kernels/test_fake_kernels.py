@@ -424,6 +424,26 @@ def _topk_samples() -> dict[str, list[Sample]]:
             for s in _over(shapes[:2], lambda x: (x,))
         ],
         "approx_topk": _over([(3, 8), (1, 1, 12)], lambda x: (x, 2, True, 2, 2)),
+        "batched_embedding_bag": [
+            Sample(
+                f"B={b} T={t} L={n} mean={mean} weighted={w}",
+                (
+                    _randn(30, 7, dtype=dt),
+                    torch.tensor([0, 12, 20][:t], device=DEVICE),
+                    torch.randint(0, 10, (b, t, n), device=DEVICE),
+                    _randn(b, t, n) if w else None,
+                    mean,
+                    None,
+                    None,
+                    torch.float32 if dt != torch.float32 else None,
+                ),
+            )
+            for b, t, n, mean, w, dt in (
+                (4, 3, 5, False, False, torch.float32),
+                (1, 2, 1, True, True, torch.float32),
+                (3, 1, 4, True, False, torch.float16),
+            )
+        ],
     }
 
 

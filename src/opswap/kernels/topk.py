@@ -301,25 +301,21 @@ def topk(x: torch.Tensor, k: int, largest: bool, sorted: bool) -> tuple[torch.Te
 
 
 def buckets_for(n: int, k: int, recall: float = RECALL) -> tuple[int, int]:
-    """(buckets B, survivors a bucket k') for rows of n: the most buckets (each bucket's
-    top-k' costs less as it shortens) whose expected recall@k on exchangeable data stays at
-    or above `recall`. A true top-k element is lost only when more than k' of the k fall in
-    its bucket: with the k spread uniformly over B buckets, the count beside it in its own
-    bucket is Binomial(k - 1, 1 / B), and its recall is P(count < k')."""
-    best = (1, k)
-    for b in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-        if b > n // 2:
-            break
-        if n % b:
-            continue
-        for kp in range(1, k + 1):
-            if kp * b < k or kp > -(-n // b):
+    """(buckets B, survivors a bucket k') for rows of n: the fewest survivors a bucket (the
+    first pass's cost grows with k'; k' = 1 is a plain max), with the fewest buckets that
+    keep the expected recall@k on exchangeable data at or above `recall`. A true top-k
+    element is lost only when more than k' of the k fall in its bucket: with the k spread
+    uniformly over B buckets, the count beside it in its own bucket is Binomial(k - 1,
+    1 / B), and its recall is P(count < k'). (1, k) when no split qualifies."""
+    for kp in range(1, k + 1):
+        for b in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+            if b > n // 2 or kp > n // b:
+                break
+            if n % b or kp * b < k:
                 continue
             if _binom_cdf(k - 1, 1.0 / b, kp - 1) >= recall:
-                if kp * b < best[0] * best[1] or best[0] == 1:
-                    best = (b, kp)
-                break
-    return best
+                return b, kp
+    return 1, k
 
 
 def _binom_cdf(n: int, p: float, at: int) -> float:
@@ -330,16 +326,20 @@ def _binom_cdf(n: int, p: float, at: int) -> float:
 def approx_reference(
     x: torch.Tensor, k: int, largest: bool, buckets: int, per_bucket: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bucketed top-k: x's row split into `buckets` strided buckets (column j in bucket
-    j % B, so a sorted or clustered row spreads over all of them), the top `per_bucket` of
-    each, then the exact top-k of those survivors, sorted; indices into the row."""
+    """The bucketed top-k: x's row split into `buckets` contiguous buckets (a view, no
+    copy), the top `per_bucket` of each (a max when it is 1), then the exact top-k of
+    those survivors, sorted; indices into the row."""
     n = x.shape[-1]
     if buckets <= 1:
         return reference(x, k, largest, True)
     lead = x.shape[:-1]
-    grid = x.reshape(*lead, n // buckets, buckets).transpose(-1, -2)  # [..., B, n / B]
-    v1, i1 = torch.ops.opswap.topk.default(grid.contiguous(), per_bucket, largest, False)
-    cols = i1 * buckets + torch.arange(buckets, device=x.device)[:, None]  # [..., B, k']
+    width = n // buckets
+    grid = x.reshape(*lead, buckets, width)  # [..., B, n / B]
+    if per_bucket == 1:
+        v1, i1 = grid.max(-1, keepdim=True) if largest else grid.min(-1, keepdim=True)
+    else:
+        v1, i1 = torch.ops.opswap.topk.default(grid, per_bucket, largest, False)
+    cols = i1 + width * torch.arange(buckets, device=x.device)[:, None]  # [..., B, k']
     v2, i2 = torch.topk(v1.reshape(*lead, -1), k, dim=-1, largest=largest, sorted=True)
     return v2.contiguous(), cols.reshape(*lead, -1).gather(-1, i2).contiguous()
 

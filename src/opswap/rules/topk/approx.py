@@ -1,6 +1,6 @@
 """topk.approx: torch.topk over the last dim -> `opswap::approx_topk`, the bucketed top-k:
-the row split into B strided buckets, the top k' of each (one short top-k per bucket, all
-buckets at once), then the exact top-k of the B * k' survivors. A true top-k element is
+the row split into B contiguous buckets, the top k' of each (a max per bucket when k' is
+1, else one short top-k per bucket, all buckets at once), then the exact top-k of the B * k' survivors. A true top-k element is
 lost only when more than k' of the k fall into its bucket.
 
 Approx: the values returned are real values of the row, sorted, but some of the true
@@ -9,7 +9,7 @@ exchangeable rows is at least the budget (`RECALL`, 0.95; kernels/topk.py `bucke
 and the check measures it on random rows of the site's shape before it accepts the site:
 the measured recall is in the site's description and record, and a site whose measured
 recall falls under the budget is refused. Rows whose largest values cluster in one bucket
-(a sorted row strided by B spreads evenly; adversarial orders need not) can do worse:
+(a sorted row puts its whole top-k in the last bucket) do worse:
 that is why the rule is not exact. A row length the buckets do not divide (a dynamic
 length at another size) takes the exact top-k at run time.
 """
@@ -53,7 +53,7 @@ class ApproxTopK(Rule):
     relieves = ("compute:reduction", "memory:reduction")
     anchors = ("topk",)
     description = (
-        "torch.topk over the last dim -> opswap::approx_topk: top-k' of B strided buckets, "
+        "torch.topk over the last dim -> opswap::approx_topk: top-k' of B contiguous buckets, "
         "then the exact top-k of the survivors, with B and k' held to recall@k >= 0.95."
     )
     #: the recall@k a site must reach on random rows
