@@ -93,7 +93,8 @@ class Batched(Rule):
         return Found(
             [n for b in group for n in b.nodes],
             f"{len(group)} tables' bags of {first.length} x {first.dim} "
-            f"({', '.join(b.idx.name for b in group)}) -> one batched lookup over {rows} rows",
+            f"({', '.join(b.idx.name for b in group[:3])}{', ...' if len(group) > 3 else ''}) "
+            f"-> one batched lookup over {rows} rows",
             dict(group=group),
             outputs=[b.out for b in group],
             key="+".join(b.out.name for b in group),

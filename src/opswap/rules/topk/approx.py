@@ -50,6 +50,7 @@ class ApproxTopK(Rule):
     family = "topk"
     chapter = 17
     exactness = "approx"
+    after = ("topk.sort_slice",)
     relieves = ("compute:reduction", "memory:reduction")
     anchors = ("topk",)
     description = (
