@@ -9,6 +9,7 @@ import copy
 import torch
 from torch import nn
 
+from opswap.graph.calibrate import Calibration, attach
 from opswap.graph.capture import capture
 from opswap.planner import apply_plan, make_plan
 
@@ -62,3 +63,33 @@ def fired(p, rule: str) -> list:
 
 def ops(gm, name: str) -> int:
     return sum(name in str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+class Clicks(nn.Module):
+    def __init__(self, vocab: int, small: int = 500):
+        super().__init__()
+        torch.manual_seed(0)
+        self.ids = nn.Embedding(vocab, 8)
+        self.small = nn.Embedding(small, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids, other):
+        return self.head(self.ids(ids).sum(1) + self.small(other % 500).sum(1))
+
+
+def samples(n: int, high: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, high, (64, 4), generator=g), torch.randint(0, 500, (64, 4), generator=g))
+        for _ in range(n)
+    ]
+
+
+def lossy(model, rule, samples, calibrate=False):
+    cap = capture(model, samples[0], method="fx")
+    if calibrate:
+        attach(cap.gm, Calibration(samples=list(samples)))
+    p = make_plan(cap, rules=[rule], exactness="lossy")
+    applied = apply_plan(cap, p)
+    assert not p.failed and not applied.failed
+    return p, applied
