@@ -45,3 +45,19 @@ def test_a_computed_table_is_refused():
     p, _ = plan(Computed().eval(), (torch.randint(0, 10, (3, 4)),) * 2, [RULE], "fx")
     assert not fired(p, RULE)
     assert any("computed, not a weight" in mi.reason for mi in p.misses), p.misses
+
+
+def test_the_zoo_recommender_with_more_bag_tables():
+    from opswap.graph.capture import capture
+    from opswap.models import load
+    from opswap.planner import apply_plan, make_plan
+
+    lm = load("zoo:recsys", {"bag_tables": "6"})
+    cap = capture(lm.module, lm.example_inputs, method="fx")
+    p = make_plan(cap, rules=["embedding.bag", RULE])
+    (d,) = fired(p, RULE)
+    assert d.site.data["tables"] == 7  # the tag table and the six more, bags of 8 x 16
+    applied = apply_plan(cap, p)
+    with torch.no_grad():
+        want, got = lm.module(*lm.example_inputs), applied.gm(*lm.example_inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
