@@ -55,7 +55,9 @@ def main() -> None:
     print(f"identical outputs: {same}; sort {1e3 * (t1 - t0) / 20:.2f} ms -> "
           f"topk {1e3 * (t2 - t1) / 20:.2f} ms a call on this CPU")  # fmt: skip
 
-    approx = make_plan(cap, rules=["topk.sort_slice", "topk.approx"], exactness="approx")
+    approx = make_plan(
+        cap, rules=["topk.sort_slice", "topk.approx"], exactness="approx", target="h200"
+    )
     for d in approx.decisions:
         if d.rule == "topk.approx":
             print(f"{d.rule:18s} {d.site.description}")
