@@ -177,6 +177,16 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     # issue 41: the paged decode and chunked-prefill kernels (compiled on the GPU) and their sweep
     "paged": (["tests/kernels/test_paged_attention.py"], [["bench_paged_attention.py"]]),
     "activation": (ACTIVATION_TESTS, [["bench_activation.py"]]),
+    # issue 42: opswap::topk on the GPU (tests), its 460-case grid against torch.topk and
+    # torch.compile (rewrites the crossover table), and the table-batched embedding bags
+    "topk": (
+        ["tests/kernels/test_topk.py", "tests/rules/topk"],
+        [["bench_topk.py", "--update-crossover"]],
+    ),
+    "embedding": (
+        ["tests/kernels/test_embedding_bag.py", "tests/rules/embedding"],
+        [["bench_embedding.py"]],
+    ),
     "epilogue": (EPILOGUE_TESTS, [["bench_epilogue.py"]]),
     # issue 40: opswap::gemm against cuBLAS / torch.compile (square, LLM, odd, FP8, TF32)
     "gemm": (

@@ -33,6 +33,7 @@ from opswap.graph.dynamic import Axis, Dynamic
 from opswap.graph.observers import QParams
 from opswap.kernels import int8_linear as k8
 from opswap.kernels.activation import ACTIVATIONS
+from opswap.kernels.embedding_bag import quantize_rows
 from opswap.rules.precision._int8_module import Int8Linear
 from opswap.rules.precision._int8_static_module import Int8StaticConv2d, Int8StaticLinear
 from opswap.rules.precision._lowbit_modules import FP8Linear, WeightOnlyLinear
@@ -95,6 +96,11 @@ class _Kernels(nn.Module):
         self.register_buffer("keep", keep)
         self.register_buffer("bias", torch.randn(1, 1, 6, 6))
         self.register_buffer("pos", torch.tensor([5, 0, 1, 2, 3, 4]))
+        self.register_buffer("table", torch.randn(20, 5))
+        q, scale, bias = quantize_rows(torch.randn(20, 5))
+        self.register_buffer("q", q)
+        self.register_buffer("qscale", scale)
+        self.register_buffer("qbias", bias)
 
     def forward(self, x):
         ops = torch.ops.opswap
@@ -117,6 +123,19 @@ class _Kernels(nn.Module):
         r["flash"], r["lse"] = ops.flash_attention(x, k, v, True, 0.3, lengths, None)
         r["flash_bool"], r["lse_bool"] = ops.flash_attention(x, x, x, False, 0.3, None, self.keep)
         r["flash_add"], _ = ops.flash_attention(x, k, v, False, 0.3, None, self.bias)
+        r["topk"], r["topk_idx"] = ops.topk(x, 3, True, True)
+        r["bottomk"], r["bottomk_idx"] = ops.topk(x, 8, False, True)
+        r["approx_topk"], r["approx_idx"] = ops.approx_topk(x, 2, True, 1, 2)
+        idx = (x[:, :2, :, :3].abs() * 7).long().clamp_max(9)  # [B, 2 tables, 6, 3]
+        idx = idx.reshape(x.shape[0], 2, -1)
+        off = torch.tensor([0, 10])
+        r["bags"] = ops.batched_embedding_bag(self.table, off, idx, None, False, None, None, None)
+        r["bags_mean_w"] = ops.batched_embedding_bag(
+            self.table, off, idx, x[:, :2, :, :3].reshape(idx.shape), True, None, None, None
+        )
+        r["bags_int8"] = ops.batched_embedding_bag(
+            self.q, off, idx, None, False, self.qscale, self.qbias, None
+        )
         return r
 
 
@@ -230,7 +249,11 @@ def _cases():
         },
     )
     return {
-        "kernel ops": (_Kernels(), (3, 4, 6, 8), {"Softmax", "LogSoftmax", "ReduceLogSumExp"}),
+        "kernel ops": (
+            _Kernels(),
+            (3, 4, 6, 8),
+            {"Softmax", "LogSoftmax", "ReduceLogSumExp", "TopK", "Gather"},
+        ),
         "row kernel ops": (
             rows,
             (3, 5, 2 * 37),

@@ -415,6 +415,38 @@ def _winograd_samples() -> dict[str, list[Sample]]:
     }
 
 
+def _topk_samples() -> dict[str, list[Sample]]:
+    shapes = [(3, 5, 7), (1, 1, 9), (2, 3, 1, 6)]
+    return {
+        "topk": [
+            Sample(f"k={k} largest={big}: {s.label}", (*s.args, k, big, True))
+            for k, big in ((1, True), (4, False))
+            for s in _over(shapes[:2], lambda x: (x,))
+        ],
+        "approx_topk": _over([(3, 8), (1, 1, 12)], lambda x: (x, 2, True, 2, 2)),
+        "batched_embedding_bag": [
+            Sample(
+                f"B={b} T={t} L={n} mean={mean} weighted={w}",
+                (
+                    _randn(30, 7, dtype=dt),
+                    torch.tensor([0, 12, 20][:t], device=DEVICE),
+                    torch.randint(0, 10, (b, t, n), device=DEVICE),
+                    _randn(b, t, n) if w else None,
+                    mean,
+                    None,
+                    None,
+                    torch.float32 if dt != torch.float32 else None,
+                ),
+            )
+            for b, t, n, mean, w, dt in (
+                (4, 3, 5, False, False, torch.float32),
+                (1, 2, 1, True, True, torch.float32),
+                (3, 1, 4, True, False, torch.float16),
+            )
+        ],
+    }
+
+
 def samples() -> dict[str, list[Sample]]:
     """Sample inputs for every op, by its name in the opswap namespace."""
     torch.manual_seed(0)
@@ -431,6 +463,7 @@ def samples() -> dict[str, list[Sample]]:
         _low_bit_samples,
         _conv_algorithm_samples,
         _winograd_samples,
+        _topk_samples,
     ):
         out.update(part())
     return out

@@ -216,6 +216,9 @@ def reduction(node: fx.Node, kind: str) -> int:
         return n + out_numel(node)
     if kind == "topk":
         k = arg(node, 1, "k", 1)
+        if not isinstance(k, int):  # a size computed in the graph (min(k, n)): its example
+            k = getattr(k, "meta", {}).get("val", 1)
+            k = int(k) if isinstance(k, int) else 1
         return n * max(1, math.ceil(math.log2(int(k) + 1)))
     if kind == "sort":
         shape = shape_of(node.args[0]) or (1,)
