@@ -130,7 +130,6 @@ def _rnn_seq_fn(
     rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # batch rows of this tile
     row_ok = rows < B
     ks = tl.arange(0, BLOCK_K)
-    G: tl.constexpr = 4 if LSTM else 3
     n_blocks = tl.cdiv(H, BLOCK_H)
     if RESIDENT:  # one hidden block per program and K in one tile: W_hh slice kept
         cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
