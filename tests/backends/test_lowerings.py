@@ -168,11 +168,12 @@ class _Seq(nn.Module):
     """opswap::lstm_seq / gru_seq on x [B, T, F] with an nn.LSTM's / nn.GRU's weights, fed
     batch-first or transposed to time-major; the sequence plus the last state."""
 
-    def __init__(self, kind: str, batch_first: bool, bias: bool = True):
+    def __init__(self, kind: str, batch_first: bool, bias: bool = True, initial: bool = True):
         super().__init__()
         torch.manual_seed(2)
         cls = nn.LSTM if kind == "lstm" else nn.GRU
         self.rnn, self.kind, self.batch_first = cls(6, 9, bias=bias), kind, batch_first
+        self.initial = initial
 
     def forward(self, x):
         r = self.rnn
@@ -182,10 +183,11 @@ class _Seq(nn.Module):
             getattr(r, "bias_ih_l0", None),
             getattr(r, "bias_hh_l0", None),
         )
-        h0 = x[:, 0, :1].expand(-1, 9) * 0.3
+        h0 = x[:, 0, :1].expand(-1, 9) * 0.3 if self.initial else None
         xs = x if self.batch_first else x.transpose(0, 1)
         if self.kind == "lstm":
-            out, h, c = torch.ops.opswap.lstm_seq(xs, h0, h0 * 2, *w, self.batch_first)
+            c0 = h0 * 2 if h0 is not None else None
+            out, h, c = torch.ops.opswap.lstm_seq(xs, h0, c0, *w, self.batch_first)
             h = h + c
         else:
             out, h = torch.ops.opswap.gru_seq(xs, h0, *w, self.batch_first)
@@ -262,7 +264,8 @@ def _cases():
         lstm=_Seq("lstm", True),
         lstm_tm=_Seq("lstm", False, bias=False),
         gru=_Seq("gru", True),
-        gru_tm=_Seq("gru", False),
+        gru_tm=_Seq("gru", False, initial=False),
+        lstm_zero=_Seq("lstm", True, initial=False),
     )
     return {
         "kernel ops": (_Kernels(), (3, 4, 6, 8), {"Softmax", "LogSoftmax", "ReduceLogSumExp"}),

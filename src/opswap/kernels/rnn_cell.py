@@ -340,6 +340,16 @@ def _check(
         )
 
 
+def _state(
+    s: torch.Tensor | None, x: torch.Tensor, w_hh: torch.Tensor, batch_first: bool
+) -> torch.Tensor:
+    """An initial state, zeros [B, H] where none is given."""
+    if s is not None:
+        return s
+    batch = x.shape[0] if batch_first else x.shape[1]
+    return x.new_zeros((batch, w_hh.shape[-1]))
+
+
 def _kernel_takes(x: torch.Tensor) -> bool:
     return runs_triton(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
@@ -350,8 +360,8 @@ def _kernel_takes(x: torch.Tensor) -> bool:
 @triton_op("opswap::lstm_seq", mutates_args=())
 def lstm_seq(
     x: torch.Tensor,
-    h0: torch.Tensor,
-    c0: torch.Tensor,
+    h0: torch.Tensor | None,
+    c0: torch.Tensor | None,
     w_ih: torch.Tensor,
     w_hh: torch.Tensor,
     b_ih: torch.Tensor | None,
@@ -359,7 +369,9 @@ def lstm_seq(
     batch_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One LSTM layer over x ([B, T, I] when batch_first, else [T, B, I]) from (h0, c0)
-    [B, H]: (the output sequence in x's layout, h_T, c_T)."""
+    [B, H] (zeros where None): (the output sequence in x's layout, h_T, c_T)."""
+    h0 = _state(h0, x, w_hh, batch_first)
+    c0 = _state(c0, x, w_hh, batch_first)
     _check("lstm", x, h0, w_ih, w_hh)
     if _kernel_takes(x):
         out, h, c = triton_forward("lstm", x, h0, c0, w_ih, w_hh, b_ih, b_hh, batch_first)
@@ -372,15 +384,16 @@ def lstm_seq(
 @triton_op("opswap::gru_seq", mutates_args=())
 def gru_seq(
     x: torch.Tensor,
-    h0: torch.Tensor,
+    h0: torch.Tensor | None,
     w_ih: torch.Tensor,
     w_hh: torch.Tensor,
     b_ih: torch.Tensor | None,
     b_hh: torch.Tensor | None,
     batch_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One GRU layer over x ([B, T, I] when batch_first, else [T, B, I]) from h0 [B, H]:
-    (the output sequence in x's layout, h_T)."""
+    """One GRU layer over x ([B, T, I] when batch_first, else [T, B, I]) from h0 [B, H]
+    (zeros where None): (the output sequence in x's layout, h_T)."""
+    h0 = _state(h0, x, w_hh, batch_first)
     _check("gru", x, h0, w_ih, w_hh)
     if _kernel_takes(x):
         out, h, _ = triton_forward("gru", x, h0, None, w_ih, w_hh, b_ih, b_hh, batch_first)

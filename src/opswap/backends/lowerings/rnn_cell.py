@@ -40,6 +40,11 @@ def _hidden(w_hh: Any) -> int:
     return size
 
 
+def _initial(s: Any) -> Any:
+    """ONNX's initial state [1, B, H], or None (zeros) where the op had none."""
+    return None if s is None else op.Unsqueeze(as_float(s), ints([0]))
+
+
 def _seq_in(x: Any, batch_first: bool) -> Any:
     xf = as_float(x)
     return op.Transpose(xf, perm=[1, 0, 2]) if batch_first else xf
@@ -67,15 +72,15 @@ def lstm_seq(
         _gates(w_hh, _LSTM_ORDER),
         _bias(b_ih, b_hh, _LSTM_ORDER),
         None,
-        op.Unsqueeze(as_float(h0), ints([0])),
-        op.Unsqueeze(as_float(c0), ints([0])),
+        _initial(h0),
+        _initial(c0),
         hidden_size=_hidden(w_hh),
     )
     squeeze = ints([0])
     return (
         _seq_out(y, x, batch_first),
-        back(op.Squeeze(y_h, squeeze), h0),
-        back(op.Squeeze(y_c, squeeze), c0),
+        back(op.Squeeze(y_h, squeeze), x),
+        back(op.Squeeze(y_c, squeeze), x),
     )
 
 
@@ -95,8 +100,8 @@ def gru_seq(
         _gates(w_hh, _GRU_ORDER),
         _bias(b_ih, b_hh, _GRU_ORDER),
         None,
-        op.Unsqueeze(as_float(h0), ints([0])),
+        _initial(h0),
         hidden_size=_hidden(w_hh),
         linear_before_reset=1,
     )
-    return _seq_out(y, x, batch_first), back(op.Squeeze(y_h, ints([0])), h0)
+    return _seq_out(y, x, batch_first), back(op.Squeeze(y_h, ints([0])), x)
