@@ -53,16 +53,18 @@ def _case(kind, hidden, steps, batch, batch_first, resident, dtype_name):
     x, h0, c0 = torch.randn(shape), torch.randn(batch, hidden), torch.randn(batch, hidden)
     lstm = kind == "lstm"
     w = [t.detach() for t in _weights(mod)]
+    dev = rc.DEVICE  # the CPU under the interpreter, or the GPU (compiled kernels)
     with torch.no_grad():
         got = R.triton_forward(
             kind,
-            x.to(dtype),
-            h0.to(dtype),
-            c0.to(dtype) if lstm else None,
-            *[t.to(dtype) for t in w],
+            x.to(dev, dtype),
+            h0.to(dev, dtype),
+            c0.to(dev, dtype) if lstm else None,
+            *[t.to(dev, dtype) for t in w],
             batch_first,
             resident=resident,
         )
+        got = tuple(t.cpu() if t is not None else None for t in got)
         truth = R.reference(
             kind,
             x.double(),
@@ -154,6 +156,67 @@ def test_wrong_shapes_are_refused_in_one_sentence():
         torch.ops.opswap.lstm_seq(
             torch.randn(2, 5, 5), torch.randn(2, 3), torch.randn(2, 3), w_ih, w_hh, None, None, True
         )
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("hidden,batch", [(256, 1), (1024, 64), (200, 37)])
+def test_gpu_kernel_with_split_hidden_blocks_matches_the_module(kind, hidden, batch):
+    """Large hidden sizes: several programs per batch tile meet at a barrier each step."""
+    mod = module(kind, 48, hidden, True, seed=hidden).cuda()
+    x = torch.randn(batch, 33, 48, device="cuda")
+    h0, c0 = torch.randn(2, batch, hidden, device="cuda").unbind(0)
+    lstm = kind == "lstm"
+    settings = R._settings(batch, hidden, 4 if lstm else 3, x.device)
+    assert settings["SPLIT"] > 1  # the barrier path
+    # cuDNN's RNNs take TF32 by default: the module's fp32 reference without it
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        got = R.triton_forward(kind, x, h0, c0 if lstm else None, *_weights(mod), True)
+        want, _ = mod(x, (h0[None], c0[None]) if lstm else h0[None])
+    torch.testing.assert_close(got[0], want, atol=2e-5, rtol=1e-4)
+
+
+@cuda
+def test_gpu_kernel_and_cell_loop_replay_from_cuda_graphs():
+    """The op under CUDA-graph capture (its step counters allocated inside), and the
+    unrolled cell loop replayed whole by opswap.backends.cudagraph (the race's variant)."""
+    from opswap.backends.cudagraph import CudaGraphed
+
+    mod = module("lstm", 16, 64, True, seed=1).cuda()
+    x, h0, c0 = (
+        torch.randn(4, 9, 16, device="cuda"),
+        torch.randn(4, 64, device="cuda"),
+        torch.randn(4, 64, device="cuda"),
+    )
+
+    class Op(nn.Module):
+        def forward(self, x, h, c):
+            return torch.ops.opswap.lstm_seq(x, h, c, *_weights(mod), True)[0]
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.LSTMCell(16, 64).cuda()
+            for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                getattr(self.cell, n).data.copy_(getattr(mod, f"{n}_l0"))
+
+        def forward(self, x, h, c):
+            outs = []
+            for t in range(x.shape[1]):
+                h, c = self.cell(x[:, t], (h, c))
+                outs.append(h)
+            return torch.stack(outs, 1)
+
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        want = mod(x, (h0[None], c0[None]))[0]
+        for m in (Op(), Loop()):
+            g = CudaGraphed(m)
+            g.capture(x, h0, c0)
+            for _ in range(2):
+                torch.testing.assert_close(g(x, h0, c0), want, atol=2e-5, rtol=1e-4)
 
 
 if __name__ == "__main__":
