@@ -167,7 +167,7 @@ class CellLoop(Rule):
     chapter = 19
     exactness = "exact"
     targets = ("cpu", "cuda")
-    relieves = ("compute:rnn", "memory:rnn", "overhead:rnn")
+    relieves = ("compute:rnn", "memory:rnn")
     anchors = ("rnn_cell",)
     description = (
         "A Python loop over LSTMCell / GRUCell / RNNCell (T calls of one cell) -> one "

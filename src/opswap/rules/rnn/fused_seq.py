@@ -221,7 +221,7 @@ class FusedSeq(Rule):
     implementation = "triton"
     targets = ("cuda",)
     after = ("rnn.cell_loop",)
-    relieves = ("compute:rnn", "overhead:rnn")
+    relieves = ("compute:rnn", "memory:rnn")
     anchors = ("rnn",)
     description = (
         "nn.LSTM / nn.GRU (one direction) -> opswap::lstm_seq / gru_seq: the input projection "
