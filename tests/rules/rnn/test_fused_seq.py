@@ -103,3 +103,17 @@ def test_refuses_bidirectional_and_unbatched_with_reasons(measured):
     reasons = " | ".join(m.reason for m in plan.misses if m.rule == RULE)
     assert not plan.decisions
     assert "bidirectional" in reasons and "not a batched" in reasons, reasons
+
+
+def test_a_cell_loop_becomes_one_module_then_the_kernel(measured):
+    """On CUDA both rules run in one plan: the loop -> nn.LSTM -> opswap::lstm_seq."""
+    from ._loops import CellLoop, inputs
+
+    model = CellLoop("lstm", 6, 10, 5, returns="all")
+    xs = inputs(model, 3, 6)
+    captured = capture(model.eval(), xs, method="fx")
+    plan = make_plan(captured, rules=["rnn.*"], target="h100")
+    assert [d.rule for d in plan.decisions] == ["rnn.cell_loop", RULE], plan.skipped
+    gm = apply_plan(captured, plan).gm
+    assert any(n.target is torch.ops.opswap.lstm_seq.default for n in gm.graph.nodes)
+    assert_same_at_other_shapes(model, captured, gm, rel=1e-5)
