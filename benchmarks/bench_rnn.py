@@ -12,7 +12,7 @@ each row gives its median ms, the speed-up over the cell loop and over the seque
 module, and its largest difference from the cell loop's output (every step's h). The CUDA
 grid is the issue's: batch 1 to 64, hidden 256 / 512 / 1024, T 64 / 256, float32 and
 bfloat16; torch.compile of the loop (an unrolled graph of T steps, minutes to compile at
-T 256) is timed at T 64 only. With --update-crossover, the kernel's time against the
+T 256) is timed at T 64 only (and on the CPU at hidden 256 only). With --update-crossover, the kernel's time against the
 sequence module's writes the crossover table that rnn.fused_seq plans from.
 
 Writes DIR/rnn_<device>.json (cpu, h100 or h200) with the date, device and versions.
@@ -129,8 +129,9 @@ def time_shape(
         with torch.no_grad():
             graphed.capture(*inputs)
         fns["cell_loop_cudagraph"] = graphed
-        if steps <= args.compile_max_steps:
-            fns["compile_loop"] = torch.compile(loop)
+    compile_here = device == "cuda" or hidden <= args.cpu_compile_max_hidden
+    if steps <= args.compile_max_steps and compile_here:
+        fns["compile_loop"] = torch.compile(loop)
     with torch.inference_mode():
         ref = loop(*inputs).float()
         diffs = {k: float((f(*inputs).float() - ref).abs().max()) for k, f in fns.items()}
@@ -197,6 +198,12 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per shape at least")
     ap.add_argument("--max-time", type=float, default=3.0, help="seconds per shape at most")
     ap.add_argument("--compile-max-steps", type=int, default=64)
+    ap.add_argument(
+        "--cpu-compile-max-hidden",
+        type=int,
+        default=256,
+        help="on the CPU, compile the loop only up to this hidden size (20 s a shape)",
+    )
     ap.add_argument("--update-crossover", action="store_true")
     args = ap.parse_args()
     if args.device == "cpu":

@@ -152,6 +152,10 @@ def test_wrong_shapes_are_refused_in_one_sentence():
         torch.ops.opswap.gru_seq(
             torch.randn(2, 5, 4), torch.randn(2, 3), w_ih, torch.randn(9, 4), None, None, True
         )
+    with pytest.raises(KernelError, match="the initial state is \\[3, 3\\]"):
+        torch.ops.opswap.gru_seq(
+            torch.randn(2, 5, 4), torch.randn(3, 3), w_ih[:9], w_hh[:9], None, None, True
+        )
     with pytest.raises(KernelError, match="expected \\[12, 5\\]"):
         torch.ops.opswap.lstm_seq(
             torch.randn(2, 5, 5), torch.randn(2, 3), torch.randn(2, 3), w_ih, w_hh, None, None, True

@@ -325,13 +325,24 @@ def triton_forward(
 
 
 def _check(
-    kind: str, x: torch.Tensor, h0: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor
+    kind: str,
+    x: torch.Tensor,
+    h0: torch.Tensor,
+    w_ih: torch.Tensor,
+    w_hh: torch.Tensor,
+    batch_first: bool,
 ) -> None:
     gates, hidden = _GATES[kind], w_hh.shape[-1]
     if x.dim() != 3 or h0.dim() != 2 or w_hh.shape != (gates * hidden, hidden):
         raise KernelError(
             f"opswap::{kind}_seq takes x [B, T, I] or [T, B, I], h0 [B, H] and W_hh "
             f"[{gates}H, H]; got x {list(x.shape)}, h0 {list(h0.shape)}, W_hh {list(w_hh.shape)}."
+        )
+    batch = x.shape[0] if batch_first else x.shape[1]
+    if h0.shape[0] != batch or h0.shape[1] != hidden:
+        raise KernelError(
+            f"opswap::{kind}_seq: the initial state is {list(h0.shape)}, expected [batch, "
+            f"{hidden}] with the batch of x {list(x.shape)}."
         )
     if w_ih.shape != (gates * hidden, x.shape[-1]):
         raise KernelError(
@@ -372,7 +383,7 @@ def lstm_seq(
     [B, H] (zeros where None): (the output sequence in x's layout, h_T, c_T)."""
     h0 = _state(h0, x, w_hh, batch_first)
     c0 = _state(c0, x, w_hh, batch_first)
-    _check("lstm", x, h0, w_ih, w_hh)
+    _check("lstm", x, h0, w_ih, w_hh, batch_first)
     if _kernel_takes(x):
         out, h, c = triton_forward("lstm", x, h0, c0, w_ih, w_hh, b_ih, b_hh, batch_first)
     else:
@@ -394,7 +405,7 @@ def gru_seq(
     """One GRU layer over x ([B, T, I] when batch_first, else [T, B, I]) from h0 [B, H]
     (zeros where None): (the output sequence in x's layout, h_T)."""
     h0 = _state(h0, x, w_hh, batch_first)
-    _check("gru", x, h0, w_ih, w_hh)
+    _check("gru", x, h0, w_ih, w_hh, batch_first)
     if _kernel_takes(x):
         out, h, _ = triton_forward("gru", x, h0, None, w_ih, w_hh, b_ih, b_hh, batch_first)
     else:

@@ -117,3 +117,22 @@ def test_a_cell_loop_becomes_one_module_then_the_kernel(measured):
     gm = apply_plan(captured, plan).gm
     assert any(n.target is torch.ops.opswap.lstm_seq.default for n in gm.graph.nodes)
     assert_same_at_other_shapes(model, captured, gm, rel=1e-5)
+
+
+class Handoff(nn.Module):
+    """One LSTM's (h, c) handed whole to the next as its initial state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.LSTM(4, 6, batch_first=True), nn.LSTM(6, 6, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o, state = self.a(x)
+        return self.b(o, state)[0]
+
+
+def test_refuses_a_state_tuple_handed_on_whole(measured):
+    _, plan, _ = _plan(Handoff(), (torch.randn(2, 5, 4),), "fx", "h100")
+    reasons = " | ".join(m.reason for m in plan.misses if m.rule == RULE)
+    assert not plan.decisions
+    assert "reads getitem_1's outputs as a whole" in reasons and "one value" in reasons, reasons

@@ -111,6 +111,8 @@ def read(gm: fx.GraphModule, node: fx.Node) -> Seq | str | None:
     c0: Argument = None
     if kind == "lstm" and isinstance(hx, (tuple, list)):
         h0, c0 = hx
+    elif kind == "lstm" and hx is not None:
+        return f"the initial (h, c) of {node.name} is one value {hx}; the rule takes a pair"
     else:
         h0 = hx
     if (h0 is not None and not isinstance(h0, fx.Node)) or (
