@@ -276,6 +276,7 @@ def triton_forward(
             folded = torch.cat([b_hh[: 2 * hidden], zero])
             bias = folded if bias is None else bias + folded
     proj = _projection(x, w_ih, bias)  # [B, T, G*H] or [T, B, G*H]
+    proj = proj if proj.stride(-1) == 1 else proj.contiguous()  # the kernel's unit stride
     steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
     out = x.new_empty((batch, steps, hidden) if batch_first else (steps, batch, hidden))
     c = (c0 if c0 is not None else h0).float().contiguous().clone()
