@@ -252,6 +252,12 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     # issue 40: Winograd F(2,3)/F(4,3), Triton products against float64, then per-layer
     # times against cuDNN in bf16/fp16 and the digits each keeps
     "winograd": (["tests/kernels/test_conv_winograd.py"], [["bench_winograd.py"]]),
+    # issue 42 (ch19): opswap::lstm_seq / gru_seq compiled (split hidden blocks, CUDA graphs),
+    # the rules, then cell loop vs cuDNN vs the kernel vs compile, rewriting the crossover
+    "rnn": (
+        ["tests/kernels/test_rnn_cell.py", "tests/rules/rnn"],
+        [["bench_rnn.py", "--device", "cuda", "--update-crossover"]],
+    ),
 }
 
 # the tests with CUDA paths of the low-precision schemes

@@ -183,6 +183,37 @@ class _ConvOp(nn.Module):
         return torch.ops.opswap.conv_im2col(x, self.w, None, [2, 1], [1, 0], [1, 2], 1)
 
 
+class _Seq(nn.Module):
+    """opswap::lstm_seq / gru_seq on x [B, T, F] with an nn.LSTM's / nn.GRU's weights, fed
+    batch-first or transposed to time-major; the sequence plus the last state."""
+
+    def __init__(self, kind: str, batch_first: bool, bias: bool = True, initial: bool = True):
+        super().__init__()
+        torch.manual_seed(2)
+        cls = nn.LSTM if kind == "lstm" else nn.GRU
+        self.rnn, self.kind, self.batch_first = cls(6, 9, bias=bias), kind, batch_first
+        self.initial = initial
+
+    def forward(self, x):
+        r = self.rnn
+        w = (
+            r.weight_ih_l0,
+            r.weight_hh_l0,
+            getattr(r, "bias_ih_l0", None),
+            getattr(r, "bias_hh_l0", None),
+        )
+        h0 = x[:, 0, :1].expand(-1, 9) * 0.3 if self.initial else None
+        xs = x if self.batch_first else x.transpose(0, 1)
+        if self.kind == "lstm":
+            c0 = h0 * 2 if h0 is not None else None
+            out, h, c = torch.ops.opswap.lstm_seq(xs, h0, c0, *w, self.batch_first)
+            h = h + c
+        else:
+            out, h = torch.ops.opswap.gru_seq(xs, h0, *w, self.batch_first)
+        out = out if self.batch_first else out.transpose(0, 1)
+        return out.sum(1) + h
+
+
 def _handoff(conv: nn.Conv2d, qp: QParams) -> nn.Sequential:
     """Two int8 convolutions, the first handing uint8 to the second (its epilogue
     requantises with the second's input scale)."""
@@ -248,12 +279,20 @@ def _cases():
             for i, a in enumerate(ACTIVATIONS)
         },
     )
+    seqs = _Each(
+        lstm=_Seq("lstm", True),
+        lstm_tm=_Seq("lstm", False, bias=False),
+        gru=_Seq("gru", True),
+        gru_tm=_Seq("gru", False, initial=False),
+        lstm_zero=_Seq("lstm", True, initial=False),
+    )
     return {
         "kernel ops": (
             _Kernels(),
             (3, 4, 6, 8),
             {"Softmax", "LogSoftmax", "ReduceLogSumExp", "TopK", "Gather"},
         ),
+        "rnn ops": (seqs, (3, 5, 6), {"LSTM", "GRU"}),
         "row kernel ops": (
             rows,
             (3, 5, 2 * 37),

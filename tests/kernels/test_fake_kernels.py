@@ -447,6 +447,29 @@ def _topk_samples() -> dict[str, list[Sample]]:
     }
 
 
+def _rnn_samples() -> dict[str, list[Sample]]:
+    """x [B, T, F] in each layout, batch-first, and [T, B, F] time-major; hidden 5."""
+    w_ih4, w_hh4, b4 = _randn(20, 4), _randn(20, 5), _randn(20)
+    w_ih3, w_hh3, b3 = _randn(15, 4), _randn(15, 5), _randn(15)
+
+    def h(x: torch.Tensor, first: bool) -> torch.Tensor:
+        return _randn(x.shape[0] if first else x.shape[1], 5)
+
+    return {
+        "lstm_seq": _over(
+            [(3, 6, 4), (1, 1, 4)],
+            lambda x: (x, h(x, True), h(x, True), w_ih4, w_hh4, b4, b4, True),
+        )
+        + _over(
+            [(6, 2, 4)], lambda x: (x, h(x, False), h(x, False), w_ih4, w_hh4, None, None, False)
+        ),
+        "gru_seq": _over(
+            [(3, 6, 4), (1, 1, 4)], lambda x: (x, h(x, True), w_ih3, w_hh3, b3, b3, True)
+        )
+        + _over([(6, 2, 4)], lambda x: (x, h(x, False), w_ih3, w_hh3, None, b3, False)),
+    }
+
+
 def samples() -> dict[str, list[Sample]]:
     """Sample inputs for every op, by its name in the opswap namespace."""
     torch.manual_seed(0)
@@ -464,6 +487,7 @@ def samples() -> dict[str, list[Sample]]:
         _conv_algorithm_samples,
         _winograd_samples,
         _topk_samples,
+        _rnn_samples,
     ):
         out.update(part())
     return out
