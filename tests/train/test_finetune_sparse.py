@@ -72,3 +72,30 @@ def test_the_digits_curve_and_its_files(tmp_path, one_torch_thread: None) -> Non
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
     assert "| structured | 0.5 |" in paths["md"].read_text()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_optimize_reports_accuracy_against_sparsity_where_a_sparsity_rule_ran() -> None:
+    from types import SimpleNamespace
+
+    from opswap import api
+    from opswap.models.zoo_digits import digits_mlp
+    from opswap.report.document import to_markdown
+    from opswap.report.optimize_report import _sparsity
+
+    model, _, task = digits_mlp()
+    result = SimpleNamespace(applied=[SimpleNamespace(rule="fusion.silu")], sparsity=None)
+    api._sparsity_curve(result, model, task, "cpu")  # type: ignore[arg-type]
+    assert result.sparsity is None  # no sparsity rule ran: no curve
+    result.applied.append(SimpleNamespace(rule="sparsity.unstructured"))
+    result.applied.append(SimpleNamespace(rule="sparsity.semi_structured"))
+    api._sparsity_curve(result, model, task, "cpu")  # type: ignore[arg-type]
+    curve = result.sparsity
+    assert curve is not None and curve["metric"] == "top1"
+    points = {(p["method"], p["ratio"]): p["accuracy"] for p in curve["points"]}
+    assert set(points) == {("2:4", 0.5)} | {("unstructured", r) for r in fs.TASK_RATIOS}
+    assert points[("unstructured", 0.0)] == curve["reference"] > 0.95
+    assert (
+        points[("unstructured", 0.95)] < points[("unstructured", 0.5)] <= curve["reference"] + 0.01
+    )
+    md, files = to_markdown(_sparsity(curve))
+    assert "| unstructured | 90.0% |" in md and files["sparsity_curve.png"][:4] == b"\x89PNG"

@@ -125,7 +125,7 @@ class CurvePoint:
     sparsity: float
     params: int
     accuracy: float
-    fine_tuned: float
+    fine_tuned: float | None  # None: not fine-tuned (a task holds no labels to train on)
 
 
 @dataclass
@@ -151,7 +151,12 @@ class SparsityCurve:
         """The points as a Markdown table."""
         lines = [
             f"Accuracy ({self.metric}) against sparsity for {self.model}: {self.reference:.4f} "
-            f"unpruned; fine-tuned {self.epochs:g} epoch(s) with the sparsity kept.",
+            f"unpruned; "
+            + (
+                f"fine-tuned {self.epochs:g} epoch(s) with the sparsity kept."
+                if self.epochs
+                else "not fine-tuned."
+            ),
             "",
             "| method | ratio | weights dropped | parameters | accuracy | fine-tuned |",
             "| --- | ---: | ---: | ---: | ---: | ---: |",
@@ -159,7 +164,9 @@ class SparsityCurve:
         for p in self.points:
             lines.append(
                 f"| {p.method} | {p.ratio:g} | {100 * p.sparsity:.1f}% | {p.params} | "
-                f"{p.accuracy:.4f} | {p.fine_tuned:.4f} |"
+                f"{p.accuracy:.4f} | "
+                + ("-" if p.fine_tuned is None else f"{p.fine_tuned:.4f}")
+                + " |"
             )
         return "\n".join(lines) + "\n"
 
@@ -218,32 +225,11 @@ def accuracy_curve(
 
 def plot_curve(curve: SparsityCurve) -> bytes:
     """The curve as a PNG: accuracy against the share of weights dropped, one colour per
-    method, dashed before fine-tuning and solid after."""
-    import io
+    method, dashed as pruned and solid after fine-tuning."""
+    from opswap.report.plots import sparsity_curve
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for i, method in enumerate(dict.fromkeys(p.method for p in curve.points)):
-        pts = sorted((p for p in curve.points if p.method == method), key=lambda p: p.sparsity)
-        xs = [100 * p.sparsity for p in pts]
-        colour = f"C{i}"
-        ax.plot(xs, [p.accuracy for p in pts], "--o", color=colour, alpha=0.6, label=f"{method}")
-        ax.plot(xs, [p.fine_tuned for p in pts], "-s", color=colour, label=f"{method}, fine-tuned")
-    ax.axhline(curve.reference, color="grey", lw=0.8, ls=":", label="unpruned")
-    ax.set_xlabel("weights dropped (%)")
-    ax.set_ylabel(f"accuracy ({curve.metric})")
-    ax.set_title(f"Accuracy against sparsity: {curve.model}", fontsize=10)
-    ax.legend(fontsize=7, loc="lower left")
-    ax.grid(alpha=0.3)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    title = f"Accuracy against sparsity: {curve.model}"
+    return sparsity_curve([asdict(p) for p in curve.points], curve.reference, curve.metric, title)
 
 
 def write_curve(curve: SparsityCurve, out: str | Path) -> dict[str, Path]:
@@ -263,3 +249,53 @@ def write_curve(curve: SparsityCurve, out: str | Path) -> dict[str, Path]:
     )
     paths["json"].write_text(json.dumps(curve.to_json(), indent=2) + "\n")
     return paths
+
+
+#: the sparsities task_curve measures for unstructured pruning
+TASK_RATIOS = (0.0, 0.5, 0.75, 0.9, 0.95)
+
+
+def task_curve(
+    model: nn.Module,
+    task: Task,
+    rules: Iterable[str],
+    *,
+    device: str = "cpu",
+    ratios: Sequence[float] = TASK_RATIOS,
+) -> SparsityCurve:
+    """`task`'s metric for `model` with its Linear weights made sparse the way the
+    sparsity `rules` that ran do (2:4 for sparsity.semi_structured; magnitude at each of
+    `ratios` for sparsity.unstructured), not fine-tuned: what `opswap optimize --exactness
+    lossy` reports beside the accuracy of the model it saved. The model is not changed."""
+    base = copy.deepcopy(model).eval()
+    total = sum(w.numel() for w in _linear_weights(base).values())
+
+    def score(work: nn.Module) -> float:
+        with torch.no_grad():
+            return task.evaluate(lambda *xs: work(*(x.to(device) for x in xs)))
+
+    curve = SparsityCurve(type(model).__name__, task.metric, score(base), 0.0)
+    names = set(rules)
+    if "sparsity.semi_structured" in names:
+        work = copy.deepcopy(base)
+        masks = {n: mask_2_4(w) for n, w in _linear_weights(work).items() if w.shape[-1] % 4 == 0}
+        apply_masks(work, masks)
+        dropped = sparsity_of(work, masks) * sum(m.numel() for m in masks.values()) / max(total, 1)
+        curve.points.append(CurvePoint("2:4", 0.5, dropped, count_params(work), score(work), None))
+    if "sparsity.unstructured" in names:
+        for ratio in ratios:
+            work = copy.deepcopy(base)
+            masks = {n: magnitude_mask(w, ratio) for n, w in _linear_weights(work).items()}
+            apply_masks(work, masks)
+            curve.points.append(
+                CurvePoint("unstructured", ratio, ratio, count_params(work), score(work), None)
+            )
+    return curve
+
+
+def _linear_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        (f"{p}.weight" if p else "weight"): m.weight.detach()
+        for p, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    }

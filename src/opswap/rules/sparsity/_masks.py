@@ -38,7 +38,7 @@ def magnitude_mask(weight: torch.Tensor, sparsity: float, block: int = 1) -> tor
     w = weight.detach().float()
     scores = w.reshape(rows // block, block, cols // block, block).pow(2).sum((1, 3))
     keep = max(1, round(scores.numel() * (1.0 - sparsity)))
-    flat = torch.zeros(scores.numel(), dtype=torch.bool)
+    flat = torch.zeros(scores.numel(), dtype=torch.bool, device=w.device)
     flat[scores.flatten().topk(keep).indices] = True
     tiles = flat.view_as(scores)
     return tiles.repeat_interleave(block, 0).repeat_interleave(block, 1)

@@ -144,7 +144,7 @@ class SparseLinear(nn.Module):
             y = mm(weight, rows.contiguous()) + self.bias  # [out, M]
         else:
             y = torch.addmm(self.bias, weight, rows)
-        return y.t().reshape(*x.shape[:-1], self.out_features)
+        return y.t().contiguous().reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         layout = "CSR" if self.block == 1 else f"BSR {self.block}x{self.block}"
