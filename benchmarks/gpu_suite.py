@@ -228,6 +228,13 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
         KERNEL_TESTS[:3],
         [["bench_row_backward.py", "--sweep", "--update-table", "--host"]],
     ),
+    # issue 42, chapter 7: 2:4 and BSR on the GPU (tests), then 2:4 / torchao / FP8+2:4 / BSR
+    # against dense at ViT-H MLP shapes and the MLP stack end to end, and structured pruning
+    # against Torch-Pruning (writes sparsity_<card>.json and pruning_<card>.json)
+    "sparsity": (
+        ["tests/rules/sparsity", "tests/train/test_prune.py"],
+        [["bench_sparsity.py", "--device", "cuda"], ["bench_pruning.py", "--device", "cuda"]],
+    ),
     # issue 40: the convolution algorithms' tests and their per-layer race against cuDNN
     "conv": (
         [
