@@ -106,3 +106,15 @@ def test_bsr_layer_on_the_gpu_matches_the_masked_dense_layer(dtype: torch.dtype)
     x = torch.randn(5, 33, 160, device="cuda", dtype=dtype)
     want = sparse_reference(x.float(), w.float(), b.float(), 0.9, 32)
     torch.testing.assert_close(layer(x).float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_the_rewritten_model_exports_with_dynamic_batch() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 44), nn.ReLU(), nn.Linear(44, 6)).eval()
+    x = torch.randn(5, 20)
+    _, plan, applied = plan_rule(model, (x,), RULE, timed_target("cpu", 2.0, 1.0))
+    assert count(plan, RULE) == 2
+    batch = torch.export.Dim("batch", min=1)
+    ep = torch.export.export(applied.gm, (x,), dynamic_shapes=({0: batch},))
+    y = torch.randn(9, 20)
+    torch.testing.assert_close(ep.module()(y), applied.gm(y))

@@ -7,7 +7,8 @@ values plus 2-bit indices) by `torch.sparse.to_sparse_semi_structured`'s tensor 
 `SparseLinear`: a Linear whose weight is mostly zeros, stored as CSR (single entries) or
 BSR (square blocks): the product reads only the stored entries. On the CPU it is one
 `torch.addmm` of the sparse weight with the transposed input; on a GPU a BSR weight goes
-through the Triton kernels of `torch.sparse._triton_ops` where they import.
+through the Triton kernels of `torch.sparse._triton_ops` where they import; both as the op
+`opswap::sparse_linear` (kernels/sparse_linear.py), which torch.export keeps.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opswap.kernels import sparse_linear as sl
 from opswap.rules.sparsity._masks import magnitude_mask, mask_2_4
 
 BACKENDS = ("cusparselt", "cutlass")
@@ -89,15 +91,6 @@ def semi_structured_reference(
     return F.linear(x, weight * mask_2_4(weight), bias)
 
 
-def _bsr_mm() -> Any:
-    """torch.sparse._triton_ops.bsr_dense_mm where Triton imports, else None."""
-    try:
-        from torch.sparse._triton_ops import bsr_dense_mm
-    except Exception:  # noqa: BLE001 - no Triton: the plain sparse product
-        return None
-    return bsr_dense_mm
-
-
 class SparseLinear(nn.Module):
     """y = x W^T + b with W pruned by magnitude to `sparsity` and stored as CSR (`block`
     1) or BSR (square blocks of `block`). The compressed parts are plain buffers (row
@@ -129,22 +122,15 @@ class SparseLinear(nn.Module):
 
     def sparse_weight(self) -> torch.Tensor:
         """W as a sparse CSR or BSR tensor over this layer's buffers."""
-        size = (self.out_features, self.in_features)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            if self.block == 1:
-                return torch.sparse_csr_tensor(self.crow, self.col, self.values, size)
-            return torch.sparse_bsr_tensor(self.crow, self.col, self.values, size)
+        return sl.sparse_weight(
+            self.crow, self.col, self.values, self.out_features, self.in_features
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
-        rows = x.reshape(-1, self.in_features).t()  # [in, M]
-        weight = self.sparse_weight()
-        mm = _bsr_mm() if self.block > 1 and x.is_cuda else None
-        if mm is not None:
-            y = mm(weight, rows.contiguous()) + self.bias  # [out, M]
-        else:
-            y = torch.addmm(self.bias, weight, rows)
-        return y.t().contiguous().reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        bias = self.bias.reshape(-1)
+        y = sl.sparse_linear(rows, self.crow, self.col, self.values, bias, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         layout = "CSR" if self.block == 1 else f"BSR {self.block}x{self.block}"
