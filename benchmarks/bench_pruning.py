@@ -5,9 +5,10 @@ magnitude), on the same models: what each removes and what that buys in measured
     PYTHONPATH=src python3 benchmarks/bench_pruning.py                 # CPU
     PYTHONPATH=src python3 benchmarks/bench_pruning.py --device cuda   # GPU (the suite)
 
-Models: the zoo's ResNet-style CNN (width 32, 64 x 64 images, batch 8) and its BERT-style
-classifier (hidden 256, 4 heads, 4 layers, FFN 1024, 128 tokens, batch 8), at ratios 0.25
-and 0.5. Each pruned model's parameters and MACs (PyTorch's flop counter) beside its
+Models: the zoo's ResNet-style CNN (width 32, 64 x 64 images, batch 8), its BERT-style
+classifier (hidden 256, 4 heads, 4 layers, FFN 1024, 128 tokens, batch 8; hand-written
+LayerNorm and a raw-parameter pooler), and a BERT-style encoder of the same sizes built from
+nn modules only (the layout Torch-Pruning's examples use), at ratios 0.25 and 0.5. Each pruned model's parameters and MACs (PyTorch's flop counter) beside its
 latency measured against the unpruned model in one interleaved loop (the speed-up next
 to the MAC reduction: the figure that counts is the measured one). On the digits CNN,
 top-1 on the 360 held-out images after pruning and after one epoch of fine-tuning, for
@@ -37,13 +38,58 @@ from opswap.train.prune import count_macs, count_params, prune  # noqa: E402
 RATIOS = (0.25, 0.5)
 
 
+class Attention(nn.Module):
+    """BERT's self-attention with nn modules only (the layout Torch-Pruning's examples use)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.output = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape[0], x.shape[1]
+        q, k, v = (
+            f(x).view(b, s, self.heads, -1).transpose(1, 2)
+            for f in (self.query, self.key, self.value)
+        )
+        ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.norm(x + self.output(ctx.transpose(1, 2).reshape(b, s, -1)))
+
+
+class Encoder(nn.Module):
+    def __init__(self, hidden: int = 256, heads: int = 4, layers: int = 4, ffn: int = 1024) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, hidden)
+        self.attn = nn.ModuleList(Attention(hidden, heads) for _ in range(layers))
+        self.up = nn.ModuleList(nn.Linear(hidden, ffn) for _ in range(layers))
+        self.down = nn.ModuleList(nn.Linear(ffn, hidden) for _ in range(layers))
+        self.norm = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
+        self.classifier = nn.Linear(hidden, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for attn, up, down, norm in zip(self.attn, self.up, self.down, self.norm, strict=True):
+            h = attn(h)
+            h = norm(h + down(torch.nn.functional.gelu(up(h))))
+        return self.classifier(h[:, 0])
+
+
 def _models() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, ...], list[str]]]:
     from opswap.models.zoo_cnn import resnet
     from opswap.models.zoo_transformer import bert
 
+    torch.manual_seed(0)
     cnn, cnn_x = resnet(batch=8, image_size=64, width=32)[:2]
     enc, enc_x = bert(batch=8, seq=128, hidden=256, heads=4, layers=4, intermediate=1024)[:2]
-    return {"resnet": (cnn.eval(), cnn_x, ["fc"]), "bert": (enc.eval(), enc_x, ["classifier"])}
+    std = Encoder().eval()
+    ids = torch.randint(0, 1000, (8, 128))
+    return {
+        "resnet": (cnn.eval(), cnn_x, ["fc"]),
+        "bert_zoo": (enc.eval(), enc_x, ["classifier"]),
+        "bert_nn_modules": (std, (ids,), ["classifier"]),
+    }
 
 
 def torch_pruning(model: nn.Module, x: tuple, ratio: float, ignore: list[str]) -> nn.Module | str:
@@ -61,6 +107,9 @@ def torch_pruning(model: nn.Module, x: tuple, ratio: float, ignore: list[str]) -
                 for a in ("query", "key", "value"):
                     heads[getattr(mod, a)] = n
                 owners.append(mod)
+        # a raw weight used as x @ W ([in, out], the zoo BERT's pooler): its input dim is
+        # the one tied to the hidden width (Torch-Pruning's default is the last dim)
+        raw = [(p, 0) for n, p in work.named_parameters(recurse=False) if p.dim() == 2]
         pruner = tp.pruner.MagnitudePruner(
             work,
             x,
@@ -71,6 +120,7 @@ def torch_pruning(model: nn.Module, x: tuple, ratio: float, ignore: list[str]) -
             prune_num_heads=bool(heads),
             prune_head_dims=False,
             head_pruning_ratio=ratio,
+            unwrapped_parameters=raw or None,
         )
         pruner.step()
         for mod in owners:  # the head count the forward reads, as Torch-Pruning's docs do

@@ -328,3 +328,19 @@ def test_odd_sizes_keep_at_least_one_channel() -> None:
     model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Conv2d(3, 1, 1))
     p = prune(model, (torch.randn(1, 1, 5, 5),), 0.9)
     assert p.model[0].out_channels == 1 and math.isclose(p.ratio, 0.9)
+
+
+class ShapeReader(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 12), nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        n = h.shape[-1] + h.dim()  # reading the shape is not using the channels
+        return self.b(h.relu() * (n / n))
+
+
+def test_reading_a_shape_does_not_block_a_group() -> None:
+    p = prune(ShapeReader(), (torch.randn(3, 6),), 0.5)
+    assert p.model.a.out_features == p.model.b.in_features == 6

@@ -47,6 +47,7 @@ _ELEMENTWISE_1 = {
 _ELEMENTWISE_2 = {"add", "sub", "mul", "div", "maximum", "pow", "where"}
 _CHANNEL_FIRST = {"max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool", "upsample"}
 _REDUCE = {"mean", "sum", "amax", "std", "var", "norm", "prod"}
+_META = (("shape",), ("dtype",), ("device",), ("ndim",), ("is_cuda",))
 
 
 @dataclass(frozen=True)
@@ -263,8 +264,8 @@ class Dependencies:
         if node.op in ("placeholder", "get_attr"):
             return None
         kind = op_kind(node)
-        if kind == "size":
-            return None
+        if kind == "size" or (raw_target(node) == "getattr" and node.args[1:2] in _META):
+            return None  # a shape, dtype or device: no channels to carry
         inside = [t for a in self._inputs(node) if isinstance(t := self._tag(a), Inside)]
         if inside and node.op != "call_module":
             scopes = self._scopes(node)
