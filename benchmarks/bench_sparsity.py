@@ -116,6 +116,17 @@ def _torchao_fp8(linear: nn.Linear, sparse: bool) -> nn.Module | str:
         return f"{type(exc).__name__}: {exc}"[:200]
 
 
+def _runnable(fns: dict[str, Any], x: torch.Tensor, skipped: dict[str, str]) -> None:
+    """Drop (into `skipped`, with the error) the variants that fail on `x`."""
+    for name in [k for k in fns if k != "dense"]:
+        try:
+            with torch.inference_mode():
+                fns[name](x)
+        except Exception as exc:  # noqa: BLE001 - one variant failing is a result
+            skipped[name] = f"{type(exc).__name__}: {exc}"[:200]
+            del fns[name]
+
+
 def gemm_rows(quick: bool) -> list[dict]:
     out = []
     hidden, inner = VIT_H
@@ -143,6 +154,7 @@ def gemm_rows(quick: bool) -> list[dict]:
                     fns[name] = mod
             for s in SPARSITIES:
                 fns[f"bsr32_{int(100 * s)}"] = SparseLinear(lin.weight, lin.bias, s, block=32)
+            _runnable(fns, x, skipped)
             rows = compare_variants(
                 fns, (x,), "dense", device="cuda", min_time_s=0.5, max_time_s=5.0
             )
@@ -207,7 +219,10 @@ def stack_rows(quick: bool, layers: int) -> list[dict]:
         .to("cuda", torch.bfloat16)
         .eval()
     )
-    every = _every_linear_24(model)
+    try:
+        every: nn.Module | None = _every_linear_24(model)
+    except Exception as exc:  # noqa: BLE001 - no cuSPARSELt: say so in every row
+        every, every_err = None, f"{type(exc).__name__}: {exc}"[:200]
     ao = copy.deepcopy(model)
     try:
         from torchao.sparsity import SemiSparseWeightConfig, sparsify_
@@ -224,7 +239,9 @@ def stack_rows(quick: bool, layers: int) -> list[dict]:
         ao_err = f"{type(exc).__name__}: {exc}"[:200]
     for batch in BATCHES[1:3] if quick else BATCHES:
         x = torch.randn(batch, TOKENS, hidden, device="cuda", dtype=torch.bfloat16)
-        fns: dict[str, Any] = {"dense": model, "2:4_every_linear": every}
+        fns: dict[str, Any] = {"dense": model}
+        if every is not None:
+            fns["2:4_every_linear"] = every
         if ao_err is None:
             fns["torchao_2:4"] = ao
         info: dict = {}
@@ -232,6 +249,8 @@ def stack_rows(quick: bool, layers: int) -> list[dict]:
             fns["opswap_plan"], info = _opswap_plan(model, x)
         except Exception as exc:  # noqa: BLE001
             info = {"opswap_plan_error": f"{type(exc).__name__}: {exc}"[:300]}
+        failed: dict[str, str] = {} if every is not None else {"2:4_every_linear": every_err}
+        _runnable(fns, x, failed)
         rows = compare_variants(fns, (x,), "dense", device="cuda", min_time_s=1.0, max_time_s=10.0)
         for r in rows:
             r.update(kind="vit_h_mlp_stack", batch=batch, tokens=TOKENS, layers=layers)
@@ -240,7 +259,10 @@ def stack_rows(quick: bool, layers: int) -> list[dict]:
             if ao_err is not None:
                 r["torchao_error"] = ao_err
             print(r, flush=True)
-        out += rows
+        out += rows + [
+            {"kind": "vit_h_mlp_stack", "batch": batch, "name": k, "skipped": v}
+            for k, v in failed.items()
+        ]
     return out
 
 

@@ -142,11 +142,11 @@ def _scores(
     for (path, dim), segs in deps.members.items():
         if path not in params:
             continue  # buffers (running statistics) say nothing about importance
-        w = params[path].detach().double()
+        w = params[path].detach().double().cpu()  # scores are kept on the CPU
         if importance == "taylor":
             if path not in grads:
                 continue
-            w = (w * grads[path].double()).abs()
+            w = (w * grads[path].double().cpu()).abs()
         per_row = w.movedim(dim, 0).reshape(w.shape[dim], -1)
         per_row = per_row.pow(2).sum(1) if importance == "l2" else per_row.abs().sum(1)
         for root, offset, inner in _rows(deps, segs):
