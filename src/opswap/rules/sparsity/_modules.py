@@ -70,7 +70,10 @@ class SemiSparseLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.backend = backend
         dense = (weight.detach() * mask_2_4(weight)).contiguous()
-        self.weight = nn.Parameter(_subclass(backend).from_dense(dense), requires_grad=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "prototype stage"
+            packed = _subclass(backend).from_dense(dense)
+        self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         )
