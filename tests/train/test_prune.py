@@ -344,3 +344,31 @@ class ShapeReader(nn.Module):
 def test_reading_a_shape_does_not_block_a_group() -> None:
     p = prune(ShapeReader(), (torch.randn(3, 6),), 0.5)
     assert p.model.a.out_features == p.model.b.in_features == 6
+
+
+def test_llama_style_decoder_heads_swiglu_and_rms_norm() -> None:
+    from opswap.models.zoo_transformer import gpt
+
+    model, (ids,) = gpt(batch=2, seq=11)[:2]
+    p = prune(model.eval(), (ids,), 0.5)
+    layer = p.model.layers[1]
+    assert layer.attn.heads == 2 and layer.attn.q_proj.out_features == layer.attn.o_proj.in_features
+    assert layer.mlp.gate.out_features == layer.mlp.up.out_features == layer.mlp.down.in_features
+    assert layer.mlp_norm.weight.shape == (p.model.embed.embedding_dim,)  # hand-written RMSNorm
+    blocked = {g.name: g.blocked for g in p.groups}
+    assert blocked["lm_head's output features"] == "it reaches the model's output"
+    assert p.model(torch.randint(0, 1000, (1, 7))).shape == (1, 7, 1000)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a model on the GPU: the GPU suite")
+def test_taylor_pruning_of_a_model_on_the_gpu() -> None:
+    torch.manual_seed(0)
+    model = _realistic(CNN()).cuda()
+    data = [(torch.randn(4, 3, 8, 8, device="cuda"), torch.randint(0, 3, (4,), device="cuda"))]
+
+    def loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    p = prune(model, (data[0][0],), 0.5, importance="taylor", loss_fn=loss, batches=data)
+    assert p.model.stem.weight.is_cuda and p.model.stem.out_channels == 3
+    assert p.model(data[0][0]).shape == (4, 3)
