@@ -36,7 +36,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from opswap.errors import RuleError
-from opswap.train._prune_graph import HEAD_ATTRS, Dependencies, Segment
+from opswap.train._prune_graph import HEAD_ATTRS, Dependencies
+from opswap.train._prune_spaces import Segment
 
 Importance = Literal["l1", "l2", "taylor"]
 IMPORTANCES = ("l1", "l2", "taylor")
