@@ -240,6 +240,13 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
         KERNEL_TESTS[:3],
         [["bench_row_backward.py", "--sweep", "--update-table", "--host"]],
     ),
+    # issue 42, chapter 7: 2:4 and BSR on the GPU (tests), then 2:4 / torchao / FP8+2:4 / BSR
+    # against dense at ViT-H MLP shapes and the MLP stack end to end, and structured pruning
+    # against Torch-Pruning (writes sparsity_<card>.json and pruning_<card>.json)
+    "sparsity": (
+        ["tests/rules/sparsity", "tests/train/test_prune.py"],
+        [["bench_sparsity.py", "--device", "cuda"], ["bench_pruning.py", "--device", "cuda"]],
+    ),
     # issue 40: the convolution algorithms' tests and their per-layer race against cuDNN
     "conv": (
         [
@@ -593,7 +600,11 @@ def main() -> None:
         "forward and forward+backward; writes activation_h200.json); epilogue = the activation rules' tests on "
         "the GPU, then benchmarks/bench_epilogue.py (Linear + ReLU / tanh-GELU: eager, "
         "aten._addmm_activation's cuBLASLt epilogue and torch.compile, bf16 and fp16 at "
-        "BERT, GPT-2 and Llama shapes; writes epilogue_h200.json)",
+        "BERT, GPT-2 and Llama shapes; writes epilogue_h200.json); sparsity = the sparsity "
+        "rules' and pruning tests on the GPU, then benchmarks/bench_sparsity.py --device cuda "
+        "(2:4 cuSPARSELt/CUTLASS, torchao sparsify_, FP8+2:4 vs FP8, BSR vs cuBLAS at ViT-H MLP "
+        "shapes and the MLP stack end to end; writes sparsity_CARD.json) and "
+        "benchmarks/bench_pruning.py --device cuda (opswap vs Torch-Pruning; pruning_CARD.json)",
     )
     ap.add_argument(
         "--parts", default="half,llama", help="with --only precision: half, llama or both"

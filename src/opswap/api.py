@@ -698,7 +698,18 @@ def optimize(
         model, example_inputs, config, name=name, task=task, calibration_data=calibration_data
     )
     note_inputs(result, model)
+    _sparsity_curve(result, model, task, config.device)
     return result
+
+
+def _sparsity_curve(result: Result, model: nn.Module, task: Task | None, device: str) -> None:
+    """Where a sparsity rule ran on a model with a task, its metric against sparsity."""
+    rules = {s.rule for s in result.applied if s.rule.startswith("sparsity.")}
+    if task is None or not rules:
+        return
+    from opswap.train.finetune_sparse import task_curve
+
+    result.sparsity = task_curve(model, task, rules, device=device).to_json()
 
 
 def optimize_loaded(
@@ -730,6 +741,7 @@ def optimize_loaded(
         calibration_from=where,
     )
     note_inputs(result, loaded.module)
+    _sparsity_curve(result, loaded.module, loaded.task, config.device)
     if loaded.settings.get("weights"):
         result.notes.insert(0, describe_record(loaded.settings["weights"]).capitalize() + ".")
     return result

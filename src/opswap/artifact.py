@@ -341,6 +341,7 @@ def describe(result: Result) -> dict[str, Any]:
         },
         "verification_random": _random_check(result),
         "accuracy": result.accuracy.to_json() if result.accuracy is not None else None,
+        "sparsity": result.sparsity,
         "benchmark": result.benchmark.to_json() if result.benchmark is not None else None,
         "rule_timings": [t.to_json() for t in result.rule_timings],
         "attribution": result.attribution.to_json() if result.attribution is not None else None,

@@ -73,6 +73,9 @@ class RunRecord:
     run_info: dict[str, Any] = field(default_factory=dict)
     # the task's metric for the reference and the saved model, for a model with a task
     accuracy: Accuracy | None = None
+    # where a sparsity rule ran on a model with a task: its metric against sparsity
+    # (train.finetune_sparse.task_curve's JSON), plotted in the report
+    sparsity: dict[str, Any] | None = None
     # with save="candidate": the variant the race would have saved, where opswap's
     # candidate was kept instead (None: what is saved is the race's own choice)
     race_winner: str | None = None

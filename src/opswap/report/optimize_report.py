@@ -639,7 +639,29 @@ def _verification(result) -> list[Block]:
         blocks.append(Para(said))
     if result.accuracy is not None:
         blocks.append(Para(accuracy_text(result.accuracy.to_json())))
+    blocks += _sparsity(result.sparsity)
     return blocks
+
+
+def _sparsity(curve: dict | None) -> list[Block]:
+    """Where a sparsity rule ran on a model with a task: its metric against sparsity."""
+    if not curve or not curve.get("points"):
+        return []
+    rows = [
+        [p["method"], f"{100 * p['sparsity']:.1f}%", f"{p['accuracy']:.4f}"]
+        for p in curve["points"]
+    ]
+    title = f"Accuracy against sparsity: {curve['model']}"
+    png = plots.sparsity_curve(curve["points"], curve["reference"], curve["metric"], title)
+    return [
+        Para(
+            f"Accuracy ({curve['metric']}) against sparsity, the Linear weights pruned as the "
+            f"sparsity rules that ran prune them, not fine-tuned ({curve['reference']:.4f} "
+            "unpruned; opswap.train.finetune_sparse fine-tunes with the zeros kept):"
+        ),
+        Table(["method", "weights dropped", curve["metric"]], rows, align_right={1, 2}),
+        Image("sparsity_curve.png", png, "Accuracy against the share of weights dropped."),
+    ]
 
 
 def _centred(judged) -> str:

@@ -145,3 +145,29 @@ def roofline(
     ax.set_ylabel("attainable FLOP/s")
     _title(ax, title)
     return _png(fig)
+
+
+def sparsity_curve(points: list[dict], reference: float, metric: str, title: str) -> bytes:
+    """Accuracy against the share of weights dropped, one colour per method (points are
+    train.finetune_sparse's CurvePoint dicts): dashed as pruned, solid after fine-tuning."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for i, method in enumerate(dict.fromkeys(p["method"] for p in points)):
+        pts = sorted((p for p in points if p["method"] == method), key=lambda p: p["sparsity"])
+        xs = [100 * p["sparsity"] for p in pts]
+        ax.plot(xs, [p["accuracy"] for p in pts], "--o", color=f"C{i}", alpha=0.6, label=method)
+        tuned = [p for p in pts if p.get("fine_tuned") is not None]
+        if tuned:
+            ax.plot(
+                [100 * p["sparsity"] for p in tuned],
+                [p["fine_tuned"] for p in tuned],
+                "-s",
+                color=f"C{i}",
+                label=f"{method}, fine-tuned",
+            )
+    ax.axhline(reference, color="grey", lw=0.8, ls=":", label="unpruned")
+    ax.set_xlabel("weights dropped (%)")
+    ax.set_ylabel(f"accuracy ({metric})")
+    _title(ax, title)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(alpha=0.3)
+    return _png(fig)

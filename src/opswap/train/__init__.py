@@ -4,7 +4,10 @@ rather than by rewriting its graph alone.
 - `opswap.train.qat`: quantisation-aware training for the static int8 rules (chapter 6);
 - `opswap.train.norm_swap`: BatchNorm to GroupNorm/LayerNorm with distillation (chapter 10);
 - `opswap.train.distill_conv`: convolutions decomposed (low rank, CP, depthwise-separable,
-  stacked 3x3), distilled layer by layer and fine-tuned on a task (chapter 11).
+  stacked 3x3), distilled layer by layer and fine-tuned on a task (chapter 11);
+- `opswap.train.prune`: structured pruning over a dependency graph of the model (channels,
+  attention heads, MLP width), physically smaller; `opswap.train.finetune_sparse`
+  fine-tunes a pruned or 2:4-masked model with its mask kept (chapter 7).
 
 All share one short fine-tuning loop (`train._loop`). The training issue (fused training
 kernels, replacements with gradients) adds its modules here.
