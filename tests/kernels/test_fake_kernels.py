@@ -415,6 +415,32 @@ def _winograd_samples() -> dict[str, list[Sample]]:
     }
 
 
+def _loss_samples() -> dict[str, list[Sample]]:
+    """hidden [N, H] in each layout against a [V, H] weight (fused linear + cross-entropy)."""
+    t = torch.tensor([3, -100, 0, 4, 1, 2, -100], device=DEVICE)
+    w, b = _randn(5, 8), _randn(5)
+
+    def fwd(reduction, with_grad, bias):
+        return lambda h: (h, w, t[: h.shape[0]], bias, -100, 0.1, reduction, 3.0, with_grad)
+
+    def bwd(reduction):
+        def make(h):
+            n = h.shape[0]
+            lse = torch.randn(n, device=DEVICE)
+            g = _randn(n) if reduction == "none" else _randn(1)[0]
+            return (g, h, w, t[:n], b, lse, -100, 0.0, reduction, None)
+
+        return make
+
+    return {
+        "linear_cross_entropy": _over([(7, 8)], fwd("mean", True, b))
+        + _over([(1, 8)], fwd("none", True, None))
+        + _over([(6, 8)], fwd("sum", False, b)),
+        "linear_cross_entropy_backward": _over([(7, 8)], bwd("mean"))
+        + _over([(3, 8)], bwd("none")),
+    }
+
+
 def samples() -> dict[str, list[Sample]]:
     """Sample inputs for every op, by its name in the opswap namespace."""
     torch.manual_seed(0)
@@ -431,6 +457,7 @@ def samples() -> dict[str, list[Sample]]:
         _low_bit_samples,
         _conv_algorithm_samples,
         _winograd_samples,
+        _loss_samples,
     ):
         out.update(part())
     return out

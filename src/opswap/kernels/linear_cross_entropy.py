@@ -203,13 +203,24 @@ def linear_cross_entropy(
 
 
 @linear_cross_entropy.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, with_grad):
+def _(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+    with_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(reduction)
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
     if not with_grad or reduction == "none":
-        return loss, lse, *(hidden.new_empty((0,)) for _ in range(3))
+        e = hidden.new_empty((0,))
+        return loss, lse, e, e.new_empty((0,)), e.new_empty((0,))
     db = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
     return loss, lse, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
 
@@ -240,7 +251,18 @@ def linear_cross_entropy_backward(
 
 
 @linear_cross_entropy_backward.register_fake
-def _(grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, reduction, softcap):
+def _(
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(reduction)
     db = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
@@ -269,9 +291,10 @@ def _backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> tuple:
             dh, dw, db = dh * g.to(dh.dtype), dw * g.to(dw.dtype), db * g.to(db.dtype)
         else:
             # the gradients are the op's own outputs, held for this: scaled in place, once
-            # (a second backward through a retained graph recomputes instead)
+            # (through `.data`, so that a second backward through a retained graph can
+            # still unpack them; it recomputes instead)
             ctx.used = True
-            dh, dw, db = dh.mul_(g), dw.mul_(g), db.mul_(g)
+            dh, dw, db = dh.data.mul_(g), dw.data.mul_(g), db.data.mul_(g)
     else:
         dh, dw, db = linear_cross_entropy_backward(
             grad, hidden, weight, target, bias, lse, ignore_index, smoothing, reduction, cap
