@@ -441,6 +441,29 @@ def _loss_samples() -> dict[str, list[Sample]]:
     }
 
 
+def _optimizer_samples() -> dict[str, list[Sample]]:
+    """The fused AdamW step over lists of params (in place; it returns nothing)."""
+
+    def step(amsgrad, dtype=torch.float32):
+        def make(p):
+            p = p.to(dtype)
+            st = [torch.zeros(p.shape, device=DEVICE) for _ in range(3 if amsgrad else 2)]
+            q = _randn(5)
+            sq = [torch.zeros(5, device=DEVICE) for _ in range(3 if amsgrad else 2)]
+            ps, gs = [p, q], [_randn(*p.shape).to(dtype), _randn(5)]
+            mx = [st[2], sq[2]] if amsgrad else []
+            hyper = (1e-3, 0.9, 0.999, 0.01, 1e-8, False)
+            return (ps, gs, [st[0], sq[0]], [st[1], sq[1]], mx, [1.0, 3.0], *hyper)
+
+        return make
+
+    return {
+        "adamw": _over([(4, 6)], step(False))
+        + _over([(7,)], step(True))
+        + _over([(3, 5)], step(False, torch.bfloat16))
+    }
+
+
 def samples() -> dict[str, list[Sample]]:
     """Sample inputs for every op, by its name in the opswap namespace."""
     torch.manual_seed(0)
@@ -458,6 +481,7 @@ def samples() -> dict[str, list[Sample]]:
         _conv_algorithm_samples,
         _winograd_samples,
         _loss_samples,
+        _optimizer_samples,
     ):
         out.update(part())
     return out
