@@ -240,6 +240,12 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     # issue 40: Winograd F(2,3)/F(4,3), Triton products against float64, then per-layer
     # times against cuDNN in bf16/fp16 and the digits each keeps
     "winograd": (["tests/kernels/test_conv_winograd.py"], [["bench_winograd.py"]]),
+    # issue 43, chapter 27: fused linear + cross-entropy and the fused AdamW, their tests on
+    # the GPU, then each against its peers (writes lce_<card>.json and adamw_<card>.json)
+    "lce": (
+        ["tests/kernels/test_linear_cross_entropy.py", "tests/kernels/test_adamw.py"],
+        [["bench_lce.py"], ["bench_adamw.py"]],
+    ),
 }
 
 # the tests with CUDA paths of the low-precision schemes

@@ -30,7 +30,7 @@ def _model(dtype=torch.float32, seed=0):
     m = torch.nn.Sequential(
         torch.nn.Linear(13, 33), torch.nn.GELU(), torch.nn.Linear(33, 7), torch.nn.LayerNorm(7)
     )
-    return m.to(dtype)
+    return m.to(rc.DEVICE, dtype)  # the GPU in a child on a CUDA machine, else the CPU
 
 
 def _groups(model, lr):
@@ -41,7 +41,7 @@ def _groups(model, lr):
 def _train(model, opt, steps, seed=1, master=None):
     g = torch.Generator().manual_seed(seed)
     for i in range(steps):
-        x = torch.randn(5, 13, generator=g).to(next(model.parameters()).dtype)
+        x = torch.randn(5, 13, generator=g).to(rc.DEVICE, next(model.parameters()).dtype)
         src = master if master is not None else model
         loss = src(x.float() if master is not None else x).square().mean()
         opt.zero_grad()

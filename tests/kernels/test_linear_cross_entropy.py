@@ -46,7 +46,8 @@ def _inputs(n, h, v, dtype, bias, ignored, seed=0):
         t[::3] = -100
     elif ignored == "all":
         t[:] = -100
-    return hid, w, b, t
+    dev = rc.DEVICE  # the GPU in a child on a CUDA machine, else the CPU
+    return hid.to(dev), w.to(dev), None if b is None else b.to(dev), t.to(dev)
 
 
 def _loss(fn, hid, w, b, t, reduction, smoothing, cap):
@@ -64,7 +65,7 @@ def compare(n, h, v, dtype, bias, ignored, reduction, smoothing, cap, fn=_op, ro
     leaves = [x.requires_grad_() for x in (hid, w, b) if x is not None]
     with L.chunk_rows_set(rows):
         loss = _loss(fn, hid, w, b, t, reduction, smoothing, cap)
-        dy = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1))
+        dy = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(loss.device)
         got = torch.autograd.grad(loss, leaves, dy)
     ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
     rh, rw = ref_leaves[:2]
@@ -253,7 +254,7 @@ def _child() -> dict:
 
     L.triton_chunk = counted  # the module's own name for it
     cases = {_key(c): compare(*c[0], *c[1:]) for c in CASES}
-    ran = int(bool(calls) and runs_triton(torch.ones(1)))
+    ran = int(bool(calls) and runs_triton(torch.ones(1, device=rc.DEVICE)))
     compiled = compare(*COMPILE_CASES[0][0], *COMPILE_CASES[0][1:], fn=_compiled())
     return {"cases": cases, "triton": ran, "compiled": compiled}
 
