@@ -6,6 +6,9 @@ rather than by rewriting its graph alone.
 - `opswap.train.distill_conv`: convolutions decomposed (low rank, CP, depthwise-separable,
   stacked 3x3), distilled layer by layer and fine-tuned on a task (chapter 11).
 
-All share one short fine-tuning loop (`train._loop`). The training issue (fused training
-kernels, replacements with gradients) adds its modules here.
+- `opswap.train.losses`: the fused linear + cross-entropy loss, logits never held in full
+  (chapter 27);
+- `opswap.train.optim`: AdamW with a fused step and float32 moment estimates (chapter 27).
+
+The fine-tuning modules share one short loop (`train._loop`).
 """
