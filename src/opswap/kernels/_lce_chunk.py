@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from opswap.kernels._rows import jitted, tl
+from opswap.kernels._rows import jitted, rn, rn_flag, tl
 
 
 def _lce_chunk_fn(
@@ -44,6 +44,7 @@ def _lce_chunk_fn(
     SCALE_PER_ROW: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    RN_G: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
 ):
     # One row a program. Pass 1 reads the row once (an online log-sum-exp per lane, the
     # target's logit and the row's sum); pass 2 reads it again and writes dlogits: the
@@ -102,7 +103,7 @@ def _lce_chunk_fn(
             if SOFTCAP:
                 u = x / cap
                 g = g * (1.0 - u * u)
-            tl.store(g_ptr + row * sg + c, (g * scale).to(g_ptr.dtype.element_ty), mask=ok)
+            tl.store(g_ptr + row * sg + c, rn(g * scale, RN_G).to(g_ptr.dtype.element_ty), mask=ok)
 
 
 def triton_chunk(
@@ -145,6 +146,7 @@ def triton_chunk(
         SCALE_PER_ROW=scale.numel() != 1,
         WRITE_GRAD=grad_out is not None,
         BLOCK=block,
+        RN_G=rn_flag(g.dtype),
         num_warps=8 if block >= 2048 else 4,
     )
 

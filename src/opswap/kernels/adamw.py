@@ -61,6 +61,7 @@ def _adamw_fn(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     RN_P: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
+    ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes: vector loads
 ):
     w = tl.program_id(0).to(tl.int64)
     t = tl.load(work_ptr + 2 * w)
@@ -70,6 +71,11 @@ def _adamw_fn(
     g_ptr = tl.load(tab_ptr + 5 * t + 1).to(g0_ptr.dtype)
     m_ptr = tl.load(tab_ptr + 5 * t + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(tab_ptr + 5 * t + 3).to(tl.pointer_type(tl.float32))
+    if ALIGNED:  # addresses loaded from a table carry no alignment the compiler can see
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
     step_size = tl.load(coef_ptr + 2 * t)
     bc2_sqrt = tl.load(coef_ptr + 2 * t + 1)
     decay = tl.cast(decay, tl.float32)
@@ -78,6 +84,8 @@ def _adamw_fn(
     eps = tl.cast(eps, tl.float32)
     for off in range(0, CHUNK, BLOCK):
         i = first + off + tl.arange(0, BLOCK)
+        if ALIGNED:  # first is a multiple of CHUNK, off of BLOCK
+            i = tl.max_contiguous(tl.multiple_of(i, BLOCK), BLOCK)
         ok = i < n
         g = tl.load(g_ptr + i, mask=ok, other=0.0).to(tl.float32)
         if MAXIMIZE:
@@ -91,6 +99,8 @@ def _adamw_fn(
         tl.store(v_ptr + i, v, mask=ok)
         if AMSGRAD:
             x_ptr = tl.load(tab_ptr + 5 * t + 4).to(tl.pointer_type(tl.float32))
+            if ALIGNED:
+                x_ptr = tl.multiple_of(x_ptr, 16)
             v = tl.maximum(tl.load(x_ptr + i, mask=ok, other=0.0), v)
             tl.store(x_ptr + i, v, mask=ok)
         p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
@@ -98,6 +108,8 @@ def _adamw_fn(
 
 
 _WORK: dict[tuple, torch.Tensor] = {}
+#: set when this Triton refused the alignment hints (see triton_step)
+_UNALIGNED_ONLY: list[bool] = []
 
 
 def _work_items(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -149,24 +161,26 @@ def triton_step(
     num = torch.tensor([p.numel() for p in params], dtype=torch.int64).to(dev, non_blocking=True)
     coef = torch.tensor(_coefficients(steps, lr, beta1, beta2), dtype=torch.float32)
     coef = coef.to(dev, non_blocking=True)
-    jitted(_adamw_fn)[(work.shape[0],)](
-        tab,
-        num,
-        coef,
-        work,
-        params[0],
-        grads[0],
-        1.0 - lr * weight_decay,
-        beta1,
-        beta2,
-        eps,
-        AMSGRAD=amsgrad,
-        MAXIMIZE=maximize,
-        CHUNK=CHUNK,
-        BLOCK=BLOCK,
-        RN_P=rn_flag(params[0].dtype),
-        num_warps=4,
-    )
+    aligned = not _UNALIGNED_ONLY and all(a % 16 == 0 for a in rows)
+    args = (tab, num, coef, work, params[0], grads[0], 1.0 - lr * weight_decay, beta1, beta2, eps)
+    meta = {
+        "AMSGRAD": amsgrad,
+        "MAXIMIZE": maximize,
+        "CHUNK": CHUNK,
+        "BLOCK": BLOCK,
+        "RN_P": rn_flag(params[0].dtype),
+        "num_warps": 4,
+    }
+    try:
+        jitted(_adamw_fn)[(work.shape[0],)](*args, ALIGNED=aligned, **meta)
+    except Exception:
+        # the alignment hints on addresses read from a table are the one construct a
+        # Triton build could refuse; a compile error comes before any store, so the step
+        # runs again without them (and later steps skip them); any other error recurs
+        if not aligned:
+            raise
+        _UNALIGNED_ONLY.append(True)
+        jitted(_adamw_fn)[(work.shape[0],)](*args, ALIGNED=False, **meta)
 
 
 def foreach_step(
