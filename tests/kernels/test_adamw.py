@@ -102,7 +102,9 @@ def test_bf16_params_keep_float32_states_and_follow_an_fp32_run():
     assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
     for p, q in zip(bf.parameters(), master.parameters(), strict=True):
         assert p.dtype == torch.bfloat16
-        torch.testing.assert_close(p.float(), q, rtol=0, atol=2.0**-7 * float(q.abs().max()))
+        torch.testing.assert_close(
+            p.detach().float(), q.detach(), rtol=0, atol=2.0**-7 * float(q.detach().abs().max())
+        )
 
 
 def test_state_dict_round_trip_continues_the_same_run():

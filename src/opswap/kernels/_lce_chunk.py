@@ -162,11 +162,12 @@ def torch_chunk(
     smoothing: float,
     cap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(loss [R], lse [R], dlogits [R, V] fp32 or None): the kernel's arithmetic in
-    PyTorch, for the CPU. With `lse` given the loss is not computed (a zero row)."""
-    z = x.float()
+    """(loss [R], lse [R], dlogits [R, V] or None): the kernel's arithmetic in PyTorch (in
+    float32, float64 for float64 logits), for the CPU. With `lse` given the loss is not
+    computed (a zero row)."""
+    z = x if x.dtype == torch.float64 else x.float()
     if bias is not None:
-        z = z + bias.float()
+        z = z + bias.to(z.dtype)
     if cap is not None:
         z = cap * torch.tanh(z / cap)
     v = z.shape[-1]
