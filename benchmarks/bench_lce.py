@@ -8,10 +8,13 @@ it), the loss's and gradients' error against a float32 reference.
     PYTHONPATH=src python3 benchmarks/bench_lce.py --out DIR       (GPU: N=8192, H=4096,
                                                                   V=128256, bf16)
     PYTHONPATH=src python3 benchmarks/bench_lce.py --smoke         (CPU, the interpreter)
+    PYTHONPATH=src python3 benchmarks/bench_lce.py --cpu           (CPU path, N=1024,
+                                                                  H=256, V=32000, fp32)
 
 Timed: `loss(h, W, t).backward()` with h and W needing gradients (triton.testing.do_bench,
-median, gradients set to None between repetitions). Peak memory: the most allocated during
-one call beyond what the inputs hold. TFLOP/s counts the three GEMMs any method must run
+median, gradients set to None between repetitions; on the CPU the median of three calls).
+Peak memory: the most allocated during one call beyond what the inputs hold (on the CPU,
+the resident set's growth). TFLOP/s counts the three GEMMs any method must run
 (logits, dh, dW: 6 N H V flops). A tenth of the targets are ignore_index (-100).
 Writes DIR/lce_<card>.json (lce_smoke.json with --smoke).
 """
@@ -151,13 +154,39 @@ def time_ms(fn: Loss, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, device:
     return float(triton.testing.do_bench(step, grad_to_none=[h, w], return_mode="median"))
 
 
+def _rss_peak_mb(fn: Loss, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> float | None:
+    """On Linux: the resident set's high-water mark during one call beyond the resident
+    size before it (freed heap handed back first, the mark reset through clear_refs)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+
+    def status(key: str) -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+        raise KeyError(key)
+
+    base = status("VmRSS:")
+    fn(h, w, t).backward()
+    peak = status("VmHWM:") - base
+    h.grad = w.grad = None
+    return peak
+
+
 def peak_mb(
     fn: Loss, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, device: str
 ) -> float | None:
     """The most memory allocated during one forward + backward beyond what was allocated
-    before it (the inputs), in MB; the gradients it leaves are counted. None on the CPU."""
+    before it (the inputs), in MB; the gradients it leaves are counted. On the CPU the
+    resident set's growth instead (None in the interpreter, whose figures mean nothing)."""
     if device != "cuda":
-        return None
+        smoke = os.environ.get("TRITON_INTERPRET") == "1"
+        return None if smoke else _rss_peak_mb(fn, h, w, t)
     h.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -186,10 +215,10 @@ def env(device: str) -> dict:
     return d
 
 
-def run(smoke: bool) -> dict:
-    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
-    n, hdim, v = (48, 32, 500) if smoke else (8192, 4096, 128256)
-    dtype = torch.float32 if smoke else torch.bfloat16
+def run(smoke: bool, cpu: bool = False) -> dict:
+    device = "cuda" if torch.cuda.is_available() and not (smoke or cpu) else "cpu"
+    n, hdim, v = (48, 32, 500) if smoke else (1024, 256, 32000) if cpu else (8192, 4096, 128256)
+    dtype = torch.float32 if smoke or cpu else torch.bfloat16
     h, w, t = inputs(n, hdim, v, dtype, device)
     ref = reference(h, w, t)
     fns: dict[str, Loss] = {"eager": eager, "opswap": ours}
@@ -241,7 +270,19 @@ def main() -> None:
         "--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks/results"))
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, interpreter")
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the CPU path at N=1024, H=256, V=32000, fp32 (writes lce_cpu.json)",
+    )
     args = ap.parse_args()
+    if args.cpu:
+        from _results import write_results
+
+        res = run(False, cpu=True)
+        rows = res.pop("rows")
+        write_results(args.out, "lce_cpu.json", res.pop("device"), rows, **res)
+        return
     write_kernel_run(run(args.smoke), args.out, "lce", args.smoke, False)
 
 

@@ -177,6 +177,7 @@ def test_chunks_hold_at_most_chunk_elements_logits():
     assert L.chunk_rows(8192, 128256) == 256
     assert L.chunk_rows(7, 5) == 7
     assert L.chunk_rows(100000, 1 << 26) == 1
+    assert L.chunk_rows(8192, 32000, cuda=False) == 128
     with L.chunk_rows_set(3):
         assert L.chunk_rows(7, 5) == 3
 

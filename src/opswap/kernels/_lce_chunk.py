@@ -164,12 +164,13 @@ def torch_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(loss [R], lse [R], dlogits [R, V] or None): the kernel's arithmetic in PyTorch (in
     float32, float64 for float64 logits), for the CPU. With `lse` given the loss is not
-    computed (a zero row)."""
-    z = x if x.dtype == torch.float64 else x.float()
+    computed (a zero row). x is the caller's scratch: the gradient is written over it
+    where the dtypes allow (one [R, V] buffer, plus one for a soft cap's derivative)."""
+    z = x if x.dtype in (torch.float32, torch.float64) else x.float()
     if bias is not None:
-        z = z + bias.to(z.dtype)
+        z.add_(bias.to(z.dtype))
     if cap is not None:
-        z = cap * torch.tanh(z / cap)
+        z.div_(cap).tanh_().mul_(cap)
     v = z.shape[-1]
     counted = target != ignore_index
     tc = torch.where(counted, target, 0).clamp(0, max(v - 1, 0))[:, None]
@@ -182,9 +183,14 @@ def torch_chunk(
         loss = torch.zeros_like(lse)
     if not want_grad:
         return loss, lse, None
-    g = torch.exp(z - lse[:, None]) - smoothing / v
+    deriv = None
+    if cap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - (z / cap)^2, before z is overwritten
+        deriv = torch.square(z / cap).neg_().add_(1.0)
+    g = z.sub_(lse[:, None].to(z.dtype)).exp_()
+    if smoothing:
+        g.sub_(smoothing / v)
     g.scatter_add_(1, tc, torch.full_like(g[:, :1], smoothing - 1.0))
-    if cap is not None:
-        g = g * (1.0 - (z / cap) ** 2)
+    if deriv is not None:
+        g.mul_(deriv)
     rows = scale.reshape(-1, 1) if scale.numel() != 1 else scale.reshape(1, 1)
-    return loss, lse, g * torch.where(counted[:, None], rows, torch.zeros_like(rows))
+    return loss, lse, g.mul_(torch.where(counted[:, None], rows, torch.zeros_like(rows)))

@@ -51,8 +51,10 @@ import torch
 from opswap.kernels._lce_chunk import torch_chunk, triton_chunk
 from opswap.kernels._rows import runs_triton
 
-#: at most this many logits a chunk (2^25: 256 rows at V = 128256, as Liger's chunks)
+#: at most this many logits a chunk on a GPU (2^25: 256 rows at V = 128256, as Liger's)
 CHUNK_ELEMENTS = 1 << 25
+#: and on the CPU (2^22: 16 MB of fp32 logits, 128 rows at V = 32000)
+CPU_CHUNK_ELEMENTS = 1 << 22
 #: the reductions the op takes
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -70,12 +72,12 @@ def chunk_rows_set(rows: int) -> Iterator[None]:
         _ROWS_OVERRIDE.pop()
 
 
-def chunk_rows(n: int, v: int) -> int:
-    """Rows a chunk: the largest power of two with rows * v <= CHUNK_ELEMENTS (at least 1,
-    at most n)."""
+def chunk_rows(n: int, v: int, cuda: bool = True) -> int:
+    """Rows a chunk: the largest power of two with rows * v <= CHUNK_ELEMENTS (on the CPU,
+    CPU_CHUNK_ELEMENTS), at least 1, at most n."""
     if _ROWS_OVERRIDE:
         return max(1, min(n, _ROWS_OVERRIDE[-1]))
-    fit = max(1, CHUNK_ELEMENTS // max(v, 1))
+    fit = max(1, (CHUNK_ELEMENTS if cuda else CPU_CHUNK_ELEMENTS) // max(v, 1))
     return max(1, min(n, 1 << (fit.bit_length() - 1)))
 
 
@@ -122,7 +124,7 @@ def _chunks(
     dh = hidden.new_empty(hidden.shape if grads else (0,))
     dw = weight.new_zeros(weight.shape) if grads else hidden.new_empty((0,))
     db = torch.zeros(v, device=hidden.device) if grads and bias is not None else dh.new_empty(0)
-    r = chunk_rows(n, v)
+    r = chunk_rows(n, v, hidden.is_cuda)
     for s in range(0, n, r):
         e = min(n, s + r)
         h = hidden[s:e]
