@@ -290,7 +290,7 @@ def _backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> tuple:
         dh, dw, db = pre
         g = grad.float()
         if torch.compiler.is_compiling() or type(dw) is not torch.Tensor:
-            dh, dw, db = dh * g.to(dh.dtype), dw * g.to(dw.dtype), db * g.to(db.dtype)
+            dh, dw, db = dh * g, dw * g, db * g  # a 0-dim g keeps each dtype
         else:
             # the gradients are the op's own outputs, held for this: scaled in place, once
             # (through `.data`, so that a second backward through a retained graph can
