@@ -265,6 +265,12 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
         ["tests/kernels/test_rnn_cell.py", "tests/rules/rnn"],
         [["bench_rnn.py", "--device", "cuda", "--update-crossover"]],
     ),
+    # issue 43, chapter 27: fused linear + cross-entropy and the fused AdamW, their tests on
+    # the GPU, then each against its peers (writes lce_<card>.json and adamw_<card>.json)
+    "lce": (
+        ["tests/kernels/test_linear_cross_entropy.py", "tests/kernels/test_adamw.py"],
+        [["bench_lce.py"], ["bench_adamw.py"]],
+    ),
 }
 
 # the tests with CUDA paths of the low-precision schemes

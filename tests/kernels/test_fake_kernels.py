@@ -470,6 +470,55 @@ def _rnn_samples() -> dict[str, list[Sample]]:
     }
 
 
+def _loss_samples() -> dict[str, list[Sample]]:
+    """hidden [N, H] in each layout against a [V, H] weight (fused linear + cross-entropy)."""
+    t = torch.tensor([3, -100, 0, 4, 1, 2, -100], device=DEVICE)
+    w, b = _randn(5, 8), _randn(5)
+
+    def fwd(reduction, with_grad, bias):
+        return lambda h: (h, w, t[: h.shape[0]], bias, -100, 0.1, reduction, 3.0, with_grad)
+
+    def bwd(reduction):
+        def make(h):
+            n = h.shape[0]
+            lse = torch.randn(n, device=DEVICE)
+            g = _randn(n) if reduction == "none" else _randn(1)[0]
+            return (g, h, w, t[:n], b, lse, -100, 0.0, reduction, None)
+
+        return make
+
+    return {
+        "linear_cross_entropy": _over([(7, 8)], fwd("mean", True, b))
+        + _over([(1, 8)], fwd("none", True, None))
+        + _over([(6, 8)], fwd("sum", False, b)),
+        "linear_cross_entropy_backward": _over([(7, 8)], bwd("mean"))
+        + _over([(3, 8)], bwd("none")),
+    }
+
+
+def _optimizer_samples() -> dict[str, list[Sample]]:
+    """The fused AdamW step over lists of params (in place; it returns nothing)."""
+
+    def step(amsgrad, dtype=torch.float32):
+        def make(p):
+            p = p.to(dtype)
+            st = [torch.zeros(p.shape, device=DEVICE) for _ in range(3 if amsgrad else 2)]
+            q = _randn(5)
+            sq = [torch.zeros(5, device=DEVICE) for _ in range(3 if amsgrad else 2)]
+            ps, gs = [p, q], [_randn(*p.shape).to(dtype), _randn(5)]
+            mx = [st[2], sq[2]] if amsgrad else []
+            hyper = (1e-3, 0.9, 0.999, 0.01, 1e-8, False)
+            return (ps, gs, [st[0], sq[0]], [st[1], sq[1]], mx, [1.0, 3.0], *hyper)
+
+        return make
+
+    return {
+        "adamw": _over([(4, 6)], step(False))
+        + _over([(7,)], step(True))
+        + _over([(3, 5)], step(False, torch.bfloat16))
+    }
+
+
 def samples() -> dict[str, list[Sample]]:
     """Sample inputs for every op, by its name in the opswap namespace."""
     torch.manual_seed(0)
@@ -488,6 +537,8 @@ def samples() -> dict[str, list[Sample]]:
         _winograd_samples,
         _topk_samples,
         _rnn_samples,
+        _loss_samples,
+        _optimizer_samples,
     ):
         out.update(part())
     return out

@@ -9,6 +9,9 @@ rather than by rewriting its graph alone.
   attention heads, MLP width), physically smaller; `opswap.train.finetune_sparse`
   fine-tunes a pruned or 2:4-masked model with its mask kept (chapter 7).
 
-All share one short fine-tuning loop (`train._loop`). The training issue (fused training
-kernels, replacements with gradients) adds its modules here.
+- `opswap.train.losses`: the fused linear + cross-entropy loss, logits never held in full
+  (chapter 27);
+- `opswap.train.optim`: AdamW with a fused step and float32 moment estimates (chapter 27).
+
+The fine-tuning modules share one short loop (`train._loop`).
 """
