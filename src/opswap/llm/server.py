@@ -80,9 +80,8 @@ def build_app(
     app.state.driver = driver
     app.state.metrics = metrics
 
-    def error(status: int, message: str, kind: str = "invalid_request_error") -> Any:
-        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-        return JSONResponse(body, status_code=status)
+    error = _error
+    answer = _Responder(driver, tokenizer, model_name)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Any:
@@ -135,14 +134,31 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         prepared = prepare_completion(body, **ctx)
-        return await _serve(prepared, request, chat=False)
+        return await answer.serve(prepared, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         prepared = prepare_chat(body, **ctx)
-        return await _serve(prepared, request, chat=True)
+        return await answer.serve(prepared, request, chat=True)
 
-    async def _serve(p: Prepared, request: Request, chat: bool) -> Any:
+    return app
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> Any:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+class _Responder:
+    """Turns a prepared request into the engine's requests and their deltas into an
+    OpenAI body or a stream of chunks."""
+
+    def __init__(self, driver: EngineDriver, tokenizer: Any, model_name: str) -> None:
+        self.driver, self.tokenizer, self.model_name = driver, tokenizer, model_name
+
+    async def serve(self, p: Prepared, request: Request, chat: bool) -> Any:
+        """The response to one prepared request: a JSON body, or an SSE stream."""
+        driver = self.driver
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         reqs = []
         try:
@@ -154,23 +170,25 @@ def build_app(
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if p.stream:
-            events = _stream(p, reqs, queue, rid, chat)
+            events = self.stream(p, reqs, queue, rid, chat)
             return StreamingResponse(events, media_type="text/event-stream")
         watch = asyncio.create_task(_watch(request.is_disconnected, queue))
         try:
-            result = await _collect(p, reqs, queue, rid, chat)
+            result = await self.collect(p, reqs, queue, rid, chat)
         finally:
             watch.cancel()
             for r in reqs:
                 driver.abort(r.request_id)  # nothing when it finished; frees it when not
         if isinstance(result, Delta):
             kind = "invalid_request_error" if result.status == 400 else "server_error"
-            return error(result.status, result.error or "the request failed.", kind)
+            return _error(result.status, result.error or "the request failed.", kind)
         return result
 
-    async def _collect(
-        p: Prepared, reqs: list[Any], queue: asyncio.Queue[Delta], rid: str, chat: bool
+    async def collect(
+        self, p: Prepared, reqs: list[Any], queue: asyncio.Queue[Delta], rid: str, chat: bool
     ) -> dict[str, Any] | Delta:
+        """The whole answer of a non-streamed request, or the Delta that failed it."""
+        tokenizer, model_name = self.tokenizer, self.model_name
         n = len(reqs)
         ids: list[list[int]] = [[] for _ in range(n)]
         text = [""] * n
@@ -207,9 +225,12 @@ def build_app(
             "usage": _usage(p, sum(len(x) for x in ids)),
         }
 
-    async def _stream(
-        p: Prepared, reqs: list[Any], queue: asyncio.Queue[Delta], rid: str, chat: bool
+    async def stream(
+        self, p: Prepared, reqs: list[Any], queue: asyncio.Queue[Delta], rid: str, chat: bool
     ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed request; its requests are aborted when the
+        client goes away (the generator is cancelled)."""
+        tokenizer, model_name, driver = self.tokenizer, self.model_name, self.driver
         kind = "chat.completion.chunk" if chat else "text_completion"
         stamp = int(time.time())
         left, generated = len(reqs), 0
@@ -254,8 +275,6 @@ def build_app(
         finally:  # the client closed the stream (this generator was cancelled) or done
             for r in reqs:
                 driver.abort(r.request_id)
-
-    return app
 
 
 async def _watch(gone: Callable[[], Awaitable[bool]], queue: asyncio.Queue[Delta]) -> None:
