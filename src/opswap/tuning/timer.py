@@ -1,0 +1,193 @@
+"""Site timings through the tuning database: look up first, time on a miss, write back.
+
+The planner opens a `site_scope` around each rule's prediction at a site; a rule times
+candidates with its target's timer, and the timer `tuned` made looks the timing up under
+the site's key (its signature, the candidates' names, the device and the versions)
+before timing anything. Outside a scope (a race of the whole model's variants, a
+benchmark) the timer times as it always did: those measurements are the user's
+evidence and are never reused.
+
+With a cost model and `top_k`, a site with more than `top_k` candidates besides the
+first (the baseline every rule names first: PyTorch's conv, cuBLAS, "before") times only
+the baseline and the `top_k` the model predicts fastest; the others read as infinitely
+slow, so no rule picks a candidate nobody timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+from opswap.targets.base import Target, Timer
+from opswap.tuning.db import Key, TuningDB, TuningDBWarning
+from opswap.tuning.features import site_features
+from opswap.tuning.keys import Signature, device_name, signature, versions
+
+Fns = dict[str, Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Seconds per call of each function, how many timed rounds, and their spread (the
+    largest interquartile range over the median of any function), None unknown."""
+
+    times: dict[str, float]
+    samples: int = 1
+    noise: float | None = None
+
+
+#: how a site's timing was found: "hit", "near" (another size's record), "miss" (timed)
+@dataclass
+class SiteTuning:
+    """What the tuning database gave one site: its outcome and, for a near hit, the
+    shapes of the record used; `pruned` names the candidates the cost model left untimed."""
+
+    rule: str
+    key: str
+    outcome: str = ""
+    near_shapes: list[list[int]] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rule": self.rule, "key": self.key, "outcome": self.outcome}
+        if self.near_shapes:
+            out["near_shapes"] = self.near_shapes
+        if self.pruned:
+            out["pruned"] = self.pruned
+        return out
+
+
+@dataclass
+class Scope:
+    """One site being predicted: its signature and features, and what timing it needed."""
+
+    site: SiteTuning
+    sig: Signature
+    features: dict[str, Any]
+    calls: Counter[tuple[str, ...]] = field(default_factory=Counter)
+
+    def note(self, outcome: str) -> None:
+        """A site's outcome is its worst call's: a miss over a near over a hit."""
+        order = ("", "hit", "near", "miss")
+        if order.index(outcome) > order.index(self.site.outcome):
+            self.site.outcome = outcome
+
+
+_SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("tuning_scope", default=None)
+
+
+@contextlib.contextmanager
+def site_scope(
+    rule: str, key: str, gm: fx.GraphModule, nodes: Sequence[fx.Node], target: Target
+) -> Iterator[SiteTuning]:
+    """Time the site made of `nodes` through the database while in this block; the
+    SiteTuning yielded says afterwards what the timer found (outcome "" when nothing was
+    timed)."""
+    sig = signature(gm, nodes)
+    site = SiteTuning(rule, key)
+    feats = site_features(gm, nodes, sig.shapes, sig.dtype, target)
+    token = _SCOPE.set(Scope(site, sig, feats))
+    try:
+        yield site
+    finally:
+        _SCOPE.reset(token)
+
+
+class _Counter:
+    """Timings made in this process by timers `tuned` made (misses and untuned calls)."""
+
+    made = 0
+
+
+def timings_made() -> int:
+    """How many times a tuned timer has timed functions in this process."""
+    return _Counter.made
+
+
+def tuned(
+    measure: Callable[[Fns], Measured],
+    db: TuningDB | None,
+    kind: str,
+    top_k: int | None = None,
+    ranker: Callable[[dict[str, Any], list[str]], list[str] | None] | None = None,
+) -> Timer:
+    """A Timer that times with `measure`, through `db` inside a site scope. `kind` is the
+    device kind the measure runs on ("cpu" or "cuda"). With `top_k` and `ranker` (site
+    features and candidate names -> the names fastest first, or None when it cannot
+    rank), a site with many candidates times only the most promising."""
+
+    def timer(fns: Fns) -> dict[str, float]:
+        scope = _SCOPE.get()
+        if scope is None or db is None:
+            return _time(measure, fns)
+        names = tuple(fns)
+        nth = scope.calls[names]
+        scope.calls[names] += 1
+        sig = scope.sig
+        op = f"{scope.site.rule} | {sig.op} | {','.join(names)}" + (f" #{nth}" if nth else "")
+        key = Key(
+            "site-time", op, sig.shapes, sig.dtype, sig.layout, device_name(kind), versions(kind)
+        )
+        rec = db.get(key)
+        if rec is not None and isinstance(rec.value, dict):
+            times = rec.value.get("times", {})
+            pruned = rec.value.get("pruned", [])
+            if set(times) | set(pruned) == set(names):
+                scope.note("hit" if rec.near is None else "near")
+                if rec.near is not None:
+                    scope.site.near_shapes = [list(s) for s in rec.key.shapes]
+                scope.site.pruned = list(pruned)
+                return {n: float(times[n]) if n in times else math.inf for n in names}
+        keep = _promising(names, scope.features, top_k, ranker)
+        full = _measured(measure, {n: fns[n] for n in keep})
+        pruned = [n for n in names if n not in keep]
+        db.put(
+            key,
+            {"times": full.times, "pruned": pruned, "features": scope.features},
+            full.samples,
+            full.noise,
+        )
+        scope.note("miss")
+        scope.site.pruned = pruned
+        return {n: float(full.times[n]) if n in full.times else math.inf for n in names}
+
+    def _measured(measure: Callable[[Fns], Measured], fns: Fns) -> Measured:
+        _Counter.made += 1
+        return measure(fns)
+
+    def _time(measure: Callable[[Fns], Measured], fns: Fns) -> dict[str, float]:
+        return _measured(measure, fns).times
+
+    def _promising(
+        names: tuple[str, ...],
+        features: dict[str, Any],
+        k: int | None,
+        rank: Callable[[dict[str, Any], list[str]], list[str] | None] | None,
+    ) -> tuple[str, ...]:
+        if k is None or rank is None or len(names) <= k + 1:
+            return names
+        order = rank(features, list(names[1:]))
+        if order is None:
+            return names
+        chosen = set(order[:k])
+        return (names[0], *(n for n in names[1:] if n in chosen))
+
+    return timer
+
+
+def warn_once(message: str) -> None:
+    """One warning per message per process (a cost model that cannot rank, say)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, TuningDBWarning, stacklevel=3)
+
+
+_WARNED: set[str] = set()
