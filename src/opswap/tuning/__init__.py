@@ -17,7 +17,14 @@ from opswap.tuning.db import (
     resolve_path,
     shape_distance,
 )
-from opswap.tuning.timer import Measured, SiteTuning, site_scope, timings_made, tuned
+from opswap.tuning.timer import (
+    Measured,
+    SiteTuning,
+    TunedTimer,
+    site_scope,
+    timings_made,
+    tuned,
+)
 
 __all__ = [
     "NEAR_DISTANCE",
@@ -26,6 +33,7 @@ __all__ = [
     "Record",
     "SiteTuning",
     "TuningDB",
+    "TunedTimer",
     "TuningDBWarning",
     "default_path",
     "resolve_path",

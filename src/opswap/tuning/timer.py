@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from opswap.targets.base import Target, Timer
+from opswap.targets.base import Target
 from opswap.tuning.db import Key, TuningDB, TuningDBWarning
 from opswap.tuning.features import site_features
 from opswap.tuning.keys import Signature, device_name, signature, versions
@@ -67,12 +67,29 @@ class SiteTuning:
 
 @dataclass
 class Scope:
-    """One site being predicted: its signature and features, and what timing it needed."""
+    """One site being predicted, its signature and features (worked out when first asked
+    for: most rules time nothing), and what timing it needed."""
 
     site: SiteTuning
-    sig: Signature
-    features: dict[str, Any]
+    gm: fx.GraphModule
+    nodes: Sequence[fx.Node]
+    target: Target
     calls: Counter[tuple[str, ...]] = field(default_factory=Counter)
+    _sig: Signature | None = None
+    _features: dict[str, Any] | None = None
+
+    @property
+    def sig(self) -> Signature:
+        if self._sig is None:
+            self._sig = signature(self.gm, self.nodes)
+        return self._sig
+
+    @property
+    def features(self) -> dict[str, Any]:
+        if self._features is None:
+            s = self.sig
+            self._features = site_features(self.gm, self.nodes, s.shapes, s.dtype, self.target)
+        return self._features
 
     def note(self, outcome: str) -> None:
         """A site's outcome is its worst call's: a miss over a near over a hit."""
@@ -91,10 +108,8 @@ def site_scope(
     """Time the site made of `nodes` through the database while in this block; the
     SiteTuning yielded says afterwards what the timer found (outcome "" when nothing was
     timed)."""
-    sig = signature(gm, nodes)
     site = SiteTuning(rule, key)
-    feats = site_features(gm, nodes, sig.shapes, sig.dtype, target)
-    token = _SCOPE.set(Scope(site, sig, feats))
+    token = _SCOPE.set(Scope(site, gm, nodes, target))
     try:
         yield site
     finally:
@@ -112,75 +127,100 @@ def timings_made() -> int:
     return _Counter.made
 
 
-def tuned(
-    measure: Callable[[Fns], Measured],
-    db: TuningDB | None,
-    kind: str,
-    top_k: int | None = None,
-    ranker: Callable[[dict[str, Any], list[str]], list[str] | None] | None = None,
-) -> Timer:
-    """A Timer that times with `measure`, through `db` inside a site scope. `kind` is the
-    device kind the measure runs on ("cpu" or "cuda"). With `top_k` and `ranker` (site
-    features and candidate names -> the names fastest first, or None when it cannot
-    rank), a site with many candidates times only the most promising."""
+Ranker = Callable[[dict[str, Any], list[str]], list[str] | None]
 
-    def timer(fns: Fns) -> dict[str, float]:
+
+class TunedTimer:
+    """A Timer that times with `measure`, through `db` inside a site scope, and logs what
+    each site's timing was (`sites`, by (rule, site key)). `kind` is the device kind the
+    measure runs on ("cpu" or "cuda"). With `top_k` and `ranker` (site features and
+    candidate names -> the names fastest first, or None when it cannot rank), a site with
+    more than `top_k` candidates besides the first times only the most promising."""
+
+    def __init__(
+        self,
+        measure: Callable[[Fns], Measured],
+        db: TuningDB | None,
+        kind: str,
+        top_k: int | None = None,
+        ranker: Ranker | None = None,
+    ):
+        self.measure = measure
+        self.db = db
+        self.kind = kind
+        self.top_k = top_k
+        self.ranker = ranker
+        self.sites: dict[tuple[str, str], SiteTuning] = {}
+        self.made = 0
+
+    def _measured(self, fns: Fns) -> Measured:
+        _Counter.made += 1
+        self.made += 1
+        return self.measure(fns)
+
+    def __call__(self, fns: Fns) -> dict[str, float]:
         scope = _SCOPE.get()
-        if scope is None or db is None:
-            return _time(measure, fns)
+        if scope is None or self.db is None:
+            return self._measured(fns).times
+        self.sites.setdefault((scope.site.rule, scope.site.key), scope.site)
         names = tuple(fns)
         nth = scope.calls[names]
         scope.calls[names] += 1
         sig = scope.sig
         op = f"{scope.site.rule} | {sig.op} | {','.join(names)}" + (f" #{nth}" if nth else "")
-        key = Key(
-            "site-time", op, sig.shapes, sig.dtype, sig.layout, device_name(kind), versions(kind)
-        )
-        rec = db.get(key)
+        device, soft = device_name(self.kind), versions(self.kind)
+        key = Key("site-time", op, sig.shapes, sig.dtype, sig.layout, device, soft)
+        rec = self.db.get(key)
         if rec is not None and isinstance(rec.value, dict):
-            times = rec.value.get("times", {})
-            pruned = rec.value.get("pruned", [])
+            times, pruned = rec.value.get("times", {}), rec.value.get("pruned", [])
             if set(times) | set(pruned) == set(names):
                 scope.note("hit" if rec.near is None else "near")
                 if rec.near is not None:
                     scope.site.near_shapes = [list(s) for s in rec.key.shapes]
                 scope.site.pruned = list(pruned)
                 return {n: float(times[n]) if n in times else math.inf for n in names}
-        keep = _promising(names, scope.features, top_k, ranker)
-        full = _measured(measure, {n: fns[n] for n in keep})
+        keep = self._promising(names, scope.features)
+        got = self._measured({n: fns[n] for n in keep})
         pruned = [n for n in names if n not in keep]
-        db.put(
-            key,
-            {"times": full.times, "pruned": pruned, "features": scope.features},
-            full.samples,
-            full.noise,
-        )
+        value = {"times": got.times, "pruned": pruned, "features": scope.features}
+        self.db.put(key, value, got.samples, got.noise)
         scope.note("miss")
         scope.site.pruned = pruned
-        return {n: float(full.times[n]) if n in full.times else math.inf for n in names}
+        return {n: float(got.times[n]) if n in got.times else math.inf for n in names}
 
-    def _measured(measure: Callable[[Fns], Measured], fns: Fns) -> Measured:
-        _Counter.made += 1
-        return measure(fns)
-
-    def _time(measure: Callable[[Fns], Measured], fns: Fns) -> dict[str, float]:
-        return _measured(measure, fns).times
-
-    def _promising(
-        names: tuple[str, ...],
-        features: dict[str, Any],
-        k: int | None,
-        rank: Callable[[dict[str, Any], list[str]], list[str] | None] | None,
-    ) -> tuple[str, ...]:
-        if k is None or rank is None or len(names) <= k + 1:
+    def _promising(self, names: tuple[str, ...], features: dict[str, Any]) -> tuple[str, ...]:
+        k = self.top_k
+        if k is None or self.ranker is None or len(names) <= k + 1:
             return names
-        order = rank(features, list(names[1:]))
+        order = self.ranker(features, list(names[1:]))
         if order is None:
             return names
         chosen = set(order[:k])
         return (names[0], *(n for n in names[1:] if n in chosen))
 
-    return timer
+    def summary(self) -> dict[str, Any]:
+        """result.json's `tuning`: the file, the timings made, and each timed site's outcome."""
+        sites = [s for s in self.sites.values() if s.outcome]
+        count = Counter(s.outcome for s in sites)
+        return {
+            "db": str(self.db.path) if self.db is not None else None,
+            "timings_made": self.made,
+            "hits": count["hit"],
+            "near": count["near"],
+            "misses": count["miss"],
+            "sites": [s.to_json() for s in sites],
+        }
+
+
+def tuned(
+    measure: Callable[[Fns], Measured],
+    db: TuningDB | None,
+    kind: str,
+    top_k: int | None = None,
+    ranker: Ranker | None = None,
+) -> TunedTimer:
+    """A TunedTimer (see there)."""
+    return TunedTimer(measure, db, kind, top_k, ranker)
 
 
 def warn_once(message: str) -> None:
