@@ -61,6 +61,7 @@ def test_spearman() -> None:
 
 
 def test_ranks_held_out_sites() -> None:
+    pytest.importorskip("lightgbm")
     model = cm.CostModel.train(_rows(120, seed=1))
     held = _rows(40, seed=2)
     predicted = [model.predict(r.features, [r.candidate])[0] for r in held]
@@ -100,6 +101,7 @@ def test_top_k_times_the_baseline_and_the_promising_only(tmp_path: Path) -> None
 
     from opswap.targets import get_target
 
+    pytest.importorskip("lightgbm")
     db = _db_with_rows(tmp_path / "t.sqlite", 60)
     rank = cm.ranker(db)
     timed: list[list[str]] = []

@@ -206,7 +206,9 @@ class TuningDB:
 
     def _open(self) -> sqlite3.Connection:
         """A connection to a file with this schema; _Corrupt when the file is not one."""
-        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1e3, isolation_level=None)
+        conn = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_MS / 1e3, isolation_level=None, check_same_thread=False
+        )
         try:
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             if conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
