@@ -155,3 +155,14 @@ def test_where_the_file_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_the_suite_never_writes_the_real_cache() -> None:
     real = Path(os.path.expanduser("~")) / ".cache" / "opswap" / "tuning.sqlite"
     assert default_path() != real
+
+
+def test_a_damaged_row_is_a_warning_not_a_crash(tmp_path: Path) -> None:
+    db = TuningDB(tmp_path / "t.sqlite")
+    db.put(key(), {"times": {"a": 1.0}})
+    db.put(key(((9, 9),)), 2)
+    assert db._conn is not None
+    db._conn.execute("UPDATE records SET value = '{not json' WHERE value = '2'")
+    assert [r.value for r in db.records()] == [{"times": {"a": 1.0}}]  # the good row stays
+    with pytest.warns(TuningDBWarning, match="could not be read"):
+        assert db.get(key(((9, 9),))) is None

@@ -284,15 +284,19 @@ class TuningDB:
                 "AND op = ? AND dtype = ? AND layout = ? AND device = ? AND versions = ?",
                 (key.kind, key.op, key.dtype, key.layout, key.device, key.versions),
             ).fetchall()
-        except sqlite3.Error as e:
+        except (sqlite3.Error, ValueError, TypeError) as e:
             self._off(f"could not be read ({e})")
             return None
-        best: tuple[float, Any] | None = None
-        for r in rows:
-            d = shape_distance(key.shapes, _shapes(r[0]))
-            if d <= self.near_distance and (best is None or d < best[0]):
-                best = (d, r)
-        return None if best is None else self._record(key, best[1], best[0])
+        try:
+            best: tuple[float, Any] | None = None
+            for r in rows:
+                d = shape_distance(key.shapes, _shapes(r[0]))
+                if d <= self.near_distance and (best is None or d < best[0]):
+                    best = (d, r)
+            return None if best is None else self._record(key, best[1], best[0])
+        except (ValueError, TypeError) as e:  # a row whose JSON was damaged
+            self._off(f"holds a damaged record ({e})")
+            return None
 
     @staticmethod
     def _record(key: Key, row: Sequence[Any], near: float | None) -> Record:
@@ -345,8 +349,11 @@ class TuningDB:
             self._off(f"could not be read ({e})")
             return
         for r in rows:
-            key = Key(r[0], r[1], _shapes(r[2]), r[3], r[4], r[5], r[6])
-            yield Record(key, json.loads(r[7]), r[8], r[9], r[10])
+            try:
+                key = Key(r[0], r[1], _shapes(r[2]), r[3], r[4], r[5], r[6])
+                yield Record(key, json.loads(r[7]), r[8], r[9], r[10])
+            except (ValueError, TypeError, OpswapError):
+                continue  # a damaged row: the others are still good
 
     def __len__(self) -> int:
         conn = self._connect()

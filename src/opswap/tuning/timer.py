@@ -77,6 +77,7 @@ class Scope:
     calls: Counter[tuple[str, ...]] = field(default_factory=Counter)
     _sig: Signature | None = None
     _features: dict[str, Any] | None = None
+    _tried: bool = False
 
     @property
     def sig(self) -> Signature:
@@ -85,10 +86,16 @@ class Scope:
         return self._sig
 
     @property
-    def features(self) -> dict[str, Any]:
-        if self._features is None:
+    def features(self) -> dict[str, Any] | None:
+        """The site's features, None when the cost model cannot read this site (an op
+        whose FLOPs or bytes opswap.cost cannot count): its timing is kept without them."""
+        if not self._tried:
+            self._tried = True
             s = self.sig
-            self._features = site_features(self.gm, self.nodes, s.shapes, s.dtype, self.target)
+            try:
+                self._features = site_features(self.gm, self.nodes, s.shapes, s.dtype, self.target)
+            except (RuntimeError, TypeError, ValueError, AttributeError, KeyError):
+                self._features = None
         return self._features
 
     def note(self, outcome: str) -> None:
@@ -166,7 +173,10 @@ class TunedTimer:
         names = tuple(fns)
         nth = scope.calls[names]
         scope.calls[names] += 1
-        sig = scope.sig
+        try:
+            sig = scope.sig
+        except (RuntimeError, TypeError, ValueError, AttributeError, KeyError):
+            return self._measured(fns).times  # a site no key describes: timed, not kept
         op = f"{scope.site.rule} | {sig.op} | {','.join(names)}" + (f" #{nth}" if nth else "")
         device, soft = device_name(self.kind), versions(self.kind)
         key = Key("site-time", op, sig.shapes, sig.dtype, sig.layout, device, soft)
@@ -188,9 +198,11 @@ class TunedTimer:
         scope.site.pruned = pruned
         return {n: float(got.times[n]) if n in got.times else math.inf for n in names}
 
-    def _promising(self, names: tuple[str, ...], features: dict[str, Any]) -> tuple[str, ...]:
+    def _promising(
+        self, names: tuple[str, ...], features: dict[str, Any] | None
+    ) -> tuple[str, ...]:
         k = self.top_k
-        if k is None or self.ranker is None or len(names) <= k + 1:
+        if k is None or self.ranker is None or features is None or len(names) <= k + 1:
             return names
         order = self.ranker(features, list(names[1:]))
         if order is None:
