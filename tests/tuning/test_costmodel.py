@@ -125,6 +125,11 @@ def test_top_k_times_the_baseline_and_the_promising_only(tmp_path: Path) -> None
     with site_scope("test.rule", "lin", gm, [node], get_target("h100")) as again:
         assert timer(fns) == got  # the pruned read as untimed from the record too
     assert again.outcome == "hit" and again.pruned == site.pruned and len(timed) == 1
+    # a run that times every candidate does not take a pruned record: it times them all
+    every = tuned(measure, db, "cpu")
+    with site_scope("test.rule", "lin", gm, [node], get_target("h100")) as full:
+        assert all(math.isfinite(t) for t in every(fns).values())
+    assert full.outcome == "miss" and full.pruned == [] and timed[-1] == list(fns)
 
 
 def test_without_lightgbm_every_candidate_is_timed(

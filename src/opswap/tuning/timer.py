@@ -183,7 +183,8 @@ class TunedTimer:
         rec = self.db.get(key)
         if rec is not None and isinstance(rec.value, dict):
             times, pruned = rec.value.get("times", {}), rec.value.get("pruned", [])
-            if set(times) | set(pruned) == set(names):
+            # a record the cost model pruned serves only runs that prune too
+            if set(times) | set(pruned) == set(names) and (not pruned or self.top_k):
                 scope.note("hit" if rec.near is None else "near")
                 if rec.near is not None:
                     scope.site.near_shapes = [list(s) for s in rec.key.shapes]
