@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +12,11 @@ os.environ.setdefault("OPSWAP_MAX_TIME_S", "1")
 # these CPUs: tests that save a compiled winner skip them, and the one test of the package
 # (tests/backends/test_aoti.py) asks for it with save(..., aot=True)
 os.environ.setdefault("OPSWAP_AOT", "0")
+# The tuning database (opswap.tuning) is on by default in the user's cache directory: the
+# suite, and the subprocesses it starts, keep theirs in a directory of their own instead
+os.environ.setdefault(
+    "OPSWAP_TUNING_DB", os.path.join(tempfile.mkdtemp(prefix="opswap-tests-"), "tuning.sqlite")
+)
 
 
 @pytest.fixture

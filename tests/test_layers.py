@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models",)),
     ("cost", ("cost",)),
     ("rules", ("rules",)),
+    ("tuning", ("tuning",)),
     ("planner", ("planner",)),
     ("verify", ("verify",)),
     ("backends", ("backends",)),

@@ -335,6 +335,7 @@ def describe(result: Result) -> dict[str, Any]:
         "failed": [f.to_json() for f in result.failed],
         "rolled_back": [r.to_json() for r in result.rolled_back],
         "skipped": [s.to_json() for s in result.plan.skipped],
+        "tuning": result.plan.tuning,
         "verification": {
             **result.verification.to_json(),
             "on": result.verified_on or "the example and random samples like it",

@@ -18,6 +18,7 @@ from opswap.graph.calibration_data import check_path
 from opswap.graph.observers import METHODS as CALIBRATION_METHODS
 from opswap.rules.base import EXACTNESS_ORDER, Exactness
 from opswap.rules.registry import parse_patterns
+from opswap.tuning import resolve_path
 from opswap.verify.tolerance import tolerance_for
 
 #: what `save` may name: the race's winner, or opswap's candidate whatever the race says
@@ -70,6 +71,12 @@ class OptimizeConfig:
     # what the run saves: "winner" (the race's fastest verified variant) or "candidate"
     # (opswap's model even where it loses the race; refused where it fails verification)
     save: str = "winner"
+    # the tuning database's file (opswap.tuning): None is the default place (OPSWAP_TUNING_DB,
+    # else the user's cache directory), "off" times every site afresh
+    tuning_db: str | None = None
+    # time only the k candidates the learned cost model ranks first at a site with more
+    # (the baseline is always timed); None times every candidate
+    tuning_top_k: int | None = None
 
     def __post_init__(self) -> None:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
@@ -93,6 +100,17 @@ class OptimizeConfig:
             )
         if self.save not in SAVE_CHOICES:
             raise OpswapError(f"save must be {' or '.join(SAVE_CHOICES)}; got {self.save!r}.")
+        if self.tuning_db is not None:
+            resolve_path(self.tuning_db)  # a directory is refused now
+        if self.tuning_top_k is not None and (
+            isinstance(self.tuning_top_k, bool)
+            or not isinstance(self.tuning_top_k, int)
+            or self.tuning_top_k < 1
+        ):
+            raise OpswapError(
+                f"tuning_top_k must be a whole number of candidates, at least 1; got "
+                f"{self.tuning_top_k!r}."
+            )
         if self.calibration is not None:  # a missing file fails before the model loads
             self.calibration = str(check_path(self.calibration))
         tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now

@@ -43,6 +43,7 @@ from opswap.stages import (
     race,
     run_info,
 )
+from opswap.tuning import TunedTimer
 
 
 def measure_rules(
@@ -197,6 +198,8 @@ def _result(
     cal = calibration_of(run.captured.gm)
     if cal is not None and any(s.rule in CALIBRATED_RULES for s in pruned.applied.applied):
         notes.append(f"Static int8 calibrated on {cal.describe()}.")
+    if isinstance(run.target.timer, TunedTimer) and run.target.timer.db is not None:
+        pruned.plan.tuning = run.target.timer.summary()  # the hits and misses of the run
     return Result(
         model=run.name,
         target=run.target.name,

@@ -51,6 +51,7 @@ from opswap.rules.base import (
 )
 from opswap.rules.order import ordered
 from opswap.targets.base import Target
+from opswap.tuning import site_scope
 
 PLAN_VERSION = 1
 #: the rules whose sites quantise activations with scales calibration fixed
@@ -97,6 +98,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # what the settings could not give
     #: how the static int8 decisions' scales were calibrated; None when there are none
     calibration: CalibrationRecord | None = None
+    #: what the tuning database gave the run's timed sites (TunedTimer.summary); None: no
+    #: site was timed through one
+    tuning: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -112,6 +116,7 @@ class Plan:
             "notes": self.notes,
             # only a plan with static int8 decisions has one
             **({"calibration": self.calibration.to_json()} if self.calibration else {}),
+            **({"tuning": self.tuning} if self.tuning else {}),
         }
 
     @classmethod
@@ -147,6 +152,7 @@ class Plan:
                 fingerprint=data.get("fingerprint", ""),
                 notes=[str(n) for n in data.get("notes", [])],
                 calibration=_calibration_record(data.get("calibration")),
+                tuning=data.get("tuning") if isinstance(data.get("tuning"), dict) else None,
             )
         except (KeyError, TypeError, AttributeError) as e:  # fields _check_plan leaves alone
             raise PlanError(
@@ -565,7 +571,9 @@ def _plan_rule(
         if isinstance(match, str):
             plan.failed.append(Failure(rule.name, site.key, match))
             continue
-        est = rule.predict(run.gm, match, tgt)
+        # a rule's timings at this site go through the tuning database (opswap.tuning)
+        with site_scope(rule.name, site.key, run.gm, match.nodes, tgt):
+            est = rule.predict(run.gm, match, tgt)
         where = site_module(run.gm, site)
         if est.time_saved_s is not None and est.time_saved_s < 0 and not keep_slower:
             plan.skipped.append(

@@ -323,7 +323,7 @@ def capture_stage(
 ) -> Run:
     """The private reference (on `config.device`) and its capture, with the target and the
     tolerance resolved once for every later stage."""
-    target = with_timer(get_target(config.target))
+    target = with_timer(get_target(config.target), config.tuning_db, config.tuning_top_k)
     hooks = user_hooks(model)
     if hooks and config.keep_hooks:
         # FX tracing and torch.export leave module hooks out of the graph (the module call

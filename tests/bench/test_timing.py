@@ -189,11 +189,12 @@ def test_rel_width_keeps_timing_until_the_interval_is_narrow_or_time_is_up():
 def test_with_timer_gives_a_cpu_target_the_cpu_timer_and_a_gpu_profile_none_without_its_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from opswap.bench.timing import fastest, fastest_cuda, with_timer
+    from opswap.bench.timing import with_timer
     from opswap.targets import get_target
+    from opswap.tuning import TunedTimer
 
     cpu = with_timer(get_target("cpu"))
-    assert cpu.timer is fastest
+    assert isinstance(cpu.timer, TunedTimer) and cpu.timer.kind == "cpu"
     times = cpu.timer({"a": lambda: sum(range(50)), "b": lambda: None})
     assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
     assert with_timer(cpu) is cpu  # a timer already set is kept
@@ -203,5 +204,6 @@ def test_with_timer_gives_a_cpu_target_the_cpu_timer_and_a_gpu_profile_none_with
     # with a GPU of the profile's class it gets CUDA events; of another class, nothing
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert with_timer(get_target("h200")).timer is fastest_cuda
+    gpu = with_timer(get_target("h200"), "off")
+    assert isinstance(gpu.timer, TunedTimer) and gpu.timer.kind == "cuda" and gpu.timer.db is None
     assert with_timer(get_target("a100")).timer is None

@@ -51,6 +51,7 @@ from opswap.bench.device import describe_device, resolve_device
 from opswap.bench.stats import BenchResult, Stats, bootstrap_ratio, narrow
 from opswap.errors import OpswapError
 from opswap.targets import Target
+from opswap.tuning.timer import Measured
 
 
 def time_cap() -> float | None:
@@ -215,36 +216,60 @@ def benchmark(
     return BenchResult(stats, rounds, order, describe_device(dev), warmup, settled, rel_width)
 
 
+def _fastest_measured(fns: dict[str, Callable[[], Any]], device: str = "cpu") -> Measured:
+    """`fastest`'s times with how many rounds they took and their spread (the largest
+    interquartile range over the median of any function)."""
+    res = benchmark(fns, warmup=2, repeats=5, min_time_s=0.1, max_time_s=1.0, device=device)
+    spread = max((res[n].q3 - res[n].q1) / max(res[n].median, 1e-30) for n in fns)
+    return Measured({name: res[name].min for name in fns}, len(res.rounds), spread)
+
+
 def fastest(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
     """The fastest seconds per call of each of `fns`, over interleaved rounds lasting about
     a tenth of a second: a CPU target's timer. The fastest, not the median: with only a
     few rounds of a large function, another process on the machine (a parallel test run,
     a compile) can fill most of them, and interference only ever adds time."""
-    res = benchmark(fns, warmup=2, repeats=5, min_time_s=0.1, max_time_s=1.0)
-    return {name: res[name].min for name in fns}
+    return _fastest_measured(fns).times
 
 
 def fastest_cuda(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
     """`fastest` on the current CUDA device: each sample bracketed by CUDA events, so a
     time is the GPU's time for the queued work, not the time to enqueue it."""
-    res = benchmark(fns, warmup=2, repeats=5, min_time_s=0.1, max_time_s=1.0, device="cuda")
-    return {name: res[name].min for name in fns}
+    return _fastest_measured(fns, "cuda").times
 
 
-def with_timer(target: Target) -> Target:
+def with_timer(target: Target, tuning_db: str | None = None, top_k: int | None = None) -> Target:
     """`target` able to time functions on this machine, for the rules that measure a site
     there (precision.int8_linear on the `cpu` target, conv.algorithm): a CPU target gets
     `fastest`; a CUDA target gets `fastest_cuda` when this machine's GPU is of the class
     the target names (an H100 profile on an sm90 device), else none (a datasheet target
-    planned on another machine: estimate only)."""
+    planned on another machine: estimate only).
+
+    The timer goes through the tuning database (opswap.tuning): `tuning_db` names its
+    file, "off" turns it off, None is the default (OPSWAP_TUNING_DB, else the user's
+    cache directory). `top_k`: a site with more candidates than that times only the
+    `top_k` the learned cost model ranks first (tuning.costmodel), with the baseline."""
     if target.timer is not None:
         return target
+    kind = None
     if target.kind == "cpu":
-        return dataclasses.replace(target, timer=fastest)
-    if target.kind == "cuda" and torch.cuda.is_available():
+        kind = "cpu"
+    elif target.kind == "cuda" and torch.cuda.is_available():
         from opswap.kernels.crossover import device_class
 
         here = device_class(torch.device("cuda"))
         if device_class(target) in (here, "cuda"):  # "cuda": a profile of no named class
-            return dataclasses.replace(target, timer=fastest_cuda)
-    return target
+            kind = "cuda"
+    if kind is None:
+        return target
+    from opswap.tuning import TuningDB, resolve_path, tuned
+    from opswap.tuning.costmodel import ranker
+
+    path = resolve_path(tuning_db)
+    db = TuningDB(path) if path is not None else None
+    rank = ranker(db) if db is not None and top_k is not None else None
+
+    def measure(fns: dict[str, Callable[[], object]]) -> Measured:
+        return _fastest_measured(fns, kind)
+
+    return dataclasses.replace(target, timer=tuned(measure, db, kind, top_k, rank))

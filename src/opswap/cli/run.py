@@ -111,6 +111,29 @@ def optimize(
             "--per-tensor", help="Static int8 weights with one scale per tensor, not per channel."
         ),
     ] = False,
+    tuning_db: Annotated[
+        Path | None,
+        typer.Option(
+            "--tuning-db",
+            metavar="PATH",
+            help="The tuning database: site timings are looked up there before they are "
+            "made and written back after (default $OPSWAP_TUNING_DB, else "
+            "$XDG_CACHE_HOME/opswap/tuning.sqlite).",
+        ),
+    ] = None,
+    no_tuning_db: Annotated[
+        bool,
+        typer.Option("--no-tuning-db", help="Time every site afresh; read and write no database."),
+    ] = False,
+    tuning_top_k: Annotated[
+        int | None,
+        typer.Option(
+            "--tuning-top-k",
+            metavar="K",
+            help="At a site with more candidates, time only the K the learned cost model "
+            "(trained from the tuning database; needs lightgbm) ranks first, and the baseline.",
+        ),
+    ] = None,
     sets: SetOpt = None,
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
@@ -147,6 +170,8 @@ def optimize(
         symmetric_activations=symmetric,
         per_channel_weights=not per_tensor,
         save=save,
+        tuning_db="off" if no_tuning_db else (str(tuning_db) if tuning_db is not None else None),
+        tuning_top_k=tuning_top_k,
     )
     commands._rules_from(rules_from)
     if not no_bench:
@@ -246,6 +271,14 @@ def _summary(data: dict) -> None:
         f"{a['name']} (example {a['size']}; {_where(a, names)})" for a in dyn.get("axes", [])
     )
     console.print(f"  dynamic sizes: {axes or 'none (the example shapes only)'}", markup=False)
+    tuning = data.get("tuning")
+    if tuning and tuning.get("sites"):
+        console.print(
+            f"  tuning db: {tuning['hits']} hit(s), {tuning['near']} near, "
+            f"{tuning['misses']} miss(es), {tuning['timings_made']} timing(s) made "
+            f"({tuning['db']})",
+            markup=False,
+        )
     status = ("PASSED", "green") if v["passed"] else ("FAILED", "red")
     console.print(
         Text.assemble(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from opswap.bench.stats import UNSETTLED, describe_speedup
 from opswap.bench.variants import UNSETTLED_MARGIN
@@ -282,6 +283,8 @@ def _changes(result) -> list[Block]:
     from opswap.rules import registry
 
     applied = {s.key for s in result.applied}
+    tuning = result.plan.tuning or {}
+    tuned = {(t["rule"], t["key"]): _tuning_cell(t) for t in tuning.get("sites", [])}
     rows = []
     for i, d in enumerate(result.plan.decisions):
         rule = registry.get(d.rule)
@@ -297,6 +300,7 @@ def _changes(result) -> list[Block]:
                 f"{human_unit(e.bytes_saved, 'B')}, {human_unit(e.flops_saved, 'FLOP')}, "
                 + (_f(e.time_saved_s * 1e6) + " µs" if e.time_saved_s is not None else "- µs"),
                 "yes" if d.site.key in applied else "no",
+                tuned.get((d.rule, d.site.key), "-"),
             ]
         )
     blocks.append(
@@ -309,12 +313,38 @@ def _changes(result) -> list[Block]:
                 "exactness",
                 "predicted saving (bytes, FLOPs, time)",
                 "applied",
+                "tuning db",
             ],
             rows,
             align_right={0, 5},
         )
     )
-    return blocks
+    return blocks + _tuning(tuning)
+
+
+def _tuning_cell(site: dict[str, Any]) -> str:
+    """A timed site's outcome in the tuning database: hit, miss, or near (the shapes used)."""
+    out = str(site.get("outcome", ""))
+    if out == "near":
+        out += " (" + " ".join("x".join(map(str, s)) for s in site.get("near_shapes", [])) + ")"
+    if site.get("pruned"):
+        out += f"; not timed: {', '.join(site['pruned'])}"
+    return out
+
+
+def _tuning(tuning: dict[str, Any]) -> list[Block]:
+    """One line per site timed through the tuning database, and the totals."""
+    sites = tuning.get("sites", [])
+    if not sites:
+        return []
+    return [
+        Para(
+            f"Tuning database `{tuning['db']}`: {tuning['hits']} hit(s), {tuning['near']} "
+            f"near, {tuning['misses']} miss(es); {tuning['timings_made']} site timing(s) "
+            "made. Sites timed:"
+        ),
+        Bullets([f"`{s['rule']}` at `{s['key']}`: {_tuning_cell(s)}" for s in sites]),
+    ]
 
 
 def _raced(result) -> list[Block]:
