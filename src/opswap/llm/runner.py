@@ -22,6 +22,7 @@ functions; `opswap.llm.gpt2_runner.GPT2Runner` is GPT-2's.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -117,8 +118,14 @@ def run_model(
     return runner.logits(x, rows)
 
 
+#: modules that register runners of their own when imported (this module's LlamaRunner
+#: registers itself below); named, not imported at the top, since each imports this one
+BUILTIN_RUNNERS = ("opswap.llm.gpt2_runner",)
+
+
 def _load_builtin() -> None:
-    from opswap.llm import gpt2_runner  # noqa: F401  (registers GPT-2)
+    for module in BUILTIN_RUNNERS:
+        importlib.import_module(module)
 
 
 @register_runner(*LLAMA_LIKE)
