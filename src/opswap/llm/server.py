@@ -288,9 +288,7 @@ async def _watch(gone: Callable[[], Awaitable[bool]], queue: asyncio.Queue[Delta
 def _vocab_size(engine: LLMEngine) -> int | None:
     """The model's vocabulary size, for the 400 on an out-of-range token (None: unknown,
     and the engine's own check answers)."""
-    net = getattr(engine, "net", None)
-    config = getattr(getattr(net, "model", None), "config", None)
-    size = getattr(net, "vocab", None) or getattr(config, "vocab_size", None)
+    size = getattr(getattr(engine, "runner", None), "vocab", None)  # every ModelRunner's
     return int(size) if size else None
 
 
