@@ -156,6 +156,22 @@ def test_greedy_tokens_equal_transformers_with_the_dequantised_weights(kind, sch
     assert _engine_greedy(model, None, prompts, n) != got or scheme == "int8"
 
 
+def test_static_decoder_shares_the_quantised_weights():
+    from opswap.llm import StaticDecoder
+
+    model = _llama(96, 160)
+    ids = torch.tensor(_prompts((6, 6), seed=7))
+    weights = WeightQuant("int4", group_size=32)
+    dec = StaticDecoder(model, max_len=24, batch=2, weights=weights)
+    assert dec.weight_stats.quantized == 8
+    ref = _dequantized_copy(model, 4, 32)
+    want = ref.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    assert torch.equal(dec.generate(ids, 10), want)
+
+
 def test_packed_projections_hold_each_projections_own_codes():
     model = _llama(96, 160)
     runner = make_runner(model, 64, "cpu", torch.float32)
@@ -351,6 +367,45 @@ def test_triton_kernels_in_the_interpreter_match_the_dequantised_path():
     for key, r in res.items():
         assert r["triton_calls"] == 4, (key, r)  # the layer's 4 projections; the head is float
         assert r["err"] < 0.02, (key, r)  # bf16 rounding in another order
+
+
+# ------------------------------------------------------------------------------- on CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_cuda_graph_steps_equal_eager_steps_and_logits_stay_in_budget(scheme):
+    from opswap.kernels.fp8_linear import fp8_supported
+
+    if scheme == "fp8" and fp8_supported("cuda", rowwise=False) is not None:
+        with pytest.raises(QuantError, match=r"^fp8 weights cannot run here"):
+            LLMEngine(_llama(), max_model_len=32, device="cuda", weights="fp8")
+        return
+    model = _llama(128, 352).to("cuda")
+    prompts = _prompts((3, 11, 6))
+
+    def run(graphs: bool) -> list[list[int]]:
+        engine = LLMEngine(
+            model, max_model_len=96, max_num_seqs=4, device="cuda", dtype=torch.bfloat16,
+            weights=scheme, cuda_graphs=graphs,
+        )  # fmt: skip
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=12), str(i))
+        got: dict[int, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    got[int(out.request_id)] = out.token_ids
+        assert (engine.stats().graph_steps > 0) == graphs
+        return [got[i] for i in range(len(prompts))]
+
+    assert run(True) == run(False)  # the same kernels, replayed
+    ids = prompts[1] + [5, 9, 2]
+    ref = _logits(make_runner(model, 96, "cuda", torch.float32), ids)
+    runner = make_runner(model, 96, "cuda", torch.bfloat16)
+    quant.quantize_runner(runner, scheme)
+    err = ((_logits(runner, ids).float() - ref).norm() / ref.norm()).item()
+    assert err < {"int8": 0.05, "int4": 0.45, "fp8": 0.2}[scheme], err
 
 
 if __name__ == "__main__":  # the interpreter's half of the test above
