@@ -321,6 +321,37 @@ def test_a_runner_that_lists_no_projections_is_refused_only_when_asked_to_quanti
         quant.quantize_runner(Other(), "int8")
 
 
+def test_serve_quantize_builds_a_low_bit_engine_and_refuses_other_schemes(monkeypatch, capfd):
+    import opswap.llm.server as server
+    from opswap.cli import main
+
+    built: dict[str, Any] = {}
+
+    class Quiet:  # the server's thread, never started
+        url = "http://127.0.0.1:0"
+
+        def __init__(self, *a: Any) -> None:
+            self.server = self
+
+        def run(self) -> None:
+            pass
+
+    def build_app(engine: Any, *a: Any, **k: Any) -> None:
+        built["engine"] = engine
+
+    monkeypatch.setattr(server, "ServerThread", Quiet)
+    monkeypatch.setattr(server, "build_app", build_app)
+    main(["serve", "hf:llama", "--device", "cpu", "--quantize", "int4"])
+    assert built["engine"].weight_stats.scheme == "int4"
+    assert "int4 weights" in capfd.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "hf:llama", "--quantize", "int3"])
+    assert e.value.code == 2
+    err = capfd.readouterr().err
+    assert "--quantize takes int8, int4, fp8 (the projections' weights), got 'int3'." in err
+    assert "Traceback" not in err
+
+
 # ------------------------------------------------------------------ Triton, interpreted
 
 
