@@ -33,6 +33,7 @@ needs in float for the lookup, so quantising the head adds a copy.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,7 +89,7 @@ def _triton_here(x: torch.Tensor) -> bool:
     )
 
 
-class QuantWeight:
+class QuantWeight(ABC):
     """A Linear weight [N, K] stored low-bit; `self(x, b)` is `F.linear(x, W, b)` with W
     the weight the codes stand for."""
 
@@ -96,16 +97,17 @@ class QuantWeight:
     out_features: int
     in_features: int
 
-    def __call__(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor: ...
 
+    @abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] the stored values stand for."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def nbytes(self) -> int:
-        raise NotImplementedError
+        """Bytes of everything stored: codes, scales, offsets."""
 
 
 class WeightOnly(QuantWeight):
