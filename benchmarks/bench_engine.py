@@ -30,6 +30,19 @@ the default), and on with the default config; rounds interleaved, medians, the s
 over off and the share of drafts accepted. On CUDA also CUDA graphs off and on (greedy,
 speculation off) at the same concurrencies. `--part caching` is the run above; default:
 both.
+
+`--part weights` (in DIR/engine_weights_<dev>.json; `--weights int8,int4,fp8` picks the
+low-bit schemes, default all of them): decode tokens/s at batch 1 and 32 with the
+projections in the run's dtype and in each scheme (`LLMEngine(weights=...)`, llm/quant.py),
+and int4 with the LM head quantised too. The model: TinyLlama-1.1B's shape (hidden 2048,
+22 layers, GQA 32/4, MLP 5632, vocab 32000), random weights, bf16 on the GPU (--smoke:
+the tiny CPU config, fp32). Each request has a 32-token prompt and asks for `new` tokens;
+the clock runs from the step after every prefill to the end (decode-only steps, CUDA
+graphs on, as served), rounds interleaved, medians. Next to each figure: the bytes of
+Linear weights a token reads (`engine.weight_stats`), the KV bytes read at the run's
+mean context, the GB/s that achieves, and on CUDA the card's copy bandwidth measured in the
+same run (a 2 GiB copy), so that batch 1 reads as a share of the bandwidth roofline. FP8
+rows are skipped, with the reason, where the device has no FP8 tensor cores.
 """
 
 from __future__ import annotations
@@ -224,6 +237,136 @@ def spec_part(smoke: bool, device: str, dtype: torch.dtype, rounds: int) -> dict
             "largest_concurrency_where_unbounded_spec_pays_on_repetitive": crossover}  # fmt: skip
 
 
+def _big_model(smoke: bool, device: str, dtype: torch.dtype) -> Any:
+    """TinyLlama-1.1B's shape with random weights (the tiny config with --smoke)."""
+    import transformers
+
+    if smoke:
+        return _model(True, device, dtype)
+    dims = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
+                num_key_value_heads=4, intermediate_size=5632, vocab_size=32000)  # fmt: skip
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**dims, initializer_range=0.02)
+    with torch.device(device):  # initialised where it runs: 1.1B weights
+        model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def _copy_gb_s(device: str) -> float | None:
+    """The device's copy bandwidth (read + write) in GB/s from a 2 GiB copy, on CUDA."""
+    if device != "cuda":
+        return None
+    x = torch.empty(2 * 1024**3 // 4, device=device)
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(8):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * 2 * 1024**3 / statistics.median(times[2:]) / 1e9
+
+
+def _decode_run(engine: Any, prompts: list[list[int]], new: int) -> dict:
+    """Run the prompts to the end; the clock covers the steps after every prefill."""
+    from opswap.llm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, str(i))
+    made = 0
+    while made < len(prompts):  # prefill steps, each request's first token
+        made += sum(len(o.new_token_ids) for o in engine.step())
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0, tokens, steps = time.perf_counter(), 0, 0
+    while engine.has_unfinished():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "steps": steps}
+
+
+def weights_part(smoke: bool, device: str, dtype: torch.dtype, schemes: list[str],
+                 rounds: int) -> dict:  # fmt: skip
+    """Decode tokens/s at batch 1 and 32, projections in `dtype` and in each scheme."""
+    from opswap.llm import LLMEngine, QuantError, WeightQuant
+
+    model = _big_model(smoke, device, dtype)
+    c = model.config
+    kv_heads = c.num_key_value_heads
+    head_dim = c.hidden_size // c.num_attention_heads
+    prompt_len, new, bs = (32, 32, 16) if smoke else (32, 128, 16)
+    variants: dict[str, Any] = {str(dtype).removeprefix("torch."): None}
+    for s in schemes:
+        variants[s] = s
+    if "int4" in schemes:
+        variants["int4_lm_head"] = WeightQuant("int4", lm_head=True)
+    copy_gb_s = _copy_gb_s(device)
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for batch in (1, 32):
+        prompts = [torch.randint(0, c.vocab_size, (prompt_len,), generator=g).tolist()
+                   for _ in range(batch)]  # fmt: skip
+        opts = dict(block_size=bs, max_model_len=prompt_len + new + 1, max_num_seqs=batch,
+                    max_num_batched_tokens=max(512, batch * prompt_len), device=device,
+                    dtype=dtype, prefix_caching=False)  # fmt: skip
+        opts["num_blocks"] = batch * _blocks(prompt_len + new + 1, bs) + 4
+        if device != "cuda":
+            opts["cuda_graphs"] = False
+        runs: dict[str, list[dict]] = {}
+        engines: dict[str, Any] = {}
+        for name, w in variants.items():
+            try:
+                engines[name] = LLMEngine(model, weights=w, **opts)
+            except QuantError as e:
+                rows.append({"batch": batch, "weights": name, "skipped": str(e)})
+                print(rows[-1])
+                continue
+            _decode_run(engines[name], prompts, new)  # warm-up: autotuning, graphs
+            runs[name] = []
+        order = list(runs)
+        for r in range(rounds):
+            for name in order[r % len(order) :] + order[: r % len(order)]:
+                runs[name].append(_decode_run(engines[name], prompts, new))
+        base = order[0]
+        base_tps = None
+        for name in order:
+            rs, st = runs[name], engines[name].weight_stats
+            med = statistics.median(x["wall_s"] for x in rs)
+            steps = rs[-1]["steps"]
+            tps = rs[-1]["tokens"] / med
+            base_tps = tps if name == base else base_tps
+            # KV read per step: every sequence's keys and values at the mean context
+            ctx = prompt_len + new / 2
+            kv = 2 * c.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * ctx * batch
+            per_step = st.stored_bytes + kv
+            gb_s = per_step * steps / med / 1e9
+            row = {
+                "batch": batch, "weights": name, "rounds": rounds, "median_decode_s": med,
+                "decode_steps": steps, "tokens_per_s": tps,
+                "speedup_over_" + base: tps / base_tps if base_tps else None,
+                "linear_weight_bytes": st.stored_bytes,
+                "linear_weight_bytes_in_dtype": st.float_bytes,
+                "kv_bytes_per_step_at_mean_context": kv, "achieved_gb_s": gb_s,
+                "copy_gb_s": copy_gb_s,
+                "share_of_copy_bandwidth": gb_s / copy_gb_s if copy_gb_s else None,
+            }  # fmt: skip
+            rows.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+        del engines
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"rows": rows, "prompt_len": prompt_len, "new_tokens": new, "block_size": bs,
+            "model": {k: getattr(c, k) for k in ("hidden_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                      "vocab_size")}, "copy_gb_s": copy_gb_s}  # fmt: skip
+
+
 def _blocks(tokens: int, bs: int) -> int:
     return -(-tokens // bs)
 
@@ -233,16 +376,27 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, in seconds")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--part", choices=("all", "caching", "spec"), default="all")
+    ap.add_argument("--part", choices=("all", "caching", "spec", "weights"), default="all")
+    ap.add_argument("--weights", default="int8,int4,fp8",
+                    help="--part weights: the low-bit schemes beside the run's dtype")  # fmt: skip
     args = ap.parse_args()
     smoke = args.smoke or not torch.cuda.is_available()
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     if smoke:
         torch.set_num_threads(1)
-    model = _model(smoke, device, dtype)
     dev = "cpu" if smoke else torch.cuda.get_device_name()
     card = "cpu_smoke" if smoke else torch.cuda.get_device_name().split()[-1].lower()
+    if args.part == "weights":
+        schemes = [s for s in args.weights.split(",") if s]
+        bad = [s for s in schemes if s not in ("int8", "int4", "fp8")]
+        if bad:
+            ap.error(f"--weights takes int8, int4 and fp8, not {', '.join(bad)}")
+        res = weights_part(smoke, device, dtype, schemes, args.rounds if smoke else 5)
+        rows = res.pop("rows")
+        write_results(args.out, f"engine_weights_{card}.json", dev, rows, **res)
+        return
+    model = _model(smoke, device, dtype)
     if args.part in ("all", "spec"):
         res = spec_part(smoke, device, dtype, args.rounds if smoke else 3)
         rows = res.pop("rows")

@@ -171,7 +171,11 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "kernels18": (KERNEL18_TESTS, [["bench_kernels18.py"]]),
     "attention": (ATTENTION_TESTS, [["bench_attention.py"]]),
     "decode": (DECODE_TESTS, [["bench_decode.py"]]),
-    "engine": (["tests/llm/test_engine.py"], [["bench_engine.py"]]),  # serving engine (ch29)
+    # serving engine (ch29); then decode tokens/s with bf16 / int8 / int4 / fp8 projections
+    "engine": (
+        ["tests/llm/test_engine.py", "tests/llm/test_quant_runner.py"],
+        [["bench_engine.py"], ["bench_engine.py", "--part", "weights"]],
+    ),
     # opswap serve under 1000 ShareGPT prompts at once beside transformers generate (ch29)
     "serve": (["tests/llm/test_server.py"], [["bench_serve.py"]]),
     # issue 41: the paged decode and chunked-prefill kernels (compiled on the GPU) and their sweep

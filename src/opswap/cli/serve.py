@@ -89,6 +89,7 @@ def build_engine(
     device: str,
     dtype: str,
     tokenizer: Any = None,
+    weights: str | None = None,
 ) -> Any:
     import torch
 
@@ -118,7 +119,18 @@ def build_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         device=device,
         dtype=torch_dtype,
+        weights=weights,
     )
+
+
+def check_quantize(scheme: str | None) -> None:
+    """Refuse, before the model loads, a --quantize that names no weight scheme."""
+    from opswap.llm.quant import SCHEMES
+
+    if scheme is not None and scheme not in SCHEMES:
+        raise OpswapError(
+            f"--quantize takes {', '.join(SCHEMES)} (the projections' weights), got {scheme!r}."
+        )
 
 
 @app.command()
@@ -162,6 +174,14 @@ def serve(
     ] = 5.0,
     sets: SetOpt = None,
     weights: WeightsOpt = None,
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SCHEME",
+            help="Store the projections' weights as int8, int4 or fp8 (fp8: GPUs of compute "
+            "capability 8.9+); the LM head stays in --dtype.",
+        ),
+    ] = None,
 ) -> None:
     """Serve SPEC (a Llama, Mistral or Qwen2 decoder) over an OpenAI-compatible HTTP API:
     /v1/completions, /v1/chat/completions (streamed or not), /v1/models, /health and
@@ -171,6 +191,7 @@ def serve(
 
     if kv_memory is not None:  # the options' errors before the model loads
         parse_bytes(kv_memory)
+    check_quantize(quantize)
     if dtype not in _DTYPES:
         raise OpswapError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}.")
     loaded = _load(spec, sets, weights)
@@ -185,6 +206,7 @@ def serve(
         max_num_batched_tokens,
         device,
         dtype,
+        weights=quantize,
     )
     served = name or loaded.name
     application = build_app(engine, tok, served, max_queue=max_queue, grace_s=grace)
@@ -192,7 +214,8 @@ def serve(
     render.line(
         f"serving {spec} as {served!r} at {server.url}/v1 (max_model_len "
         f"{engine.max_model_len}, {engine.num_blocks} KV blocks of {engine.block_size} "
-        f"tokens, {'text and token-id' if tok is not None else 'token-id'} prompts); "
+        f"tokens, {'text and token-id' if tok is not None else 'token-id'} prompts"
+        f"{'' if quantize is None else f', {quantize} weights'}); "
         "Ctrl-C stops"
     )
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again

@@ -15,6 +15,7 @@ from opswap.llm.decode import StaticDecoder
 from opswap.llm.engine import EngineError, EngineStats, LLMEngine, RequestOutput
 from opswap.llm.generate import GenerateResult, generate
 from opswap.llm.hf_decoder import SUPPORTED, HFDecoder
+from opswap.llm.quant import QuantError, WeightQuant, WeightStats
 from opswap.llm.runner import ModelRunner, RunnerError, make_runner, register_runner
 from opswap.llm.sampling import SamplingError, SamplingParams, TokenLogprob
 from opswap.llm.speculative import SpeculativeConfig, SpeculativeError
@@ -32,6 +33,7 @@ __all__ = [
     "HFDecoder",
     "LLMEngine",
     "ModelRunner",
+    "QuantError",
     "RequestOutput",
     "RunnerError",
     "SamplingError",
@@ -41,6 +43,8 @@ __all__ = [
     "StaticDecoder",
     "StaticKVCache",
     "TokenLogprob",
+    "WeightQuant",
+    "WeightStats",
     "generate",
     "make_runner",
     "register_runner",

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from opswap.llm.hf_decoder import HFDecoder, _Layer
+from opswap.llm.quant import Weight, linear
 from opswap.llm.static_cache import StaticKVCache
 
 #: at::internal::GRAIN_SIZE: ATen splits elementwise work across threads from this size on
@@ -61,12 +62,14 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * h.to(x.dtype)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
     """F.linear of x [B, 1, in]. For 1 < B <= GEMV_ROWS, one matrix-vector product per row:
     at 2 threads a 2 x 256 by 256 x 1376 product opened a parallel region (about 24 ms on
     the loaded development VM, against 0.06-0.12 ms for one row), at the cost of reading
-    the weights once per row."""
+    the weights once per row. A low-bit weight (llm.quant) runs its own op over every row."""
     n = x.shape[0]
+    if not isinstance(w, torch.Tensor):
+        return linear(x, w, b)
     if 1 < n <= GEMV_ROWS:
         return torch.cat([F.linear(x[i : i + 1], w, b) for i in range(n)])
     return F.linear(x, w, b)

@@ -35,6 +35,7 @@ import torch
 from opswap.kernels import _rows
 from opswap.llm.cpu_step import causal_attend, compile_step, step_at
 from opswap.llm.hf_decoder import HFDecoder
+from opswap.llm.quant import WeightQuant, quantize_runner
 from opswap.llm.static_cache import DecodeError
 
 #: eager decode steps run on a side stream before the capture (autotuning, compilation)
@@ -50,7 +51,8 @@ class StaticDecoder:
     rotary embedding and the gated MLP as opswap's fused Triton ops (see hf_decoder);
     the default, None, takes them on a CUDA device where Triton is installed (1.42x the
     gpt-fast recipe on the H200 with them, 0.76x without; chapter 29) and leaves HF's
-    math elsewhere, where the ops would run their slower references. On the CPU without
+    math elsewhere, where the ops would run their slower references. `weights` ("int8",
+    "int4", "fp8" or a WeightQuant) stores the projections low-bit, as LLMEngine's do. On the CPU without
     them the decode loop runs cpu_step (chapter 29 has its figures against HF's generate).
     The user's model is not changed."""
 
@@ -64,6 +66,7 @@ class StaticDecoder:
         cuda_graphs: bool = True,
         compile: bool | str = False,
         kernels: bool | None = None,
+        weights: str | WeightQuant | None = None,
     ) -> None:
         if int(max_len) < 2 or int(batch) < 1:
             raise DecodeError(
@@ -80,6 +83,7 @@ class StaticDecoder:
         if kernels is None:
             kernels = dev.type == "cuda" and _rows.triton is not None
         self.net = HFDecoder(model, int(max_len), dev, dt, kernels=bool(kernels))
+        self.weight_stats = quantize_runner(self.net, weights)
         self.max_len, self.batch, self.device, self.dtype = int(max_len), int(batch), dev, dt
         self.cache = self.net.new_cache(self.batch, self.max_len)
         self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"

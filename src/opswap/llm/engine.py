@@ -21,7 +21,8 @@ calls pick kernels.
 
 Options: `speculative=SpeculativeConfig(...)` (or True) verifies prompt-lookup drafts in
 the same forward (llm/speculative.py); `cuda_graphs` (default on CUDA) replays a captured
-decode-only step at bucketed batch sizes (1, 2, 4, 8, 16, 32, 64, ...).
+decode-only step at bucketed batch sizes (1, 2, 4, 8, 16, 32, 64, ...); `weights`
+("int8", "int4", "fp8") stores the projections low-bit (llm/quant.py).
 
 Nothing blocks between steps, so a server can call `add_request`, `abort` and `step` from
 one event loop; each `RequestOutput` carries what is new since the last one (tokens, text,
@@ -41,6 +42,7 @@ import torch
 from opswap.errors import OpswapError
 from opswap.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from opswap.llm.blocks import BlockManager, BlockStats
+from opswap.llm.quant import WeightQuant, WeightStats, quantize_runner
 from opswap.llm.runner import ModelRunner, make_runner, run_model
 from opswap.llm.sampling import (
     Pick,
@@ -88,6 +90,8 @@ class EngineStats:
     draft_tokens: int = 0  # speculative drafts verified
     accepted_tokens: int = 0  # of them, accepted
     graph_steps: int = 0  # steps replayed from a CUDA graph
+    weight_bytes: int = 0  # Linear weights a decode step reads, as stored (llm.quant)
+    float_weight_bytes: int = 0  # the same in the run's dtype
 
     @property
     def acceptance_rate(self) -> float:
@@ -107,7 +111,9 @@ class LLMEngine:
     `speculative` (a SpeculativeConfig, or True for the defaults) verifies prompt-lookup
     drafts in each step's forward; greedy tokens are unchanged. `cuda_graphs` (default:
     on for a CUDA device) replays decode-only steps of up to `graph_max_batch` sequences
-    from CUDA graphs captured at bucketed batch sizes.
+    from CUDA graphs captured at bucketed batch sizes. `weights` ("int8", "int4", "fp8"
+    or a WeightQuant) stores every projection low-bit (llm/quant.py; the LM head stays in
+    `dtype` unless WeightQuant(lm_head=True)); `weight_stats` gives the bytes saved.
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class LLMEngine:
         speculative: SpeculativeConfig | bool | None = None,
         cuda_graphs: bool | None = None,
         graph_max_batch: int = 64,
+        weights: str | WeightQuant | None = None,
     ) -> None:
         for name, value in (
             ("block_size", block_size),
@@ -141,6 +148,7 @@ class LLMEngine:
         if max_model_len < 1:
             raise EngineError(f"max_model_len must be at least 1, got {max_model_len}.")
         self.runner: ModelRunner = make_runner(model, max_model_len, device, dtype)
+        self.weight_stats: WeightStats = quantize_runner(self.runner, weights)
         net = self.runner
         self.device, self.dtype = net.device, dtype
         layers = net.num_layers
@@ -252,6 +260,8 @@ class LLMEngine:
             draft_tokens=self._drafted,
             accepted_tokens=self._accepted,
             graph_steps=self._graph_steps,
+            weight_bytes=self.weight_stats.stored_bytes,
+            float_weight_bytes=self.weight_stats.float_bytes,
         )
 
     # -- one step ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from opswap.llm.hf_decoder import linear
+from opswap.llm.quant import Weight
 from opswap.llm.runner import Attend, RunnerError, register_runner
 
 
@@ -49,13 +50,13 @@ class _Block:
     ln1_b: torch.Tensor
     ln2_w: torch.Tensor
     ln2_b: torch.Tensor
-    wqkv: torch.Tensor  # [3 hidden, hidden]: q over k over v
+    wqkv: Weight  # [3 hidden, hidden]: q over k over v
     bqkv: torch.Tensor
-    wo: torch.Tensor
+    wo: Weight
     bo: torch.Tensor
-    wfc: torch.Tensor
+    wfc: Weight
     bfc: torch.Tensor
-    wproj: torch.Tensor
+    wproj: Weight
     bproj: torch.Tensor
 
 
@@ -134,7 +135,15 @@ class GPT2Runner:
         self.num_layers = len(self.blocks)
         self.wte, self.wpe = own(body.wte.weight), own(body.wpe.weight)
         self.lnf_w, self.lnf_b = own(body.ln_f.weight), own(body.ln_f.bias)
-        self.lm_head = own(model.lm_head.weight)  # tied to wte in GPT-2, read all the same
+        self.lm_head: Weight = own(model.lm_head.weight)  # tied to wte in GPT-2, read all the same
+
+    def projections(self) -> list[tuple[object, str]]:
+        """(holder, attribute) of every block's Linear weights, for llm.quant."""
+        names = ("wqkv", "wo", "wfc", "wproj")
+        return [(b, n) for b in self.blocks for n in names]
+
+    def head(self) -> tuple[object, str]:
+        return self, "lm_head"
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.wte[ids] + self.wpe[positions]

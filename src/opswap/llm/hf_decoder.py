@@ -42,6 +42,7 @@ from opswap.kernels import rms_norm as _rms_ops  # noqa: F401  (registers the fu
 from opswap.kernels import rope as _rope_ops  # noqa: F401
 from opswap.kernels import swiglu as _glu_ops  # noqa: F401
 from opswap.kernels.decode_attention import decode_attention
+from opswap.llm.quant import Weight, linear
 from opswap.llm.static_cache import DecodeError, StaticKVCache
 
 #: the transformers classes whose layout this module reads
@@ -98,13 +99,13 @@ class _Layer:
     ln2: torch.Tensor
     eps1: float
     eps2: float
-    wqkv: torch.Tensor  # [(H + 2 H_kv) D, hidden]
+    wqkv: Weight  # [(H + 2 H_kv) D, hidden]
     bqkv: torch.Tensor | None
-    wo: torch.Tensor
+    wo: Weight
     bo: torch.Tensor | None
-    wgu: torch.Tensor  # [2 I, hidden]: gate over up
+    wgu: Weight  # [2 I, hidden]: gate over up
     bgu: torch.Tensor | None
-    wdown: torch.Tensor
+    wdown: Weight
     bdown: torch.Tensor | None
 
 
@@ -117,10 +118,6 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), -1)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, w, b)
 
 
 class HFDecoder:
@@ -190,9 +187,17 @@ class HFDecoder:
         self.embed = own(body.embed_tokens.weight)
         self.norm = own(body.norm.weight)
         self.norm_eps = float(body.norm.variance_epsilon)
-        self.lm_head = own(model.lm_head.weight)
+        self.lm_head: Weight = own(model.lm_head.weight)
         self.lm_bias = own_bias(getattr(model.lm_head, "bias", None))
         self.cos, self.sin = self.rope_tables(max_len)
+
+    def projections(self) -> list[tuple[object, str]]:
+        """(holder, attribute) of every layer's Linear weights, for llm.quant."""
+        names = ("wqkv", "wo", "wgu", "wdown")
+        return [(layer, n) for layer in self.layers for n in names]
+
+    def head(self) -> tuple[object, str]:
+        return self, "lm_head"
 
     def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_len, head_dim] in the run's dtype, computed in fp32 as HF does."""

@@ -142,6 +142,12 @@ class LlamaRunner:
         self.scale, self.vocab = net.scale, net.vocab
         self.device, self.dtype = net.device, dtype
 
+    def projections(self) -> list[tuple[object, str]]:
+        return self.net.projections()
+
+    def head(self) -> tuple[object, str]:
+        return self.net.head()
+
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.net.embed[ids]
 
