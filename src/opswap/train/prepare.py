@@ -100,8 +100,10 @@ class Prepared(nn.Module):
 
 
 class _WithLoss(nn.Module):
-    """The model and its loss as one module: `forward(*inputs, target)` -> loss. The
-    attribute names make the model's parameters `model.<name>` in the capture."""
+    """The model and its loss as one module: `forward(x0, ..., target)` -> loss. The
+    attribute names make the model's parameters `model.<name>` in the capture. The
+    forward takes its inputs by name, one argument each (`_with_loss`), because FX
+    cannot trace a `*batch` it would have to unpack."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]):
         super().__init__()
@@ -111,10 +113,21 @@ class _WithLoss(nn.Module):
         else:
             self.loss_fn = loss_fn
 
-    def forward(self, *batch: Any) -> torch.Tensor:
-        out = self.model(*batch[:-1])
+    def _loss(self, out: Any, target: Any) -> torch.Tensor:
         fn = self.loss if "loss" in self._modules else self.loss_fn
-        return fn(out, batch[-1])
+        return fn(out, target)
+
+
+def _with_loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor], n: int) -> _WithLoss:
+    """A _WithLoss whose forward takes `n` model inputs and the target."""
+    names = ", ".join(f"x{i}" for i in range(n))
+    space: dict[str, Any] = {}
+    exec(  # a forward with n named parameters, for FX's symbolic tracing
+        f"def forward(self, {names}, target):\n    return self._loss(self.model({names}), target)\n",
+        space,
+    )
+    cls = type(f"WithLoss{n}", (_WithLoss,), {"forward": space["forward"]})
+    return cls(model, loss_fn)
 
 
 def training_rules(patterns: Sequence[str] | None = None) -> list[str]:
@@ -253,7 +266,9 @@ def prepare(
         )
     with_loss = loss_fn is not None
     batch = _as_batch(example_batch, with_loss)
-    wrapped: nn.Module = _WithLoss(model, loss_fn) if loss_fn is not None else model
+    wrapped: nn.Module = (
+        _with_loss(model, loss_fn, len(batch) - 1) if loss_fn is not None else model
+    )
     prefix = "model." if with_loss else ""
     names = _param_names(wrapped)
     report = PrepareReport()

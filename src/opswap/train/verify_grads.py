@@ -14,7 +14,9 @@ What is compared on each batch: the output (the loss, when the module returns on
 every output tensor, reduced to a scalar by a fixed random projection for the backward)
 and each parameter's gradient, as the largest absolute difference over the largest
 absolute reference value (a relative error that a gradient near zero in places does not
-inflate). The tolerance follows exactness and the candidate's dtype.
+inflate), that value taken at least 1e-3 of the batch's largest gradient of any
+parameter (a bias before a train-mode BatchNorm has a gradient that is zero but for
+rounding). The tolerance follows exactness and the candidate's dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from opswap.graph.inputs import fresh
 __all__ = ["GradCheck", "ParamError", "sample_batches", "tolerance", "verify_grads"]
 
 _BASE = {"exact": 1e-4, "approx": 2e-2, "lossy": 1e-1}
+_FLOOR = 1e-3  # a gradient's scale is at least this share of the batch's largest
 
 
 def tolerance(exactness: str, dtype: torch.dtype = torch.float32) -> float:
@@ -167,7 +170,7 @@ def _run(
     return [o.detach().float() for o in outputs], list(grads)
 
 
-def _error(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+def _error(got: torch.Tensor | None, want: torch.Tensor | None, floor: float = 1e-12) -> float:
     if got is None and want is None:
         return 0.0
     if got is None or want is None:
@@ -181,7 +184,7 @@ def _error(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
     diff = float((got - want).abs().max()) if want.numel() else 0.0
     if diff != diff:  # NaN
         return float("inf")
-    return diff / max(scale, 1e-12) if scale > 0 else diff
+    return diff / max(scale, floor) if max(scale, floor) > 0 else diff
 
 
 def verify_grads(
@@ -229,8 +232,13 @@ def verify_grads(
             return GradCheck(False, f"{label}: {len(got_out)} outputs, not {len(want_out)}", tol)
         for a, w in zip(got_out, want_out, strict=True):
             out_err = max(out_err, _error(a, w))
+        # a gradient that is zero in exact arithmetic (a bias before a train-mode
+        # BatchNorm) is judged against the batch's largest gradient, not its own noise
+        floor = _FLOOR * max(
+            (float(r.abs().max()) for r in want if r is not None and r.numel()), default=0.0
+        )
         for (name, _, _), g, r in zip(pairs, got, want, strict=True):
-            err = _error(g, r)
+            err = _error(g, r, max(floor, 1e-12))
             if name not in worst or err > worst[name].error:
                 worst[name] = ParamError(name, err, label)
     params = sorted(worst.values(), key=lambda p: -p.error)
