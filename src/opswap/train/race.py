@@ -1,0 +1,222 @@
+"""The training-step race: eager, torch.compile, opswap (train.prepare) and opswap under
+torch.compile, each a full step: forward, loss, backward and the optimizer's step.
+
+Every variant trains its own copy of the model from the same weights. First each takes
+`check_steps` steps on the same batches from the same random state, and its loss after
+them is compared with eager's (a variant whose loss drifts is reported unverified, not
+dropped: the table says by how much). Then the steps are timed interleaved with
+bench.timing.benchmark, and the peak memory of one step is measured with
+bench.memory.peak_memory: CUDA's allocator peak (`max_memory_allocated` above the level
+before the step) on a GPU, the profiler's record of CPU allocations on the CPU.
+
+The optimizer is torch's AdamW, `fused=True` on CUDA and `foreach=True` elsewhere, for
+eager and compile; the opswap variants take opswap.train.optim.AdamW (one pass per
+tensor on CUDA; torch's foreach steps in torch's order on the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from opswap.graph.copies import private_copy
+
+__all__ = ["StepTiming", "TrainRace", "VARIANTS", "race_training"]
+
+VARIANTS = ("eager", "compile", "opswap", "opswap+compile")
+
+
+@dataclass
+class StepTiming:
+    name: str
+    median_s: float | None
+    peak_bytes: int | None
+    loss: float | None  # after the check steps
+    loss_error: float | None  # relative to eager's loss after as many steps
+    verified: bool
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
+class TrainRace:
+    rows: list[StepTiming]
+    device: str
+    memory_method: str
+    check_steps: int
+    notes: list[str] = field(default_factory=list)
+
+    def row(self, name: str) -> StepTiming:
+        return next(r for r in self.rows if r.name == name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "memory_method": self.memory_method,
+            "check_steps": self.check_steps,
+            "variants": [r.to_json() for r in self.rows],
+            "notes": list(self.notes),
+        }
+
+    def table(self) -> str:
+        eager = self.row("eager").median_s if any(r.name == "eager" for r in self.rows) else None
+        lines = [
+            "| variant | ms / step | vs eager | peak MB | loss after check | rel. diff | verified |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            ms = f"{r.median_s * 1e3:.2f}" if r.median_s is not None else "-"
+            vs = f"{eager / r.median_s:.2f}x" if eager and r.median_s else "-"
+            mb = f"{r.peak_bytes / 2**20:.1f}" if r.peak_bytes is not None else "-"
+            loss = f"{r.loss:.5f}" if r.loss is not None else "-"
+            err = f"{r.loss_error:.1e}" if r.loss_error is not None else "-"
+            ok = "yes" if r.verified else f"no{': ' + r.note if r.note else ''}"
+            lines.append(f"| {r.name} | {ms} | {vs} | {mb} | {loss} | {err} | {ok} |")
+        return "\n".join(lines)
+
+
+def _to(batch: Sequence[Any], device: str) -> tuple[Any, ...]:
+    return tuple(
+        pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, list(batch))
+    )
+
+
+def _optimizer(params: Any, opswap: bool, device: str, lr: float) -> torch.optim.Optimizer:
+    if opswap:
+        from opswap.train.optim import AdamW
+
+        return AdamW(params, lr=lr)
+    if device.startswith("cuda"):
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    return torch.optim.AdamW(params, lr=lr, foreach=True)
+
+
+def _variant(
+    name: str,
+    model: nn.Module,
+    batch: tuple[Any, ...],
+    loss_fn: Callable[..., torch.Tensor],
+    device: str,
+    lr: float,
+    prepare_kw: dict[str, Any],
+) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
+    """The loss function of one variant (its own copy of the model) and its optimizer."""
+    own = private_copy(model).to(device)
+    if name in ("opswap", "opswap+compile"):
+        from opswap.train.prepare import prepare
+
+        prepared = prepare(own, batch, loss_fn, **prepare_kw)
+        step_fn: Callable[..., torch.Tensor] = prepared
+        if name == "opswap+compile":
+            step_fn = torch.compile(prepared)
+        return step_fn, _optimizer(own.parameters(), True, device, lr)
+    if name == "compile":
+        compiled = torch.compile(own)
+
+        def compiled_loss(*b: Any) -> torch.Tensor:
+            return loss_fn(compiled(*b[:-1]), b[-1])
+
+        return compiled_loss, _optimizer(own.parameters(), False, device, lr)
+
+    def eager_loss(*b: Any) -> torch.Tensor:
+        return loss_fn(own(*b[:-1]), b[-1])
+
+    return eager_loss, _optimizer(own.parameters(), False, device, lr)
+
+
+def _step(
+    fn: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, batch: tuple[Any, ...]
+) -> torch.Tensor:
+    loss = fn(*batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def race_training(
+    model: nn.Module,
+    example_batch: Sequence[Any],
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    batches: Sequence[Sequence[Any]] | None = None,
+    variants: Sequence[str] = VARIANTS,
+    device: str = "cpu",
+    lr: float = 1e-3,
+    check_steps: int = 3,
+    min_time_s: float = 0.5,
+    loss_rtol: float = 1e-3,
+    seed: int = 0,
+    prepare_kw: dict[str, Any] | None = None,
+) -> TrainRace:
+    """Race full training steps of `model` under `variants` (names from VARIANTS) on
+    `device`; `batches` (default: the example, `check_steps` times) are the check
+    steps' batches, `(inputs..., target)` each. The user's model is only copied."""
+    from opswap.bench.memory import peak_memory
+    from opswap.bench.timing import benchmark
+
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or "eager" not in variants:
+        raise ValueError(
+            f"variants must include eager and be among {', '.join(VARIANTS)}; got {list(variants)}"
+        )
+    batch = _to(example_batch, device)
+    todo = [_to(b, device) for b in batches] if batches else [batch] * check_steps
+    kw = {"target": "cuda" if device.startswith("cuda") else "cpu", **(prepare_kw or {})}
+    made: dict[str, tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]] = {}
+    rows: dict[str, StepTiming] = {}
+    for name in variants:
+        try:
+            made[name] = _variant(name, model, batch, loss_fn, device, lr, kw)
+        except Exception as e:  # a variant that cannot be built is a row that says why
+            rows[name] = StepTiming(
+                name, None, None, None, None, False, f"{type(e).__name__}: {e}"[:200]
+            )
+    losses: dict[str, float] = {}
+    for name, (fn, opt) in made.items():
+        torch.manual_seed(seed)
+        try:
+            for b in todo:
+                last = _step(fn, opt, b)
+            losses[name] = float(last)
+        except Exception as e:
+            rows[name] = StepTiming(
+                name, None, None, None, None, False, f"{type(e).__name__}: {e}"[:200]
+            )
+    for name in list(made):
+        if name in rows:
+            del made[name]
+    want = losses.get("eager")
+    timed = benchmark(
+        {name: _stepper(fn, opt, batch) for name, (fn, opt) in made.items()},
+        min_time_s=min_time_s,
+        warmup=2,
+        repeats=5,
+        target_sample_s=0.0,
+        max_inner=1,
+        device=device,
+    )
+    method = ""
+    for name, (fn, opt) in made.items():
+        mem = peak_memory(_stepper(fn, opt, batch), device=device)
+        method = mem.method
+        got = losses[name]
+        err = abs(got - want) / max(abs(want), 1e-12) if want is not None else None
+        ok = err is not None and err <= loss_rtol
+        rows[name] = StepTiming(
+            name,
+            timed[name].median,
+            mem.peak_bytes,
+            got,
+            err,
+            ok,
+            "" if ok else f"loss differs from eager's by {err:.1e} after {len(todo)} steps",
+        )
+    return TrainRace([rows[v] for v in variants if v in rows], device, method, len(todo))

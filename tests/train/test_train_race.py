@@ -1,0 +1,75 @@
+"""train.race: full training steps of every variant, losses checked against eager's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opswap.train.race import race_training
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(19, 33), nn.LayerNorm(33), nn.GELU(), nn.Dropout(0.1), nn.Linear(33, 10)
+    )
+
+
+def test_eager_and_opswap_steps_are_timed_and_their_losses_agree() -> None:
+    model = _mlp()
+    batches = [(torch.randn(7, 19), torch.randint(0, 10, (7,))) for _ in range(3)]
+    before = [p.detach().clone() for p in model.parameters()]
+    race = race_training(
+        model,
+        batches[0],
+        F.cross_entropy,
+        batches=batches,
+        variants=("eager", "opswap"),
+        min_time_s=0.05,
+    )
+    assert [r.name for r in race.rows] == ["eager", "opswap"]
+    for r in race.rows:
+        assert r.verified, r.note
+        assert r.median_s is not None and r.median_s > 0
+        assert r.peak_bytes is not None and r.peak_bytes >= 0
+    assert race.row("eager").loss_error == 0.0
+    assert race.memory_method in ("profiler", "cuda-allocator")
+    assert "| opswap |" in race.table()
+    assert race.to_json()["check_steps"] == 3
+    for p, q in zip(model.parameters(), before, strict=True):  # the user's model is only copied
+        assert torch.equal(p, q)
+
+
+def test_a_variant_that_trains_differently_is_reported_unverified() -> None:
+    model = _mlp()
+    batch = (torch.randn(5, 19), torch.randint(0, 10, (5,)))
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y)
+
+    race = race_training(
+        model,
+        batch,
+        loss_fn,
+        variants=("eager", "opswap"),
+        min_time_s=0.02,
+        loss_rtol=0.0,
+        prepare_kw={"fuse_loss": True},
+        lr=0.5,
+    )
+    # a zero tolerance: only a bit-identical loss passes; the fused loss rounds differently
+    opswap = race.row("opswap")
+    assert opswap.loss_error is not None
+    assert opswap.verified == (opswap.loss_error == 0.0)
+
+
+def test_bad_variants_are_refused() -> None:
+    with pytest.raises(ValueError, match="variants"):
+        race_training(
+            _mlp(),
+            (torch.randn(2, 19), torch.randint(0, 10, (2,))),
+            F.cross_entropy,
+            variants=("opswap",),
+        )
