@@ -131,6 +131,12 @@ def _variant(
     return eager_loss, _optimizer(own.parameters(), False, device, lr)
 
 
+def _stepper(
+    fn: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, batch: tuple[Any, ...]
+) -> Callable[[], torch.Tensor]:
+    return lambda: _step(fn, opt, batch)
+
+
 def _step(
     fn: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, batch: tuple[Any, ...]
 ) -> torch.Tensor:
