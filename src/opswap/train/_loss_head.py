@@ -154,7 +154,7 @@ def fuse_loss_head(gm: fx.GraphModule) -> Fused:
         for dead in [node, *chain, linear]:
             gm.graph.erase_node(dead)
         out.replaced.append(
-            f"{linear.name} -> {node.name}: the lm_head and its cross-entropy in one "
+            f"{linear.name} -> {node.name}: the Linear head and its cross-entropy in one "
             "opswap::linear_cross_entropy, the logits never written"
         )
     if out.replaced:
