@@ -250,3 +250,19 @@ def test_bad_input_is_refused_in_a_sentence() -> None:
         prepare(model.train(), (x, y), F.cross_entropy, exactness="roughly")
     with pytest.raises(PrepareError, match="nn.Module"):
         prepare(lambda z: z, (x, y), F.cross_entropy)  # type: ignore[arg-type]
+
+
+def test_a_head_whose_logits_are_read_elsewhere_is_left_with_the_reason() -> None:
+    torch.manual_seed(2)
+    model = _LM(vocab=23)
+    ids, labels = torch.randint(0, 23, (2, 5)), torch.randint(0, 23, (2, 5))
+
+    def with_z_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _lm_loss(logits, y) + 1e-3 * logits.logsumexp(-1).pow(2).mean()
+
+    prepared = prepare(model, (ids, labels), with_z_loss, rules=["layout.*"])
+    assert LOSS_HEAD not in {r for r, _ in prepared.report.replaced}
+    left = [why for rule, _, why in prepared.report.left if rule == LOSS_HEAD]
+    assert left and "also read elsewhere" in left[0]
+    assert prepared.report.check is not None and prepared.report.check.passed
+    assert "left" in str(prepared.report) and prepared.report.to_json()["gradients"]["passed"]

@@ -11,6 +11,7 @@ rows, flattened) and no class weights.
 from __future__ import annotations
 
 import inspect
+import operator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -89,6 +90,44 @@ def _ce_settings(node: fx.Node, gm: fx.GraphModule) -> tuple[Any, Any, dict[str,
     return a["input"], a["target"], settings
 
 
+def _shape_read(node: fx.Node) -> bool:
+    """`x.shape`, `x.size()`, `x.size(d)` or `x.dim()`: reads of the logits that a
+    rewrite can answer without them."""
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] == "shape"
+    return node.op == "call_method" and node.target in ("size", "dim")
+
+
+def logits_size(hidden: torch.Tensor, weight: torch.Tensor, *dim: int) -> Any:
+    """What `(hidden @ weight.T).size(*dim)` would be, without the product."""
+    full = torch.Size([*hidden.shape[:-1], weight.shape[0]])
+    return full[dim[0]] if dim else full
+
+
+def logits_dim(hidden: torch.Tensor) -> int:
+    return hidden.dim()
+
+
+def _answer_shape_reads(gm: fx.GraphModule, linear: fx.Node, hidden: Any, weight: Any) -> None:
+    for user in [u for u in linear.users if _shape_read(u)]:
+        with gm.graph.inserting_before(user):
+            if user.op == "call_method" and user.target == "dim":
+                new = gm.graph.call_function(logits_dim, (hidden,))
+            else:
+                dims = tuple(user.args[1:]) if user.op == "call_method" else ()
+                new = gm.graph.call_function(logits_size, (hidden, weight, *dims))
+        user.replace_all_uses_with(new)
+        gm.graph.erase_node(user)
+
+
+def _drop_unread_sizes(gm: fx.GraphModule) -> None:
+    """The size reads and their indexing that only the removed reshapes read."""
+    pure = (logits_size, logits_dim, operator.getitem)
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and node.target in pure and not node.users:
+            gm.graph.erase_node(node)
+
+
 def _head(node: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, list[fx.Node]] | None:
     """(the Linear node, the reshapes after it) the CE's input comes from, or None."""
     chain: list[fx.Node] = []
@@ -128,7 +167,7 @@ def fuse_loss_head(gm: fx.GraphModule) -> Fused:
         if why:
             out.left.append((node.name, why))
             continue
-        with gm.graph.inserting_before(node):
+        with gm.graph.inserting_before(linear):  # before every reader of the logits
             if linear.op == "call_module":
                 path = str(linear.target)
                 mod = gm.get_submodule(path)
@@ -139,6 +178,8 @@ def fuse_loss_head(gm: fx.GraphModule) -> Fused:
                 args = dict(zip(("input", "weight", "bias"), linear.args, strict=False))
                 args |= {("input" if k == "self" else k): v for k, v in linear.kwargs.items()}
                 hidden, weight, bias = args["input"], args["weight"], args.get("bias")
+        _answer_shape_reads(gm, linear, hidden, weight)
+        with gm.graph.inserting_before(node):
             rows = gm.graph.call_method("flatten", (hidden, 0, -2))
             loss = gm.graph.call_function(
                 linear_cross_entropy,
@@ -158,6 +199,7 @@ def fuse_loss_head(gm: fx.GraphModule) -> Fused:
             "opswap::linear_cross_entropy, the logits never written"
         )
     if out.replaced:
+        _drop_unread_sizes(gm)
         gm.graph.lint()
         gm.recompile()
     return out
@@ -167,11 +209,10 @@ def _refusal(
     linear: fx.Node, chain: list[fx.Node], logits: fx.Node, settings: dict[str, Any]
 ) -> str | None:
     for n in [linear, *chain]:
-        if n is not logits and len(n.users) != 1:
-            readers = ", ".join(u.name for u in n.users)
-            return f"{n.name} (the logits) is also read elsewhere: {readers}"
-    if len(logits.users) != 1:
-        return f"the logits {logits.name} are also read by more than the loss"
+        readers = [u for u in n.users if not (n is linear and _shape_read(u))]
+        if len(readers) != 1:  # the next reshape, or the loss
+            names = ", ".join(u.name for u in readers)
+            return f"{n.name} (the logits) is also read elsewhere: {names}"
     if settings["weight"] is not None:
         return "the cross-entropy has class weights, which the fused loss does not take"
     if settings["reduction"] not in ("mean", "sum", "none"):

@@ -302,8 +302,8 @@ def prepare(
         kept = _rebind_buffers(gm, wrapped, "")
         if kept:
             report.notes.append(
-                f"{kept} buffer(s) (BatchNorm's running statistics) are the model's own: "
-                "they update in the model as the prepared module trains."
+                f"{kept} buffer(s) are the model's own (BatchNorm's running statistics "
+                "among them update in the model as the prepared module trains)."
             )
     if optimizer is not None:
         trained = {id(p) for p in gm.parameters() if p.requires_grad}

@@ -52,6 +52,8 @@ class TrainRace:
     memory_method: str
     check_steps: int
     notes: list[str] = field(default_factory=list)
+    #: the opswap variant's train.prepare report (PrepareReport.to_json), when it ran
+    prepare: dict[str, Any] | None = None
 
     def row(self, name: str) -> StepTiming:
         return next(r for r in self.rows if r.name == name)
@@ -63,6 +65,7 @@ class TrainRace:
             "check_steps": self.check_steps,
             "variants": [r.to_json() for r in self.rows],
             "notes": list(self.notes),
+            "prepare": self.prepare,
         }
 
     def table(self) -> str:
@@ -106,13 +109,16 @@ def _variant(
     device: str,
     lr: float,
     prepare_kw: dict[str, Any],
+    reports: list[dict[str, Any]],
 ) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
-    """The loss function of one variant (its own copy of the model) and its optimizer."""
+    """The loss function of one variant (its own copy of the model) and its optimizer;
+    an opswap variant's prepare report goes into `reports`."""
     own = private_copy(model).to(device)
     if name in ("opswap", "opswap+compile"):
         from opswap.train.prepare import prepare
 
         prepared = prepare(own, batch, loss_fn, **prepare_kw)
+        reports.append(prepared.report.to_json())
         step_fn: Callable[..., torch.Tensor] = prepared
         if name == "opswap+compile":
             step_fn = torch.compile(prepared)
@@ -178,9 +184,10 @@ def race_training(
     kw = {"target": "cuda" if device.startswith("cuda") else "cpu", **(prepare_kw or {})}
     made: dict[str, tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]] = {}
     rows: dict[str, StepTiming] = {}
+    reports: list[dict[str, Any]] = []
     for name in variants:
         try:
-            made[name] = _variant(name, model, batch, loss_fn, device, lr, kw)
+            made[name] = _variant(name, model, batch, loss_fn, device, lr, kw, reports)
         except Exception as e:  # a variant that cannot be built is a row that says why
             rows[name] = StepTiming(
                 name, None, None, None, None, False, f"{type(e).__name__}: {e}"[:200]
@@ -225,4 +232,75 @@ def race_training(
             ok,
             "" if ok else f"loss differs from eager's by {err:.1e} after {len(todo)} steps",
         )
-    return TrainRace([rows[v] for v in variants if v in rows], device, method, len(todo))
+    return TrainRace(
+        [rows[v] for v in variants if v in rows],
+        device,
+        method,
+        len(todo),
+        prepare=reports[0] if reports else None,
+    )
+
+
+# --------------------------------------------------------------------------- optimize --train
+
+
+def random_labels(model: nn.Module, inputs: Sequence[Any], seed: int = 0) -> torch.Tensor:
+    """Class labels for a model whose output is logits [..., C]: random integers in [0, C)
+    of the output's leading shape (what `opswap optimize --train` trains against when the
+    spec brings no labels). Refuses, in one sentence, an output that is not such logits."""
+    with torch.no_grad():
+        out = private_copy(model).eval()(*inputs)
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dim() < 2:
+        what = (
+            type(out).__name__
+            if not isinstance(out, torch.Tensor)
+            else f"{out.dtype} {list(out.shape)}"
+        )
+        raise ValueError(
+            f"--train trains with cross-entropy over the output's last dim, and this model "
+            f"returns {what}; use opswap.train.prepare with a loss of your own."
+        )
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, out.shape[-1], tuple(out.shape[:-1]), generator=gen).to(out.device)
+
+
+def cross_entropy_last_dim(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy with the classes on the last dim: a classifier's [B, C] or a language
+    model's [B, T, V] logits (flattened to rows, as LM training does)."""
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    )
+
+
+def optimize_training(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    target: str = "cpu",
+    exactness: str = "exact",
+    rules: Sequence[str] | None = None,
+    device: str = "cpu",
+    variants: Sequence[str] = VARIANTS,
+    min_time_s: float = 0.5,
+) -> TrainRace:
+    """Race the training step of `model` with cross-entropy against random labels of its
+    output's shape: eager, torch.compile, and opswap's train.prepare (with and without
+    compile); the race's `prepare` holds what opswap replaced and left. The user's module
+    is only copied."""
+    own = private_copy(model).train()
+    inputs = tuple(example_inputs)
+    batch = (*inputs, random_labels(own, inputs))
+    kw: dict[str, Any] = {
+        "target": target,
+        "exactness": exactness,
+        "rules": list(rules) if rules else None,
+    }
+    return race_training(
+        own,
+        batch,
+        cross_entropy_last_dim,
+        variants=variants,
+        device=device,
+        min_time_s=min_time_s,
+        prepare_kw=kw,
+    )
