@@ -70,6 +70,9 @@ class OptimizeConfig:
     # what the run saves: "winner" (the race's fastest verified variant) or "candidate"
     # (opswap's model even where it loses the race; refused where it fails verification)
     save: str = "winner"
+    # plan for training (opswap.train.prepare: only rules valid in training, gradients
+    # checked) and race full training steps instead of inference calls
+    train: bool = False
 
     def __post_init__(self) -> None:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
@@ -93,6 +96,10 @@ class OptimizeConfig:
             )
         if self.save not in SAVE_CHOICES:
             raise OpswapError(f"save must be {' or '.join(SAVE_CHOICES)}; got {self.save!r}.")
+        if self.train and (self.export is not None or self.save != "winner"):
+            raise OpswapError(
+                "--train races training steps and saves no model; drop --export and --save."
+            )
         if self.calibration is not None:  # a missing file fails before the model loads
             self.calibration = str(check_path(self.calibration))
         tolerance_for(self.exactness, self.budget)  # a budget it cannot read fails now

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,3 +76,40 @@ def test_bad_variants_are_refused() -> None:
             F.cross_entropy,
             variants=("opswap",),
         )
+
+
+def test_optimize_train_prints_the_race_and_writes_result_json(tmp_path: Path) -> None:
+    from opswap.cli import main
+
+    out = tmp_path / "out"
+    try:
+        main(
+            [
+                "optimize",
+                "zoo:gpt",
+                "--set",
+                "layers=1",
+                "--set",
+                "seq=12",
+                "--train",
+                "--compare",
+                "none",
+                "-o",
+                str(out),
+            ]
+        )
+    except SystemExit as e:
+        assert not e.code
+    data = json.loads((out / "result.json").read_text())
+    assert [v["name"] for v in data["variants"]] == ["eager", "opswap"]
+    assert all(v["verified"] for v in data["variants"])
+    assert any(r["rule"] == "train.linear_cross_entropy" for r in data["prepare"]["replaced"])
+    assert data["prepare"]["gradients"]["passed"]
+
+
+def test_optimize_train_refuses_export() -> None:
+    from opswap.config import OptimizeConfig
+    from opswap.errors import OpswapError
+
+    with pytest.raises(OpswapError, match="--train"):
+        OptimizeConfig(train=True, export="onnx")
