@@ -90,3 +90,15 @@ def test_sample_batches_redraw_floats_and_keep_integers() -> None:
     assert [label for label, _ in out][0] == "example" and len(out) == 3
     assert torch.equal(out[0][1][0], x)
     assert not torch.equal(out[1][1][0], x) and torch.equal(out[1][1][1], ids)
+
+
+def test_a_bf16_candidate_is_judged_by_eager_bf16s_own_error() -> None:
+    ref, cand = _pair(False)
+    cand = cand.to(torch.bfloat16)
+    batches = [(torch.randn(6, 13, dtype=torch.bfloat16),) for _ in range(2)]
+    check = verify_grads(ref, cand, batches[0], batches=batches)
+    assert check.passed, check.reason
+    assert check.worst is not None and check.worst.allowed >= check.tolerance
+    _, broken = _pair(True)
+    check = verify_grads(ref, broken.to(torch.bfloat16), batches[0], batches=batches)
+    assert not check.passed and "gradient of" in check.reason
