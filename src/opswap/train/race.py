@@ -167,10 +167,15 @@ def race_training(
     loss_rtol: float = 1e-3,
     seed: int = 0,
     prepare_kw: dict[str, Any] | None = None,
+    extra: dict[str, Callable[..., torch.Tensor]] | None = None,
 ) -> TrainRace:
     """Race full training steps of `model` under `variants` (names from VARIANTS) on
     `device`; `batches` (default: the example, `check_steps` times) are the check
-    steps' batches, `(inputs..., target)` each. The user's model is only copied."""
+    steps' batches, `(inputs..., target)` each. The user's model is only copied.
+
+    `extra` adds peers built by the caller, by name: a module already on `device` whose
+    `forward(*inputs, target)` returns the loss (a Liger-Kernel-patched model called with
+    labels), trained in place with torch's AdamW and checked against eager like the rest."""
     from opswap.bench.memory import peak_memory
     from opswap.bench.timing import benchmark
 
@@ -198,6 +203,20 @@ def race_training(
         try:
             for b in todo:
                 last = _step(fn, opt, b)
+            losses[name] = float(last)
+        except Exception as e:
+            rows[name] = StepTiming(
+                name, None, None, None, None, False, f"{type(e).__name__}: {e}"[:200]
+            )
+    for name, module in (extra or {}).items():
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"extra[{name!r}] must be an nn.Module returning the loss")
+        torch.manual_seed(seed)
+        opt = _optimizer(module.parameters(), False, device, lr)
+        made[name] = (module, opt)
+        try:
+            for b in todo:
+                last = _step(module, opt, b)
             losses[name] = float(last)
         except Exception as e:
             rows[name] = StepTiming(
@@ -233,7 +252,7 @@ def race_training(
             "" if ok else f"loss differs from eager's by {err:.1e} after {len(todo)} steps",
         )
     return TrainRace(
-        [rows[v] for v in variants if v in rows],
+        [rows[v] for v in [*variants, *(extra or {})] if v in rows],
         device,
         method,
         len(todo),
