@@ -113,3 +113,33 @@ def test_optimize_train_refuses_export() -> None:
 
     with pytest.raises(OpswapError, match="--train"):
         OptimizeConfig(train=True, export="onnx")
+
+
+class _WithOwnLoss(nn.Module):
+    """A peer that computes its loss in its forward (as Liger's patched model does)."""
+
+    def __init__(self, model: nn.Module, scale: float = 1.0):
+        super().__init__()
+        self.model, self.scale = model, scale
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(x), y) * self.scale
+
+
+def test_extra_peers_are_raced_and_checked_like_the_rest() -> None:
+    model = _mlp()
+    batch = (torch.randn(6, 19), torch.randint(0, 10, (6,)))
+    same, off = _mlp(), _mlp()
+    same.load_state_dict(model.state_dict())
+    off.load_state_dict(model.state_dict())
+    race = race_training(
+        model,
+        batch,
+        F.cross_entropy,
+        variants=("eager",),
+        min_time_s=0.02,
+        extra={"peer": _WithOwnLoss(same), "scaled": _WithOwnLoss(off, 1.5)},
+    )
+    assert [r.name for r in race.rows] == ["eager", "peer", "scaled"]
+    assert race.row("peer").verified and race.row("peer").median_s is not None
+    assert not race.row("scaled").verified and "differs" in race.row("scaled").note

@@ -109,20 +109,24 @@ def _variant(
     device: str,
     lr: float,
     prepare_kw: dict[str, Any],
-    reports: list[dict[str, Any]],
+    prepared: list[Any],
 ) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
-    """The loss function of one variant (its own copy of the model) and its optimizer;
-    an opswap variant's prepare report goes into `reports`."""
-    own = private_copy(model).to(device)
+    """The loss function of one variant (its own copy of the model) and its optimizer.
+    The first opswap variant prepares its copy and leaves it in `prepared`; the second
+    takes a copy of that (graph and parameters together) rather than preparing again."""
     if name in ("opswap", "opswap+compile"):
-        from opswap.train.prepare import prepare
+        from opswap.train.prepare import Prepared, prepare
 
-        prepared = prepare(own, batch, loss_fn, **prepare_kw)
-        reports.append(prepared.report.to_json())
-        step_fn: Callable[..., torch.Tensor] = prepared
+        if prepared:
+            mine: Prepared = private_copy(prepared[0])
+        else:
+            mine = prepare(private_copy(model).to(device), batch, loss_fn, **prepare_kw)
+            prepared.append(mine)
+        step_fn: Callable[..., torch.Tensor] = mine
         if name == "opswap+compile":
-            step_fn = torch.compile(prepared)
-        return step_fn, _optimizer(own.parameters(), True, device, lr)
+            step_fn = torch.compile(mine)
+        return step_fn, _optimizer(mine.parameters(), True, device, lr)
+    own = private_copy(model).to(device)
     if name == "compile":
         compiled = torch.compile(own)
 
@@ -189,10 +193,10 @@ def race_training(
     kw = {"target": "cuda" if device.startswith("cuda") else "cpu", **(prepare_kw or {})}
     made: dict[str, tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]] = {}
     rows: dict[str, StepTiming] = {}
-    reports: list[dict[str, Any]] = []
+    prepared: list[Any] = []
     for name in variants:
         try:
-            made[name] = _variant(name, model, batch, loss_fn, device, lr, kw, reports)
+            made[name] = _variant(name, model, batch, loss_fn, device, lr, kw, prepared)
         except Exception as e:  # a variant that cannot be built is a row that says why
             rows[name] = StepTiming(
                 name, None, None, None, None, False, f"{type(e).__name__}: {e}"[:200]
@@ -256,7 +260,7 @@ def race_training(
         device,
         method,
         len(todo),
-        prepare=reports[0] if reports else None,
+        prepare=prepared[0].report.to_json() if prepared else None,
     )
 
 
