@@ -86,7 +86,7 @@ def test_lm_fuses_the_loss_head_and_trains_the_users_parameters() -> None:
     twin = _LM()
     twin.load_state_dict(model.state_dict())
     ids, labels = torch.randint(0, 41, (3, 11)), torch.randint(0, 41, (3, 11))
-    prepared = prepare(model, (ids, labels), _lm_loss)
+    prepared = prepare(model, (ids, labels), _lm_loss, fuse_loss=True)
     rules = [r for r, _ in prepared.report.replaced]
     assert LOSS_HEAD in rules
     assert "attention.sdpa" in rules
@@ -260,9 +260,21 @@ def test_a_head_whose_logits_are_read_elsewhere_is_left_with_the_reason() -> Non
     def with_z_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return _lm_loss(logits, y) + 1e-3 * logits.logsumexp(-1).pow(2).mean()
 
-    prepared = prepare(model, (ids, labels), with_z_loss, rules=["layout.*"])
+    prepared = prepare(model, (ids, labels), with_z_loss, rules=["layout.*"], fuse_loss=True)
     assert LOSS_HEAD not in {r for r, _ in prepared.report.replaced}
     left = [why for rule, _, why in prepared.report.left if rule == LOSS_HEAD]
     assert left and "also read elsewhere" in left[0]
     assert prepared.report.check is not None and prepared.report.check.passed
     assert "left" in str(prepared.report) and prepared.report.to_json()["gradients"]["passed"]
+
+
+def test_on_a_cpu_target_the_loss_head_is_left_unless_forced() -> None:
+    model = _CNN()
+    x, y = torch.randn(3, 1, 7, 7), torch.randint(0, 10, (3,))
+    prepared = prepare(model, (x, y), F.cross_entropy, rules=["layout.*"])
+    assert LOSS_HEAD not in {r for r, _ in prepared.report.replaced}
+    assert any("fuse_loss=True forces it" in n for n in prepared.report.notes)
+    forced = prepare(model, (x, y), F.cross_entropy, rules=["layout.*"], fuse_loss=True)
+    assert LOSS_HEAD in {r for r, _ in forced.report.replaced}
+    with pytest.raises(PrepareError, match="target"):
+        prepare(model, (x, y), F.cross_entropy, target="tpu9")

@@ -188,6 +188,15 @@ def _as_batch(example_batch: Any, with_loss: bool) -> tuple[Any, ...]:
     return batch
 
 
+def _gpu_target(target: str) -> bool:
+    from opswap.targets import get_target
+
+    try:
+        return get_target(target).kind == "cuda"
+    except Exception as e:  # an unknown name: one sentence, naming the known ones
+        raise PrepareError(str(e)) from None
+
+
 def _float32_copy(module: nn.Module) -> nn.Module:
     """The eager float32 reference the gradients are checked against: a private copy."""
     from opswap.graph.copies import private_copy
@@ -239,7 +248,7 @@ def prepare(
     optimizer: torch.optim.Optimizer | None = None,
     rules: Sequence[str] | None = None,
     batches: Sequence[Sequence[Any]] | None = None,
-    fuse_loss: bool = True,
+    fuse_loss: bool | None = None,
 ) -> Prepared:
     """`model` (with `loss_fn`) rewritten with the rules valid in training, gradients
     checked; see the module's docstring.
@@ -248,8 +257,10 @@ def prepare(
     model's inputs alone without one. `rules` narrows the training rules by glob;
     `batches` are the batches the gradients are checked on (default: the example and
     the capture's other sizes, three in all). `optimizer`, when given, is checked to hold
-    the parameters the prepared module trains. `fuse_loss=False` keeps the lm_head and
-    the cross-entropy as they are."""
+    the parameters the prepared module trains. `fuse_loss`: whether the head and the
+    cross-entropy become opswap::linear_cross_entropy; None (the default) fuses them on a
+    GPU target, where the kernel is written to pay, and not on the CPU, where its chunked
+    PyTorch path costs more time than it saves memory (chapter 27, Measured)."""
     from opswap.graph.capture import capture
     from opswap.rules.base import EXACTNESS_ORDER
 
@@ -285,6 +296,13 @@ def prepare(
                 " are computed or copied, as a parametrisation or weight_norm does); "
                 "remove the parametrisation before prepare."
             )
+        if fuse_loss is None:
+            fuse_loss = _gpu_target(target)
+            if not fuse_loss and with_loss:
+                report.notes.append(
+                    f"The head and the cross-entropy are left as they are on target {target}: "
+                    "the fused loss's CPU path is slower than eager's (fuse_loss=True forces it)."
+                )
         if fuse_loss and with_loss:
             from opswap.train._loss_head import fuse_loss_head
 

@@ -91,6 +91,15 @@ def _to(batch: Sequence[Any], device: str) -> tuple[Any, ...]:
     )
 
 
+def _target_of(device: str) -> str:
+    """The hardware profile (opswap.targets) of `device`: the GPU's own where it has one
+    (h100, h200, a100), h100 for another GPU, cpu for the CPU."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    name = torch.cuda.get_device_name(torch.device(device)).lower()
+    return next((t for t in ("h200", "h100", "a100") if t in name), "h100")
+
+
 def _optimizer(params: Any, opswap: bool, device: str, lr: float) -> torch.optim.Optimizer:
     if opswap:
         from opswap.train.optim import AdamW
@@ -190,7 +199,7 @@ def race_training(
         )
     batch = _to(example_batch, device)
     todo = [_to(b, device) for b in batches] if batches else [batch] * check_steps
-    kw = {"target": "cuda" if device.startswith("cuda") else "cpu", **(prepare_kw or {})}
+    kw = {"target": _target_of(device), **(prepare_kw or {})}
     made: dict[str, tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]] = {}
     rows: dict[str, StepTiming] = {}
     prepared: list[Any] = []
