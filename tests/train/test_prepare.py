@@ -278,3 +278,21 @@ def test_on_a_cpu_target_the_loss_head_is_left_unless_forced() -> None:
     assert LOSS_HEAD in {r for r, _ in forced.report.replaced}
     with pytest.raises(PrepareError, match="target"):
         prepare(model, (x, y), F.cross_entropy, target="tpu9")
+
+
+def test_a_loss_module_with_settings_and_an_optimizer_missing_a_parameter() -> None:
+    torch.manual_seed(4)
+    model = _CNN()
+    x, y = torch.randn(5, 1, 7, 7), torch.randint(0, 10, (5,))
+    opt = torch.optim.SGD([p for n, p in model.named_parameters() if n != "fc.bias"], lr=0.1)
+    loss = nn.CrossEntropyLoss(label_smoothing=0.1)
+    prepared = prepare(model, (x, y), loss, fuse_loss=True, optimizer=opt, rules=["nothing.*"])
+    assert [r for r, _ in prepared.report.replaced] == [LOSS_HEAD]
+    assert prepared.report.check is not None and prepared.report.check.passed
+    notes = " ".join(prepared.report.notes)
+    assert "does not hold 1 trained parameter(s) (fc.bias)" in notes
+    assert "select no rule valid in training" in notes
+    torch.manual_seed(0)
+    got = prepared(x, y)
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, loss(_CNN.forward(model, x), y))

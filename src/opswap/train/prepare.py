@@ -275,6 +275,7 @@ def prepare(
             f"{type(model).__name__} is in eval mode; call model.train() before prepare "
             "(the capture keeps the mode it sees: dropout, BatchNorm's batch statistics)."
         )
+    gpu = _gpu_target(target)  # an unknown target fails here, in one sentence
     with_loss = loss_fn is not None
     batch = _as_batch(example_batch, with_loss)
     wrapped: nn.Module = (
@@ -297,7 +298,7 @@ def prepare(
                 "remove the parametrisation before prepare."
             )
         if fuse_loss is None:
-            fuse_loss = _gpu_target(target)
+            fuse_loss = gpu
             if not fuse_loss and with_loss:
                 report.notes.append(
                     f"The head and the cross-entropy are left as they are on target {target}: "
@@ -313,6 +314,11 @@ def prepare(
             if fused.replaced:
                 captured.propagate(captured.gm)
         allowed = training_rules(rules)
+        if rules and not allowed:
+            report.notes.append(
+                f"{', '.join(rules)} select no rule valid in training; "
+                "`opswap.train.prepare.training_rules()` lists them."
+            )
         gm, check = _plan_checked(
             captured, model, reference, names, batch, batches, allowed, target, exactness, report
         )
