@@ -171,10 +171,18 @@ def main() -> None:
     )
     ap.add_argument("--cpu", action="store_true", help="the CPU models (train_step_cpu.json)")
     ap.add_argument("--no-compile", action="store_true", help="CPU: skip the compile variants")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU: intra-op threads (1: Inductor's OpenMP pool and ATen's otherwise contend, "
+        "and on a 2-core machine eager ran 5x slower once a compiled step had run)",
+    )
     ap.add_argument("--seq", type=int, default=2048, help="GPU: sequence length")
     ap.add_argument("--min-time", type=float, default=2.0, help="seconds of timing per race")
     args = ap.parse_args()
     if args.cpu:
+        torch.set_num_threads(args.threads)
         rows = run_cpu(not args.no_compile, args.min_time)
         write_results(args.out, "train_step_cpu.json", "cpu", rows, threads=torch.get_num_threads())
         return

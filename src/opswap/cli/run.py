@@ -242,6 +242,8 @@ def _train(
         render.line(f"  refused   {r['rule']}: {r['reason']}")
     render.line(f"  left      {len(prep.get('left', []))} near miss(es) (result.json lists them)")
     consoles.console.print(race.table(), soft_wrap=True)
+    for note in race.notes:
+        render.note(note, "note")
     data = {"model": spec, "settings": loaded.settings, **race.to_json()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(data, indent=2, default=str))

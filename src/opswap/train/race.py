@@ -264,11 +264,19 @@ def race_training(
             ok,
             "" if ok else f"loss differs from eager's by {err:.1e} after {len(todo)} steps",
         )
+    notes = []
+    if device == "cpu" and torch.get_num_threads() > 1 and any("compile" in v for v in made):
+        notes.append(
+            f"On the CPU with {torch.get_num_threads()} threads, Inductor's OpenMP pool and "
+            "ATen's contend: eager steps measured up to 5x slower once a compiled step had "
+            "run (a 2-core machine); torch.set_num_threads(1) gives fairer CPU figures."
+        )
     return TrainRace(
         [rows[v] for v in [*variants, *(extra or {})] if v in rows],
         device,
         method,
         len(todo),
+        notes,
         prepare=prepared[0].report.to_json() if prepared else None,
     )
 
