@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from opswap.errors import OpswapError
 from opswap.rules import registry
 from opswap.rules.base import Found, Rule
 from opswap.train.prepare import LOSS_HEAD, PrepareError, prepare, training_rules
@@ -248,6 +249,11 @@ def test_bad_input_is_refused_in_a_sentence() -> None:
         prepare(model.eval(), (x, y), F.cross_entropy)
     with pytest.raises(PrepareError, match="exactness"):
         prepare(model.train(), (x, y), F.cross_entropy, exactness="roughly")
+    prepared = prepare(model.train(), (x, y), F.cross_entropy, rules=["layout.*"])
+    with pytest.raises(OpswapError, match="prepared model"):
+        prepared(torch.randn(2, 7, 7), y)  # another rank
+    with pytest.raises(OpswapError, match="prepared model"):
+        prepared(x)  # no target
     with pytest.raises(PrepareError, match="nn.Module"):
         prepare(lambda z: z, (x, y), F.cross_entropy)  # type: ignore[arg-type]
 

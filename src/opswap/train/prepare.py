@@ -323,6 +323,10 @@ def prepare(
             captured, model, reference, names, batch, batches, allowed, target, exactness, report
         )
         report.check = check
+        from opswap.graph.dynamic import guard
+
+        # a call outside the shapes captured is refused in one sentence
+        guard(gm, captured.example_inputs, captured.dynamic, "the prepared model")
         kept = _rebind_buffers(gm, wrapped, "")
         if kept:
             report.notes.append(
