@@ -317,7 +317,7 @@ def prepare(
         if rules and not allowed:
             report.notes.append(
                 f"{', '.join(rules)} select no rule valid in training; "
-                "`opswap.train.prepare.training_rules()` lists them."
+                "`from opswap.train.prepare import training_rules` lists them."
             )
         gm, check = _plan_checked(
             captured, model, reference, names, batch, batches, allowed, target, exactness, report
