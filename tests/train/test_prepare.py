@@ -117,7 +117,7 @@ def test_dropout_stays_random_and_batchnorm_updates_the_models_statistics() -> N
     a = prepared(x, y)
     torch.manual_seed(4)
     b = prepared(x, y)
-    assert float(a) != float(b)  # dropout in train mode, a new mask each call
+    assert float(a.detach()) != float(b.detach())  # dropout in train mode, a new mask each call
     twin = _CNN()
     twin.load_state_dict(model.state_dict())  # the statistics after the two calls above
     x2 = torch.randn(5, 1, 7, 7)  # another batch size
