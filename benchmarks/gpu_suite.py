@@ -275,6 +275,16 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
         ["tests/kernels/test_linear_cross_entropy.py", "tests/kernels/test_adamw.py"],
         [["bench_lce.py"], ["bench_adamw.py"]],
     ),
+    # issue 43: train.prepare's tests, then one training step of a Llama-style 1B (bf16, seq
+    # 2048) raced: eager, compile, opswap, opswap+compile and Liger (train_step_<card>.json)
+    "train": (
+        [
+            "tests/train/test_prepare.py",
+            "tests/train/test_verify_grads.py",
+            "tests/train/test_train_race.py",
+        ],
+        [["bench_train_step.py"]],
+    ),
 }
 
 # the tests with CUDA paths of the low-precision schemes

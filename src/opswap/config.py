@@ -77,6 +77,9 @@ class OptimizeConfig:
     # time only the k candidates the learned cost model ranks first at a site with more
     # (the baseline is always timed); None times every candidate
     tuning_top_k: int | None = None
+    # plan for training (opswap.train.prepare: only rules valid in training, gradients
+    # checked) and race full training steps instead of inference calls
+    train: bool = False
 
     def __post_init__(self) -> None:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
@@ -110,6 +113,10 @@ class OptimizeConfig:
             raise OpswapError(
                 f"tuning_top_k must be a whole number of candidates, at least 1; got "
                 f"{self.tuning_top_k!r}."
+            )
+        if self.train and (self.export is not None or self.save != "winner"):
+            raise OpswapError(
+                "--train races training steps and saves no model; drop --export and --save."
             )
         if self.calibration is not None:  # a missing file fails before the model loads
             self.calibration = str(check_path(self.calibration))

@@ -106,6 +106,13 @@ def optimize(
     from opswap.verify.layers import compare_layers
 
     config = config or OptimizeConfig()
+    if config.train:
+        from opswap.errors import OpswapError
+
+        raise OpswapError(
+            "OptimizeConfig(train=True) is what `opswap optimize --train` runs; from Python "
+            "call opswap.train.race.optimize_training, or opswap.train.prepare for your loop."
+        )
     step = progress or (lambda stage: None)
     run = capture_stage(model, example_inputs, config, name or type(model).__name__, step)
     calibrate_stage(

@@ -138,6 +138,16 @@ def optimize(
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
     json_path: JsonOpt = None,
+    train: Annotated[
+        bool,
+        typer.Option(
+            "--train",
+            help="Plan for training: only rules valid in training, the lm_head and "
+            "cross-entropy fused, every parameter's gradient checked against eager; then "
+            "race full training steps (eager, compile, opswap, opswap+compile) with "
+            "cross-entropy against random labels of the output's shape.",
+        ),
+    ] = False,
 ) -> None:
     """The whole flow: analyze, plan, apply, verify (with rollback), bench, report. Exit
     status 1 when the result fails verification (what was saved is printed)."""
@@ -174,6 +184,11 @@ def optimize(
         tuning_top_k=tuning_top_k,
     )
     commands._rules_from(rules_from)
+    if train:
+        if onnx_files.is_onnx(spec):
+            raise OpswapError("--train takes a PyTorch model, not an .onnx file.")
+        _train(spec, sets, weights, config, out, json_path)
+        return
     if not no_bench:
         commands._timed_where(target, device)
     with Progress(
@@ -215,6 +230,51 @@ def optimize(
             "failed",
             "red",
         )
+        raise typer.Exit(1)
+
+
+def _train(
+    spec: str,
+    sets: SetOpt,
+    weights: WeightsOpt,
+    config: api.OptimizeConfig,
+    out: Path,
+    json_path: JsonOpt,
+) -> None:
+    """`optimize --train`: train.race.optimize_training, its table, DIR/result.json."""
+    import json
+
+    from opswap.train.race import VARIANTS, optimize_training
+
+    loaded = commands._load(spec, sets, weights)
+    wanted = [v.strip() for v in str(config.compare).split(",")]
+    variants = [v for v in VARIANTS if v in ("eager", "opswap") or "compile" in wanted]
+    with consoles.err.status("preparing and racing training steps"):
+        race = optimize_training(
+            loaded.module,
+            loaded.example_inputs,
+            target=config.target,
+            exactness=config.exactness,
+            rules=list(config.rules) or None,
+            device=config.device,
+            variants=variants if config.bench else ("eager", "opswap"),
+            min_time_s=0.5 if config.bench else 0.0,
+        )
+    prep = race.prepare or {}
+    for r in prep.get("replaced", []):
+        render.line(f"  replaced  {r['rule']}: {r['description']}")
+    for r in prep.get("refused", []):
+        render.line(f"  refused   {r['rule']}: {r['reason']}")
+    render.line(f"  left      {len(prep.get('left', []))} near miss(es) (result.json lists them)")
+    consoles.console.print(race.table(), soft_wrap=True)
+    for note in race.notes:
+        render.note(note, "note")
+    data = {"model": spec, "settings": loaded.settings, **race.to_json()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(data, indent=2, default=str))
+    render.line(f"  result      {out / 'result.json'}")
+    render.write_json(json_path, data)
+    if not all(r.verified for r in race.rows):
         raise typer.Exit(1)
 
 

@@ -245,6 +245,12 @@ class Rule:
     after: ClassVar[tuple[str, ...]] = ()
     #: rules (names or globs) that must run after this one when both are in a plan
     before: ClassVar[tuple[str, ...]] = ()
+    #: whether the rewrite is valid in a model that trains (opswap.train.prepare plans
+    #: only these): its ops have a backward that is exact to the function replaced, it
+    #: keeps the model's Parameters as the parameters the graph reads (no folding into
+    #: new tensors, no concatenating into new Parameters) and it keeps train-mode
+    #: behaviour (dropout, BatchNorm's batch statistics). Opt-in: False unless a rule says
+    training: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -359,6 +365,7 @@ class Rule:
             "phase": cls.phase,
             "after": list(cls.after),
             "before": list(cls.before),
+            "training": cls.training,
         }
 
     def __repr__(self) -> str:

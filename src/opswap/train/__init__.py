@@ -12,6 +12,15 @@ rather than by rewriting its graph alone.
 - `opswap.train.losses`: the fused linear + cross-entropy loss, logits never held in full
   (chapter 27);
 - `opswap.train.optim`: AdamW with a fused step and float32 moment estimates (chapter 27).
+- `opswap.train.prepare(model, example_batch, loss_fn)`: the model and its loss rewritten
+  with the rules valid in training, gradients checked against eager (chapter 27; the
+  function, re-exported here, shadows its module's name: import the module's other names
+  with `from opswap.train.prepare import ...`); `opswap.train.verify_grads` and
+  `opswap.train.race` (the training-step race) beside it.
 
 The fine-tuning modules share one short loop (`train._loop`).
 """
+
+from opswap.train.prepare import Prepared, PrepareError, PrepareReport, prepare
+
+__all__ = ["PrepareError", "PrepareReport", "Prepared", "prepare"]

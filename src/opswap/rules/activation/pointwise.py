@@ -195,6 +195,7 @@ class PointwiseTriton(Rule):
     CUDA target it is taken only where the crossover table says the kernel beats eager."""
 
     name = "activation.pointwise"
+    training = True
     implementation = "triton"
     family = "activation"
     chapter = 9

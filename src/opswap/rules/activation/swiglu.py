@@ -54,6 +54,7 @@ class SwiGLUTriton(Rule):
     input dtype before the product and the kernel does not, one rounding fewer."""
 
     name = "activation.swiglu"
+    training = True
     implementation = "triton"
     family = "activation"
     chapter = 9

@@ -101,6 +101,7 @@ class FlashTriton(Rule):
     backend at that head dim and length."""
 
     name = "attention.flash"
+    training = True
     implementation = "triton"
     family = "attention"
     chapter = 8

@@ -64,6 +64,7 @@ class SDPA(Rule):
     the rewrite sets such rows back to NaN unless the mask is causal."""
 
     name = "attention.sdpa"
+    training = True
     family = "attention"
     chapter = 8
     exactness = "exact"

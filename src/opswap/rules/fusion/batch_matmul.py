@@ -117,6 +117,7 @@ class BatchMatmul(Rule):
     """Independent matmuls with equally shaped operands -> stack, one matmul, unbind."""
 
     name = "fusion.batch_matmul"
+    training = True
     family = "fusion"
     chapter = 5
     exactness = "exact"

@@ -239,6 +239,7 @@ class LayerNormFusion(Rule):
     """
 
     name = "fusion.layer_norm"
+    training = True
     family = "fusion"
     chapter = 4
     exactness = "exact"

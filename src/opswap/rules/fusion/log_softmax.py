@@ -53,6 +53,7 @@ class LogSoftmax(Rule):
     """
 
     name = "fusion.log_softmax"
+    training = True
     family = "fusion"
     chapter = 4
     exactness = "exact"

@@ -55,6 +55,7 @@ class MatMulAdd(Rule):
     """
 
     name = "fusion.matmul_add"
+    training = True
     family = "fusion"
     chapter = 4
     exactness = "exact"

@@ -123,6 +123,7 @@ class RopeTriton(Rule):
     the tensors' dtype (fewer roundings)."""
 
     name = "fusion.rope"
+    training = True
     implementation = "triton"
     family = "fusion"
     chapter = 4

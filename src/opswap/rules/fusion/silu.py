@@ -13,6 +13,7 @@ from opswap.targets.base import Target
 @register
 class SiLU(Rule):
     name, family, chapter, exactness = "fusion.silu", "fusion", 4, "exact"
+    training = True
     description = "x * sigmoid(x) -> silu(x): one kernel, and sigmoid(x) is never stored."
     relieves = ("memory:activation", "memory:elementwise")
     pattern = op("mul", var("x"), op("sigmoid", var("x")))

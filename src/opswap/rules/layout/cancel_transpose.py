@@ -41,6 +41,7 @@ def _composed(chain: list[fx.Node]) -> Found | None:
 @register
 class CancelTranspose(LayoutRule):
     name = "layout.cancel_transpose"
+    training = True
     relieves = ("memory:data-movement",)
     description = (
         "Transpose/permute chains: one that composes to the identity is removed, any other "

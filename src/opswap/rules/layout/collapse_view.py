@@ -187,6 +187,7 @@ def _collapsed(chain: list[fx.Node]) -> Found | Refused | None:
 @register
 class CollapseView(LayoutRule):
     name = "layout.collapse_view"
+    training = True
     relieves = ("memory:data-movement",)
     description = (
         "Chains of view/reshape/flatten/(un)squeeze become one reshape to the final shape, "

@@ -121,6 +121,7 @@ def identity_check(gm: fx.GraphModule, node: fx.Node) -> Verdict:
 @register
 class DropIdentity(LayoutRule):
     name = "layout.drop_identity"
+    training = True
     phase = "early"  # a clean-up the other rules match better after
     relieves = ("memory:data-movement",)
     description = (

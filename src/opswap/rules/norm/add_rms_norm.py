@@ -22,6 +22,7 @@ class AddRMSNormTriton(Rule):
     rounded to the input dtype as eager's add rounds it, then normalised in fp32."""
 
     name = "norm.add_rms_norm"
+    training = True
     implementation = "triton"
     family = "norm"
     chapter = 10

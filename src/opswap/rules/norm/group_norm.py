@@ -76,6 +76,7 @@ class GroupNormTriton(Rule):
     says the kernel beats ATen's."""
 
     name = "norm.group_norm"
+    training = True
     implementation = "triton"
     family = "norm"
     chapter = 10

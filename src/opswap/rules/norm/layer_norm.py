@@ -34,6 +34,7 @@ class LayerNormTriton(Rule):
     crossover table measures."""
 
     name = "norm.layer_norm"
+    training = True
     implementation = "triton"
     family = "norm"
     chapter = 10

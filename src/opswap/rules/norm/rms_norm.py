@@ -86,6 +86,7 @@ class RMSNormTriton(Rule):
     roundings, not another function."""
 
     name = "norm.rms_norm"
+    training = True
     implementation = "triton"
     family = "norm"
     chapter = 10

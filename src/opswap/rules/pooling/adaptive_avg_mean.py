@@ -49,6 +49,7 @@ class AdaptiveAvgMean(Rule):
     flatten(1) after it folded -> mean without keepdim."""
 
     name = "pooling.adaptive_avg_mean"
+    training = True
     family = "pooling"
     chapter = 13
     exactness = "exact"

@@ -47,6 +47,7 @@ class SumOfSquaresTriton(Rule):
     accumulates in fp32: one rounding fewer, and the row's sum in another order."""
 
     name = "reduce.sum_of_squares"
+    training = True
     implementation = "triton"
     family = "reduce"
     chapter = 15

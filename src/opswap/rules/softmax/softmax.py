@@ -66,6 +66,7 @@ class SoftmaxTriton(Rule):
     exp(x) / sum(exp(x)) is not this rule's: see softmax.stable_softmax."""
 
     name = "softmax.softmax"
+    training = True
     implementation = "triton"
     family = "softmax"
     chapter = 16
