@@ -77,6 +77,14 @@ class OptimizeConfig:
     # time only the k candidates the learned cost model ranks first at a site with more
     # (the baseline is always timed); None times every candidate
     tuning_top_k: int | None = None
+    # how the plan is chosen: "greedy" (every site a rule predicts to pay, rule by rule) or
+    # "joint" (tuning.search: from greedy's plan, whole plans measured and the fastest
+    # within the budget kept), with at most `search_budget` plans measured
+    search: Literal["greedy", "joint"] = "greedy"
+    search_budget: int = 12
+    # where the joint search's timings run (tuning.scale): None in local processes, "auto"
+    # a Ray cluster found or started here, else a Ray address (ray://host:10001)
+    ray: str | None = None
 
     def __post_init__(self) -> None:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
@@ -110,6 +118,17 @@ class OptimizeConfig:
             raise OpswapError(
                 f"tuning_top_k must be a whole number of candidates, at least 1; got "
                 f"{self.tuning_top_k!r}."
+            )
+        if self.search not in ("greedy", "joint"):
+            raise OpswapError(f"search must be greedy or joint; got {self.search!r}.")
+        if (
+            isinstance(self.search_budget, bool)
+            or not isinstance(self.search_budget, int)
+            or self.search_budget < 1
+        ):
+            raise OpswapError(
+                f"search_budget must be a whole number of plans to measure, at least 1; got "
+                f"{self.search_budget!r}."
             )
         if self.calibration is not None:  # a missing file fails before the model loads
             self.calibration = str(check_path(self.calibration))
