@@ -16,7 +16,7 @@ from opswap.errors import OpswapError
 from opswap.graph import op_kind
 from opswap.rules import registry
 from opswap.rules.base import Found, Rule
-from opswap.stages import capture_stage, joint_plan, plan_and_verify
+from opswap.stages import capture_stage, joint_plan
 from opswap.tuning.search import (
     Candidate,
     Measurement,
@@ -220,12 +220,37 @@ def test_a_bad_budget_is_one_sentence():
         OptimizeConfig(search_budget=0)
 
 
-def test_real_timer_smoke_through_plan_and_verify():
-    run = _run("zoo:resnet", [_First.name, _Second.name], budget=3, width=4, image_size=8)
-    checked = plan_and_verify(run, lambda stage: None)
-    found = checked.plan.search
+def test_real_timer_smoke_through_optimize_into_result_json_and_the_report(tmp_path):
+    import json
+
+    from opswap.pipeline import optimize
+
+    m = load("zoo:resnet", width=4, image_size=8, batch=1)
+    config = OptimizeConfig(
+        rules=[_First.name, _Second.name],
+        samples=1,
+        dynamic="none",
+        bench=False,
+        layers=False,
+        search="joint",
+        search_budget=3,
+    )
+    result = optimize(m.module, m.example_inputs, config)
+    assert result.verification.passed
+    result.save(tmp_path)
+    found = json.loads((tmp_path / "result.json").read_text())["search"]
     assert found is not None and 1 <= found["evaluations"] <= 3
-    assert checked.verification.passed
     assert all(p["latency_ms"] > 0 for p in found["points"])
     # never slower than greedy beyond the noise the search allows
     assert found["chosen"]["latency_ms"] <= found["greedy"]["latency_ms"]
+    report = (tmp_path / "report.md").read_text()
+    assert "## Joint search" in report and (tmp_path / "pareto_front.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "plan.json").read_text())["search"] == found
+
+
+def test_the_api_takes_the_search_settings():
+    import opswap
+
+    m = load("zoo:resnet", width=4, image_size=8, batch=1)
+    with pytest.raises(OpswapError, match="search must be greedy or joint"):
+        opswap.optimize(m.module, m.example_inputs, search="annealing")

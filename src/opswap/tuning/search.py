@@ -152,7 +152,7 @@ class SearchResult:
             "kept_greedy": self.kept_greedy,
             "speedup_over_greedy": self.speedup,
             "points": [
-                {**p.to_json(), "on_front": p in front, "index": i}
+                {**p.to_json(), "on_front": p in front, "chosen": p is self.chosen, "index": i}
                 for i, p in enumerate(self.points)
             ],
             "notes": self.notes,
