@@ -28,7 +28,7 @@ from opswap.planner import Plan, apply_plan, make_plan, plan_with_graph
 from opswap.rules.apply import Applied
 from opswap.rules.base import EXACTNESS_ORDER, Skipped
 from opswap.targets import Target, get_target
-from opswap.tuning.search import Candidate
+from opswap.tuning.search import Candidate, SearchError
 from opswap.verify import outputs
 from opswap.verify.bisect import Rollback, rollback
 from opswap.verify.outputs import Verification, capture_check
@@ -461,37 +461,67 @@ PlanTimer = Callable[[fx.GraphModule, Plan], float]
 def joint_plan(run: Run, greedy: Plan, timer: PlanTimer | None = None) -> Plan:
     """The joint search's plan in place of greedy's `greedy` (tuning.search): each
     candidate applied to a copy of the capture, verified against the model (within the
-    run's budget or not) and timed whole, interleaved with greedy's model (`timer`
-    replaces the timing, for tests). The search's points go in `plan.search`; each plan
-    timed goes into the tuning database, keyed by its decisions."""
-    from opswap.tuning.search import Measurement, joint_search, record_plan_time
+    run's budget or not) and timed whole: here, interleaved with greedy's model, or with
+    `config.ray` as a job on a Ray worker of the device's kind (tuning.scale); `timer`
+    replaces the timing, for tests. The search's points go in `plan.search`; each plan
+    timed goes into the tuning database, keyed by its decisions, written here."""
+    from opswap.tuning.scale import Job, executor
+    from opswap.tuning.search import Measurement, decision_set, joint_search, record_plan_time
 
     inputs = run.captured.example_inputs
     ref: dict[str, Any] = {}
+    device = run.config.device
+    pool = executor(run.config.ray, device) if run.config.ray and timer is None else None
 
     def measure(plan: Plan) -> Measurement:
         applied = apply_plan(run.captured, plan)
         verification = run.check(applied.gm)
         if timer is not None:
             secs, noise = timer(applied.gm, plan), 0.0
+        elif pool is not None:  # the worker captures the model and applies the plan itself
+            args = (run.reference, inputs, run.captured.method, run.config.dynamic, plan.to_json())
+            got = pool.map([Job(str(decision_set(plan)), time_plan_job, args)])[0]
+            if got.seconds is None:
+                raise SearchError(f"A timing job failed on {got.where}: {got.error}.")
+            secs, noise = got.seconds, got.noise or 0.0
         else:
-            secs, noise = _time_beside(applied.gm, ref, inputs, run.config.device)
+            secs, noise = _time_beside(applied.gm, ref, inputs, device)
         db = getattr(run.target.timer, "db", None)
         if timer is None and db is not None:
-            record_plan_time(db, run.captured.gm, plan, inputs, run.config.device, secs, noise)
+            record_plan_time(db, run.captured.gm, plan, inputs, device, secs, noise)
         return Measurement(secs, verification.rel_l2, verification.passed, noise)
 
     def plan_for(cand: Candidate) -> Plan:
         return greedy if cand == Candidate() else run.plan_as(cand)
 
-    found = joint_search(
-        plan_for, measure, evaluations=run.config.search_budget, seed=run.config.seed
-    )
+    try:
+        found = joint_search(
+            plan_for, measure, evaluations=run.config.search_budget, seed=run.config.seed
+        )
+    finally:
+        if pool is not None:
+            pool.close()
     run.chosen = found.chosen.candidate
     plan = cast(Plan, found.chosen.plan)
-    plan.search = found.to_json()
+    plan.search = {**found.to_json(), "timed_on": pool.name if pool is not None else "here"}
     run.notes += found.notes
     return plan
+
+
+def time_plan_job(
+    model: nn.Module, inputs: tuple[Any, ...], method: str, dynamic: str, plan: dict[str, Any]
+) -> tuple[float, float]:
+    """A timing job of the joint search (tuning.scale), run on a worker: `model`
+    captured as the driver captured it, `plan` (plan.json's form) applied, the result
+    timed. The driver sends the model, not its capture, since a captured GraphModule
+    does not always pickle."""
+    from opswap.planner import calibrate_replay
+    from opswap.tuning.scale import time_module
+
+    captured = capture(model, inputs, cast(Any, method), dynamic=dynamic)
+    p = Plan.from_json(plan)
+    calibrate_replay(captured, p)
+    return time_module(apply_plan(captured, p).gm, inputs)
 
 
 def _time_beside(

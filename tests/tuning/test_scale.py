@@ -121,3 +121,31 @@ def test_ray_tasks_give_what_timing_here_gives(local_ray):
 def test_ray_refuses_a_device_kind_no_node_advertises(local_ray):
     with pytest.raises(ScaleError, match="opswap_device_cuda_nvidia_h100"):
         RayExecutor("auto", "cuda_nvidia_h100")
+
+
+def test_the_joint_search_times_its_plans_on_ray_workers(local_ray, tmp_path):
+    from opswap.api import load
+    from opswap.config import OptimizeConfig
+    from opswap.stages import capture_stage, joint_plan
+
+    m = load("zoo:resnet", width=4, image_size=8, batch=1)
+    config = OptimizeConfig(
+        rules=["fusion.*"],
+        bench=False,
+        layers=False,
+        samples=1,
+        dynamic="none",
+        search="joint",
+        search_budget=2,
+        ray="auto",
+        tuning_db=str(tmp_path / "t.sqlite"),
+    )
+    run = capture_stage(m.module, m.example_inputs, config, "zoo:resnet", lambda stage: None)
+    greedy = run.replan()
+    assert greedy.decisions
+    plan = joint_plan(run, greedy)
+    assert plan.search is not None and plan.search["timed_on"] == "ray"
+    assert 1 <= plan.search["evaluations"] <= 2
+    assert all(p["latency_ms"] > 0 for p in plan.search["points"])
+    db = TuningDB(tmp_path / "t.sqlite")  # written by the driver, one record per plan
+    assert len(list(db.records("plan-time"))) == plan.search["evaluations"]
