@@ -494,9 +494,26 @@ def joint_plan(run: Run, greedy: Plan, timer: PlanTimer | None = None) -> Plan:
     def plan_for(cand: Candidate) -> Plan:
         return greedy if cand == Candidate() else run.plan_as(cand)
 
+    def confirm(chosen: Plan, first: Plan) -> float:
+        """chosen's time over greedy's, side by side for longer than a search step."""
+        if timer is not None:
+            return timer(apply_plan(run.captured, chosen).gm, chosen) / timer(
+                apply_plan(run.captured, first).gm, first
+            )
+        from opswap.bench.timing import benchmark
+
+        gms = {"c": apply_plan(run.captured, chosen).gm, "g": apply_plan(run.captured, first).gm}
+        fns = {k: _caller(gm, inputs) for k, gm in gms.items()}
+        res = benchmark(fns, warmup=3, repeats=15, min_time_s=0.5, max_time_s=2.0, device=device)
+        return res.ratio("c", "g").of_medians
+
     try:
         found = joint_search(
-            plan_for, measure, evaluations=run.config.search_budget, seed=run.config.seed
+            plan_for,
+            measure,
+            evaluations=run.config.search_budget,
+            seed=run.config.seed,
+            confirm=confirm,
         )
     finally:
         if pool is not None:
@@ -524,6 +541,14 @@ def time_plan_job(
     return time_module(apply_plan(captured, p).gm, inputs)
 
 
+def _caller(m: fx.GraphModule, inputs: tuple[Any, ...]) -> Callable[[], Any]:
+    def run_it() -> Any:
+        with torch.no_grad():
+            return m(*inputs)
+
+    return run_it
+
+
 def _time_beside(
     gm: fx.GraphModule, ref: dict[str, Any], inputs: tuple[Any, ...], device: str
 ) -> tuple[float, float]:
@@ -532,21 +557,19 @@ def _time_beside(
     candidates' timings does not read as a difference; and the relative spread."""
     from opswap.bench.timing import benchmark
 
-    def call(m: fx.GraphModule) -> Callable[[], Any]:
-        def run_it() -> Any:
-            with torch.no_grad():
-                return m(*inputs)
-
-        return run_it
-
     if not ref:
         res = benchmark(
-            {"m": call(gm)}, warmup=2, repeats=7, min_time_s=0.1, max_time_s=1.0, device=device
+            {"m": _caller(gm, inputs)},
+            warmup=2,
+            repeats=7,
+            min_time_s=0.1,
+            max_time_s=1.0,
+            device=device,
         )
         ref.update(gm=gm, secs=res["m"].median)
         return res["m"].median, res["m"].iqr / max(res["m"].median, 1e-30)
     res = benchmark(
-        {"ref": call(ref["gm"]), "m": call(gm)},
+        {"ref": _caller(ref["gm"], inputs), "m": _caller(gm, inputs)},
         warmup=2,
         repeats=7,
         min_time_s=0.1,

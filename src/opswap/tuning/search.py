@@ -241,9 +241,10 @@ def joint_search(
     *,
     evaluations: int = 12,
     time_limit_s: float | None = None,
-    noise: float = 0.02,
+    noise: float = 0.03,
     population: int = 4,
     seed: int = 0,
+    confirm: Callable[[Any, Any], float] | None = None,
 ) -> SearchResult:
     """Search the planner's choices for the fastest plan within the budget.
 
@@ -251,7 +252,8 @@ def joint_search(
     `measure(plan)` applies a plan to a copy of the model, times it and verifies it.
     At most `evaluations` plans are measured (greedy's included), and no new one after
     `time_limit_s`. A point replaces greedy only when it is faster by more than `noise`
-    (a fraction of greedy's time)."""
+    (a fraction of greedy's time), and, with `confirm(chosen plan, greedy plan)` (their
+    time ratio from a longer side-by-side timing), when that timing agrees."""
     if isinstance(evaluations, bool) or not isinstance(evaluations, int) or evaluations < 1:
         raise SearchError(
             f"The search budget must be a whole number of evaluations, at least 1; got "
@@ -286,7 +288,15 @@ def joint_search(
         if p is not None and _better(p, best, noise):
             best = p
     notes = []
-    if best is greedy:
+    if best is not greedy and greedy.passed and confirm is not None:
+        ratio = confirm(best.plan, greedy.plan)
+        if not ratio < 1.0 - noise:
+            notes.append(
+                f"The search's best plan ({best.candidate.describe()}) timed {ratio:.3f}x "
+                "greedy's side by side, not faster beyond the noise: greedy's plan is kept."
+            )
+            best = greedy
+    elif best is greedy:
         notes.append(
             f"No plan of the {len(s.points)} measured beat greedy's by more than "
             f"{noise:.0%} within the budget: greedy's plan is kept."
