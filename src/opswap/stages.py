@@ -418,7 +418,7 @@ def plan_and_verify(run: Run, step: Callable[[str], None]) -> Checked:
     matched afresh."""
     step("plan")
     plan = run.replan()
-    if run.config.search == "joint" and plan.decisions:
+    if run.config.search == "joint" and (plan.decisions or plan.skipped):
         step("search")
         plan = joint_plan(run, plan)
     step("apply")

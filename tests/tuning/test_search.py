@@ -15,7 +15,7 @@ from opswap.config import OptimizeConfig
 from opswap.errors import OpswapError
 from opswap.graph import op_kind
 from opswap.rules import registry
-from opswap.rules.base import Found, Rule
+from opswap.rules.base import Estimate, Found, Rule
 from opswap.stages import capture_stage, joint_plan
 from opswap.tuning.search import (
     Candidate,
@@ -90,7 +90,25 @@ class _Lossy(Rule):
         node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
 
 
-WORTH = {_First.name: 1.0, _Second.name: 5.0, _Lossy.name: 50.0}
+class _Slow(Rule):
+    """Predicted slower at every site (so greedy skips it); the stand-in timer disagrees."""
+
+    name = "test.search_slow"
+    family = "test"
+    chapter = 4
+    exactness = "exact"
+    anchors = ("relu",)
+
+    def check(self, gm, n):  # type: ignore[no-untyped-def]
+        return Found((n,), "relu as clamp, predicted slower")
+
+    rewrite = _to(torch.clamp, 0.0, None)
+
+    def predict(self, gm, found, target):  # type: ignore[no-untyped-def]
+        return Estimate(time_saved_s=-1e-6, note="the model says so")
+
+
+WORTH = {_First.name: 1.0, _Second.name: 5.0, _Lossy.name: 50.0, _Slow.name: 8.0}
 
 
 def _fake_timer(gm, plan):  # type: ignore[no-untyped-def]
@@ -100,10 +118,10 @@ def _fake_timer(gm, plan):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(autouse=True)
 def toy_rules():  # type: ignore[no-untyped-def]
-    for cls in (_First, _Second, _Lossy):
+    for cls in (_First, _Second, _Lossy, _Slow):
         registry.register(cls)
     yield
-    for cls in (_First, _Second, _Lossy):
+    for cls in (_First, _Second, _Lossy, _Slow):
         registry._RULES.pop(cls.name, None)
 
 
@@ -149,6 +167,18 @@ def test_with_budget_for_every_flip_it_finds_the_best_combination():
     plan = joint_plan(run, run.replan(), timer=_fake_timer)
     assert n >= 2 and [d.rule for d in plan.decisions] == [_Second.name] * n
     assert plan.search is not None and plan.search["chosen"]["within_budget"]
+
+
+def test_a_site_predicted_slower_is_forced_when_measured_faster():
+    run = _run("zoo:mobilenet", [_Slow.name], budget=4, width=4, image_size=8)
+    greedy = run.replan()
+    assert not greedy.decisions and all(
+        s.reason.startswith("predicted slower") for s in greedy.skipped
+    )
+    plan = joint_plan(run, greedy, timer=_fake_timer)  # greedy: nothing to apply
+    assert plan.search is not None and not plan.search["kept_greedy"]
+    assert plan.decisions and all(d.rule == _Slow.name for d in plan.decisions)
+    assert plan.search["chosen"]["choices"].startswith(f"+{_Slow.name}@")
 
 
 def test_a_decision_beyond_the_budget_is_never_chosen():
