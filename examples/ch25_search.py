@@ -21,7 +21,7 @@ def main(spec: str, evaluations: int) -> None:
     # (conv.algorithm's race) that planning makes, so each is timed once
     db = Path(tempfile.mkdtemp()) / "tuning.sqlite"
     config = OptimizeConfig(
-        exactness="approx",
+        exactness="exact",  # fusions and layout: the quickest space to search
         search="joint",
         search_budget=evaluations,
         samples=1,
