@@ -284,3 +284,28 @@ def test_the_api_takes_the_search_settings():
     m = load("zoo:resnet", width=4, image_size=8, batch=1)
     with pytest.raises(OpswapError, match="search must be greedy or joint"):
         opswap.optimize(m.module, m.example_inputs, search="annealing")
+
+
+def test_the_cli_runs_the_joint_search_and_refuses_a_bad_word(tmp_path, capsys):
+    import json
+
+    from opswap.cli import main
+
+    def cli(*args: str) -> int:
+        try:
+            main(list(args))
+        except SystemExit as e:
+            return int(e.code or 0)
+        return 0
+
+    small = ("--set", "width=4", "--set", "image_size=8", "--set", "batch=1")
+    out = tmp_path / "run"
+    code = cli(
+        "optimize", "zoo:resnet", *small, "--rules", "fusion.*", "--samples", "1",
+        "--no-bench", "--search", "joint", "--search-budget", "2", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0
+    assert "joint search: " in capsys.readouterr().out
+    assert json.loads((out / "result.json").read_text())["search"]["evaluations"] <= 2
+    assert cli("optimize", "zoo:resnet", *small, "--search", "random", "--out", str(out)) != 0
+    assert "search must be greedy or joint" in capsys.readouterr().err

@@ -337,8 +337,9 @@ def record_plan_time(
     from opswap.tuning.keys import device_name, versions
 
     h = hashlib.sha1()
-    for n in graph.graph.nodes:
-        h.update(f"{n.op}:{n.target};".encode())
+    for n in graph.graph.nodes:  # a function by its name: its repr holds an address
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        h.update(f"{n.op}:{target or n.target};".encode())
     for name, t in list(graph.named_parameters()) + list(graph.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)};".encode())
     decisions = json.dumps(decision_set(plan), separators=(",", ":"))
