@@ -82,8 +82,9 @@ class OptimizeConfig:
     # within the budget kept), with at most `search_budget` plans measured
     search: Literal["greedy", "joint"] = "greedy"
     search_budget: int = 12
-    # where the joint search's timings run (tuning.scale): None in local processes, "auto"
-    # a Ray cluster found or started here, else a Ray address (ray://host:10001)
+    # where the joint search's timings run (tuning.scale): None here, interleaved with
+    # greedy's plan; "auto" a Ray cluster found or started here, else a Ray address
+    # (HOST:6379 or ray://HOST:10001)
     ray: str | None = None
 
     def __post_init__(self) -> None:

@@ -156,7 +156,7 @@ def optimize(
             "--ray",
             metavar="auto|ADDRESS",
             help="With --search joint: run the timings in a Ray cluster (auto: the one this "
-            "machine belongs to, else a local one; or its address); default local processes.",
+            "machine belongs to, else a local one; or its address); default: timed here.",
         ),
     ] = None,
     sets: SetOpt = None,
