@@ -214,6 +214,12 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     ),
     # launch choices and candidate rewrites of the row kernels beside today's (no tests)
     "tune": ([], [["tune_rows.py"]]),
+    # issue 44: the joint search against greedy on the GPU, torch.compile max-autotune as
+    # the peer (its compile time and speed-up beside the search's; writes search_cuda.json)
+    "search": (
+        ["tests/tuning/test_search.py"],
+        [["bench_search.py", "--device", "cuda", "--peer", "--time", "2"]],
+    ),
     # the issue's width sweep (768 to 16384 at 4096 rows) of the norms, SwiGLU, softmax and
     # the row reductions against torch.compile and Liger, rewriting the crossover table
     "widths": (

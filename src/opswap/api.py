@@ -657,6 +657,8 @@ def optimize(
     task: Task | None = None,
     calibration_data: Any = None,
     save: str = "winner",
+    search: str = "greedy",
+    search_budget: int = 12,
 ) -> Result:
     """The whole flow: analyze, plan, apply, verify (rolling back what breaks the budget),
     bench, and the race of variants against `compare`'s baselines ("compile", "ort",
@@ -677,7 +679,9 @@ def optimize(
     `save="candidate"` makes `result.save` write opswap's candidate even where the race's
     winner is another variant (your model, or its compiled form): result.json's `save`
     and the report give its measured speed and accuracy beside the winner's; a candidate
-    that fails verification raises OpswapError instead."""
+    that fails verification raises OpswapError instead. `search="joint"` replaces the
+    greedy plan by the fastest whole plan within the budget, `search_budget` plans
+    measured at most (tuning.search; result.json's `search`)."""
     config = OptimizeConfig(
         target=target,
         rules=rules or [],
@@ -691,6 +695,8 @@ def optimize(
         compare=compare,
         export=export,
         save=save,
+        search=cast(Any, search),  # OptimizeConfig refuses any other word
+        search_budget=search_budget,
     )
     name = name or type(model).__name__
     model, example_inputs = keyword_call(model, example_inputs)

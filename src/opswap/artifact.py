@@ -336,6 +336,7 @@ def describe(result: Result) -> dict[str, Any]:
         "rolled_back": [r.to_json() for r in result.rolled_back],
         "skipped": [s.to_json() for s in result.plan.skipped],
         "tuning": result.plan.tuning,
+        "search": result.plan.search,
         "verification": {
             **result.verification.to_json(),
             "on": result.verified_on or "the example and random samples like it",

@@ -80,6 +80,15 @@ class OptimizeConfig:
     # plan for training (opswap.train.prepare: only rules valid in training, gradients
     # checked) and race full training steps instead of inference calls
     train: bool = False
+    # how the plan is chosen: "greedy" (every site a rule predicts to pay, rule by rule) or
+    # "joint" (tuning.search: from greedy's plan, whole plans measured and the fastest
+    # within the budget kept), with at most `search_budget` plans measured
+    search: Literal["greedy", "joint"] = "greedy"
+    search_budget: int = 12
+    # where the joint search's timings run (tuning.scale): None here, interleaved with
+    # greedy's plan; "auto" a Ray cluster found or started here, else a Ray address
+    # (HOST:6379 or ray://HOST:10001)
+    ray: str | None = None
 
     def __post_init__(self) -> None:
         self.rules = list(parse_patterns(self.rules))  # a comma-separated string too
@@ -117,6 +126,17 @@ class OptimizeConfig:
         if self.train and (self.export is not None or self.save != "winner"):
             raise OpswapError(
                 "--train races training steps and saves no model; drop --export and --save."
+            )
+        if self.search not in ("greedy", "joint"):
+            raise OpswapError(f"search must be greedy or joint; got {self.search!r}.")
+        if (
+            isinstance(self.search_budget, bool)
+            or not isinstance(self.search_budget, int)
+            or self.search_budget < 1
+        ):
+            raise OpswapError(
+                f"search_budget must be a whole number of plans to measure, at least 1; got "
+                f"{self.search_budget!r}."
             )
         if self.calibration is not None:  # a missing file fails before the model loads
             self.calibration = str(check_path(self.calibration))

@@ -101,6 +101,9 @@ class Plan:
     #: what the tuning database gave the run's timed sites (TunedTimer.summary); None: no
     #: site was timed through one
     tuning: dict[str, Any] | None = None
+    #: the joint search that chose this plan (tuning.search.SearchResult.to_json); None:
+    #: the greedy planner's
+    search: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -117,6 +120,7 @@ class Plan:
             # only a plan with static int8 decisions has one
             **({"calibration": self.calibration.to_json()} if self.calibration else {}),
             **({"tuning": self.tuning} if self.tuning else {}),
+            **({"search": self.search} if self.search else {}),
         }
 
     @classmethod
@@ -153,6 +157,7 @@ class Plan:
                 notes=[str(n) for n in data.get("notes", [])],
                 calibration=_calibration_record(data.get("calibration")),
                 tuning=data.get("tuning") if isinstance(data.get("tuning"), dict) else None,
+                search=data.get("search") if isinstance(data.get("search"), dict) else None,
             )
         except (KeyError, TypeError, AttributeError) as e:  # fields _check_plan leaves alone
             raise PlanError(
@@ -455,6 +460,7 @@ def make_plan(
     exclude_rules: set[str] | frozenset[str] = frozenset(),
     exclude_sites: dict[tuple[str, str], str] | None = None,
     keep_slower: bool = False,
+    force_sites: frozenset[tuple[str, str]] = frozenset(),
 ) -> Plan:
     """Choose (rule, site) decisions for `captured` by simulating the rules in order.
 
@@ -467,6 +473,8 @@ def make_plan(
     rolled back then fuses the conv as it is, or is refused with its own reason).
     `keep_slower` takes the sites the speed model predicts slower too: precision
     debugging asks which layers a scheme can take, not which pay.
+    `force_sites` ((rule, site key) pairs, the joint search's choices: tuning.search) are
+    tried before the rule's other sites and taken even when predicted slower.
     """
     return plan_with_graph(
         captured,
@@ -478,6 +486,7 @@ def make_plan(
         exclude_rules=exclude_rules,
         exclude_sites=exclude_sites,
         keep_slower=keep_slower,
+        force_sites=force_sites,
     )[0]
 
 
@@ -492,6 +501,7 @@ def plan_with_graph(
     exclude_rules: set[str] | frozenset[str] = frozenset(),
     exclude_sites: dict[tuple[str, str], str] | None = None,
     keep_slower: bool = False,
+    force_sites: frozenset[tuple[str, str]] = frozenset(),
 ) -> tuple[Plan, fx.GraphModule]:
     """make_plan's plan, and the graph planning rewrote on the way: the plan's decisions
     carried out on a copy of `captured`, as `apply_plan` would make them again, its code
@@ -522,12 +532,19 @@ def plan_with_graph(
         marks = (len(plan.decisions), len(plan.skipped), len(plan.failed))
         try:
             gm, changed = _plan_rule(
-                rule, Run(gm), plan, tgt, exclude_sites, seen_misses, keep_slower
+                rule, Run(gm), plan, tgt, exclude_sites, seen_misses, keep_slower, force_sites
             )
         except Redo:  # a rewrite failed: the rule's rewrites are undone, made again one by one
             del plan.decisions[marks[0] :], plan.skipped[marks[1] :], plan.failed[marks[2] :]
             gm, changed = _plan_rule(
-                rule, Run(gm, careful=True), plan, tgt, exclude_sites, seen_misses, keep_slower
+                rule,
+                Run(gm, careful=True),
+                plan,
+                tgt,
+                exclude_sites,
+                seen_misses,
+                keep_slower,
+                force_sites,
             )
         if changed:
             captured.propagate(gm)
@@ -547,6 +564,7 @@ def _plan_rule(
     exclude_sites: dict[tuple[str, str], str],
     seen_misses: set[tuple[str, str, str]],
     keep_slower: bool = False,
+    force_sites: frozenset[tuple[str, str]] = frozenset(),
 ) -> tuple[fx.GraphModule, bool]:
     """Match `rule` on run's graph and rewrite each site planning takes, recording the
     decisions, skips, failures and misses in `plan`; (the graph, whether it changed).
@@ -559,7 +577,10 @@ def _plan_rule(
             plan.misses.append(m)
     taken: set[str] = set()
     changed = False
-    for site in sites_of(found):
+    sites = sites_of(found)
+    if force_sites:  # a forced site first, so it wins the nodes it shares with another
+        sites = sorted(sites, key=lambda s: (rule.name, s.key) not in force_sites)
+    for site in sites:
         if taken.intersection(site.nodes):
             continue  # overlaps a site of this rule already applied
         why = exclude_sites.get((rule.name, site.key))
@@ -575,7 +596,8 @@ def _plan_rule(
         with site_scope(rule.name, site.key, run.gm, match.nodes, tgt):
             est = rule.predict(run.gm, match, tgt)
         where = site_module(run.gm, site)
-        if est.time_saved_s is not None and est.time_saved_s < 0 and not keep_slower:
+        forced = (rule.name, site.key) in force_sites
+        if est.time_saved_s is not None and est.time_saved_s < 0 and not (keep_slower or forced):
             plan.skipped.append(
                 Skipped(rule.name, site.key, f"predicted slower on {tgt.name}: {est.note}")
             )

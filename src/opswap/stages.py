@@ -28,6 +28,7 @@ from opswap.planner import Plan, apply_plan, make_plan, plan_with_graph
 from opswap.rules.apply import Applied
 from opswap.rules.base import EXACTNESS_ORDER, Skipped
 from opswap.targets import Target, get_target
+from opswap.tuning.search import Candidate, SearchError
 from opswap.verify import outputs
 from opswap.verify.bisect import Rollback, rollback
 from opswap.verify.outputs import Verification, capture_check
@@ -158,6 +159,9 @@ class Run:
     #: holds some out), and what they are in words; None: the example and random samples
     data: list[tuple[Any, ...]] | None = None
     data_said: str = ""
+    #: with config.search "joint": the choices the joint search settled on (tuning.search),
+    #: which every later plan keeps
+    chosen: Candidate | None = None
 
     def _settings(self, without: set[str] | frozenset[str]) -> dict[str, Any]:
         return dict(
@@ -166,8 +170,16 @@ class Run:
             exactness=self.config.exactness,
             model_name=self.name,
             exclude_rules=self.excluded_rules | set(without),
-            exclude_sites=self.excluded_sites,
+            exclude_sites=self.excluded_sites | _left_out(self.chosen),
+            force_sites=self.chosen.forced if self.chosen is not None else frozenset(),
         )
+
+    def plan_as(self, cand: Candidate) -> Plan:
+        """A plan made afresh with the joint search's `cand` in place of `chosen`."""
+        settings = self._settings(frozenset())
+        settings["exclude_sites"] = self.excluded_sites | _left_out(cand)
+        settings["force_sites"] = cand.forced
+        return make_plan(self.captured, **settings)
 
     def replan(self, without: set[str] | frozenset[str] = frozenset()) -> Plan:
         """A plan made afresh, without the excluded rules and sites and `without`'s rules."""
@@ -406,6 +418,9 @@ def plan_and_verify(run: Run, step: Callable[[str], None]) -> Checked:
     matched afresh."""
     step("plan")
     plan = run.replan()
+    if run.config.search == "joint" and (plan.decisions or plan.skipped):
+        step("search")
+        plan = joint_plan(run, plan)
     step("apply")
     applied = apply_plan(run.captured, plan)
     step("verify")
@@ -431,6 +446,138 @@ def plan_and_verify(run: Run, step: Callable[[str], None]) -> Checked:
         applied = apply_plan(run.captured, plan)
         out = Checked(plan, applied, run.check(applied.gm), out.rolled_back + removed)
     return out
+
+
+def _left_out(cand: Candidate | None) -> dict[tuple[str, str], str]:
+    if cand is None:
+        return {}
+    return {c: "left out by the joint search (a faster plan without it)" for c in cand.excluded}
+
+
+#: (the plan's graph, the plan) -> seconds per call: what the joint search times with
+PlanTimer = Callable[[fx.GraphModule, Plan], float]
+
+
+def joint_plan(run: Run, greedy: Plan, timer: PlanTimer | None = None) -> Plan:
+    """The joint search's plan in place of greedy's `greedy` (tuning.search): each
+    candidate applied to a copy of the capture, verified against the model (within the
+    run's budget or not) and timed whole: here, interleaved with greedy's model, or with
+    `config.ray` as a job on a Ray worker of the device's kind (tuning.scale); `timer`
+    replaces the timing, for tests. The search's points go in `plan.search`; each plan
+    timed goes into the tuning database, keyed by its decisions, written here."""
+    from opswap.tuning.scale import Job, executor
+    from opswap.tuning.search import Measurement, decision_set, joint_search, record_plan_time
+
+    inputs = run.captured.example_inputs
+    ref: dict[str, Any] = {}
+    device = run.config.device
+    pool = executor(run.config.ray, device) if run.config.ray and timer is None else None
+
+    def measure(plan: Plan) -> Measurement:
+        applied = apply_plan(run.captured, plan)
+        verification = run.check(applied.gm)
+        if timer is not None:
+            secs, noise = timer(applied.gm, plan), 0.0
+        elif pool is not None:  # the worker captures the model and applies the plan itself
+            args = (run.reference, inputs, run.captured.method, run.config.dynamic, plan.to_json())
+            got = pool.map([Job(str(decision_set(plan)), time_plan_job, args)])[0]
+            if got.seconds is None:
+                raise SearchError(f"A timing job failed on {got.where}: {got.error}.")
+            secs, noise = got.seconds, got.noise or 0.0
+        else:
+            secs, noise = _time_beside(applied.gm, ref, inputs, device)
+        db = getattr(run.target.timer, "db", None)
+        if timer is None and db is not None:
+            record_plan_time(db, run.captured.gm, plan, inputs, device, secs, noise)
+        return Measurement(secs, verification.rel_l2, verification.passed, noise)
+
+    def plan_for(cand: Candidate) -> Plan:
+        return greedy if cand == Candidate() else run.plan_as(cand)
+
+    def confirm(chosen: Plan, first: Plan) -> float:
+        """chosen's time over greedy's, side by side for longer than a search step."""
+        if timer is not None:
+            return timer(apply_plan(run.captured, chosen).gm, chosen) / timer(
+                apply_plan(run.captured, first).gm, first
+            )
+        from opswap.bench.timing import benchmark
+
+        gms = {"c": apply_plan(run.captured, chosen).gm, "g": apply_plan(run.captured, first).gm}
+        fns = {k: _caller(gm, inputs) for k, gm in gms.items()}
+        res = benchmark(fns, warmup=3, repeats=15, min_time_s=0.5, max_time_s=2.0, device=device)
+        return res.ratio("c", "g").of_medians
+
+    try:
+        found = joint_search(
+            plan_for,
+            measure,
+            evaluations=run.config.search_budget,
+            seed=run.config.seed,
+            confirm=confirm,
+        )
+    finally:
+        if pool is not None:
+            pool.close()
+    run.chosen = found.chosen.candidate
+    plan = cast(Plan, found.chosen.plan)
+    plan.search = {**found.to_json(), "timed_on": pool.name if pool is not None else "here"}
+    run.notes += found.notes
+    return plan
+
+
+def time_plan_job(
+    model: nn.Module, inputs: tuple[Any, ...], method: str, dynamic: str, plan: dict[str, Any]
+) -> tuple[float, float]:
+    """A timing job of the joint search (tuning.scale), run on a worker: `model`
+    captured as the driver captured it, `plan` (plan.json's form) applied, the result
+    timed. The driver sends the model, not its capture, since a captured GraphModule
+    does not always pickle."""
+    from opswap.planner import calibrate_replay
+    from opswap.tuning.scale import time_module
+
+    captured = capture(model, inputs, cast(Any, method), dynamic=dynamic)
+    p = Plan.from_json(plan)
+    calibrate_replay(captured, p)
+    return time_module(apply_plan(captured, p).gm, inputs)
+
+
+def _caller(m: fx.GraphModule, inputs: tuple[Any, ...]) -> Callable[[], Any]:
+    def run_it() -> Any:
+        with torch.no_grad():
+            return m(*inputs)
+
+    return run_it
+
+
+def _time_beside(
+    gm: fx.GraphModule, ref: dict[str, Any], inputs: tuple[Any, ...], device: str
+) -> tuple[float, float]:
+    """`gm`'s median seconds per call, timed interleaved with the first model timed (held
+    in `ref`) and scaled to that model's first time, so that drift between two
+    candidates' timings does not read as a difference; and the relative spread."""
+    from opswap.bench.timing import benchmark
+
+    if not ref:
+        res = benchmark(
+            {"m": _caller(gm, inputs)},
+            warmup=2,
+            repeats=7,
+            min_time_s=0.1,
+            max_time_s=1.0,
+            device=device,
+        )
+        ref.update(gm=gm, secs=res["m"].median)
+        return res["m"].median, res["m"].iqr / max(res["m"].median, 1e-30)
+    res = benchmark(
+        {"ref": _caller(ref["gm"], inputs), "m": _caller(gm, inputs)},
+        warmup=2,
+        repeats=7,
+        min_time_s=0.1,
+        max_time_s=1.0,
+        device=device,
+    )
+    ratio = res["m"].median / max(res["ref"].median, 1e-30)
+    return ref["secs"] * ratio, res["m"].iqr / max(res["m"].median, 1e-30)
 
 
 def prune(run: Run, checked: Checked, step: Callable[[str], None]) -> Pruned:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, cast
+from typing import Annotated, Any, cast
 
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -134,6 +134,31 @@ def optimize(
             "(trained from the tuning database; needs lightgbm) ranks first, and the baseline.",
         ),
     ] = None,
+    search: Annotated[
+        str,
+        typer.Option(
+            "--search",
+            metavar="HOW",
+            help="greedy: take every site a rule predicts to pay, rule by rule; joint: start "
+            "from greedy's plan and measure whole plans (sites left out, variants forced), "
+            "keeping the fastest within the budget.",
+        ),
+    ] = "greedy",
+    search_budget: Annotated[
+        int,
+        typer.Option(
+            "--search-budget", metavar="N", help="With --search joint: measure at most N plans."
+        ),
+    ] = 12,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="auto|ADDRESS",
+            help="With --search joint: run the timings in a Ray cluster (auto: the one this "
+            "machine belongs to, else a local one; or its address); default: timed here.",
+        ),
+    ] = None,
     sets: SetOpt = None,
     weights: WeightsOpt = None,
     rules_from: RulesFromOpt = None,
@@ -182,6 +207,9 @@ def optimize(
         save=save,
         tuning_db="off" if no_tuning_db else (str(tuning_db) if tuning_db is not None else None),
         tuning_top_k=tuning_top_k,
+        search=cast(Any, search),  # OptimizeConfig refuses any other word
+        search_budget=search_budget,
+        ray=ray,
     )
     commands._rules_from(rules_from)
     if train:
@@ -337,6 +365,15 @@ def _summary(data: dict) -> None:
             f"  tuning db: {tuning['hits']} hit(s), {tuning['near']} near, "
             f"{tuning['misses']} miss(es), {tuning['timings_made']} timing(s) made "
             f"({tuning['db']})",
+            markup=False,
+        )
+    found = data.get("search")
+    if found:
+        console.print(
+            f"  joint search: {found['evaluations']} plan(s) measured in "
+            f"{found['seconds']:.1f} s; greedy {found['greedy']['latency_ms']:.3f} ms, chosen "
+            f"{found['chosen']['latency_ms']:.3f} ms"
+            + (" (greedy kept)" if found["kept_greedy"] else ""),
             markup=False,
         )
     status = ("PASSED", "green") if v["passed"] else ("FAILED", "red")

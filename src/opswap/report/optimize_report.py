@@ -322,6 +322,51 @@ def _changes(result) -> list[Block]:
     return blocks + _tuning(tuning)
 
 
+def _search(found: dict[str, Any] | None) -> list[Block]:
+    """The joint search's front (tuning.search): a plot, and a table of the front's plans
+    with greedy's and the chosen one."""
+    if not found:
+        return []
+    g, c = found["greedy"], found["chosen"]
+    said = (
+        f"The joint search measured {found['evaluations']} whole plan(s) in "
+        f"{found['seconds']:.1f} s: greedy's plan {g['latency_ms']:.3f} ms, the chosen "
+        f"{c['latency_ms']:.3f} ms ({found['speedup_over_greedy']:.2f}x), error "
+        f"{c['error']:.2e}. "
+        + (
+            f"No plan beat greedy's by more than {found['noise']:.0%} within the budget, "
+            "so greedy's plan is kept."
+            if found["kept_greedy"]
+            else "The budget picked the fastest plan within it."
+        )
+    )
+    rows = [
+        [
+            str(p["index"]),
+            p["how"],
+            f"`{p['choices']}`",
+            str(p["decisions"]),
+            f"{p['latency_ms']:.3f}",
+            f"{p['error']:.2e}",
+            "yes" if p["within_budget"] else "no",
+            ("chosen" if p.get("chosen") else "") + (" greedy" if p["how"] == "greedy" else ""),
+        ]
+        for p in found["points"]
+        if p["on_front"] or p.get("chosen") or p["how"] == "greedy"
+    ]
+    png = plots.pareto_front(found["points"], "Joint search: latency against error")
+    return [
+        Heading("Joint search"),
+        Para(said),
+        Image("pareto_front.png", png, "Every plan measured; the step line is the front."),
+        Table(
+            ["#", "how", "choices", "decisions", "ms", "error", "in budget", ""],
+            rows,
+            align_right={0, 3, 4, 5},
+        ),
+    ]
+
+
 def _tuning_cell(site: dict[str, Any]) -> str:
     """A timed site's outcome in the tuning database: hit, miss, or near (the shapes used)."""
     out = str(site.get("outcome", ""))
@@ -856,6 +901,7 @@ def build_report(result) -> list[Block]:
     blocks += _summary(result, data)
     blocks += _variants(data)
     blocks += _changes(result)
+    blocks += _search(result.plan.search)
     blocks += _raced(result)
     blocks += _predicted_vs_measured(result, data)
     blocks += _misses(result)

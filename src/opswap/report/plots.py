@@ -171,3 +171,58 @@ def sparsity_curve(points: list[dict], reference: float, metric: str, title: str
     ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
     return _png(fig)
+
+
+def pareto_front(points: list[dict], title: str) -> bytes:
+    """The joint search's plans, latency against error (tuning.search's point dicts):
+    within the budget filled, beyond it hollow, the Pareto front as a step line, greedy's
+    plan and the one chosen marked."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    floor = min((p["error"] for p in points if p["error"] > 0), default=1e-12) / 2
+
+    def err(p: dict) -> float:  # a log axis cannot show 0: an exact plan sits at the floor
+        return max(p["error"], floor)
+
+    ok = [p for p in points if p["within_budget"]]
+    bad = [p for p in points if not p["within_budget"]]
+    ax.scatter(
+        [p["latency_ms"] for p in ok], [err(p) for p in ok], c="C0", s=22, label="within budget"
+    )
+    ax.scatter(
+        [p["latency_ms"] for p in bad],
+        [err(p) for p in bad],
+        facecolors="none",
+        edgecolors="C3",
+        s=22,
+        label="beyond budget",
+    )
+    front = sorted((p for p in points if p.get("on_front")), key=lambda p: p["latency_ms"])
+    if front:
+        ax.step(
+            [p["latency_ms"] for p in front],
+            [err(p) for p in front],
+            where="post",
+            color="grey",
+            lw=0.8,
+            label="Pareto front",
+        )
+    for p in points:
+        if p["how"] == "greedy":
+            ax.scatter(
+                [p["latency_ms"]],
+                [err(p)],
+                marker="s",
+                s=80,
+                facecolors="none",
+                edgecolors="k",
+                label="greedy",
+            )
+        if p.get("chosen"):
+            ax.scatter([p["latency_ms"]], [err(p)], marker="*", s=160, c="C2", label="chosen")
+    ax.set_yscale("log")
+    ax.set_xlabel("latency, ms (whole model, median)")
+    ax.set_ylabel("error (relative L2 against the model)")
+    _title(ax, title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _png(fig)

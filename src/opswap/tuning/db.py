@@ -46,8 +46,8 @@ BUSY_TIMEOUT_MS = 10_000
 #: what OPSWAP_TUNING_DB (or a path) may say to turn the database off
 OFF_WORDS = frozenset({"off", "none", "no", "0", "false"})
 
-Kind = Literal["site-time", "launch", "verified-error"]
-KINDS: tuple[str, ...] = ("site-time", "launch", "verified-error")
+Kind = Literal["site-time", "launch", "verified-error", "plan-time"]
+KINDS: tuple[str, ...] = ("site-time", "launch", "verified-error", "plan-time")
 Shapes = tuple[tuple[int, ...], ...]
 
 
