@@ -122,7 +122,8 @@ def test_a_crashing_child_is_named_with_its_frame(tmp_path) -> None:
     script.write_text(f"#!/bin/sh\nexec {sys.executable} -X faulthandler {crasher}\n")
     script.chmod(0o755)
     with pytest.raises(
-        OpswapError, match=r"crashed that process \(SIGSEGV, in string_at, .*ctypes/__init__\.py:\d+\)"
+        OpswapError,
+        match=r"crashed that process \(SIGSEGV, in string_at, .*ctypes/__init__\.py:\d+\)",
     ):
         first_call_in_child(
             tmp_path / "p.pt2", tmp_path / "m.pt2", (torch.zeros(1),), python=str(script)
