@@ -8,9 +8,16 @@ True
 from __future__ import annotations
 
 from opswap.targets.edge.delegation import Delegation, OpRow, delegation, op_name, time_ops
-from opswap.targets.edge.profiles import LAYOUT_OPS, PROFILES, EdgeProfile, get_profile
+from opswap.targets.edge.profiles import (
+    EDGE_TARGETS,
+    LAYOUT_OPS,
+    PROFILES,
+    EdgeProfile,
+    get_profile,
+)
 
 __all__ = [
+    "EDGE_TARGETS",
     "LAYOUT_OPS",
     "PROFILES",
     "Delegation",

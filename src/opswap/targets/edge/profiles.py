@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from opswap.errors import TargetError
+from opswap.targets.base import Target, dtype_key
 
 #: ops that move or reinterpret data without arithmetic: not counted as compute ops
 LAYOUT_OPS = frozenset(
@@ -261,3 +262,37 @@ def get_profile(name: str | EdgeProfile) -> EdgeProfile:
             f"Unknown edge profile {name!r}; known edge profiles are {', '.join(PROFILES)}."
         )
     return PROFILES[key]
+
+
+def _target(p: EdgeProfile) -> Target:
+    # nominal ceilings of the device class each delegate is built for (roofline only; the
+    # edge race measures on this CPU): a phone's big CPU cores (4 x Cortex-A78-class at
+    # 2.4 GHz: 2 x 128-bit FMA units, ~150 GFLOP/s fp32, ~25 GB/s LPDDR5), a phone GPU
+    # (~1 TFLOP/s fp16), the ANE (~17 TOPS fp16 as Apple states for A15/M1-class) and the
+    # Hexagon HTP (~15 TOPS int8 as Qualcomm states for its 8-series)
+    peaks = {
+        "xnnpack": {"float32": 150e9, "int8": 600e9},
+        "vulkan": {"float32": 500e9, "float16": 1e12},
+        "coreml-ane": {"float32": 17e12, "float16": 17e12},
+        "qnn-htp": {"float32": 7.5e12, "float16": 7.5e12, "int8": 15e12},
+    }
+    family = p.name.split("-")[0] if p.name.startswith("xnnpack") else p.name
+    if p.name.startswith("litert"):
+        family = "xnnpack"
+    return Target(
+        name=p.name,
+        description=p.title,
+        kind="edge",
+        peak_flops=peaks.get(family, peaks["xnnpack"]),
+        mem_bandwidth=25e9 if family in ("xnnpack", "vulkan") else 50e9,
+        memory_bytes=8 * 2**30,
+        dtypes=tuple(dtype_key(d) for d in p.dtypes if d != "bool"),
+        preferred_dtype=dtype_key(p.dtypes[0]),
+        source=p.source,
+        notes=(f"edge profile {p.name}: legalise with the 'edge' rules (rules/legalize)",)
+        + p.notes,
+    )
+
+
+#: the profiles as Targets (kind "edge"), for the planner and `--target`
+EDGE_TARGETS: dict[str, Target] = {name: _target(p) for name, p in PROFILES.items()}
