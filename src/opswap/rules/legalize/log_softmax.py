@@ -9,7 +9,7 @@ import math
 import torch.fx as fx
 
 from opswap.graph.ops import arg
-from opswap.graph.shapes import info
+from opswap.graph.shapes import dynamic_dims, info
 from opswap.rules._edits import call, replace_with
 from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
@@ -56,6 +56,11 @@ class LogSoftmax(Rule):
             )
         if setting(node, "dtype", None) is not None or not xi.dtype.is_floating_point:
             return Refused(f"{node.name} converts its dtype; the written form keeps {xi.dtype}")
+        if rank - 1 in dynamic_dims(x):
+            return Refused(
+                f"the last dim of {x.name} varies; log N is written as a constant of the "
+                "written-out form"
+            )
         n = int(xi.shape[-1])
         return Found(
             (node,),
@@ -67,9 +72,9 @@ class LogSoftmax(Rule):
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         node, x, rank, n, g = found.nodes[0], found["x"], found["rank"], found["hidden"], gm.graph
         with g.inserting_before(node):
-            s = call(g, node, "sub.Tensor", (x, max_last(g, node, x, rank, n)))
+            s = call(g, node, "sub.Tensor", (x, max_last(g, node, x, rank)))
             e = call(g, node, "exp", (s,))
-            lse = call(g, node, "log", (mean_last(g, node, e, rank, n),))
+            lse = call(g, node, "log", (mean_last(g, node, e, rank),))
             y = call(g, node, "sub.Tensor", (s, lse))
         replace_with(gm, node, "sub.Tensor", (y, math.log(n)))
 

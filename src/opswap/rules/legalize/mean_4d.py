@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from opswap.graph.ops import arg, copy_meta
 from opswap.graph.shapes import info
-from opswap.rules._edits import replace_with
+from opswap.rules._edits import call, replace_with
 from opswap.rules._matching import setting
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.legalize._mean import mean_last
@@ -28,8 +28,11 @@ def _dims(node: fx.Node) -> list[int] | None:
 class Mean4d(Rule):
     """x.mean(-1) of x [N, H] or [B, S, H] written as the 4-D mean XNNPACK takes:
 
-        [N, H] -reshape-> [1, N, H, 1];  [B, S, H] -unsqueeze(-1)-> [B, S, H, 1] -mean((2, 3), keepdim)-> [B, S, 1, 1]
+        [N, H] -> [N, H, 1, 1] -permute-> [1, N, H, 1];  [B, S, H] -unsqueeze(-1)-> [B, S, H, 1] -mean((2, 3), keepdim)-> [B, S, 1, 1]
                   -flatten-> [B, S, 1] (keepdim) or [B, S]
+
+    and a global average pool written as x.mean((2, 3)) of x [B, C, H, W] as the same mean
+    with keepdim, then flattened to [B, C].
 
     Exact (the same sum over H; its order is the kernel's). ExecuTorch's XNNPACK
     partitioner takes mean.dim only on a 4-D input over dims (2, 3) with keepdim
@@ -43,6 +46,7 @@ class Mean4d(Rule):
     targets = ("edge",)
     relieves = ("delegation:reduce",)
     anchors = ("mean",)
+    after = ("pooling.*",)
     description = (
         "mean over the last dim of a 2-D/3-D tensor -> 4-D mean over dims (2, 3) with "
         "keepdim, the mean XNNPACK delegates (global average pooling)."
@@ -62,10 +66,12 @@ class Mean4d(Rule):
         norm = sorted(d % rank for d in dims) if rank else []
         if rank == 4 and norm == [2, 3] and keep:
             return None  # already the form the delegate takes
-        if rank not in (2, 3) or norm != [rank - 1]:
+        pooled = rank == 4 and norm == [2, 3]  # global average pooling without keepdim
+        if not pooled and (rank not in (2, 3) or norm != [rank - 1]):
             return Refused(
                 f"{node.name} averages dims {norm} of a rank-{rank} tensor; only a mean over "
-                "the last dim of a 2-D or 3-D tensor is rewritten into the 4-D form"
+                "the last dim of a 2-D or 3-D tensor (or dims 2 and 3 of a 4-D one) is "
+                "rewritten into the 4-D form"
             )
         if not xi.dtype.is_floating_point:
             return Refused(f"{x.name} is {xi.dtype}; the delegate averages floats")
@@ -79,8 +85,13 @@ class Mean4d(Rule):
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         node, x, rank = found.nodes[0], found["x"], found["rank"]
+        if rank == 4:  # [B, C, H, W] -> [B, C, 1, 1] -> [B, C]
+            with gm.graph.inserting_before(node):
+                m = call(gm.graph, node, "mean.dim", (x, [2, 3], True))
+            replace_with(gm, node, "flatten.using_ints", (m, 1))
+            return
         with gm.graph.inserting_before(node):
-            m = mean_last(gm.graph, node, x, rank, found["hidden"])  # keepdim: [.., 1]
+            m = mean_last(gm.graph, node, x, rank)  # keepdim: [.., 1]
         if found["keepdim"]:
             node.replace_all_uses_with(m)
             copy_meta(m, node)

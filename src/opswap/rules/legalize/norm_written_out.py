@@ -97,15 +97,9 @@ class NormWrittenOut(Rule):
             w = arg(node, 2, "weight")
             b = arg(node, 3, "bias") if layer else None
         with g.inserting_before(node):
-            d = (
-                call(g, node, "sub.Tensor", (x, mean_last(g, node, x, rank, found["hidden"])))
-                if layer
-                else x
-            )
+            d = call(g, node, "sub.Tensor", (x, mean_last(g, node, x, rank))) if layer else x
             sq = call(g, node, "mul.Tensor", (d, d))
-            var = call(
-                g, node, "add.Tensor", (mean_last(g, node, sq, rank, found["hidden"]), found["eps"])
-            )
+            var = call(g, node, "add.Tensor", (mean_last(g, node, sq, rank), found["eps"]))
             y = call(g, node, "mul.Tensor", (d, call(g, node, "rsqrt", (var,))))
             if w is not None:
                 y = call(g, node, "mul.Tensor", (y, w))

@@ -74,9 +74,11 @@ def _mean_4d_inner(node: fx.Node) -> str | None:
     dims = _arg(node, 1) or []
     rank = x.dim()
     dims = sorted(d % rank for d in dims) if rank else []
-    if rank != 4 or dims != [2, 3] or not _arg(node, 2, node.kwargs.get("keepdim", False)):
+    keep = bool(_arg(node, 2, node.kwargs.get("keepdim", False)))
+    if rank != 4 or dims != [2, 3] or not keep:
         return (
-            f"mean over dims {dims} of a rank-{rank} tensor; the delegate averages a 4-D "
+            f"mean over dims {dims} of a rank-{rank} tensor (keepdim={keep}); the delegate "
+            "averages a 4-D "
             "tensor over its last two dims with keepdim (global average pooling)"
         )
     return None
