@@ -252,17 +252,18 @@ def edge_race(
         try:
             path, d = build()
             entries.append(EdgeEntry(name, path, _executorch_runner(path), d))
-        except (ExportError, InputError) as e:
-            entries.append(EdgeEntry(name, None, error=str(e)))
-        except Exception as e:  # an exporter's own failure, said in one line
-            entries.append(EdgeEntry(name, None, error=f"{type(e).__name__}: {str(e)[:200]}"))
+        except (ExportError, InputError) as err:
+            entries.append(EdgeEntry(name, None, error=str(err)))
+        except Exception as err:  # an exporter's own failure, said in one line
+            why = f"{type(err).__name__}: {str(err)[:200]}"
+            entries.append(EdgeEntry(name, None, error=why))
     notes = ["ExecuTorch programs are built at the example's shapes (static)"]
     if tflite is not None:
         p = Path(tflite)
         try:
             entries.append(EdgeEntry("litert", p, LiteRTRunner(p)))
-        except Exception as e:
-            entries.append(EdgeEntry("litert", p, error=f"LiteRT could not load {p.name}: {e}"))
+        except Exception as err:
+            entries.append(EdgeEntry("litert", p, error=f"LiteRT could not load {p.name}: {err}"))
     else:
         notes.append("no .tflite file was given: LiteRT is not in this race")
     with torch.no_grad():
