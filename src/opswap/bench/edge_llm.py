@@ -54,7 +54,8 @@ def _quantized(model: torch.nn.Module, group: int) -> torch.nn.Module:
         quantize_(
             model,
             Int8DynamicActivationIntxWeightConfig(
-                weight_dtype=torch.int4, weight_granularity=PerGroup(group)
+                weight_dtype=torch.int4,  # type: ignore[attr-defined]  # not in the stubs
+                weight_granularity=PerGroup(group),
             ),
         )
     return model
