@@ -15,7 +15,10 @@ torch.export program converted there by benchmarks/_litert_convert.py, run here 
 ai_edge_litert's interpreter, XNNPACK delegate); verifies each (cosine, top-1) and times
 them interleaved. Each row: the delegated share of compute ops and of all ops for both
 ExecuTorch programs, every op each leaves outside with the reason, ms per variant, the
-winner and the ratios opswap/default and opswap/litert (below 1: opswap faster).
+winner and the ratios opswap/default and opswap/litert (below 1: opswap faster); and
+`offline`: the model converted by coremltools to an .mlpackage (running it needs Apple
+hardware) with the ANE op-set check, and the QNN (Hexagon) op-set check, from the
+op-set description only.
 Writes DIR/edge_cpu.json.
 """
 
@@ -65,7 +68,7 @@ def main() -> int:
     p.add_argument("--no-decoder", action="store_true")
     a = p.parse_args()
 
-    from opswap.bench.edge import edge_race
+    from opswap.bench.edge import edge_race, offline_checks
     from opswap.models.zoo import load_zoo
 
     rows = []
@@ -78,6 +81,7 @@ def main() -> int:
             if a.litert_python:
                 tfl, why = convert(a.litert_python, model, inputs, work)
             race = edge_race(model, inputs, work / "race", tflite=tfl, rounds=a.rounds)
+            offline = offline_checks(model, inputs, work)
         d = race.to_dict()
         ms = {e["name"]: e["median_ms"] for e in d["entries"]}
         ours, base, lite = ms.get("opswap+executorch"), ms.get("executorch"), ms.get("litert")
@@ -90,6 +94,7 @@ def main() -> int:
             "opswap_vs_litert": None if not (ours and lite) else round(ours / lite, 3),
             "litert": "converted" if tfl else f"not converted: {why}",
             "entries": d["entries"],
+            "offline": offline,
         }
         rows.append(row)
         share = {

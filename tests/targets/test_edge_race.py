@@ -65,3 +65,16 @@ def test_a_missing_tflite_is_an_entry_that_says_why(gpt_race: EdgeRace) -> None:
         pytest.skip("ai_edge_litert is not installed")
     lite = gpt_race.entry("litert")
     assert not lite.verified and "LiteRT could not load no.tflite" in lite.error
+
+
+def test_offline_checks_convert_for_core_ml_and_read_qnn_op_set(tmp_path) -> None:
+    pytest.importorskip("coremltools")
+    from opswap.bench.edge import offline_checks
+
+    m = load_zoo("resnet", "zoo:resnet", {"batch": 1, "image_size": 16, "width": 8})
+    got = offline_checks(m.module, tuple(m.example_inputs), tmp_path)
+    assert got["coreml"]["converted"] and (tmp_path / "model.mlpackage").exists()
+    assert "Apple hardware" in got["coreml"]["runs"]
+    # the ANE and HTP take no float32: every op is named outside with that reason
+    assert got["qnn"]["compute_share"] == 0.0 and "no QNN SDK" in got["qnn"]["runs"]
+    assert any("float32" in o["why"] for o in got["coreml"]["ane_op_set"]["outside"])

@@ -297,3 +297,36 @@ def edge_race(
         if saved.resolve() != best.path.resolve():
             shutil.copyfile(best.path, saved)
     return EdgeRace(entries, None if best is None else best.name, saved, notes)
+
+
+def offline_checks(model: nn.Module, inputs: tuple, directory: str | Path) -> dict[str, Any]:
+    """The back ends this machine cannot run, checked as far as it can: Core ML (the model
+    converted by coremltools to an .mlpackage, which runs on Linux, and its program read
+    against the ANE's op set) and QNN (the program read against the Hexagon HTP's op set
+    only: no QNN SDK here). Each says what it did not do."""
+    model = model.eval()
+    program = torch.export.export(model, tuple(inputs)).run_decompositions({})
+    out: dict[str, Any] = {}
+    coreml: dict[str, Any] = {"runs": "not here: running a Core ML model needs Apple hardware"}
+    try:
+        import coremltools as ct
+
+        from opswap.backends.runtime_module import quiet
+
+        path = Path(directory) / "model.mlpackage"
+        with quiet():
+            ml = ct.convert(
+                program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS17
+            )
+            ml.save(str(path))
+        coreml.update(converted=True, file=path.name, coremltools=ct.__version__)
+    except ImportError:
+        coreml.update(converted=False, error="coremltools is not installed")
+    except Exception as e:  # the converter names the op it lacks
+        coreml.update(converted=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    coreml["ane_op_set"] = delegation(program, "coreml-ane").to_dict()
+    out["coreml"] = coreml
+    qnn = delegation(program, "qnn-htp").to_dict()
+    qnn["runs"] = "not here: op-set description only (no QNN SDK to compile or run)"
+    out["qnn"] = qnn
+    return out
