@@ -42,6 +42,8 @@ from torch.utils import _pytree as pytree
 from opswap.errors import ExportError, InputError
 from opswap.targets.edge import Delegation, delegation
 
+#: calls per variant in each round of the timing loop, and untimed calls before them
+_BLOCK, _SETTLE = 3, 2
 #: the least cosine (every output against the model's) a variant must reach to be verified
 MIN_COSINE = 0.999
 
@@ -237,7 +239,7 @@ def edge_race(
 ) -> EdgeRace:
     """Race the edge variants of `model` (in eval mode, at `inputs`' shapes) on this CPU:
     each built into `directory`, checked on `samples` fresh inputs against the model, timed
-    `rounds` times interleaved; the fastest verified file is copied to
+    in `rounds` interleaved rounds (a block of calls each, after untimed ones); the fastest verified file is copied to
     `directory`/model.<its suffix>. A variant that cannot be built says why in its entry."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -282,12 +284,17 @@ def edge_race(
         times: dict[str, list[float]] = {e.name: [] for e in live}
         for e in live:  # warm-up
             e.run(*inputs) if e.run else None
+        # in blocks: LiteRT's XNNPACK thread pool spin-waits after each call, and an
+        # ExecuTorch call right after one ran 6-12x slower on zoo:gpt (0.7 -> 8 ms on the
+        # 2-core VM); the first calls of a block wait that out, untimed
         for _ in range(rounds):
             for e in live:
                 assert e.run is not None
-                t0 = time.perf_counter()
-                e.run(*inputs)
-                times[e.name].append(time.perf_counter() - t0)
+                for i in range(_SETTLE + _BLOCK):
+                    t0 = time.perf_counter()
+                    e.run(*inputs)
+                    if i >= _SETTLE:
+                        times[e.name].append(time.perf_counter() - t0)
     for e in live:
         e.ms = statistics.median(times[e.name]) * 1e3
     best = min(live, key=lambda e: e.ms or float("inf"), default=None)
