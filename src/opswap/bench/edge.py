@@ -181,9 +181,14 @@ def default_executorch(model: nn.Module, inputs: tuple, path: Path) -> tuple[Pat
 def legalised_module(model: nn.Module, inputs: tuple, target: str = "xnnpack") -> nn.Module:
     """`model` planned for the edge `target` (the legalisation rules and the exact rules for
     any target) and applied: a new module; `model` is untouched."""
-    from opswap.api import apply, plan
+    from opswap.graph.capture import capture
+    from opswap.planner import apply_plan, make_plan
 
-    return apply(model, inputs, plan(model, inputs, target=target))
+    captured = capture(model, inputs)
+    applied = apply_plan(captured, make_plan(captured, target=target))
+    if applied.failed:
+        raise ExportError(f"the plan for {target} did not apply: {applied.failed[0]}.")
+    return applied.gm
 
 
 def opswap_executorch(model: nn.Module, inputs: tuple, path: Path) -> tuple[Path, Delegation]:
