@@ -26,7 +26,9 @@ What the lowering does, in order:
    (`attention_for_xnnpack`), which XNNPACK takes; ExecuTorch's own decomposition of
    the op leaves its scaling, copies and empty-row guard on the portable kernels. And
    split_with_sizes becomes one slice per piece, whose outputs keep their dynamic
-   sizes in the .pte (ExecuTorch's split_with_sizes_copy kept the example's).
+   sizes in the .pte (ExecuTorch's split_with_sizes_copy kept the example's). And in the
+   edge dialect a reshape with one symbolic size is written with -1 for it
+   (backends._edge_views), which XNNPACK's reshape takes.
 3. `to_edge_transform_and_lower` with the XnnpackPartitioner (the delegate takes what
    XNNPACK runs; the rest stays on ExecuTorch's portable kernels), then
    `to_executorch()`, written as one .pte file.
@@ -92,9 +94,14 @@ def lower_to_edge(
         )
         from executorch.exir import to_edge_transform_and_lower
 
+        from opswap.backends._edge_views import one_inferred_dim
+
         lower = for_executorch if lowerings else None
         program = to_aten(program, kept, upper_bound, "ExecuTorch", lower=lower)
-        return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+        passes = [one_inferred_dim] if lowerings else None
+        return to_edge_transform_and_lower(
+            program, transform_passes=passes, partitioner=[XnnpackPartitioner()]
+        )
 
 
 def to_pte(

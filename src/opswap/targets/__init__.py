@@ -11,11 +11,12 @@ from __future__ import annotations
 from opswap.errors import TargetError
 from opswap.targets.base import DTYPE_KEYS, Target, dtype_key
 from opswap.targets.cpu import get_cpu_target
+from opswap.targets.edge.profiles import EDGE_TARGETS
 from opswap.targets.nvidia import NVIDIA_TARGETS
 
 __all__ = ["DTYPE_KEYS", "Target", "dtype_key", "get_target", "list_targets", "register_target"]
 
-_REGISTRY: dict[str, Target] = dict(NVIDIA_TARGETS)
+_REGISTRY: dict[str, Target] = {**NVIDIA_TARGETS, **EDGE_TARGETS}
 _ALIASES = {
     "h100-sxm": "h100",
     "h100_sxm": "h100",
