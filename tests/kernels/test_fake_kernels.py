@@ -415,6 +415,24 @@ def _winograd_samples() -> dict[str, list[Sample]]:
     }
 
 
+def _sparse_samples() -> dict[str, list[Sample]]:
+    """x [M, K] against a [6, 8] weight with half its entries zero, in CSR and in 2x2 BSR."""
+    w = _randn(6, 8)
+    w = w * (torch.arange(48, device=DEVICE).reshape(6, 8) % 2)
+    b = _randn(6)
+    csr, bsr = w.to_sparse_csr(), w.to_sparse_bsr((2, 2))
+    parts = [
+        (m.crow_indices().clone(), m.col_indices().clone(), m.values().clone()) for m in (csr, bsr)
+    ]  # values [nnz] for CSR, [blocks, 2, 2] for BSR
+    return {
+        "sparse_linear": [
+            Sample(f"{kind}: {s.label}", (*s.args, *p, b, 6))
+            for kind, p in zip(("csr", "bsr"), parts, strict=True)
+            for s in _over([(3, 8), (1, 8)], lambda x: (x,))
+        ]
+    }
+
+
 def _topk_samples() -> dict[str, list[Sample]]:
     shapes = [(3, 5, 7), (1, 1, 9), (2, 3, 1, 6)]
     return {
@@ -535,6 +553,7 @@ def samples() -> dict[str, list[Sample]]:
         _low_bit_samples,
         _conv_algorithm_samples,
         _winograd_samples,
+        _sparse_samples,
         _topk_samples,
         _rnn_samples,
         _loss_samples,

@@ -73,7 +73,15 @@ def test_constexpr_globals_survive_inductors_copy(name, fn):
 
 #: the kernels' float scalars (every other scalar is a size or a stride)
 FLOAT_ARGS = ("qk_scale", "scale", "eps", "offset", "factor", "slope")
-_POINTERS = {"len_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32"}
+_POINTERS = {
+    "len_ptr": "*i32",
+    "pos_ptr": "*i32",
+    "w_ptr": "*fp32",
+    # the fused AdamW's tables of tensor addresses, element counts and work items
+    "tab_ptr": "*i64",
+    "num_ptr": "*i64",
+    "work_ptr": "*i64",
+}
 
 
 def _constexpr_value(name: str):
