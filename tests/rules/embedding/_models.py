@@ -93,3 +93,18 @@ def lossy(model, rule, samples, calibrate=False):
     applied = apply_plan(cap, p)
     assert not p.failed and not applied.failed
     return p, applied
+
+
+def check_tables_shrink(method: str, rule: str, ratio: int, rel: float) -> None:
+    """`rule` stores the bags' tables `ratio` times smaller (int8 adds 8 bytes a row for
+    its scale and bias), says so in each site's description, and stays within `rel`."""
+    bags = ["embedding.bag", "embedding.batched"]
+    m = Tables().eval()
+    p, _ = plan(m, inputs(), [*bags, rule], method, exactness="approx", rel=rel)
+    got = fired(p, rule)
+    assert len(got) == 3, (p.decisions, p.misses)  # the batched group, weighted, mean
+    for d in got:
+        rec = d.site.data
+        extra = 8 * rec["rows"] if ratio == 4 else 0
+        assert rec["bytes_after"] == rec["bytes_before"] // ratio + extra, rec
+        assert " -> " in d.site.description and "float32" in d.site.description
