@@ -71,7 +71,13 @@ def run_tests(out: Path, workers: int, paths: list[str]) -> dict:
             stdout=f,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            # the carried peers' wheels (Liger-Kernel, ...) stay importable after src
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
+                ),
+            },
         )
     tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
     return {
