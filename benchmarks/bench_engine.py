@@ -75,12 +75,13 @@ def _model(smoke: bool, device: str, dtype: torch.dtype, init: float = 0.1) -> A
     return transformers.LlamaForCausalLM(cfg).eval().to(device, dtype)
 
 
-def _run(model: Any, prompts: list[list[int]], new: int, caching: bool, opts: dict) -> dict:
-    from opswap.llm import LLMEngine, SamplingParams
+def _caching_engine(model: Any, caching: bool, opts: dict) -> tuple[Any, list[float]]:
+    """An engine with prefix caching on or off whose scheduler calls add their time to
+    the returned one-item list (schedule and its end-of-step bookkeeping)."""
+    from opswap.llm import LLMEngine
 
     engine = LLMEngine(model, prefix_caching=caching, **opts)
-    sched = engine.scheduler
-    spent = [0.0]
+    sched, spent = engine.scheduler, [0.0]
 
     def timed(fn: Any) -> Any:
         def wrapper(*a: Any) -> Any:
@@ -93,10 +94,22 @@ def _run(model: Any, prompts: list[list[int]], new: int, caching: bool, opts: di
 
     sched.schedule = timed(sched.schedule)  # type: ignore[method-assign]
     sched.finish_step = timed(sched.finish_step)  # type: ignore[method-assign]
+    return engine, spent
+
+
+def _run(engine: Any, spent: list[float], prompts: list[list[int]], new: int) -> dict:
+    """The prompts queued at once on `engine` (reused across rounds, so that CUDA graphs
+    and kernels are ready before the clock starts) and run to the end."""
+    from opswap.llm import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=new)
-    for p in prompts:
-        engine.add_request(p, params)
+    before, spent[0] = engine.stats(), 0.0
+    hits, queried = engine.blocks.hit_blocks, engine.blocks.queried_blocks
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, str(i))
     util = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
@@ -109,11 +122,13 @@ def _run(model: Any, prompts: list[list[int]], new: int, caching: bool, opts: di
     return {
         "wall_s": wall,
         "tokens_per_s": len(prompts) * new / wall,
-        "steps": s.steps,
-        "tokens_computed": s.tokens_computed,
+        "steps": s.steps - before.steps,
+        "tokens_computed": s.tokens_computed - before.tokens_computed,
         "scheduler_s": spent[0],
         "scheduler_share": spent[0] / wall,
-        "hit_rate": s.blocks.hit_rate,
+        # this run's share of full prompt blocks found in the cache
+        "hit_rate": (engine.blocks.hit_blocks - hits)
+        / max(engine.blocks.queried_blocks - queried, 1),
         "utilisation_at_busiest": busiest,
         "blocks_in_use_after": s.blocks.in_use,
     }
@@ -414,12 +429,28 @@ def main() -> None:
                 max_num_batched_tokens=512 if smoke else 2048, device=device, dtype=dtype)  # fmt: skip
     opts["num_blocks"] = n_req * (-(-(max(lengths) + 4 * bs + new) // bs)) + 8
 
-    _run(model, distinct[:2], 4, True, opts)  # warm-up
-    runs: dict[str, list[dict]] = {"distinct_caching": [], "distinct_no_caching": []}
-    for _ in range(args.rounds):
-        runs["distinct_caching"].append(_run(model, distinct, new, True, opts))
-        runs["distinct_no_caching"].append(_run(model, distinct, new, False, opts))
-    runs["shared_caching"] = [_run(model, shared, new, True, opts)]
+    # one engine per setting, warmed on a full run of other prompts of the same lengths;
+    # every round then brings fresh prompts (the caching engine finds none of them: a 0%
+    # hit rate, its pool still holding the earlier rounds' blocks), the settings taking
+    # turns first (ABBA), so that neither always follows the other
+    def fresh() -> list[list[int]]:
+        return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+    engines = {
+        "distinct_caching": _caching_engine(model, True, opts),
+        "distinct_no_caching": _caching_engine(model, False, opts),
+    }
+    warm = fresh()
+    for engine, spent in engines.values():
+        _run(engine, spent, warm, new)
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for r in range(args.rounds):
+        prompts = distinct if r == 0 else fresh()
+        for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
+            runs[name].append(_run(*engines[name], prompts, new))
+    shared_engine = _caching_engine(model, True, opts)
+    _run(*shared_engine, warm, new)
+    runs["shared_caching"] = [_run(*shared_engine, shared, new)]
     hf = []
     for p in distinct[:4]:
         ids = torch.tensor([p], device=device)
