@@ -407,6 +407,16 @@ ATTENTION_E2E_MODELS = [
 ]
 
 
+#: issue 40's end-to-end rows: torchvision ResNet-50 and ConvNeXt-T (large depthwise
+#: kernels), bf16, batch 64; the race holds input, opswap, compile, opswap+compile and
+#: their CUDA-graph forms (the issue: opswap without compile at most compile's time, and
+#: opswap+compile at least 1.25x compile in the same run)
+CONV_E2E_MODELS = [
+    ("torchvision:resnet50", {"batch": "64"}),
+    ("torchvision:convnext_tiny", {"batch": "64"}),
+]
+
+
 def variants_table(device: str, target: str, dtype: str, models: list | None = None) -> list[dict]:
     """The variants race (input, capture, opswap, torch.compile of each) per model."""
     from opswap.config import OptimizeConfig
@@ -600,7 +610,7 @@ def main() -> None:
     ap.add_argument(
         "--only",
         # every KERNEL_PARTS key is a part, beside the parts with their own code below
-        choices=sorted({"race", "lowbit", "precision", "attention_e2e", *KERNEL_PARTS}),
+        choices=sorted({"race", "lowbit", "precision", "attention_e2e", "conv_e2e", *KERNEL_PARTS}),
         help="run one part alone: host = benchmarks/bench_host_overhead.py (the host time per eager call of opswap::rms_norm and opswap::layer_norm, layer by layer, beside torch eager and torch.compile; writes host_overhead_CARD.json); race = tests/bench/test_gpu_race.py on one worker (the bf16 race on torchvision ResNet-50 and BERT-base saves the fastest verified variant and it reloads; writes race_CARD.json); int4_stacks = benchmarks/tune_int4.py --stacks-only (the "
         "INT4 decode stacks with the committed launch table, beside bf16 and tinygemm); "
         "tune_int4 = the weight-only kernel's GPU tests, then "
@@ -621,7 +631,7 @@ def main() -> None:
         "benchmarks/bench_kernels18.py (writes kernels18_h200.json); attention = the "
         "FlashAttention kernel's and rule's tests on the GPU, then benchmarks/bench_attention.py "
         "(forward and forward+backward against SDPA's backends, writes attention_h200.json); "
-        "attention_e2e = the variants race of BERT-base with eager attention, bf16, batch 32, "
+        "conv_e2e = the variants race of torchvision ResNet-50 and ConvNeXt-T, bf16, batch 64 (writes conv_e2e_CARD.json); attention_e2e = the variants race of BERT-base with eager attention, bf16, batch 32, "
         "seq 128 (input, opswap, compile, opswap+compile; writes attention_e2e_h200.json); "
         "decode = the decode-attention kernel's and opswap.llm's tests on the GPU, then "
         "benchmarks/bench_decode.py (greedy tokens/s of a 1.1B Llama at batch 1: StaticDecoder "
@@ -676,6 +686,17 @@ def main() -> None:
         res = bench_lowbit.run(path=path)
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(bench_lowbit.table(res))
+        print("wrote", path)
+        return
+    if args.only == "conv_e2e":
+        res = {"env": env(), "variants_cuda_bf16": []}
+        if torch.cuda.is_available():
+            card = torch.cuda.get_device_name(0).split()[1].lower()
+            res["variants_cuda_bf16"] = variants_table("cuda", card, "bfloat16", CONV_E2E_MODELS)
+        else:
+            card = "cpu"
+        path = args.out / f"conv_e2e_{card}.json"
+        path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print("wrote", path)
         return
     if args.only == "attention_e2e":
