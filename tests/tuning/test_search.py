@@ -236,6 +236,7 @@ def test_plans_that_come_out_the_same_are_measured_once():
     class _Plan:
         decisions: list = []
         skipped: list = []
+        misses: list = []
 
     out = joint_search(lambda c: _Plan(), measure, evaluations=5)
     assert len(measured) == 1 and out.kept_greedy and out.evaluations == 1
@@ -309,3 +310,34 @@ def test_the_cli_runs_the_joint_search_and_refuses_a_bad_word(tmp_path, capsys):
     assert json.loads((out / "result.json").read_text())["search"]["evaluations"] <= 2
     assert cli("optimize", "zoo:resnet", *small, "--search", "random", "--out", str(out)) != 0
     assert "search must be greedy or joint" in capsys.readouterr().err
+
+
+def test_the_first_moves_leave_out_the_decisions_that_took_a_node_another_rule_missed_at():
+    from types import SimpleNamespace as NS
+
+    from opswap.rules.base import Miss, Site, Skipped
+    from opswap.tuning.search import _neighbours
+
+    def decision(rule: str, key: str, nodes: tuple[str, ...]) -> NS:
+        return NS(rule=rule, site=Site(rule, key, nodes, ""))
+
+    plan = NS(
+        decisions=[
+            decision("fusion.conv_bn", "c1+bn1", ("c1", "bn1")),
+            decision("layout.drop_dropout", "drop", ("drop",)),
+            decision("fusion.conv_relu", "c2+r2", ("c2", "r2")),
+        ],
+        # conv.algorithm found c2 taken by the fused relu; a miss at c9 names no decision
+        misses=[
+            Miss("conv.algorithm", "c2", "c2 already applies a fused relu"),
+            Miss("conv.algorithm", "c9", "no constant weight"),
+            Miss("fusion.conv_relu", "c2", "its own site"),  # a rule never blocks itself
+        ],
+        skipped=[Skipped("precision.bf16", "c1", "predicted slower on cpu")],
+    )
+    keys = tuple((d.rule, d.site.key) for d in plan.decisions)
+    point = Point(Candidate(), keys, Measurement(1.0, 0.0, True), plan, "greedy")
+    moves = _neighbours(point)
+    assert moves[0] == (("fusion.conv_relu", "c2+r2"), "excluded")
+    assert len(moves) == len(set(moves)) == 4  # three exclusions and one forced site
+    assert moves[-1] == (("precision.bf16", "c1"), "forced")

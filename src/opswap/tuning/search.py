@@ -38,14 +38,16 @@ Choice = tuple[str, str]  # (rule, site key)
 
 
 class Plan(Protocol):
-    """What the search reads of a plan: planner.Plan's decisions (`.rule`, `.site.key`)
-    and skipped sites (`.rule`, `.where`, `.reason`); tuning sits below the planner, so
-    it names the fields, not the class."""
+    """What the search reads of a plan: planner.Plan's decisions (`.rule`, `.site.key`,
+    `.site.nodes`), skipped sites (`.rule`, `.where`, `.reason`) and misses (`.rule`,
+    `.where`); tuning sits below the planner, so it names the fields, not the class."""
 
     @property
     def decisions(self) -> list[Any]: ...
     @property
     def skipped(self) -> list[Any]: ...
+    @property
+    def misses(self) -> list[Any]: ...
 
 
 class SearchError(OpswapError):
@@ -177,10 +179,24 @@ def decision_set(plan: Plan) -> tuple[Choice, ...]:
     return tuple((d.rule, d.site.key) for d in plan.decisions)
 
 
+def _blockers(plan: Plan) -> list[Choice]:
+    """The decisions holding a node that another rule missed at: a fusion that took a
+    conv keeps the conv-algorithm race from it, so leaving that fusion out is the move
+    most likely to open a better rewrite."""
+    missed = {(m.rule, m.where) for m in plan.misses}
+    return [
+        (d.rule, d.site.key)
+        for d in plan.decisions
+        if any(where in d.site.nodes and rule != d.rule for rule, where in missed)
+    ]
+
+
 def _neighbours(point: Point) -> list[tuple[Choice, str]]:
-    """One-choice moves from `point`: leave out one of its decisions, force one of the
-    sites its planning skipped as predicted slower, or undo one earlier choice."""
-    moves: list[tuple[Choice, str]] = [(c, "excluded") for c in point.decisions]
+    """One-choice moves from `point`: leave out one of its decisions (first those that
+    hold a node another rule missed at), force one of the sites its planning skipped as
+    predicted slower, or undo one earlier choice."""
+    moves: list[tuple[Choice, str]] = [(c, "excluded") for c in _blockers(point.plan)]
+    moves += [(c, "excluded") for c in point.decisions]
     moves += [
         ((s.rule, s.where), "forced")
         for s in point.plan.skipped
