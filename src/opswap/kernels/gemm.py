@@ -457,7 +457,7 @@ def _splitk_sum_fn(
     ok = (cm[:, None] < M) & (cn[None, :] < N)
     w = ws_ptr + cm[:, None].to(tl.int64) * N + cn[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, SPLIT):
+    for s in range(0, SPLIT):  # noqa: B007 - the order is the point, not s
         acc += tl.load(w, mask=ok, other=0.0)
         w += sws
     gemm_epilogue(acc, c_ptr, bias_ptr, res_ptr, sa_ptr, sb_ptr, pid_m, pid_n, M, N, srm, srn,
