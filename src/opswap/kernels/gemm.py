@@ -44,6 +44,7 @@ from torch.library import wrap_triton
 
 from opswap.kernels._rows import (
     KernelError,
+    _hint,
     _is_fake,
     interpreting,
     jitted,
@@ -203,8 +204,8 @@ if _triton is not None:
 
     @_triton.jit
     def gemm_acc(
-        a_ptr,  # a pointer, or with TMA a descriptor of A [M, K]
-        b_ptr,  # a pointer, or with TMA a descriptor of B [N, K] (B_KN: [K, N])
+        a_ptr,
+        b_ptr,
         pid_m,
         pid_n,
         M,
@@ -216,8 +217,6 @@ if _triton is not None:
         sak,
         sbk,
         sbn,
-        TMA: tl.constexpr,
-        B_KN: tl.constexpr,
         TF32: tl.constexpr,
         F32: tl.constexpr,
         UPCAST: tl.constexpr,
@@ -225,37 +224,24 @@ if _triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        # the fp32 sum over k in [k_lo, k_hi) of the tile's A slab times its B slab
+        # the fp32 sum over k in [k_lo, k_hi) of the tile's A slab times its B slab, loaded
+        # through pointers. Rows and columns past the edge wrap around (their results are
+        # never stored), so the loads need no M/N mask. No max_contiguous hint: at the wrap
+        # the indices restart at 0, and a vector load of a [K, N] weight's row would read
+        # past column N
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        rn_ = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        rk = tl.arange(0, BLOCK_K)
+        a_tile = a_ptr + rm[:, None].to(tl.int64) * sam + (k_lo + rk)[None, :] * sak
+        b_tile = b_ptr + (k_lo + rk)[:, None] * sbk + rn_[None, :].to(tl.int64) * sbn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if TMA:
-            # the copy engine fetches whole boxes; rows, columns and K steps past the
-            # tensor's edge arrive as zeros, so no masks
-            om = pid_m * BLOCK_M
-            on = pid_n * BLOCK_N
-            for k in range(k_lo, k_hi, BLOCK_K):
-                a = a_ptr.load([om, k])
-                if B_KN:
-                    b = b_ptr.load([k, on])
-                else:
-                    b = b_ptr.load([on, k]).T
-                acc = gemm_dot(acc, a, b, TF32, F32, UPCAST)
-        else:
-            # rows and columns past the edge wrap around (their results are never
-            # stored), so the loads need no M/N mask. No max_contiguous hint: at the wrap
-            # the indices restart at 0, and a vector load of a [K, N] weight's row would
-            # read past column N
-            rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-            rn_ = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-            rk = tl.arange(0, BLOCK_K)
-            a_tile = a_ptr + rm[:, None].to(tl.int64) * sam + (k_lo + rk)[None, :] * sak
-            b_tile = b_ptr + (k_lo + rk)[:, None] * sbk + rn_[None, :].to(tl.int64) * sbn
-            for k in range(k_lo, k_hi, BLOCK_K):
-                left = K - k
-                a = tl.load(a_tile, mask=rk[None, :] < left, other=0.0)
-                b = tl.load(b_tile, mask=rk[:, None] < left, other=0.0)
-                acc = gemm_dot(acc, a, b, TF32, F32, UPCAST)
-                a_tile += BLOCK_K * sak
-                b_tile += BLOCK_K * sbk
+        for k in range(k_lo, k_hi, BLOCK_K):
+            left = K - k
+            a = tl.load(a_tile, mask=rk[None, :] < left, other=0.0)
+            b = tl.load(b_tile, mask=rk[:, None] < left, other=0.0)
+            acc = gemm_dot(acc, a, b, TF32, F32, UPCAST)
+            a_tile += BLOCK_K * sak
+            b_tile += BLOCK_K * sbk
         return acc
 
     @_triton.jit
@@ -342,7 +328,7 @@ def _gemm_fn(
     # "tiled": one program per output tile, the programs in grouped order
     pid_m, pid_n = gemm_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = gemm_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, 0, K, sam, sak, sbk, sbn,
-                   False, False, TF32, F32, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                   TF32, F32, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     gemm_epilogue(acc, c_ptr, bias_ptr, res_ptr, sa_ptr, sb_ptr, pid_m, pid_n, M, N, srm, srn,
                   HAS_BIAS, HAS_RES, SCALED, ACT, RN, BLOCK_M, BLOCK_N)  # fmt: skip
 
@@ -364,6 +350,7 @@ def _persistent_fn(
     sbn,
     srm,
     srn,
+    programs,  # the grid: one program per multiprocessor on a GPU
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
     SCALED: tl.constexpr,
@@ -378,16 +365,27 @@ def _persistent_fn(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    PROGRAMS: tl.constexpr,  # the grid: one program per multiprocessor on a GPU
     FLATTEN: tl.constexpr,  # let the pipeliner run the tile loop and the K loop as one
 ):
-    # "persistent": program p computes tiles p, p + PROGRAMS, ... in the grouped order,
+    # "persistent": program p computes tiles p, p + programs, ... in the grouped order,
     # so consecutive programs work on neighbouring tiles at every step of the loop
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for t in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
+    for t in tl.range(tl.program_id(0), tiles, programs, flatten=FLATTEN):
         pid_m, pid_n = gemm_tile(t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = gemm_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, 0, K, sam, sak, sbk, sbn,
-                       TMA, B_KN, TF32, F32, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        if TMA:
+            # the copy engine fetches whole boxes into shared memory; rows, columns and K
+            # steps past the tensor's edge arrive as zeros, so no masks
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                a = a_ptr.load([pid_m * BLOCK_M, k])
+                if B_KN:
+                    b = b_ptr.load([k, pid_n * BLOCK_N])
+                else:
+                    b = b_ptr.load([pid_n * BLOCK_N, k]).T
+                acc = gemm_dot(acc, a, b, TF32, F32, UPCAST)
+        else:
+            acc = gemm_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, 0, K, sam, sak, sbk, sbn,
+                           TF32, F32, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         gemm_epilogue(acc, c_ptr, bias_ptr, res_ptr, sa_ptr, sb_ptr, pid_m, pid_n, M, N,
                       srm, srn, HAS_BIAS, HAS_RES, SCALED, ACT, RN, BLOCK_M, BLOCK_N)  # fmt: skip
 
@@ -419,7 +417,7 @@ def _splitk_fn(
     k_lo = tl.program_id(1) * k_per
     k_hi = min(k_lo + k_per, K)
     acc = gemm_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, sam, sak, sbk, sbn,
-                   False, False, TF32, F32, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                   TF32, F32, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w = ws_ptr + tl.program_id(1).to(tl.int64) * sws
@@ -799,7 +797,7 @@ def choose_launch(
     "tiled" unless forced. While torch.compile or torch.export traces the op, a persistent
     choice becomes "tiled": their tracing of a Triton kernel takes no host TMA
     descriptors."""
-    m, k = a2.shape
+    m, k, n = _plain(a2.shape[0]), _plain(a2.shape[1]), _plain(n)
     if _FORCED:
         launch = _FORCED[-1]
     elif interpreting():
@@ -811,6 +809,13 @@ def choose_launch(
     if launch.variant == "persistent" and _is_fake(a2):
         return Launch()
     return launch
+
+
+def _plain(v: Any) -> int:
+    """A size as an int without a guard: while torch.compile traces with dynamic shapes,
+    its hint (the launch is a choice of speed; every launch is right at every size)."""
+    h = _hint(v)
+    return h if h is not None else 1
 
 
 def _descriptors(
@@ -898,6 +903,7 @@ def triton_gemm(
             *strides,
             r2.stride(0),
             r2.stride(1),
+            programs,
             **flags,
             **dot,
             TMA=descs is not None,
@@ -906,7 +912,6 @@ def triton_gemm(
             BLOCK_N=bn,
             BLOCK_K=launch.block_k,
             GROUP_M=launch.group_m,
-            PROGRAMS=programs,
             FLATTEN=launch.flatten,
             **_compiled(launch),
         )
@@ -973,7 +978,7 @@ def _run_splitk(
     """Split-K: partial sums of each share of K into an fp32 workspace [splits, M, N],
     then one pass that adds them in split order and applies the epilogue (two launches,
     no atomics: the same bits on every run)."""
-    splits, per = split_count(m, n, k, launch, _sms(a2.device))
+    splits, per = split_count(_plain(m), _plain(n), _plain(k), launch, _sms(a2.device))
     LAST_RUN["splits"] = splits
     bm, bn = launch.block_m, launch.block_n
     ws = torch.empty((splits, m, n), device=a2.device, dtype=torch.float32)
