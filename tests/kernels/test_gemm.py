@@ -173,6 +173,8 @@ def test_variants_match_float64_and_run_as_asked(interpreted, case):
     r = interpreted["variant:" + name]
     assert r["shape"] == [m, n] and r["dtype"] == str(dtype)
     assert r["y"] <= _bound(r, dtype), r
+    # the copy engine is Hopper's (the interpreter reads descriptors anywhere)
+    tma = tma and (not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (9, 0))
     assert (r["variant"], r["tma"], r["splits"]) == (launch.variant, tma, splits)
     assert r["same_bits"]  # split-K adds its partial sums in one order: deterministic
 

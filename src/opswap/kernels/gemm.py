@@ -25,6 +25,19 @@ float32 inputs either exactly ("ieee") or with TF32 tensor cores ("tf32": inputs
 to 10 mantissa bits, accumulate in fp32; Ampere and later); "fp8": float8_e4m3fn inputs
 with per-tensor float32 scales, bfloat16 output, on Hopper (sm90) only.
 
+Variants (`VARIANTS`, chosen per launch by `choose_launch`): "tiled", the kernel above,
+autotuned; "persistent", one program per multiprocessor walking the tiles in the same
+grouped order, its A and B slabs fetched by Hopper's TMA copy engine through host tensor
+descriptors where the tensors allow (row-major, 16-byte aligned rows), else through
+pointers; "splitk", for few rows and long K: K shared among programs that write fp32
+partial sums to a workspace, then a second pass adds them in split order (deterministic,
+no atomics) and runs the epilogue. All three share the grouped order, the K loop and the
+epilogue (`gemm_tile`, `gemm_acc`, `gemm_epilogue`). The choice: a forced launch
+(`forced_launch`, for benchmarks and tests), else the measured launch table
+(gemm_launch.json, by device class, dtype, precision and shape class), else
+`default_launch` (split-K for m <= 64 with K >= 1024 where the tiles fill under half the
+GPU, persistent on sm90 with the TMA API, else tiled).
+
 Where the Triton kernel does not run (a CPU without the interpreter, float64, an FP8
 product off Hopper) the op computes `reference` in PyTorch: the same function in fp32
 (float64 for float64), the TF32 product in float32 (a CPU has no TF32).
@@ -823,7 +836,8 @@ def _descriptors(
 ) -> tuple[Any, Any] | None:
     """Host TMA descriptors of A [M, K] and B (a Linear weight [N, K] or a [K, N] matrix)
     with the launch's block boxes, or None where the tensors' layout does not allow them."""
-    if not (launch.tma and tma_api() and _tma_layout(a2) and _tma_layout(b)):
+    hopper = a2.device.type != "cuda" or torch.cuda.get_device_capability(a2.device) >= (9, 0)
+    if not (launch.tma and hopper and tma_api() and _tma_layout(a2) and _tma_layout(b)):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
