@@ -113,13 +113,25 @@ def _variant_case(launch, m, n, k, dtype, act, has_bias, has_res, bt):
 
 def _gpu_defaults():
     """On a GPU: the launches the op picks itself at a prefill-like and a decode shape
-    (persistent TMA and split-K on an H100 / H200), against float64, run three times."""
+    (persistent TMA and split-K on an H100 / H200), against float64, run twice (the same
+    error to the last bit), and under torch.compile."""
     got = {}
     for name, (m, n, k) in {"prefill": (256, 512, 1024), "decode": (4, 1024, 4096)}.items():
         runs = [_case((m,), n, k, torch.bfloat16, "ieee", "silu", True, True, True)]
         ran = dict(G.LAST_RUN)
         runs += [_case((m,), n, k, torch.bfloat16, "ieee", "silu", True, True, True)]
         got[name] = {**runs[0], **ran, "same_bits": runs[0]["y"] == runs[1]["y"]}
+        # under torch.compile: traced (split-K's two launches and its workspace; a
+        # persistent choice traces the tiled kernel) and compiled by Inductor
+        gen = torch.Generator().manual_seed(m + n)
+        x, w, b = (
+            torch.randn(*s, generator=gen).to("cuda", torch.bfloat16)
+            for s in ((m, k), (n, k), (n,))
+        )
+        fn = torch.compile(lambda x, w, b: G.gemm(x, w, b, None, "silu", True, "ieee"))
+        truth = torch.nn.functional.silu(x.double() @ w.double().t() + b.double())
+        got[name]["compiled"] = rc.rel(fn(x, w, b), truth)
+        got[name]["compiled_torch"] = rc.rel(torch.nn.functional.silu(x @ w.t() + b), truth)
     got["hopper"] = G.tma_ready(torch.device("cuda"))
     return got
 
@@ -185,6 +197,7 @@ def test_gpu_default_launches(interpreted):
     for name, want in (("prefill", "persistent"), ("decode", "splitk")):
         r = interpreted["gpu:" + name]
         assert r["y"] <= _bound(r, torch.bfloat16), (name, r)
+        assert r["compiled"] <= 3 * max(r["compiled_torch"], 2.0**-9), (name, r)
         assert r["same_bits"], name
         if interpreted["gpu:hopper"]:  # the table may pick otherwise on a measured GPU
             assert r["variant"] in (want, "tiled"), (name, r)
