@@ -248,13 +248,14 @@ if _triton is not None:
         a_tile = a_ptr + rm[:, None].to(tl.int64) * sam + (k_lo + rk)[None, :] * sak
         b_tile = b_ptr + (k_lo + rk)[:, None] * sbk + rn_[None, :].to(tl.int64) * sbn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_lo, k_hi, BLOCK_K):
-            left = K - k
+        left = K - k_lo
+        for _i in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
             a = tl.load(a_tile, mask=rk[None, :] < left, other=0.0)
             b = tl.load(b_tile, mask=rk[:, None] < left, other=0.0)
             acc = gemm_dot(acc, a, b, TF32, F32, UPCAST)
             a_tile += BLOCK_K * sak
             b_tile += BLOCK_K * sbk
+            left -= BLOCK_K
         return acc
 
     @_triton.jit
