@@ -254,6 +254,47 @@ def test_launch_table_round_trip_and_choice(tmp_path, monkeypatch):
     assert all(v.variant in G.VARIANTS for v in G.launch_table().values())
 
 
+def test_gpu_variants_compile_for_hopper():
+    """The persistent kernel's TMA loop and flattened tile loop, and split-K's two
+    kernels, built for sm90 by this Triton's compiler on the CPU (the interpreter runs
+    neither the pipeliner nor the TMA lowering): wgmma and bulk tensor copies in the PTX."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the kernel tests above compile and run these kernels")
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from opswap.kernels._rows import jitted
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton has no bundled ptxas to build for sm90")
+
+    def ptx(fn, types, consts):
+        jit = jitted(fn)
+        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in jit.arg_names}
+        cst = {(i,): consts[a] for i, a in enumerate(jit.arg_names) if a in consts}
+        src = ASTSource(jit, sig, cst)
+        opts = dict(num_warps=4, num_stages=3)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+    ptrs = {
+        a: "*bf16" for a in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "res_ptr", "sa_ptr", "sb_ptr")
+    }
+    flags = dict(HAS_BIAS=True, HAS_RES=True, SCALED=False, ACT=4, RN=False)
+    dot = dict(TF32=False, F32=False, UPCAST=False)
+    blocks = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
+    descs = {"a_ptr": "tensordesc<bf16[64, 32]>", "b_ptr": "tensordesc<bf16[64, 32]>"}
+    persistent = ptx(G._persistent_fn, {**ptrs, **descs},
+                     {**flags, **dot, **blocks, "TMA": True, "B_KN": False, "FLATTEN": True})  # fmt: skip
+    assert "cp.async.bulk.tensor" in persistent and "wgmma.mma_async" in persistent
+    assert "mma" in ptx(G._splitk_fn, {**ptrs, "ws_ptr": "*fp32"}, {**dot, **blocks})
+    summed = ptx(
+        G._splitk_sum_fn, {**ptrs, "ws_ptr": "*fp32"}, {**flags, "BLOCK_M": 16, "BLOCK_N": 64}
+    )
+    assert "st.global" in summed
+
+
 def test_kernel_reads_a_transposed_input_view(interpreted):
     assert interpreted["transposed"] <= 1e-5
 
