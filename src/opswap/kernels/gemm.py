@@ -46,6 +46,7 @@ product off Hopper) the op computes `reference` in PyTorch: the same function in
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -668,6 +669,7 @@ def forced_launch(launch: Launch) -> Iterator[None]:
         _FORCED.pop()
 
 
+@functools.cache
 def tma_api() -> bool:
     """Whether this Triton has host-side tensor descriptors that a kernel loads from
     (`triton.tools.tensor_descriptor.TensorDescriptor`, `desc.load`: Triton 3.4 on)."""
@@ -683,9 +685,13 @@ def tma_api() -> bool:
 def tma_ready(device: torch.device) -> bool:
     """Whether the persistent variant is a default on `device`: a Hopper GPU (capability
     9.0) and a Triton with the TMA API."""
-    return (
-        device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and tma_api()
-    )
+    return device.type == "cuda" and _capability(device.index) == (9, 0) and tma_api()
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
 
 
 def _tma_layout(t: torch.Tensor) -> bool:
@@ -768,11 +774,11 @@ def table_launch(
 ) -> Launch | None:
     """The measured launch for this shape class on this GPU, or None (kept per key: every
     launch asks)."""
-    key = (LAUNCH_TABLE, device.index, str(dtype), precision, shape_class(m, n, k))
+    shape = shape_class(m, n, k)
+    key = (LAUNCH_TABLE, device.index, dtype, precision, shape)
     if key not in _TABLE_MEMO:
         from opswap.kernels.crossover import device_class
 
-        shape = shape_class(m, n, k)
         _TABLE_MEMO[key] = launch_table().get(
             _table_key(device_class(device), str(dtype), precision, shape)
         )
@@ -798,9 +804,13 @@ def update_launch_table(rows: list[dict[str, Any]], source: str, path: Path | No
 
 
 def _sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4
+    """The multiprocessors of `device` (4 in the interpreter), asked once per GPU."""
+    return _cuda_sms(device.index) if device.type == "cuda" else 4
+
+
+@functools.cache
+def _cuda_sms(index: int | None) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def choose_launch(
@@ -837,7 +847,7 @@ def _descriptors(
 ) -> tuple[Any, Any] | None:
     """Host TMA descriptors of A [M, K] and B (a Linear weight [N, K] or a [K, N] matrix)
     with the launch's block boxes, or None where the tensors' layout does not allow them."""
-    hopper = a2.device.type != "cuda" or torch.cuda.get_device_capability(a2.device) >= (9, 0)
+    hopper = a2.device.type != "cuda" or _capability(a2.device.index) >= (9, 0)
     if not (launch.tma and hopper and tma_api() and _tma_layout(a2) and _tma_layout(b)):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
