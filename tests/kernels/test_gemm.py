@@ -218,6 +218,7 @@ def test_default_launch_follows_the_shape():
     assert G.default_launch(2048, 2048, 2048, 2, True, 132).block_n == 128
     assert G.default_launch(4096, 4096, 4096, 1, True, 132).block_k == 128  # FP8
     assert G.default_launch(4096, 4096, 4096, 2, False, 132) == G.Launch()  # off Hopper
+    assert G.default_launch(4096, 4096, 4096, 4, True, 132) == G.Launch()  # float32
     assert G.default_launch(16, 4096, 512, 2, False, 132) == G.Launch()  # short K
 
 

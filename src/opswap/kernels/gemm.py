@@ -36,7 +36,7 @@ epilogue (`gemm_tile`, `gemm_acc`, `gemm_epilogue`). The choice: a forced launch
 (`forced_launch`, for benchmarks and tests), else the measured launch table
 (gemm_launch.json, by device class, dtype, precision and shape class), else
 `default_launch` (split-K for m <= 64 with K >= 1024 where the tiles fill under half the
-GPU, persistent on sm90 with the TMA API, else tiled).
+GPU, persistent for 16-bit and FP8 inputs on sm90 with the TMA API, else tiled).
 
 Where the Triton kernel does not run (a CPU without the interpreter, float64, an FP8
 product off Hopper) the op computes `reference` in PyTorch: the same function in fp32
@@ -715,19 +715,21 @@ def default_launch(m: int, n: int, k: int, size: int, hopper_tma: bool, sms: int
     Few rows (m <= 64) and K of at least 1024 whose tiles fill under half the GPU: split-K,
     16 to 64 rows by 64 columns by 128 K (64 for float32) per program, 4 stages, 4 warps
     (a memory-bound program streams its weight slice; more splits put more loads in
-    flight). Otherwise on Hopper: persistent with TMA, 128 x 256 x 64, 3 stages, 8 warps
-    where those tiles make at least one per multiprocessor, else 128 x 128 x 64, 4 stages,
-    8 warps (the bf16 starting points of Triton's persistent matmul tutorial and of
-    Inductor's persistent TMA template for sm90; K steps of 128 for 1-byte FP8 and 32 for
-    float32, to keep the stages in shared memory). Elsewhere: "tiled", autotuned."""
+    flight). Otherwise on Hopper, for 2-byte and 1-byte (FP8) inputs: persistent with TMA,
+    128 x 256 x 64, 3 stages, 8 warps where those tiles make at least one per
+    multiprocessor, else 128 x 128 x 64, 4 stages, 8 warps (the bf16 starting points of
+    Triton's persistent matmul tutorial and of Inductor's persistent TMA template for
+    sm90; K steps of 128 for FP8, the same bytes a stage). Elsewhere, float32 included
+    (its exact product runs on the CUDA cores, where the autotuner's smaller tiles were
+    measured): "tiled", autotuned."""
     if m <= 64 and k >= 1024:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         bk = 64 if size >= 4 else 128
         tiles = -(-m // bm) * -(-n // 64)
         if 2 * tiles <= sms:
             return Launch("splitk", bm, 64, bk, 1, 4, 4)
-    if hopper_tma and m > 64:
-        bk = 128 if size == 1 else 32 if size >= 4 else 64
+    if hopper_tma and m > 64 and size <= 2:
+        bk = 128 if size == 1 else 64
         if -(-m // 128) * -(-n // 256) >= sms:
             return Launch("persistent", 128, 256, bk, 8, 3, 8)
         return Launch("persistent", 128, 128, bk, 8, 4, 8)
