@@ -20,10 +20,19 @@ Peers: cuBLAS (`F.linear`, i.e. torch.mm with the weight transposed), torch.comp
 same function (default), and torch.compile(mode="max-autotune-no-cudagraphs") on a few
 shapes only (its template search takes tens of seconds a shape). Timed with
 triton.testing.do_bench (median; ours called once first, so autotuning is not timed).
+
+Ours is timed as the op chooses (`ours`: the launch table's choice or the default;
+`ours_variant` says which ran) and as each candidate variant forced (`variants`:
+{name: ms}): "tiled" (autotuned) everywhere, the persistent kernel at three
+configurations on rows of more than 64 (on Hopper with the TMA API), split-K at three on
+rows of up to 64 with K >= 1024 (kernels/gemm.py `candidates`).
 The bf16 ceiling is the best cuBLAS TFLOP/s of the run (the square sweep includes
 8192^3). Each row checks ours against cuBLAS (relative L2) before timing.
-`--update-crossover` writes the llm rows (ours against cuBLAS, and against compile where
-timed) into kernels/crossover.json under "gemm", which matmul.gemm reads without a timer.
+`--update-crossover` writes, per shape class of the square and llm rows, the candidate
+with the lowest summed time over cuBLAS's into kernels/gemm_launch.json (the launch the op
+then runs there), and the llm rows, timed at that launch, against cuBLAS (and compile
+where timed) into kernels/crossover.json under "gemm", which matmul.gemm reads without a
+timer.
 """
 
 from __future__ import annotations
@@ -97,6 +106,25 @@ class Peers:
         self.autotuned = torch.compile(_mm, dynamic=False, mode=mode) if real else _mm
 
 
+def candidates(m: int, k: int, device: str) -> dict[str, kg.Launch]:
+    """The forced launches a row times beside the op's own choice: "tiled" (autotuned);
+    on more than 64 rows and Hopper with TMA, the persistent kernel at 128 x 256 x 64 (3
+    stages, 8 warps, the tile loop flattened into the K loop and not) and 128 x 128 x 64 (4
+    stages, 8 warps); on up to 64 rows with K >= 1024, split-K with 64- and 128-column
+    tiles (K steps of 128) and 64 columns with K steps of 256, the split from the shape."""
+    out = {"tiled": kg.Launch()}
+    hopper = device == "cuda" and kg.tma_ready(torch.device("cuda"))
+    if m > 64 and (hopper or device != "cuda"):
+        for bn, stages, flat in ((256, 3, True), (256, 3, False), (128, 4, True)):
+            lau = kg.Launch("persistent", 128, bn, 64, 8, stages, 8, flatten=flat)
+            out[f"persistent_128x{bn}x64_s{stages}" + ("" if flat else "_nested")] = lau
+    if m <= 64 and k >= 1024:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        for bn, bk, stages in ((64, 128, 4), (128, 128, 4), (64, 256, 3)):
+            out[f"splitk_{bm}x{bn}x{bk}_s{stages}"] = kg.Launch("splitk", bm, bn, bk, 1, stages, 4)
+    return out
+
+
 def gemm_row(
     section: str, m: int, n: int, k: int, device: str, peers: Peers, autotune: bool
 ) -> dict[str, Any]:
@@ -116,8 +144,33 @@ def gemm_row(
                 out[f"{name}_tflops"] = 2 * m * n * k / (ms * 1e-3) / 1e12
             except Exception as e:  # a failing variant is a row's note, not the run's end
                 out[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        kg.LAST_RUN.clear()
+        _ours(x, w)
+        out["ours_variant"] = dict(kg.LAST_RUN)
+        variants: dict[str, float] = {}
+        launches: dict[str, dict[str, Any]] = {}
+        for name, launch in candidates(m, k, device).items():
+            if launch == kg.Launch() and out["ours_variant"].get("variant") == "tiled":
+                if "ours_ms" in out:  # the op chose the autotuned tiled kernel: timed above
+                    variants[name] = out["ours_ms"]
+                    launches[name] = {**launch.to_json(), "ran": out["ours_variant"]}
+                    continue
+            try:
+                with kg.forced_launch(launch):
+                    err = rel(_ours(x, w), _mm(x, w))
+                    if err > 2e-2:  # a wrong result is not timed
+                        raise RuntimeError(f"relative L2 {err:.2e} against cuBLAS")
+                    variants[name] = time_ms(lambda: _ours(x, w), device)
+                    launches[name] = {**launch.to_json(), "ran": dict(kg.LAST_RUN)}
+            except Exception as e:
+                out[f"variant_error:{name}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        out["variants"], out["launches"] = variants, launches
     if "ours_ms" in out and "cublas_ms" in out:
         out["ours_vs_cublas"] = out["cublas_ms"] / out["ours_ms"]
+    if variants and "cublas_ms" in out:
+        best = min(variants, key=variants.__getitem__)
+        out["best_variant"], out["best_ms"] = best, variants[best]
+        out["best_vs_cublas"] = out["cublas_ms"] / variants[best]
     return out
 
 
@@ -218,6 +271,7 @@ def run(smoke: bool) -> dict[str, Any]:
 
     if smoke:
         shapes = [("square", 16, 16, 16, False), ("odd", 7, 5, 33, True)]
+        shapes += [("llm", 1, 32, 1024, False), ("llm", 4, 48, 1024, False)]
     else:
         shapes = [("square", s, s, s, (s, s, s) in AUTOTUNED) for s in SQUARE]
         shapes += [("llm", m, n, k, (m, n, k) in AUTOTUNED) for n, k in LLM_NK for m in LLM_M]
@@ -244,21 +298,60 @@ def run(smoke: bool) -> dict[str, Any]:
     return {"device": name, "rows": rows, "notes": notes, "bf16_ceiling_tflops": ceiling}
 
 
-def crossover_rows(res: dict[str, Any]) -> dict[str, Any]:
-    """The llm rows as kernels/crossover.py's benchmark result."""
+def launch_rows(res: dict[str, Any], device_class: str) -> list[dict[str, Any]]:
+    """Per shape class of the square and llm rows, the candidate with the lowest sum of
+    its time over cuBLAS's across the class's rows (among those timed on every row of the
+    class), as kernels/gemm.py's launch table rows."""
+    by_class: dict[str, list[dict[str, Any]]] = {}
+    for r in res["rows"]:
+        if r["section"] in ("square", "llm") and r.get("variants") and r.get("cublas_ms"):
+            by_class.setdefault(kg.shape_class(r["M"], r["N"], r["K"]), []).append(r)
+    out = []
+    for shape, rows in by_class.items():
+        common = set.intersection(*(set(r["variants"]) for r in rows))
+        if not common:
+            continue
+        best = min(
+            sorted(common), key=lambda v: sum(r["variants"][v] / r["cublas_ms"] for r in rows)
+        )
+        launch = {
+            f: v
+            for f, v in rows[0]["launches"][best].items()
+            if f in kg.Launch.__dataclass_fields__
+        }
+        out.append(
+            {
+                "device": device_class,
+                "dtype": "bfloat16",
+                "precision": "ieee",
+                "shape": shape,
+                "launch": launch,
+                "ms": [round(r["variants"][best], 5) for r in rows],
+                "cublas_ms": [round(r["cublas_ms"], 5) for r in rows],
+            }
+        )
+    return out
+
+
+def crossover_rows(res: dict[str, Any], chosen: dict[str, str] | None = None) -> dict[str, Any]:
+    """The llm rows as kernels/crossover.py's benchmark result; with `chosen` (shape class
+    -> candidate name, the launch table's new choice) timed at that candidate."""
     from opswap.kernels import crossover
 
     out = []
     for r in res["rows"]:
         if r["section"] != "llm" or "ours_ms" not in r or "cublas_ms" not in r:
             continue
+        shape = kg.shape_class(r["M"], r["N"], r["K"])
+        pick = (chosen or {}).get(shape)
+        ours = r["variants"][pick] if pick and pick in r.get("variants", {}) else r["ours_ms"]
         out.append(
             {
                 "kernel": "gemm",
                 "dtype": "bfloat16",
-                "shape": kg.shape_class(r["M"], r["N"], r["K"]),
+                "shape": shape,
                 "pass": "forward",
-                "ours_ms": r["ours_ms"],
+                "ours_ms": ours,
                 "eager_ms": r["cublas_ms"],
                 "compile_ms": r.get("compile_ms"),
             }
@@ -289,11 +382,27 @@ def main() -> None:
         bf16_ceiling_tflops=res["bf16_ceiling_tflops"],
         notes=res["notes"],
         seconds=round(time.time() - t0, 1),
+        # what --update-crossover would write into the launch table from these rows
+        launch_table_rows=launch_rows(res, "smoke" if args.smoke else "this run"),
     )
     if args.update_crossover and not args.smoke:
         from opswap.kernels import crossover
 
-        crossover.update(crossover_rows(res), f"measured {path.name} {time.strftime('%Y-%m-%d')}")
+        source = f"measured {path.name} {time.strftime('%Y-%m-%d')}"
+        table = launch_rows(res, crossover.device_class(torch.device("cuda")))
+        kg.update_launch_table(table, source)
+        chosen = {}
+        for t in table:  # the candidate's name back from its launch
+            for r in res["rows"]:
+                for name, lau in r.get("launches", {}).items():
+                    if kg.shape_class(r["M"], r["N"], r["K"]) == t["shape"] and all(
+                        lau.get(f) == v for f, v in t["launch"].items()
+                    ):
+                        chosen[t["shape"]] = name
+        crossover.update(crossover_rows(res, chosen), source)
+        # a copy beside the results, so that the table comes back with them from a GPU host
+        (args.out / kg.LAUNCH_TABLE.name).write_text(kg.LAUNCH_TABLE.read_text())
+        print(f"launch table: {len(table)} shape classes; crossover: gemm rows rewritten")
 
 
 if __name__ == "__main__":

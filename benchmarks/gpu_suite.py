@@ -198,7 +198,8 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
         [["bench_embedding.py"]],
     ),
     "epilogue": (EPILOGUE_TESTS, [["bench_epilogue.py"]]),
-    # issue 40: opswap::gemm against cuBLAS / torch.compile (square, LLM, odd, FP8, TF32)
+    # issue 40: opswap::gemm against cuBLAS / torch.compile (square, LLM, odd, FP8, TF32), each
+    # variant (tiled, persistent TMA, split-K) timed; rewrites kernels/gemm_launch.json
     "gemm": (
         ["tests/kernels/test_gemm.py", "tests/rules/matmul"],
         [["bench_gemm.py", "--update-crossover"]],

@@ -1,8 +1,11 @@
 """opswap::gemm: the Triton kernel (under TRITON_INTERPRET=1 in one child Python, or on the
 GPU where there is one) against float64 on odd shapes (M 1, 7, 33; N 5, 48; K 3, 64; a
 3-D input; a transposed input view), every activation, with and without bias and residual,
-the weight [N, K] or [K, N], in float32 (ieee and tf32) and bfloat16; the CPU op, its
-gradients, bad input, the fake implementation under torch.export."""
+the weight [N, K] or [K, N], in float32 (ieee and tf32) and bfloat16; the persistent
+variant (TMA descriptors and pointer loads, fewer programs than tiles and more) and
+split-K (1 to 4 splits, and the split from the shape) at M, N, K of 1, 17, 100, 129; on a
+GPU also the default launches at a prefill and a decode shape; the launch choice and its
+table; the CPU op, its gradients, bad input, the fake implementation under torch.export."""
 
 from __future__ import annotations
 
@@ -35,6 +38,32 @@ CASES = [
 ]
 
 
+# (name, launch, M, N, K, dtype, activation, bias, residual, b_transposed, TMA, splits)
+_P, _S = "persistent", "splitk"
+VARIANT_CASES = [
+    ("tma_few_programs", G.Launch(_P, 16, 16, 16, programs=3), 17, 40, 64, torch.bfloat16,
+     "gelu", True, True, True, True, 1),
+    ("tma_kn_weight", G.Launch(_P, 16, 16, 16, programs=2), 33, 48, 64, torch.float32,
+     "relu", True, False, False, True, 1),
+    ("pointers_unaligned_k", G.Launch(_P, 16, 32, 16, programs=5), 100, 129, 129,
+     torch.bfloat16, "silu", False, True, True, False, 1),
+    ("more_programs_than_tiles", G.Launch(_P, 16, 16, 16, programs=50), 1, 17, 100,
+     torch.bfloat16, "gelu_tanh", True, False, True, False, 1),
+    ("tma_off", G.Launch(_P, 16, 16, 32, programs=3, tma=False), 17, 40, 64, torch.float32,
+     "none", False, True, True, False, 1),
+    ("split1", G.Launch(_S, 16, 16, 16, split_k=1), 1, 17, 100, torch.bfloat16, "gelu_tanh",
+     True, False, True, False, 1),
+    ("split2", G.Launch(_S, 16, 16, 16, split_k=2), 17, 40, 129, torch.float32, "none",
+     False, True, False, False, 2),
+    ("split3", G.Launch(_S, 16, 16, 16, split_k=3), 1, 5, 129, torch.bfloat16, "relu", True,
+     True, True, False, 3),
+    ("split4", G.Launch(_S, 16, 32, 16, split_k=4), 33, 48, 100, torch.bfloat16, "silu", True,
+     False, True, False, 4),
+    ("split_from_shape", G.Launch(_S, 16, 16, 32), 1, 17, 129, torch.float32, "gelu", True,
+     True, True, False, 2),
+]  # fmt: skip
+
+
 def _key(c: tuple) -> str:
     return str([list(c[0]), *c[1:3], str(c[3]), *c[4:]])
 
@@ -46,8 +75,8 @@ def _eager(a, b, bias, res, act, bt):
     return y + res if res is not None else y
 
 
-def _case(lead, n, k, dtype, precision, act, has_bias, has_res, bt):
-    gen = torch.Generator().manual_seed(n * 31 + k + len(lead))
+def _case(lead, n, k, dtype, precision, act, has_bias, has_res, bt, seed=0):
+    gen = torch.Generator().manual_seed(n * 31 + k + len(lead) + seed)
     dev = rc.DEVICE
 
     def rand(*shape):
@@ -70,6 +99,41 @@ def _case(lead, n, k, dtype, precision, act, has_bias, has_res, bt):
         "y": rc.rel(y, truth),
         "y_torch": rc.rel(ye, truth),
     }
+
+
+def _variant_case(launch, m, n, k, dtype, act, has_bias, has_res, bt):
+    """A forced launch's result against float64, what it ran, and whether a second run
+    gives the same bits."""
+    with G.forced_launch(launch):
+        out = _case((m,), n, k, dtype, "ieee", act, has_bias, has_res, bt)
+        ran = dict(G.LAST_RUN)
+        again = [_case((m,), n, k, dtype, "ieee", act, has_bias, has_res, bt)["y"]]
+    return {**out, **ran, "same_bits": again[0] == out["y"]}
+
+
+def _gpu_defaults():
+    """On a GPU: the launches the op picks itself at a prefill-like and a decode shape
+    (persistent TMA and split-K on an H100 / H200), against float64, run twice (the same
+    error to the last bit), and under torch.compile."""
+    got = {}
+    for name, (m, n, k) in {"prefill": (256, 512, 1024), "decode": (4, 1024, 4096)}.items():
+        runs = [_case((m,), n, k, torch.bfloat16, "ieee", "silu", True, True, True)]
+        ran = dict(G.LAST_RUN)
+        runs += [_case((m,), n, k, torch.bfloat16, "ieee", "silu", True, True, True)]
+        got[name] = {**runs[0], **ran, "same_bits": runs[0]["y"] == runs[1]["y"]}
+        # under torch.compile: traced (split-K's two launches and its workspace; a
+        # persistent choice traces the tiled kernel) and compiled by Inductor
+        gen = torch.Generator().manual_seed(m + n)
+        x, w, b = (
+            torch.randn(*s, generator=gen).to("cuda", torch.bfloat16)
+            for s in ((m, k), (n, k), (n,))
+        )
+        fn = torch.compile(lambda x, w, b: G.gemm(x, w, b, None, "silu", True, "ieee"))
+        truth = torch.nn.functional.silu(x.double() @ w.double().t() + b.double())
+        got[name]["compiled"] = rc.rel(fn(x, w, b), truth)
+        got[name]["compiled_torch"] = rc.rel(torch.nn.functional.silu(x @ w.t() + b), truth)
+    got["hopper"] = G.tma_ready(torch.device("cuda"))
+    return got
 
 
 def _transposed_input():
@@ -107,6 +171,129 @@ def test_kernel_matches_float64(interpreted, case):
     else:
         bound = 3 * max(r["y_torch"], 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12)
     assert r["y"] <= bound, r
+
+
+def _bound(r, dtype):
+    if dtype == torch.float32:
+        return 1e-5
+    return 3 * max(r["y_torch"], 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12)
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_variants_match_float64_and_run_as_asked(interpreted, case):
+    name, launch, m, n, _, dtype, *_, tma, splits = case
+    r = interpreted["variant:" + name]
+    assert r["shape"] == [m, n] and r["dtype"] == str(dtype)
+    assert r["y"] <= _bound(r, dtype), r
+    # the copy engine is Hopper's (the interpreter reads descriptors anywhere)
+    tma = tma and (not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (9, 0))
+    assert (r["variant"], r["tma"], r["splits"]) == (launch.variant, tma, splits)
+    assert r["same_bits"]  # split-K adds its partial sums in one order: deterministic
+
+
+def test_gpu_default_launches(interpreted):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the default launches are chosen on the device")
+    for name, want in (("prefill", "persistent"), ("decode", "splitk")):
+        r = interpreted["gpu:" + name]
+        assert r["y"] <= _bound(r, torch.bfloat16), (name, r)
+        assert r["compiled"] <= 3 * max(r["compiled_torch"], 2.0**-9), (name, r)
+        assert r["same_bits"], name
+        if interpreted["gpu:hopper"]:  # the table may pick otherwise on a measured GPU
+            assert r["variant"] in (want, "tiled"), (name, r)
+
+
+def test_default_launch_follows_the_shape():
+    # decode on 132 multiprocessors: 1 x 4096 with 64-column tiles is 64 tiles, split-K
+    d = G.default_launch(1, 4096, 4096, 2, True, 132)
+    assert (d.variant, d.block_m, d.block_n, d.block_k) == ("splitk", 16, 64, 128)
+    assert G.split_count(1, 4096, 4096, d, 132) == (2, 2048)
+    assert G.default_launch(48, 4096, 4096, 4, False, 132).block_k == 64  # float32
+    # the LM head's 2004 column tiles fill the GPU alone: not split, and few rows stay
+    # with the tiled kernel's decode configurations (1.04x cuBLAS there on an H100)
+    assert G.default_launch(1, 128256, 4096, 2, True, 132) == G.Launch()
+    # prefill on Hopper: 128 x 256 tiles where they make one per multiprocessor
+    big = G.default_launch(4096, 4096, 4096, 2, True, 132)
+    assert (big.variant, big.block_n, big.stages, big.warps) == ("persistent", 256, 3, 8)
+    assert G.default_launch(2048, 2048, 2048, 2, True, 132).block_n == 128
+    assert G.default_launch(4096, 4096, 4096, 1, True, 132).block_k == 128  # FP8
+    assert G.default_launch(4096, 4096, 4096, 2, False, 132) == G.Launch()  # off Hopper
+    assert G.default_launch(4096, 4096, 4096, 4, True, 132) == G.Launch()  # float32
+    assert G.default_launch(16, 4096, 512, 2, False, 132) == G.Launch()  # short K
+
+
+def test_split_count_takes_whole_k_steps_and_leaves_none_empty():
+    lau = G.Launch("splitk", 16, 64, 128, split_k=3)
+    for k in (128, 129, 1000, 4096):
+        splits, per = G.split_count(1, 64, k, lau, 132)
+        steps = -(-k // 128)
+        assert per % 128 == 0 and splits <= min(3, steps)
+        assert (splits - 1) * per < k <= splits * per  # the last split is not empty
+    assert G.split_count(1, 64, 96 * 128, G.Launch("splitk", 16, 64, 128), 132)[0] == 16
+
+
+def test_launch_table_round_trip_and_choice(tmp_path, monkeypatch):
+    path = tmp_path / "gemm_launch.json"
+    lau = G.Launch("persistent", 128, 256, 64, 8, 3, 8)
+    row = dict(device="sm90", dtype="bfloat16", precision="ieee", ms=0.2, cublas_ms=0.21,
+               shape=G.shape_class(4096, 4096, 4096), launch=lau.to_json())  # fmt: skip
+    assert G.update_launch_table([row], "measured x.json 2026-12-08", path) == 1
+    table = G.launch_table(path)
+    assert table[("sm90", "bfloat16", "ieee", "m<=4096,n<=4096,k<=4096")] == lau
+    # forced launches win over everything, and are refused in one sentence when bad
+    a = torch.randn(4, 8)
+    with G.forced_launch(G.Launch("splitk", 16, 16, 16)):
+        assert G.choose_launch(a, torch.randn(6, 8), True, "ieee", 6).variant == "splitk"
+    with pytest.raises(G.KernelError, match="powers of two of at least 16"):
+        G.Launch("persistent", 128, 96, 64)
+    with pytest.raises(G.KernelError, match="is not one of tiled"):
+        G.Launch("stream-k", 128, 128, 64)
+    path.write_text('{"entries": [{"device": "sm90"}]}')
+    with pytest.raises(G.KernelError, match="restore it from the package"):
+        G.launch_table(path)
+    # the shipped table reads, and names only variants that exist
+    assert all(v.variant in G.VARIANTS for v in G.launch_table().values())
+
+
+def test_gpu_variants_compile_for_hopper():
+    """The persistent kernel's TMA loop and flattened tile loop, and split-K's two
+    kernels, built for sm90 by this Triton's compiler on the CPU (the interpreter runs
+    neither the pipeliner nor the TMA lowering): wgmma and bulk tensor copies in the PTX."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the kernel tests above compile and run these kernels")
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from opswap.kernels._rows import jitted
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton has no bundled ptxas to build for sm90")
+
+    def ptx(fn, types, consts):
+        jit = jitted(fn)
+        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in jit.arg_names}
+        cst = {(i,): consts[a] for i, a in enumerate(jit.arg_names) if a in consts}
+        src = ASTSource(jit, sig, cst)
+        opts = dict(num_warps=4, num_stages=3)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+    ptrs = {
+        a: "*bf16" for a in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "res_ptr", "sa_ptr", "sb_ptr")
+    }
+    flags = dict(HAS_BIAS=True, HAS_RES=True, SCALED=False, ACT=4, RN=False)
+    dot = dict(TF32=False, F32=False, UPCAST=False)
+    blocks = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
+    descs = {"a_ptr": "tensordesc<bf16[64, 32]>", "b_ptr": "tensordesc<bf16[64, 32]>"}
+    persistent = ptx(G._persistent_fn, {**ptrs, **descs},
+                     {**flags, **dot, **blocks, "TMA": True, "B_KN": False, "FLATTEN": True})  # fmt: skip
+    assert "cp.async.bulk.tensor" in persistent and "wgmma.mma_async" in persistent
+    assert "mma" in ptx(G._splitk_fn, {**ptrs, "ws_ptr": "*fp32"}, {**dot, **blocks})
+    summed = ptx(
+        G._splitk_sum_fn, {**ptrs, "ws_ptr": "*fp32"}, {**flags, "BLOCK_M": 16, "BLOCK_N": 64}
+    )
+    assert "st.global" in summed
 
 
 def test_kernel_reads_a_transposed_input_view(interpreted):
@@ -209,4 +396,8 @@ if __name__ == "__main__":  # the interpreter's half of `interpreted`
     out = {_key(c): _case(*c) for c in CASES}
     out["transposed"] = _transposed_input()
     out["tf32_vs_ieee"] = _tf32_is_tf32()
+    for name, launch, *rest in VARIANT_CASES:
+        out["variant:" + name] = _variant_case(launch, *rest[:8])
+    if rc.DEVICE == "cuda":
+        out.update({"gpu:" + k: v for k, v in _gpu_defaults().items()})
     print(json.dumps(out))

@@ -25,6 +25,19 @@ float32 inputs either exactly ("ieee") or with TF32 tensor cores ("tf32": inputs
 to 10 mantissa bits, accumulate in fp32; Ampere and later); "fp8": float8_e4m3fn inputs
 with per-tensor float32 scales, bfloat16 output, on Hopper (sm90) only.
 
+Variants (`VARIANTS`, chosen per launch by `choose_launch`): "tiled", the kernel above,
+autotuned; "persistent", one program per multiprocessor walking the tiles in the same
+grouped order, its A and B slabs fetched by Hopper's TMA copy engine through host tensor
+descriptors where the tensors allow (row-major, 16-byte aligned rows), else through
+pointers; "splitk", for few rows and long K: K shared among programs that write fp32
+partial sums to a workspace, then a second pass adds them in split order (deterministic,
+no atomics) and runs the epilogue. All three share the grouped order, the K loop and the
+epilogue (`gemm_tile`, `gemm_acc`, `gemm_epilogue`). The choice: a forced launch
+(`forced_launch`, for benchmarks and tests), else the measured launch table
+(gemm_launch.json, by device class, dtype, precision and shape class), else
+`default_launch` (split-K for m <= 64 with K >= 1024 where the tiles fill under half the
+GPU, persistent for 16-bit and FP8 inputs on sm90 with the TMA API, else tiled).
+
 Where the Triton kernel does not run (a CPU without the interpreter, float64, an FP8
 product off Hopper) the op computes `reference` in PyTorch: the same function in fp32
 (float64 for float64), the TF32 product in float32 (a CPU has no TF32).
@@ -32,14 +45,30 @@ product off Hopper) the op computes `reference` in PyTorch: the same function in
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
-from opswap.kernels._rows import KernelError, interpreting, jitted, rn, rn_flag, runs_triton, tl
+from opswap.kernels._rows import (
+    KernelError,
+    _hint,
+    _is_fake,
+    interpreting,
+    jitted,
+    rn,
+    rn_flag,
+    runs_triton,
+    tl,
+)
 from opswap.kernels._rows import triton as _triton
+from opswap.kernels._tables import merge_entries, read_entries
 from opswap.kernels._triton_op import triton_op
 
 #: the name the crossover table (kernels/crossover.py) measures this kernel under
@@ -155,7 +184,129 @@ def check(
     return int(n)
 
 
-# ----------------------------------------------------------------------------- the kernel
+# ----------------------------------------------------------------------------- the kernels
+
+# The three variants share their pieces, each a `triton.jit` function named where it is
+# defined (Inductor, compiling a graph that calls these kernels, copies each helper it
+# finds under its def's name): the grouped tile order, the K loop and the epilogue.
+if _triton is not None:
+
+    @_triton.jit
+    def gemm_tile(t, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        # tile t of the grouped order: GROUP_M tile rows share the B columns they read
+        # while those are in L2, then the next GROUP_M rows
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        first_m = (t // per_group) * GROUP_M
+        group_m = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + ((t % per_group) % group_m)
+        pid_n = (t % per_group) // group_m
+        return pid_m, pid_n
+
+    @_triton.jit
+    def gemm_dot(acc, a, b, TF32: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr):
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if TF32:
+            acc = tl.dot(a, b, acc, input_precision="tf32")
+        elif F32:  # float32 kept exact; 16-bit and FP8 tiles take the default
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @_triton.jit
+    def gemm_acc(
+        a_ptr,
+        b_ptr,
+        pid_m,
+        pid_n,
+        M,
+        N,
+        K,
+        k_lo,  # a multiple of BLOCK_K
+        k_hi,
+        sam,
+        sak,
+        sbk,
+        sbn,
+        TF32: tl.constexpr,
+        F32: tl.constexpr,
+        UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # the fp32 sum over k in [k_lo, k_hi) of the tile's A slab times its B slab, loaded
+        # through pointers. Rows and columns past the edge wrap around (their results are
+        # never stored), so the loads need no M/N mask. No max_contiguous hint: at the wrap
+        # the indices restart at 0, and a vector load of a [K, N] weight's row would read
+        # past column N
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        rn_ = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        rk = tl.arange(0, BLOCK_K)
+        a_tile = a_ptr + rm[:, None].to(tl.int64) * sam + (k_lo + rk)[None, :] * sak
+        b_tile = b_ptr + (k_lo + rk)[:, None] * sbk + rn_[None, :].to(tl.int64) * sbn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        left = K - k_lo
+        for _i in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+            a = tl.load(a_tile, mask=rk[None, :] < left, other=0.0)
+            b = tl.load(b_tile, mask=rk[:, None] < left, other=0.0)
+            acc = gemm_dot(acc, a, b, TF32, F32, UPCAST)
+            a_tile += BLOCK_K * sak
+            b_tile += BLOCK_K * sbk
+            left -= BLOCK_K
+        return acc
+
+    @_triton.jit
+    def gemm_epilogue(
+        acc,
+        c_ptr,  # [M, N] contiguous
+        bias_ptr,
+        res_ptr,
+        sa_ptr,
+        sb_ptr,
+        pid_m,
+        pid_n,
+        M,
+        N,
+        srm,
+        srn,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        SCALED: tl.constexpr,
+        ACT: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf), 3 gelu (tanh), 4 silu
+        RN: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # on the fp32 accumulator: the FP8 scales, the bias, the activation, the
+        # residual; then the one rounding to the output dtype and the store
+        cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (cm[:, None] < M) & (cn[None, :] < N)
+        if SCALED:
+            acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cn, mask=cn < N, other=0.0).to(tl.float32)[None, :]
+        if ACT == 1:
+            acc = tl.maximum(acc, 0.0)
+        elif ACT == 2:
+            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+        elif ACT == 3:
+            z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            acc = acc * tl.sigmoid(2.0 * z)  # 0.5 (1 + tanh z) = sigmoid(2 z)
+        elif ACT == 4:
+            acc = acc * tl.sigmoid(acc)
+        if HAS_RES:
+            r_ptrs = res_ptr + cm[:, None].to(tl.int64) * srm + cn[None, :] * srn
+            acc += tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)
+        c_ptrs = c_ptr + cm[:, None].to(tl.int64) * N + cn[None, :]
+        tl.store(c_ptrs, rn(acc, RN).to(c_ptr.dtype.element_ty), mask=ok)
+
+else:  # pragma: no cover
+    gemm_tile = gemm_dot = gemm_acc = gemm_epilogue = None
 
 
 def _gemm_fn(
@@ -179,7 +330,7 @@ def _gemm_fn(
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
     SCALED: tl.constexpr,
-    ACT: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf), 3 gelu (tanh), 4 silu
+    ACT: tl.constexpr,
     TF32: tl.constexpr,
     F32: tl.constexpr,  # float32 tiles (or bf16 ones upcast in the interpreter)
     RN: tl.constexpr,  # the interpreter's bf16 rounding (kernels/_rows.py)
@@ -189,62 +340,141 @@ def _gemm_fn(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M tile rows share the B columns they read while those are in L2
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % per_group) % group_m)
-    pid_n = (pid % per_group) // group_m
+    # "tiled": one program per output tile, the programs in grouped order
+    pid_m, pid_n = gemm_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = gemm_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, 0, K, sam, sak, sbk, sbn,
+                   TF32, F32, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    gemm_epilogue(acc, c_ptr, bias_ptr, res_ptr, sa_ptr, sb_ptr, pid_m, pid_n, M, N, srm, srn,
+                  HAS_BIAS, HAS_RES, SCALED, ACT, RN, BLOCK_M, BLOCK_N)  # fmt: skip
 
-    # rows and columns past the edge wrap around (their results are never stored), so the
-    # loads need no M/N mask. No max_contiguous hint: at the wrap the indices restart at 0,
-    # and a vector load of a [K, N] weight's row would read past column N
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    rn_ = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    rk = tl.arange(0, BLOCK_K)
-    a_tile = a_ptr + rm[:, None].to(tl.int64) * sam + rk[None, :] * sak
-    b_tile = b_ptr + rk[:, None] * sbk + rn_[None, :].to(tl.int64) * sbn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        left = K - k * BLOCK_K
-        a = tl.load(a_tile, mask=rk[None, :] < left, other=0.0)
-        b = tl.load(b_tile, mask=rk[:, None] < left, other=0.0)
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        if TF32:
-            acc += tl.dot(a, b, input_precision="tf32")
-        elif F32:  # float32 kept exact; 16-bit and FP8 tiles take the default
-            acc += tl.dot(a, b, input_precision="ieee")
+
+def _persistent_fn(
+    a_ptr,  # with TMA a descriptor of A [M, K] (row-major), else as in _gemm_fn
+    b_ptr,  # with TMA a descriptor of B [N, K] (B_KN: [K, N]), else as in _gemm_fn
+    c_ptr,
+    bias_ptr,
+    res_ptr,
+    sa_ptr,
+    sb_ptr,
+    M,
+    N,
+    K,
+    sam,
+    sak,
+    sbk,
+    sbn,
+    srm,
+    srn,
+    programs,  # the grid: one program per multiprocessor on a GPU
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    SCALED: tl.constexpr,
+    ACT: tl.constexpr,
+    TF32: tl.constexpr,
+    F32: tl.constexpr,
+    RN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+    B_KN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,  # let the pipeliner run the tile loop and the K loop as one
+):
+    # "persistent": program p computes tiles p, p + programs, ... in the grouped order,
+    # so consecutive programs work on neighbouring tiles at every step of the loop
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for t in tl.range(tl.program_id(0), tiles, programs, flatten=FLATTEN):
+        pid_m, pid_n = gemm_tile(t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        if TMA:
+            # the copy engine fetches whole boxes into shared memory; rows, columns and K
+            # steps past the tensor's edge arrive as zeros, so no masks
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                a = a_ptr.load([pid_m * BLOCK_M, k])
+                if B_KN:
+                    b = b_ptr.load([k, pid_n * BLOCK_N])
+                else:
+                    b = b_ptr.load([pid_n * BLOCK_N, k]).T
+                acc = gemm_dot(acc, a, b, TF32, F32, UPCAST)
         else:
-            acc += tl.dot(a, b)
-        a_tile += BLOCK_K * sak
-        b_tile += BLOCK_K * sbk
+            acc = gemm_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, 0, K, sam, sak, sbk, sbn,
+                           TF32, F32, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        gemm_epilogue(acc, c_ptr, bias_ptr, res_ptr, sa_ptr, sb_ptr, pid_m, pid_n, M, N,
+                      srm, srn, HAS_BIAS, HAS_RES, SCALED, ACT, RN, BLOCK_M, BLOCK_N)  # fmt: skip
 
-    # the epilogue, on the fp32 accumulator
+
+def _splitk_fn(
+    a_ptr,  # as in _gemm_fn
+    b_ptr,
+    ws_ptr,  # [SPLIT, M, N] fp32 partial sums
+    M,
+    N,
+    K,
+    k_per,  # K elements per split, a multiple of BLOCK_K
+    sws,  # M * N: one split's partial sums
+    sam,
+    sak,
+    sbk,
+    sbn,
+    TF32: tl.constexpr,
+    F32: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # "splitk", pass 1: program (t, s) sums tile t's products over the s-th share of K
+    # and writes them, unrounded, to the workspace's s-th [M, N] plane
+    pid_m, pid_n = gemm_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_lo = tl.program_id(1) * k_per
+    k_hi = min(k_lo + k_per, K)
+    acc = gemm_acc(a_ptr, b_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, sam, sak, sbk, sbn,
+                   TF32, F32, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = ws_ptr + tl.program_id(1).to(tl.int64) * sws
+    ok = (cm[:, None] < M) & (cn[None, :] < N)
+    tl.store(w + cm[:, None].to(tl.int64) * N + cn[None, :], acc, mask=ok)
+
+
+def _splitk_sum_fn(
+    ws_ptr,  # [SPLIT, M, N] fp32
+    c_ptr,
+    bias_ptr,
+    res_ptr,
+    sa_ptr,
+    sb_ptr,
+    M,
+    N,
+    SPLIT,
+    sws,
+    srm,
+    srn,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    SCALED: tl.constexpr,
+    ACT: tl.constexpr,
+    RN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # "splitk", pass 2: the splits' partial sums added in split order (the same order on
+    # every run: the result is deterministic), then the epilogue
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (cm[:, None] < M) & (cn[None, :] < N)
-    if SCALED:
-        acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cn, mask=cn < N, other=0.0).to(tl.float32)[None, :]
-    if ACT == 1:
-        acc = tl.maximum(acc, 0.0)
-    elif ACT == 2:
-        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-    elif ACT == 3:
-        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-        acc = acc * tl.sigmoid(2.0 * z)  # 0.5 (1 + tanh z) = sigmoid(2 z)
-    elif ACT == 4:
-        acc = acc * tl.sigmoid(acc)
-    if HAS_RES:
-        r_ptrs = res_ptr + cm[:, None].to(tl.int64) * srm + cn[None, :] * srn
-        acc += tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)
-    c_ptrs = c_ptr + cm[:, None].to(tl.int64) * N + cn[None, :]
-    tl.store(c_ptrs, rn(acc, RN).to(c_ptr.dtype.element_ty), mask=ok)
+    w = ws_ptr + cm[:, None].to(tl.int64) * N + cn[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, SPLIT):  # noqa: B007 - the order is the point, not s
+        acc += tl.load(w, mask=ok, other=0.0)
+        w += sws
+    gemm_epilogue(acc, c_ptr, bias_ptr, res_ptr, sa_ptr, sb_ptr, pid_m, pid_n, M, N, srm, srn,
+                  HAS_BIAS, HAS_RES, SCALED, ACT, RN, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 def _config(bm: int, bn: int, bk: int, group: int, stages: int, warps: int) -> Any:
@@ -365,6 +595,272 @@ def _kernel_takes(a: torch.Tensor, precision: str) -> bool:
     return True
 
 
+# ----------------------------------------------------------------------------- the variants
+
+#: "tiled": `_gemm_fn`, one program per output tile, autotuned over `configs_for`;
+#: "persistent": `_persistent_fn`, one program per multiprocessor looping over the tiles,
+#: its A and B tiles fetched by the TMA copy engine on Hopper; "splitk": `_splitk_fn` then
+#: `_splitk_sum_fn`, K shared among programs, for few rows and long K
+VARIANTS = ("tiled", "persistent", "splitk")
+#: the largest split of K the shape-derived split count takes
+MAX_SPLIT_K = 16
+#: the measured choice of variant and configuration per shape class, written by
+#: `benchmarks/bench_gemm.py --update-crossover`
+LAUNCH_TABLE = Path(__file__).with_name("gemm_launch.json")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one GEMM is launched: the variant and its configuration. block_m = 0 leaves a
+    "tiled" launch to the autotuner; split_k = 0 takes the split from the shape
+    (`split_count`), programs = 0 the multiprocessor count; tma=False has the persistent
+    kernel load through pointers where it could use the copy engine."""
+
+    variant: str = "tiled"
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    group_m: int = 8
+    stages: int = 3
+    warps: int = 4
+    split_k: int = 0
+    programs: int = 0
+    flatten: bool = True
+    tma: bool = True
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise KernelError(f"variant {self.variant!r} is not one of {', '.join(VARIANTS)}.")
+        blocks = (self.block_m, self.block_n, self.block_k)
+        if self.block_m == 0 and self.variant == "tiled":
+            return
+        if any(b < 16 or b & (b - 1) for b in blocks):
+            raise KernelError(
+                f"the {self.variant} GEMM's blocks {list(blocks)} must be powers of two of at "
+                "least 16."
+            )
+        if min(self.group_m, self.stages, self.warps) < 1 or min(self.split_k, self.programs) < 0:
+            raise KernelError(
+                "group_m, stages and warps must be positive, split_k and programs not negative."
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Launch:
+        return cls(**{f: d[f] for f in cls.__dataclass_fields__ if f in d})
+
+
+_FORCED: list[Launch] = []
+#: what the last Triton GEMM launched: {"variant", "tma" (the persistent kernel read
+#: through TMA descriptors), "splits"} (for the tests and the benchmark's rows)
+LAST_RUN: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def forced_launch(launch: Launch) -> Iterator[None]:
+    """Within the block every opswap::gemm that runs the Triton kernel launches `launch`
+    (the benchmark times each variant this way; the tests run each one)."""
+    _FORCED.append(launch)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+@functools.cache
+def tma_api() -> bool:
+    """Whether this Triton has host-side tensor descriptors that a kernel loads from
+    (`triton.tools.tensor_descriptor.TensorDescriptor`, `desc.load`: Triton 3.4 on)."""
+    if _triton is None or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tma_ready(device: torch.device) -> bool:
+    """Whether the persistent variant is a default on `device`: a Hopper GPU (capability
+    9.0) and a Triton with the TMA API."""
+    return device.type == "cuda" and _capability(device.index) == (9, 0) and tma_api()
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+def _tma_layout(t: torch.Tensor) -> bool:
+    """Whether the copy engine can read `t` as a 2-D tensor: row-major, rows 16-byte
+    aligned, the start 16-byte aligned (a fake tensor, while torch.compile traces, has no
+    address and is refused)."""
+    size = t.element_size()
+    return (
+        t.dim() == 2
+        and t.stride(1) == 1
+        and (t.stride(0) * size) % 16 == 0
+        and not _is_fake(t)
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def default_launch(m: int, n: int, k: int, size: int, hopper_tma: bool, sms: int) -> Launch:
+    """The launch without a measured table entry, for an m x k by k x n GEMM of `size`-byte
+    inputs on a GPU of `sms` multiprocessors (`hopper_tma`: Hopper with the TMA API).
+
+    Few rows (m <= 64) and K of at least 1024 whose tiles fill under half the GPU: split-K,
+    16 to 64 rows by 64 columns by 128 K (64 for float32) per program, 4 stages, 4 warps
+    (a memory-bound program streams its weight slice; more splits put more loads in
+    flight). Otherwise on Hopper, for 2-byte and 1-byte (FP8) inputs: persistent with TMA,
+    128 x 256 x 64, 3 stages, 8 warps where those tiles make at least one per
+    multiprocessor, else 128 x 128 x 64, 4 stages, 8 warps (the bf16 starting points of
+    Triton's persistent matmul tutorial and of Inductor's persistent TMA template for
+    sm90; K steps of 128 for FP8, the same bytes a stage). Elsewhere, float32 included
+    (its exact product runs on the CUDA cores, where the autotuner's smaller tiles were
+    measured): "tiled", autotuned."""
+    if m <= 64 and k >= 1024:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bk = 64 if size >= 4 else 128
+        tiles = -(-m // bm) * -(-n // 64)
+        if 2 * tiles <= sms:
+            return Launch("splitk", bm, 64, bk, 1, 4, 4)
+    if hopper_tma and m > 64 and size <= 2:
+        bk = 128 if size == 1 else 64
+        if -(-m // 128) * -(-n // 256) >= sms:
+            return Launch("persistent", 128, 256, bk, 8, 3, 8)
+        return Launch("persistent", 128, 128, bk, 8, 4, 8)
+    return Launch()
+
+
+def split_count(m: int, n: int, k: int, launch: Launch, sms: int) -> tuple[int, int]:
+    """(splits, K elements per split) of a split-K launch: launch.split_k, or the
+    multiprocessors over the output tiles (at least 1, at most MAX_SPLIT_K and the K steps);
+    each split a whole number of K steps, and none empty."""
+    steps = -(-k // launch.block_k)
+    tiles = -(-m // launch.block_m) * -(-n // launch.block_n)
+    want = launch.split_k or max(1, min(MAX_SPLIT_K, sms // max(1, tiles)))
+    per = -(-steps // max(1, min(want, steps)))
+    return -(-steps // per), per * launch.block_k
+
+
+def _table_key(device: str, dtype: str, precision: str, shape: str) -> tuple[str, str, str, str]:
+    return (device, dtype.removeprefix("torch."), precision, shape)
+
+
+def _entry_key(e: dict[str, Any]) -> tuple[str, str, str, str]:
+    return _table_key(e["device"], e["dtype"], e["precision"], e["shape"])
+
+
+def launch_table(path: Path | None = None) -> dict[tuple[str, str, str, str], Launch]:
+    """The table's launches by (device class, dtype, precision, shape class)."""
+    p = path or LAUNCH_TABLE
+    entries = read_entries(p, "GEMM launch table", KernelError)
+    try:
+        return {_entry_key(e): Launch.from_json(e["launch"]) for e in entries}
+    except (KeyError, TypeError) as e:
+        raise KernelError(
+            f"the GEMM launch table {p} has an entry without its launch ({e}); restore it "
+            "from the package."
+        ) from None
+
+
+_TABLE_MEMO: dict[tuple[Any, ...], Launch | None] = {}
+
+
+def table_launch(
+    device: torch.device, dtype: torch.dtype, precision: str, m: int, n: int, k: int
+) -> Launch | None:
+    """The measured launch for this shape class on this GPU, or None (kept per key: every
+    launch asks)."""
+    shape = shape_class(m, n, k)
+    key = (LAUNCH_TABLE, device.index, dtype, precision, shape)
+    if key not in _TABLE_MEMO:
+        from opswap.kernels.crossover import device_class
+
+        _TABLE_MEMO[key] = launch_table().get(
+            _table_key(device_class(device), str(dtype), precision, shape)
+        )
+    return _TABLE_MEMO[key]
+
+
+def update_launch_table(rows: list[dict[str, Any]], source: str, path: Path | None = None) -> int:
+    """Write measured launches ({device, dtype, precision, shape, launch, ...}) into the
+    table, replacing those of the same key; returns how many were written."""
+    fields = ("device", "dtype", "precision", "shape", "launch", "ms", "cublas_ms")
+    merge_entries(
+        path or LAUNCH_TABLE,
+        [{f: r[f] for f in fields if f in r} | {"source": source} for r in rows],
+        _entry_key,
+        "Measured launches of opswap::gemm (kernels/gemm.py LAUNCH_TABLE): the fastest "
+        "variant and configuration per shape class, written by benchmarks/bench_gemm.py "
+        "--update-crossover.",
+        "GEMM launch table",
+        KernelError,
+    )
+    _TABLE_MEMO.clear()
+    return len(rows)
+
+
+def _sms(device: torch.device) -> int:
+    """The multiprocessors of `device` (4 in the interpreter), asked once per GPU."""
+    return _cuda_sms(device.index) if device.type == "cuda" else 4
+
+
+@functools.cache
+def _cuda_sms(index: int | None) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def choose_launch(
+    a2: torch.Tensor, b: torch.Tensor, b_transposed: bool, precision: str, n: int
+) -> Launch:
+    """The launch of a Triton GEMM of a2 [M, K]: a forced one (`forced_launch`), else the
+    table's for the shape class on this GPU, else `default_launch`; in the interpreter
+    "tiled" unless forced. While torch.compile or torch.export traces the op, a persistent
+    choice becomes "tiled": their tracing of a Triton kernel takes no host TMA
+    descriptors."""
+    m, k, n = _plain(a2.shape[0]), _plain(a2.shape[1]), _plain(n)
+    if _FORCED:
+        launch = _FORCED[-1]
+    elif interpreting():
+        launch = Launch()
+    else:
+        launch = table_launch(a2.device, a2.dtype, precision, m, n, k) or default_launch(
+            m, n, k, a2.element_size(), tma_ready(a2.device), _sms(a2.device)
+        )
+    if launch.variant == "persistent" and _is_fake(a2):
+        return Launch()
+    return launch
+
+
+def _plain(v: Any) -> int:
+    """A size as an int without a guard: while torch.compile traces with dynamic shapes,
+    its hint (the launch is a choice of speed; every launch is right at every size)."""
+    h = _hint(v)
+    return h if h is not None else 1
+
+
+def _descriptors(
+    a2: torch.Tensor, b: torch.Tensor, b_transposed: bool, launch: Launch
+) -> tuple[Any, Any] | None:
+    """Host TMA descriptors of A [M, K] and B (a Linear weight [N, K] or a [K, N] matrix)
+    with the launch's block boxes, or None where the tensors' layout does not allow them."""
+    hopper = a2.device.type != "cuda" or _capability(a2.device.index) >= (9, 0)
+    if not (launch.tma and hopper and tma_api() and _tma_layout(a2) and _tma_layout(b)):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = launch.block_m, launch.block_n, launch.block_k
+    return (
+        TensorDescriptor.from_tensor(a2, [bm, bk]),
+        TensorDescriptor.from_tensor(b, [bn, bk] if b_transposed else [bk, bn]),
+    )
+
+
 def triton_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -391,51 +887,138 @@ def triton_gemm(
     bkn = _weight_kn(b, b_transposed)
     r2 = residual.reshape(m, n) if residual is not None else c
     dummy = c
-    meta: dict[str, Any] = dict(
-        HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None,
-        SCALED=precision == "fp8",
-        ACT=_ACT_ID[activation],
-        TF32=precision == "tf32",
-        F32=a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16),
-        RN=rn_flag(dtype),
-        # Triton 3.9's interpreter multiplies bf16 tiles wrongly (2e10 off on 16 x 16 randn);
-        # bf16 values are exact in fp32, so the fp32 product is the same math
-        UPCAST=interpreting() and a.dtype == torch.bfloat16,
-    )
-    if interpreting():
-        bm, bn, bk = INTERPRET_BLOCKS
-        meta.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4)
-
-        def grid(meta_: dict[str, Any]) -> tuple[int]:
-            return (_triton.cdiv(m, bm) * _triton.cdiv(n, bn),)
-
-    else:
-
-        def grid(meta_: dict[str, Any]) -> tuple[int]:
-            return (_triton.cdiv(m, meta_["BLOCK_M"]) * _triton.cdiv(n, meta_["BLOCK_N"]),)
-
-    wrap_triton(_kernel(m, a2.element_size()))[grid](
-        a2,
-        bkn,
-        c,
+    epilogue = (
         bias if bias is not None else dummy,
         r2,
         scale_a if scale_a is not None else dummy,
         scale_b if scale_b is not None else dummy,
-        m,
-        n,
-        k,
-        m_bucket(m),
-        a2.stride(0),
-        a2.stride(1),
-        bkn.stride(0),
-        bkn.stride(1),
-        r2.stride(0),
-        r2.stride(1),
-        **meta,
     )
+    flags: dict[str, Any] = dict(
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        SCALED=precision == "fp8",
+        ACT=_ACT_ID[activation],
+        RN=rn_flag(dtype),
+    )
+    dot: dict[str, Any] = dict(
+        TF32=precision == "tf32",
+        F32=a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16),
+        # Triton 3.9's interpreter multiplies bf16 tiles wrongly (2e10 off on 16 x 16 randn);
+        # bf16 values are exact in fp32, so the fp32 product is the same math
+        UPCAST=interpreting() and a.dtype == torch.bfloat16,
+    )
+    strides = (a2.stride(0), a2.stride(1), bkn.stride(0), bkn.stride(1))
+    launch = choose_launch(a2, b, b_transposed, precision, n)
+    LAST_RUN.update(variant=launch.variant, tma=False, splits=1)
+    if launch.variant == "splitk":
+        _run_splitk(a2, bkn, c, epilogue, m, n, k, strides, r2, launch, flags, dot)
+    elif launch.variant == "persistent":
+        # FP8 tensor cores read B K-major: a [K, N] FP8 weight goes through pointers
+        fp8_kn = precision == "fp8" and not b_transposed
+        descs = None if fp8_kn else _descriptors(a2, b, b_transposed, launch)
+        LAST_RUN["tma"] = descs is not None
+        bm, bn = launch.block_m, launch.block_n
+        tiles = _triton.cdiv(m, bm) * _triton.cdiv(n, bn)
+        programs = launch.programs or min(tiles, _sms(a.device))
+        wrap_triton(jitted(_persistent_fn))[(programs,)](
+            *(descs or (a2, bkn)),
+            c,
+            *epilogue,
+            m,
+            n,
+            k,
+            *strides,
+            r2.stride(0),
+            r2.stride(1),
+            programs,
+            **flags,
+            **dot,
+            TMA=descs is not None,
+            B_KN=not b_transposed,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=launch.block_k,
+            GROUP_M=launch.group_m,
+            FLATTEN=launch.flatten,
+            **_compiled(launch),
+        )
+    else:
+        _run_tiled(a2, bkn, c, epilogue, m, n, k, strides, r2, launch, flags, dot)
     return c.reshape(*lead, n)
+
+
+def _compiled(launch: Launch) -> dict[str, int]:
+    """The launch's warps and stages (the interpreter takes neither)."""
+    return {} if interpreting() else dict(num_warps=launch.warps, num_stages=launch.stages)
+
+
+def _run_tiled(
+    a2: torch.Tensor,
+    bkn: torch.Tensor,
+    c: torch.Tensor,
+    epilogue: tuple[torch.Tensor, ...],
+    m: int,
+    n: int,
+    k: int,
+    strides: tuple[int, ...],
+    r2: torch.Tensor,
+    launch: Launch,
+    flags: dict[str, Any],
+    dot: dict[str, Any],
+) -> None:
+    """Today's kernel: autotuned on a GPU (block_m = 0), else the launch's blocks (the
+    interpreter's INTERPRET_BLOCKS when it names none)."""
+    meta = {**flags, **dot}
+    if launch.block_m:
+        fn = jitted(_gemm_fn)
+        meta.update(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k)
+        meta.update(GROUP_M=launch.group_m, **_compiled(launch))
+    elif interpreting():
+        fn = _kernel(m, a2.element_size())
+        bm, bn, bk = INTERPRET_BLOCKS
+        meta.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4)
+    else:
+        fn = _kernel(m, a2.element_size())
+
+    def grid(meta_: dict[str, Any]) -> tuple[int]:
+        return (_triton.cdiv(m, meta_["BLOCK_M"]) * _triton.cdiv(n, meta_["BLOCK_N"]),)
+
+    wrap_triton(fn)[grid](
+        a2, bkn, c, *epilogue, m, n, k, m_bucket(m), *strides, r2.stride(0), r2.stride(1), **meta
+    )
+
+
+def _run_splitk(
+    a2: torch.Tensor,
+    bkn: torch.Tensor,
+    c: torch.Tensor,
+    epilogue: tuple[torch.Tensor, ...],
+    m: int,
+    n: int,
+    k: int,
+    strides: tuple[int, ...],
+    r2: torch.Tensor,
+    launch: Launch,
+    flags: dict[str, Any],
+    dot: dict[str, Any],
+) -> None:
+    """Split-K: partial sums of each share of K into an fp32 workspace [splits, M, N],
+    then one pass that adds them in split order and applies the epilogue (two launches,
+    no atomics: the same bits on every run)."""
+    splits, per = split_count(_plain(m), _plain(n), _plain(k), launch, _sms(a2.device))
+    LAST_RUN["splits"] = splits
+    bm, bn = launch.block_m, launch.block_n
+    ws = torch.empty((splits, m, n), device=a2.device, dtype=torch.float32)
+    tiles = _triton.cdiv(m, bm) * _triton.cdiv(n, bn)
+    wrap_triton(jitted(_splitk_fn))[(tiles, splits)](
+        a2, bkn, ws, m, n, k, per, m * n, *strides, **dot, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=launch.block_k, GROUP_M=launch.group_m, **_compiled(launch),
+    )  # fmt: skip
+    sm, sn = (16, 16) if interpreting() else (max(16, min(64, _pow2(m))), 128)
+    wrap_triton(jitted(_splitk_sum_fn))[(_triton.cdiv(m, sm), _triton.cdiv(n, sn))](
+        ws, c, *epilogue, m, n, splits, m * n, r2.stride(0), r2.stride(1), **flags,
+        BLOCK_M=sm, BLOCK_N=sn, **({} if interpreting() else dict(num_warps=4)),
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the op
