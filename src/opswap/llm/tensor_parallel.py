@@ -47,6 +47,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue as queue_mod
+import re
 import shutil
 import tempfile
 import time
@@ -63,6 +64,10 @@ from opswap.llm.runner import Attend, ModelRunner
 
 #: a test hook: "RANK:STEP:raise" or "RANK:STEP:hang" makes that worker fail at that step
 FAULT_ENV = "OPSWAP_TP_FAULT"
+
+#: how long rank 0 waits for the workers to start and to build their shards (a process
+#: that dies meanwhile is noticed at once); the steps' own timeout is `timeout_s`
+START_TIMEOUT_S = 600.0
 
 
 class TPError(OpswapError, ValueError):
@@ -373,6 +378,7 @@ class TPGroup:
         self.procs, self.inboxes, self.errors = procs, inboxes, errors
         self.store_dir, self.timeout_s = store_dir, timeout_s
         self.closed = False
+        self.broken = False  # a step failed: a worker may never read its queue again
         self.steps = 0
 
     # -- failures -------------------------------------------------------------------------
@@ -406,10 +412,12 @@ class TPGroup:
     def explain(self, e: BaseException) -> TPError:
         """One sentence for a collective that failed on rank 0 (a worker's error if one
         came, else the collective's own)."""
+        self.broken = True
         said = self._reported(wait_s=2.0)
         if said is not None:
             return TPError(said)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's [file:line] prefix
         return TPError(
             f"a tensor-parallel step failed on rank 0 ({first.rstrip('.')}); a worker stopped "
             f"answering within the {self.timeout_s:g} s timeout or exited."
@@ -440,7 +448,7 @@ class TPGroup:
                 q.put(("stop", [], []))
             except (OSError, ValueError):
                 pass
-        end = time.monotonic() + join_s
+        end = time.monotonic() + (min(join_s, 1.0) if self.broken else join_s)
         for p in self.procs:
             p.join(max(0.1, end - time.monotonic()))
         for p in self.procs:
@@ -502,6 +510,7 @@ def launch(
         p.start()
         procs.append(p)
     group = TPGroup(world, device, procs, inboxes, errors, store_dir, timeout_s)
+    _wait_for(group, "joining")  # the workers' imports done: the rendezvous is quick now
     try:
         _init_group(store_dir, 0, world, device, timeout_s)
     except Exception as e:
@@ -515,14 +524,19 @@ def launch(
 
 def wait_ready(group: TPGroup) -> None:
     """Wait until every worker built its engine (or one reported why it could not)."""
-    ready: set[int] = set()
-    end = time.monotonic() + group.timeout_s
-    while len(ready) < group.world - 1:
+    _wait_for(group, "ready")
+
+
+def _wait_for(group: TPGroup, what: str) -> None:
+    """Wait until every worker said `what` (or one reported why it could not)."""
+    seen: set[int] = set()
+    end = time.monotonic() + START_TIMEOUT_S
+    while len(seen) < group.world - 1:
         left = end - time.monotonic()
         if left <= 0:
             group.close(join_s=2.0)
             raise TPError(
-                f"the tensor-parallel workers were not ready within {group.timeout_s:g} s."
+                f"the tensor-parallel workers were not {what} within {START_TIMEOUT_S:g} s."
             )
         try:
             kind, rank, text = group.errors.get(timeout=min(left, 0.5))
@@ -532,8 +546,8 @@ def wait_ready(group: TPGroup) -> None:
                 group.close(join_s=2.0)
                 raise TPError(f"tensor-parallel rank {dead[0]} exited while starting.") from None
             continue
-        if kind == "ready":
-            ready.add(rank)
+        if kind == what:
+            seen.add(rank)
         else:
             group.close(join_s=2.0)
             raise TPError(f"tensor-parallel rank {rank} failed ({text.rstrip('.')}).")
@@ -566,6 +580,7 @@ def _worker_main(
     fault = _fault(rank)
     try:
         device = rank_device(engine_kwargs["device"], rank, world)
+        errors.put(("joining", rank, ""))
         _init_group(store_dir, rank, world, device, timeout_s)
         engine = LLMEngine(model, **engine_kwargs, tensor_parallel=world, _tp_rank=rank)
         del model
