@@ -177,6 +177,9 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "kernels18": (KERNEL18_TESTS, [["bench_kernels18.py"]]),
     "attention": (ATTENTION_TESTS, [["bench_attention.py"]]),
     "decode": (DECODE_TESTS, [["bench_decode.py"]]),
+    # issue 46: tensor-parallel serving on 2 GPUs (NEEDS a multi-GPU kind, nvidia-h100-x2):
+    # NCCL tokens against one GPU, then throughput and batch-1 latency of 2 GPUs against 1
+    "tp": (["tests/llm/test_tensor_parallel.py"], [["bench_tp.py", "--tp", "2"]]),
     # serving engine (ch29); then decode tokens/s with bf16 / int8 / int4 / fp8 projections
     "engine": (
         ["tests/llm/test_engine.py", "tests/llm/test_quant_runner.py"],

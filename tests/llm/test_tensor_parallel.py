@@ -275,3 +275,26 @@ def test_serve_refuses_more_ranks_than_gpus_in_one_sentence(monkeypatch, capfd):
     assert "Traceback" not in err
     assert _main("serve", "hf:llama", "--device", "cpu", "--tensor-parallel", "0") == 2
     assert "--tensor-parallel must be at least 1, got 0." in capfd.readouterr().err
+
+
+# -- two GPUs: NCCL, CUDA graphs (the "tp" part of benchmarks/gpu_suite.py) ---------------
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_two_gpus_give_one_gpus_tokens(graphs):
+    model = _llama()
+    prompts = _prompts()
+    kw = dict(ENGINE, device="cuda", cuda_graphs=graphs)
+    one = LLMEngine(model, **kw)
+    ref = _greedy(one, prompts)
+    del one
+    engine = LLMEngine(model, tensor_parallel=2, tp_timeout_s=120, **kw)
+    try:
+        assert engine.device == torch.device("cuda", 0)
+        assert _greedy(engine, prompts) == ref
+        if graphs:  # the decode-only steps replayed their bucket's graph on both ranks
+            assert engine.stats().graph_steps > 0
+        assert engine.stats().blocks.in_use == 0
+    finally:
+        engine.close()

@@ -30,10 +30,10 @@ at every kernel call, and the two sums per layer are all it would insert.
 The worker protocol. Rank 0 is the caller's process: it runs the scheduler, the sampler
 and (for `opswap serve`) the HTTP server; ranks 1..N-1 are processes spawned with
 torch.multiprocessing, each building the same engine with its shard. Every step rank 0
-puts a small header (the op and the shapes) on each worker's queue and then broadcasts
+puts a small header (the op and the shapes) down each worker's pipe and then broadcasts
 the step's batch (token ids, positions, slot mapping, block tables, context lengths,
 prefill offsets) as one int64 tensor; the workers run the same forward on their shard
-(the all-reduces keep them in step) and return to their queue. A CUDA-graph step sends the
+(the all-reduces keep them in step) and return to their pipe. A CUDA-graph step sends the
 bucket's padded inputs instead and every rank replays its own graph of that bucket.
 
 Failure is one sentence on rank 0, never a hang: a worker that raises reports its error
@@ -362,7 +362,7 @@ def _payload_size(header: Header) -> int:
 
 
 class TPGroup:
-    """Rank 0's side: the spawned workers, their queues, and the step broadcast."""
+    """Rank 0's side: the spawned workers, their pipes, and the step broadcast."""
 
     def __init__(
         self,
@@ -378,7 +378,7 @@ class TPGroup:
         self.procs, self.inboxes, self.errors = procs, inboxes, errors
         self.store_dir, self.timeout_s = store_dir, timeout_s
         self.closed = False
-        self.broken = False  # a step failed: a worker may never read its queue again
+        self.broken = False  # a step failed: a worker may never read its pipe again
         self.steps = 0
 
     # -- failures -------------------------------------------------------------------------
@@ -431,8 +431,8 @@ class TPGroup:
         """Tell every worker to run `op` on these tensors (which are broadcast from here)."""
         self.check()
         header = _header(op, tensors, ints)
-        for q in self.inboxes:
-            q.put(header)
+        for conn in self.inboxes:
+            conn.send(header)  # a pipe: written here, no feeder thread to wake
         parts = [t.reshape(-1).to(self.device, torch.int64) for t in tensors if t is not None]
         flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=self.device)
         dist.broadcast(flat, src=0)
@@ -443,10 +443,10 @@ class TPGroup:
         if self.closed:
             return
         self.closed = True
-        for q in self.inboxes:
+        for conn in self.inboxes:
             try:
-                q.put(("stop", [], []))
-            except (OSError, ValueError):
+                conn.send(("stop", [], []))
+            except (OSError, ValueError, BrokenPipeError):
                 pass
         end = time.monotonic() + (min(join_s, 1.0) if self.broken else join_s)
         for p in self.procs:
@@ -498,12 +498,23 @@ def launch(
     ctx = torch.multiprocessing.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="opswap-tp-")
     errors = ctx.Queue()
-    inboxes = [ctx.Queue() for _ in range(world - 1)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world - 1)]  # (worker's end, rank 0's)
+    inboxes = [send for _, send in pipes]
     procs = []
     for r in range(1, world):
         p = ctx.Process(
             target=_worker_main,
-            args=(r, world, model, engine_kwargs, store_dir, inboxes[r - 1], errors, timeout_s),
+            args=(
+                r,
+                world,
+                model,
+                engine_kwargs,
+                store_dir,
+                pipes[r - 1][0],
+                errors,
+                timeout_s,
+                torch.get_num_threads(),
+            ),
             daemon=True,
             name=f"opswap-tp-{r}",
         )
@@ -570,8 +581,11 @@ def _worker_main(
     inbox: Any,
     errors: Any,
     timeout_s: float,
+    threads: int,
 ) -> None:
-    """A worker rank: build the sharded engine, then run what rank 0 sends until "stop"."""
+    """A worker rank: build the sharded engine, then run what rank 0 sends until "stop".
+    It takes rank 0's intra-op thread count (a CPU run's ranks share the cores)."""
+    torch.set_num_threads(threads)
     import multiprocessing
 
     from opswap.llm.engine import LLMEngine
@@ -588,12 +602,11 @@ def _worker_main(
         steps = 0
         with torch.inference_mode():
             while True:
-                try:
-                    header = inbox.get(timeout=0.5)
-                except queue_mod.Empty:
+                if not inbox.poll(0.5):
                     if parent is not None and not parent.is_alive():
                         return  # rank 0 is gone: nothing will come
                     continue
+                header = inbox.recv()
                 op = header[0]
                 if op == "stop":
                     break
