@@ -22,7 +22,9 @@ calls pick kernels.
 Options: `speculative=SpeculativeConfig(...)` (or True) verifies prompt-lookup drafts in
 the same forward (llm/speculative.py); `cuda_graphs` (default on CUDA) replays a captured
 decode-only step at bucketed batch sizes (1, 2, 4, 8, 16, 32, 64, ...); `weights`
-("int8", "int4", "fp8") stores the projections low-bit (llm/quant.py).
+("int8", "int4", "fp8") stores the projections low-bit (llm/quant.py);
+`tensor_parallel=N` splits the heads and MLP columns over N ranks (llm/tensor_parallel.py:
+this process is rank 0 and drives the others; `close()` stops them).
 
 Nothing blocks between steps, so a server can call `add_request`, `abort` and `step` from
 one event loop; each `RequestOutput` carries what is new since the last one (tokens, text,
@@ -117,6 +119,10 @@ class LLMEngine:
     from CUDA graphs captured at bucketed batch sizes. `weights` ("int8", "int4", "fp8"
     or a WeightQuant) stores every projection low-bit (llm/quant.py; the LM head stays in
     `dtype` unless WeightQuant(lm_head=True)); `weight_stats` gives the bytes saved.
+    `tensor_parallel` N > 1 spawns ranks 1..N-1 (cuda:r on CUDA, gloo processes on the
+    CPU), each holding 1/N of every layer's heads and MLP, and broadcasts each step to
+    them; `tp_timeout_s` bounds a step's collectives (a rank that hangs or fails is one
+    TPError sentence here). `kv_memory` is then per rank. Call `close()` when done.
     """
 
     def __init__(
