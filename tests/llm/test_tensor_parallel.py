@@ -183,8 +183,10 @@ def test_a_hung_rank_fails_by_the_timeout(monkeypatch):
     engine = LLMEngine(_llama(), tensor_parallel=2, tp_timeout_s=3, **ENGINE)
     try:
         engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0))
-        with torch.inference_mode(), pytest.raises(tpm.TPError, match="3 s timeout"):
+        with torch.inference_mode(), pytest.raises(tpm.TPError, match="3 s step timeout"):
             engine.step()
+        with pytest.raises(tpm.TPError, match="an earlier tensor-parallel step failed"):
+            engine.step()  # never a second wait on the hung rank
     finally:
         engine.close()  # the hung worker is terminated
     assert not multiprocessing.active_children()

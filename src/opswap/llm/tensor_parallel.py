@@ -399,6 +399,8 @@ class TPGroup:
         """Raise TPError when a worker reported an error or is gone."""
         if self.closed:
             raise TPError("the tensor-parallel workers are stopped; build a new engine.")
+        if self.broken:
+            raise TPError("an earlier tensor-parallel step failed; build a new engine.")
         said = self._reported()
         if said is not None:
             raise TPError(said)
@@ -419,8 +421,9 @@ class TPGroup:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's [file:line] prefix
         return TPError(
-            f"a tensor-parallel step failed on rank 0 ({first.rstrip('.')}); a worker stopped "
-            f"answering within the {self.timeout_s:g} s timeout or exited."
+            f"a tensor-parallel step failed on rank 0 ({first.rstrip('.')}) under the "
+            f"{self.timeout_s:g} s step timeout, and the ranks are out of step: build a new "
+            "engine."
         )
 
     # -- a step ---------------------------------------------------------------------------
