@@ -172,6 +172,7 @@ class LLMEngine:
             # refused before any process starts when it cannot be split; then rank's shard
             full = make_runner(model, max_model_len, "cpu", dtype)
             tpm.split_for(full, tensor_parallel)
+            worker_kwargs: dict[str, Any] = {}
             if _tp_rank == 0:
                 worker_kwargs = dict(
                     block_size=block_size, num_blocks=num_blocks, kv_memory=kv_memory,
@@ -180,13 +181,7 @@ class LLMEngine:
                     dtype=dtype, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
                     graph_max_batch=graph_max_batch, weights=weights, tp_timeout_s=tp_timeout_s,
                 )  # fmt: skip
-                self.tp = tpm.launch(model, worker_kwargs, tensor_parallel, rank_dev, tp_timeout_s)
-                self._finalizer = weakref.finalize(self, self.tp.close)
-            try:
-                self.runner = tpm.shard_runner(full, _tp_rank, tensor_parallel, rank_dev)
-            except BaseException:
-                self.close()
-                raise
+            self.runner = tpm.shard_runner(full, _tp_rank, tensor_parallel, rank_dev)
             del full
         self.weight_stats: WeightStats = quantize_runner(self.runner, weights)
         net = self.runner
@@ -236,7 +231,10 @@ class LLMEngine:
         self._drafted = self._accepted = self._graph_steps = 0
         graph_batch = min(graph_max_batch, max_num_seqs)
         self.graphs = _DecodeGraphs(self, graph_batch) if cuda_graphs else None
-        if self.tp is not None:
+        if tensor_parallel > 1 and _tp_rank == 0:
+            # the other ranks start last, once everything here that can refuse has passed
+            self.tp = tpm.launch(model, worker_kwargs, tensor_parallel, self.device, tp_timeout_s)
+            self._finalizer = weakref.finalize(self, self.tp.close)
             tpm.wait_ready(self.tp)
 
     def close(self) -> None:
