@@ -29,7 +29,8 @@ at every kernel call, and the two sums per layer are all it would insert.
 
 The worker protocol. Rank 0 is the caller's process: it runs the scheduler, the sampler
 and (for `opswap serve`) the HTTP server; ranks 1..N-1 are processes spawned with
-torch.multiprocessing, each building the same engine with its shard. Every step rank 0
+torch.multiprocessing, each mapping the model from a file rank 0 saved (not through
+/dev/shm) and building the same engine with its shard. Every step rank 0
 puts a small header (the op and the shapes) down each worker's pipe and then broadcasts
 the step's batch (token ids, positions, slot mapping, block tables, context lengths,
 prefill offsets) as one int64 tensor; the workers run the same forward on their shard
@@ -500,6 +501,16 @@ def launch(
         )
     ctx = torch.multiprocessing.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="opswap-tp-")
+    # the model goes to the workers as a file they map, not through /dev/shm (often a
+    # few MiB in containers, where sharing a model's tensors fails or kills rank 0)
+    model_path = os.path.join(store_dir, "model.pt")
+    try:
+        torch.save(model, model_path)
+    except Exception as e:
+        shutil.rmtree(store_dir, ignore_errors=True)
+        raise TPError(
+            f"the model could not be saved for the other ranks ({type(e).__name__}: {e})."
+        ) from e
     errors = ctx.Queue()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world - 1)]  # (worker's end, rank 0's)
     inboxes = [send for _, send in pipes]
@@ -510,7 +521,7 @@ def launch(
             args=(
                 r,
                 world,
-                model,
+                model_path,
                 engine_kwargs,
                 store_dir,
                 pipes[r - 1][0],
@@ -578,7 +589,7 @@ def _fault(rank: int) -> tuple[int, str] | None:
 def _worker_main(
     rank: int,
     world: int,
-    model: Any,
+    model_path: str,
     engine_kwargs: dict[str, Any],
     store_dir: str,
     inbox: Any,
@@ -597,6 +608,7 @@ def _worker_main(
     fault = _fault(rank)
     try:
         device = rank_device(engine_kwargs["device"], rank, world)
+        model = torch.load(model_path, map_location="cpu", mmap=True, weights_only=False)
         errors.put(("joining", rank, ""))
         _init_group(store_dir, rank, world, device, timeout_s)
         engine = LLMEngine(model, **engine_kwargs, tensor_parallel=world, _tp_rank=rank)
