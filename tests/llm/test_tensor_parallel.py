@@ -129,6 +129,43 @@ def test_each_rank_holds_its_heads_and_the_sum_is_the_whole_layer(kind):
     torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
 
 
+class _Loopback:
+    """Stands in for rank 0's TPGroup in process: each step's header and payload go through
+    the same packing as the broadcast, straight into a peer engine's `run_remote`."""
+
+    def __init__(self, peer: LLMEngine) -> None:
+        self.peer, self.ops = peer, []
+
+    def send(self, op: str, tensors: Any, ints: Any = ()) -> None:
+        header = tpm._header(op, tensors, ints)
+        flat = torch.cat([t.reshape(-1).long() for t in tensors if t is not None])
+        assert flat.numel() == tpm._payload_size(header)
+        self.peer.run_remote(op, header[1], tpm._unpack(flat, header))
+        self.ops.append(op)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_step_protocol_replays_eager_and_graph_steps_on_a_peer():
+    from opswap.llm.engine import _DecodeGraphs
+
+    model, prompts = _llama(), _prompts()
+    ref = _greedy(LLMEngine(model, **ENGINE), prompts)
+    rank0, peer = LLMEngine(model, **ENGINE), LLMEngine(model, **ENGINE)
+    for e in (rank0, peer):  # the CUDA-graph bucket path, run eagerly on the CPU
+        e.graphs = _DecodeGraphs(e, 4, capture=False)
+    link = _Loopback(peer)
+    rank0.tp = link  # type: ignore[assignment]
+    assert _greedy(rank0, prompts) == ref
+    assert {"run", "graph"} <= set(link.ops)
+    # the peer wrote every key and value rank 0 wrote, from the sent batches alone
+    torch.testing.assert_close(peer.k_cache, rank0.k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(peer.v_cache, rank0.v_cache, rtol=0, atol=0)
+    with pytest.raises(OpswapError, match="unknown step"):
+        peer.run_remote("jump", [], [])
+
+
 # -- two processes, gloo ---------------------------------------------------------------
 
 
