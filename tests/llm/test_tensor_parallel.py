@@ -5,11 +5,15 @@ Tiny random models (Llama: 4 heads over 2 KV heads, MLP 96; GPT-2: 4 heads, MLP 
 odd vocab 161): greedy tokens of prompts of lengths 1, 6, 19 and 37 (block size 8, which
 divides none of them; chunked prefill at 24 tokens a step) identical to one process's, the
 KV blocks back to zero at the end and after an abort; each rank's shard (heads, KV cache,
-MLP columns) checked in process against the whole layer; the refusals before any process
+MLP columns) checked in process against the whole layer; the step protocol (eager and
+CUDA-graph-bucket steps packed as for the broadcast) replayed on a peer engine, whose KV
+cache ends equal to rank 0's; the refusals before any process
 starts (heads or KV heads that do not divide, a runner without a split, more ranks than
 GPUs); a worker that raises surfaces on rank 0 as one sentence, and one that hangs fails
-by the group's timeout instead of hanging the test. The engines' timeouts bound every
-test here (a few seconds each)."""
+by the group's timeout instead of hanging the test; `opswap serve --tensor-parallel 2`
+on the CPU and its refusals. The engines' step timeouts bound every test here. On a host
+with 2 GPUs (gpu_suite.py --only tp): NCCL tokens against one GPU's, eager and with CUDA
+graphs."""
 
 from __future__ import annotations
 
