@@ -177,6 +177,9 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
     "kernels18": (KERNEL18_TESTS, [["bench_kernels18.py"]]),
     "attention": (ATTENTION_TESTS, [["bench_attention.py"]]),
     "decode": (DECODE_TESTS, [["bench_decode.py"]]),
+    # issue 46: tensor-parallel serving on 2 GPUs (NEEDS a multi-GPU kind, nvidia-h100-x2):
+    # NCCL tokens against one GPU, then throughput and batch-1 latency of 2 GPUs against 1
+    "tp": (["tests/llm/test_tensor_parallel.py"], [["bench_tp.py", "--tp", "2"]]),
     # serving engine (ch29); then decode tokens/s with bf16 / int8 / int4 / fp8 projections
     "engine": (
         ["tests/llm/test_engine.py", "tests/llm/test_quant_runner.py"],
@@ -640,7 +643,10 @@ def main() -> None:
         "bandwidth roofline; writes decode_h200.json); activation = the bias + activation "
         "kernel's, rule's and lowering's tests on the GPU, then benchmarks/bench_activation.py "
         "(opswap::bias_act against the written-out formulas in eager and torch.compile, "
-        "forward and forward+backward; writes activation_h200.json); epilogue = the activation rules' tests on "
+        "forward and forward+backward; writes activation_h200.json); tp = the tensor-parallel "
+        "tests on 2 GPUs (NCCL, CUDA graphs) and benchmarks/bench_tp.py --tp 2 (2 GPUs against 1: "
+        "throughput, batch-1 latency, tokens; needs a 2-GPU kind; writes tp_CARD.json); "
+        "epilogue = the activation rules' tests on "
         "the GPU, then benchmarks/bench_epilogue.py (Linear + ReLU / tanh-GELU: eager, "
         "aten._addmm_activation's cuBLASLt epilogue and torch.compile, bf16 and fp16 at "
         "BERT, GPT-2 and Llama shapes; writes epilogue_h200.json); sparsity = the sparsity "

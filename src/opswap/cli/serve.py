@@ -32,31 +32,39 @@ def parse_bytes(text: str, option: str = "--kv-memory") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def kv_block_bytes(config: Any, block_size: int, itemsize: int) -> int:
-    """Bytes of one KV block (keys and values of every layer) for a decoder config."""
+def kv_block_bytes(config: Any, block_size: int, itemsize: int, tensor_parallel: int = 1) -> int:
+    """Bytes of one KV block (keys and values of every layer) for a decoder config, on
+    one rank of `tensor_parallel` (each holds its share of the KV heads)."""
     layers = int(config.num_hidden_layers)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return 2 * layers * block_size * kv_heads * head_dim * itemsize
+    return 2 * layers * block_size * max(1, kv_heads // tensor_parallel) * head_dim * itemsize
 
 
 def check_kv_budget(
-    config: Any, kv_memory: int, block_size: int, itemsize: int, max_model_len: int, said: str
+    config: Any,
+    kv_memory: int,
+    block_size: int,
+    itemsize: int,
+    max_model_len: int,
+    said: str,
+    tensor_parallel: int = 1,
 ) -> None:
-    """Refuse, naming the largest --max-model-len that fits, a --kv-memory that cannot
-    hold one sequence of max_model_len tokens."""
-    blocks = kv_memory // kv_block_bytes(config, block_size, itemsize)
+    """Refuse, naming the largest --max-model-len that fits, a --kv-memory (per rank) that
+    cannot hold one sequence of max_model_len tokens."""
+    block = kv_block_bytes(config, block_size, itemsize, tensor_parallel)
+    blocks = kv_memory // block
     fits = blocks * block_size
     if fits < max_model_len:
-        more = kv_block_bytes(config, block_size, itemsize) * -(-max_model_len // block_size)
+        more = block * -(-max_model_len // block_size)
         raise OpswapError(
             f"--kv-memory {said} holds {blocks} KV blocks of {block_size} tokens for this "
             f"model, {fits} tokens, less than one sequence of --max-model-len {max_model_len}; "
             f"use --max-model-len {fits} or less, or --kv-memory of at least {more} bytes."
             if fits
             else f"--kv-memory {said} holds no KV block of {block_size} tokens for this model "
-            f"({kv_block_bytes(config, block_size, itemsize)} bytes each); give more."
+            f"({block} bytes each); give more."
         )
 
 
@@ -90,6 +98,7 @@ def build_engine(
     dtype: str,
     tokenizer: Any = None,
     weights: str | None = None,
+    tensor_parallel: int = 1,
 ) -> Any:
     import torch
 
@@ -97,10 +106,7 @@ def build_engine(
 
     if dtype not in _DTYPES:
         raise OpswapError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}.")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise OpswapError(f"--device {device} needs a GPU and torch sees none; use --device cpu.")
+    device = check_tensor_parallel(tensor_parallel, device)
     torch_dtype = getattr(torch, dtype)
     config = getattr(model, "config", None)
     if max_model_len is None and config is not None:
@@ -109,7 +115,10 @@ def build_engine(
     if kv_memory is not None:
         kv = parse_bytes(kv_memory)
         if config is not None and max_model_len is not None:
-            check_kv_budget(config, kv, block_size, torch_dtype.itemsize, max_model_len, kv_memory)
+            check_kv_budget(
+                config, kv, block_size, torch_dtype.itemsize, max_model_len, kv_memory,
+                tensor_parallel,
+            )  # fmt: skip
     return LLMEngine(
         model,
         block_size=block_size,
@@ -120,7 +129,28 @@ def build_engine(
         device=device,
         dtype=torch_dtype,
         weights=weights,
+        tensor_parallel=tensor_parallel,
     )
+
+
+def check_tensor_parallel(n: int, device: str) -> str:
+    """The device (auto resolved) after refusing a --tensor-parallel this host cannot run:
+    below 1, or more ranks than visible GPUs on CUDA (on the CPU the ranks are processes)."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise OpswapError(f"--device {device} needs a GPU and torch sees none; use --device cpu.")
+    if n < 1:
+        raise OpswapError(f"--tensor-parallel must be at least 1, got {n}.")
+    seen = torch.cuda.device_count() if device.startswith("cuda") else n
+    if n > seen:
+        raise OpswapError(
+            f"--tensor-parallel {n} needs {n} GPUs of this host and torch sees {seen}; use "
+            f"--tensor-parallel {seen} or less."
+        )
+    return device
 
 
 def check_quantize(scheme: str | None) -> None:
@@ -182,6 +212,14 @@ def serve(
             "capability 8.9+); the LM head stays in --dtype.",
         ),
     ] = None,
+    tensor_parallel: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Split the model's heads and MLP over N GPUs of this host (rank r on cuda:r; "
+            "N processes with gloo on the CPU); --kv-memory is then per GPU.",
+        ),
+    ] = 1,
 ) -> None:
     """Serve SPEC (a Llama, Mistral or Qwen2 decoder) over an OpenAI-compatible HTTP API:
     /v1/completions, /v1/chat/completions (streamed or not), /v1/models, /health and
@@ -194,6 +232,7 @@ def serve(
     check_quantize(quantize)
     if dtype not in _DTYPES:
         raise OpswapError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}.")
+    check_tensor_parallel(tensor_parallel, device)
     loaded = _load(spec, sets, weights)
     model = getattr(loaded.module, "model", loaded.module)
     tok = find_tokenizer(spec, tokenizer)
@@ -207,15 +246,17 @@ def serve(
         device,
         dtype,
         weights=quantize,
+        tensor_parallel=tensor_parallel,
     )
     served = name or loaded.name
     application = build_app(engine, tok, served, max_queue=max_queue, grace_s=grace)
     server = ServerThread(application, host, port, grace)
+    split = f", {tensor_parallel} ranks" if tensor_parallel > 1 else ""
     render.line(
         f"serving {spec} as {served!r} at {server.url}/v1 (max_model_len "
         f"{engine.max_model_len}, {engine.num_blocks} KV blocks of {engine.block_size} "
         f"tokens, {'text and token-id' if tok is not None else 'token-id'} prompts"
-        f"{'' if quantize is None else f', {quantize} weights'}); "
+        f"{'' if quantize is None else f', {quantize} weights'}{split}); "
         "Ctrl-C stops"
     )
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again
@@ -227,6 +268,7 @@ def serve(
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        engine.close()  # the other ranks, when tensor-parallel
     render.line("stopped")
 
 

@@ -224,6 +224,9 @@ class EngineDriver:
             t0 = time.perf_counter()
             try:
                 outputs = await loop.run_in_executor(self._executor, self._step)
+            except OpswapError as e:  # already a sentence (a tensor-parallel rank failed)
+                self._fail(str(e))
+                return
             except Exception as e:  # a bug or an out-of-memory: fail what is in flight
                 self._fail(f"the engine failed ({type(e).__name__}: {e}).")
                 return

@@ -22,7 +22,9 @@ calls pick kernels.
 Options: `speculative=SpeculativeConfig(...)` (or True) verifies prompt-lookup drafts in
 the same forward (llm/speculative.py); `cuda_graphs` (default on CUDA) replays a captured
 decode-only step at bucketed batch sizes (1, 2, 4, 8, 16, 32, 64, ...); `weights`
-("int8", "int4", "fp8") stores the projections low-bit (llm/quant.py).
+("int8", "int4", "fp8") stores the projections low-bit (llm/quant.py);
+`tensor_parallel=N` splits the heads and MLP columns over N ranks (llm/tensor_parallel.py:
+this process is rank 0 and drives the others; `close()` stops them).
 
 Nothing blocks between steps, so a server can call `add_request`, `abort` and `step` from
 one event loop; each `RequestOutput` carries what is new since the last one (tokens, text,
@@ -33,6 +35,7 @@ log-probabilities) and, at the end, the finish reason: "stop" (a stop token or s
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +44,7 @@ import torch
 
 from opswap.errors import OpswapError
 from opswap.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from opswap.llm import tensor_parallel as tpm
 from opswap.llm.blocks import BlockManager, BlockStats
 from opswap.llm.quant import WeightQuant, WeightStats, quantize_runner
 from opswap.llm.runner import ModelRunner, make_runner, run_model
@@ -55,6 +59,7 @@ from opswap.llm.sampling import (
 from opswap.llm.scheduler import Batch, Scheduled, Scheduler
 from opswap.llm.scheduler import Sequence as Seq
 from opswap.llm.speculative import PromptLookup, SpeculativeConfig, accept_sampled
+from opswap.llm.tensor_parallel import TPError, TPGroup
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -114,6 +119,10 @@ class LLMEngine:
     from CUDA graphs captured at bucketed batch sizes. `weights` ("int8", "int4", "fp8"
     or a WeightQuant) stores every projection low-bit (llm/quant.py; the LM head stays in
     `dtype` unless WeightQuant(lm_head=True)); `weight_stats` gives the bytes saved.
+    `tensor_parallel` N > 1 spawns ranks 1..N-1 (cuda:r on CUDA, gloo processes on the
+    CPU), each holding 1/N of every layer's heads and MLP, and broadcasts each step to
+    them; `tp_timeout_s` bounds a step's collectives (a rank that hangs or fails is one
+    TPError sentence here). `kv_memory` is then per rank. Call `close()` when done.
     """
 
     def __init__(
@@ -133,12 +142,16 @@ class LLMEngine:
         cuda_graphs: bool | None = None,
         graph_max_batch: int = 64,
         weights: str | WeightQuant | None = None,
+        tensor_parallel: int = 1,
+        tp_timeout_s: float = 60.0,
+        _tp_rank: int = 0,
     ) -> None:
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("graph_max_batch", graph_max_batch),
+            ("tensor_parallel", tensor_parallel),
         ):
             if value < 1:
                 raise EngineError(f"{name} must be at least 1, got {value}.")
@@ -147,7 +160,29 @@ class LLMEngine:
             max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         if max_model_len < 1:
             raise EngineError(f"max_model_len must be at least 1, got {max_model_len}.")
-        self.runner: ModelRunner = make_runner(model, max_model_len, device, dtype)
+        self.tp: TPGroup | None = None
+        self.tp_rank, self.tensor_parallel = _tp_rank, tensor_parallel
+        if tensor_parallel == 1:
+            self.runner: ModelRunner = make_runner(model, max_model_len, device, dtype)
+        else:
+            if cuda_graphs is None:
+                cuda_graphs = torch.device(device).type == "cuda"
+            rank_dev = tpm.rank_device(device, _tp_rank, tensor_parallel)
+            # the whole runner on the CPU (the model's own tensors where the dtype matches),
+            # refused before any process starts when it cannot be split; then rank's shard
+            full = make_runner(model, max_model_len, "cpu", dtype)
+            tpm.split_for(full, tensor_parallel)
+            worker_kwargs: dict[str, Any] = {}
+            if _tp_rank == 0:
+                worker_kwargs = dict(
+                    block_size=block_size, num_blocks=num_blocks, kv_memory=kv_memory,
+                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, device=device,
+                    dtype=dtype, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
+                    graph_max_batch=graph_max_batch, weights=weights, tp_timeout_s=tp_timeout_s,
+                )  # fmt: skip
+            self.runner = tpm.shard_runner(full, _tp_rank, tensor_parallel, rank_dev)
+            del full
         self.weight_stats: WeightStats = quantize_runner(self.runner, weights)
         net = self.runner
         self.device, self.dtype = net.device, dtype
@@ -196,6 +231,17 @@ class LLMEngine:
         self._drafted = self._accepted = self._graph_steps = 0
         graph_batch = min(graph_max_batch, max_num_seqs)
         self.graphs = _DecodeGraphs(self, graph_batch) if cuda_graphs else None
+        if tensor_parallel > 1 and _tp_rank == 0:
+            # the other ranks start last, once everything here that can refuse has passed
+            self.tp = tpm.launch(model, worker_kwargs, tensor_parallel, self.device, tp_timeout_s)
+            self._finalizer = weakref.finalize(self, self.tp.close)
+            tpm.wait_ready(self.tp)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one process); the engine
+        takes no step after."""
+        if self.tp is not None:
+            self.tp.close()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -268,6 +314,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, draw tokens; the outputs of requests that moved."""
+        if self.tp is None:
+            return self._step()
+        try:
+            return self._step()
+        except TPError:
+            raise
+        except RuntimeError as e:  # a collective that failed or timed out
+            raise self.tp.explain(e) from e
+
+    def _step(self) -> list[RequestOutput]:
         self._propose()
         batch = self.scheduler.schedule()
         for seq in (*self.scheduler.running, *batch.preempted):
@@ -469,12 +525,26 @@ class LLMEngine:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         i32 = torch.int32
-        return self._run(
+        args = (
             ints(ids), ints(positions), ints(slots),
             self._tables(batch.decodes), ints(dec_lens, i32),
             self._tables(batch.prefills), ints(cu, i32), ints(pre_lens, i32),
-            ints(rows),
         )  # fmt: skip
+        if self.tp is not None:
+            self.tp.send("run", args)
+        return self._run(*args, ints(rows))
+
+    def run_remote(self, op: str, ints: list[int], tensors: list[torch.Tensor | None]) -> None:
+        """A worker rank's part of a step rank 0 sent (llm/tensor_parallel.py): the same
+        forward on this rank's shard, its logits dropped."""
+        if op == "run":
+            a = tensors
+            self._run(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], None)  # type: ignore[arg-type]
+        elif op == "graph" and self.graphs is not None:
+            names = _DecodeGraphs.NAMES
+            self.graphs.replay(dict(zip(names, tensors, strict=True)), ints[0])  # type: ignore[arg-type]
+        else:
+            raise EngineError(f"a tensor-parallel worker got an unknown step {op!r}.")
 
     def _run(
         self,
@@ -574,19 +644,28 @@ class _DecodeGraphs:
             None, None, None, None,
         )  # fmt: skip
 
+    NAMES = ("ids", "positions", "slots", "tables", "lens")
+
     def run(self, entries: list[Scheduled]) -> torch.Tensor:
         """Logits [len(entries), vocab] of a decode-only batch, by replaying its bucket."""
         n = len(entries)
         b = self.bucket(n)
-        for name, host in self.inputs(entries, b).items():
-            getattr(self, name)[:b].copy_(host, non_blocking=True)
+        host = self.inputs(entries, b)
+        if self.engine.tp is not None:  # every rank replays its graph of this bucket
+            self.engine.tp.send("graph", [host[k] for k in self.NAMES], [b])
+        return self.replay(host, b)[:n]
+
+    def replay(self, host: dict[str, torch.Tensor], b: int) -> torch.Tensor:
+        """The bucket b's logits [b, vocab] of these inputs (padded to b rows)."""
+        for name, value in host.items():
+            getattr(self, name)[:b].copy_(value, non_blocking=True)
         if not self.capture:
-            return self._step(b)[:n]
+            return self._step(b)
         if b not in self.graphs:
             self._capture(b)
         graph, out = self.graphs[b]
         graph.replay()
-        return out[:n]
+        return out
 
     def _capture(self, b: int) -> None:
         # warm-up on a side stream (autotuning, lazy init), as torch.cuda.graphs asks;
