@@ -89,11 +89,19 @@ class Prepared(nn.Module):
     was given, `prepared(*inputs)` the model's outputs otherwise. Its parameters are the
     model's own Parameter objects."""
 
-    def __init__(self, graph: fx.GraphModule, report: PrepareReport, with_loss: bool):
+    def __init__(
+        self,
+        graph: fx.GraphModule,
+        report: PrepareReport,
+        with_loss: bool,
+        model_keys: Sequence[str] = (),
+    ):
         super().__init__()
         self.graph = graph
         self.report = report
         self.with_loss = with_loss
+        #: the user's model's state_dict keys (opswap.train.distributed.full_state_dict)
+        self.model_keys = tuple(model_keys)
 
     def forward(self, *batch: Any) -> Any:
         return self.graph(*batch)
@@ -266,6 +274,14 @@ def prepare(
 
     if not isinstance(model, nn.Module):
         raise PrepareError(f"prepare takes an nn.Module, not {type(model).__name__}.")
+    from opswap.train.distributed import wrapped_how
+
+    how = wrapped_how(model)
+    if how is not None:
+        raise PrepareError(
+            f"{type(model).__name__} is already {how}; prepare the model first, then wrap "
+            "what prepare returns (opswap.train.distributed.wrap(prepared, mode=...))."
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise PrepareError(f"loss_fn must be callable, not {type(loss_fn).__name__}.")
     if exactness not in EXACTNESS_ORDER:
@@ -343,7 +359,7 @@ def prepare(
                 f"({', '.join(n[len(prefix) :] for n in missing[:3])}): they get gradients "
                 "but are never updated."
             )
-    return Prepared(gm, report, with_loss)
+    return Prepared(gm, report, with_loss, tuple(model.state_dict().keys()))
 
 
 def _plan_checked(
