@@ -365,7 +365,9 @@ def _close(got: dict, want: dict, rtol: float, atol: float) -> None:
 def test_ddp_trains_as_one_process_on_every_ranks_rows(runs: dict) -> None:
     ref = runs["ref"]
     for r in _case(runs, "ddp"):
-        assert {LOSS_HEAD, "norm.rms_norm", "norm.add_rms_norm"} <= set(r["replaced"])
+        assert {LOSS_HEAD, "norm.rms_norm", "norm.add_rms_norm", "activation.swiglu"} <= set(
+            r["replaced"]
+        )
         assert r["users_own"]  # DDP trains the model's own parameters
         # all-reduced gradients against one process's: rounding apart, the same
         _close(r["grads"], ref["grads"], rtol=1e-5, atol=1e-6)
