@@ -120,7 +120,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(1)  # one thread a rank at either world size
         device = torch.device("cpu")
     dist.init_process_group(
         "nccl" if cuda else "gloo",
@@ -264,6 +264,13 @@ def main() -> None:
     timeout = 600 if a.smoke else 3600
     rows = run(1, args, timeout) + run(n, args, timeout)
     summary = summarise(rows, n)
+    if a.smoke:  # 2 shared CPU cores: the times say nothing; the losses are the check
+        summary = {
+            "note": "smoke run: the script runs and every variant's first loss matches eager's; "
+            "times on a shared 2-core CPU are not a measurement",
+            "max_loss_rel_to_eager": max(r.get("loss_rel_to_eager", 0.0) for r in rows),
+            "errors": [f"{r['variant']} x{r['world']}: {r['error']}" for r in rows if "error" in r],
+        }
     for r in rows:
         print(
             f"{r['variant']:>15} x{r['world']}: "

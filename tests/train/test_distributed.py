@@ -231,7 +231,7 @@ def _case_errors(rank: int) -> dict:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from opswap.train.distributed import fully_shard_function
+    from opswap.train._wrapped import fully_shard_function
 
     torch.manual_seed(3)
     x, y = _cnn_batches()[0]

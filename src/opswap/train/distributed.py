@@ -33,7 +33,6 @@ opswap's refuses when the graph holds BatchNorm as ATen ops with no module to co
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +40,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from opswap.errors import OpswapError
+from opswap.train._wrapped import dtensor_type, fully_shard_function, wrapped_how
 
 if TYPE_CHECKING:
     from opswap.train.prepare import Prepared
@@ -60,56 +60,6 @@ MODES = ("ddp", "fsdp2")
 
 class DistributedError(OpswapError, ValueError):
     """A prepared model cannot be distributed as asked."""
-
-
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return None
-    return DTensor
-
-
-def fully_shard_function() -> Callable[..., nn.Module]:
-    """torch's FSDP2 `fully_shard`: public in torch.distributed.fsdp (torch 2.6 on), in
-    torch.distributed._composable.fsdp before."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
-    return fully_shard  # type: ignore[return-value]
-
-
-def _fsdp2_module_type() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
-        except ImportError:
-            return None
-    return FSDPModule
-
-
-def wrapped_how(module: nn.Module) -> str | None:
-    """How `module` is already distributed, in words ("wrapped in DistributedDataParallel",
-    ...), or None when it is a plain module."""
-    if not dist.is_available():
-        return None
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(module, DistributedDataParallel):
-        return "wrapped in DistributedDataParallel"
-    if isinstance(module, FullyShardedDataParallel):
-        return "wrapped in FullyShardedDataParallel"
-    fsdp2 = _fsdp2_module_type()
-    if fsdp2 is not None and any(isinstance(m, fsdp2) for m in module.modules()):
-        return "sharded by fully_shard (FSDP2)"
-    dtensor = _dtensor_type()
-    if dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters()):
-        return "sharded (its parameters are DTensors)"
-    return None
 
 
 def _prepared_of(module: nn.Module) -> Any:
@@ -229,7 +179,7 @@ def full_state_dict(wrapped: nn.Module) -> dict[str, torch.Tensor]:
             f"full_state_dict takes a prepared module or one wrapped by wrap, not a "
             f"{type(wrapped).__name__}."
         )
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     keys = set(prepared.model_keys)
     out: dict[str, torch.Tensor] = {}
     for key, value in prepared.state_dict().items():

@@ -25,20 +25,13 @@ import torch
 
 from opswap.errors import OpswapError
 from opswap.kernels import adamw as _adamw
+from opswap.train._wrapped import dtensor_type
 
 __all__ = ["AdamW", "OptimizerError"]
 
 
 class OptimizerError(OpswapError, ValueError):
     """An optimizer was given a setting or a parameter it cannot take."""
-
-
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return None
-    return DTensor
 
 
 def _local(tensors: list[torch.Tensor], dtensor: type | None) -> list[torch.Tensor] | None:
@@ -130,7 +123,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        dtensor = _dtensor_type()
+        dtensor = dtensor_type()
         for group in self.param_groups:
             params, grads, ms, vs, mx, steps = [], [], [], [], [], []
             spread: list[list[torch.Tensor]] = []  # DTensors whose gradient is laid out otherwise

@@ -274,7 +274,7 @@ def prepare(
 
     if not isinstance(model, nn.Module):
         raise PrepareError(f"prepare takes an nn.Module, not {type(model).__name__}.")
-    from opswap.train.distributed import wrapped_how
+    from opswap.train._wrapped import wrapped_how
 
     how = wrapped_how(model)
     if how is not None:
