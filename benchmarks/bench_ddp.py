@@ -55,7 +55,7 @@ TINY = dict(
     num_key_value_heads=2,
     vocab_size=97,
     max_position_embeddings=64,
-    tie_word_embeddings=False,
+    tie_word_embeddings=True,  # as the 1B's: the fused loss and the embedding share a weight
     use_cache=False,
 )
 

@@ -180,14 +180,17 @@ def full_state_dict(wrapped: nn.Module) -> dict[str, torch.Tensor]:
             f"{type(wrapped).__name__}."
         )
     dtensor = dtensor_type()
-    keys = set(prepared.model_keys)
-    out: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
     for key, value in prepared.state_dict().items():
         name = key.removeprefix("graph.")
         if prepared.with_loss:
             name = name.removeprefix("model.")
         if dtensor is not None and isinstance(value, dtensor):
             value = value.full_tensor()  # type: ignore[attr-defined]
-        if name in keys:
-            out[name] = value
+        held[name] = value
+    out: dict[str, torch.Tensor] = {}
+    for group in prepared.model_keys:  # a tied weight is held under one of its names
+        found = next((held[k] for k in group if k in held), None)
+        if found is not None:
+            out.update(dict.fromkeys(group, found))
     return out

@@ -94,14 +94,15 @@ class Prepared(nn.Module):
         graph: fx.GraphModule,
         report: PrepareReport,
         with_loss: bool,
-        model_keys: Sequence[str] = (),
+        model_keys: Sequence[Sequence[str]] = (),
     ):
         super().__init__()
         self.graph = graph
         self.report = report
         self.with_loss = with_loss
-        #: the user's model's state_dict keys (opswap.train.distributed.full_state_dict)
-        self.model_keys = tuple(model_keys)
+        #: the user's model's state_dict keys, grouped by the tensor they name (tied weights
+        #: share a group); opswap.train.distributed.full_state_dict uses them
+        self.model_keys = tuple(tuple(g) for g in model_keys)
 
     def forward(self, *batch: Any) -> Any:
         return self.graph(*batch)
@@ -359,7 +360,16 @@ def prepare(
                 f"({', '.join(n[len(prefix) :] for n in missing[:3])}): they get gradients "
                 "but are never updated."
             )
-    return Prepared(gm, report, with_loss, tuple(model.state_dict().keys()))
+    return Prepared(gm, report, with_loss, _key_groups(model))
+
+
+def _key_groups(model: nn.Module) -> list[list[str]]:
+    """The model's state_dict keys grouped by the tensor they name (a tied weight's names
+    in one group)."""
+    groups: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(value), []).append(key)
+    return list(groups.values())
 
 
 def _plan_checked(
