@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -59,13 +60,15 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def train(call: object, params: object, rows: slice) -> list[float]:
+def train(
+    call: Callable[..., torch.Tensor], params: Iterable[torch.Tensor], rows: slice
+) -> list[float]:
     from opswap.train.optim import AdamW
 
-    opt = AdamW(params, lr=1e-2)  # type: ignore[arg-type]
+    opt = AdamW(params, lr=1e-2)
     losses = []
     for ids, labels in batches():
-        loss = call(ids[rows], labels[rows])  # type: ignore[operator]
+        loss = call(ids[rows], labels[rows])
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -32,7 +32,7 @@ from opswap.train.distributed import (
     full_state_dict,
     wrap,
 )
-from opswap.train.optim import AdamW
+from opswap.train.optim import AdamW, OptimizerError
 from opswap.train.prepare import LOSS_HEAD, PrepareError
 
 WORLD = 2
@@ -268,6 +268,12 @@ def _case_errors(rank: int) -> dict:
         opt.step()
         ref_opt.step()
     out["spread_error"] = float((p.full_tensor() - ref).abs().max())
+    p.grad = torch.ones(6, 5)  # a plain gradient on a sharded parameter
+    try:
+        opt.step()
+        out["plain_grad"] = "no error"
+    except OptimizerError as e:
+        out["plain_grad"] = str(e)
     return out
 
 
@@ -434,6 +440,7 @@ def test_sync_batchnorm_conversion_keeps_the_models_tensors_and_its_loss() -> No
 def test_fused_adamw_steps_a_dtensor_whose_gradient_is_laid_out_otherwise(runs: dict) -> None:
     for r in _case(runs, "errors"):
         assert r["spread_error"] < 1e-6
+        assert r["plain_grad"].startswith("A sharded (DTensor) parameter has a plain tensor")
 
 
 def test_orders_that_cannot_work_are_refused_in_one_sentence(runs: dict) -> None:

@@ -147,6 +147,11 @@ class AdamW(torch.optim.Optimizer):
                     row.append(state["max_exp_avg_sq"])
                 local = _local(row, dtensor)
                 if local is None and dtensor is not None and isinstance(p, dtensor):
+                    if not isinstance(row[1], dtensor):
+                        raise OptimizerError(
+                            "A sharded (DTensor) parameter has a plain tensor as its gradient; "
+                            "let the sharding wrapper (FSDP2, tensor parallelism) set it."
+                        )
                     spread.append(row + [state["step"]])
                     continue
                 row = local if local is not None else row
