@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import socket
@@ -43,6 +44,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _results import card as gpu_card  # noqa: E402
 from _results import write_results  # noqa: E402
 from bench_train_step import LLAMA_1B, _Logits, lm_loss  # noqa: E402
 
@@ -90,10 +92,9 @@ def _step_fn(variant: str, model: nn.Module, example: tuple, device: torch.devic
 
     report = None
     if variant.startswith("opswap"):
-        # the GPU's target; on the CPU too, so that the smoke run plans the same kernels
-        # (their CPU paths run there)
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        target = "h200" if "H200" in name else "h100"
+        # the GPU's target; on the CPU the H100's, so that the smoke run plans the same
+        # kernels (their CPU paths run there)
+        target = gpu_card() if device.type == "cuda" else "h100"
         prepared = prepare(model, example, lm_loss, target=target, fuse_loss=True)
         report = prepared.report
         module: nn.Module = wrap(prepared, "ddp")
@@ -112,6 +113,53 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _variant(
+    variant: str,
+    rank: int,
+    world: int,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    args: dict[str, Any],
+) -> dict[str, Any]:
+    """One variant's row: its warm-up and timed steps under DDP, or the error it met."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = _Logits(LlamaForCausalLM(config).to(dtype).to(device).train())
+    example = _batch(config.vocab_size, args["batch"], args["seq"], 0, rank, device)
+    row: dict[str, Any] = {"variant": variant, "world": world}
+    try:
+        fn, opt, report = _step_fn(variant, model, example, device)
+        if report is not None:
+            row["replaced"] = sorted({r for r, _ in report.replaced})
+        times = []
+        for step in range(args["warmup"] + args["steps"]):
+            ids, labels = _batch(config.vocab_size, args["batch"], args["seq"], step, rank, device)
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = fn(ids, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends with the slowest rank
+            if step == 0:
+                row["first_loss"] = float(loss.detach())
+            if step >= args["warmup"]:
+                times.append(float(took))
+        times.sort()
+        med = times[len(times) // 2]
+        row["step_ms"] = 1000 * med
+        row["tokens_per_s"] = world * args["batch"] * args["seq"] / med
+        if device.type == "cuda":
+            row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    except Exception as e:  # a variant that fails is a row that says why
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -128,48 +176,16 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
         world_size=world,
         timeout=datetime.timedelta(seconds=600),
     )
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     config = LlamaConfig(**args["config"], attn_implementation="sdpa")
     dtype = torch.bfloat16 if cuda else torch.float32
     rows = []
     for variant in args["variants"]:
-        torch.manual_seed(0)
-        model = _Logits(LlamaForCausalLM(config).to(dtype).to(device).train())
-        example = _batch(config.vocab_size, args["batch"], args["seq"], 0, rank, device)
-        row: dict[str, Any] = {"variant": variant, "world": world}
-        try:
-            fn, opt, report = _step_fn(variant, model, example, device)
-            if report is not None:
-                row["replaced"] = sorted({r for r, _ in report.replaced})
-            times = []
-            for step in range(args["warmup"] + args["steps"]):
-                ids, labels = _batch(
-                    config.vocab_size, args["batch"], args["seq"], step, rank, device
-                )
-                _sync(device)
-                t0 = time.perf_counter()
-                loss = fn(ids, labels)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                _sync(device)
-                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends with the slowest rank
-                if step == 0:
-                    row["first_loss"] = float(loss.detach())
-                if step >= args["warmup"]:
-                    times.append(float(took))
-            times.sort()
-            med = times[len(times) // 2]
-            row["step_ms"] = 1000 * med
-            row["tokens_per_s"] = world * args["batch"] * args["seq"] / med
-            if cuda:
-                row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-        except Exception as e:  # a variant that fails is a row that says why
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        rows.append(row)
-        del model
+        rows.append(_variant(variant, rank, world, config, dtype, device, args))
+        # the variant's model, optimizer and compiled code are gone with its frame
+        gc.collect()
+        torch._dynamo.reset()
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -259,7 +275,7 @@ def main() -> None:
             warmup=a.warmup,
             variants=variants,
         )
-        card = torch.cuda.get_device_name(0).split()[-1].lower().replace("-", "")
+        card = gpu_card()
         name = f"ddp_{card}x{n}.json"
     timeout = 600 if a.smoke else 3600
     rows = run(1, args, timeout) + run(n, args, timeout)
