@@ -301,6 +301,10 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
         ],
         [["bench_train_step.py"]],
     ),
+    # issue 46: the DDP/FSDP2 tests (gloo on the CPU), then the Llama-style 1B's DDP step at
+    # 1 and N GPUs, eager/compile/opswap/opswap+compile (ddp_<card>x<N>.json). Needs a
+    # multi-GPU kind (nvidia-h100-x2 or larger): bench_ddp.py stops on fewer than 2 GPUs
+    "ddp": (["tests/train/test_distributed.py"], [["bench_ddp.py"]]),
 }
 
 # the tests with CUDA paths of the low-precision schemes

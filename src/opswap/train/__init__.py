@@ -17,6 +17,8 @@ rather than by rewriting its graph alone.
   function, re-exported here, shadows its module's name: import the module's other names
   with `from opswap.train.prepare import ...`); `opswap.train.verify_grads` and
   `opswap.train.race` (the training-step race) beside it.
+- `opswap.train.distributed`: a prepared model wrapped in DistributedDataParallel or sharded
+  by FSDP2's `fully_shard`, and its trained weights gathered back (chapter 27).
 
 The fine-tuning modules share one short loop (`train._loop`).
 """

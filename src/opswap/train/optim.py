@@ -8,6 +8,12 @@ a dtype on a GPU (`opswap::adamw`, kernels/adamw.py), and torch's `_foreach` ste
 elsewhere. The moment estimates are float32 whatever the parameter's dtype, so a bf16
 model keeps full-precision optimizer state (torch's AdamW keeps them in the parameter's
 dtype).
+
+Sharded parameters (FSDP2's `fully_shard`, tensor parallelism: DTensors) are stepped shard
+by shard: AdamW is elementwise, so when a parameter, its gradient and its moment
+estimates are laid out alike, the update of each rank's local shard is the update of the
+whole (the kernel reads `.to_local()` tensors). A gradient laid out otherwise (a partial
+sum, another mesh) takes torch's `_foreach` steps on the DTensors, which redistribute it.
 """
 
 from __future__ import annotations
@@ -19,12 +25,27 @@ import torch
 
 from opswap.errors import OpswapError
 from opswap.kernels import adamw as _adamw
+from opswap.train._wrapped import dtensor_type
 
 __all__ = ["AdamW", "OptimizerError"]
 
 
 class OptimizerError(OpswapError, ValueError):
     """An optimizer was given a setting or a parameter it cannot take."""
+
+
+def _local(tensors: list[torch.Tensor], dtensor: type | None) -> list[torch.Tensor] | None:
+    """The local shards of `tensors` when every one is a DTensor laid out as the first
+    (same mesh, same placements), so that the elementwise step of each shard is the step
+    of the whole; None when none is a DTensor or they differ (the caller steps the
+    DTensors themselves)."""
+    if dtensor is None or not isinstance(tensors[0], dtensor):
+        return None
+    spec = (tensors[0].device_mesh, tuple(tensors[0].placements))  # type: ignore[attr-defined]
+    for t in tensors:
+        if not isinstance(t, dtensor) or (t.device_mesh, tuple(t.placements)) != spec:  # type: ignore[attr-defined]
+            return None
+    return [t.to_local() for t in tensors]  # type: ignore[attr-defined]
 
 
 def _state_dtype(p: torch.Tensor) -> torch.dtype:
@@ -102,8 +123,10 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        dtensor = dtensor_type()
         for group in self.param_groups:
             params, grads, ms, vs, mx, steps = [], [], [], [], [], []
+            spread: list[list[torch.Tensor]] = []  # DTensors whose gradient is laid out otherwise
             amsgrad = bool(group["amsgrad"])
             for p in group["params"]:
                 if p.grad is None:
@@ -119,19 +142,36 @@ class AdamW(torch.optim.Optimizer):
                     )
                 state = self._init_state(p, amsgrad)
                 state["step"] += 1
-                params.append(p)
-                grads.append(p.grad)
-                ms.append(state["exp_avg"])
-                vs.append(state["exp_avg_sq"])
+                row = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]]
                 if amsgrad:
-                    mx.append(state["max_exp_avg_sq"])
+                    row.append(state["max_exp_avg_sq"])
+                local = _local(row, dtensor)
+                if local is None and dtensor is not None and isinstance(p, dtensor):
+                    if not isinstance(row[1], dtensor):
+                        raise OptimizerError(
+                            "A sharded (DTensor) parameter has a plain tensor as its gradient; "
+                            "let the sharding wrapper (FSDP2, tensor parallelism) set it."
+                        )
+                    spread.append(row + [state["step"]])
+                    continue
+                row = local if local is not None else row
+                params.append(row[0])
+                grads.append(row[1])
+                ms.append(row[2])
+                vs.append(row[3])
+                if amsgrad:
+                    mx.append(row[4])
                 steps.append(float(state["step"]))
-            if not params:
-                continue
             beta1, beta2 = group["betas"]
-            _adamw.adamw(
-                params, grads, ms, vs, mx, steps,
+            hyper = (
                 float(group["lr"]), float(beta1), float(beta2),
                 float(group["weight_decay"]), float(group["eps"]), bool(group["maximize"]),
             )  # fmt: skip
+            if params:
+                _adamw.adamw(params, grads, ms, vs, mx, steps, *hyper)
+            for row in spread:  # torch's ops on the DTensors: they redistribute the gradient
+                _adamw.foreach_step(
+                    [row[0]], [row[1]], [row[2]], [row[3]], [row[4]] if amsgrad else [],
+                    [float(row[-1])], *hyper,
+                )  # fmt: skip
         return loss

@@ -89,11 +89,20 @@ class Prepared(nn.Module):
     was given, `prepared(*inputs)` the model's outputs otherwise. Its parameters are the
     model's own Parameter objects."""
 
-    def __init__(self, graph: fx.GraphModule, report: PrepareReport, with_loss: bool):
+    def __init__(
+        self,
+        graph: fx.GraphModule,
+        report: PrepareReport,
+        with_loss: bool,
+        model_keys: Sequence[Sequence[str]] = (),
+    ):
         super().__init__()
         self.graph = graph
         self.report = report
         self.with_loss = with_loss
+        #: the user's model's state_dict keys, grouped by the tensor they name (tied weights
+        #: share a group); opswap.train.distributed.full_state_dict uses them
+        self.model_keys = tuple(tuple(g) for g in model_keys)
 
     def forward(self, *batch: Any) -> Any:
         return self.graph(*batch)
@@ -266,6 +275,14 @@ def prepare(
 
     if not isinstance(model, nn.Module):
         raise PrepareError(f"prepare takes an nn.Module, not {type(model).__name__}.")
+    from opswap.train._wrapped import wrapped_how
+
+    how = wrapped_how(model)
+    if how is not None:
+        raise PrepareError(
+            f"{type(model).__name__} is already {how}; prepare the model first, then wrap "
+            "what prepare returns (opswap.train.distributed.wrap(prepared, mode=...))."
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise PrepareError(f"loss_fn must be callable, not {type(loss_fn).__name__}.")
     if exactness not in EXACTNESS_ORDER:
@@ -343,7 +360,16 @@ def prepare(
                 f"({', '.join(n[len(prefix) :] for n in missing[:3])}): they get gradients "
                 "but are never updated."
             )
-    return Prepared(gm, report, with_loss)
+    return Prepared(gm, report, with_loss, _key_groups(model))
+
+
+def _key_groups(model: nn.Module) -> list[list[str]]:
+    """The model's state_dict keys grouped by the tensor they name (a tied weight's names
+    in one group)."""
+    groups: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(value), []).append(key)
+    return list(groups.values())
 
 
 def _plan_checked(
