@@ -233,7 +233,9 @@ class LLMEngine:
         self.graphs = _DecodeGraphs(self, graph_batch) if cuda_graphs else None
         if tensor_parallel > 1 and _tp_rank == 0:
             # the other ranks start last, once everything here that can refuse has passed
-            self.tp = tpm.launch(model, worker_kwargs, tensor_parallel, self.device, tp_timeout_s)
+            self.tp = tpm.launch(
+                type(self), model, worker_kwargs, tensor_parallel, self.device, tp_timeout_s
+            )
             self._finalizer = weakref.finalize(self, self.tp.close)
             tpm.wait_ready(self.tp)
 

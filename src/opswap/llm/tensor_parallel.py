@@ -486,14 +486,16 @@ def _init_group(
 
 
 def launch(
+    engine_class: type,
     model: Any,
     engine_kwargs: dict[str, Any],
     world: int,
     device: torch.device,
     timeout_s: float,
 ) -> TPGroup:
-    """Spawn ranks 1..world-1 (each builds the engine with its shard), join the process
-    group as rank 0; the caller builds its own shard next and then calls `wait_ready`."""
+    """Spawn ranks 1..world-1 (each builds an `engine_class` with its shard: the engine
+    passes its own class, so this module needs no import of it), join the process group
+    as rank 0; the caller builds its own shard next and then calls `wait_ready`."""
     if dist.is_initialized():
         raise TPError(
             "a torch.distributed process group is already running in this process; close "
@@ -519,6 +521,7 @@ def launch(
         p = ctx.Process(
             target=_worker_main,
             args=(
+                engine_class,
                 r,
                 world,
                 model_path,
@@ -587,6 +590,7 @@ def _fault(rank: int) -> tuple[int, str] | None:
 
 
 def _worker_main(
+    engine_class: type,
     rank: int,
     world: int,
     model_path: str,
@@ -602,8 +606,6 @@ def _worker_main(
     torch.set_num_threads(threads)
     import multiprocessing
 
-    from opswap.llm.engine import LLMEngine
-
     parent = multiprocessing.parent_process()
     fault = _fault(rank)
     try:
@@ -611,7 +613,7 @@ def _worker_main(
         model = torch.load(model_path, map_location="cpu", mmap=True, weights_only=False)
         errors.put(("joining", rank, ""))
         _init_group(store_dir, rank, world, device, timeout_s)
-        engine = LLMEngine(model, **engine_kwargs, tensor_parallel=world, _tp_rank=rank)
+        engine = engine_class(model, **engine_kwargs, tensor_parallel=world, _tp_rank=rank)
         del model
         errors.put(("ready", rank, ""))
         steps = 0
