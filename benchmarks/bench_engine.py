@@ -42,12 +42,16 @@ graphs on, as served), rounds interleaved, medians. Next to each figure: the byt
 Linear weights a token reads (`engine.weight_stats`), the KV bytes read at the run's
 mean context, the GB/s that achieves, and on CUDA the card's copy bandwidth measured in the
 same run (a 2 GiB copy), so that batch 1 reads as a share of the bandwidth roofline. FP8
-rows are skipped, with the reason, where the device has no FP8 tensor cores.
+rows are skipped, with the reason, where the device has no FP8 tensor cores. The peer, at
+each batch: transformers' `generate` of the same prompts as one batch with the model in
+the run's dtype (row `hf_generate_<dtype>`; its decode time is a run to `new` tokens less
+a run to one), and each engine row's `speedup_over_hf_generate`.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -322,11 +326,13 @@ def weights_part(smoke: bool, device: str, dtype: torch.dtype, schemes: list[str
     if "int4" in schemes:
         variants["int4_lm_head"] = WeightQuant("int4", lm_head=True)
     copy_gb_s = _copy_gb_s(device)
+    peer = copy.deepcopy(model)  # the peer's own copy, whatever an engine does to the model
     g = torch.Generator().manual_seed(3)
     rows = []
     for batch in (1, 32):
         prompts = [torch.randint(0, c.vocab_size, (prompt_len,), generator=g).tolist()
                    for _ in range(batch)]  # fmt: skip
+        hf = _hf_decode(peer, prompts, new, rounds)
         opts = dict(block_size=bs, max_model_len=prompt_len + new + 1, max_num_seqs=batch,
                     max_num_batched_tokens=max(512, batch * prompt_len), device=device,
                     dtype=dtype, prefix_caching=False)  # fmt: skip
@@ -365,6 +371,7 @@ def weights_part(smoke: bool, device: str, dtype: torch.dtype, schemes: list[str
                 "batch": batch, "weights": name, "rounds": rounds, "median_decode_s": med,
                 "decode_steps": steps, "tokens_per_s": tps,
                 "speedup_over_" + base: tps / base_tps if base_tps else None,
+                "speedup_over_hf_generate": tps / hf["tokens_per_s"],
                 "linear_weight_bytes": st.stored_bytes,
                 "linear_weight_bytes_in_dtype": st.float_bytes,
                 "kv_bytes_per_step_at_mean_context": kv, "achieved_gb_s": gb_s,
@@ -373,6 +380,8 @@ def weights_part(smoke: bool, device: str, dtype: torch.dtype, schemes: list[str
             }  # fmt: skip
             rows.append(row)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+        rows.append({"batch": batch, "weights": f"hf_generate_{base}", **hf})
+        print(rows[-1])
         del engines
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -380,6 +389,34 @@ def weights_part(smoke: bool, device: str, dtype: torch.dtype, schemes: list[str
             "model": {k: getattr(c, k) for k in ("hidden_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "intermediate_size",
                       "vocab_size")}, "copy_gb_s": copy_gb_s}  # fmt: skip
+
+
+def _hf_decode(model: Any, prompts: list[list[int]], new: int, rounds: int) -> dict:
+    """The peer of the weights part: transformers' `generate` (greedy, KV cache) of the
+    prompts as one batch (all of one length: no padding) with the model in its dtype; the
+    decode time is a run to `new` tokens less a run to 1 (the prefill and first token),
+    medians over `rounds`."""
+    ids = torch.tensor(prompts, device=model.device)
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> float:
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(new)  # warm-up
+    decode = []
+    for _ in range(rounds):
+        decode.append(run(new) - run(1))
+    med = statistics.median(decode)
+    return {"rounds": rounds, "median_decode_s": med, "decode_steps": new - 1,
+            "tokens_per_s": len(prompts) * (new - 1) / med}  # fmt: skip
 
 
 def _blocks(tokens: int, bs: int) -> int:
@@ -409,13 +446,13 @@ def main() -> None:
             ap.error(f"--weights takes int8, int4 and fp8, not {', '.join(bad)}")
         res = weights_part(smoke, device, dtype, schemes, args.rounds if smoke else 5)
         rows = res.pop("rows")
-        write_results(args.out, f"engine_weights_{card}.json", dev, rows, **res)
+        write_results(args.out, f"engine_weights_{card}.json", dev, rows, smoke=smoke, **res)
         return
     model = _model(smoke, device, dtype)
     if args.part in ("all", "spec"):
         res = spec_part(smoke, device, dtype, args.rounds if smoke else 3)
         rows = res.pop("rows")
-        write_results(args.out, f"engine_spec_{card}.json", dev, rows, **res)
+        write_results(args.out, f"engine_spec_{card}.json", dev, rows, smoke=smoke, **res)
     if args.part == "spec":
         return
     vocab = model.config.vocab_size
@@ -481,7 +518,7 @@ def main() -> None:
         f"{on / off - 1:+.1%} (medians of {args.rounds})"
     )
     name = "engine_cpu_smoke.json" if smoke else f"engine_{card}.json"
-    write_results(args.out, name, dev, rows, requests=n_req, new_tokens=new, block_size=bs,
+    write_results(args.out, name, dev, rows, smoke=smoke, requests=n_req, new_tokens=new, block_size=bs,
                   prompt_lengths=lengths, prefix_caching_cost_at_0pct=cost,
                   wall_ratio_caching_on_off=on / off)  # fmt: skip
 

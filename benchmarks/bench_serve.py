@@ -151,7 +151,8 @@ def main() -> None:
     name = "serve_cpu_smoke.json" if smoke else f"serve_{card()}.json"
     dev = "cpu" if smoke else torch.cuda.get_device_name()
     write_results(
-        args.out, name, dev, rows, num_prompts=n, peer_prompts=n_peer, peer_batch=peer_batch,
+        args.out, name, dev, rows, smoke=smoke, num_prompts=n, peer_prompts=n_peer,
+        peer_batch=peer_batch,
         max_num_seqs=max_seqs, max_model_len=max_len, block_size=16, dtype=str(dtype),
         model=dict(model.config.to_diff_dict()) if hasattr(model.config, "to_diff_dict") else {},
         ratio_output_throughput_vs_peer=figures["output_throughput"] / peer["output_throughput"],

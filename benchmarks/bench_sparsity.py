@@ -5,7 +5,11 @@
 
 CPU: a Linear's weight magnitude-pruned to 90, 95 and 99% and stored CSR
 (opswap's SparseLinear: one addmm of the sparse weight with the transposed input) against
-the dense float32 Linear, at decode-like (1 and 8 rows) and prefill-like shapes.
+the dense float32 Linear, at decode-like (1 and 8 rows) and prefill-like shapes; beside
+them torch's own sparse products: x @ W^T with the same pruned W^T stored CSR
+(torch_csr_*: dense times sparse, the other order from ours), and W @ x^T with W stored BSR
+in 32 x 32 blocks pruned to the same share (torch_bsr32_*: other zeros, so its cosine
+differs).
 
 GPU (bfloat16):
 - the ViT-H MLP GEMMs (1280 -> 5120 and 5120 -> 1280) at 257 tokens x batch 1, 8, 32 and
@@ -62,7 +66,18 @@ def cpu_rows(quick: bool) -> list[dict]:
         x = torch.randn(m, k, generator=g)
         fns: dict[str, Any] = {"dense": lambda x, w=w, b=b: F.linear(x, w, b)}
         for s in SPARSITIES:
-            fns[f"csr_{int(100 * s)}"] = SparseLinear(w, b, s)
+            ours = SparseLinear(w, b, s)
+            fns[f"csr_{int(100 * s)}"] = ours
+            # the peers, torch's own sparse products (F.linear with a sparse weight fails
+            # under inference mode, torch 2.13): x @ W^T with W^T stored CSR (dense x
+            # sparse, the other order from ours), and W @ x^T with W stored BSR in blocks
+            # of 32 x 32 pruned to the same share (whole blocks dropped: other zeros)
+            wt = (w * (ours.sparse_weight().to_dense() != 0)).t().contiguous().to_sparse_csr()
+            bsr = SparseLinear(w, b, s, block=32).sparse_weight()
+            fns[f"torch_csr_{int(100 * s)}"] = lambda x, wt=wt, b=b: torch.addmm(b, x, wt)
+            fns[f"torch_bsr32_{int(100 * s)}"] = lambda x, ws=bsr, b=b: torch.addmm(
+                b[:, None], ws, x.t()
+            ).t()
         rows = compare_variants(fns, (x,), "dense", min_time_s=0.5, max_time_s=4.0)
         _tflops(rows, m, k, n)
         for r in rows:

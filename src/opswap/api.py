@@ -228,6 +228,27 @@ def replay(
     return Replay(plan, captured, applied, files, said, data, data_said)
 
 
+def _replayed(
+    model: nn.Module,
+    example_inputs: Any,
+    plan: Plan | str | Path,
+    dynamic: str,
+    calibration_data: Any,
+    calibration_fallback: CalibrationSource | None,
+) -> tuple[nn.Module, Any, Replay]:
+    """(model, inputs) as `keyword_call` makes them, and `replay` of `plan` on them."""
+    model, inputs = keyword_call(model, example_inputs)
+    done = replay(
+        model,
+        inputs,
+        plan,
+        dynamic=dynamic,
+        calibration_data=calibration_data,
+        calibration_fallback=calibration_fallback,
+    )
+    return model, inputs, done
+
+
 def apply(
     model: nn.Module,
     example_inputs,
@@ -353,14 +374,8 @@ def verify_plan(
     from opswap.verify.outputs import verify as _verify
 
     _check_backend(backend)
-    model, inputs = keyword_call(model, example_inputs)
-    done = replay(
-        model,
-        inputs,
-        plan,
-        dynamic=dynamic,
-        calibration_data=calibration_data,
-        calibration_fallback=calibration_fallback,
+    model, inputs, done = _replayed(
+        model, example_inputs, plan, dynamic, calibration_data, calibration_fallback
     )
     captured = done.captured
     tol = tolerance_for(done.plan.settings.exactness, budget, captured.rounding)
@@ -426,14 +441,8 @@ def bench_plan(
     from opswap.bench.compare import bench_models
 
     _check_backend(backend)
-    model, inputs = keyword_call(model, example_inputs)
-    done = replay(
-        model,
-        inputs,
-        plan,
-        dynamic=dynamic,
-        calibration_data=calibration_data,
-        calibration_fallback=calibration_fallback,
+    model, inputs, done = _replayed(
+        model, example_inputs, plan, dynamic, calibration_data, calibration_fallback
     )
     ref: nn.Module = private_copy(model)
     opt: nn.Module = done.applied.gm
@@ -499,14 +508,8 @@ def export(
     from opswap.verify.outputs import verify as _verify
 
     check_export(to)
-    model, inputs = keyword_call(model, example_inputs)
-    done = replay(
-        model,
-        inputs,
-        plan,
-        dynamic=dynamic,
-        calibration_data=calibration_data,
-        calibration_fallback=calibration_fallback,
+    model, inputs, done = _replayed(
+        model, example_inputs, plan, dynamic, calibration_data, calibration_fallback
     )
     captured = done.captured
     out = Path(out)

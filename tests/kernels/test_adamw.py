@@ -195,7 +195,7 @@ def _child() -> dict:
     real = A.triton_step
 
     def counted(*a, **k):
-        calls.append(len(a[0]))
+        calls.append(len(a[0].params))
         return real(*a, **k)
 
     A.triton_step = counted
@@ -213,7 +213,11 @@ def _unaligned() -> float:
     not multiples of 16 bytes: the kernel runs without its alignment hints): the largest
     difference from the foreach step after three steps."""
     res = []
-    for step in (A.adamw, A.foreach_step):
+
+    def foreach(*a):
+        return A.foreach_step(A.Tensors(*a[:6]), A.Hyper(*a[6:]))
+
+    for step in (A.adamw, foreach):
         g = torch.Generator().manual_seed(4)
         bufs = [torch.randn(301, generator=torch.Generator().manual_seed(i)) for i in range(4)]
         p, gr, m, v = (b.to(rc.DEVICE)[1:] for b in bufs)

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import platform
 import re
 
 import torch
 
 from opswap.errors import OpswapError
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+from opswap.tuning.keys import cpu_name
 
 
 def resolve_device(device) -> torch.device:
@@ -43,7 +32,7 @@ def describe_device(device) -> str:
     if dev.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(dev)}"
     n = torch.get_num_threads()
-    return f"cpu: {_cpu_name()}, {n} thread{'s' if n != 1 else ''}"
+    return f"cpu: {cpu_name()}, {n} thread{'s' if n != 1 else ''}"
 
 
 def check_device(device: str) -> None:

@@ -77,17 +77,19 @@ def decoder_race(
     from opswap.backends.executorch import ExecuTorchModule
     from opswap.models.zoo_transformer import gpt
 
-    model, _ = gpt(
-        batch=1,
-        seq=1,
-        vocab=vocab,
-        hidden=hidden,
-        heads=heads,
-        layers=layers,
-        intermediate=intermediate,
-        max_positions=64,
-    )
-    model = model.eval()
+    def build() -> torch.nn.Module:  # the same weights each call (gpt seeds them)
+        return gpt(
+            batch=1,
+            seq=1,
+            vocab=vocab,
+            hidden=hidden,
+            heads=heads,
+            layers=layers,
+            intermediate=intermediate,
+            max_positions=64,
+        )[0].eval()
+
+    model = build()
     ids = (torch.randint(0, vocab, (1, 1)),)
     params = sum(p.numel() for p in model.parameters())
     out: dict[str, Any] = {
@@ -100,19 +102,7 @@ def decoder_race(
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         want = model(*ids)
         fp32 = _lower(model, ids, Path(tmp) / "fp32.pte")
-        q_model = _quantized(
-            gpt(
-                batch=1,
-                seq=1,
-                vocab=vocab,
-                hidden=hidden,
-                heads=heads,
-                layers=layers,
-                intermediate=intermediate,
-                max_positions=64,
-            )[0].eval(),
-            group,
-        )
+        q_model = _quantized(build(), group)
         q4 = _lower(q_model, ids, Path(tmp) / "8da4w.pte")
         runs = {}
         for name, path in (("fp32", fp32), ("8da4w", q4)):

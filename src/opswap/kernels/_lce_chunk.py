@@ -21,7 +21,26 @@ from __future__ import annotations
 
 import torch
 
-from opswap.kernels._rows import jitted, rn, rn_flag, tl
+from opswap.kernels._rows import jitted, rn, rn_flag, tl, triton
+
+# Named `_row_logits` where it is defined, as `rn` is (kernels/_rows.py): both passes of
+# the kernel read a block of logits this way.
+if triton is not None:
+
+    @triton.jit
+    def _row_logits(x_row, b_ptr, c, ok, cap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+        # columns c (mask ok) of one row of logits in fp32, bias added, soft-capped
+        x = tl.load(x_row + c, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both ends (exp overflows to inf,
+            # giving 1; underflows to 0, giving -1)
+            x = cap * (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0))
+        return x
+
+else:  # pragma: no cover
+    _row_logits = None  # type: ignore[assignment]
 
 
 def _lce_chunk_fn(
@@ -67,13 +86,7 @@ def _lce_chunk_fn(
         for off in range(0, V, BLOCK):
             c = off + cols
             ok = c < V
-            x = tl.load(x_ptr + row * sx + c, mask=ok, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                x += tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
-            if SOFTCAP:
-                # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both ends (exp overflows to
-                # inf, giving 1; underflows to 0, giving -1)
-                x = cap * (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0))
+            x = _row_logits(x_ptr + row * sx, b_ptr, c, ok, cap, HAS_BIAS, SOFTCAP)
             zsum += tl.where(ok, x, 0.0)
             zt += tl.where(c == t, x, 0.0)
             x = tl.where(ok, x, -1e30)
@@ -94,11 +107,7 @@ def _lce_chunk_fn(
         for off in range(0, V, BLOCK):
             c = off + cols
             ok = c < V
-            x = tl.load(x_ptr + row * sx + c, mask=ok, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                x += tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
-            if SOFTCAP:
-                x = cap * (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0))
+            x = _row_logits(x_ptr + row * sx, b_ptr, c, ok, cap, HAS_BIAS, SOFTCAP)
             g = tl.exp(x - lse) - smoothing / V - tl.where(c == t, 1.0 - smoothing, 0.0)
             if SOFTCAP:
                 u = x / cap

@@ -6,7 +6,47 @@ dim D rounded up to a power of two (>= 16), its padding masked."""
 
 from __future__ import annotations
 
-from opswap.kernels._rows import rn, tl
+from opswap.kernels._rows import rn, tl, triton
+
+# The helpers both attention kernels call, named where they are defined (as `rn` is,
+# kernels/_rows.py, for Inductor's copy of their source).
+if triton is not None:
+
+    @triton.jit
+    def _kv_tile(
+        table, k_head, v_head, keys, valid, dims, in_d, skb, skn, svb, svn,
+        BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        # K and V rows [BLOCK_N, BLOCK_D] of the tile's keys (mask valid), each read at
+        # block table[key // BLOCK_SIZE], slot key % BLOCK_SIZE
+        blk = tl.load(table + keys // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = (keys % BLOCK_SIZE).to(tl.int64)
+        where = valid[:, None] & in_d[None, :]
+        kt = tl.load(
+            k_head + (blk * skb + slot * skn)[:, None] + dims[None, :], mask=where, other=0.0
+        )
+        vt = tl.load(
+            v_head + (blk * svb + slot * svn)[:, None] + dims[None, :], mask=where, other=0.0
+        )
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        return kt, vt
+
+    @triton.jit
+    def _online_step(s, vt, m_i, l_i, acc, PREC: tl.constexpr):
+        # one tile of the online softmax: s [rows, BLOCK_N] scaled log2 scores (-inf where
+        # masked; each row with a finite one), vt its values; the running max, sum and
+        # output rescaled to the new max
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
+        return m_new, l_i, acc
+
+else:  # pragma: no cover
+    _kv_tile = _online_step = None
 
 
 def _paged_decode_fn(
@@ -82,27 +122,13 @@ def _paged_decode_fn(
     for start in range(lo, hi, BLOCK_N):
         keys = start + cols
         valid = keys < hi
-        blk = tl.load(table + keys // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = (keys % BLOCK_SIZE).to(tl.int64)
-        where = valid[:, None] & in_d[None, :]
-        kt = tl.load(
-            k_head + (blk * skb + slot * skn)[:, None] + dims[None, :], mask=where, other=0.0
+        kt, vt = _kv_tile(
+            table, k_head, v_head, keys, valid, dims, in_d, skb, skn, svb, svn, BLOCK_SIZE, DOT_F32
         )
-        vt = tl.load(
-            v_head + (blk * svb + slot * svn)[:, None] + dims[None, :], mask=where, other=0.0
-        )
-        if DOT_F32:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         # every tile holds at least one valid key (start < hi), so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_step(s, vt, m_i, l_i, acc, PREC)
     if DIRECT:
         o = rn(acc / l_i[:, None], RN).to(out_ptr.dtype.element_ty)
         tl.store(out, o, mask=in_group[:, None] & in_d[None, :])
@@ -229,27 +255,13 @@ def _paged_prefill_fn(
     for start in range(0, hi_key, BLOCK_N):
         keys = start + cols
         valid = keys < hi_key
-        blk = tl.load(table + keys // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = (keys % BLOCK_SIZE).to(tl.int64)
-        where = valid[:, None] & in_d[None, :]
-        kt = tl.load(
-            k_head + (blk * skb + slot * skn)[:, None] + dims[None, :], mask=where, other=0.0
+        kt, vt = _kv_tile(
+            table, k_head, v_head, keys, valid, dims, in_d, skb, skn, svb, svn, BLOCK_SIZE, DOT_F32
         )
-        vt = tl.load(
-            v_head + (blk * svb + slot * svn)[:, None] + dims[None, :], mask=where, other=0.0
-        )
-        if DOT_F32:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(valid[None, :] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
         # key 0 is in the first tile and every position is >= 0: m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_step(s, vt, m_i, l_i, acc, PREC)
     out = acc / l_i[:, None]
     tl.store(
         o_ptr + q_rows[:, None] * sot + h * soh + dims[None, :],

@@ -34,6 +34,7 @@ fp32 model takes the same steps as torch's.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -132,22 +133,46 @@ def _coefficients(steps: list[float], lr: float, beta1: float, beta2: float) -> 
     return out
 
 
-def triton_step(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    steps: list[float],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
-) -> None:
+class Tensors(NamedTuple):
+    """The lists a step updates, one entry a param; max_exp_avg_sqs is empty without
+    amsgrad."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    max_exp_avg_sqs: list[torch.Tensor]
+    steps: list[float]
+
+    def pick(self, idx: list[int]) -> Tensors:
+        """The entries at `idx` of every list (an empty list stays empty)."""
+        p, g, m, v, x, s = self
+        return Tensors(
+            [p[i] for i in idx],
+            [g[i] for i in idx],
+            [m[i] for i in idx],
+            [v[i] for i in idx],
+            [x[i] for i in idx] if x else [],
+            [s[i] for i in idx],
+        )
+
+
+class Hyper(NamedTuple):
+    """The settings one step shares across its tensors."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    eps: float
+    maximize: bool
+
+
+def triton_step(t: Tensors, h: Hyper) -> None:
     """One launch of `_adamw_fn` over tensors of one param dtype and one grad dtype, all
     contiguous, on one device, with float32 states."""
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = t
+    lr, beta1, beta2, weight_decay, eps, maximize = h
     if not params:
         return
     dev = params[0].device
@@ -183,23 +208,12 @@ def triton_step(
         jitted(_adamw_fn)[(work.shape[0],)](*args, ALIGNED=False, **meta)
 
 
-def foreach_step(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    steps: list[float],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
-) -> None:
+def foreach_step(t: Tensors, h: Hyper) -> None:
     """The step with torch's `_foreach` ops, in torch.optim.AdamW(foreach=True)'s order; a
     param whose states are wider (bf16 param, fp32 states) is updated in the states'
     dtype and written back."""
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = t
+    lr, beta1, beta2, weight_decay, eps, maximize = h
     if not params:
         return
     wide = [
@@ -273,34 +287,15 @@ def adamw(
             groups.setdefault((p.device, p.dtype, grads[i].dtype), []).append(i)
         else:
             rest.append(i)
+    every = Tensors(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+    hyper = Hyper(lr, beta1, beta2, weight_decay, eps, maximize)
     for idx in [*groups.values(), rest]:
         if not idx:
             continue
         step = triton_step if idx is not rest else foreach_step
-        step(
-            [params[i] for i in idx],
-            [grads[i] for i in idx],
-            [exp_avgs[i] for i in idx],
-            [exp_avg_sqs[i] for i in idx],
-            [max_exp_avg_sqs[i] for i in idx] if max_exp_avg_sqs else [],
-            [steps[i] for i in idx],
-            lr, beta1, beta2, weight_decay, eps, maximize,
-        )  # fmt: skip
+        step(every.pick(idx), hyper)
 
 
 @adamw.register_fake
-def _(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    steps: list[float],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    maximize: bool,
-) -> None:
+def _(*args: object) -> None:  # in place on its inputs, no output: nothing to describe
     return None

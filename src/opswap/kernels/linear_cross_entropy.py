@@ -210,12 +210,11 @@ def _(
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    reduction: str,
-    softcap: float | None,
-    with_grad: bool,
+    *rest: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the op's other arguments, in its order: ignore_index, label_smoothing, reduction,
+    # softcap, with_grad
+    reduction, with_grad = rest[2], rest[4]
     _check(reduction)
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
@@ -254,17 +253,11 @@ def linear_cross_entropy_backward(
 
 @linear_cross_entropy_backward.register_fake
 def _(
-    grad: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    lse: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    reduction: str,
-    softcap: float | None,
+    grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, *rest: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the op's other arguments, in its order: target, bias, lse, ignore_index,
+    # label_smoothing, reduction, softcap
+    bias, reduction = rest[1], rest[5]
     _check(reduction)
     db = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db

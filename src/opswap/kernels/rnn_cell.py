@@ -366,6 +366,31 @@ def _kernel_takes(x: torch.Tensor) -> bool:
     return runs_triton(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
+#: W_ih, W_hh, b_ih, b_hh
+_Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def _run(
+    kind: str,
+    x: torch.Tensor,
+    h0: torch.Tensor | None,
+    c0: torch.Tensor | None,
+    w: _Weights,
+    batch_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Either op: zero states where none is given, the shape checks, then the kernel where
+    it takes x, else the reference; the output sequence contiguous."""
+    w_hh = w[1]
+    h0 = _state(h0, x, w_hh, batch_first)
+    c0 = _state(c0, x, w_hh, batch_first) if kind == "lstm" else None
+    _check(kind, x, h0, w[0], w_hh, batch_first)
+    if _kernel_takes(x):
+        out, h, c = triton_forward(kind, x, h0, c0, *w, batch_first)
+    else:
+        out, h, c = reference(kind, x, h0, c0, *w, batch_first)
+    return out.contiguous(), h, c
+
+
 # ----------------------------------------------------------------------------- the ops
 
 
@@ -382,15 +407,9 @@ def lstm_seq(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One LSTM layer over x ([B, T, I] when batch_first, else [T, B, I]) from (h0, c0)
     [B, H] (zeros where None): (the output sequence in x's layout, h_T, c_T)."""
-    h0 = _state(h0, x, w_hh, batch_first)
-    c0 = _state(c0, x, w_hh, batch_first)
-    _check("lstm", x, h0, w_ih, w_hh, batch_first)
-    if _kernel_takes(x):
-        out, h, c = triton_forward("lstm", x, h0, c0, w_ih, w_hh, b_ih, b_hh, batch_first)
-    else:
-        out, h, c = reference("lstm", x, h0, c0, w_ih, w_hh, b_ih, b_hh, batch_first)
+    out, h, c = _run("lstm", x, h0, c0, (w_ih, w_hh, b_ih, b_hh), batch_first)
     assert c is not None
-    return out.contiguous(), h, c
+    return out, h, c
 
 
 @triton_op("opswap::gru_seq", mutates_args=())
@@ -405,10 +424,5 @@ def gru_seq(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One GRU layer over x ([B, T, I] when batch_first, else [T, B, I]) from h0 [B, H]
     (zeros where None): (the output sequence in x's layout, h_T)."""
-    h0 = _state(h0, x, w_hh, batch_first)
-    _check("gru", x, h0, w_ih, w_hh, batch_first)
-    if _kernel_takes(x):
-        out, h, _ = triton_forward("gru", x, h0, None, w_ih, w_hh, b_ih, b_hh, batch_first)
-    else:
-        out, h, _ = reference("gru", x, h0, None, w_ih, w_hh, b_ih, b_hh, batch_first)
-    return out.contiguous(), h
+    out, h, _ = _run("gru", x, h0, None, (w_ih, w_hh, b_ih, b_hh), batch_first)
+    return out, h

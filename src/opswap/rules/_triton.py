@@ -1,5 +1,6 @@
 """What the rules that install one of opswap's Triton row kernels (the norm rules,
-activation.swiglu) share: the prediction, by target.
+activation.swiglu) share: their common class attributes (`TritonRule`) and the prediction,
+by target.
 
 - A CPU (any target that is not CUDA): the op runs its PyTorch reference there, the same
   ops as before plus one dispatch, so the site is predicted slower by that dispatch and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.fx as fx
@@ -20,8 +22,20 @@ import torch.fx as fx
 from opswap.cost import NodeCost
 from opswap.kernels import crossover
 from opswap.rules._cost import saving
-from opswap.rules.base import Estimate
+from opswap.rules.base import Estimate, Rule
 from opswap.targets.base import Target
+
+
+class TritonRule(Rule):
+    """A rule that swaps ops for an opswap Triton kernel: exact (fp32 math inside; sums in
+    another order), forward and backward, after the fusions unless it says otherwise."""
+
+    training = True
+    implementation = "triton"
+    exactness = "exact"
+    targets = ("cuda", "cpu")
+    after: ClassVar[tuple[str, ...]] = ("fusion.*",)
+
 
 CPU_REASON = "the Triton kernel runs on CUDA; on this CPU the reference is what PyTorch runs"
 

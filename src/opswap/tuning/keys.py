@@ -26,7 +26,8 @@ from opswap.tuning.db import Shapes
 
 
 @functools.cache
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` says."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -42,7 +43,7 @@ def device_name(kind: str) -> str:
     two threads is not one on sixteen), or the current GPU's name."""
     if kind == "cuda" and torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name()}"
-    return f"cpu: {_cpu_name()}, {torch.get_num_threads()} threads"
+    return f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
 
 
 def _package_version(name: str) -> str:

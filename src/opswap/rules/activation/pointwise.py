@@ -27,7 +27,7 @@ from opswap.kernels import crossover
 from opswap.rules import _triton
 from opswap.rules._edits import replace_with
 from opswap.rules._matching import setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.pattern import Match, Op, const, op, var
 from opswap.rules.registry import register
 from opswap.targets.base import Target
@@ -188,20 +188,15 @@ def _dtype_reason(x: fx.Node, out: fx.Node) -> str | None:
 
 
 @register
-class PointwiseTriton(Rule):
+class PointwiseTriton(_triton.TritonRule):
     """A written-out activation, or an activation of x + b, as one Triton kernel with fp32
     math inside. Exact: the same function, with fewer roundings than eager's (which rounds
     x + b and every step of a formula to the input dtype). Not measured on a GPU yet: on a
     CUDA target it is taken only where the crossover table says the kernel beats eager."""
 
     name = "activation.pointwise"
-    training = True
-    implementation = "triton"
     family = "activation"
     chapter = 9
-    exactness = "exact"
-    targets = ("cuda", "cpu")
-    after = ("fusion.*",)
     relieves = ("memory:activation", "memory:elementwise")
     anchors = ("mul", "div", *_ACT_KINDS)
     description = (

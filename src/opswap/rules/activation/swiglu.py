@@ -15,7 +15,7 @@ from opswap.graph.shapes import info
 from opswap.rules import _triton
 from opswap.rules._edits import replace_with
 from opswap.rules._matching import setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.pattern import op, var
 from opswap.rules.registry import register
 from opswap.targets.base import Target
@@ -49,18 +49,13 @@ def _halves_of(g: fx.Node, u: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 
 @register
-class SwiGLUTriton(Rule):
+class SwiGLUTriton(_triton.TritonRule):
     """silu(g) * u in one kernel with fp32 math inside. Exact: eager rounds silu(g) to the
     input dtype before the product and the kernel does not, one rounding fewer."""
 
     name = "activation.swiglu"
-    training = True
-    implementation = "triton"
     family = "activation"
     chapter = 9
-    exactness = "exact"
-    targets = ("cuda", "cpu")
-    after = ("fusion.*",)
     relieves = ("memory:activation", "memory:elementwise")
     pattern = op("mul", op("silu", var("g")), var("u"))
     description = (

@@ -21,10 +21,11 @@ from opswap.cost import node_cost
 from opswap.graph.ops import arg, copy_meta, raw_name
 from opswap.graph.shapes import info
 from opswap.kernels import crossover
+from opswap.rules import _triton
 from opswap.rules._cost import op_time
 from opswap.rules._edits import erase
 from opswap.rules._triton import CPU_REASON
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.registry import register
 from opswap.targets.base import Target
 
@@ -93,7 +94,7 @@ def _shape(found: Found) -> tuple[str, int]:
 
 
 @register
-class FlashTriton(Rule):
+class FlashTriton(_triton.TritonRule):
     """SDPA as opswap's own FlashAttention (Triton, forward and backward). Exact: the
     same function, with fp32 scores and softmax statistics, the probabilities rounded to
     the input dtype for the second matmul as SDPA's flash backend does. Picked on a CUDA
@@ -101,12 +102,8 @@ class FlashTriton(Rule):
     backend at that head dim and length."""
 
     name = "attention.flash"
-    training = True
-    implementation = "triton"
     family = "attention"
     chapter = 8
-    exactness = "exact"
-    targets = ("cuda", "cpu")
     after = ("fusion.*", "attention.sdpa")
     relieves = ("compute:attention", "memory:attention")
     anchors = ("attention",)

@@ -5,7 +5,9 @@ batched_embedding_bag), and the constants they need."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -13,7 +15,11 @@ from torch import nn
 
 from opswap.graph.ops import arg, module_of, op_kind, raw_name
 from opswap.graph.shapes import info, shape
+from opswap.rules._cost import saving
+from opswap.rules._edits import swap_in_module
 from opswap.rules._matching import const, setting
+from opswap.rules.base import Estimate, Found
+from opswap.targets.base import Target
 
 BATCHED = "unknown:batched_embedding_bag"
 
@@ -223,3 +229,41 @@ def kib(n: int) -> str:
     if n < 10240:
         return f"{n} B"
     return f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+
+
+def shrunk(
+    node: fx.Node, what: str, before: int, after: int, data: dict[str, Any], record: dict[str, Any]
+) -> Found:
+    """The Found of a rule that shrinks the table at `node` from `before` to `after` bytes:
+    `what` it does in the description, the bytes in the record."""
+    return Found(
+        [node],
+        f"{node.target}: {what}, {kib(before)} -> {kib(after)}",
+        data,
+        record=dict(record, bytes_before=before, bytes_after=after),
+    )
+
+
+def swap_table(
+    gm: fx.GraphModule, found: Found, make: Callable[[torch.Tensor], nn.Module], name: str
+) -> None:
+    """Put `make(weight)` in place of the nn.Embedding module read at found.nodes[0]."""
+    node = found.nodes[0]
+    mod = module_of(node)
+    assert isinstance(mod, nn.Embedding)
+    swap_in_module(gm, make(mod.weight.detach()), tuple(node.args), node, [node], name)
+
+
+def memory_estimate(found: Found, target: Target, least: float | None = None) -> Estimate:
+    """The bytes a table rule saves (its record's bytes_before - bytes_after), the time
+    from the cost model (at least `least` seconds when given)."""
+    rec = found.record
+    time_s = saving(target, [], [], "").time_saved_s
+    if least is not None:
+        time_s = max(time_s or 0.0, least)
+    return Estimate(
+        0.0,
+        float(rec["bytes_before"] - rec["bytes_after"]),
+        time_s,
+        f"table {kib(rec['bytes_before'])} -> {kib(rec['bytes_after'])}",
+    )

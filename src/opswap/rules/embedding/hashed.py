@@ -10,12 +10,11 @@ test_hashed.py measures the agreement with the original before and after).
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from opswap.graph.ops import module_of
-from opswap.rules._cost import saving
-from opswap.rules._edits import swap_in_module
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.embedding import _read
 from opswap.rules.embedding._compress import HashedEmbedding
@@ -57,27 +56,20 @@ class Hashed(Rule):
         buckets = rows // self.ratio
         before = _read.table_bytes(rows, dim, mod.weight.dtype)
         after = _read.table_bytes(buckets, dim, mod.weight.dtype)
-        return Found(
-            [node],
-            f"{node.target}: {rows} ids hashed into {buckets} rows, "
-            f"{_read.kib(before)} -> {_read.kib(after)}",
+        return _read.shrunk(
+            node,
+            f"{rows} ids hashed into {buckets} rows",
+            before,
+            after,
             dict(buckets=buckets),
-            record=dict(rows=rows, buckets=buckets, bytes_before=before, bytes_after=after),
+            dict(rows=rows, buckets=buckets),
         )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
-        node = found.nodes[0]
-        mod = module_of(node)
-        assert isinstance(mod, nn.Embedding)
-        new = HashedEmbedding.from_table(mod.weight.detach(), found["buckets"])
-        swap_in_module(gm, new, tuple(node.args), node, [node], "hashed_embedding")
+        def make(weight: torch.Tensor) -> HashedEmbedding:
+            return HashedEmbedding.from_table(weight, found["buckets"])
+
+        _read.swap_table(gm, found, make, "hashed_embedding")
 
     def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
-        rec = found.record
-        est = saving(target, [], [], "")
-        return Estimate(
-            0.0,
-            float(rec["bytes_before"] - rec["bytes_after"]),
-            est.time_saved_s,
-            f"table {_read.kib(rec['bytes_before'])} -> {_read.kib(rec['bytes_after'])}",
-        )
+        return _read.memory_estimate(found, target)

@@ -15,7 +15,6 @@ import torch.fx as fx
 
 from opswap.graph.ops import op_kind
 from opswap.kernels.embedding_bag import quantize_rows
-from opswap.rules._cost import saving
 from opswap.rules._edits import drop_dead_attrs, erase, new_const
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.embedding import _install, _read
@@ -110,11 +109,4 @@ class Int8(Rule):
             drop_dead_attrs(gm, [bag.weight])
 
     def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
-        rec = found.record
-        est = saving(target, [], [], "")
-        return Estimate(
-            0.0,
-            float(rec["bytes_before"] - rec["bytes_after"]),
-            max(est.time_saved_s or 0.0, 1e-9),
-            f"table {_read.kib(rec['bytes_before'])} -> {_read.kib(rec['bytes_after'])}",
-        )
+        return _read.memory_estimate(found, target, least=1e-9)

@@ -17,8 +17,6 @@ from torch import nn
 
 from opswap.graph.calibrate import calibration_of
 from opswap.graph.ops import module_of
-from opswap.rules._cost import saving
-from opswap.rules._edits import swap_in_module
 from opswap.rules.base import Estimate, Found, Refused, Rule
 from opswap.rules.embedding import _read
 from opswap.rules.embedding._compress import PrunedEmbedding
@@ -80,26 +78,20 @@ class Pruned(Rule):
             )
         before = _read.table_bytes(rows, dim, mod.weight.dtype)
         after = _read.table_bytes(kept + 1, dim, mod.weight.dtype) + 4 * rows
-        return Found(
-            [node],
-            f"{node.target}: {kept} of {rows} rows read by the samples kept, "
-            f"{_read.kib(before)} -> {_read.kib(after)}",
+        return _read.shrunk(
+            node,
+            f"{kept} of {rows} rows read by the samples kept",
+            before,
+            after,
             dict(counts=counts),
-            record=dict(rows=rows, kept=kept, bytes_before=before, bytes_after=after),
+            dict(rows=rows, kept=kept),
         )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
-        node = found.nodes[0]
-        mod = module_of(node)
-        assert isinstance(mod, nn.Embedding)
-        new = PrunedEmbedding.from_usage(mod.weight.detach(), found["counts"], self.min_count)
-        swap_in_module(gm, new, tuple(node.args), node, [node], "pruned_embedding")
+        def make(weight: torch.Tensor) -> PrunedEmbedding:
+            return PrunedEmbedding.from_usage(weight, found["counts"], self.min_count)
+
+        _read.swap_table(gm, found, make, "pruned_embedding")
 
     def predict(self, gm: fx.GraphModule, found: Found, target: Target) -> Estimate:
-        rec = found.record
-        return Estimate(
-            0.0,
-            float(rec["bytes_before"] - rec["bytes_after"]),
-            saving(target, [], [], "").time_saved_s,
-            f"table {_read.kib(rec['bytes_before'])} -> {_read.kib(rec['bytes_after'])}",
-        )
+        return _read.memory_estimate(found, target)

@@ -20,7 +20,7 @@ from opswap.graph.shapes import TensorInfo, info
 from opswap.rules import _triton
 from opswap.rules._edits import erase
 from opswap.rules._matching import setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.registry import register
 from opswap.targets.base import Target
 
@@ -117,18 +117,14 @@ def _table_ok(c: fx.Node, xi: TensorInfo) -> str | None:
 
 
 @register
-class RopeTriton(Rule):
+class RopeTriton(_triton.TritonRule):
     """RoPE on q and k in one kernel with fp32 math. Exact: the same products and sum,
     computed in fp32 and rounded once, where eager rounds each product and the sum to
     the tensors' dtype (fewer roundings)."""
 
     name = "fusion.rope"
-    training = True
-    implementation = "triton"
     family = "fusion"
     chapter = 4
-    exactness = "exact"
-    targets = ("cuda", "cpu")
     after = ("fusion.matmul_add", "fusion.parallel_linear")
     relieves = ("memory:elementwise", "memory:data-movement")
     anchors = ("add",)

@@ -9,7 +9,8 @@ import torch.fx as fx
 
 from opswap.graph.ops import op_kind
 from opswap.rules._edits import replace_with
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
+from opswap.rules.legalize._base import Legalize
 from opswap.rules.registry import register
 from opswap.targets.base import Target
 
@@ -53,7 +54,7 @@ def _half(node: object, x: fx.Node) -> bool:
 
 
 @register
-class GeluErf(Rule):
+class GeluErf(Legalize):
     """0.5 * x * (1 + erf(x / sqrt(2))) -> gelu(x): the same function as one op.
 
     Exact in math; the op's kernel rounds its own way. ExecuTorch's XNNPACK partitioner
@@ -62,10 +63,6 @@ class GeluErf(Rule):
     half may be applied to x first (0.5 * x, then the product) or last."""
 
     name = "legalize.gelu_erf"
-    family = "legalize"
-    chapter = 28
-    exactness = "exact"
-    targets = ("edge",)
     relieves = ("delegation:activation",)
     anchors = ("erf",)
     description = (

@@ -8,18 +8,18 @@ import math
 
 import torch.fx as fx
 
-from opswap.graph.ops import arg
-from opswap.graph.shapes import dynamic_dims, info
+from opswap.graph.shapes import dynamic_dims
 from opswap.rules._edits import call, replace_with
 from opswap.rules._matching import setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
+from opswap.rules.legalize._base import Legalize, reduced
 from opswap.rules.legalize._mean import max_last, mean_last
 from opswap.rules.registry import register
 from opswap.targets.base import Target
 
 
 @register
-class LogSoftmax(Rule):
+class LogSoftmax(Legalize):
     """log_softmax(x, -1) -> s - log(mean(exp(s))) - log(N), s = x - max(x).
 
     Exact in math: log(sum(exp(s))) = log(mean(exp(s))) + log(N), and the shift by the max
@@ -29,10 +29,6 @@ class LogSoftmax(Rule):
     after fusion.log_softmax, which gathers a written-out log(softmax) into the op."""
 
     name = "legalize.log_softmax"
-    family = "legalize"
-    chapter = 28
-    exactness = "exact"
-    targets = ("edge",)
     relieves = ("delegation:softmax",)
     anchors = ("log_softmax",)
     after = ("fusion.log_softmax",)
@@ -42,12 +38,12 @@ class LogSoftmax(Rule):
     )
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
-        x = arg(node, 0, "input")
-        if not isinstance(x, fx.Node):
-            return None
-        xi, dim = info(x), setting(node, "dim", None)
-        if xi is None or not isinstance(dim, int):
-            return Refused(f"the shape of {x.name} or the dim of {node.name} is unknown")
+        dim = setting(node, "dim", None)
+        got = reduced(node, dim if isinstance(dim, int) else None, "dim")
+        if not isinstance(got, tuple):
+            return got
+        x, xi = got
+        assert isinstance(dim, int)
         rank = len(xi.shape)
         if rank not in (2, 3) or dim % rank != rank - 1:
             return Refused(

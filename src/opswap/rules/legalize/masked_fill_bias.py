@@ -10,7 +10,8 @@ import torch.fx as fx
 from opswap.graph.ops import arg, attr_tensor, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules._edits import new_const, replace_with
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
+from opswap.rules.legalize._base import Legalize
 from opswap.rules.registry import register
 from opswap.targets.base import Target
 
@@ -37,7 +38,7 @@ def _chain(gm: fx.GraphModule, mask: object) -> tuple[list[fx.Node], fx.Node] | 
 
 
 @register
-class MaskedFillBias(Rule):
+class MaskedFillBias(Legalize):
     """x.masked_fill(mask, -inf) -> x + bias, bias = 0 where mask is False and -inf where it
     is True, built once from the mask buffer and read through the same slices.
 
@@ -47,10 +48,6 @@ class MaskedFillBias(Rule):
     one delegate."""
 
     name = "legalize.masked_fill_bias"
-    family = "legalize"
-    chapter = 28
-    exactness = "exact"
-    targets = ("edge",)
     relieves = ("delegation:where",)
     anchors = ("where",)
     description = (

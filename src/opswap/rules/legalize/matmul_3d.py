@@ -8,13 +8,14 @@ import torch.fx as fx
 from opswap.graph.ops import arg
 from opswap.graph.shapes import dynamic_dims, info
 from opswap.rules._edits import call, replace_with
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
+from opswap.rules.legalize._base import Legalize
 from opswap.rules.registry import register
 from opswap.targets.base import Target
 
 
 @register
-class Matmul3d(Rule):
+class Matmul3d(Legalize):
     """a @ b of rank-4 operands with the same leading dims, as attention's scores and
     context are written, -> bmm(a.flatten(0, 1), b.flatten(0, 1)).unflatten(0, (-1, H)).
 
@@ -25,10 +26,6 @@ class Matmul3d(Rule):
     the batch dim B may vary."""
 
     name = "legalize.matmul_3d"
-    family = "legalize"
-    chapter = 28
-    exactness = "exact"
-    targets = ("edge",)
     relieves = ("delegation:matmul",)
     anchors = ("matmul",)
     description = (

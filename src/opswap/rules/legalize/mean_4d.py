@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch.fx as fx
 
 from opswap.graph.ops import arg, copy_meta
-from opswap.graph.shapes import info
 from opswap.rules._edits import call, replace_with
 from opswap.rules._matching import setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
+from opswap.rules.legalize._base import Legalize, reduced
 from opswap.rules.legalize._mean import mean_last
 from opswap.rules.registry import register
 from opswap.targets.base import Target
@@ -25,7 +25,7 @@ def _dims(node: fx.Node) -> list[int] | None:
 
 
 @register
-class Mean4d(Rule):
+class Mean4d(Legalize):
     """x.mean(-1) of x [N, H] or [B, S, H] written as the 4-D mean XNNPACK takes:
 
         [N, H] -> [N, H, 1, 1] -permute-> [1, N, H, 1];  [B, S, H] -unsqueeze(-1)-> [B, S, H, 1] -mean((2, 3), keepdim)-> [B, S, 1, 1]
@@ -40,10 +40,6 @@ class Mean4d(Rule):
     its means on the portable kernels, splitting the delegate around every norm."""
 
     name = "legalize.mean_4d"
-    family = "legalize"
-    chapter = 28
-    exactness = "exact"
-    targets = ("edge",)
     relieves = ("delegation:reduce",)
     anchors = ("mean",)
     after = ("pooling.*",)
@@ -53,12 +49,12 @@ class Mean4d(Rule):
     )
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
-        x = arg(node, 0, "input")
-        if not isinstance(x, fx.Node):
-            return None
-        xi, dims = info(x), _dims(node)
-        if xi is None or dims is None:
-            return Refused(f"the shape of {x.name} or the dims of {node.name} are unknown")
+        dims = _dims(node)
+        got = reduced(node, dims, "dims")
+        if not isinstance(got, tuple):
+            return got
+        x, xi = got
+        assert dims is not None
         rank = len(xi.shape)
         keep = setting(node, "keepdim", False)
         if not isinstance(keep, bool):

@@ -11,7 +11,8 @@ from opswap.graph.ops import arg, copy_meta, module_of, op_kind, raw_name
 from opswap.graph.shapes import info
 from opswap.rules._edits import call, replace_with
 from opswap.rules._matching import describe_source, setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
+from opswap.rules.legalize._base import Legalize
 from opswap.rules.legalize._mean import mean_last
 from opswap.rules.registry import register
 from opswap.targets.base import Target
@@ -26,7 +27,7 @@ def _param(gm: fx.GraphModule, node: fx.Node, name: str) -> fx.Node | None:
 
 
 @register
-class NormWrittenOut(Rule):
+class NormWrittenOut(Legalize):
     """LayerNorm: d = x - mean(x); y = d * rsqrt(mean(d * d) + eps) * w + b.
     RMSNorm:   y = x * rsqrt(mean(x * x) + eps) * w.
 
@@ -37,10 +38,6 @@ class NormWrittenOut(Rule):
     Runs after fusion.layer_norm, which gathers a written-out LayerNorm into one op."""
 
     name = "legalize.norm_written_out"
-    family = "legalize"
-    chapter = 28
-    exactness = "exact"
-    targets = ("edge",)
     relieves = ("delegation:normalization",)
     anchors = ("layer_norm", "rms_norm")
     after = ("fusion.layer_norm",)

@@ -7,7 +7,8 @@ import torch.fx as fx
 
 from opswap.graph.ops import op_kind
 from opswap.graph.shapes import info
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules import _triton
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.norm import _rms
 from opswap.rules.norm.rms_norm import describe, estimate, install
 from opswap.rules.registry import register
@@ -15,20 +16,15 @@ from opswap.targets.base import Target
 
 
 @register
-class AddRMSNormTriton(Rule):
+class AddRMSNormTriton(_triton.TritonRule):
     """The residual add and the RMSNorm it feeds, in one pass: the kernel reads a and b,
     writes the sum (the residual stream its later readers take) and the normalised
     output, so the sum is never re-read. Exact, as norm.rms_norm: the sum is
     rounded to the input dtype as eager's add rounds it, then normalised in fp32."""
 
     name = "norm.add_rms_norm"
-    training = True
-    implementation = "triton"
     family = "norm"
     chapter = 10
-    exactness = "exact"
-    targets = ("cuda", "cpu")
-    after = ("fusion.*",)
     before = ("norm.rms_norm",)
     relieves = ("memory:normalization", "memory:elementwise")
     anchors = ("rsqrt", "rms_norm")

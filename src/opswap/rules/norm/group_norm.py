@@ -17,7 +17,7 @@ from opswap.kernels import crossover
 from opswap.rules import _triton
 from opswap.rules._edits import replace_with
 from opswap.rules._matching import describe_source, setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.registry import register
 from opswap.targets.base import Target
 
@@ -69,20 +69,15 @@ def _settings(node: fx.Node) -> tuple[int | None, object, object, object] | str:
 
 
 @register
-class GroupNormTriton(Rule):
+class GroupNormTriton(_triton.TritonRule):
     """GroupNorm and InstanceNorm (from the input's statistics) as one Triton kernel with
     fp32 math inside, as ATen's; exact (the group's sums run in another order). Not
     measured on a GPU yet: on a CUDA target it is taken only where the crossover table
     says the kernel beats ATen's."""
 
     name = "norm.group_norm"
-    training = True
-    implementation = "triton"
     family = "norm"
     chapter = 10
-    exactness = "exact"
-    targets = ("cuda", "cpu")
-    after = ("fusion.*",)
     relieves = ("memory:normalization",)
     anchors = ("group_norm", "instance_norm")
     description = (

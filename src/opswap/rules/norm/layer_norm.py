@@ -13,7 +13,7 @@ from opswap.graph.shapes import info
 from opswap.rules import _triton
 from opswap.rules._edits import replace_with
 from opswap.rules._matching import describe_source, setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.registry import register
 from opswap.targets.base import Target
 
@@ -27,20 +27,15 @@ def _param(gm: fx.GraphModule, node: fx.Node, name: str, before: fx.Node) -> fx.
 
 
 @register
-class LayerNormTriton(Rule):
+class LayerNormTriton(_triton.TritonRule):
     """LayerNorm as one Triton kernel with fp32 math inside, as ATen's; exact (the row's
     sums run in another order). The gain over ATen's own kernel is mostly the backward
     (one kernel for dx, dw and db, mean and rstd recomputed from the row), which the
     crossover table measures."""
 
     name = "norm.layer_norm"
-    training = True
-    implementation = "triton"
     family = "norm"
     chapter = 10
-    exactness = "exact"
-    targets = ("cuda", "cpu")
-    after = ("fusion.*",)
     relieves = ("memory:normalization",)
     anchors = ("layer_norm",)
     description = (

@@ -13,7 +13,7 @@ from opswap.cost import NodeCost
 from opswap.graph.ops import copy_meta
 from opswap.rules import _triton
 from opswap.rules._edits import drop_dead_attrs, erase
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.norm import _rms
 from opswap.rules.registry import register
 from opswap.targets.base import Target
@@ -77,7 +77,7 @@ def estimate(
 
 
 @register
-class RMSNormTriton(Rule):
+class RMSNormTriton(_triton.TritonRule):
     """RMSNorm as one Triton kernel that reads x once and writes y once, fp32 math inside
     whatever the input dtype. Exact: the kernel computes the pattern's own steps (upcast,
     mean of squares, rsqrt, the cast where the pattern casts, the weight where it
@@ -86,13 +86,8 @@ class RMSNormTriton(Rule):
     roundings, not another function."""
 
     name = "norm.rms_norm"
-    training = True
-    implementation = "triton"
     family = "norm"
     chapter = 10
-    exactness = "exact"
-    targets = ("cuda", "cpu")
-    after = ("fusion.*",)
     relieves = ("memory:normalization", "memory:elementwise")
     anchors = ("rsqrt", "rms_norm")
     description = (

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from opswap.graph.ops import raw_name
-from opswap.rules._matching import setting
+from opswap.rules._matching import input_of, setting
+from opswap.rules.base import Refused
 
 
 @dataclass(frozen=True)
@@ -96,3 +97,15 @@ def pool(node: fx.Node) -> Pool | str:
         divisor if isinstance(divisor, int) else None,
         bool(_get(node, "return_indices", False)) or "with_indices" in raw_name(node),
     )
+
+
+def read(node: fx.Node) -> tuple[fx.Node, Pool] | Refused | None:
+    """(input, settings) of a pool node: None where its input is not a node, Refused where
+    its settings cannot be read."""
+    x = input_of(node)
+    if x is None:
+        return None
+    p = pool(node)
+    if isinstance(p, str):
+        return Refused(p)
+    return x, p

@@ -28,9 +28,8 @@ from opswap.graph.ops import copy_meta, op_kind
 from opswap.graph.shapes import info
 from opswap.rules._cost import saving
 from opswap.rules._edits import call, drop_dead_attrs, erase, install_module
-from opswap.rules._matching import input_of
 from opswap.rules.base import Estimate, Found, Refused, Rule
-from opswap.rules.pooling._pool import Pool, pool
+from opswap.rules.pooling._pool import Pool, read
 from opswap.rules.registry import register
 
 _AVG: dict[int, type[nn.Module]] = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}
@@ -55,12 +54,10 @@ class MaxToAvg(Rule):
     )
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
-        x = input_of(node)
-        if x is None:
-            return None
-        p = pool(node)
-        if isinstance(p, str):
-            return Refused(p)
+        got = read(node)
+        if not isinstance(got, tuple):
+            return got
+        x, p = got
         out = node
         if p.return_indices:
             users = list(node.users)

@@ -31,9 +31,8 @@ from opswap.graph.ops import is_aten
 from opswap.graph.shapes import dynamic_dims, info
 from opswap.rules._cost import saving
 from opswap.rules._edits import install_module, new_const, replace_with
-from opswap.rules._matching import input_of
 from opswap.rules.base import Estimate, Found, Refused, Rule
-from opswap.rules.pooling._pool import Pool, pool
+from opswap.rules.pooling._pool import Pool, read
 from opswap.rules.registry import register
 
 aten = torch.ops.aten
@@ -63,12 +62,10 @@ class StridedConv(Rule):
     )
 
     def check(self, gm: fx.GraphModule, node: fx.Node) -> Found | Refused | None:
-        x = input_of(node)
-        if x is None:
-            return None
-        p = pool(node)
-        if isinstance(p, str):
-            return Refused(p)
+        got = read(node)
+        if not isinstance(got, tuple):
+            return got
+        x, p = got
         if p.ceil_mode:
             return Refused(
                 f"{node.name} uses ceil_mode, whose partial windows divide by fewer values "

@@ -13,7 +13,7 @@ from opswap.graph.shapes import info
 from opswap.rules import _triton
 from opswap.rules._edits import erase
 from opswap.rules._matching import setting
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.registry import register
 from opswap.targets.base import Target
 
@@ -41,18 +41,14 @@ def _last_dim(dim: object, ndim: int) -> bool:
 
 
 @register
-class SumOfSquaresTriton(Rule):
+class SumOfSquaresTriton(_triton.TritonRule):
     """sum (or mean) of x*x over the last dim in one pass. Exact: the kernel squares in
     fp32 and accumulates in fp32, where eager rounds x*x to x's dtype first and then
     accumulates in fp32: one rounding fewer, and the row's sum in another order."""
 
     name = "reduce.sum_of_squares"
-    training = True
-    implementation = "triton"
     family = "reduce"
     chapter = 15
-    exactness = "exact"
-    targets = ("cuda", "cpu")
     after = ("fusion.*", "norm.*")  # an RMSNorm's mean of squares is the norm rule's first
     relieves = ("memory:reduction", "memory:elementwise")
     anchors = ("sum", "mean")

@@ -10,7 +10,7 @@ import torch.fx as fx
 from opswap.cost import NodeCost
 from opswap.graph.ops import op_kind
 from opswap.rules import _triton
-from opswap.rules.base import Estimate, Found, Refused, Rule
+from opswap.rules.base import Estimate, Found, Refused
 from opswap.rules.registry import register
 from opswap.rules.softmax import _read
 from opswap.targets.base import Target
@@ -58,7 +58,7 @@ def estimate(sm: _read.Softmax, target: Target) -> Estimate:
 
 
 @register
-class SoftmaxTriton(Rule):
+class SoftmaxTriton(_triton.TritonRule):
     """Softmax as one Triton kernel with fp32 math. Exact: the kernel computes the safe
     softmax (max subtracted) that torch.softmax computes, the scale and mask in fp32 where
     eager rounds scores * scale and + mask to the scores' dtype first (fewer roundings),
@@ -66,13 +66,8 @@ class SoftmaxTriton(Rule):
     exp(x) / sum(exp(x)) is not this rule's: see softmax.stable_softmax."""
 
     name = "softmax.softmax"
-    training = True
-    implementation = "triton"
     family = "softmax"
     chapter = 16
-    exactness = "exact"
-    targets = ("cuda", "cpu")
-    after = ("fusion.*",)
     relieves = ("memory:softmax", "memory:elementwise")
     anchors = ("softmax", "log_softmax", "div")
     description = (
