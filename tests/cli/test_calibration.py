@@ -69,7 +69,8 @@ def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("calib")
     (root / "tiny.py").write_text(MODEL)
     (root / "plain.py").write_text(MODEL[: MODEL.index("def calibration")])
-    torch.save(torch.randn(14, 3, 9, 11), root / "cal.pt")  # 4 batches of 3; 2 left over
+    g = torch.Generator().manual_seed(2)  # seeded: which int8 sites verify depends on it
+    torch.save(torch.randn(14, 3, 9, 11, generator=g), root / "cal.pt")  # 4 batches of 3, 2 over
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(timing, "timed_pair", lambda key, timer, make: (2e-3, 1e-3))
         code = run(
