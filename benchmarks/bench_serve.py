@@ -1,7 +1,9 @@
 """`opswap serve` under load: the server on a 1.1B Llama-style model answers N ShareGPT
 prompts sent all at once over loopback (opswap.llm.bench_serve, the figures of `opswap
 bench-serve`), beside transformers' `generate` at batch 32 on the first prompts of the
-same set (the peer, same run). The client runs in a process of its own.
+same set (the peer, same run). The client runs in a process of its own. Last, the time a
+user waits from starting `opswap serve` (a fresh process) to /health and to the first
+streamed token.
 
     PYTHONPATH=src python3 benchmarks/bench_serve.py --out DIR     # GPU: DIR/serve_<card>.json
     PYTHONPATH=src python benchmarks/bench_serve.py --smoke        # CPU, a tiny model, seconds
@@ -34,19 +36,79 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _results import card, write_results  # noqa: E402
 
 
+def _dims(smoke: bool) -> dict[str, int]:
+    """The model's shape: TinyLlama-1.1B's on the GPU, a tiny one with --smoke."""
+    if smoke:
+        return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=128, vocab_size=1000)  # fmt: skip
+    return dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
+                num_key_value_heads=4, intermediate_size=5632, vocab_size=32000)  # fmt: skip
+
+
 def _model(smoke: bool, device: str, dtype: torch.dtype, max_len: int) -> Any:
     import transformers
 
-    if smoke:
-        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=128, vocab_size=1000)  # fmt: skip
-    else:
-        dims = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
-                    num_key_value_heads=4, intermediate_size=5632, vocab_size=32000)  # fmt: skip
+    dims = _dims(smoke)
     torch.manual_seed(0)
     # room for the peer's padded batches (the engine takes max_model_len itself)
     cfg = transformers.LlamaConfig(**dims, max_position_embeddings=2 * max_len)
     return transformers.LlamaForCausalLM(cfg).eval().to(device, dtype)
+
+
+def _cold_start(dims: dict[str, int], device: str, dtype: str, max_len: int) -> dict:
+    """`opswap serve hf:llama` with the run's model shape started as a user starts it (a
+    fresh process, CUDA graphs on where the device is CUDA): seconds from the process's
+    start to /health answering and to the first streamed token of a one-token request."""
+    import json
+    import os
+    import subprocess
+    import urllib.request
+
+    from opswap.llm.server import free_port
+
+    port = free_port()
+    sets = [f"--set={k}={v}" for k, v in dims.items()]
+    cmd = [sys.executable, "-m", "opswap.cli", "serve", "hf:llama", *sets, "--port", str(port),
+           "--device", device, "--dtype", dtype, "--max-model-len", str(max_len)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out: dict[str, Any] = {"command": " ".join(cmd[1:])}
+    try:
+        while True:
+            if proc.poll() is not None:
+                out["error"] = (proc.stdout.read() if proc.stdout else b"").decode()[-2000:]
+                return out
+            if time.perf_counter() - t0 > 600:
+                out["error"] = "no answer on /health within 600 s"
+                return out
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.05)
+        out["to_health_s"] = time.perf_counter() - t0
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+            name = json.loads(r.read())["data"][0]["id"]
+        body = json.dumps({"model": name, "prompt": [1, 2, 3, 4], "max_tokens": 1,
+                           "stream": True}).encode()  # fmt: skip
+        req = urllib.request.Request(url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if line.startswith(b"data:") and b"[DONE]" not in line:
+                    out["to_first_token_s"] = time.perf_counter() - t0
+                    break
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _peer(model: Any, reqs: list, batch: int, device: str) -> dict:
@@ -143,9 +205,16 @@ def main() -> None:
         f"peer ({peer['name']}, first {n_peer} prompts): {peer['output_throughput']:.0f} "
         f"output tok/s in {peer['seconds']:.1f} s"
     )
+    # the issue's start-up bar: `opswap serve` to the first token in at most 15 s (1.1B)
+    num_blocks = engine.num_blocks
+    del engine, app
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    cold = _cold_start(_dims(smoke), device, "float32" if smoke else "bfloat16", max_len)
+    print("opswap serve, from the process's start:", cold)
     rows = [
         {"name": "opswap serve", **figures, "blocks_in_use_after": stats.blocks.in_use,
-         "preemptions": stats.preemptions, "num_blocks": engine.num_blocks},
+         "preemptions": stats.preemptions, "num_blocks": num_blocks},
         peer,
     ]  # fmt: skip
     name = "serve_cpu_smoke.json" if smoke else f"serve_{card()}.json"
@@ -156,6 +225,7 @@ def main() -> None:
         max_num_seqs=max_seqs, max_model_len=max_len, block_size=16, dtype=str(dtype),
         model=dict(model.config.to_diff_dict()) if hasattr(model.config, "to_diff_dict") else {},
         ratio_output_throughput_vs_peer=figures["output_throughput"] / peer["output_throughput"],
+        cold_start=cold,
     )  # fmt: skip
 
 
