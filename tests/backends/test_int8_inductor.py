@@ -109,7 +109,7 @@ def test_lowered_and_compiled_computes_what_the_ops_compute_across_recompiles():
     assert _sites(program) == before
     assert all(torch.equal(v, program.state_dict()[k]) for k, v in state.items())
     fn = int8_inductor.compile_module(program)
-    assert isinstance(fn, int8_inductor.FrozenCompiled) and fn.sites == 4
+    assert isinstance(fn, int8_inductor.FrozenCompiled) and fn.sites == 4 and fn.cpp_wrapper
     for shape in [(2, 16, 12, 12), (3, 16, 12, 12), (1, 16, 14, 10)]:
         xb = torch.randn(*shape)
         with torch.inference_mode():
@@ -133,7 +133,9 @@ def test_inductor_emits_onednn_int8_kernels_not_a_float_convolution():
 
     x = torch.randn(2, 16, 12, 12)
     _, _, program = _exported_plan(x)
-    fn = int8_inductor.compile_module(program)
+    # the kernels named in the Python wrapper (the default C++ wrapper calls the same ops
+    # through their C shims)
+    fn = int8_inductor.compile_module(program, cpp_wrapper=False)
     with torch.inference_mode():
         _, codes = run_and_get_code(fn, x)
     called = set(re.findall(r"onednn\.(\w+)", "\n".join(codes)))
@@ -184,3 +186,106 @@ def test_the_race_times_and_load_optimized_compiles_the_lowered_model(tmp_path, 
         got, want = loaded(xb), plain(xb)
         assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
         assert float((got - model(xb)).norm() / model(xb).norm()) < 0.05
+
+
+class _Attn(nn.Module):
+    """Self-attention through SDPA with a float mask, a boolean mask or none, and a causal
+    call that stays float32."""
+
+    def __init__(self, heads: int, mask: str):
+        super().__init__()
+        self.heads, self.mask = heads, mask
+
+    def forward(self, x, keep):
+        b, t, d = x.shape
+        q = x.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        k, v = q * 0.5, q.flip(-1)
+        keep = keep[:, None, None, :]
+        if self.mask == "float":
+            m = torch.zeros(keep.shape, dtype=x.dtype).masked_fill(~keep, float("-inf"))
+        else:
+            m = keep if self.mask == "bool" else None
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        z = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (y + z).transpose(1, 2).reshape(b, t, d)
+
+
+@pytest.mark.parametrize("mask", ["float", "bool", "none"])
+def test_attention_bf16_rewrites_sdpa_near_float32_and_leaves_causal_calls(mask):
+    torch.manual_seed(0)
+    x, keep = torch.randn(2, 10, 48), torch.ones(2, 10, dtype=torch.bool)
+    keep[1, 6:] = False  # padded keys in the second sequence
+    model = _Attn(heads=4, mask=mask).eval()
+    auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+    dims = (auto, auto)
+    gm = torch.export.export(model, (x, keep), dynamic_shapes=dims).module()
+    assert int8_inductor.attention_bf16(gm) == 1  # the causal call is left to SDPA
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    assert sum(n.target == sdpa for n in gm.graph.nodes) == 1
+    for shape in [(2, 10, 48), (3, 7, 48)]:
+        xb, kb = torch.randn(*shape), torch.rand(shape[0], shape[1]) > 0.3
+        kb[:, 0] = True
+        with torch.no_grad():
+            want, got = model(xb, kb), gm(xb, kb)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert float((got - want).norm() / want.norm()) < 1e-2, shape  # bfloat16's rounding
+        assert not torch.equal(got, want)  # and it did compute in bfloat16
+
+
+def test_attention_bf16_gives_zeros_for_fully_masked_rows_as_sdpa_does():
+    q = torch.randn(1, 2, 5, 8)
+    m = torch.zeros(1, 1, 5, 5)
+    m[..., 2, :] = float("-inf")  # query 2 sees no key
+
+    class F(nn.Module):
+        def forward(self, q, m):
+            return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=m)
+
+    gm = torch.export.export(F(), (q, m)).module()
+    assert int8_inductor.attention_bf16(gm) == 1
+    with torch.no_grad():
+        want, got = F()(q, m), gm(q, m)
+    assert torch.equal(got[..., 2, :], torch.zeros_like(got[..., 2, :]))
+    assert not got.isnan().any()
+    assert float((got - want).abs().max()) < 0.05
+
+
+class _Block(nn.Module):
+    """int8 Linears around an attention: qkv projection, SDPA with a padding mask, output
+    projection."""
+
+    def __init__(self, d: int = 64, heads: int = 4):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = (
+            y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for y in self.qkv(x).split(d, -1)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None])
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_compile_module_runs_the_int8_graph_with_bf16_attention():
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = _Block().eval()
+    x, mask = torch.randn(2, 96, 64), torch.zeros(2, 96)
+    mask[1, 70:] = float("-inf")
+    cap = capture(model, (x, mask))
+    attach(cap.gm, Calibration(make_samples((x, mask), 4, seed=1)))
+    plan = make_plan(cap, rules=RULES, exactness="approx", target=PAYS)
+    gm = apply_plan(cap, plan).gm
+    program = torch.export.export(gm, (x, mask)).module()
+    fn = int8_inductor.compile_module(program, bf16_attention=True, cpp_wrapper=False)
+    assert isinstance(fn, int8_inductor.FrozenCompiled) and fn.sites >= 1  # qkv at least
+    with torch.inference_mode():
+        got, codes = run_and_get_code(fn, x, mask)
+        want, ref = program(x, mask), model(x, mask)
+    code = "\n".join(codes)
+    assert "scaled_dot_product" not in code and "qlinear" in code
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    assert float((got - ref).norm() / ref.norm()) < 5e-2
