@@ -264,3 +264,36 @@ def test_a_cpu_library_conv_is_picked_only_where_it_is_measured_faster(
         for want, got in zip(model(x), applied.gm(x), strict=True):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert_same_at_other_shapes(model, captured, applied.gm)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_the_race_times_candidates_on_the_layout_the_model_feeds(layout: str) -> None:
+    seen: list[bool] = []
+
+    def recorder(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        seen.append(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+        return F.conv2d(x, w, b, 1, 1)
+
+    ca.register(
+        ca.ConvAlgorithm(
+            name="recorder",
+            op=recorder,
+            exactness="exact",
+            refuses=lambda site: None if site.dims == 2 and site.stride == (1, 1) else "no",
+            extra=lambda site: (),
+            multiplications=lambda site: site.direct_multiplications(),
+        )
+    )
+    try:
+        x = torch.randn(1, 4, 9, 7)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        captured = capture(nn.Conv2d(4, 6, 3, padding=1), (x,), method="fx")
+        plan = make_plan(
+            captured, rules=RULES, exactness="approx", target=_target(scripted("recorder", []))
+        )
+        assert set(_chosen(plan).values()) == {"recorder"}
+        # every call the race (and the plan's checks) made saw the model's layout
+        assert seen and all(v == (layout == "channels_last") for v in seen)
+    finally:
+        ca._REGISTRY.pop("recorder")

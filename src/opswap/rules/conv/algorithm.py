@@ -25,13 +25,13 @@ Exactness: rules cannot see the plan's exactness setting, so the rule is `approx
 whole (Winograd and FFT round differently), and at `--exactness exact` it does not run
 at all, im2col included.
 
-Layouts at the edges: the race hands every candidate the graph's tensors as captured
-(NCHW), so an algorithm that computes in channels-last (the prepacked oneDNN conv)
-converts the input and the output inside its op and the race counts both copies in its
-time. PyTorch's channels-last baseline is timed on an input already in channels-last, with
-no conversion: the bar a candidate must clear is the lower one. A model already in
-channels-last pays no conversion in the prepacked op either (it keeps the input's format),
-so there the race's figure for it is pessimistic, never flattering.
+Layouts at the edges: the race hands every candidate an input in the layout the capture
+saw at the example (`ConvSite.channels_last`). In an NCHW model an algorithm that computes
+in channels-last (the prepacked oneDNN conv) converts the input and the output inside its
+op, and the race counts both copies in its time; in a channels-last model the op keeps the
+input's format and pays none, and neither does the race's figure. PyTorch's channels-last
+baseline is timed on an input converted beforehand, with no conversion, in either model:
+the bar a candidate must clear is the lower one.
 
 The rewrite replaces the conv by `algorithm.op(x, weight, bias, *algorithm.extra(site))`,
 reading the weights where the conv read them; the extra arguments are the conv's own
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from opswap.cost import roofline_point
 from opswap.graph.ops import arg
-from opswap.graph.shapes import info
+from opswap.graph.shapes import info, strides_seen
 from opswap.kernels._conv_error import error_against_float64
 from opswap.kernels.conv_algorithms import ConvAlgorithm, ConvSite, algorithms
 from opswap.rules._edits import new_const, replace_with
@@ -90,7 +90,19 @@ def _site(w: Weighted, x: fx.Node, padding: tuple[int, ...]) -> ConvSite | str:
         groups=int(w.groups),
         dtype=shape.dtype,
         device="cpu",  # where the accuracy test runs; the race runs on the target's device
+        channels_last=_channels_last_at_example(x),
     )
+
+
+def _channels_last_at_example(x: fx.Node) -> bool:
+    """Whether the conv's 4-D input had channels-last strides (and not NCHW's) at the
+    example."""
+    seen = strides_seen(x)
+    if not seen or len(seen[0][0]) != 4:
+        return False
+    shape, stride = seen[0]
+    t = torch.empty_strided(shape, stride, device="meta")
+    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
 def accuracy(algorithm: ConvAlgorithm, site: ConvSite) -> str | None:
@@ -134,6 +146,8 @@ def race(
         return hit
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(site.input_shape, generator=gen).to(device=device, dtype=site.dtype)
+    if site.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     w = weight.detach().to(device=device, dtype=site.dtype)
     b = None if bias is None else bias.detach().to(device=device, dtype=site.dtype)
     conv = _CONV[site.dims]
