@@ -24,7 +24,9 @@ bfloat16 (shown, not a float32 peer).
 The pick: the race's rule applied to these figures: the fastest of conv_onednn (NCHW, the
 graph's layout) and NNPACK (where its error passes the race's accuracy test: at most 2x
 PyTorch's conv against float64), taken only if it beats both PyTorch layouts; else
-PyTorch's faster layout. The rule itself times with the target's wall-clock timer; the
+PyTorch's faster layout. `pick_channels_last_model`: the same for a model whose input is
+already channels-last (the race then feeds every candidate channels-last: the packed conv
+on a channels-last input against PyTorch's channels-last conv). The rule itself times with the target's wall-clock timer; the
 figures here are CPU time. Winograd, FFT and im2col are not timed: chapter 11's table has
 them 1.7-10x behind PyTorch's conv on every one of these layers.
 
@@ -178,7 +180,15 @@ def run(quick: bool, repeats: int, out: Path | None) -> dict[str, Any]:
                     "pick_gflops": round(gflop / chosen_ms * 1e3, 1),
                     "best_fp32_peer": best_peer,
                 }
+                # in a channels-last model the race times every candidate on a channels-last
+                # input: the packed conv pays no conversion, PyTorch's baseline is the same
+                cl_pick = min(("torch_channels_last", "onednn_prepacked_cl_input"), key=ms.get)
+                row["pick_channels_last_model"] = cl_pick
+                row["pick_channels_last_model_ms"] = ms[cl_pick]
                 if best_peer is not None:
+                    row["best_peer_over_pick_channels_last_model"] = round(
+                        peers[best_peer] / ms[cl_pick], 3
+                    )
                     row["best_peer_over_pick"] = round(peers[best_peer] / chosen_ms, 3)
                     row["bar_met"] = chosen_ms <= peers[best_peer]
                     # met whatever the repeat: the pick's slowest repeat against the peer's fastest
