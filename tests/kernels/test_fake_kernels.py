@@ -376,7 +376,23 @@ def _conv_algorithm_samples() -> dict[str, list[Sample]]:
     for label, x in layouts(2, 4, 17):
         im2col.append(Sample(f"1-D {label}", (x, _randn(6, 2, 5), None, [2], [3], [2], 2)))
         fft.append(Sample(f"1-D {label}", (x, _randn(5, 4, 9), _randn(5), [4], 1)))
-    return {"conv_im2col": im2col, "conv_fft": fft}
+    # oneDNN's packed conv and NNPACK: conv2d in float32; the output keeps a channels-last
+    # input's format
+    onednn, nnpack = [], []
+    for label, x in layouts(2, 6, 9, 7) + layouts(1, 3, 5, 8):
+        c = x.shape[1]
+        onednn.append(
+            Sample(
+                f"{list(x.shape)} {label}",
+                (x, _randn(c, 1, 3, 3), _randn(c), [2, 1], [1, 0], [2, 1], c),
+            )
+        )
+        nnpack.append(
+            Sample(
+                f"{list(x.shape)} {label}", (x, _randn(4, c, 3, 2), None, [2, 1], [1, 0], [1, 1], 1)
+            )
+        )
+    return {"conv_im2col": im2col, "conv_fft": fft, "conv_onednn": onednn, "conv_nnpack": nnpack}
 
 
 def _low_bit_samples() -> dict[str, list[Sample]]:

@@ -45,6 +45,10 @@ class ConvSite:
     groups: int
     dtype: torch.dtype
     device: str  # "cpu" or "cuda"
+    # the input arrives in channels-last (a 2-D conv in a channels-last model): the race
+    # times every candidate on such an input, so one that computes in channels-last pays
+    # no conversion there
+    channels_last: bool = False
 
     @property
     def dims(self) -> int:

@@ -220,3 +220,80 @@ def test_a_user_module_is_left_untouched() -> None:
     )
     apply_plan(_plan_model, plan)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _ranked(times: dict[str, float]) -> Callable[[dict], dict[str, float]]:
+    """A timer that runs each candidate once and gives it `times`' figure (1 ms if unnamed)."""
+
+    def timer(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+        for fn in fns.values():
+            fn()
+        return {n: times.get(n, 1e-3) for n in fns}
+
+    return timer
+
+
+@pytest.mark.parametrize(
+    ("name", "sites"), [("onednn_prepacked", ["a", "big", "down"]), ("nnpack", ["down"])]
+)
+def test_a_cpu_library_conv_is_picked_only_where_it_is_measured_faster(
+    name: str, sites: list[str]
+) -> None:
+    if ca.get(name).refuses(
+        ca.ConvSite((1, 3, 9, 9), (3, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1, torch.float32, "cpu")
+    ):
+        pytest.skip(f"{name} cannot run in this build")
+    model = _model()
+    x = torch.randn(1, 3, 13, 9)
+    captured = capture(model, (x,), method="fx")
+    # slower than PyTorch's channels-last conv by a little: every site stays PyTorch's
+    slower = _target(_ranked({TORCH_CL: 0.8e-3, name: 0.85e-3}))
+    plan = make_plan(captured, rules=RULES, exactness="approx", target=slower)
+    assert name not in _chosen(plan).values()
+    assert any(f"{name} 0.85 ms" in s.reason for s in plan.skipped)
+    # faster than both PyTorch layouts: chosen at every site it can run, and nowhere else
+    faster = _target(_ranked({TORCH_CL: 0.8e-3, name: 0.7e-3}))
+    plan = make_plan(captured, rules=RULES, exactness="approx", target=faster)
+    chosen = _chosen(plan)
+    assert sorted(c for c, a in chosen.items() if a == name) == sites, chosen
+    if name == "nnpack":  # its Winograd/FFT tiles err 10-20x PyTorch's conv on 3 channels
+        assert any(m.reason.startswith("nnpack at a: error ") for m in plan.misses)
+    applied = apply_plan(captured, plan)
+    assert not applied.failed
+    with torch.no_grad():
+        for want, got in zip(model(x), applied.gm(x), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert_same_at_other_shapes(model, captured, applied.gm)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_the_race_times_candidates_on_the_layout_the_model_feeds(layout: str) -> None:
+    seen: list[bool] = []
+
+    def recorder(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        seen.append(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+        return F.conv2d(x, w, b, 1, 1)
+
+    ca.register(
+        ca.ConvAlgorithm(
+            name="recorder",
+            op=recorder,
+            exactness="exact",
+            refuses=lambda site: None if site.dims == 2 and site.stride == (1, 1) else "no",
+            extra=lambda site: (),
+            multiplications=lambda site: site.direct_multiplications(),
+        )
+    )
+    try:
+        x = torch.randn(1, 4, 9, 7)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        captured = capture(nn.Conv2d(4, 6, 3, padding=1), (x,), method="fx")
+        plan = make_plan(
+            captured, rules=RULES, exactness="approx", target=_target(scripted("recorder", []))
+        )
+        assert set(_chosen(plan).values()) == {"recorder"}
+        # every call the race (and the plan's checks) made saw the model's layout
+        assert seen and all(v == (layout == "channels_last") for v in seen)
+    finally:
+        ca._REGISTRY.pop("recorder")

@@ -25,6 +25,14 @@ Exactness: rules cannot see the plan's exactness setting, so the rule is `approx
 whole (Winograd and FFT round differently), and at `--exactness exact` it does not run
 at all, im2col included.
 
+Layouts at the edges: the race hands every candidate an input in the layout the capture
+saw at the example (`ConvSite.channels_last`). In an NCHW model an algorithm that computes
+in channels-last (the prepacked oneDNN conv) converts the input and the output inside its
+op, and the race counts both copies in its time; in a channels-last model the op keeps the
+input's format and pays none, and neither does the race's figure. PyTorch's channels-last
+baseline is timed on an input converted beforehand, with no conversion, in either model:
+the bar a candidate must clear is the lower one.
+
 The rewrite replaces the conv by `algorithm.op(x, weight, bias, *algorithm.extra(site))`,
 reading the weights where the conv read them; the extra arguments are the conv's own
 settings (stride, padding, groups), never the example's sizes, so the graph stays
@@ -44,7 +52,7 @@ import torch.nn.functional as F
 
 from opswap.cost import roofline_point
 from opswap.graph.ops import arg
-from opswap.graph.shapes import info
+from opswap.graph.shapes import info, strides_seen
 from opswap.kernels._conv_error import error_against_float64
 from opswap.kernels.conv_algorithms import ConvAlgorithm, ConvSite, algorithms
 from opswap.rules._edits import new_const, replace_with
@@ -82,7 +90,19 @@ def _site(w: Weighted, x: fx.Node, padding: tuple[int, ...]) -> ConvSite | str:
         groups=int(w.groups),
         dtype=shape.dtype,
         device="cpu",  # where the accuracy test runs; the race runs on the target's device
+        channels_last=_channels_last_at_example(x),
     )
+
+
+def _channels_last_at_example(x: fx.Node) -> bool:
+    """Whether the conv's 4-D input had channels-last strides (and not NCHW's) at the
+    example."""
+    seen = strides_seen(x)
+    if not seen or len(seen[0][0]) != 4:
+        return False
+    shape, stride = seen[0]
+    t = torch.empty_strided(shape, stride, device="meta")
+    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
 def accuracy(algorithm: ConvAlgorithm, site: ConvSite) -> str | None:
@@ -126,6 +146,8 @@ def race(
         return hit
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(site.input_shape, generator=gen).to(device=device, dtype=site.dtype)
+    if site.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     w = weight.detach().to(device=device, dtype=site.dtype)
     b = None if bias is None else bias.detach().to(device=device, dtype=site.dtype)
     conv = _CONV[site.dims]
@@ -182,8 +204,9 @@ class ConvAlgorithmRace(Rule):
     after = ("fusion.*",)
     relieves = ("compute:conv",)
     description = (
-        "Conv1d/Conv2d -> the fastest of im2col + GEMM, FFT, Winograd and PyTorch's own "
-        "conv (NCHW and channels-last), timed at the site's shapes on the target; "
+        "Conv1d/Conv2d -> the fastest of im2col + GEMM, FFT, Winograd, NNPACK, oneDNN on a "
+        "prepacked weight and PyTorch's own conv (NCHW and channels-last), timed at the "
+        "site's shapes on the target; "
         "approximate algorithms must err at most 2x PyTorch's conv against float64."
     )
     anchors = ("conv",)
@@ -254,9 +277,17 @@ class ConvAlgorithmRace(Rule):
         if getattr(target, "timer", None) is None:
             # no saving can be claimed without a measurement: refuse with the reason
             return Estimate(time_saved_s=-predicted[mine.name], note=NO_TIMER)
-        times = race(site, w.weight, w.bias, found["candidates"], target)
+        # the site was checked on the CPU; a CPU-only algorithm (oneDNN's packed conv,
+        # NNPACK) is left out of a race on another device
+        there = dataclasses.replace(site, device="cuda" if target.kind == "cuda" else "cpu")
+        candidates = tuple(a for a in found["candidates"] if a.refuses(there) is None)
+        if mine not in candidates:
+            return Estimate(
+                time_saved_s=-predicted[mine.name], note=f"{mine.name}: {mine.refuses(there)}"
+            )
+        times = race(site, w.weight, w.bias, candidates, target)
         torch_best = min(times[n] for n in (TORCH, TORCH_CL) if n in times)
-        ours = {a.name: times[a.name] for a in found["candidates"]}
+        ours = {a.name: times[a.name] for a in candidates}
         winner = min(ours, key=lambda n: ours[n])
         flops = 2.0 * (site.direct_multiplications() - mine.multiplications(site))
 
@@ -269,7 +300,7 @@ class ConvAlgorithmRace(Rule):
         tail = f"; not raced: {lost}" if lost else ""
         common = dict(flops_saved=flops, measured_s=dict(times), predicted_s=predicted)
         if ours[winner] >= torch_best:
-            first = found["candidates"][0].name
+            first = candidates[0].name
             note = (  # the whole race once per site, with its first candidate
                 f"PyTorch's conv was fastest: {table(torch_names)}; {table(others)}{tail}"
                 if mine.name == first

@@ -1,0 +1,32 @@
+"""opswap::conv_onednn -> Conv: the same convolution (the prepacked weight is an eager-PyTorch
+choice; an ONNX runtime packs its own weights when it loads the model)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any  # onnxscript values: see _onnx
+
+from opswap.backends.lowerings._onnx import op
+from opswap.backends.lowerings._registry import lowering
+
+
+@lowering("opswap::conv_onednn", "Conv")
+def conv_onednn(
+    x: Any,
+    weight: Any,
+    bias: Any,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> Any:
+    # zero padding, the same on both sides of each spatial dim (the op's contract)
+    return op.Conv(
+        x,
+        weight,
+        *([bias] if bias is not None else []),
+        strides=list(stride),
+        pads=list(padding) * 2,
+        dilations=list(dilation),
+        group=groups,
+    )
