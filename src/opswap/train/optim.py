@@ -171,7 +171,8 @@ class AdamW(torch.optim.Optimizer):
                 _adamw.adamw(params, grads, ms, vs, mx, steps, *hyper)
             for row in spread:  # torch's ops on the DTensors: they redistribute the gradient
                 _adamw.foreach_step(
-                    [row[0]], [row[1]], [row[2]], [row[3]], [row[4]] if amsgrad else [],
-                    [float(row[-1])], *hyper,
+                    _adamw.Tensors([row[0]], [row[1]], [row[2]], [row[3]],
+                                   [row[4]] if amsgrad else [], [float(row[-1])]),
+                    _adamw.Hyper(*hyper),
                 )  # fmt: skip
         return loss
