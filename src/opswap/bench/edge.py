@@ -238,7 +238,8 @@ class LiteRTRunner:
 #: run in a fresh interpreter by program_memory: argv = file, threads, calls; prints JSON.
 #: Resident set read from /proc/self/status (VmRSS) after the runtime is imported (the
 #: base), after loading, after the first call and after the rest (the steady state); the
-#: process's high-water mark from VmHWM (ru_maxrss would carry the forking parent's)
+#: high-water mark from VmHWM, set back to the base once the runtime is imported (ru_maxrss
+#: would carry the forking parent's); loading passes through peaks the samples miss
 _MEMORY_CHILD = r"""
 import json, sys
 path, threads, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -248,10 +249,17 @@ def rss(key="VmRSS:"):
             if line.startswith(key):
                 return int(line.split()[1]) / 1024
     raise SystemExit("no " + key + " in /proc/self/status")
+def reset():
+    try:  # "5" sets VmHWM back to the current resident set (Linux 4.0+)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return rss()
 if path.endswith(".tflite"):
     import numpy as np
     from ai_edge_litert.interpreter import Interpreter
-    base = rss()
+    base = reset()
     it = Interpreter(model_path=path, num_threads=threads)
     it.allocate_tensors()
     feed = [(d["index"], np.zeros(d["shape"], d["dtype"])) for d in it.get_input_details()]
@@ -267,7 +275,7 @@ else:
     portable_lib._unsafe_reset_threadpool(threads)
     kinds = {0: torch.uint8, 1: torch.int8, 3: torch.int32, 4: torch.int64,
              5: torch.float16, 6: torch.float32, 11: torch.bool, 15: torch.bfloat16}
-    base = rss()
+    base = reset()
     method = rt.load_program(path).load_method("forward")
     meta = method.metadata
     feed = [torch.zeros(meta.input_tensor_meta(i).sizes(),
@@ -305,8 +313,9 @@ def program_memory(path: str | Path, threads: int | None = None, calls: int = 5)
     """The memory one .pte or .tflite file takes to run, measured in a fresh Python process so
     that no other program or model shares the figure: resident set (MB) over the bare
     process (the runtime imported) after loading, after the first call and in the steady
-    state (`calls` calls, zeros of the input shapes), their peak, the process's own peak, and
-    for a .pte the activation memory the program plans."""
+    state (`calls` calls, zeros of the input shapes), the peak over the base (the high-water
+    mark since the runtime was imported, which catches what loading holds for a moment),
+    the process's own peak, and for a .pte the activation memory the program plans."""
     p = Path(path)
     if p.suffix not in (".pte", ".tflite") or not p.is_file():
         raise InputError(f"{p} is not a .pte or .tflite file here.")
@@ -323,7 +332,7 @@ def program_memory(path: str | Path, threads: int | None = None, calls: int = 5)
         "load_mb": round(r["load"] - r["base"], 1),
         "first_run_mb": round(r["first"] - r["base"], 1),
         "steady_mb": round(r["steady"] - r["base"], 1),
-        "peak_mb": round(max(r["load"], r["first"], r["steady"]) - r["base"], 1),
+        "peak_mb": round(max(r["load"], r["first"], r["steady"], r["process_peak"]) - r["base"], 1),
         "process_peak_mb": round(r["process_peak"], 1),
         "file_mb": round(p.stat().st_size / 2**20, 2),
         "threads": threads,
