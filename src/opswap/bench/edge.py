@@ -346,10 +346,11 @@ def program_memory(path: str | Path, threads: int | None = None, calls: int = 5)
 @contextmanager
 def torch_pool_held(threads: int = 1) -> Iterator[None]:
     """torch's own intra-op pool held at `threads` while the runtimes are timed, then put
-    back. The runtimes bring their own XNNPACK pools; torch's OpenMP workers, woken by the
-    copy of an output (ExecuTorchModule clones what the program returns), spin-wait after
-    each parallel region and take the cores XNNPACK's pool waits on. On the 2-core VM under
-    load, zoo:gpt's .pte ran 16-60 ms a call with torch at 2 threads and 0.5 ms at 1."""
+    back. The runtimes bring their own XNNPACK pools; torch's OpenMP workers, woken during
+    an ExecuTorch call (on zoo:gpt; copying its outputs outside torch did not stop it),
+    spin-wait after each parallel region and take the cores XNNPACK's pool waits on. On the
+    2-core VM under load, zoo:gpt's .pte ran 16-60 ms a call with torch at 2 threads (15 ms
+    of CPU a call, a second thread busy) and 0.5 ms at 1."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
