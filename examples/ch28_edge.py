@@ -33,7 +33,7 @@ def main(out_dir: str) -> None:
     legal = [d.rule for d in plan.decisions if d.rule.startswith("legalize.")]
     print("legalisation:", ", ".join(f"{r} x{legal.count(r)}" for r in dict.fromkeys(legal)))
 
-    race = edge_race(model, inputs, out_dir, rounds=20)
+    race = edge_race(model, inputs, out_dir, rounds=20, memory=False)
     for e in race.entries:
         share = e.delegation.compute_share if e.delegation else float("nan")
         print(

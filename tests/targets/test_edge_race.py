@@ -78,3 +78,38 @@ def test_offline_checks_convert_for_core_ml_and_read_qnn_op_set(tmp_path) -> Non
     # the ANE and HTP take no float32: every op is named outside with that reason
     assert got["qnn"]["compute_share"] == 0.0 and "no QNN SDK" in got["qnn"]["runs"]
     assert any("float32" in o["why"] for o in got["coreml"]["ane_op_set"]["outside"])
+
+
+def test_each_program_s_memory_is_read_in_a_process_of_its_own(gpt_race: EdgeRace) -> None:
+    for name in ("executorch", "opswap+executorch"):
+        mem = gpt_race.entry(name).memory
+        assert mem is not None and "error" not in mem, mem
+        # the activations the program plans are a few KB here; the resident set grows by
+        # at least the file's weights once loaded
+        assert 0 < mem["planned_mb"] < 1 and mem["peak_mb"] >= mem["load_mb"] > 0
+        assert mem["process_peak_mb"] >= mem["base_mb"] + mem["steady_mb"] - 1
+    assert "peak RSS" in gpt_race.markdown()
+    assert any("torch's own pool held at 1" in n for n in gpt_race.notes)
+
+
+def test_program_memory_refuses_what_is_not_a_program(tmp_path) -> None:
+    from opswap.bench.edge import planned_memory, program_memory
+    from opswap.errors import InputError
+
+    with pytest.raises(InputError, match="is not a .pte or .tflite file here"):
+        program_memory(tmp_path / "model.onnx")
+    bad = tmp_path / "bad.pte"
+    bad.write_bytes(b"not a program")
+    with pytest.raises(InputError, match="bad.pte is not an ExecuTorch program"):
+        planned_memory(bad)
+
+
+def test_torch_pool_is_held_while_timing_and_given_back() -> None:
+    from opswap.bench.edge import torch_pool_held
+
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="inside"):
+        with torch_pool_held(1):
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == before

@@ -27,10 +27,14 @@ its delegation (targets.edge.delegation) read from the lowered program.
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,7 @@ class EdgeEntry:
     top1: float | None = None
     max_abs: float | None = None
     ms: float | None = None
+    memory: dict[str, Any] | None = None
     error: str = ""
 
     @property
@@ -76,6 +81,7 @@ class EdgeEntry:
             "top1_agreement": self.top1,
             "max_abs": self.max_abs,
             "median_ms": self.ms,
+            "memory": self.memory,
             "error": self.error or None,
             "delegation": None if d is None else d.to_dict(),
         }
@@ -104,15 +110,17 @@ class EdgeRace:
     def markdown(self) -> str:
         """The report's section: one row per variant, then each delegation's ops outside."""
         rows = [
-            "| variant | verified | cosine | top-1 | ms (median) | compute ops delegated |",
-            "|---|---|---|---|---|---|",
+            "| variant | verified | cosine | top-1 | ms (median) | compute ops delegated "
+            "| peak RSS over the bare process, MB |",
+            "|---|---|---|---|---|---|---|",
         ]
         for e in self.entries:
             share = "-" if e.delegation is None else f"{e.delegation.compute_share:.0%}"
             rows.append(
                 f"| {e.name}{' (winner)' if e.name == self.winner else ''} | "
                 f"{'yes' if e.verified else 'no: ' + (e.error or 'cosine below ' + str(MIN_COSINE))} | "
-                f"{_f(e.cosine, 6)} | {_f(e.top1, 3)} | {_f(e.ms, 3)} | {share} |"
+                f"{_f(e.cosine, 6)} | {_f(e.top1, 3)} | {_f(e.ms, 3)} | {share} | "
+                f"{_f(None if e.memory is None else e.memory.get('peak_mb'), 1)} |"
             )
         out = ["\n".join(rows)]
         for e in self.entries:
@@ -227,10 +235,134 @@ class LiteRTRunner:
         return [torch.from_numpy(self.interp.get_tensor(d["index"]).copy()) for d in self.outs]
 
 
-def _executorch_runner(path: Path) -> Callable[..., Any]:
+#: run in a fresh interpreter by program_memory: argv = file, threads, calls; prints JSON.
+#: Resident set read from /proc/self/status (VmRSS) after the runtime is imported (the
+#: base), after loading, after the first call and after the rest (the steady state); the
+#: high-water mark from VmHWM, set back to the base once the runtime is imported (ru_maxrss
+#: would carry the forking parent's); loading passes through peaks the samples miss
+_MEMORY_CHILD = r"""
+import json, sys
+path, threads, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def rss(key="VmRSS:"):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+    raise SystemExit("no " + key + " in /proc/self/status")
+def reset():
+    try:  # "5" sets VmHWM back to the current resident set (Linux 4.0+)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return rss()
+if path.endswith(".tflite"):
+    import numpy as np
+    from ai_edge_litert.interpreter import Interpreter
+    base = reset()
+    it = Interpreter(model_path=path, num_threads=threads)
+    it.allocate_tensors()
+    feed = [(d["index"], np.zeros(d["shape"], d["dtype"])) for d in it.get_input_details()]
+    def call():
+        for i, x in feed:
+            it.set_tensor(i, x)
+        it.invoke()
+else:
+    import torch
+    from executorch.extension.pybindings import portable_lib
+    from executorch.runtime import Runtime
+    rt = Runtime.get()
+    portable_lib._unsafe_reset_threadpool(threads)
+    kinds = {0: torch.uint8, 1: torch.int8, 3: torch.int32, 4: torch.int64,
+             5: torch.float16, 6: torch.float32, 11: torch.bool, 15: torch.bfloat16}
+    base = reset()
+    method = rt.load_program(path).load_method("forward")
+    meta = method.metadata
+    feed = [torch.zeros(meta.input_tensor_meta(i).sizes(),
+                        dtype=kinds[meta.input_tensor_meta(i).dtype()])
+            for i in range(meta.num_inputs())]
+    def call():
+        method.execute(feed)
+load = rss()
+call()
+first = rss()
+steady = first
+for _ in range(calls - 1):
+    call()
+    steady = max(steady, rss())
+print(json.dumps({"base": base, "load": load, "first": first, "steady": steady,
+                  "process_peak": rss("VmHWM:")}))
+"""
+
+
+def planned_memory(path: str | Path) -> int:
+    """The bytes an ExecuTorch program plans for its activations (the sum of its forward
+    method's memory-planned buffers, read from the .pte file)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    try:
+        pte = deserialize_pte_binary(Path(path).read_bytes())
+    except Exception as e:
+        raise InputError(f"{Path(path).name} is not an ExecuTorch program: {e}") from e
+    program = getattr(pte, "program", pte)  # a PTEFile in executorch 1.x, a Program before
+    plans = [p for p in program.execution_plan if p.name == "forward"] or program.execution_plan
+    return int(sum(plans[0].non_const_buffer_sizes))
+
+
+def program_memory(path: str | Path, threads: int | None = None, calls: int = 5) -> dict[str, Any]:
+    """The memory one .pte or .tflite file takes to run, measured in a fresh Python process so
+    that no other program or model shares the figure: resident set (MB) over the bare
+    process (the runtime imported) after loading, after the first call and in the steady
+    state (`calls` calls, zeros of the input shapes), the peak over the base (the high-water
+    mark since the runtime was imported, which catches what loading holds for a moment),
+    the process's own peak, and for a .pte the activation memory the program plans."""
+    p = Path(path)
+    if p.suffix not in (".pte", ".tflite") or not p.is_file():
+        raise InputError(f"{p} is not a .pte or .tflite file here.")
+    threads = threads or torch.get_num_threads()
+    cmd = [sys.executable, "-c", _MEMORY_CHILD, str(p), str(threads), str(max(1, calls))]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in got.stdout.splitlines() if ln.startswith("{")]
+    if got.returncode != 0 or not lines:
+        why = (got.stderr.strip().splitlines() or [f"exit {got.returncode}"])[-1]
+        raise ExportError(f"measuring the memory of {p.name} failed: {why[:200]}")
+    r = json.loads(lines[-1])
+    out = {
+        "base_mb": round(r["base"], 1),
+        "load_mb": round(r["load"] - r["base"], 1),
+        "first_run_mb": round(r["first"] - r["base"], 1),
+        "steady_mb": round(r["steady"] - r["base"], 1),
+        "peak_mb": round(max(r["load"], r["first"], r["steady"], r["process_peak"]) - r["base"], 1),
+        "process_peak_mb": round(r["process_peak"], 1),
+        "file_mb": round(p.stat().st_size / 2**20, 2),
+        "threads": threads,
+        "basis": "VmRSS over a fresh process with the runtime imported",
+    }
+    if p.suffix == ".pte":
+        out["planned_mb"] = round(planned_memory(p) / 2**20, 3)
+    return out
+
+
+@contextmanager
+def torch_pool_held(threads: int = 1) -> Iterator[None]:
+    """torch's own intra-op pool held at `threads` while the runtimes are timed, then put
+    back. The runtimes bring their own XNNPACK pools; torch's OpenMP workers, woken during
+    an ExecuTorch call (on zoo:gpt; copying its outputs outside torch did not stop it),
+    spin-wait after each parallel region and take the cores XNNPACK's pool waits on. On the
+    2-core VM under load, zoo:gpt's .pte ran 16-60 ms a call with torch at 2 threads (15 ms
+    of CPU a call, a second thread busy) and 0.5 ms at 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _executorch_runner(path: Path, threads: int | None = None) -> Callable[..., Any]:
     from opswap.backends.executorch import ExecuTorchModule
 
-    return ExecuTorchModule(path)
+    return ExecuTorchModule(path, threads=threads)
 
 
 def edge_race(
@@ -241,15 +373,19 @@ def edge_race(
     tflite: str | Path | None = None,
     rounds: int = 30,
     samples: int = 3,
+    memory: bool = True,
 ) -> EdgeRace:
     """Race the edge variants of `model` (in eval mode, at `inputs`' shapes) on this CPU:
     each built into `directory`, checked on `samples` fresh inputs against the model, timed
-    in `rounds` interleaved rounds (a block of calls each, after untimed ones); the fastest verified file is copied to
-    `directory`/model.<its suffix>. A variant that cannot be built says why in its entry."""
+    in `rounds` interleaved rounds (a block of calls each, after untimed ones) and, with
+    `memory`, its memory read in a fresh process (program_memory); the fastest verified
+    file is copied to `directory`/model.<its suffix>. A variant that cannot be built says
+    why in its entry."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model = model.eval()
     inputs = tuple(inputs)
+    threads = torch.get_num_threads()  # XNNPACK's pool in each runtime, fixed before timing
     entries: list[EdgeEntry] = []
     builders: list[tuple[str, Callable[[], tuple[Path, Delegation]]]] = [
         ("executorch", lambda: default_executorch(model, inputs, out / "executorch.pte")),
@@ -258,7 +394,7 @@ def edge_race(
     for name, build in builders:
         try:
             path, d = build()
-            entries.append(EdgeEntry(name, path, _executorch_runner(path), d))
+            entries.append(EdgeEntry(name, path, _executorch_runner(path, threads), d))
         except (ExportError, InputError) as err:
             entries.append(EdgeEntry(name, None, error=str(err)))
         except Exception as err:  # an exporter's own failure, said in one line
@@ -268,7 +404,7 @@ def edge_race(
     if tflite is not None:
         p = Path(tflite)
         try:
-            entries.append(EdgeEntry("litert", p, LiteRTRunner(p)))
+            entries.append(EdgeEntry("litert", p, LiteRTRunner(p, threads)))
         except Exception as err:
             entries.append(EdgeEntry("litert", p, error=f"LiteRT could not load {p.name}: {err}"))
     else:
@@ -289,6 +425,11 @@ def edge_race(
         times: dict[str, list[float]] = {e.name: [] for e in live}
         for e in live:  # warm-up
             e.run(*inputs) if e.run else None
+    notes.append(
+        f"XNNPACK threads: {threads} in every runtime; torch's own pool held at 1 thread "
+        "while timing"
+    )
+    with torch.no_grad(), torch_pool_held(1):
         # in blocks: LiteRT's XNNPACK thread pool spin-waits after each call, and an
         # ExecuTorch call right after one ran 6-12x slower on zoo:gpt (0.7 -> 8 ms on the
         # 2-core VM); the first calls of a block wait that out, untimed
@@ -302,6 +443,11 @@ def edge_race(
                         times[e.name].append(time.perf_counter() - t0)
     for e in live:
         e.ms = statistics.median(times[e.name]) * 1e3
+        if memory and e.path is not None:
+            try:
+                e.memory = program_memory(e.path, threads)
+            except (ExportError, InputError, subprocess.TimeoutExpired) as err:
+                e.memory = {"error": str(err)}
     best = min(live, key=lambda e: e.ms or float("inf"), default=None)
     saved = None
     if best is not None and best.path is not None:

@@ -14,7 +14,7 @@ attention over past tokens is not in it; the figure says so.
 
 from __future__ import annotations
 
-import resource
+import gc
 import statistics
 import tempfile
 import time
@@ -23,12 +23,7 @@ from typing import Any
 
 import torch
 
-from opswap.bench.edge import _compare
-
-
-def _peak_mb() -> float:
-    """The process's peak resident memory so far, in MB (ru_maxrss: kB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from opswap.bench.edge import _compare, program_memory, torch_pool_held
 
 
 def _lower(model: torch.nn.Module, inputs: tuple, path: Path) -> Path:
@@ -69,11 +64,14 @@ def decoder_race(
     vocab: int = 8192,
     group: int = 32,
     rounds: int = 30,
+    memory: bool = True,
 ) -> dict[str, Any]:
     """fp32 and 8da4w ExecuTorch programs of zoo:gpt at these sizes, each timed for
-    `rounds` one-token forwards interleaved: tokens/s, file sizes, peak memory after
-    loading and running each (the process's, so the later one includes the earlier), and
-    the 8da4w logits' cosine and top-1 agreement with the fp32 model's."""
+    `rounds` one-token forwards interleaved: tokens/s, file sizes, the seconds each took to
+    build, with `memory` each program's memory in a process of its own (resident set after
+    loading and running it, program_memory), and the 8da4w logits' cosine and top-1
+    agreement with the fp32 model's. The fp32 model is freed before the 8da4w one is
+    built, so that the two are never in memory together."""
     from opswap.backends.executorch import ExecuTorchModule
     from opswap.models.zoo_transformer import gpt
 
@@ -98,26 +96,38 @@ def decoder_race(
         "parameters": params,
         "timed": "one token's forward without a KV cache (the weight-bound part of decode)",
         "scheme": f"8-bit dynamic activations, 4-bit weights in groups of {group} (torchao 8da4w)",
+        "threads": f"XNNPACK {torch.get_num_threads()}; torch's own pool held at 1 while timing",
     }
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         want = model(*ids)
+        t0 = time.perf_counter()
         fp32 = _lower(model, ids, Path(tmp) / "fp32.pte")
+        out["fp32_build_s"] = round(time.perf_counter() - t0, 1)
+        del model
+        gc.collect()
+        t0 = time.perf_counter()
         q_model = _quantized(build(), group)
         q4 = _lower(q_model, ids, Path(tmp) / "8da4w.pte")
+        out["8da4w_build_s"] = round(time.perf_counter() - t0, 1)
+        del q_model
+        gc.collect()
         runs = {}
+        for name, path in (("fp32", fp32), ("8da4w", q4)):
+            out[f"{name}_pte_mb"] = round(path.stat().st_size / 2**20, 2)
+            if memory:
+                out[f"{name}_memory"] = program_memory(path)
         for name, path in (("fp32", fp32), ("8da4w", q4)):
             runs[name] = ExecuTorchModule(path)
             runs[name](*ids)
-            out[f"{name}_pte_mb"] = round(path.stat().st_size / 2**20, 2)
-            out[f"{name}_peak_rss_mb"] = round(_peak_mb(), 1)
         cos, top1, _ = _compare(want, runs["8da4w"](*ids))
         out["8da4w_cosine"], out["8da4w_top1"] = round(cos, 5), top1
         times: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(rounds):
-            for k, fn in runs.items():
-                t0 = time.perf_counter()
-                fn(*ids)
-                times[k].append(time.perf_counter() - t0)
+        with torch_pool_held(1):  # XNNPACK's pool keeps torch's thread count
+            for _ in range(rounds):
+                for k, fn in runs.items():
+                    t0 = time.perf_counter()
+                    fn(*ids)
+                    times[k].append(time.perf_counter() - t0)
     for k, ts in times.items():
         out[f"{k}_tokens_per_s"] = round(1 / statistics.median(ts), 1)
     out["speedup_8da4w"] = round(out["8da4w_tokens_per_s"] / out["fp32_tokens_per_s"], 2)

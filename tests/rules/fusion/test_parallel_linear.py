@@ -90,3 +90,26 @@ def test_parallel_linear_keeps_outputs(outs, hidden, lead, data, method):
     assert count(plan, "fusion.parallel_linear") == (merged >= 2)
     if from_input >= 0:
         assert "not a constant" in reasons_text(plan, "fusion.parallel_linear")
+
+
+class _Qkv(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x) * self.k(x) + self.v(x)
+
+
+@pytest.mark.parametrize("h", [24, 40])
+def test_an_edge_delegate_skips_the_merge_its_split_would_copy(h: int) -> None:
+    from opswap.graph.capture import capture
+    from opswap.planner import make_plan
+
+    cap = capture(_Qkv(h).eval(), (torch.randn(1, 9, h),))
+    rule = "fusion.parallel_linear"
+    assert count(make_plan(cap, rules=[rule], target="cpu"), rule) == 1
+    plan = make_plan(cap, rules=[rule], target="xnnpack")
+    assert count(plan, rule) == 0
+    why = [s.reason for s in plan.skipped if s.rule == rule]
+    assert len(why) == 1 and "on xnnpack the split copies each of the 3 outputs" in why[0], why

@@ -47,3 +47,47 @@ def test_norms_are_written_out_for_the_delegate(method):
 
     left = outside(Legal(), xs)
     assert not left & {"native_layer_norm", "layer_norm", "rms_norm", "mean"}, left
+
+
+class ChannelsLastNorm(nn.Module):
+    """ConvNeXt's LayerNorm: over the channels of an image permuted to [N, H, W, C]."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.ln = nn.LayerNorm(c, eps=1e-6)
+        with torch.no_grad():
+            self.ln.weight.uniform_(0.5, 1.5)
+            self.ln.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln(self.conv(x).permute(0, 2, 3, 1))
+        return y.permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("shape", [(2, 12, 6, 5), (1, 8, 7, 3)])
+def test_a_rank_4_norm_over_channels_is_written_out(shape):
+    from opswap.graph.capture import capture
+
+    from ..activation._act import run
+
+    model, xs = ChannelsLastNorm(shape[1]), (torch.randn(*shape) * 3 + 1,)
+    cap = capture(model, xs, dynamic="batch")  # H is written into the rewrite: kept fixed
+    plan, applied, err, rel = run(model, xs, [RULE], target="xnnpack", captured=cap)
+    assert fired(plan, RULE) == 1
+    assert err < 1e-4 and rel < 1e-5
+    assert "native_layer_norm" in outside(model, xs)
+    left = outside(applied.gm, xs)
+    assert not left & {"native_layer_norm", "layer_norm", "mean"}, left
+
+
+def test_a_rank_4_norm_whose_rows_vary_is_refused():
+    from opswap.graph.capture import capture
+    from opswap.planner import make_plan
+
+    model, xs = ChannelsLastNorm(4), (torch.randn(2, 4, 6, 5),)
+    cap = capture(model, xs, dynamic="auto")
+    plan = make_plan(cap, rules=[RULE], target="xnnpack")
+    if fired(plan, RULE):  # the capture kept the image's height fixed: nothing to refuse
+        pytest.skip("this capture claims no dynamic height")
+    assert "a rank-4 norm writes its size" in reasons(plan, RULE)

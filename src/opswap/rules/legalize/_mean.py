@@ -1,4 +1,4 @@
-"""The 4-D mean XNNPACK delegates, written for a 2-D or 3-D tensor's last dim."""
+"""The 4-D mean XNNPACK delegates, written for a 2-D, 3-D or 4-D tensor's last dim."""
 
 from __future__ import annotations
 
@@ -21,13 +21,24 @@ def _as_4d(graph: fx.Graph, like: fx.Node, x: fx.node.Argument, rank: int) -> fx
     return u
 
 
-def mean_last(graph: fx.Graph, like: fx.Node, x: fx.node.Argument, rank: int) -> fx.Node:
-    """Nodes computing x.mean(-1, keepdim=True) for x of rank 2 or 3 through a 4-D mean over
-    dims (2, 3) with keepdim; call inside `graph.inserting_before(...)`:
+def mean_last(
+    graph: fx.Graph, like: fx.Node, x: fx.node.Argument, rank: int, rows: int | None = None
+) -> fx.Node:
+    """Nodes computing x.mean(-1, keepdim=True) for x of rank 2, 3 or 4 through a 4-D mean
+    over dims (2, 3) with keepdim; call inside `graph.inserting_before(...)`:
 
         [B, S, H] -> [B, S, H, 1] -> mean (2, 3) -> [B, S, 1, 1] -> [B, S, 1]
         [N, H]    -> [N, H, 1, 1] -permute-> [1, N, H, 1] -> mean (2, 3) -> [1, N, 1, 1] -> [N, 1]
-    """
+        [N, R, W, C] -> [N * R, W, C] -> (the 3-D case) -> [N * R, W, 1] -> [N, R, W, 1]
+
+    The 4-D case (a channels-last LayerNorm, as ConvNeXt writes it) writes `rows` (R, dim 1
+    of x), which must then keep one size."""
+    if rank == 4:
+        if rows is None:
+            raise ValueError("the mean of a rank-4 tensor's last dim needs the size of its dim 1")
+        flat = call(graph, like, "flatten.using_ints", (x, 0, 1))
+        m = mean_last(graph, like, flat, 3)
+        return call(graph, like, "unflatten.int", (m, 0, [-1, rows]))
     u = _as_4d(graph, like, x, rank)
     m = call(graph, like, "mean.dim", (u, [2, 3], True))
     if rank == 2:

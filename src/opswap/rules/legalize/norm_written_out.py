@@ -1,5 +1,5 @@
 """legalize.norm_written_out: LayerNorm and RMSNorm over the last dim (nn.LayerNorm,
-nn.RMSNorm, F.layer_norm, F.rms_norm) written out with the 4-D means, subtractions,
+nn.RMSNorm, F.layer_norm, F.rms_norm) of a 2-D to 4-D tensor written out with the 4-D means, subtractions,
 products and rsqrt XNNPACK delegates (it has no layer_norm or rms_norm)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from opswap.graph.ops import arg, copy_meta, module_of, op_kind, raw_name
-from opswap.graph.shapes import info
+from opswap.graph.shapes import dynamic_dims, info
 from opswap.rules._edits import call, replace_with
 from opswap.rules._matching import describe_source, setting
 from opswap.rules.base import Estimate, Found, Refused
@@ -70,22 +70,32 @@ class NormWrittenOut(Legalize):
             return Refused(f"{x.name} is not a floating-point tensor of known shape")
         if len(shape) != 1:
             return Refused(f"{node.name} normalises over {list(shape)}; only the last dim is")
-        if len(xi.shape) not in (2, 3):
+        if len(xi.shape) not in (2, 3, 4):
             return Refused(
-                f"{x.name} has rank {len(xi.shape)}; the 4-D mean is written for rank 2 or 3"
+                f"{x.name} has rank {len(xi.shape)}; the 4-D mean is written for rank 2 to 4"
             )
+        if len(xi.shape) == 4 and 1 in dynamic_dims(x):
+            return Refused(f"dim 1 of {x.name} varies; a rank-4 norm writes its size")
         if isinstance(eps, fx.Node):
             return Refused(f"eps is {describe_source(eps)}, not a constant")
         eps_f = float(torch.finfo(xi.dtype).eps) if eps is None else float(eps)
         return Found(
             (node,),
             f"{node.name}: {kind} of {x.name} over {xi.shape[-1]} written out for the delegate",
-            dict(x=x, eps=eps_f, rank=len(xi.shape), kind=kind, hidden=int(xi.shape[-1])),
+            dict(
+                x=x,
+                eps=eps_f,
+                rank=len(xi.shape),
+                rows=int(xi.shape[1]) if len(xi.shape) == 4 else None,
+                kind=kind,
+                hidden=int(xi.shape[-1]),
+            ),
             record=dict(x=x.name, eps=eps_f, kind=kind),
         )
 
     def rewrite(self, gm: fx.GraphModule, found: Found) -> None:
         node, x, rank, g = found.nodes[0], found["x"], found["rank"], gm.graph
+        rows = found["rows"]
         layer = found["kind"] == "layer_norm"
         if node.op == "call_module":
             w = _param(gm, node, "weight")
@@ -94,9 +104,9 @@ class NormWrittenOut(Legalize):
             w = arg(node, 2, "weight")
             b = arg(node, 3, "bias") if layer else None
         with g.inserting_before(node):
-            d = call(g, node, "sub.Tensor", (x, mean_last(g, node, x, rank))) if layer else x
+            d = call(g, node, "sub.Tensor", (x, mean_last(g, node, x, rank, rows))) if layer else x
             sq = call(g, node, "mul.Tensor", (d, d))
-            var = call(g, node, "add.Tensor", (mean_last(g, node, sq, rank), found["eps"]))
+            var = call(g, node, "add.Tensor", (mean_last(g, node, sq, rank, rows), found["eps"]))
             y = call(g, node, "mul.Tensor", (d, call(g, node, "rsqrt", (var,))))
             if w is not None:
                 y = call(g, node, "mul.Tensor", (y, w))
