@@ -19,9 +19,10 @@ of its compile time for at least 95% of its speed-up).
 Timing on a loaded CPU (`--threads 1 --clock cpu`, the CPU defaults): a machine with
 more runnable processes than cores deschedules threads at random. With several torch
 threads, a parallel region waits for its slowest thread, so one descheduled thread
-costs the whole call a scheduler slice: on two cores under a load of 10 and more, the
-same plan timed 0.5-840 ms from call to call (one run read greedy 250 ms against the
-joint search's 1.6 ms for the same plan). One torch thread keeps every op on the
+costs the whole call a scheduler slice: on two cores under a load of 10 and more, with
+two threads and the wall clock, zoo:longconv's eager model read 884 ms per call where
+its CPU time is 13 ms, and two copies of one plan of zoo:largekernel read 0.76 and
+0.52 ms (an earlier run: 250 ms against 1.6 ms). One torch thread keeps every op on the
 calling thread, and `--clock cpu` reads that thread's CPU time (time.thread_time)
 instead of the wall clock, so time spent descheduled is not counted; the search's own
 measurements (stages.joint_plan through bench.timing.benchmark) and the final
@@ -60,6 +61,10 @@ MODELS: dict[str, dict[str, Any]] = {
     "zoo:bert": {},
     "zoo:gpt": {},
     "hf:bert": dict(num_hidden_layers=2),
+    # large kernels behind fused ReLUs: greedy's fusion.conv_relu takes them before
+    # conv.algorithm can race them (chapter 25)
+    "zoo:largekernel": {},
+    "zoo:longconv": {},
 }
 
 
