@@ -83,6 +83,7 @@ def test_list_zoo_names_and_metadata():
         "seq",
         "recsys",
         "largekernel",
+        "longconv",
         "digits_mlp",
         "digits_cnn",
     ]
@@ -166,6 +167,12 @@ def test_loading_does_not_disturb_global_rng():
             (3, 1),
         ),
         ("largekernel", {"image_size": 45, "num_classes": 4}, [(2, 3, 45, 45)], (2, 4)),
+        (
+            "longconv",
+            {"batch": 3, "length": 50, "kernel": 63, "width": 6, "in_channels": 2},
+            [(3, 2, 50)],
+            (3, 10),
+        ),
     ],
 )
 def test_overrides_change_shapes(name, overrides, input_shapes, output_shape):
@@ -193,6 +200,8 @@ def test_override_errors_name_the_problem():
         load("zoo:bert", {"hidden": "50"})
     with pytest.raises(SpecError, match="at least 32"):
         load("zoo:largekernel", {"image_size": "16"})
+    with pytest.raises(SpecError, match="kernel for zoo:longconv must be odd"):
+        load("zoo:longconv", {"kernel": "64"})
 
 
 def test_float_override_accepts_int_text():
@@ -373,6 +382,20 @@ def test_largekernel_patterns():
     for kind in ("max_pool", "avg_pool", "adaptive_max_pool", "adaptive_avg_pool"):
         assert count(gm, kind) == 1, kind
     assert chains(gm, "adaptive_avg_pool", "flatten", "linear", "relu", "linear") == 1
+
+
+@pytest.mark.parametrize("depth, kernel", [(2, 127), (3, 31)])
+def test_longconv_patterns(depth, kernel):
+    _, cap = graph_of("zoo:longconv", depth=depth, kernel=kernel, length=96)
+    gm = cap.gm
+    convs = [submodule(gm, n) for n in gm.graph.nodes if op_kind(n) == "conv"]
+    assert all(isinstance(c, nn.Conv1d) and c.groups == 1 for c in convs)
+    long = [c for c in convs if c.kernel_size[0] > 1]
+    assert [c.kernel_size[0] for c in long] == [kernel] * depth
+    assert all(c.padding[0] == kernel // 2 for c in long)
+    assert len(convs) == 1 + 2 * depth  # the embedding and each block's channel mix
+    assert chains(gm, "conv", "relu", "conv", "add") == depth
+    assert chains(gm, "mean", "layer_norm", "linear", "output") == 1
 
 
 def test_attention_scale_is_one_over_sqrt_head_dim():

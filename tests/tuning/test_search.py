@@ -125,9 +125,10 @@ def toy_rules():  # type: ignore[no-untyped-def]
         registry._RULES.pop(cls.name, None)
 
 
-def _run(spec: str, rules: list[str], budget: int = 16, **sizes):  # type: ignore[no-untyped-def]
+def _run(spec: str, rules: list[str], budget: int = 16, exactness: str = "exact", **sizes):  # type: ignore[no-untyped-def]
     m = load(spec, **sizes)
     config = OptimizeConfig(
+        exactness=exactness,  # type: ignore[arg-type]
         rules=rules,
         bench=False,
         layers=False,
@@ -341,3 +342,40 @@ def test_the_first_moves_leave_out_the_decisions_that_took_a_node_another_rule_m
     assert moves[0] == (("fusion.conv_relu", "c2+r2"), "excluded")
     assert len(moves) == len(set(moves)) == 4  # three exclusions and one forced site
     assert moves[-1] == (("precision.bf16", "c1"), "forced")
+
+
+@pytest.mark.parametrize("length, kernel", [(48, 15), (70, 9)])
+def test_a_long_conv_the_fused_relu_took_goes_to_the_algorithm_race(length, kernel):
+    """fusion.conv_relu (earlier in the rules' order) takes the long conv + ReLU, so
+    greedy never offers the conv to conv.algorithm; with a stand-in timer where the
+    conv's algorithm pays more than the fused ReLU, the joint search finds it, whether
+    the site race on this machine picks a variant or skips each as predicted slower."""
+    run = _run(
+        "zoo:longconv",
+        ["fusion.conv_relu", "conv.algorithm"],
+        budget=6,
+        exactness="approx",
+        batch=1,
+        length=length,
+        width=4,
+        kernel=kernel,
+        depth=1,
+        num_classes=1,  # one score: no class-score rows for verification to draw
+    )
+    greedy = run.replan()
+    long = "blocks_0_long"
+
+    def at_long(plan, rule):  # type: ignore[no-untyped-def]
+        return [d for d in plan.decisions if d.rule == rule and long in d.site.nodes]
+
+    def timer(gm, plan):  # type: ignore[no-untyped-def]
+        fused, algo = at_long(plan, "fusion.conv_relu"), at_long(plan, "conv.algorithm")
+        return (100.0 - 1.0 * len(fused) - 5.0 * len(algo)) * 1e-3
+
+    assert at_long(greedy, "fusion.conv_relu") and not at_long(greedy, "conv.algorithm")
+    assert any(m.rule == "conv.algorithm" and m.where == long for m in greedy.misses)
+    plan = joint_plan(run, greedy, timer=timer)
+    assert plan.search is not None and not plan.search["kept_greedy"]
+    assert at_long(plan, "conv.algorithm") and not at_long(plan, "fusion.conv_relu")
+    assert plan.search["chosen"]["latency_ms"] == pytest.approx(95.0)
+    assert plan.search["chosen"]["choices"].startswith(f"-fusion.conv_relu@{long}")

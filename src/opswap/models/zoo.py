@@ -17,7 +17,7 @@ from typing import Any
 
 from opswap.errors import SpecError
 from opswap.models._common import LoadedModel, builder_defaults, resolve_kwargs
-from opswap.models.zoo_cnn import largekernel, mobilenet, resnet
+from opswap.models.zoo_cnn import largekernel, longconv, mobilenet, resnet
 from opswap.models.zoo_digits import digits_cnn, digits_mlp
 from opswap.models.zoo_misc import recsys, seq_model
 from opswap.models.zoo_transformer import bert, gpt
@@ -83,6 +83,13 @@ _ENTRIES = (
         "CNN with 7x7/11x11/13x13 and 5x5 convs, max/avg/adaptive pooling",
         (5, 11, 13),
         largekernel,
+    ),
+    ZooEntry(
+        "longconv",
+        "Long-convolution 1-D sequence model: kernel-127 Conv1d+ReLU token mixing, "
+        "pointwise mixing, residuals",
+        (4, 11, 25),
+        longconv,
     ),
     ZooEntry(
         "digits_mlp",

@@ -1,4 +1,4 @@
-"""Convolutional zoo models: resnet, mobilenet, largekernel.
+"""Convolutional zoo models: resnet, mobilenet, largekernel, longconv.
 
 Each builder returns `(module, example_inputs)`; its keyword arguments are the
 overrides `--set` accepts. Patterns the rules look for are listed in each
@@ -272,3 +272,72 @@ def largekernel(
         model = LargeKernelNet(in_channels, width, num_classes)
         realistic_batchnorm(model)
         return model.eval(), _images(batch, in_channels, image_size)
+
+
+# --------------------------------------------------------------------------- longconv
+
+
+class LongConvBlock(nn.Module):
+    """A long 1-D token-mixing conv then ReLU, a pointwise channel mix, and the residual."""
+
+    def __init__(self, width: int, kernel: int) -> None:
+        super().__init__()
+        self.long = nn.Conv1d(width, width, kernel, padding=kernel // 2)
+        self.long_relu = nn.ReLU()
+        self.mix = nn.Conv1d(width, width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mix(self.long_relu(self.long(x)))
+
+
+class LongConvNet(nn.Module):
+    def __init__(
+        self, in_channels: int, width: int, kernel: int, depth: int, num_classes: int
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Conv1d(in_channels, width, 1)
+        self.blocks = nn.Sequential(*(LongConvBlock(width, kernel) for _ in range(depth)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.embed(x))  # [B, W, L]
+        return self.head(self.norm(x.mean(dim=-1)))
+
+
+def longconv(
+    batch: int = 2,
+    length: int = 1024,
+    width: int = 32,
+    kernel: int = 127,
+    depth: int = 2,
+    num_classes: int = 10,
+    in_channels: int = 4,
+    seed: int = 0,
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """Long-convolution 1-D sequence classifier (CKConv / S4-style long kernels; chapters
+    4, 11, 25).
+
+    Patterns: a pointwise Conv1d embedding; `depth` blocks of a dense Conv1d whose kernel
+    spans `kernel` steps (odd, 'same' padding) followed by ReLU (fusion.conv_relu's
+    pattern, and conv.algorithm's: past some 31-127 taps an FFT conv beats the direct
+    one on a CPU), a pointwise Conv1d channel mix and a residual add; a mean over the
+    sequence, LayerNorm and a Linear head. Input [batch, in_channels, length].
+    """
+    positive(
+        "zoo:longconv",
+        batch=batch,
+        length=length,
+        width=width,
+        kernel=kernel,
+        depth=depth,
+        num_classes=num_classes,
+        in_channels=in_channels,
+    )
+    if kernel % 2 == 0:
+        raise SpecError(
+            f"Override kernel for zoo:longconv must be odd ('same' padding), got {kernel}."
+        )
+    with seeded(seed):
+        model = LongConvNet(in_channels, width, kernel, depth, num_classes)
+        return model.eval(), (torch.randn(batch, in_channels, length),)

@@ -15,8 +15,11 @@ starts from greedy's plan and moves in the space of the planner's own choices:
   the budget or not); plans that come out the same are measured once;
 - local search flips one choice at a time (leave a decision out, force a skipped site,
   undo either) and moves when a neighbour is faster beyond the noise and within the
-  budget; then an evolutionary step crosses the choice sets of the best few and flips
-  one more, until the evaluation budget is spent.
+  budget; a decision that held a node another rule missed at is left out first, and
+  when that rule's race then skips the freed site as predicted slower, the pair (left
+  out, the freed site forced) is tried next, since neither flip alone shows the gain;
+  then an evolutionary step crosses the choice sets of the best few and flips one
+  more, until the evaluation budget is spent.
 
 Every measured point is kept; the Pareto front of (latency, error) is reported, and the
 budget picks its fastest point within it. Greedy is the first point, and it stays the
@@ -191,6 +194,21 @@ def _blockers(plan: Plan) -> list[Choice]:
     ]
 
 
+def _freed(before: Plan, after: Plan, blocker: Choice) -> list[Choice]:
+    """The sites `after` (planned with `blocker` left out) skipped as predicted slower
+    that `before` did not reach: those of the rules that missed at the blocker's nodes."""
+    decision = next(d for d in before.decisions if (d.rule, d.site.key) == blocker)
+    missed = {m.rule for m in before.misses if m.where in decision.site.nodes}
+    seen = {(s.rule, s.where) for s in before.skipped}
+    return [
+        (s.rule, s.where)
+        for s in after.skipped
+        if s.rule in missed
+        and s.reason.startswith("predicted slower")
+        and (s.rule, s.where) not in seen
+    ]
+
+
 def _neighbours(point: Point) -> list[tuple[Choice, str]]:
     """One-choice moves from `point`: leave out one of its decisions (first those that
     hold a node another rule missed at), force one of the sites its planning skipped as
@@ -283,10 +301,22 @@ def joint_search(
     improved = True
     while improved and not s.spent():
         improved = False
+        blockers = set(_blockers(best.plan))
         for choice, where in _neighbours(best):
             p = s.evaluate(best.candidate.flipped(choice, where), "local")
             if p is not None and _better(p, best, noise):
                 best, improved = p, True
+                break
+            if p is None or choice not in blockers or where != "excluded":
+                continue
+            # a blocker left out frees its node for the rule that missed there; where that
+            # rule's race then predicts its site slower, only forcing it tells
+            for freed in _freed(best.plan, p.plan, choice):
+                q = s.evaluate(p.candidate.flipped(freed, "forced"), "local")
+                if q is not None and _better(q, best, noise):
+                    best, improved = q, True
+                    break
+            if improved:
                 break
     # evolution: cross the choice sets of the best few, then flip one more choice
     stale = 0
