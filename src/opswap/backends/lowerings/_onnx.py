@@ -78,3 +78,25 @@ def u8(v: int, scalar: bool = False) -> ir.TensorProtocol:
     import onnx_ir as ir
 
     return ir.tensor(np.array(v if scalar else [v], dtype=np.uint8))
+
+
+def conv(
+    x: Any,
+    weight: Any,
+    bias: Any,
+    stride: Iterable[int],
+    padding: Iterable[int],
+    dilation: Iterable[int],
+    groups: int,
+) -> Any:
+    """ONNX `Conv` of an opswap conv op whose contract is PyTorch's conv with zero padding,
+    the same on both sides of each spatial dim (the conv algorithms and conv_relu)."""
+    return op.Conv(
+        x,
+        weight,
+        *([bias] if bias is not None else []),
+        strides=list(stride),
+        pads=list(padding) * 2,
+        dilations=list(dilation),
+        group=groups,
+    )

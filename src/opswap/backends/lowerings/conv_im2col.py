@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any  # onnxscript values: see _onnx
 
-from opswap.backends.lowerings._onnx import op
+from opswap.backends.lowerings._onnx import conv
 from opswap.backends.lowerings._registry import lowering
 
 
@@ -20,13 +20,4 @@ def conv_im2col(
     dilation: Sequence[int],
     groups: int,
 ) -> Any:
-    # zero padding, the same on both sides of each spatial dim (the op's contract)
-    return op.Conv(
-        x,
-        weight,
-        *([bias] if bias is not None else []),
-        strides=list(stride),
-        pads=list(padding) * 2,
-        dilations=list(dilation),
-        group=groups,
-    )
+    return conv(x, weight, bias, stride, padding, dilation, groups)
