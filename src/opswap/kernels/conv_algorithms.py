@@ -74,6 +74,11 @@ class ConvSite:
             )
         )
 
+    def settings(self) -> tuple[list[int], list[int], list[int], int]:
+        """The conv's own settings as an algorithm op takes them after (x, weight, bias):
+        stride, padding, dilation, groups (never the example's sizes)."""
+        return list(self.stride), list(self.padding), list(self.dilation), self.groups
+
     def direct_multiplications(self) -> int:
         """Multiplications of the direct convolution: N x O x output pixels x C/g x kernel."""
         n, o, c_per_group = self.input_shape[0], self.weight_shape[0], self.weight_shape[1]

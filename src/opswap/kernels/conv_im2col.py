@@ -134,12 +134,7 @@ ALGORITHM = register(
         op=torch.ops.opswap.conv_im2col.default,
         exactness="exact",
         refuses=_refuses,
-        extra=lambda site: (
-            list(site.stride),
-            list(site.padding),
-            list(site.dilation),
-            site.groups,
-        ),
+        extra=ConvSite.settings,
         multiplications=_multiplications,
         description="explicit unfold of every receptive field, then one GEMM per group",
     )

@@ -154,12 +154,7 @@ ALGORITHM = register(
         op=torch.ops.opswap.conv_nnpack.default,
         exactness="approx",
         refuses=_refuses,
-        extra=lambda site: (
-            list(site.stride),
-            list(site.padding),
-            list(site.dilation),
-            site.groups,
-        ),
+        extra=ConvSite.settings,
         # NNPACK picks Winograd, FFT or GEMM per call, unseen: counted as the direct conv's
         multiplications=lambda site: site.direct_multiplications(),
         description="NNPACK's CPU convolution (Winograd F(6,3), FFT or GEMM, its choice)",

@@ -176,12 +176,7 @@ ALGORITHM = register(
         op=torch.ops.opswap.conv_onednn.default,
         exactness="exact",
         refuses=_refuses,
-        extra=lambda site: (
-            list(site.stride),
-            list(site.padding),
-            list(site.dilation),
-            site.groups,
-        ),
+        extra=ConvSite.settings,
         multiplications=lambda site: site.direct_multiplications(),
         description="oneDNN's direct conv on a weight packed once into its blocked layout, "
         "activations in channels-last (what Inductor's CPU path runs)",
