@@ -298,6 +298,7 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
             "tests/train/test_prepare.py",
             "tests/train/test_verify_grads.py",
             "tests/train/test_train_race.py",
+            "tests/train/test_precision.py",  # bf16/fp16 on CUDA, fp8 where CC >= 8.9
         ],
         [["bench_train_step.py"]],
     ),
