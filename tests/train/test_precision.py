@@ -221,6 +221,31 @@ def test_float8_conversion_on_cpu(exported: bool) -> None:
     assert [float8_eligible(m) for m in (model.a, model.b, model.c)] == [True, False, False]
 
 
+def test_float8_graph_gradients_checked_on_cpu() -> None:
+    """The fp8 check's path: a float32 prepared graph converted by float8_graph, checked
+    with verify_grads(precision="fp8") against eager float32 (and eager fp8 as the peer),
+    where torch runs Float8Linear on the CPU (torch 2.13 does)."""
+    pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 7)).train()
+    batch = (torch.randn(16, 32), torch.randint(0, 7, (16,)))
+    prepared = prepare(model, batch, F.cross_entropy, batches=[batch])
+    assert len(float8_graph(prepared.graph)) == 1  # 48 -> 7 is left
+    try:
+        prepared(*batch)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"this torch has no CPU fp8 matmul: {str(e)[:80]}")
+    from opswap.graph.copies import private_copy
+    from opswap.train.prepare import _with_loss
+
+    reference = private_copy(_with_loss(model, F.cross_entropy, 1))
+    names = {id(p): "model." + n for n, p in model.named_parameters()}
+    strict = verify_grads(reference, prepared, batch, batches=[batch], names=names)
+    loose = verify_grads(reference, prepared, batch, batches=[batch], names=names, precision="fp8")
+    assert not strict.passed and loose.passed, (strict, loose)
+    assert loose.tolerance == 0.25
+
+
 def test_verify_grads_tolerance_by_precision() -> None:
     assert tolerance("exact", precision="bf16") > tolerance("exact", precision="fp16")
     assert tolerance("exact", precision="fp16") > tolerance("exact")
@@ -312,7 +337,7 @@ def test_fp8_trains_on_fp8_gpu() -> None:
             prepared.step(opt, loss)
         curves[precision] = curve
     rel = max(abs(a - b) / b for a, b in zip(curves["fp8"], curves["float32"], strict=True))
-    assert rel < 5e-2, curves  # fp8's e4m3/e5m2 rounding, 20 steps
+    assert rel < 2e-2, curves  # measured 2.0e-3 with torchao 0.18 on the CPU (torch 2.13)
     assert curves["fp8"][-1] < curves["fp8"][0]
 
 

@@ -19,6 +19,9 @@ parameter (a bias before a train-mode BatchNorm has a gradient that is zero but 
 rounding). For a bf16 or fp16 candidate, eager in that dtype is run too, and the
 candidate may err by the tolerance or by twice eager's own error, whichever is larger
 (STYLE.md: a low-precision kernel errs at most a small multiple of PyTorch's own op). The tolerance follows exactness and the candidate's dtype.
+A float32 model trained in mixed precision (`precision=`, a prepared module's bf16, fp16
+or fp8) is compared the same way, at that precision's tolerance (`tolerance`), with eager
+in that precision as the peer whose error, doubled, the candidate may also reach.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class GradCheck:
         verdict = "passed" if self.passed else f"FAILED: {self.reason}"
         return (
             f"gradients of {len(self.params)} parameter(s) on {len(self.batches)} batch(es): "
-            f"output error {self.output_error:.2e}{where}, tolerance {self.tolerance:.0e}; "
+            f"output error {self.output_error:.2e}{where}, tolerance {self.tolerance:.2g}; "
             f"{verdict}"
         )
 
