@@ -115,6 +115,25 @@ def test_sensitive_ops_see_float32(precision: str) -> None:
     assert "float32" in " ".join(prepared.report.notes)
 
 
+def test_bf16_fused_loss_head_gets_low_inputs() -> None:
+    """The fused linear cross-entropy keeps its statistics in float32 itself: under bf16 its
+    GEMM inputs are bf16 (one dtype, as its kernel needs), and it trains as eager does."""
+    from opswap.train.losses import linear_cross_entropy
+
+    model = _model(6)
+    ids, labels = _data(1, b=3, t=7)[0]
+    prepared = prepare(model, (ids, labels), _lm_loss, precision="bf16", fuse_loss=True)
+    heads = [n for n in prepared.graph.graph.nodes if n.target is linear_cross_entropy]
+    assert len(heads) == 1
+    casts = [a for a in heads[0].args[:2] if isinstance(a, fx.Node)]
+    assert [c.args[1] for c in casts] == [torch.bfloat16, torch.bfloat16]
+    assert prepared.report.check is not None and prepared.report.check.passed
+    loss = prepared(ids, labels)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert model.head.weight.grad is not None and model.head.weight.grad.dtype == torch.float32
+
+
 def test_keep_float32_casts_opswap_norm_input() -> None:
     """An opswap op sees the dtype it is handed: the cast makes it float32 under autocast."""
 

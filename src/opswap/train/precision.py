@@ -10,7 +10,9 @@
   neither touches opswap's own ops (a `torch.library` op sees the dtype it is handed). So
   `keep_float32` casts the input of every such op in the graph to float32, on every
   device alike: softmax, log_softmax, batch/layer/group/instance/RMS norms (and opswap's
-  kernels of them), and the loss (cross-entropy, NLL, the fused linear cross-entropy).
+  kernels of them), and the loss (cross-entropy, NLL; the fused linear cross-entropy
+  instead gets its inputs in the low dtype, as a Linear would, and keeps its log-sum-exp
+  and loss in float32 itself).
   These are the ops whose sums of exponentials or of squares lose what a bf16 mantissa
   (8 bits) cannot hold; their outputs are float32 and the next matmul casts them down
   again. The loss the prepared module returns is float32.
@@ -73,7 +75,6 @@ KEPT_FLOAT32 = frozenset(
         "nll_loss",
         "nll_loss_nd",
         "nll_loss2d",
-        "linear_cross_entropy",
         "CrossEntropyLoss",
         "NLLLoss",
     }
@@ -134,14 +135,35 @@ def _kind(node: fx.Node) -> str:
     return kind if kind in KEPT_FLOAT32 else raw_name(node)
 
 
-def keep_float32(gm: fx.GraphModule) -> list[str]:
+def to_low(x: Any, dtype: torch.dtype) -> Any:
+    """`x` in autocast's `dtype` if it is a float32 tensor; anything else as it is."""
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+        return x.to(dtype)
+    return x
+
+
+def _fused_head(node: fx.Node) -> bool:
+    from opswap.train.losses import linear_cross_entropy
+
+    return node.op == "call_function" and node.target is linear_cross_entropy
+
+
+def keep_float32(gm: fx.GraphModule, low: torch.dtype | None = None) -> list[str]:
     """Cast the input of each op of KEPT_FLOAT32 in `gm` to float32 (a `to_float32` node
-    before it; in place, the graph recompiled); returns the names of the nodes kept."""
+    before it; in place, the graph recompiled); returns the names of the nodes kept.
+
+    The fused linear cross-entropy (opswap.train.losses) keeps its log-sum-exp and loss in
+    float32 itself, and its GEMMs need one dtype: with `low` (autocast's dtype) its hidden
+    states, weight and bias are cast to `low` instead, as autocast would a Linear's."""
     kept: list[str] = []
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        if node.target is to_float32 or node.target is operator.getitem:
+        if node.target in (to_float32, to_low, operator.getitem):
+            continue
+        if low is not None and _fused_head(node):
+            _head_to_low(gm, node, low)
+            kept.append(node.name)
             continue
         if _kind(node) not in KEPT_FLOAT32 or not node.args:
             continue
@@ -156,6 +178,19 @@ def keep_float32(gm: fx.GraphModule) -> list[str]:
         gm.graph.lint()
         gm.recompile()
     return kept
+
+
+def _head_to_low(gm: fx.GraphModule, node: fx.Node, low: torch.dtype) -> None:
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
+    with gm.graph.inserting_before(node):
+        for i in (0, 1, 3):
+            if i < len(args) and isinstance(args[i], fx.Node):
+                args[i] = gm.graph.call_function(to_low, (args[i], low))
+        for key in ("hidden", "weight", "bias"):
+            if isinstance(kwargs.get(key), fx.Node):
+                kwargs[key] = gm.graph.call_function(to_low, (kwargs[key], low))
+    node.args, node.kwargs = tuple(args), kwargs
 
 
 def float8_eligible(module: nn.Module) -> bool:

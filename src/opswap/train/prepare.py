@@ -459,7 +459,9 @@ def _lower(gm: fx.GraphModule, precision: str, recipe: str, report: PrepareRepor
             + "; a Linear whose in or out features are not multiples of 16 stays as it is."
         )
         return
-    kept = keep_float32(gm)
+    from opswap.train.precision import autocast_dtype
+
+    kept = keep_float32(gm, autocast_dtype(precision))
     report.notes.append(
         f"{precision} autocast: {len(kept)} op(s) kept in float32"
         + (f" ({', '.join(kept[:6])})" if kept else "")
