@@ -179,7 +179,7 @@ def test_fp16_grad_scaler_skips_inf_step_and_recovers() -> None:
     losses = []
     for _ in range(5):  # and training goes on
         loss = prepared(x, y)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         assert prepared.step(opt, loss)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert losses[-1] < losses[0]
