@@ -298,8 +298,11 @@ KERNEL_PARTS: dict[str, tuple[list[str], list[list[str]]]] = {
             "tests/train/test_prepare.py",
             "tests/train/test_verify_grads.py",
             "tests/train/test_train_race.py",
+            "tests/train/test_precision.py",  # bf16/fp16 on CUDA, fp8 where CC >= 8.9
         ],
-        [["bench_train_step.py"]],
+        # then a float32 Llama-style 350M's step in float32, bf16 and fp8
+        # (train_precision_<card>.json)
+        [["bench_train_step.py"], ["bench_train_precision.py"]],
     ),
     # issue 46: the DDP/FSDP2 tests (gloo on the CPU), then the Llama-style 1B's DDP step at
     # 1 and N GPUs, eager/compile/opswap/opswap+compile (ddp_<card>x<N>.json). Needs a

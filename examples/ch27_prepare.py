@@ -116,6 +116,32 @@ def language_model() -> None:
     assert worst < 1e-3, "the prepared language model's loss curve left eager's"
 
 
+def mixed_precision() -> None:
+    """The same language model trained in bf16 autocast (softmax, norms and loss kept in
+    float32), beside float32 eager."""
+    eager, _ = gpt(batch=4, seq=24, vocab=97, layers=2)
+    model, _ = gpt(batch=4, seq=24, vocab=97, layers=2)
+    eager.train(), model.train()
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 97, (12, 4, 6), generator=gen).repeat(1, 1, 5)[..., :25]
+    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    prepared = prepare(model, batches[0], lm_loss, precision="bf16")
+    print(next(n for n in prepared.report.notes if n.startswith("bf16")))
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (model, eager))
+    worst = 0.0
+    for ids, labels in batches:
+        want = lm_loss(eager(ids), labels)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = prepared(ids, labels)
+        worst = max(worst, abs(float(got.detach()) - float(want.detach())) / float(want.detach()))
+        prepared.step(opt, got)  # backward, step, zero_grad (with fp16: loss scaling)
+    print(f"{len(batches)} bf16 steps: largest relative difference from float32 {worst:.1e}")
+    assert worst < 2e-2, "bf16 training left float32's loss curve"
+
+
 if __name__ == "__main__":
     main()
     language_model()
+    mixed_precision()

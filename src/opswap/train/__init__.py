@@ -16,7 +16,8 @@ rather than by rewriting its graph alone.
   with the rules valid in training, gradients checked against eager (chapter 27; the
   function, re-exported here, shadows its module's name: import the module's other names
   with `from opswap.train.prepare import ...`); `opswap.train.verify_grads` and
-  `opswap.train.race` (the training-step race) beside it.
+  `opswap.train.race` (the training-step race) beside it; `opswap.train.precision`:
+  its bf16/fp16 autocast (softmax, norms and loss kept in float32) and fp8 Linears.
 - `opswap.train.distributed`: a prepared model wrapped in DistributedDataParallel or sharded
   by FSDP2's `fully_shard`, and its trained weights gathered back (chapter 27).
 

@@ -95,6 +95,8 @@ class Prepared(nn.Module):
         report: PrepareReport,
         with_loss: bool,
         model_keys: Sequence[Sequence[str]] = (),
+        precision: str = "float32",
+        device_type: str = "cpu",
     ):
         super().__init__()
         self.graph = graph
@@ -103,9 +105,47 @@ class Prepared(nn.Module):
         #: the user's model's state_dict keys, grouped by the tensor they name (tied weights
         #: share a group); opswap.train.distributed.full_state_dict uses them
         self.model_keys = tuple(tuple(g) for g in model_keys)
+        #: float32, bf16, fp16 or fp8 (opswap.train.precision); the forward autocasts
+        #: on `device_type` for bf16 and fp16
+        self.precision = precision
+        self.device_type = device_type
+        #: fp16's loss scaler (torch.amp.GradScaler); None in the other precisions
+        self.scaler: torch.amp.GradScaler | None = (
+            torch.amp.GradScaler(device_type) if precision == "fp16" else None
+        )
 
     def forward(self, *batch: Any) -> Any:
-        return self.graph(*batch)
+        if self.precision in ("float32", "fp8"):
+            return self.graph(*batch)
+        from opswap.train.precision import mixed
+
+        with mixed(self.precision, self.device_type):
+            out = self.graph(*batch)
+        if self.with_loss:  # the loss in float32, whatever dtype loss_fn left it in
+            from torch.utils import _pytree as pytree
+
+            return pytree.tree_map(
+                lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                out,
+            )
+        return out
+
+    def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> bool:
+        """Backward of `loss`, the optimizer's step and zeroed gradients; with fp16, through
+        `scaler`: the loss scaled before the backward, the gradients unscaled before the
+        step, and the step skipped when one is inf or NaN (the scale then shrinks).
+        Returns whether the step was taken."""
+        if self.scaler is None:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(optimizer)  # skipped when an unscaled gradient is inf or NaN
+        self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return not self.scaler.get_scale() < before  # update() shrinks it after a skip
 
 
 class _WithLoss(nn.Module):
@@ -258,6 +298,8 @@ def prepare(
     rules: Sequence[str] | None = None,
     batches: Sequence[Sequence[Any]] | None = None,
     fuse_loss: bool | None = None,
+    precision: str = "float32",
+    fp8_recipe: str = "tensorwise",
 ) -> Prepared:
     """`model` (with `loss_fn`) rewritten with the rules valid in training, gradients
     checked; see the module's docstring.
@@ -269,7 +311,16 @@ def prepare(
     the parameters the prepared module trains. `fuse_loss`: whether the head and the
     cross-entropy become opswap::linear_cross_entropy; None (the default) fuses them on a
     GPU target, where the kernel is written to pay, and not on the CPU, where its chunked
-    PyTorch path costs more time than it saves memory (chapter 27, Measured)."""
+    PyTorch path costs more time than it saves memory (chapter 27, Measured).
+
+    `precision` ("float32", "bf16", "fp16", "fp8"; opswap.train.precision says what each
+    does): the rules are planned and checked in float32 as always; then bf16 and fp16
+    run the forward under autocast with softmax, the norms and the loss kept in float32,
+    and fp8 makes the Linears whose sizes are multiples of 16 torchao's Float8Linear
+    (`fp8_recipe`: "tensorwise", per-tensor current scaling, or "rowwise"; CUDA of compute
+    capability 8.9 or newer only). The whole is checked once more against eager float32,
+    at that precision's tolerance (verify_grads.tolerance). With fp16, train through
+    `prepared.step(optimizer, loss)`, or `prepared.scaler` yourself."""
     from opswap.graph.capture import capture
     from opswap.rules.base import EXACTNESS_ORDER
 
@@ -293,6 +344,16 @@ def prepare(
             "(the capture keeps the mode it sees: dropout, BatchNorm's batch statistics)."
         )
     gpu = _gpu_target(target)  # an unknown target fails here, in one sentence
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    from opswap.train.precision import FP8_RECIPES, precision_problem
+
+    why_not = precision_problem(precision, device)
+    if why_not is not None:
+        raise PrepareError(why_not)
+    if precision == "fp8" and fp8_recipe not in FP8_RECIPES:
+        raise PrepareError(
+            f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}; not {fp8_recipe!r}."
+        )
     with_loss = loss_fn is not None
     batch = _as_batch(example_batch, with_loss)
     wrapped: nn.Module = (
@@ -340,6 +401,8 @@ def prepare(
             captured, model, reference, names, batch, batches, allowed, target, exactness, report
         )
         report.check = check
+        if precision != "float32":
+            _lower(gm, precision, fp8_recipe, report)
         from opswap.graph.dynamic import guard
 
         # a call outside the shapes captured is refused in one sentence
@@ -360,7 +423,52 @@ def prepare(
                 f"({', '.join(n[len(prefix) :] for n in missing[:3])}): they get gradients "
                 "but are never updated."
             )
-    return Prepared(gm, report, with_loss, _key_groups(model))
+    prepared = Prepared(gm, report, with_loss, _key_groups(model), precision, device.type)
+    if precision != "float32":
+        with _rng_kept():
+            check = verify_grads(
+                reference,
+                prepared,
+                batch,
+                captured,
+                batches,
+                exactness,
+                names=names,
+                precision=precision,
+            )
+        if not check.passed:
+            raise PrepareError(
+                f"{type(model).__name__} does not train in {precision} as it does in float32 "
+                f"({check.reason}); prepare it with precision='float32' or a wider one."
+            )
+        report.notes.append(f"In float32: {report.check}")
+        report.check = check
+    return prepared
+
+
+def _lower(gm: fx.GraphModule, precision: str, recipe: str, report: PrepareReport) -> None:
+    """Make `gm` train in `precision` (in place): under autocast, the inputs of softmax,
+    the norms and the loss cast to float32; for fp8, the eligible Linears swapped."""
+    from opswap.train.precision import float8_graph, keep_float32
+
+    if precision == "fp8":
+        swapped = float8_graph(gm, recipe)
+        report.notes.append(
+            f"fp8 ({recipe}): {len(swapped)} Linear(s) are Float8Linear"
+            + (f" ({', '.join(swapped[:4])})" if swapped else "")
+            + "; a Linear whose in or out features are not multiples of 16 stays as it is."
+        )
+        return
+    from opswap.train.precision import autocast_dtype
+
+    kept = keep_float32(gm, autocast_dtype(precision))
+    report.notes.append(
+        f"{precision} autocast: {len(kept)} op(s) kept in float32"
+        + (f" ({', '.join(kept[:6])})" if kept else "")
+        + "; matmuls and convolutions run in "
+        + precision
+        + "."
+    )
 
 
 def _key_groups(model: nn.Module) -> list[list[str]]:

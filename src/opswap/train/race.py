@@ -12,6 +12,13 @@ before the step) on a GPU, the profiler's record of CPU allocations on the CPU.
 The optimizer is torch's AdamW, `fused=True` on CUDA and `foreach=True` elsewhere, for
 eager and compile; the opswap variants take opswap.train.optim.AdamW (one pass per
 tensor on CUDA; torch's foreach steps in torch's order on the CPU).
+
+`precision` (float32, bf16, fp16, fp8; opswap.train.precision) applies to every variant:
+eager and compile run under the same autocast, or with the same Linears made
+Float8Linear, and opswap's prepares with it; fp16 steps through a GradScaler per variant.
+The losses are compared with eager's in that precision, at `loss_rtol` (by default 1e-3
+in float32, 1e-2 fp16, 5e-2 bf16, 1e-1 fp8: opswap keeps softmax and the norms in
+float32 where eager's CPU autocast does not, so the two round differently).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from opswap.graph.copies import private_copy
 __all__ = ["StepTiming", "TrainRace", "VARIANTS", "race_training"]
 
 VARIANTS = ("eager", "compile", "opswap", "opswap+compile")
+_LOSS_RTOL = {"float32": 1e-3, "fp16": 1e-2, "bf16": 5e-2, "fp8": 1e-1}
+_Made = tuple[Callable[..., torch.Tensor], torch.optim.Optimizer, "torch.amp.GradScaler | None"]
 
 
 @dataclass
@@ -54,6 +63,8 @@ class TrainRace:
     notes: list[str] = field(default_factory=list)
     #: the opswap variant's train.prepare report (PrepareReport.to_json), when it ran
     prepare: dict[str, Any] | None = None
+    #: what every variant trained in (opswap.train.precision.PRECISIONS)
+    precision: str = "float32"
 
     def row(self, name: str) -> StepTiming:
         return next(r for r in self.rows if r.name == name)
@@ -66,6 +77,7 @@ class TrainRace:
             "variants": [r.to_json() for r in self.rows],
             "notes": list(self.notes),
             "prepare": self.prepare,
+            "precision": self.precision,
         }
 
     def table(self) -> str:
@@ -119,7 +131,8 @@ def _variant(
     lr: float,
     prepare_kw: dict[str, Any],
     prepared: list[Any],
-) -> tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]:
+    precision: str = "float32",
+) -> _Made:
     """The loss function of one variant (its own copy of the model) and its optimizer.
     The first opswap variant prepares its copy and leaves it in `prepared`; the second
     takes a copy of that (graph and parameters together) rather than preparing again."""
@@ -134,34 +147,40 @@ def _variant(
         step_fn: Callable[..., torch.Tensor] = mine
         if name == "opswap+compile":
             step_fn = torch.compile(mine)
-        return step_fn, _optimizer(mine.parameters(), True, device, lr)
+        return step_fn, _optimizer(mine.parameters(), True, device, lr), _scaler(precision, device)
+    from opswap.train.precision import float8_linears, mixed
+
     own = private_copy(model).to(device)
-    if name == "compile":
-        compiled = torch.compile(own)
-
-        def compiled_loss(*b: Any) -> torch.Tensor:
-            return loss_fn(compiled(*b[:-1]), b[-1])
-
-        return compiled_loss, _optimizer(own.parameters(), False, device, lr)
+    if precision == "fp8":
+        float8_linears(own, prepare_kw.get("fp8_recipe", "tensorwise"))
+    dev = torch.device(device).type
+    run: Callable[..., Any] = torch.compile(own) if name == "compile" else own
 
     def eager_loss(*b: Any) -> torch.Tensor:
-        return loss_fn(own(*b[:-1]), b[-1])
+        with mixed(precision, dev):
+            return loss_fn(run(*b[:-1]), b[-1]).float()
 
-    return eager_loss, _optimizer(own.parameters(), False, device, lr)
-
-
-def _stepper(
-    fn: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, batch: tuple[Any, ...]
-) -> Callable[[], torch.Tensor]:
-    return lambda: _step(fn, opt, batch)
+    return eager_loss, _optimizer(own.parameters(), False, device, lr), _scaler(precision, device)
 
 
-def _step(
-    fn: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, batch: tuple[Any, ...]
-) -> torch.Tensor:
+def _scaler(precision: str, device: str) -> torch.amp.GradScaler | None:
+    return torch.amp.GradScaler(torch.device(device).type) if precision == "fp16" else None
+
+
+def _stepper(made: _Made, batch: tuple[Any, ...]) -> Callable[[], torch.Tensor]:
+    return lambda: _step(made, batch)
+
+
+def _step(made: _Made, batch: tuple[Any, ...]) -> torch.Tensor:
+    fn, opt, scaler = made
     loss = fn(*batch)
-    loss.backward()
-    opt.step()
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:  # fp16: scaled backward, the step skipped on an inf or NaN gradient
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
 
@@ -177,10 +196,11 @@ def race_training(
     lr: float = 1e-3,
     check_steps: int = 3,
     min_time_s: float = 0.5,
-    loss_rtol: float = 1e-3,
+    loss_rtol: float | None = None,
     seed: int = 0,
     prepare_kw: dict[str, Any] | None = None,
     extra: dict[str, Callable[..., torch.Tensor]] | None = None,
+    precision: str = "float32",
 ) -> TrainRace:
     """Race full training steps of `model` under `variants` (names from VARIANTS) on
     `device`; `batches` (default: the example, `check_steps` times) are the check
@@ -188,7 +208,8 @@ def race_training(
 
     `extra` adds peers built by the caller, by name: a module already on `device` whose
     `forward(*inputs, target)` returns the loss (a Liger-Kernel-patched model called with
-    labels), trained in place with torch's AdamW and checked against eager like the rest."""
+    labels), trained in place with torch's AdamW and checked against eager like the rest
+    (in float32: `precision` does not reach inside it)."""
     from opswap.bench.memory import peak_memory
     from opswap.bench.timing import benchmark
 
@@ -197,25 +218,30 @@ def race_training(
         raise ValueError(
             f"variants must include eager and be among {', '.join(VARIANTS)}; got {list(variants)}"
         )
+    if precision not in _LOSS_RTOL:
+        raise ValueError(f"precision must be one of {', '.join(_LOSS_RTOL)}; not {precision!r}")
+    rtol = _LOSS_RTOL[precision] if loss_rtol is None else loss_rtol
     batch = _to(example_batch, device)
     todo = [_to(b, device) for b in batches] if batches else [batch] * check_steps
-    kw = {"target": _target_of(device), **(prepare_kw or {})}
-    made: dict[str, tuple[Callable[..., torch.Tensor], torch.optim.Optimizer]] = {}
+    kw = {"target": _target_of(device), "precision": precision, **(prepare_kw or {})}
+    made: dict[str, _Made] = {}
     rows: dict[str, StepTiming] = {}
     prepared: list[Any] = []
     for name in variants:
         try:
-            made[name] = _variant(name, model, batch, loss_fn, device, lr, kw, prepared)
+            made[name] = _variant(
+                name, model, batch, loss_fn, device, lr, kw, prepared, kw["precision"]
+            )
         except Exception as e:  # a variant that cannot be built is a row that says why
             rows[name] = StepTiming(
                 name, None, None, None, None, False, f"{type(e).__name__}: {e}"[:200]
             )
     losses: dict[str, float] = {}
-    for name, (fn, opt) in made.items():
+    for name, one in made.items():
         torch.manual_seed(seed)
         try:
             for b in todo:
-                last = _step(fn, opt, b)
+                last = _step(one, b)
             losses[name] = float(last)
         except Exception as e:
             rows[name] = StepTiming(
@@ -226,10 +252,10 @@ def race_training(
             raise ValueError(f"extra[{name!r}] must be an nn.Module returning the loss")
         torch.manual_seed(seed)
         opt = _optimizer(module.parameters(), False, device, lr)
-        made[name] = (module, opt)
+        made[name] = (module, opt, None)
         try:
             for b in todo:
-                last = _step(module, opt, b)
+                last = _step(made[name], b)
             losses[name] = float(last)
         except Exception as e:
             rows[name] = StepTiming(
@@ -240,7 +266,7 @@ def race_training(
             del made[name]
     want = losses.get("eager")
     timed = benchmark(
-        {name: _stepper(fn, opt, batch) for name, (fn, opt) in made.items()},
+        {name: _stepper(one, batch) for name, one in made.items()},
         min_time_s=min_time_s,
         warmup=2,
         repeats=5,
@@ -249,12 +275,12 @@ def race_training(
         device=device,
     )
     method = ""
-    for name, (fn, opt) in made.items():
-        mem = peak_memory(_stepper(fn, opt, batch), device=device)
+    for name, one in made.items():
+        mem = peak_memory(_stepper(one, batch), device=device)
         method = mem.method
         got = losses[name]
         err = abs(got - want) / max(abs(want), 1e-12) if want is not None else None
-        ok = err is not None and err <= loss_rtol
+        ok = err is not None and err <= rtol
         rows[name] = StepTiming(
             name,
             timed[name].median,
@@ -278,6 +304,7 @@ def race_training(
         len(todo),
         notes,
         prepare=prepared[0].report.to_json() if prepared else None,
+        precision=kw["precision"],
     )
 
 

@@ -19,6 +19,9 @@ parameter (a bias before a train-mode BatchNorm has a gradient that is zero but 
 rounding). For a bf16 or fp16 candidate, eager in that dtype is run too, and the
 candidate may err by the tolerance or by twice eager's own error, whichever is larger
 (STYLE.md: a low-precision kernel errs at most a small multiple of PyTorch's own op). The tolerance follows exactness and the candidate's dtype.
+A float32 model trained in mixed precision (`precision=`, a prepared module's bf16, fp16
+or fp8) is compared the same way, at that precision's tolerance (`tolerance`), with eager
+in that precision as the peer whose error, doubled, the candidate may also reach.
 """
 
 from __future__ import annotations
@@ -40,14 +43,25 @@ _BASE = {"exact": 1e-4, "approx": 2e-2, "lossy": 1e-1}
 _FLOOR = 1e-3  # a gradient's scale is at least this share of the batch's largest
 
 
-def tolerance(exactness: str, dtype: torch.dtype = torch.float32) -> float:
+#: the least tolerance of a mixed-precision training (prepare's `precision`): 4 roundings
+#: of the dtype the matmuls run in (bf16 eps 2^-7: 3.1e-2; fp16 eps 2^-10: 3.9e-3), and for
+#: fp8 one rounding of e5m2, the gradients' format (eps 2^-2) -- each matmul rounds its
+#: inputs once, and a gradient passes through a few of them
+_PRECISION = {"float32": 0.0, "bf16": 4 * 2.0**-7, "fp16": 4 * 2.0**-10, "fp8": 2.0**-2}
+
+
+def tolerance(
+    exactness: str, dtype: torch.dtype = torch.float32, precision: str = "float32"
+) -> float:
     """The largest relative error (max |diff| / max |reference|) a gradient may show: 1e-4
     for exact rewrites of a float32 model (a sum in another order), 2e-2 approx, 1e-1
-    lossy; at least 4 roundings of a lower-precision model's dtype."""
+    lossy; at least 4 roundings of a lower-precision model's dtype, and at least
+    `precision`'s figure when a float32 model trains in mixed precision (bf16 3.1e-2 >
+    fp16 3.9e-3 > float32, and fp8 0.25)."""
     base = _BASE[exactness]
     if dtype in (torch.bfloat16, torch.float16):
         base = max(base, 4 * torch.finfo(dtype).eps)
-    return base
+    return max(base, _PRECISION[precision])
 
 
 @dataclass
@@ -98,7 +112,7 @@ class GradCheck:
         verdict = "passed" if self.passed else f"FAILED: {self.reason}"
         return (
             f"gradients of {len(self.params)} parameter(s) on {len(self.batches)} batch(es): "
-            f"output error {self.output_error:.2e}{where}, tolerance {self.tolerance:.0e}; "
+            f"output error {self.output_error:.2e}{where}, tolerance {self.tolerance:.2g}; "
             f"{verdict}"
         )
 
@@ -162,6 +176,21 @@ def _in_dtype(reference: nn.Module, dtype: torch.dtype) -> nn.Module:
     return private_copy(reference).to(dtype)
 
 
+def _in_precision(reference: nn.Module, precision: str) -> tuple[nn.Module, str]:
+    """Eager in a mixed precision: the reference's copy, run under autocast (bf16, fp16),
+    or with its eligible Linears made Float8Linear (fp8); and the precision to run it in."""
+    from opswap.graph.copies import private_copy
+
+    low = private_copy(reference)
+    if precision == "fp8":
+        from opswap.train.precision import float8_linears
+
+        if not isinstance(low, nn.Linear):  # torchao swaps children, not the root
+            float8_linears(low)
+        return low, "float32"
+    return low, precision
+
+
 def _as_float(batch: tuple[Any, ...]) -> tuple[Any, ...]:
     low = (torch.bfloat16, torch.float16)
     return tuple(
@@ -178,10 +207,15 @@ def _run(
     params: Sequence[nn.Parameter],
     seed: int,
     upcast: bool = False,
+    precision: str = "float32",
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    from opswap.train.precision import mixed
+
+    device = params[0].device.type if params else "cpu"
     with preserved_state(module), torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.manual_seed(seed)
-        out = module(*(_as_float(fresh(batch)) if upcast else fresh(batch)))
+        with mixed(precision, device):
+            out = module(*(_as_float(fresh(batch)) if upcast else fresh(batch)))
         scalar, outputs = _scalar(out, seed)
         grads = torch.autograd.grad(scalar, list(params), allow_unused=True)
     return [o.detach().float() for o in outputs], list(grads)
@@ -215,13 +249,21 @@ def verify_grads(
     names: dict[int, str] | None = None,
     n: int = 3,
     seed: int = 0,
+    precision: str = "float32",
 ) -> GradCheck:
     """Compare `candidate` with `reference` (eager float32) on `batches` (default: `n`
     from `sample_batches`): outputs or loss, and the gradient of every parameter the
     candidate holds, matched to the reference's by name (`names`: id of a candidate
-    parameter -> the reference's name for it; default: the candidate's own names)."""
+    parameter -> the reference's name for it; default: the candidate's own names).
+
+    `precision` is the one the candidate trains in (a prepared module's, which applies it
+    itself): the tolerance widens to `tolerance(..., precision=)`, and eager in that
+    precision (the reference under autocast, or with its Linears made Float8Linear) is
+    the low-precision peer whose own error, doubled, the candidate may also reach."""
     if exactness not in _BASE:
         raise ValueError(f"exactness must be one of exact, approx, lossy; not {exactness!r}")
+    if precision not in _PRECISION:
+        raise ValueError(f"precision must be one of {', '.join(_PRECISION)}; not {precision!r}")
     named = [(n_, p) for n_, p in candidate.named_parameters() if p.requires_grad]
     ref_params = dict(reference.named_parameters())
     pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = []
@@ -231,9 +273,12 @@ def verify_grads(
             return GradCheck(False, f"parameter {own} has no counterpart in the reference", 0.0)
         pairs.append((name, p, ref_params[name]))
     dtype = next((p.dtype for _, p, _ in pairs), torch.float32)
-    tol = tolerance(exactness, dtype)
+    tol = tolerance(exactness, dtype, precision)
     # a low-precision candidate may err by twice what eager errs in its dtype
     low = _in_dtype(reference, dtype) if dtype in (torch.bfloat16, torch.float16) else None
+    low_precision = "float32"
+    if low is None and precision != "float32":
+        low, low_precision = _in_precision(reference, precision)
     low_params = dict(low.named_parameters()) if low is not None else {}
     todo = (
         [(f"batch {i}", tuple(b)) for i, b in enumerate(batches)]
@@ -247,7 +292,7 @@ def verify_grads(
             want_out, want = _run(reference, b, [r for _, _, r in pairs], seed + i, True)
             got_out, got = _run(candidate, b, [p for _, p, _ in pairs], seed + i)
             low_out, low_grads = (
-                _run(low, b, [low_params[n_] for n_, _, _ in pairs], seed + i)
+                _run(low, b, [low_params[n_] for n_, _, _ in pairs], seed + i, False, low_precision)
                 if low is not None
                 else (want_out, want)
             )
