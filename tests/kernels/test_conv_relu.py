@@ -80,6 +80,7 @@ def test_new_weights_are_seen_by_the_cached_kernel():
     # the cache keeps no weight alive: once the caller drops it, its entry goes (other
     # tests in this process may hold weights of the same shape, so the check is by identity)
     assert w in _PACKED
+    gc.collect()  # earlier tests' dropped weights leave now, not inside the count below
     before = len(_PACKED)
     gone = weakref.ref(w)
     del w
