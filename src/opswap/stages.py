@@ -6,6 +6,7 @@ and rolls back (`Checked`); `prune` times the rules and drops the slow ones (`Pr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -495,7 +496,10 @@ def joint_plan(run: Run, greedy: Plan, timer: PlanTimer | None = None) -> Plan:
         return greedy if cand == Candidate() else run.plan_as(cand)
 
     def confirm(chosen: Plan, first: Plan) -> float:
-        """chosen's time over greedy's, side by side for longer than a search step."""
+        """chosen's time over greedy's, side by side for longer than a search step: the
+        upper end of the ratio's 95% interval (its median where there is none), so that a
+        plan replaces greedy's only when the whole interval says it is faster; a median
+        alone let a slower bert plan through once on a loaded machine."""
         if timer is not None:
             return timer(apply_plan(run.captured, chosen).gm, chosen) / timer(
                 apply_plan(run.captured, first).gm, first
@@ -505,7 +509,8 @@ def joint_plan(run: Run, greedy: Plan, timer: PlanTimer | None = None) -> Plan:
         gms = {"c": apply_plan(run.captured, chosen).gm, "g": apply_plan(run.captured, first).gm}
         fns = {k: _caller(gm, inputs) for k, gm in gms.items()}
         res = benchmark(fns, warmup=3, repeats=15, min_time_s=0.5, max_time_s=2.0, device=device)
-        return res.ratio("c", "g").of_medians
+        r = res.ratio("c", "g")
+        return r.of_medians if math.isnan(r.ci_high) else max(r.of_medians, r.ci_high)
 
     try:
         found = joint_search(

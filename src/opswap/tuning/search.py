@@ -287,7 +287,8 @@ def joint_search(
     At most `evaluations` plans are measured (greedy's included), and no new one after
     `time_limit_s`. A point replaces greedy only when it is faster by more than `noise`
     (a fraction of greedy's time), and, with `confirm(chosen plan, greedy plan)` (their
-    time ratio from a longer side-by-side timing), when that timing agrees."""
+    time ratio from a longer side-by-side timing, the upper end of its interval where it
+    has one), when that timing agrees."""
     if isinstance(evaluations, bool) or not isinstance(evaluations, int) or evaluations < 1:
         raise SearchError(
             f"The search budget must be a whole number of evaluations, at least 1; got "
@@ -338,8 +339,9 @@ def joint_search(
         ratio = confirm(best.plan, greedy.plan)
         if not ratio < 1.0 - noise:
             notes.append(
-                f"The search's best plan ({best.candidate.describe()}) timed {ratio:.3f}x "
-                "greedy's side by side, not faster beyond the noise: greedy's plan is kept."
+                f"The search's best plan ({best.candidate.describe()}) timed up to "
+                f"{ratio:.3f}x greedy's side by side (the interval's upper end), not faster "
+                "beyond the noise: greedy's plan is kept."
             )
             best = greedy
     elif best is greedy:
