@@ -168,6 +168,29 @@ def check_call(op: str, x: torch.Tensor, weight: torch.Tensor, groups: int) -> N
         )
 
 
+def check_cpu_float32_conv2d(op: str, x: torch.Tensor, weight: torch.Tensor, groups: int) -> None:
+    """check_call, then refuse in one sentence what a CPU float32 conv2d op (oneDNN's
+    prepacked conv, NNPACK) cannot take."""
+    check_call(op, x, weight, groups)
+    if weight.dim() != 4:
+        raise ValueError(f"{op} runs conv2d only; call it with a 4-D input and weight")
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        raise ValueError(f"{op} runs float32; the input is {x.dtype}")
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError(f"{op} runs on the CPU; the input is on {x.device.type}")
+
+
+def cpu_float32_conv2d_refusal(site: ConvSite, what: str) -> str | None:
+    """Why `what` (a CPU float32 conv2d algorithm) cannot take `site`, or None."""
+    if site.dims != 2:
+        return f"{what} runs conv2d; this is a {site.dims}-D convolution"
+    if site.dtype != torch.float32:
+        return f"{what} is raced in float32; this site is {site.dtype}"
+    if site.device != "cpu":
+        return f"{what} runs on the CPU"
+    return None
+
+
 def site_of(
     x: torch.Tensor,
     weight: torch.Tensor,

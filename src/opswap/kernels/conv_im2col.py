@@ -37,6 +37,20 @@ def output_size(
     return (size + 2 * padding - dilation * (k - 1) - 1) // stride + 1
 
 
+def output_sizes(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> list[int]:
+    """The output's spatial sizes of a convolution of `x` by `weight`."""
+    return [
+        output_size(x.shape[2 + i], weight.shape[2 + i], stride[i], padding[i], dilation[i])
+        for i in range(weight.dim() - 2)
+    ]
+
+
 def _as_2d(
     x: torch.Tensor,
     weight: torch.Tensor,

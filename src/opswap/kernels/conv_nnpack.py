@@ -28,8 +28,14 @@ from collections.abc import Sequence
 import torch
 
 from opswap.kernels._layout import as_promised, channels_last_of, empty_as_promised
-from opswap.kernels.conv_algorithms import ConvAlgorithm, ConvSite, check_call, register
-from opswap.kernels.conv_im2col import output_size
+from opswap.kernels.conv_algorithms import (
+    ConvAlgorithm,
+    ConvSite,
+    check_cpu_float32_conv2d,
+    cpu_float32_conv2d_refusal,
+    register,
+)
+from opswap.kernels.conv_im2col import output_sizes
 
 
 @functools.cache
@@ -73,17 +79,8 @@ def _check(
     groups: int,
 ) -> list[int]:
     """The output's spatial sizes, after refusing in one sentence what NNPACK cannot run."""
-    check_call("conv_nnpack", x, weight, groups)
-    if weight.dim() != 4:
-        raise ValueError("conv_nnpack runs conv2d only; call it with a 4-D input and weight")
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        raise ValueError(f"conv_nnpack runs float32; the input is {x.dtype}")
-    if x.device.type != "cpu":
-        raise ValueError(f"conv_nnpack runs on the CPU; the input is on {x.device.type}")
-    out = [
-        output_size(x.shape[2 + i], weight.shape[2 + i], stride[i], padding[i], dilation[i])
-        for i in range(2)
-    ]
+    check_cpu_float32_conv2d("conv_nnpack", x, weight, groups)
+    out = output_sizes(x, weight, stride, padding, dilation)
     why = _limits(weight.shape, padding, dilation, groups, out)
     if why is not None:
         raise ValueError(f"conv_nnpack cannot run this conv: {why}")
@@ -139,12 +136,9 @@ def _refuses(site: ConvSite) -> str | None:
     why = available()
     if why is not None:
         return why
-    if site.dims != 2:
-        return f"NNPACK runs conv2d; this is a {site.dims}-D convolution"
-    if site.dtype != torch.float32:
-        return f"NNPACK runs float32; this site is {site.dtype}"
-    if site.device != "cpu":
-        return "NNPACK runs on the CPU"
+    why = cpu_float32_conv2d_refusal(site, "NNPACK")
+    if why is not None:
+        return why
     return _limits(site.weight_shape, site.padding, site.dilation, site.groups, site.output_spatial)
 
 

@@ -41,8 +41,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from opswap.kernels._layout import as_promised, channels_last_of, empty_as_promised
 from opswap.kernels._versions import version
-from opswap.kernels.conv_algorithms import ConvAlgorithm, ConvSite, check_call, register
-from opswap.kernels.conv_im2col import output_size
+from opswap.kernels.conv_algorithms import (
+    ConvAlgorithm,
+    ConvSite,
+    check_cpu_float32_conv2d,
+    cpu_float32_conv2d_refusal,
+    register,
+)
+from opswap.kernels.conv_im2col import output_sizes
 
 #: packed layouts kept per weight (one per input shape and settings oneDNN packed for)
 MAX_PACKED = 4
@@ -59,29 +65,6 @@ def available() -> str | None:
         if not hasattr(mkldnn, name):
             return f"this PyTorch build has no torch.ops.mkldnn.{name}"
     return None
-
-
-def _check(x: torch.Tensor, weight: torch.Tensor, groups: int) -> None:
-    check_call("conv_onednn", x, weight, groups)
-    if weight.dim() != 4:
-        raise ValueError("conv_onednn runs conv2d only; call it with a 4-D input and weight")
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        raise ValueError(f"conv_onednn runs float32; the input is {x.dtype}")
-    if x.device.type != "cpu" or weight.device.type != "cpu":
-        raise ValueError(f"conv_onednn runs on the CPU; the input is on {x.device.type}")
-
-
-def _sizes(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-) -> list[int]:
-    return [
-        output_size(x.shape[2 + i], weight.shape[2 + i], stride[i], padding[i], dilation[i])
-        for i in range(2)
-    ]
 
 
 def _packed(
@@ -124,13 +107,13 @@ def conv_onednn(
     """conv2d(x, weight, bias, stride, padding, dilation, groups) by oneDNN on a prepacked
     weight; float32 on the CPU, zero padding; the output is channels-last for a
     channels-last input, NCHW otherwise."""
-    _check(x, weight, groups)
+    check_cpu_float32_conv2d("conv_onednn", x, weight, groups)
     why = available()
     if why is not None:
         raise ValueError(f"conv_onednn cannot run: {why}")
     s, p, d = [int(v) for v in stride], [int(v) for v in padding], [int(v) for v in dilation]
     fmt = channels_last_of(x) or torch.contiguous_format
-    if x.shape[0] == 0 or min(_sizes(x, weight, s, p, d)) <= 0:
+    if x.shape[0] == 0 or min(output_sizes(x, weight, s, p, d)) <= 0:
         # nothing for oneDNN to compute (or a size PyTorch refuses in its own words)
         return as_promised(F.conv2d(x, weight, bias, s, p, d, groups), fmt)
     # NCHW goes in as it is (oneDNN converts inside its primitive, faster than a copy
@@ -152,8 +135,10 @@ def _fake(
     dilation: Sequence[int],
     groups: int,
 ) -> torch.Tensor:
-    _check(x, weight, groups)
-    y = x.new_empty((x.shape[0], weight.shape[0], *_sizes(x, weight, stride, padding, dilation)))
+    check_cpu_float32_conv2d("conv_onednn", x, weight, groups)
+    y = x.new_empty(
+        (x.shape[0], weight.shape[0], *output_sizes(x, weight, stride, padding, dilation))
+    )
     return empty_as_promised(y, channels_last_of(x) or torch.contiguous_format)
 
 
@@ -161,13 +146,7 @@ def _refuses(site: ConvSite) -> str | None:
     why = available()
     if why is not None:
         return why
-    if site.dims != 2:
-        return f"the prepacked oneDNN conv runs conv2d; this is a {site.dims}-D convolution"
-    if site.dtype != torch.float32:
-        return f"the prepacked oneDNN conv is raced in float32; this site is {site.dtype}"
-    if site.device != "cpu":
-        return "the prepacked oneDNN conv runs on the CPU"
-    return None
+    return cpu_float32_conv2d_refusal(site, "the prepacked oneDNN conv")
 
 
 ALGORITHM = register(
