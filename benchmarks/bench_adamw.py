@@ -146,6 +146,9 @@ def run(smoke: bool) -> dict:
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
         "smoke": smoke,
+        # the same run's peers: torch.optim.AdamW with foreach=True and with fused=True
+        "peer": "torch.optim.AdamW foreach=True and fused=True, same run (rows torch_foreach, "
+        "torch_fused)",
         "rows": rows,
         "summary": summary,
     }

@@ -315,6 +315,9 @@ def main() -> None:
         device,
         rows,
         torchao=ao,
+        peer="dense F.linear (eager, cuBLAS/oneDNN) and, on the GPU, torchao's sparsify_; on "
+        "the CPU torch's own CSR and BSR products (rows torch_csr_*, torch_bsr32_*); all "
+        "in the same run",
     )
 
 

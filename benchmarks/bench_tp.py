@@ -216,6 +216,7 @@ def main() -> None:
         smoke=smoke, model={k: getattr(model.config, k) for k in _DIMS},
         requests=args.requests, prompt_tokens=args.prompt, new_tokens=args.new,
         rounds=args.rounds, summary=summary,
+        peer="the single-process engine (tensor_parallel 1, row '1 process'), same run",
     )  # fmt: skip
 
 
