@@ -182,23 +182,25 @@ def decision_set(plan: Plan) -> tuple[Choice, ...]:
     return tuple((d.rule, d.site.key) for d in plan.decisions)
 
 
+def _missed_at(plan: Plan, decision: Any) -> set[str]:
+    """The other rules that missed at a node `decision` holds (a fusion that took a conv
+    keeps the conv-algorithm race from it)."""
+    return {
+        m.rule for m in plan.misses if m.where in decision.site.nodes and m.rule != decision.rule
+    }
+
+
 def _blockers(plan: Plan) -> list[Choice]:
-    """The decisions holding a node that another rule missed at: a fusion that took a
-    conv keeps the conv-algorithm race from it, so leaving that fusion out is the move
-    most likely to open a better rewrite."""
-    missed = {(m.rule, m.where) for m in plan.misses}
-    return [
-        (d.rule, d.site.key)
-        for d in plan.decisions
-        if any(where in d.site.nodes and rule != d.rule for rule, where in missed)
-    ]
+    """The decisions holding a node that another rule missed at: leaving one out is the
+    move most likely to open a better rewrite."""
+    return [(d.rule, d.site.key) for d in plan.decisions if _missed_at(plan, d)]
 
 
 def _freed(before: Plan, after: Plan, blocker: Choice) -> list[Choice]:
     """The sites `after` (planned with `blocker` left out) skipped as predicted slower
     that `before` did not reach: those of the rules that missed at the blocker's nodes."""
     decision = next(d for d in before.decisions if (d.rule, d.site.key) == blocker)
-    missed = {m.rule for m in before.misses if m.where in decision.site.nodes}
+    missed = _missed_at(before, decision)
     seen = {(s.rule, s.where) for s in before.skipped}
     return [
         (s.rule, s.where)
